@@ -1,0 +1,82 @@
+"""Device KV pool: per-layer K and V buffers addressed by slot id.
+
+Layout: one contiguous tensor ``kv_data: [num_layers, 2, num_slots + page_size, H_kv, D]`` so a
+transfer engine can register the whole pool as one memory region; ``k_buffer[l]`` and
+``v_buffer[l]`` are views ``[num_slots + page_size, H_kv, D]``. Rows ``0 .. page_size-1`` (page 0)
+are reserved padding. Slot ``s`` of layer ``l`` is ``k_buffer[l][s]`` / ``v_buffer[l][s]``.
+
+A pool serves a subset of the model's layers (``layer_ids``; default all): hybrid models keep
+sliding-window layers in a second pool whose rows are reached through ``index_map`` (a full-pool
+slot -> this pool's row table; see :class:`LayerKV`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What an attention backend needs for one layer.
+
+    k, v: ``[rows, H_kv, D]``. ``index_map``: None when rows are the full pool's slot ids;
+    otherwise an int64 ``[full_slots]`` table mapping a full-pool slot to a row of ``k``/``v``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index_map: torch.Tensor | None = None
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_slots: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        layer_ids: list[int] | None = None,
+        pin_memory: bool = False,
+    ):
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.layer_ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
+        self._local = {lid: i for i, lid in enumerate(self.layer_ids)}
+        rows = num_slots + page_size
+        # kv_data: [L, 2, rows, H_kv, D]
+        self.kv_data = torch.zeros(
+            (len(self.layer_ids), 2, rows, num_kv_heads, head_dim), dtype=dtype, device=device,
+            pin_memory=pin_memory and self.device.type == "cpu" and torch.cuda.is_available())
+        self.k_buffer = [self.kv_data[i, 0] for i in range(len(self.layer_ids))]
+        self.v_buffer = [self.kv_data[i, 1] for i in range(len(self.layer_ids))]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V occupy across this pool's layers."""
+        return len(self.layer_ids) * 2 * self.num_kv_heads * self.head_dim * self.kv_data.element_size()
+
+    def has_layer(self, layer_id: int) -> bool:
+        return layer_id in self._local
+
+    def layer(self, layer_id: int) -> LayerKV:
+        i = self._local[layer_id]
+        return LayerKV(self.k_buffer[i], self.v_buffer[i])
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of new tokens. loc: int64 [T]; k, v: [T, H_kv, D]."""
+        i = self._local[layer_id]
+        self.k_buffer[i][loc] = k.to(self.dtype)
+        self.v_buffer[i][loc] = v.to(self.dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots ``src`` to slots ``dst`` (same length)."""
+        self.kv_data[:, :, dst] = self.kv_data[:, :, src]

@@ -1,0 +1,1 @@
+"""Shared vocabulary of Tandem. Imports nothing of ours and no torch (see README.md)."""

@@ -1,0 +1,64 @@
+"""Configuration models, validated once (pydantic) and loaded in one place (cluster/config.py).
+
+Each package reads only its own section. No environment-variable-only switches.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+EvictionPolicy = Literal["lru", "lfu", "fifo", "priority", "slru", "session"]
+SchedulePolicy = Literal["fcfs", "lpm"]
+HostWritePolicy = Literal["write_through", "write_back"]
+
+
+class CacheConfig(_Strict):
+    """KV memory of one engine: device pool, host tier and the radix cache."""
+
+    page_size: int = Field(1, ge=1, le=256, description="tokens per KV page (1 allowed)")
+    max_total_tokens: int = Field(32768, ge=16, description="device KV slots (tokens) per worker")
+    max_running_requests: int = Field(64, ge=1, description="rows in ReqToTokenPool")
+    disable_prefix_cache: bool = Field(False, description="every prefix match is a miss")
+    eviction_policy: EvictionPolicy = "lru"
+    session_ttl_s: float = Field(300.0, gt=0, description="a session touched within this is active")
+    host_pool_tokens: int = Field(0, ge=0, description="host (L2) KV tokens; 0 disables the host tier")
+    host_write_policy: HostWritePolicy = "write_through"
+    debug_invariants: bool = Field(False, description="run sanity_check() after every cache operation")
+
+
+class SchedulerConfig(_Strict):
+    """Continuous batching with chunked prefill."""
+
+    chunked_prefill_size: int = Field(512, ge=16, description="prompt-token budget per step")
+    max_batch_tokens: int = Field(8192, ge=16, description="all tokens (prefill + decode) per step")
+    schedule_policy: SchedulePolicy = "fcfs"
+
+
+class EngineConfig(_Strict):
+    """Everything one engine (model + pools + cache + scheduler) needs."""
+
+    model: str = Field("smollm2", description="'smollm2' (embedded GGUF), a .gguf path or a HF directory")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    context_length: int | None = Field(None, ge=16, description="override the model's context length")
+    sliding_window: int | None = Field(None, ge=1, description="override: make layers sliding-window")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.cache.max_total_tokens < self.cache.page_size * 4:
+            raise ValueError(
+                f"max_total_tokens={self.cache.max_total_tokens} must hold at least 4 pages of "
+                f"page_size={self.cache.page_size}")
+        return self

@@ -1,0 +1,150 @@
+"""Core request types: who fills which field is noted beside it.
+
+A request's life: the API layer builds a :class:`Req` from a prompt and :class:`SamplingParams`;
+the scheduler moves it WAITING -> RUNNING (-> RETRACTED -> RUNNING) -> a finished status; the
+engine appends sampled tokens to ``output_ids``. Nothing here imports torch, so the router can use
+these types without a model.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_req_counter = itertools.count()
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"          # queued, nothing computed
+    PREFILLING = "prefilling"    # some prompt chunks computed (chunked prefill)
+    RUNNING = "running"          # decoding
+    RETRACTED = "retracted"      # evicted from the device under memory pressure; KV backed up or dropped
+    FINISHED_STOP = "stop"       # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"   # max_tokens or the context limit reached
+    FINISHED_ABORT = "abort"     # aborted by the client or by an error
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+
+FINISHED = frozenset({ReqStatus.FINISHED_STOP, ReqStatus.FINISHED_LENGTH, ReqStatus.FINISHED_ABORT})
+
+
+class TandemError(Exception):
+    """Base class for errors Tandem reports to a user (bad input, bad model path, ...)."""
+
+
+class InvalidRequest(TandemError, ValueError):
+    """A request that cannot be served as given (the message says why, with the numbers)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. Validated by :meth:`validate` (raises :class:`InvalidRequest`).
+
+    temperature == 0 means greedy. top_k <= 0 means off; top_p == 1.0 means off.
+    ``stop`` strings are matched on the detokenized output and excluded from the returned text.
+    ``stop_token_ids`` finish with reason "stop"; EOS does too unless ``ignore_eos``.
+    ``min_tokens`` suppresses EOS/stop tokens until that many tokens were generated.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> "SamplingParams":
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop must be a list of non-empty strings")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Req:
+    """One generation request, as the scheduler sees it.
+
+    Fields set at creation (API layer): rid, prompt_ids, params, session_id, arrival.
+    Fields owned by the scheduler: status, req_pool_idx, prefix_len, cached_len, computed_len,
+    last_node (an opaque cache handle), finish_reason.
+    Fields owned by the engine's output step: output_ids, first_token_time, finish_time.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: f"req-{next(_req_counter)}")
+    session_id: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None     # row in ReqToTokenPool while it holds KV on the device
+    cached_len: int = 0                 # prompt tokens served from the prefix cache (for usage stats)
+    computed_len: int = 0               # tokens whose KV is in the request's row (prefix + computed)
+    last_node: Any = None               # cache handle locked for this request (None = none locked)
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """What a caller receives per step: the new token ids and text, and the finish reason once."""
+
+    rid: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request's result (the sync API's return value)."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str
+    error: str | None = None

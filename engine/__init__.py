@@ -1,0 +1,1 @@
+"""The model forward and the engine around it (see README.md)."""
