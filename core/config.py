@@ -62,3 +62,23 @@ class EngineConfig(_Strict):
                 f"max_total_tokens={self.cache.max_total_tokens} must hold at least 4 pages of "
                 f"page_size={self.cache.page_size}")
         return self
+
+
+class ServeConfig(_Strict):
+    """``tandem serve``: the whole cluster. The YAML of ``--config`` has exactly these keys;
+    command-line flags override it (cluster/config.py merges them)."""
+
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    engine: Literal["real", "sim"] = "real"
+    prefill: int = Field(1, ge=0, description="prefill workers")
+    decode: int = Field(1, ge=1, description="decode workers")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = None
+    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting one")
+    policy: Literal["round_robin", "random", "least_load", "cache_aware", "kv_events", "session"] = "session"
+    transfer_timeout_s: float = Field(30.0, gt=0)
+    local_prefill_threshold: int = Field(0, ge=0, description="decode prefills suffixes shorter than this")
+    decode_max_total_tokens: int | None = Field(None, ge=16, description="device KV tokens per decode worker")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    engine_config: EngineConfig = EngineConfig()
