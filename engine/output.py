@@ -1,0 +1,69 @@
+"""Per-request output tracking: finish conditions and streamed text.
+
+``OutputTracker.on_token(tok)`` is called once per sampled token after it is appended to
+``req.output_ids``; it returns the text that became safe to stream and a finish reason (or None).
+
+Finish rules, first match wins: a stop token id or EOS (unless ``ignore_eos``) -> "stop";
+a stop string in the text -> "stop" (the returned text ends before it); ``max_tokens`` reached or
+the context full -> "length". Text is held back while it ends in an incomplete UTF-8 sequence or
+in a prefix of a stop string, so a stream never shows text that is later retracted.
+"""
+
+from __future__ import annotations
+
+from tandem.core.types import Req
+
+
+class OutputTracker:
+    def __init__(self, req: Req, tokenizer, max_context: int):
+        self.req = req
+        self.tok = tokenizer
+        self.max_context = max_context
+        self.sent = 0            # characters of text already returned
+        self.text = ""           # final text once finished
+        p = req.params
+        self._stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            self._stop_ids |= set(tokenizer.eos_token_ids)
+        self._stops = p.stop
+        self._max_hold = max((len(s) for s in self._stops), default=0)
+
+    def _decoded(self) -> str:
+        ids = self.req.output_ids
+        if ids and ids[-1] in self._stop_ids:
+            ids = ids[:-1]
+        return self.tok.decode(ids)
+
+    def on_token(self, tok: int) -> tuple[str, str | None]:
+        req = self.req
+        finish: str | None = None
+        if tok in self._stop_ids and len(req.output_ids) >= req.params.min_tokens:
+            finish = "stop"
+        text = self._decoded()
+        if self._stops:
+            cut = min((i for i in (text.find(s, max(0, self.sent - self._max_hold)) for s in self._stops)
+                       if i >= 0), default=-1)
+            if cut >= 0 and len(req.output_ids) >= req.params.min_tokens:
+                text, finish = text[:cut], "stop"
+        if finish is None and (len(req.output_ids) >= req.params.max_tokens
+                               or req.seq_len >= self.max_context):
+            finish = "length"
+        if finish is None:
+            safe = len(text)
+            while safe > self.sent and text[safe - 1] == "\ufffd":
+                safe -= 1
+            for s in self._stops:  # hold back a suffix that may grow into a stop string
+                for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
+                    if text[safe - k:safe] == s[:k]:
+                        safe -= k
+                        break
+            new, self.sent = text[self.sent:safe], max(self.sent, safe)
+            return new, None
+        new = text[self.sent:]
+        self.sent = len(text)
+        self.text = text
+        return new, finish
+
+    def full_text(self) -> str:
+        """The text so far: all of it once finished, else what was already streamed."""
+        return self.text if self.text else self._decoded()[: self.sent]

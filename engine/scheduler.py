@@ -1,0 +1,337 @@
+"""Continuous batching with chunked prefill, mixed prefill + decode steps, and the prefix cache.
+
+One rule drives every request: each step a scheduled request extends its KV from
+``computed_len`` by ``n <= seq_len - computed_len`` tokens; when that reaches ``seq_len`` the
+logits of its last position sample the next token. A decode step is an extend of 1 (the last
+sampled token has no KV yet); a prompt chunk is an extend of up to the chunk budget; a request
+re-prefilled after retraction simply starts again from its cached prefix.
+
+Step order: (1) decodes get one slot each, evicting cache and then retracting victims when short;
+(2) unfinished prefills continue, then waiting requests are admitted (prefix match, lock, row),
+within the step's prompt-token budget; (3) one forward over the mixed batch; (4) sampling, stop
+checks, streaming; finished requests hand their KV to the prefix cache and free the rest.
+
+Memory ownership: a slot is owned by exactly one of the allocator's free list, the prefix cache,
+or one request's row range ``[cached_prefix, computed_len)``. ``check_invariants`` proves it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk
+from tandem.engine.batch_builder import PlanItem, build_forward_batch
+from tandem.engine.output import OutputTracker
+from tandem.engine.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Running:
+    """Scheduler-private state of a request that holds a row."""
+
+    req: Req
+    tracker: OutputTracker
+    locked_len: int = 0     # positions [0, locked_len) of the row are tree-owned slots (locked)
+
+
+class Scheduler:
+    def __init__(self, *, runner, req_to_token_pool, allocator, kv_pool, cache, tokenizer,
+                 max_context: int, chunked_prefill_size: int, max_batch_tokens: int,
+                 schedule_policy: str = "fcfs", seed: int = 0, device="cpu",
+                 debug_invariants: bool = False):
+        self.runner = runner
+        self.r2t = req_to_token_pool
+        self.alloc = allocator
+        self.kv_pool = kv_pool
+        self.cache = cache
+        self.tok = tokenizer
+        self.max_context = max_context
+        self.chunk = chunked_prefill_size
+        self.max_batch_tokens = max_batch_tokens
+        self.policy = schedule_policy
+        self.device = device
+        self.debug = debug_invariants
+        self.page_size = allocator.page_size
+        self.sampler = Sampler(seed)
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self.waiting: deque[Req] = deque()
+        self.running: dict[str, _Running] = {}
+        self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "generated_tokens": 0, "evicted_tokens": 0}
+
+    # ------------------------------------------------------------------ requests in and out
+    def validate(self, req: Req) -> None:
+        req.params.validate()
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if n >= self.max_context:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the context holds {self.max_context} "
+                f"(prompt + at least 1 generated token must fit)")
+        if n + 1 > self.alloc.size:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the KV pool holds {self.alloc.size} tokens")
+
+    def add(self, req: Req) -> None:
+        self.validate(req)
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def abort(self, rid: str, error: str | None = None) -> StreamChunk | None:
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                return self._finish_unstarted(r, error)
+        st = self.running.get(rid)
+        if st is None:
+            return None
+        return self._finish(st, "abort", "", error=error)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[StreamChunk]:
+        out: list[StreamChunk] = []
+        plan: list[tuple[_Running, int, torch.Tensor]] = []   # (state, n_new, slots)
+        budget_tokens = self.max_batch_tokens
+
+        # (1) decodes: one slot each, oldest first; retract the newest when short
+        decodes = [st for st in self.running.values() if st.req.computed_len == st.req.seq_len - 1]
+        decodes.sort(key=lambda s: s.req.arrival)
+        while decodes:
+            st = decodes.pop(0)
+            if st.req.rid not in self.running:
+                continue
+            slots = self._alloc(st.req, 1)
+            while slots is None:
+                victim = self._pick_victim(exclude={st, *(p[0] for p in plan)})
+                if victim is None:
+                    break
+                if victim in decodes:
+                    decodes.remove(victim)
+                self._retract(victim)
+                slots = self._alloc(st.req, 1)
+            if slots is None:
+                out.append(self._finish(st, "abort", "", error=(
+                    f"KV pool exhausted: {self.alloc.size} tokens cannot hold this request "
+                    f"at {st.req.seq_len} tokens")))
+                continue
+            plan.append((st, 1, slots))
+            budget_tokens -= 1
+
+        # (2) prefill chunks: running prefills first, then admissions
+        prompt_budget = min(self.chunk, budget_tokens)
+        for st in list(self.running.values()):
+            if prompt_budget <= 0:
+                break
+            r = st.req
+            if r.computed_len < r.seq_len - 1 and all(p[0] is not st for p in plan):
+                n = min(r.seq_len - r.computed_len, prompt_budget)
+                slots = self._alloc(r, n)
+                if slots is None:
+                    continue
+                plan.append((st, n, slots))
+                prompt_budget -= n
+        for r in self._admission_order():
+            if prompt_budget <= 0 or self.r2t.available_size() == 0:
+                break
+            st = self._admit(r)
+            if st is None:
+                break
+            n = min(r.seq_len - r.computed_len, prompt_budget)
+            slots = self._alloc(r, n)
+            if slots is None:
+                self._unadmit(st)
+                break
+            plan.append((st, n, slots))
+            prompt_budget -= n
+
+        if not plan:
+            return out
+        # (3) forward
+        items = [PlanItem(st.req.req_pool_idx, st.req.computed_len,
+                          st.req.all_ids[st.req.computed_len: st.req.computed_len + n], slots)
+                 for st, n, slots in plan]
+        fb = build_forward_batch(items, self.r2t, self.kv_pool, self.device)
+        logits = self.runner.forward(fb)  # [B, V]
+        self.stats["steps"] += 1
+
+        # (4) sample, stream, finish
+        sample_rows, sample_states = [], []
+        for i, (st, n, _) in enumerate(plan):
+            st.req.computed_len += n
+            if st.req.computed_len == st.req.seq_len:
+                sample_rows.append(i)
+                sample_states.append(st)
+            else:
+                self._cache_chunk(st)
+        if sample_rows:
+            tokens = self.sampler.sample(logits[sample_rows], [s.req for s in sample_states], self.eos)
+            now = time.monotonic()
+            for st, tok in zip(sample_states, tokens):
+                r = st.req
+                if r.first_token_time is None:
+                    r.first_token_time = now
+                    r.status = ReqStatus.RUNNING
+                r.output_ids.append(tok)
+                self.stats["generated_tokens"] += 1
+                text, finish = st.tracker.on_token(tok)
+                if finish is not None:
+                    out.append(self._finish(st, finish, text, last_ids=(tok,)))
+                else:
+                    out.append(StreamChunk(r.rid, (tok,), text))
+        if self.debug:
+            self.check_invariants()
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _admission_order(self) -> list[Req]:
+        return list(self.waiting)
+
+    def _admit(self, r: Req) -> _Running | None:
+        row = self.r2t.alloc()
+        if row is None:
+            return None
+        self.waiting.remove(r)
+        r.req_pool_idx = row
+        # Reuse at most seq_len - 1 tokens: the last one must be computed to get logits.
+        usable = (r.seq_len - 1) // self.page_size * self.page_size
+        slots, node = self.cache.match(r.all_ids[:usable], r.session_id)
+        m = min(len(slots), usable)
+        slots = slots[:m]
+        self.cache.lock(node)
+        r.last_node = node
+        if m:
+            self.r2t.write(row, 0, slots)
+        first_time = r.status == ReqStatus.WAITING
+        r.computed_len = m
+        if first_time:
+            r.cached_len = m
+            self.stats["prompt_tokens"] += len(r.prompt_ids)
+            self.stats["cached_tokens"] += m
+        r.status = ReqStatus.PREFILLING
+        st = self.running.get(r.rid) or _Running(r, OutputTracker(r, self.tok, self.max_context))
+        st.locked_len = m
+        self.running[r.rid] = st
+        return st
+
+    def _unadmit(self, st: _Running) -> None:
+        """Undo _admit of a request that got no slots this step (nothing computed yet)."""
+        r = st.req
+        self.cache.unlock(r.last_node)
+        r.last_node = None
+        self.r2t.free(r.req_pool_idx)
+        r.req_pool_idx = None
+        r.computed_len = 0
+        r.status = ReqStatus.WAITING if not r.output_ids else ReqStatus.RETRACTED
+        del self.running[r.rid]
+        self.waiting.appendleft(r)
+
+    def _alloc(self, r: Req, n: int) -> torch.Tensor | None:
+        """Slots for the next n positions of r, evicting unlocked cache if short."""
+        need = n + self.page_size  # a page of slack for the partial-page rounding
+        if self.alloc.available_size() < need:
+            freed = self.cache.evict(need - self.alloc.available_size())
+            self.stats["evicted_tokens"] += freed
+        last_loc = int(self.r2t.req_to_token[r.req_pool_idx, r.computed_len - 1]) if r.computed_len else -1
+        return self.alloc.alloc_extend(last_loc, r.computed_len, n)
+
+    def _pick_victim(self, exclude: set) -> _Running | None:
+        """Retraction victim: fewest generated tokens, ties to the longest prompt. Requests
+        already planned for this step (holding fresh slots) are not candidates."""
+        cands = [s for s in self.running.values() if s not in exclude]
+        if not cands:
+            return None
+        return min(cands, key=lambda s: (len(s.req.output_ids), -len(s.req.prompt_ids)))
+
+    def _retract(self, st: _Running) -> None:
+        """Give the request's KV to the cache (or free it) and queue it for re-prefill."""
+        r = st.req
+        self._release_kv(st)
+        r.status = ReqStatus.RETRACTED
+        r.computed_len = 0
+        del self.running[r.rid]
+        self.waiting.appendleft(r)
+        self.stats["retractions"] += 1
+
+    def _cache_chunk(self, st: _Running) -> None:
+        """Insert a finished prompt chunk into the cache and adopt its canonical slots."""
+        r = st.req
+        if self.cache.disabled:
+            return
+        aligned = r.computed_len // self.page_size * self.page_size
+        if aligned <= st.locked_len:
+            return
+        slots = self.r2t.read(r.req_pool_idx, 0, aligned)
+        new_slots, node = self.cache.cache(r.all_ids[:aligned], slots, r.last_node, r.session_id)
+        self.r2t.write(r.req_pool_idx, 0, new_slots)
+        r.last_node = node
+        st.locked_len = len(new_slots)
+
+    def _release_kv(self, st: _Running) -> None:
+        """Hand the computed KV to the cache, free what it does not keep, unlock, free the row."""
+        r = st.req
+        row, n = r.req_pool_idx, r.computed_len
+        if self.cache.disabled:
+            if n:
+                self.alloc.free(self.r2t.read(row, 0, n))
+        else:
+            aligned = n // self.page_size * self.page_size
+            if aligned > st.locked_len:
+                slots = self.r2t.read(row, 0, aligned)
+                _, node = self.cache.cache(r.all_ids[:aligned], slots, r.last_node, r.session_id)
+                r.last_node = node
+                st.locked_len = aligned
+            if n > st.locked_len:
+                self.alloc.free(self.r2t.read(row, st.locked_len, n))
+            self.cache.unlock(r.last_node)
+        r.last_node = None
+        self.r2t.free(row)
+        r.req_pool_idx = None
+        st.locked_len = 0
+
+    def _finish(self, st: _Running, reason: str, text: str, last_ids=(), error=None) -> StreamChunk:
+        r = st.req
+        self._release_kv(st)
+        del self.running[r.rid]
+        self.sampler.forget(r.rid)
+        r.status = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH}.get(
+            reason, ReqStatus.FINISHED_ABORT)
+        r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
+        return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
+                           len(r.output_ids), error)
+
+    def _finish_unstarted(self, r: Req, error: str | None) -> StreamChunk:
+        r.status, r.finish_reason, r.error = ReqStatus.FINISHED_ABORT, "abort", error
+        r.finish_time = time.monotonic()
+        self.sampler.forget(r.rid)
+        return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,
+                           len(r.output_ids), error)
+
+    # ------------------------------------------------------------------ invariants
+    def request_owned_slots(self) -> torch.Tensor:
+        """Slots exclusively owned by running requests (beyond their tree-locked prefix)."""
+        parts = [self.r2t.read(st.req.req_pool_idx, st.locked_len, st.req.computed_len)
+                 for st in self.running.values() if st.req.computed_len > st.locked_len]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def check_invariants(self) -> None:
+        """Every allocated page is owned exactly once: by the cache or by one request."""
+        owned = self.request_owned_slots()
+        self.cache.check(extra_owned=owned)
+        if self.cache.disabled:
+            pages = torch.unique(owned // self.page_size) if len(owned) else owned
+            allocated = self.alloc.allocated_pages()
+            if len(pages) != len(allocated) or not torch.equal(torch.sort(pages).values, allocated):
+                raise AssertionError(
+                    f"slot ownership mismatch: requests own {len(pages)} pages, "
+                    f"allocator has {len(allocated)} allocated")
