@@ -63,6 +63,11 @@ class Scheduler:
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: dict[str, _Running] = {}
+        # Disaggregation: a prefill worker holds finished requests' KV until it has been sent
+        # (hold_finished=True); a decode worker reserves rows and slots for KV being received.
+        self.hold_finished = False
+        self.held: dict[str, _Running] = {}
+        self.reserved: dict[str, _Running] = {}
         self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "generated_tokens": 0, "evicted_tokens": 0}
 
@@ -301,8 +306,11 @@ class Scheduler:
 
     def _finish(self, st: _Running, reason: str, text: str, last_ids=(), error=None) -> StreamChunk:
         r = st.req
-        self._release_kv(st)
         del self.running[r.rid]
+        if self.hold_finished and reason != "abort":
+            self.held[r.rid] = st
+        else:
+            self._release_kv(st)
         self.sampler.forget(r.rid)
         r.status = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH}.get(
             reason, ReqStatus.FINISHED_ABORT)
@@ -317,11 +325,74 @@ class Scheduler:
         return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error)
 
+    # ------------------------------------------------------------------ disaggregation
+    def held_slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+        """Slots of positions [start, end) of a held (finished, not yet sent) request."""
+        st = self.held[rid]
+        return self.r2t.read(st.req.req_pool_idx, start, end)
+
+    def release_held(self, rid: str) -> None:
+        """The held request's KV was sent (or the send failed): give it to the cache / free it."""
+        st = self.held.pop(rid, None)
+        if st is not None:
+            self._release_kv(st)
+
+    def reserve(self, req: Req) -> tuple[int, torch.Tensor] | None:
+        """Decode side: take a row, reuse the cached prefix and allocate slots for the rest of
+        the prompt, to be filled by a KV transfer. Returns ``(prefix_len, slots)`` (slots cover
+        positions ``[prefix_len, len(prompt))``) or None when there is no room now."""
+        self.validate(req)
+        self.waiting.append(req)
+        st = self._admit(req)
+        if st is None:
+            self.waiting.remove(req)
+            return None
+        del self.running[req.rid]
+        n = req.seq_len - req.computed_len
+        slots = self._alloc(req, n)
+        if slots is None:
+            self.running[req.rid] = st
+            self._unadmit(st)
+            self.waiting.remove(req)
+            return None
+        self.r2t.write(req.req_pool_idx, req.computed_len, slots)
+        req.computed_len = req.seq_len
+        self.reserved[req.rid] = st
+        return st.locked_len, slots
+
+    def activate(self, rid: str, first_token: int) -> list[StreamChunk]:
+        """Decode side: the reserved request's KV arrived with its first token; start decoding."""
+        st = self.reserved.pop(rid)
+        r = st.req
+        r.status = ReqStatus.RUNNING
+        r.first_token_time = time.monotonic()
+        r.output_ids.append(first_token)
+        self.running[rid] = st
+        self._cache_chunk(st)
+        text, finish = st.tracker.on_token(first_token)
+        if finish is not None:
+            return [self._finish(st, finish, text, last_ids=(first_token,))]
+        return [StreamChunk(rid, (first_token,), text)]
+
+    def cancel_reservation(self, rid: str, error: str | None = None) -> StreamChunk | None:
+        """Decode side: the transfer failed or was aborted; free the reservation."""
+        st = self.reserved.pop(rid, None)
+        if st is None:
+            return None
+        r = st.req
+        # The received range never became valid KV: free it rather than caching it.
+        if r.seq_len > st.locked_len:
+            self.alloc.free(self.r2t.read(r.req_pool_idx, st.locked_len, r.seq_len))
+        r.computed_len = st.locked_len
+        self.running[rid] = st
+        return self._finish(st, "abort", "", error=error)
+
     # ------------------------------------------------------------------ invariants
     def request_owned_slots(self) -> torch.Tensor:
-        """Slots exclusively owned by running requests (beyond their tree-locked prefix)."""
+        """Slots exclusively owned by requests (beyond their tree-locked prefix)."""
+        states = [*self.running.values(), *self.held.values(), *self.reserved.values()]
         parts = [self.r2t.read(st.req.req_pool_idx, st.locked_len, st.req.computed_len)
-                 for st in self.running.values() if st.req.computed_len > st.locked_len]
+                 for st in states if st.req.computed_len > st.locked_len]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def check_invariants(self) -> None:
