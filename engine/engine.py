@@ -14,6 +14,7 @@ Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` befo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
@@ -197,6 +198,18 @@ class Engine:
                                   last.cached_tokens, last.finish_reason, last.error))
         return out
 
+    def call(self, fn: Callable, on_chunk: Callable[[StreamChunk], None] | None = None,
+             rid: str | None = None) -> concurrent.futures.Future:
+        """Run ``fn(scheduler)`` on the engine thread (the scheduler is not thread-safe) and
+        return a Future of its result. If ``on_chunk`` is given it becomes ``rid``'s stream
+        callback first; if ``fn`` returns a list of StreamChunk they are emitted as usual."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if on_chunk is not None:
+            self._callbacks[rid] = on_chunk
+        self._inbox.put(("call", fn, fut))
+        self._wake.set()
+        return fut
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -228,6 +241,16 @@ class Engine:
                     self.scheduler.add(req)
                 except InvalidRequest as e:
                     self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
+            elif msg[0] == "call":
+                _, fn, fut = msg
+                try:
+                    res = fn(self.scheduler)
+                except Exception as e:
+                    fut.set_exception(e)
+                    continue
+                if isinstance(res, list) and res and isinstance(res[0], StreamChunk):
+                    self._emit(res)
+                fut.set_result(res)
             else:
                 _, rid, error = msg
                 c = self.scheduler.abort(rid, error)
