@@ -121,6 +121,11 @@ class Engine:
         return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool)
 
     # ------------------------------------------------------------------ public API
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the engine thread, or None while it is healthy."""
+        return self._error
+
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                      chat: bool = False, rid: str | None = None,
                      session_id: str | None = None) -> GenerateRequest:

@@ -1,0 +1,86 @@
+"""What the HTTP front door needs from whatever serves the model: :class:`ServingBackend`.
+
+Two implementations: :class:`LocalEngineBackend` (colocated mode: one in-process Engine) and,
+later, a Ray-backed one in cluster/ (prefill and decode workers behind the router's policies).
+The front door tokenizes (so routing can see the prompt ids) and hands over a
+:class:`GenerateRequest`; the backend streams :class:`StreamChunk` back.
+
+Nothing here imports torch or the engine; LocalEngineBackend receives an engine object.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from prometheus_client import REGISTRY, generate_latest
+
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import StreamChunk
+
+
+@runtime_checkable
+class ServingBackend(Protocol):
+    """The serving side of the front door. Contract:
+
+    - ``model_name``: the id clients put in ``"model"`` (and /v1/models lists).
+    - ``max_context``: tokens of prompt + output one request may hold.
+    - ``tokenizer``: ``encode(text, add_special_tokens=False) -> list[int]``,
+      ``apply_chat_template(messages, add_generation_prompt=True) -> str`` (core/tokenizer.py);
+      ``vocab_size`` is used to reject out-of-range prompt ids when present.
+    - ``generate(req)``: an async generator of StreamChunk for ``req.rid``. Exactly one chunk carries
+      a finish_reason and it is the last; it also carries prompt_tokens / cached_tokens /
+      completion_tokens. A request the backend refuses raises :class:`InvalidRequest` on the first
+      ``__anext__`` (the front door answers 400); a failure after that is a final chunk with
+      finish_reason "abort" and ``error`` set.
+    - ``abort(rid)``: finish ``rid`` and free its KV; a no-op for unknown or finished ids. The front
+      door calls it whenever it stops consuming ``generate`` before the final chunk (client gone).
+    - ``health()``: a JSON-able dict with ``"status": "ok"`` when serving (anything else -> 503).
+    - ``metrics_text()``: Prometheus text exposition for the whole deployment (may block; the front
+      door calls it off the event loop).
+    """
+
+    model_name: str
+    max_context: int
+    tokenizer: Any
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]: ...
+
+    async def abort(self, rid: str) -> None: ...
+
+    async def health(self) -> dict: ...
+
+    def metrics_text(self) -> bytes: ...
+
+
+class LocalEngineBackend:
+    """Colocated mode: the in-process ``tandem.engine.engine.Engine`` behind the protocol.
+
+    ``engine`` needs ``model_name``, ``max_context``, ``tokenizer``, ``async stream(req)`` and
+    ``abort(rid)`` (sync or async). Metrics are the default registry: the engine registers its own
+    there and router/metrics.py registers the front door's.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.model_name: str = engine.model_name
+        self.max_context: int = int(engine.max_context)
+        self.tokenizer = engine.tokenizer
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        async for chunk in self.engine.stream(req):
+            yield chunk
+
+    async def abort(self, rid: str) -> None:
+        result = self.engine.abort(rid)
+        if inspect.isawaitable(result):
+            await result
+
+    async def health(self) -> dict:
+        dead = getattr(self.engine, "error", None)  # set when the engine thread crashed
+        return {"status": "ok" if dead is None else "error", "mode": "colocated",
+                "model": self.model_name, **({"error": repr(dead)} if dead is not None else {})}
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(REGISTRY)

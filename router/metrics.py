@@ -1,0 +1,54 @@
+"""Prometheus metrics measured at the HTTP front door (names fixed by the spec).
+
+They live in prometheus_client's default registry, next to the engine's own metrics, so one
+``generate_latest()`` exposes both in colocated mode. Each metric is created once per process:
+:func:`_metric` returns the already-registered collector when this module is imported again
+(``importlib.reload``, two apps in one test process), instead of raising "Duplicated timeseries".
+
+Who records what (router/http.py):
+- ``REQUESTS{status}``: one per /v1 generation request, status in :data:`STATUSES`.
+- ``REJECTED{reason}``: requests answered 4xx before reaching the backend (also counted in
+  ``REQUESTS{status="rejected"}``).
+- ``TTFT``: request arrival (headers read) -> first generated token seen by the front door.
+- ``ITL``: gap between token-carrying chunks, divided evenly over the chunk's tokens.
+- ``PROMPT_TOKENS`` / ``CACHED_PROMPT_TOKENS``: from the final chunk's usage numbers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, Counter, Histogram
+
+STATUSES = ("ok", "rejected", "aborted", "error")
+
+# Token latencies of a serving system: sub-millisecond decode steps up to multi-second prefills.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                    0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+def _metric(cls, name: str, doc: str, **kwargs):
+    """Create ``name`` in the default registry, or return the collector already registered there."""
+    existing = REGISTRY._names_to_collectors.get(name)  # no public lookup API in prometheus_client
+    if existing is not None:
+        if not isinstance(existing, cls):
+            raise TypeError(f"metric {name} is already registered as {type(existing).__name__}, "
+                            f"not {cls.__name__}")
+        return existing
+    return cls(name, doc, **kwargs)
+
+
+REQUESTS = _metric(Counter, "tandem_requests_total",
+                   "Generation requests at the front door, by outcome (ok, rejected, aborted, error).",
+                   labelnames=("status",))
+REJECTED = _metric(Counter, "tandem_rejected_requests_total",
+                   "Requests answered 4xx by the front door before reaching the backend, by reason.",
+                   labelnames=("reason",))
+TTFT = _metric(Histogram, "tandem_time_to_first_token_seconds",
+               "Request arrival at the front door to the first generated token.",
+               buckets=_LATENCY_BUCKETS)
+ITL = _metric(Histogram, "tandem_inter_token_latency_seconds",
+              "Time between consecutive generated tokens, seen by the front door.",
+              buckets=_LATENCY_BUCKETS)
+PROMPT_TOKENS = _metric(Counter, "tandem_prompt_tokens_total",
+                        "Prompt tokens of finished requests.")
+CACHED_PROMPT_TOKENS = _metric(Counter, "tandem_cached_prompt_tokens_total",
+                               "Prompt tokens of finished requests served from the prefix cache.")

@@ -1,0 +1,340 @@
+"""OpenAI-compatible request and response bodies (the subset Tandem serves).
+
+Requests are validated strictly (``"1"`` is not an int, ``1`` is not a bool, NaN/inf are not
+numbers) with unknown fields ignored, as OpenAI clients send extras. Fields we parse but cannot
+honour are refused by :meth:`_SamplingFields.unsupported` rather than silently ignored.
+Vendor extensions accepted in the body: top_k, min_tokens, ignore_eos, session_id.
+
+:func:`parse_json_object` and :func:`parse_request` turn a body into a request model or raise
+:class:`APIError` (the OpenAI error object's fields plus the HTTP status).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+# torch.Generator.manual_seed accepts [-2**63, 2**64).
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+MAX_STOP_STRINGS = 16
+MAX_SESSION_ID_CHARS = 256
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)          # -1 or 0: off (vLLM clients send -1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None
+    session_id: str | None = None
+    # parsed only to refuse them when set (see unsupported())
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first field set to something Tandem does not serve."""
+        if self.n != 1:
+            return "n", f"only n=1 is supported, got n={self.n}"
+        if self.best_of not in (None, 1):
+            return "best_of", f"only best_of=1 is supported, got {self.best_of}"
+        if self.logprobs not in (None, False, 0) or self.top_logprobs:
+            return "logprobs", "logprobs are not supported"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported (only 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if len(self.stop_strings()) > MAX_STOP_STRINGS:
+            return "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_strings())}"
+        return None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message as plain text; raises ValueError for non-text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"only text content parts are supported, got type {part.type!r}")
+            out.append(part.text)
+        return "".join(out)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools are not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format type 'text' is supported"
+        return super().unsupported()
+
+
+class CompletionRequest(_SamplingFields):
+    # a string, a list of token ids, or a batch of one of either
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; raises ValueError for a batch of several (or none)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError(f"only one prompt per request is supported, got {len(p)}")
+            return p[0]
+        return p
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return super().unsupported()
+
+
+# ------------------------------------------------------------------------------ responses
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    """Serialized without its unset fields: the final chunk's delta is ``{}``, as OpenAI sends it."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _drop_none(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(_Response):
+    """Both the non-streamed body (object "text_completion") and each streamed chunk (same object)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorBody
+
+
+# ------------------------------------------------------------------------------ parsing
+class APIError(Exception):
+    """A request the front door refuses; becomes ``{"error": {message, type, param, code}}``
+    with HTTP ``status``. ``reason`` labels tandem_rejected_requests_total."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error",
+                 reason: str = "invalid_request"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.reason = reason
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Strict UTF-8, strict JSON (no NaN/Infinity), a top-level object, no lone surrogates."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", reason="malformed") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", reason="malformed") from None
+    except ValueError as e:
+        raise APIError(400, f"request body is not valid JSON: {str(e)[:200]}", reason="malformed") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", reason="malformed")
+    _check_strings(obj)
+    return obj
+
+
+def _check_strings(obj: Any) -> None:
+    """Refuse lone surrogates (valid JSON escapes, but no tokenizer can encode them). Iterative:
+    json.loads already bounded the depth, this walk must not add recursion on top."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "request contains an unpaired UTF-16 surrogate escape",
+                               reason="malformed") from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str | None:
+    """``messages.0.content`` from a pydantic error location, without the tags pydantic adds for
+    union members (``str``, ``list[int]``, ``ContentPart``)."""
+    parts = [str(p) for p in loc if isinstance(p, int)
+             or (p.isidentifier() and p.islower() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+def parse_request(model: type[_Request], obj: dict[str, Any]) -> Any:
+    """``model`` validated from ``obj``; the first failing field becomes the error's ``param``."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_input=False)
+        param = _param(errors[0]["loc"])
+        # a value matching no member of a union fails once per member: report them together
+        msgs = list(dict.fromkeys(err["msg"] for err in errors if _param(err["loc"]) == param))
+        more = len(errors) - sum(_param(err["loc"]) == param for err in errors)
+        tail = f" (and {more} more errors)" if more else ""
+        raise APIError(400, f"{param}: {' or '.join(msgs)}"[:500] + tail, param=param) from None

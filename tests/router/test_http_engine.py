@@ -1,0 +1,141 @@
+"""The front door over a real in-process Engine (LocalEngineBackend) with a tiny random Llama on the
+CPU: generation numbers in usage, streamed == non-streamed text, and a client hanging up mid-stream
+frees the request's KV in the engine. Skipped when the engine package is not importable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import httpx
+import pytest
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("tandem.engine.engine") is None:
+    pytest.skip("the in-process engine is not available", allow_module_level=True)
+
+import openai  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
+
+from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+from tandem.router.backend import LocalEngineBackend, ServingBackend  # noqa: E402
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 128
+CONTEXT = 1024
+
+
+def write_tiny_model(path) -> None:
+    """A random 2-layer Llama with a byte-level tokenizer (256 bytes + 3 specials) in HF layout."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": FFN,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "eos_token_id": vocab - 1}))
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.5
+
+    w = {"model.embed_tokens.weight": rnd(vocab, HIDDEN), "model.norm.weight": torch.ones(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": torch.ones(HIDDEN),
+              p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+              p + "self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.v_proj.weight": rnd(KV_HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.o_proj.weight": rnd(HIDDEN, HEADS * HEAD_DIM),
+              p + "mlp.gate_proj.weight": rnd(FFN, HIDDEN),
+              p + "mlp.up_proj.weight": rnd(FFN, HIDDEN),
+              p + "mlp.down_proj.weight": rnd(HIDDEN, FFN)}
+    save_file(w, str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tandem.engine.engine import Engine
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_model(path)
+    cfg = EngineConfig(model=str(path), device="cpu", num_threads=1, context_length=CONTEXT,
+                       cache=CacheConfig(max_total_tokens=2 * CONTEXT, max_running_requests=4))
+    e = Engine(cfg)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(engine, serve):
+    backend = LocalEngineBackend(engine)
+    assert isinstance(backend, ServingBackend)
+    return serve(backend, ServeConfig(mode="colocated"))
+
+
+@pytest.fixture()
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_streamed_equals_non_streamed(client, engine):
+    model = client.models.list().data[0].id
+    assert model == engine.model_name
+    msgs = [{"role": "user", "content": "hello"}]
+    n_prompt = len(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(msgs)))
+    kw = dict(model=model, messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(**kw)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n_prompt, 8)
+    assert 0 <= out.usage.prompt_tokens_details.cached_tokens < n_prompt
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completion_prompt_ids_and_context_clamp(client, engine):
+    out = client.completions.create(model=engine.model_name, prompt=[i % 256 for i in range(CONTEXT - 6)], max_tokens=100,
+                                    temperature=0.8, seed=3, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 6   # clamped to the context that is left
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=engine.model_name, prompt=[engine.tokenizer.vocab_size])
+    assert "vocabulary" in e.value.message
+
+
+def test_disconnect_mid_stream_frees_the_engines_kv(served, engine):
+    def idle() -> tuple[int, int, int]:
+        return engine.call(lambda s: (len(s.waiting), len(s.running), s.alloc.available_size())).result(10)
+
+    def aborted() -> float:
+        return REGISTRY.get_sample_value("tandem_requests_total", {"status": "aborted"}) or 0.0
+
+    free_before, aborted_before = idle()[2], aborted()
+    body = {"model": engine.model_name, "prompt": "abc", "max_tokens": CONTEXT, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+        next(r.iter_raw())   # generation is under way; hang up
+    deadline = time.monotonic() + 10
+    while (idle()[:2] != (0, 0) or aborted() == aborted_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted() == aborted_before + 1   # cut short by the hang-up, not finished
+    waiting, running, free = idle()
+    assert (waiting, running) == (0, 0)
+    # everything the request held went back to the pool (or sits in the prefix cache, evictable)
+    evictable = engine.call(lambda s: s.cache.evictable_size()).result(10)
+    assert free + evictable >= free_before
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
