@@ -2,6 +2,7 @@
 
     tandem generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model M] [--json]
     tandem serve [--config FILE] [flags]          (OpenAI-compatible HTTP server)
+    tandem bench --url URL --workload agent|vllm-multiturn|trace:FILE [--out DIR]   (load test)
 
 Errors a user can cause (bad flags, a missing model file, a prompt that does not fit) print one
 line to stderr and exit with status 2; nothing prints a traceback for them.
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cluster.serve import add_serve_flags
     add_serve_flags(s)
     _add_engine_flags(s)
+
+    from tandem.bench.loadgen.cli import register as register_bench
+    register_bench(sub)
     return p
 
 
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from tandem.cluster.serve import run_serve
             return run_serve(args)
+        if args.command in ("bench", "simulate"):
+            return args.func(args)
     except (TandemError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)
         return 2

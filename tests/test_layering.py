@@ -21,7 +21,7 @@ ALLOWED = {
     "router": {"core"},
     "prefill": {"core", "cache", "transfer", "engine"},
     "decode": {"core", "cache", "transfer", "engine"},
-    "cluster": {"core", "cache", "transfer", "engine", "router", "prefill", "decode"},
+    "cluster": {"core", "cache", "transfer", "engine", "router", "prefill", "decode", "bench"},
 }
 
 
