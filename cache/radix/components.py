@@ -1,0 +1,196 @@
+"""Tree components: one reuse rule each, attached to the same radix tree.
+
+FULL is the tree itself: every node's ``value`` (full-attention KV slots), valid along the whole
+path. Auxiliary components keep their own data per node (``node.aux[index]``, None = tombstone)
+and decide through six hooks:
+
+======================  ======================================================================
+``validator()``          a fresh per-match vote: ``accept(node) -> bool``, fed every matched node
+                         in path order. The match ends at the deepest node all components accept.
+``finalize(nodes)``      what the engine needs about the accepted device path
+                         (``MatchResult.components[name]``)
+``reconcile(...)``       an insert passes over a node: keep which data, free which
+``split(value, m)``      cut data when an edge is cut after ``m`` tokens
+``size(value)``          units the data occupies in the component's pool (for the size counters)
+``free(value)``          execute a release through the component's allocator
+======================  ======================================================================
+
+plus one number, ``lock_span``: a request's lock covers the nodes intersecting the last
+``lock_span`` tokens of its path (SWA: the window; MAMBA: the checkpoint node only).
+
+Memory model (see cache/README.md):
+- SWA data: int64 rows ``[len(key)]`` of a separate SWA KV pool with its own allocator, ``-1``
+  where the engine already released a row (outside its window). The engine keeps a
+  ``full slot -> SWA row`` table (``LayerKV.index_map``); when the tree adopts rows for a node
+  whose full slots it already holds, the component writes that table.
+- MAMBA data: one int, the row of a recurrent-state pool holding the state after the node's last
+  token (a checkpoint). A matched state is never written in place: the match returns
+  :class:`StateCopy` and the engine copies it into the request's private row first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+class _Full:
+    """The FULL component: always present; implemented by the tree core itself."""
+
+    name = "full"
+
+    def __repr__(self) -> str:
+        return "FULL"
+
+
+FULL = _Full()
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """MAMBA's match action: copy state row ``src`` into the request's private row before the
+    request writes its state (the tree's row is shared and must stay intact)."""
+
+    src: int
+
+
+class TreeComponent:
+    """Base of auxiliary components (see the module docstring for the hook contract)."""
+
+    name = "component"
+    lock_span = 1
+    per_token = True                            # data per token (sliced) or one value per key end
+    index = -1                                  # set by the tree: position in node.aux
+
+    def __init__(self, allocator=None):
+        self.allocator = allocator              # a PagedAllocator, or None (simulated mode)
+
+    def validator(self) -> Callable[[Any], bool]:
+        raise NotImplementedError
+
+    def finalize(self, nodes: list) -> Any:
+        raise NotImplementedError
+
+    def reconcile(self, node, current: Any, incoming: Any, a: int, b: int, last: bool) -> tuple[Any, Any]:
+        """An insert covers ``node`` with key positions ``[a, b)``; ``incoming`` is the whole
+        per-insert value the caller handed over (``last``: the node ends the inserted key).
+        Returns ``(keep, free)``: the node's new data and what to release (None: nothing)."""
+        raise NotImplementedError
+
+    def split(self, value: Any, m: int) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def size(self, value: Any) -> int:
+        raise NotImplementedError
+
+    def free(self, value: Any) -> None:
+        raise NotImplementedError
+
+
+def _rows(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(list(value), dtype=torch.int64)
+
+
+class SWA(TreeComponent):
+    """Sliding-window attention: a boundary is reusable only if the ``window`` tokens before it
+    (or the whole path, when shorter) still have SWA KV; released SWA data leaves tombstones."""
+
+    name = "swa"
+
+    def __init__(self, window: int, allocator=None, index_map: torch.Tensor | None = None):
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        super().__init__(allocator)
+        self.window = window
+        self.lock_span = window
+        self.index_map = index_map              # engine's full slot -> SWA row table, or None
+
+    def validator(self):
+        i, window = self.index, self.window
+        run, from_root = 0, True                # SWA tokens contiguous up to here; all so far?
+
+        def accept(node) -> bool:
+            nonlocal run, from_root
+            if node.aux[i] is not None:
+                run += len(node.key)
+            else:
+                run, from_root = 0, False
+            return from_root or run >= window
+        return accept
+
+    def finalize(self, nodes):
+        """SWA rows of the matched prefix, int64 ``[prefix_len]``, -1 where tombstoned."""
+        i = self.index
+        parts = [_rows(nd.aux[i]) if nd.aux[i] is not None
+                 else torch.full((len(nd.key),), -1, dtype=torch.int64) for nd in nodes]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def reconcile(self, node, current, incoming, a, b, last):
+        part = incoming[a:b]
+        if isinstance(part, torch.Tensor):
+            if current is not None:
+                # Rows the tree already holds for these tokens: the caller's copies are duplicates.
+                dup = part[(part >= 0) & (part != _rows(current))]
+                return current, (dup if len(dup) else None)
+            if bool((part < 0).any()):
+                # Partly released: cannot serve a window; release the rest, stay a tombstone.
+                rest = part[part >= 0]
+                return None, (rest if len(rest) else None)
+            part = part.clone()
+            if self.index_map is not None and isinstance(node.value, torch.Tensor):
+                # The node's full slots now reach these rows (they may differ from the slots the
+                # caller computed them under, which the caller frees as duplicates).
+                self.index_map[node.value.to(self.index_map.device)] = part.to(self.index_map.device)
+            return part, None
+        return (current if current is not None else part), None
+
+    def split(self, value, m):
+        if isinstance(value, torch.Tensor):
+            return value[:m].clone(), value[m:].clone()
+        return value[:m], value[m:]
+
+    def size(self, value) -> int:
+        return len(value)
+
+    def free(self, value) -> None:
+        if self.allocator is not None and isinstance(value, torch.Tensor):
+            value = value[value >= 0]
+            if len(value):
+                self.allocator.free(value)
+
+
+class Mamba(TreeComponent):
+    """Recurrent state: usable only at exact checkpoint nodes (the state after the node's last
+    token). An insert hands over the state row for the key's end (or None: no checkpoint)."""
+
+    name = "mamba"
+    lock_span = 1                               # only the node itself
+    per_token = False
+
+    def validator(self):
+        i = self.index
+        return lambda node: node.aux[i] is not None
+
+    def finalize(self, nodes):
+        return StateCopy(int(nodes[-1].aux[self.index])) if nodes else None
+
+    def reconcile(self, node, current, incoming, a, b, last):
+        if not last:
+            return current, None
+        if current is None:
+            return int(incoming), None
+        return current, (None if int(incoming) == current else int(incoming))
+
+    def split(self, value, m):
+        return None, value                      # the checkpoint stays at the lower node's end
+
+    def size(self, value) -> int:
+        return 1
+
+    def free(self, value) -> None:
+        if self.allocator is not None:
+            self.allocator.free(torch.tensor([int(value)], dtype=torch.int64))

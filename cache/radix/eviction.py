@@ -1,0 +1,97 @@
+"""Eviction policies: which unlocked leaf goes first.
+
+A policy is a key function over tree nodes; the smallest key is evicted first. Keys read only
+node fields the tree maintains (``access``, ``created``, ``hits``, ``priority``, ``session``), and
+``access``/``created`` are logical ticks (one per cache operation), never wall-clock time, so two
+replicas fed the same operations evict the same nodes (SGLang's rank-consensus lesson).
+
+``session`` is the one policy whose key depends on time: a node last touched by a session seen
+within ``session_ttl_s`` (wall clock, injectable) is kept after every node of an ended (or
+unknown) session. It is not a pin: active sessions' entries are still evicted, last.
+Time-dependent policies have ``time_dependent = True``; the tree rebuilds its eviction heap at
+the start of every eviction pass for them.
+"""
+
+from __future__ import annotations
+
+import time
+from operator import attrgetter
+from typing import Any, Callable, Hashable
+
+POLICIES = ("lru", "lfu", "fifo", "priority", "slru", "session")
+
+
+class EvictionPolicy:
+    """``key(node)``: smaller is evicted first. Must be cheap: it runs on every leaf touch."""
+
+    name = "base"
+    time_dependent = False
+    key: Callable[[Any], Any]
+
+    def touch_session(self, session_id: Hashable) -> None:
+        """A request of ``session_id`` used the cache now (only the session policy cares)."""
+
+    def begin_pass(self) -> None:
+        """Called before an eviction pass (time-dependent policies fix ``now`` here)."""
+
+
+class _KeyPolicy(EvictionPolicy):
+    def __init__(self, name: str, key: Callable[[Any], Any]):
+        self.name = name
+        self.key = key
+
+
+class SessionPolicy(EvictionPolicy):
+    """Entries of sessions touched within ``ttl_s`` are evicted after those of ended sessions."""
+
+    name = "session"
+    time_dependent = True
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0:
+            raise ValueError(f"session_ttl_s={ttl_s} must be positive")
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.last_seen: dict[Hashable, float] = {}
+        self._now = clock()
+
+    def touch_session(self, session_id: Hashable) -> None:
+        self.last_seen[session_id] = self.clock()
+
+    def end_session(self, session_id: Hashable) -> None:
+        """The session is over (the router knows): its entries go first from now on."""
+        self.last_seen.pop(session_id, None)
+
+    def active(self, session_id: Hashable | None) -> bool:
+        seen = self.last_seen.get(session_id) if session_id is not None else None
+        return seen is not None and self._now - seen <= self.ttl_s
+
+    def begin_pass(self) -> None:
+        self._now = self.clock()
+        # Forget sessions that ended long ago so the table stays bounded.
+        if len(self.last_seen) > 4096:
+            horizon = self._now - 2 * self.ttl_s
+            self.last_seen = {s: t for s, t in self.last_seen.items() if t >= horizon}
+
+    def key(self, node) -> tuple[int, int]:
+        return (1 if self.active(node.session) else 0, node.access)
+
+
+def make_policy(name: str, *, session_ttl_s: float = 300.0, slru_threshold: int = 2,
+                clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
+    """The policy called ``name`` (one of :data:`POLICIES`)."""
+    if name == "lru":
+        return _KeyPolicy(name, attrgetter("access"))
+    if name == "lfu":
+        return _KeyPolicy(name, attrgetter("hits", "access"))
+    if name == "fifo":
+        return _KeyPolicy(name, attrgetter("created"))
+    if name == "priority":
+        # Lower priority first, then least recently used.
+        return _KeyPolicy(name, attrgetter("priority", "access"))
+    if name == "slru":
+        # Probationary segment (fewer than `slru_threshold` hits) before the protected one.
+        return _KeyPolicy(name, lambda n: (n.hits >= slru_threshold, n.access))
+    if name == "session":
+        return SessionPolicy(session_ttl_s, clock)
+    raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICIES)}")

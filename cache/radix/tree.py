@@ -1,0 +1,590 @@
+"""Radix tree core over token pages. The tree decides, the cache executes.
+
+Vocabulary (shapes in comments follow the token axis of one edge):
+- ``key``: a list of token ids. A node's edge ``key`` holds whole pages (``len % page_size == 0``)
+  and is the tree's own copy (a slice); edges are compared by slicing, never token by token.
+- child key: the first page of an edge (the token id at ``page_size == 1``, else a tuple).
+- ``value``: the node's device slots ``[len(key)]`` (int64 tensor; a ``range`` of token positions
+  in simulated mode), or None when the node lives only on the host tier.
+- ``host``: the node's host-pool slots ``[len(key)]``, or None.
+- ``aux[i]``: data of auxiliary component ``i`` (SWA rows, a MAMBA state row) or None
+  (a tombstone). FULL is the tree itself (``value``).
+
+Invariants (proved by :mod:`.sanity` by recount):
+- every non-root node has device or host data; a device node's parent is a device node
+  (no device hole under a device node), so a path is: device nodes, then host-only nodes;
+- ``lock_ref`` is a path count: a node's lock_ref >= the sum of its children's;
+- ``evictable``/``protected`` are the device tokens of unlocked/locked nodes;
+- ``leaves`` holds exactly the unlocked device nodes with no device child (``ndc == 0``), and
+  each has a live heap entry ``(hk, id, node)`` with ``hk == policy.key(node)``.
+
+Nothing here frees memory or copies KV: frees are appended to ``device_frees``/``host_frees``/
+``aux_frees`` and events to ``events``; the cache (``cache/unified.py``) drains them after
+each public operation.
+"""
+
+from __future__ import annotations
+
+from heapq import heapify, heappop, heappush
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from .events import DEVICE, HOST, BlockRemoved, BlockStored, page_hashes
+from .eviction import EvictionPolicy, make_policy
+
+
+class Node:
+    __slots__ = ("id", "parent", "children", "key", "start", "value", "host", "lock_ref", "ndc",
+                 "access", "created", "hits", "priority", "session", "aux", "aux_lock", "hashes",
+                 "hk")
+
+    def __init__(self, nid: int, parent: "Node | None", key: list, start: int, value: Any,
+                 tick: int, n_aux: int):
+        self.id = nid
+        self.parent = parent
+        self.children: dict[Hashable, Node] = {}   # plain dict: a missing key must raise
+        self.key = key
+        self.start = start              # depth (tokens) of the edge's first token
+        self.value = value
+        self.host = None
+        self.lock_ref = 0
+        self.ndc = 0                    # children holding a device value
+        self.access = tick              # logical time of the last match/insert through here
+        self.created = tick
+        self.hits = 0
+        self.priority = 0
+        self.session = None             # last session that used this node (session policy)
+        # Per auxiliary component: data (None = tombstone) and locks {lock floor depth: count}.
+        self.aux = [None] * n_aux if n_aux else None
+        self.aux_lock = [{} for _ in range(n_aux)] if n_aux else None
+        self.hashes = None              # page hash chain, computed only when events are on
+        self.hk = None                  # heap key while in the evictable leaf set
+
+    @property
+    def end(self) -> int:
+        """Depth (tokens) after this node's edge: the prefix length this node completes."""
+        return self.start + len(self.key)
+
+    def __repr__(self) -> str:
+        tier = ("D" if self.value is not None else "") + ("H" if self.host is not None else "")
+        return f"Node(id={self.id}, [{self.start},{self.end}), {tier or '-'}, lock={self.lock_ref})"
+
+
+def _take(value: Any, a: int, b: int) -> Any:
+    """A private copy of ``value[a:b]``; ``None`` (simulated mode) means token positions."""
+    if value is None:
+        return range(a, b)
+    piece = value[a:b]
+    return piece.clone() if isinstance(piece, torch.Tensor) else piece
+
+
+def _cut(value: Any, m: int) -> tuple[Any, Any]:
+    if isinstance(value, torch.Tensor):
+        return value[:m].clone(), value[m:].clone()
+    return value[:m], value[m:]
+
+
+class RadixTree:
+    def __init__(self, page_size: int = 1, policy: EvictionPolicy | None = None,
+                 components: Sequence[Any] = (), record_events: bool = False):
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} must be >= 1")
+        self.page_size = page_size
+        self.policy = policy or make_policy("lru")
+        self._key = self.policy.key
+        self.components = tuple(components)     # auxiliary only; FULL is the tree itself
+        for i, c in enumerate(self.components):
+            c.index = i
+        self.record_events = record_events
+        self.reset()
+
+    def reset(self) -> None:
+        n_aux = len(self.components)
+        self._next_id = 1
+        self.tick = 0
+        self.root = Node(0, None, [], 0, (), 0, n_aux)
+        self.root.lock_ref = 1                  # never evictable
+        self.leaves: set[Node] = set()
+        self.heap: list = []
+        self.evictable = 0
+        self.protected = 0
+        self.aux_evictable = [0] * n_aux
+        self.aux_protected = [0] * n_aux
+        self.aux_unlocked: list[set[Node]] = [set() for _ in range(n_aux)]
+        self.host_nodes: set[Node] = set()
+        self.host_size = 0
+        self.device_frees: list = []
+        self.host_frees: list = []
+        self.aux_frees: list[tuple[int, Any]] = []
+        self.events: list = []
+
+    # -- walking ---------------------------------------------------------------------------------
+    def child_key(self, key: list) -> Hashable:
+        return key[0] if self.page_size == 1 else tuple(key[:self.page_size])
+
+    def _common(self, ek: list, key: list, pos: int) -> int:
+        """Page-aligned length of the common prefix of ``ek`` and ``key[pos:]``, knowing the
+        first page matches and the whole edge does not. Binary search over slice compares."""
+        ps = self.page_size
+        n = min(len(ek), len(key) - pos)
+        if ek[:n] == key[pos:pos + n]:
+            return n
+        lo, hi = ps, n                          # ek[:lo] matches; a mismatch lies in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if ek[lo:mid] == key[pos + lo:pos + mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo - lo % ps
+
+    def match(self, key: list, session: Hashable | None = None,
+              priority: int | None = None) -> list[Node]:
+        """Nodes covering the longest cached prefix of ``key`` (page-aligned), on any tier.
+        A mid-edge divergence splits that edge so the last node ends inside ``key``.
+        Touches the path (access time, hit count, session). Does not vote."""
+        ps = self.page_size
+        pos, n = 0, len(key)
+        path = []
+        children = self.root.children
+        while pos < n:
+            child = children.get(key[pos] if ps == 1 else tuple(key[pos:pos + ps]))
+            if child is None:
+                break
+            ek = child.key
+            L = len(ek)
+            if key[pos:pos + L] != ek:
+                path.append(self._split(child, self._common(ek, key, pos)))
+                break
+            path.append(child)
+            pos += L
+            children = child.children
+        if path:
+            self.tick += 1
+            t = self.tick
+            for nd in path:
+                nd.access = t
+                nd.hits += 1
+                if session is not None:
+                    nd.session = session
+                if priority is not None and priority > nd.priority:
+                    nd.priority = priority
+                if nd.hk is not None:
+                    self._upd(nd)
+        return path
+
+    def vote(self, path: list[Node]) -> tuple[int, int]:
+        """``(n_dev, n_best)``: how many leading nodes of ``path`` end at the deepest boundary
+        every component accepts with device data (``n_dev``) and on any tier (``n_best``)."""
+        if not self.components:
+            if not self.host_nodes:
+                return len(path), len(path)
+            for i, nd in enumerate(path):
+                if nd.value is None:
+                    return i, len(path)
+            return len(path), len(path)
+        validators = [c.validator() for c in self.components]
+        n_dev = n_best = 0
+        on_device = True
+        for i, nd in enumerate(path, 1):
+            if nd.value is None:
+                on_device = False
+            ok = True
+            for accept in validators:           # every validator sees every node (stateful)
+                if not accept(nd):
+                    ok = False
+            if ok:
+                n_best = i
+                if on_device:
+                    n_dev = i
+        return n_dev, n_best
+
+    def path(self, node: Node) -> list[Node]:
+        """Nodes from below the root down to ``node``."""
+        out = []
+        root = self.root
+        while node is not root:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    # -- insert ----------------------------------------------------------------------------------
+    def insert(self, key: list, value: Any, aux_values: list | None = None,
+               session: Hashable | None = None, priority: int = 0) -> tuple[int, Node, bool]:
+        """Store ``key`` with ``value[i]`` the slot of ``key[i]`` (``value`` None: positions).
+
+        Returns ``(cached, last, created)``: ``cached`` is the length of the key's prefix that
+        already had device data (the caller's slots there are duplicates, its to free);
+        ``last`` the node ending at ``len(key)``; ``created`` whether a new leaf was made.
+        The tree keeps a copy of ``value[cached:]``: host-only nodes on the path adopt the
+        caller's slots (they are loaded for free), the rest becomes a new leaf.
+        """
+        ps = self.page_size
+        self.tick += 1
+        t = self.tick
+        comps = self.components
+        node = self.root
+        pos, n, cached = 0, len(key), 0
+        ck = None
+        while pos < n:
+            ck = key[pos] if ps == 1 else tuple(key[pos:pos + ps])
+            child = node.children.get(ck)
+            if child is None:
+                break
+            ek = child.key
+            L = len(ek)
+            if key[pos:pos + L] != ek:
+                L = self._common(ek, key, pos)
+                child = self._split(child, L)
+            child.access = t
+            if priority > child.priority:
+                child.priority = priority
+            if session is not None:
+                child.session = session
+            if child.value is None:
+                self.set_device(child, _take(value, pos, pos + L))
+            elif cached == pos:
+                cached = pos + L
+            if comps:
+                self._aux_insert(child, aux_values, pos, pos + L, n)
+            if child.hk is not None:
+                self._upd(child)
+            node = child
+            pos += L
+        if pos >= n:
+            return cached, node, False
+        new = Node(self._next_id, node, key[pos:], pos, _take(value, pos, n), t, len(comps))
+        self._next_id += 1
+        new.hits = 1
+        new.priority = priority
+        new.session = session
+        node.children[ck] = new
+        node.ndc += 1
+        self.evictable += n - pos
+        self._upd(new)
+        self._upd(node)
+        if self.record_events:
+            self._event_store(new, DEVICE)
+        if comps:
+            self._aux_insert(new, aux_values, pos, n, n)
+        return cached, new, True
+
+    def _split(self, child: Node, m: int) -> Node:
+        """Cut ``child``'s edge after ``m`` tokens. Returns the new upper node; ``child`` keeps
+        the lower part (so a handle to it stays valid). A transaction: values, host slots,
+        hashes, locks, component data and sizes move together."""
+        up = Node(self._next_id, child.parent, child.key[:m], child.start, None, child.access,
+                  len(self.components))
+        self._next_id += 1
+        up.created, up.hits, up.priority, up.session = child.created, child.hits, child.priority, child.session
+        up.lock_ref = child.lock_ref
+        if child.value is not None:
+            up.value, child.value = _cut(child.value, m)
+            up.ndc = 1
+        if child.host is not None:
+            up.host, child.host = _cut(child.host, m)
+            self.host_nodes.add(up)
+        if child.hashes is not None:
+            k = m // self.page_size
+            up.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
+        child.key = child.key[m:]
+        child.start += m
+        up.children = {self.child_key(child.key): child}
+        child.parent.children[self.child_key(up.key)] = up
+        child.parent = up
+        if self.components:
+            self._aux_split(up, child, m)
+        return up
+
+    # -- locks -----------------------------------------------------------------------------------
+    def lock(self, node: Node, delta: int) -> None:
+        """Add ``delta`` (+1/-1) to the lock of every node from ``node`` up to the root. Sizes
+        move between evictable and protected when a node's lock crosses zero. Components lock
+        only the last ``lock_span`` tokens of the path (their own data)."""
+        root = self.root
+        if node is root:
+            return
+        if node.parent is None:
+            raise ValueError(f"{node} is not in this tree (it was evicted, or belongs to another)")
+        if delta < 0 and node.lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref on {node}: its lock_ref is already {node.lock_ref}")
+        nd = node
+        if delta > 0:
+            while nd is not root:
+                if nd.lock_ref == 0:
+                    if nd.value is not None:
+                        L = len(nd.key)
+                        self.evictable -= L
+                        self.protected += L
+                    if nd.hk is not None:
+                        nd.hk = None
+                        self.leaves.discard(nd)
+                nd.lock_ref += 1
+                nd = nd.parent
+        else:
+            while nd is not root:
+                nd.lock_ref -= 1
+                if nd.lock_ref == 0 and nd.value is not None:
+                    L = len(nd.key)
+                    self.evictable += L
+                    self.protected -= L
+                    self._upd(nd)
+                nd = nd.parent
+        if self.components:
+            end = node.start + len(node.key)
+            for i, c in enumerate(self.components):
+                # A component lock covers the nodes intersecting [floor, end); keyed by floor so
+                # a later split can tell which lockers reach into the upper half.
+                floor = max(0, end - c.lock_span)
+                nd = node
+                while nd is not root and nd.start + len(nd.key) > floor:
+                    locks = nd.aux_lock[i]
+                    self._aux_out(nd, i)
+                    cnt = locks.get(floor, 0) + delta
+                    if cnt:
+                        locks[floor] = cnt
+                    else:
+                        del locks[floor]
+                    self._aux_in(nd, i)
+                    nd = nd.parent
+
+    # -- device eviction -------------------------------------------------------------------------
+    def _upd(self, nd: Node) -> None:
+        """Re-derive ``nd``'s membership (and heap key) in the evictable leaf set."""
+        if nd.value is not None and nd.lock_ref == 0 and nd.ndc == 0:
+            k = self._key(nd)
+            hk = nd.hk
+            if hk is None:
+                self.leaves.add(nd)
+            elif hk == k:
+                return
+            nd.hk = k
+            heap = self.heap
+            heappush(heap, (k, nd.id, nd))
+            if len(heap) > 2 * len(self.leaves) + 256:
+                self.rebuild_heap()
+        elif nd.hk is not None:
+            nd.hk = None
+            self.leaves.discard(nd)
+
+    def rebuild_heap(self) -> None:
+        """Drop stale heap entries; recompute every key (time-dependent policies need this)."""
+        key = self._key
+        heap = []
+        for nd in self.leaves:
+            nd.hk = key(nd)
+            heap.append((nd.hk, nd.id, nd))
+        heapify(heap)
+        self.heap = heap
+
+    def pop_leaf(self) -> Node | None:
+        """The evictable leaf with the smallest policy key (stale entries are skipped)."""
+        heap = self.heap
+        while heap:
+            k, _, nd = heappop(heap)
+            if nd.hk == k:
+                return nd
+        return None
+
+    def drop_device(self, nd: Node) -> int:
+        """Release ``nd``'s device data (queued in ``device_frees``). With a host copy the node
+        stays, host-only; without, it is deleted with its (host-only) subtree. Returns tokens."""
+        v = nd.value
+        L = len(nd.key)
+        nd.value = None
+        if nd.lock_ref:
+            self.protected -= L
+        else:
+            self.evictable -= L
+        if nd.hk is not None:
+            nd.hk = None
+            self.leaves.discard(nd)
+        parent = nd.parent
+        parent.ndc -= 1
+        self.device_frees.append(v)
+        if self.record_events:
+            self._event_remove(nd, DEVICE)
+        if self.components:
+            self._aux_drop(nd)
+        if nd.host is None:
+            if nd.children:
+                self._delete_subtree(nd)
+            else:
+                del parent.children[nd.key[0] if self.page_size == 1 else tuple(nd.key[:self.page_size])]
+                nd.parent = None
+        self._upd(parent)
+        return L
+
+    def set_device(self, nd: Node, value: Any) -> None:
+        """Give a host-only node device data (load-back, or adoption by an insert)."""
+        nd.value = value
+        L = len(nd.key)
+        if nd.lock_ref:
+            self.protected += L
+        else:
+            self.evictable += L
+        nd.parent.ndc += 1
+        self._upd(nd)
+        self._upd(nd.parent)
+        if self.record_events:
+            self._event_store(nd, DEVICE)
+
+    def _delete_subtree(self, nd: Node) -> None:
+        """Unlink ``nd`` (no device data left) and free its host-only descendants."""
+        stack = [nd]
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())
+            if x.host is not None:
+                self._drop_host_value(x)
+            if self.components:
+                self._aux_drop(x)
+            if x is not nd:
+                x.parent = None
+        del nd.parent.children[self.child_key(nd.key)]
+        nd.parent = None
+
+    # -- host tier -------------------------------------------------------------------------------
+    def set_host(self, nd: Node, host_value: Any) -> None:
+        nd.host = host_value
+        self.host_nodes.add(nd)
+        self.host_size += len(nd.key)
+        if self.record_events:
+            self._event_store(nd, HOST)
+
+    def _drop_host_value(self, nd: Node) -> None:
+        self.host_frees.append(nd.host)
+        nd.host = None
+        self.host_nodes.discard(nd)
+        self.host_size -= len(nd.key)
+        if self.record_events:
+            self._event_remove(nd, HOST)
+
+    def _host_evictable(self, nd: Node) -> bool:
+        return (nd.host is not None and nd.lock_ref == 0 and nd.parent is not None
+                and not any(c.host is not None for c in nd.children.values()))
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host copies of unlocked nodes with no host child, policy order, cascading up.
+        A host-only victim is deleted (it has no children); a device victim keeps its device
+        data. Returns host tokens freed (queued in ``host_frees``)."""
+        self.policy.begin_pass()
+        key = self._key
+        heap = [(key(nd), nd.id, nd) for nd in self.host_nodes if self._host_evictable(nd)]
+        heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, nd = heappop(heap)
+            if not self._host_evictable(nd):
+                continue
+            parent = nd.parent
+            freed += len(nd.key)
+            self._drop_host_value(nd)
+            if nd.value is None:
+                self._delete_subtree(nd)
+            if parent is not self.root and self._host_evictable(parent):
+                heappush(heap, (key(parent), parent.id, parent))
+        return freed
+
+    # -- auxiliary components --------------------------------------------------------------------
+    def _aux_out(self, nd: Node, i: int) -> None:
+        """Remove ``nd``'s component-``i`` data from the size counters."""
+        v = nd.aux[i]
+        if v is None:
+            return
+        sz = self.components[i].size(v)
+        if nd.aux_lock[i]:
+            self.aux_protected[i] -= sz
+        else:
+            self.aux_evictable[i] -= sz
+            self.aux_unlocked[i].discard(nd)
+
+    def _aux_in(self, nd: Node, i: int) -> None:
+        v = nd.aux[i]
+        if v is None:
+            return
+        sz = self.components[i].size(v)
+        if nd.aux_lock[i]:
+            self.aux_protected[i] += sz
+        else:
+            self.aux_evictable[i] += sz
+            self.aux_unlocked[i].add(nd)
+
+    def _set_aux(self, nd: Node, i: int, value: Any) -> None:
+        self._aux_out(nd, i)
+        nd.aux[i] = value
+        self._aux_in(nd, i)
+
+    def _aux_insert(self, nd: Node, aux_values: list | None, a: int, b: int, n: int) -> None:
+        if aux_values is None:
+            return
+        for i, c in enumerate(self.components):
+            incoming = aux_values[i]
+            if incoming is None:
+                continue
+            cur = nd.aux[i]
+            keep, free = c.reconcile(nd, cur, incoming, a, b, b == n)
+            if keep is not cur:
+                self._set_aux(nd, i, keep)
+            if free is not None:
+                self.aux_frees.append((i, free))
+
+    def _aux_split(self, up: Node, child: Node, m: int) -> None:
+        s = child.start                         # the split depth
+        for i, c in enumerate(self.components):
+            # Lockers whose range starts above the split reach into the upper half too.
+            up.aux_lock[i] = {f: k for f, k in child.aux_lock[i].items() if f < s}
+            v = child.aux[i]
+            if v is None:
+                continue
+            self._aux_out(child, i)
+            up.aux[i], child.aux[i] = c.split(v, m)
+            self._aux_in(up, i)
+            self._aux_in(child, i)
+
+    def _aux_drop(self, nd: Node) -> None:
+        for i, v in enumerate(nd.aux):
+            if v is not None:
+                self._set_aux(nd, i, None)
+                self.aux_frees.append((i, v))
+
+    def evict_aux(self, i: int, num: int) -> int:
+        """Tombstone component ``i``'s data on unlocked nodes (policy order) until ``num`` units
+        are freed. The nodes stay; their FULL data is untouched."""
+        self.policy.begin_pass()
+        c, key = self.components[i], self._key
+        heap = [(key(nd), nd.id, nd) for nd in self.aux_unlocked[i]]
+        heapify(heap)
+        freed = 0
+        while freed < num and heap:
+            _, _, nd = heappop(heap)
+            v = nd.aux[i]
+            freed += c.size(v)
+            self._set_aux(nd, i, None)
+            self.aux_frees.append((i, v))
+        return freed
+
+    # -- events ----------------------------------------------------------------------------------
+    def hashes(self, nd: Node) -> list[int]:
+        """The page hash chain of ``nd``'s edge (computed once, for ancestors too)."""
+        todo = []
+        x = nd
+        while x is not self.root and x.hashes is None:
+            todo.append(x)
+            x = x.parent
+        for y in reversed(todo):
+            y.hashes = page_hashes(y.key, self.page_size, self._last_hash(y.parent))
+        return nd.hashes
+
+    def _last_hash(self, nd: Node) -> int | None:
+        return None if nd is self.root else self.hashes(nd)[-1]
+
+    def _event_store(self, nd: Node, medium: str) -> None:
+        hs = self.hashes(nd)
+        self.events.append(BlockStored(list(hs), self._last_hash(nd.parent), list(nd.key),
+                                       self.page_size, medium))
+
+    def _event_remove(self, nd: Node, medium: str) -> None:
+        self.events.append(BlockRemoved(list(self.hashes(nd)), len(nd.key), medium))

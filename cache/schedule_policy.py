@@ -1,0 +1,45 @@
+"""Waiting-queue order: ``fcfs`` or ``lpm`` (longest cached prefix first), as pure functions.
+
+``lpm`` follows SGLang's schedule_policy: requests with the longest prefix already in the cache
+go first. A request whose cached prefix is short (<= ``check_threshold``) is also matched against
+an in-queue simulated tree of the prompts queued before it: if it shares at least
+``deprioritize_threshold`` tokens with one of them, it waits behind the rest of the queue, so the
+first request computes the shared prefix once and the others then hit it in the real cache.
+Ties keep arrival order. Beyond ``max_lpm_queue`` waiting requests, matching every request costs
+more than it saves and ``lpm`` falls back to ``fcfs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from tandem.cache.unified import UnifiedRadixCache
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+def order(waiting: Sequence[Any], match_len_fn: Callable[[Any], int], policy: str = "lpm", *,
+          token_ids_fn: Callable[[Any], Sequence[int]] = lambda r: r.prompt_ids,
+          check_threshold: int = 32, deprioritize_threshold: int = 32,
+          max_lpm_queue: int = 128, page_size: int = 1) -> list:
+    """``waiting`` in the order to admit. ``match_len_fn(req)``: the request's cached prefix
+    length in the real cache (e.g. ``cache.match_prefix(ids).prefix_len``). Does not modify
+    ``waiting`` or the cache beyond what ``match_len_fn`` does."""
+    if policy == "fcfs" or (policy == "lpm" and len(waiting) > max_lpm_queue):
+        return list(waiting)
+    if policy != "lpm":
+        raise ValueError(f"unknown schedule policy {policy!r}; expected one of {SCHEDULE_POLICIES}")
+    in_queue = UnifiedRadixCache.simulated(page_size=page_size)
+    keys = []
+    for i, r in enumerate(waiting):
+        cached = match_len_fn(r)
+        later = False
+        if cached <= check_threshold:
+            ids = token_ids_fn(r)
+            if in_queue.match_prefix(ids).prefix_len >= deprioritize_threshold:
+                later = True
+            else:
+                in_queue.insert(ids)
+        keys.append((later, -cached, i))
+    keys.sort()
+    return [waiting[i] for _, _, i in keys]

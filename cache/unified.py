@@ -1,0 +1,501 @@
+"""UnifiedRadixCache: the prefix cache the engine talks to.
+
+One radix tree (:mod:`tandem.cache.radix.tree`) decides what is cached and what to evict; this
+class executes: it frees slots through the allocators it was given, copies KV to and from the
+host tier, publishes KV events, and checks invariants after every public operation when
+``CacheConfig.debug_invariants`` is set.
+
+Engine protocol (mirrors SGLang's cache_unfinished_req / cache_finished_req)::
+
+    r = cache.match_prefix(ids, session_id=sid)      # r.device_indices: reusable slots
+    cache.inc_lock_ref(r.last_device_node)
+    ...compute, allocating slots (cache.evict(n) when the allocator is short)...
+    slots, node = cache.cache_req(ids[:aligned], row_slots, node)   # after a chunk / at finish
+    ...rewrite the request's row with `slots`; at finish: cache.dec_lock_ref(node)
+
+Handles (nodes) are opaque; one stays valid while it is locked.
+"""
+
+from __future__ import annotations
+
+import time
+from types import MappingProxyType
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+import torch
+
+from tandem.cache.allocator import PagedAllocator
+from tandem.cache.radix.components import FULL, TreeComponent
+from tandem.cache.radix.events import AllCleared, KVEventPublisher
+from tandem.cache.radix.eviction import make_policy
+from tandem.cache.radix.host import HostTier
+from tandem.cache.radix.sanity import check
+from tandem.cache.radix.tree import Node, RadixTree
+from tandem.core.config import CacheConfig
+
+_NO_COMPONENTS: Mapping[str, Any] = MappingProxyType({})
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _concat(pieces: list) -> torch.Tensor:
+    """One int64 tensor of the path's values: always a new tensor, never the tree's own."""
+    if not pieces:
+        return _EMPTY.clone()
+    if all(type(p) is range for p in pieces):   # simulated mode: token positions 0..n-1
+        return torch.arange(pieces[0].start, pieces[-1].stop, dtype=torch.int64)
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.as_tensor(list(p), dtype=torch.int64)
+                      for p in pieces])
+
+
+class MatchResult:
+    """What a match found. Node handles:
+
+    - ``last_device_node``: deepest node every component accepts whose KV is on the device;
+      ``device_indices`` (int64 ``[prefix_len]``) are the slots of the path down to it. Lock it.
+    - ``best_match_node``: deepest accepted node on any tier; ``host_hit_length`` tokens below
+      ``last_device_node`` are on the host only (``load_back(best_match_node)`` brings them).
+    - ``last_host_node``: deepest accepted node with a host copy (the root if none); without a
+      host tier, ``last_device_node``.
+
+    ``components`` maps a component name to what it returned (``"swa"``: SWA rows of the prefix,
+    -1 where tombstoned; ``"mamba"``: a :class:`StateCopy` or None).
+    """
+
+    __slots__ = ("prefix_len", "last_device_node", "last_host_node", "best_match_node",
+                 "host_hit_length", "components", "_pieces", "_indices")
+
+    def __init__(self, prefix_len, last_device_node, last_host_node, best_match_node,
+                 host_hit_length=0, components=_NO_COMPONENTS, pieces=()):
+        self.prefix_len = prefix_len
+        self.last_device_node = last_device_node
+        self.last_host_node = last_host_node
+        self.best_match_node = best_match_node
+        self.host_hit_length = host_hit_length
+        self.components = components
+        self._pieces = pieces
+        self._indices = None
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """Slots of the matched device prefix, concatenated once, on first use."""
+        if self._indices is None:
+            self._indices = _concat(self._pieces)
+        return self._indices
+
+    def __repr__(self) -> str:
+        return (f"MatchResult(prefix_len={self.prefix_len}, host_hit_length={self.host_hit_length}, "
+                f"last_device_node={self.last_device_node})")
+
+
+class UnifiedRadixCache:
+    """A radix prefix cache over token pages with FULL/SWA/MAMBA components and a host tier.
+
+    Args:
+        config: page size, eviction policy (+ session TTL), disable flag, debug invariants.
+        allocator: the device pool's allocator; tree values are its slot ids. None = simulated
+            mode (no pools; values are token positions).
+        req_to_token_pool: lets :meth:`cache_req` rewrite a request's row itself (``row=``).
+        components: ``(FULL,)`` plus optional :class:`SWA` / :class:`Mamba` instances that own
+            their pools' allocators.
+        host: a :class:`HostTier` (see ``HostTier.from_config``), or None.
+        events: a :class:`KVEventPublisher`; stored/removed pages are published after each
+            operation.
+        clock: wall clock for the session policy's TTL (injectable for tests).
+    """
+
+    def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
+                 req_to_token_pool=None, components: Sequence[Any] = (FULL,),
+                 host: HostTier | None = None, events: KVEventPublisher | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if FULL not in components:
+            raise ValueError(f"components={components!r} must include FULL")
+        aux = [c for c in components if c is not FULL]
+        if not all(isinstance(c, TreeComponent) for c in aux):
+            raise TypeError(f"components must be FULL or TreeComponent instances, got {components!r}")
+        names = [c.name for c in aux]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate components {names}")
+        ps = config.page_size
+        if allocator is not None and allocator.page_size != ps:
+            raise ValueError(f"allocator page_size={allocator.page_size} != config page_size={ps}")
+        if host is not None and (allocator is None or host.page_size != ps):
+            raise ValueError("a host tier needs a device allocator with the same page_size")
+        self.config = config
+        self.page_size = ps
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.host = host
+        self.publisher = events
+        self.disabled = config.disable_prefix_cache
+        self._debug = config.debug_invariants
+        self._capacity: int | None = None
+        self._aux = tuple(aux)
+        self._aux_index = {c.name: i for i, c in enumerate(aux)}
+        self.policy = make_policy(config.eviction_policy, session_ttl_s=config.session_ttl_s,
+                                  clock=clock)
+        self._tree = RadixTree(ps, self.policy, aux, record_events=events is not None)
+        if events is not None:
+            events.publish([AllCleared()])
+
+    @classmethod
+    def simulated(cls, page_size: int = 1, capacity_tokens: int | None = None, eviction: str = "lru",
+                  *, components: Sequence[Any] = (FULL,), session_ttl_s: float = 300.0,
+                  debug_invariants: bool = False, clock: Callable[[], float] = time.monotonic,
+                  events: KVEventPublisher | None = None) -> "UnifiedRadixCache":
+        """A cache with no pools (values are token positions), for routing and scheduling
+        simulation. With ``capacity_tokens``, every insert evicts to stay within it."""
+        cfg = CacheConfig(page_size=page_size, eviction_policy=eviction,
+                          session_ttl_s=session_ttl_s, debug_invariants=debug_invariants)
+        cache = cls(cfg, components=components, events=events, clock=clock)
+        cache._capacity = capacity_tokens
+        return cache
+
+    # -- matching --------------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int], *, session_id: Hashable | None = None,
+                     priority: int | None = None) -> MatchResult:
+        """The longest reusable page-aligned prefix of ``token_ids``. Does not lock; may split an
+        edge (structure only). Touches the matched path for the eviction policy (and raises its
+        nodes' priority to ``priority``, as an insert does)."""
+        t = self._tree
+        if self.disabled:
+            return MatchResult(0, t.root, t.root, t.root)
+        if session_id is not None:
+            self.policy.touch_session(session_id)
+        path = t.match(self._key(token_ids), session_id, priority)
+        n_dev, n_best = t.vote(path)
+        root = t.root
+        last_dev = path[n_dev - 1] if n_dev else root
+        best = path[n_best - 1] if n_best else root
+        dev_path = path if n_dev == len(path) else path[:n_dev]
+        if self.host is None:
+            last_host = last_dev
+        else:
+            last_host = next((nd for nd in reversed(path[:n_best]) if nd.host is not None), root)
+        comps = ({c.name: c.finalize(dev_path) for c in self._aux} if self._aux else _NO_COMPONENTS)
+        result = MatchResult(last_dev.start + len(last_dev.key), last_dev, last_host, best,
+                             best.end - last_dev.end, comps, [nd.value for nd in dev_path])
+        if self._debug:
+            self._after()
+        return result
+
+    # -- inserting -------------------------------------------------------------------------------
+    def insert(self, token_ids: Sequence[int], value: torch.Tensor | None = None, *,
+               extra: Mapping[str, Any] | None = None, session_id: Hashable | None = None,
+               priority: int = 0) -> int:
+        """Cache the page-aligned prefix of ``token_ids``; ``value[i]`` is the slot of token i
+        (None only in simulated mode). Returns the length that was already cached: the caller's
+        slots ``value[prev_cached:returned]`` are duplicates it must free; the tree keeps the
+        rest. ``extra`` hands over component data (``"swa"``: rows ``[n]``, -1 = released;
+        ``"mamba"``: the state row after the last token); the cache keeps or frees all of it.
+        With ``disable_prefix_cache`` nothing is kept: the cache frees ``value`` and returns 0."""
+        key = self._key(token_ids)
+        value = self._slots(value, len(key))
+        if self.disabled:
+            if value is not None and self.allocator is not None and len(key):
+                self.allocator.free(value[:len(key)])
+            return 0
+        cached, _, _ = self._insert(key, value, extra, session_id, priority)
+        self._enforce_capacity()
+        self._after()
+        return cached
+
+    def cache_req(self, token_ids: Sequence[int], slots: torch.Tensor | None, last_node: Node | None,
+                  *, extra: Mapping[str, Any] | None = None, session_id: Hashable | None = None,
+                  priority: int = 0, row: int | None = None) -> tuple[torch.Tensor, Node]:
+        """Hand a request's computed KV to the tree (SGLang's cache_unfinished/finished_req).
+
+        ``token_ids``: the request's tokens so far (only whole pages are cached); ``slots``: its
+        row's slots for them; ``last_node``: the node it holds locked (its protected prefix is
+        ``[0, last_node.end)``, slots the tree already owns). Inserts, frees the request's
+        duplicate slots ``slots[last_node.end : already_cached]``, moves the lock from
+        ``last_node`` to the node ending the page-aligned key, and returns
+        ``(canonical slots [aligned], new_node)`` for the engine to rewrite its row (done here
+        when ``row`` is given and a ``req_to_token_pool`` was). Slots past the aligned length stay
+        the request's. The caller unlocks ``new_node`` when the request finishes.
+        Disabled cache: nothing is kept or freed; returns ``(slots[:aligned], last_node)``."""
+        key = self._key(token_ids)
+        n = len(key)
+        slots = self._slots(slots, n)
+        t = self._tree
+        last_node = t.root if last_node is None else last_node
+        if self.disabled:
+            return (slots[:n] if slots is not None else torch.arange(n)), last_node
+        protected = last_node.start + len(last_node.key)
+        if protected > n:
+            raise ValueError(f"last_node covers {protected} tokens but only {n} page-aligned "
+                             f"tokens were given")
+        cached, node, _ = self._insert(key, slots, extra, session_id, priority)
+        if cached > protected and self.allocator is not None:
+            self.allocator.free(slots[protected:cached])
+        t.lock(node, +1)
+        t.lock(last_node, -1)
+        self._enforce_capacity()
+        indices = _concat([nd.value for nd in t.path(node)])
+        if row is not None and self.req_to_token_pool is not None and n > protected:
+            self.req_to_token_pool.write(row, protected, indices[protected:])
+        self._after()
+        return indices, node
+
+    def _insert(self, key: list, value, extra, session_id, priority) -> tuple[int, Node, bool]:
+        t = self._tree
+        if session_id is not None:
+            self.policy.touch_session(session_id)
+        aux = self._aux_values(extra, len(key))
+        if aux and not key:
+            # The end of an empty key is the root: nothing to keep a per-key value (a MAMBA
+            # checkpoint of the zero state) on, and the caller handed it over: release it.
+            for c, v in zip(self._aux, aux):
+                if v is not None and not c.per_token:
+                    c.free(v)
+        floor = self._released_floor(aux, len(key))
+        if 0 < floor < len(key):
+            # Per-token data the engine already released (-1, e.g. SWA rows outside its window)
+            # gets its own tombstoned nodes, so the rest of the edge keeps its data. Per-key
+            # values (a MAMBA checkpoint) belong to the full key only.
+            first = [v if c.per_token else None for c, v in zip(self._aux, aux)]
+            cached, _, _ = t.insert(key[:floor], value, first, session_id, priority)
+            cached2, node, created = t.insert(key, value, aux, session_id, priority)
+            if cached >= floor:                 # the first insert added nothing
+                cached = cached2
+        else:
+            cached, node, created = t.insert(key, value, aux, session_id, priority)
+        if created and self.host is not None and self.host.write_through:
+            self._backup_node(node)
+        return cached, node, created
+
+    def _aux_values(self, extra: Mapping[str, Any] | None, n: int) -> list | None:
+        """``extra`` as a list aligned with the auxiliary components (simulated mode: token
+        positions for per-token components, the key's end for per-key ones)."""
+        if not self._aux:
+            return None
+        extra = extra or {}
+        unknown = set(extra) - set(self._aux_index)
+        if unknown:
+            raise ValueError(f"extra has values for {sorted(unknown)}, which are not components "
+                             f"of this cache ({sorted(self._aux_index)})")
+        out = []
+        for c in self._aux:
+            v = extra.get(c.name)
+            if v is None and self.allocator is None:
+                v = range(n) if c.per_token else n
+            elif c.per_token and isinstance(v, torch.Tensor):
+                if len(v) < n:
+                    raise ValueError(f"{c.name} values cover {len(v)} tokens, need {n}")
+                v = v.to(torch.int64)
+            out.append(v)
+        return out
+
+    def _released_floor(self, aux: list | None, n: int) -> int:
+        """Page-aligned end of the released (-1) head of per-token component values."""
+        floor = 0
+        for c, v in zip(self._aux, aux or ()):
+            if c.per_token and isinstance(v, torch.Tensor):
+                neg = torch.nonzero(v[:n] < 0)
+                if len(neg):
+                    floor = max(floor, int(neg[-1]) + 1)
+        return min(n, -(-floor // self.page_size) * self.page_size)
+
+    # -- locks -----------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: Node) -> None:
+        """Protect the path root..node from eviction (device and host copies)."""
+        self._tree.lock(node, +1)
+        if self._debug:
+            self._after()
+
+    def dec_lock_ref(self, node: Node) -> None:
+        """Undo one :meth:`inc_lock_ref`. Raises ValueError if the node is not locked."""
+        self._tree.lock(node, -1)
+        if self._debug:
+            self._after()
+
+    # -- eviction --------------------------------------------------------------------------------
+    def evict(self, num_tokens: int, component: str = "full") -> int:
+        """Free at least ``num_tokens`` of unlocked cache if there is that much; returns how
+        much was freed. ``component``: "full" (device KV; leaves first, cascading, backed up to
+        the host tier when there is one), "host" (host copies), or an auxiliary component's name
+        (tombstones its data; the nodes and their FULL KV stay)."""
+        if self.disabled or num_tokens <= 0:
+            return 0
+        if component == "full":
+            freed = self._evict_device(num_tokens)
+        elif component == "host":
+            freed = self._tree.evict_host(num_tokens)
+        elif component in self._aux_index:
+            freed = self._tree.evict_aux(self._aux_index[component], num_tokens)
+        else:
+            raise ValueError(f"unknown component {component!r}")
+        self._after()
+        return freed
+
+    def _evict_device(self, num_tokens: int) -> int:
+        t = self._tree
+        if self.policy.time_dependent:
+            self.policy.begin_pass()
+            t.rebuild_heap()
+        freed = 0
+        while freed < num_tokens:
+            nd = t.pop_leaf()
+            if nd is None:
+                break
+            if self.host is not None and nd.host is None:
+                self._backup_node(nd)
+            freed += t.drop_device(nd)
+        return freed
+
+    def _enforce_capacity(self) -> None:
+        if self._capacity is not None:
+            over = self._tree.evictable + self._tree.protected - self._capacity
+            if over > 0:
+                self._evict_device(over)
+
+    # -- host tier -------------------------------------------------------------------------------
+    def _host_alloc(self, n: int) -> torch.Tensor | None:
+        alloc = self.host.allocator
+        if alloc.available_size() < n:
+            self._tree.evict_host(n - alloc.available_size())
+            self._free_host()
+        return alloc.alloc(n)
+
+    def _backup_node(self, nd: Node) -> bool:
+        """Copy ``nd``'s device KV to new host slots. False when the host has no room."""
+        host_slots = self._host_alloc(len(nd.key))
+        if host_slots is None:
+            return False
+        self.host.copier.to_host(nd.value, host_slots)
+        self._tree.set_host(nd, host_slots)
+        return True
+
+    def load_back(self, node: Node) -> torch.Tensor | None:
+        """Bring the host-only nodes on the path to ``node`` back to the device (evicting device
+        cache if short). Returns the device slots of the whole path root..node, or None when the
+        device has no room. Does not lock ``node``."""
+        t = self._tree
+        if self.host is None or node.parent is None and node is not t.root:
+            raise ValueError(f"load_back({node}): no host tier, or the node is not in the tree")
+        todo = [nd for nd in t.path(node) if nd.value is None]
+        if todo:
+            need = sum(len(nd.key) for nd in todo)
+            t.lock(node, +1)                    # keep the path while making room
+            if self.allocator.available_size() < need:
+                self._evict_device(need - self.allocator.available_size())
+                self._free_device()
+            slots = self.allocator.alloc(need)
+            t.lock(node, -1)
+            if slots is None:
+                self._after()
+                return None
+            self.host.copier.to_device(torch.cat([nd.host for nd in todo]), slots)
+            off = 0
+            for nd in todo:
+                t.set_device(nd, slots[off:off + len(nd.key)])
+                off += len(nd.key)
+        indices = _concat([nd.value for nd in t.path(node)])
+        self._after()
+        return indices
+
+    def backup(self, token_ids: Sequence[int], slots: torch.Tensor, last_node: Node | None, *,
+               session_id: Hashable | None = None) -> tuple[Node, int]:
+        """Retraction: move a request's KV to the host tier and free its device slots.
+
+        Like :meth:`cache_req` (the lock moves from ``last_node`` to the returned node), then
+        the nodes only this request holds are copied to the host and dropped from the device,
+        bottom-up. Returns ``(node, device tokens freed)``; ``node`` stays locked (host copies
+        are not evicted) until the caller's :meth:`dec_lock_ref`. Restore with
+        ``match_prefix`` + ``load_back(best_match_node)``."""
+        indices, node = self.cache_req(token_ids, slots, last_node, session_id=session_id)
+        if self.host is None or self.disabled:
+            return node, 0
+        t = self._tree
+        freed = 0
+        nd = node
+        while nd is not t.root and nd.lock_ref == 1 and nd.value is not None and nd.ndc == 0:
+            if nd.host is None and not self._backup_node(nd):
+                break
+            freed += t.drop_device(nd)
+            nd = nd.parent
+        self._after()
+        return node, freed
+
+    # -- sizes -----------------------------------------------------------------------------------
+    def evictable_size(self, component: str = "full") -> int:
+        """Unlocked device tokens (or units of a component's pool)."""
+        if component == "full":
+            return self._tree.evictable
+        return self._tree.aux_evictable[self._aux_index[component]]
+
+    def protected_size(self, component: str = "full") -> int:
+        """Locked device tokens (or units of a component's pool)."""
+        if component == "full":
+            return self._tree.protected
+        return self._tree.aux_protected[self._aux_index[component]]
+
+    def total_size(self, tier: str = "device") -> int:
+        """Tokens cached on the device (evictable + protected) or on the host tier."""
+        t = self._tree
+        return t.host_size if tier == "host" else t.evictable + t.protected
+
+    # -- invariants ------------------------------------------------------------------------------
+    def sanity_check(self, extra_owned: Any = None) -> None:
+        """Recount everything (see :mod:`tandem.cache.radix.sanity`); raise AssertionError
+        listing every violation. ``extra_owned``: slots held by in-flight requests (a tensor, or
+        a mapping of component name -> tensor); with it, ownership must be exact."""
+        if self.host is not None:
+            self.host.copier.synchronize()
+        errs = check(self._tree, allocator=self.allocator, extra_owned=extra_owned,
+                     host_allocator=self.host.allocator if self.host else None)
+        if errs:
+            raise AssertionError(f"{len(errs)} cache invariant violation(s):\n" + "\n".join(errs))
+
+    # -- execution -------------------------------------------------------------------------------
+    def _key(self, token_ids: Sequence[int]) -> list:
+        """The page-aligned key. A list is used as is (the tree stores slices, never it)."""
+        if type(token_ids) is not list:
+            token_ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        r = len(token_ids) % self.page_size
+        return token_ids[:len(token_ids) - r] if r else token_ids
+
+    def _slots(self, value, n: int) -> torch.Tensor | None:
+        if value is None:
+            if self.allocator is not None:
+                raise ValueError("a cache with pools needs the slot ids of the tokens (value=None)")
+            return None
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        if len(value) < n:
+            raise ValueError(f"{len(value)} slots for {n} page-aligned tokens")
+        return value.to(device="cpu", dtype=torch.int64)
+
+    def _free_device(self) -> None:
+        t = self._tree
+        if t.device_frees:
+            if self.allocator is not None:
+                if self.host is not None:
+                    self.host.copier.synchronize()   # a pending D2H copy may read these slots
+                self.allocator.free(torch.cat(t.device_frees))
+            t.device_frees = []
+
+    def _free_host(self) -> None:
+        t = self._tree
+        if t.host_frees:
+            self.host.copier.synchronize()
+            self.host.allocator.free(torch.cat(t.host_frees))
+            t.host_frees = []
+
+    def _after(self) -> None:
+        """Execute what the tree decided during the operation, then check invariants."""
+        t = self._tree
+        if t.device_frees:
+            self._free_device()
+        if t.host_frees:
+            self._free_host()
+        if t.aux_frees:
+            for i, v in t.aux_frees:
+                self._aux[i].free(v)
+            t.aux_frees = []
+        if self.host is not None:
+            self.host.copier.poll()
+        if t.events:
+            self.publisher.publish(t.events)
+            t.events = []
+        if self._debug:
+            self.sanity_check()
