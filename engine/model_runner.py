@@ -1,0 +1,167 @@
+"""ModelRunner: build a ForwardBatch from (row, prefix_len, new ids, new slots) and run the model.
+
+Thin on purpose: the scheduler decides what runs and owns every slot; the runner only
+1. writes the new slots into ``req_to_token`` (:meth:`build_forward_batch`),
+2. turns the plan into device tensors (the one place that does), and
+3. calls ``backend.init_forward`` then ``model.forward`` (:meth:`forward`).
+
+For tests and benchmarks it also has a tiny sequence API (:meth:`prefill`, :meth:`extend`,
+:meth:`decode`, :meth:`release`, :meth:`generate_greedy`) that allocates rows and slots itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.forward_batch import ForwardBatch
+
+# (req_to_token row, prefix_len, new token ids, their KV slots [n] int64)
+SeqPlan = tuple[int, int, list[int], torch.Tensor]
+
+
+@dataclass
+class RunnerSeq:
+    """A sequence the runner's convenience API manages: its row and how many tokens hold KV."""
+    row: int
+    length: int = 0
+    last_slot: int = -1
+
+
+class ModelRunner:
+    def __init__(self, loaded, kv_pool, req_to_token_pool, allocator, backend):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.backend = backend
+        self.device = kv_pool.device
+
+    # -- the engine-facing API -----------------------------------------------------------------
+    def build_forward_batch(self, seqs: list[SeqPlan]) -> ForwardBatch:
+        """Write each sequence's new slots into its req_to_token row and build the step's tensors.
+
+        Sequence i's new tokens take positions ``prefix_len .. prefix_len + len(new_ids) - 1``.
+        """
+        if not seqs:
+            raise ValueError("build_forward_batch needs at least one sequence")
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        locs: list[torch.Tensor] = []
+        rows, prefix, ext = [], [], []
+        for row, prefix_len, new_ids, new_slots in seqs:
+            n = len(new_ids)
+            if n == 0 or len(new_slots) != n:
+                raise ValueError(f"row {row}: {n} new ids but {len(new_slots)} slots (need >= 1, equal)")
+            self.req_to_token_pool.write(row, prefix_len, new_slots)
+            ids.extend(new_ids)
+            positions.append(torch.arange(prefix_len, prefix_len + n, dtype=torch.int64))
+            locs.append(new_slots.to("cpu", torch.int64))
+            rows.append(row)
+            prefix.append(prefix_len)
+            ext.append(n)
+        seq_lens = [p + n for p, n in zip(prefix, ext)]
+        starts = [0]
+        for n in ext[:-1]:
+            starts.append(starts[-1] + n)
+        dev = self.device
+
+        def t(x):
+            return torch.as_tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=t(ids), positions=torch.cat(positions).to(dev), out_cache_loc=torch.cat(locs).to(dev),
+            req_pool_indices=t(rows), seq_lens=t(seq_lens), prefix_lens=t(prefix),
+            extend_lens=t(ext), extend_starts=t(starts),
+            req_to_token=self.req_to_token_pool.req_to_token, kv_pool=self.kv_pool,
+            seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix, extend_lens_cpu=ext)
+
+    def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, V] (float32) at each sequence's last new token, or [T, V]."""
+        self.backend.init_forward(fb)
+        return self.model.forward(fb, self.backend, return_all_logits=return_all_logits)
+
+    # -- convenience sequence API (tests, benchmarks) ------------------------------------------
+    def new_seq(self) -> RunnerSeq:
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            raise RuntimeError("no free req_to_token row")
+        return RunnerSeq(row)
+
+    def extend(self, seqs: list[RunnerSeq], new_ids: list[list[int]],
+               return_all_logits: bool = False) -> torch.Tensor:
+        """Append ``new_ids[i]`` to ``seqs[i]`` (allocating slots) in one step; logits [B, V]."""
+        plans: list[SeqPlan] = []
+        for s, ids in zip(seqs, new_ids, strict=True):
+            slots = self.allocator.alloc_extend(s.last_slot, s.length, len(ids))
+            if slots is None:
+                raise RuntimeError(f"KV pool full: {len(ids)} slots wanted, "
+                                   f"{self.allocator.available_size()} free")
+            plans.append((s.row, s.length, list(ids), slots))
+        fb = self.build_forward_batch(plans)
+        for s, (_, _, ids, slots) in zip(seqs, plans):
+            s.length += len(ids)
+            s.last_slot = int(slots[-1])
+        return self.forward(fb, return_all_logits)
+
+    def prefill(self, ids: list[int], chunk: int | None = None) -> tuple[RunnerSeq, torch.Tensor]:
+        """A new sequence holding ``ids`` (in chunks of ``chunk`` tokens); logits [V] of the last."""
+        s = self.new_seq()
+        step = chunk or len(ids)
+        for i in range(0, len(ids), step):
+            logits = self.extend([s], [ids[i:i + step]])
+        return s, logits[0]
+
+    def decode(self, seqs: list[RunnerSeq], token_ids: list[int]) -> torch.Tensor:
+        """One decode step: append one token to each sequence; logits [B, V]."""
+        return self.extend(seqs, [[t] for t in token_ids])
+
+    def release(self, s: RunnerSeq) -> None:
+        """Free the sequence's slots and row."""
+        if s.length:
+            self.allocator.free(self.req_to_token_pool.read(s.row, 0, s.length))
+        self.req_to_token_pool.free(s.row)
+        s.length, s.last_slot = 0, -1
+
+    def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int,
+                        stop_ids: set[int] | None = None) -> list[list[int]]:
+        """Greedy tokens for each prompt: one batched prefill step, then batched decode steps.
+        A sequence stops after emitting a token in ``stop_ids`` (that token is included)."""
+        seqs = [self.new_seq() for _ in prompts]
+        try:
+            logits = self.extend(seqs, prompts)
+            outs: list[list[int]] = [[] for _ in prompts]
+            live = list(range(len(prompts)))
+            nxt = logits.argmax(-1).tolist()            # aligned with live
+            for step in range(max_new_tokens):
+                keep = []
+                for j, i in enumerate(live):
+                    outs[i].append(nxt[j])
+                    if not (stop_ids and nxt[j] in stop_ids):
+                        keep.append(j)
+                if not keep or step == max_new_tokens - 1:
+                    break
+                live, toks = [live[j] for j in keep], [nxt[j] for j in keep]
+                nxt = self.decode([seqs[i] for i in live], toks).argmax(-1).tolist()
+            return outs
+        finally:
+            for s in seqs:
+                self.release(s)
+
+    @classmethod
+    def create(cls, loaded, max_total_tokens: int = 4096, page_size: int = 1, max_reqs: int = 16,
+               max_context: int | None = None, backend=None) -> "ModelRunner":
+        """A runner with freshly built pools sized for ``loaded`` (tests, benchmarks)."""
+        from tandem.cache.allocator import PagedAllocator
+        from tandem.cache.kv_pool import KVPool
+        from tandem.cache.req_to_token import ReqToTokenPool
+        from tandem.engine.attention.torch_backend import TorchAttentionBackend
+
+        a = loaded.arch
+        pool = KVPool(max_total_tokens, page_size, a.num_layers, a.num_kv_heads, a.head_dim,
+                      dtype=loaded.model.dtype, device=loaded.model.device)
+        r2t = ReqToTokenPool(max_reqs, max_context or a.max_position, device=loaded.model.device)
+        alloc = PagedAllocator(max_total_tokens // page_size, page_size)
+        return cls(loaded, pool, r2t, alloc, backend or TorchAttentionBackend())
