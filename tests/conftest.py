@@ -10,6 +10,17 @@ import os
 
 import pytest
 
+# Triton fixes interpret mode at its first import, process-wide: without CUDA every triton kernel
+# in the suite runs in the interpreter (the GPU tests rerun their file in a child process).
+if os.environ.get("TRITON_INTERPRET") is None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
