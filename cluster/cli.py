@@ -3,6 +3,7 @@
     tandem generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model M] [--json]
     tandem serve [--config FILE] [flags]          (OpenAI-compatible HTTP server)
     tandem bench --url URL --workload agent|vllm-multiturn|trace:FILE [--out DIR]   (load test)
+    tandem simulate --trace FILE --prefill N --decode M --policy P   (cluster-scale simulation)
 
 Errors a user can cause (bad flags, a missing model file, a prompt that does not fit) print one
 line to stderr and exit with status 2; nothing prints a traceback for them.
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(s)
 
     from tandem.bench.loadgen.cli import register as register_bench
+    from tandem.bench.sim.cli import register as register_simulate
     register_bench(sub)
+    register_simulate(sub)
     return p
 
 

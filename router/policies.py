@@ -1,0 +1,345 @@
+"""Routing policies: ``choose(view, req, state) -> Decision``.
+
+Each policy is a function of a :class:`ClusterView` (worker loads), the :class:`RouteRequest`
+and an explicit :class:`RouterState` (counters, the seeded RNG, the session table and the two
+prefix indexes). Policies update that state as they route (a round-robin counter, the
+approximate prefix index, session bindings) and nothing else: no I/O, no clocks, no globals.
+The view's ``now`` is the only time they see.
+
+| policy | prefill worker | decode worker |
+|---|---|---|
+| round_robin | next in turn | next in turn |
+| random | seeded uniform | seeded uniform |
+| least_load | fewest in flight (ties in turn) | fewest KV tokens (ties in turn) |
+| cache_aware | SGLang: min load if imbalanced, else best prefix match over threshold, else smallest tree | fewest KV tokens |
+| kv_events | Dynamo: argmin ``w * prefill_blocks + decode_blocks`` over the exact KV-event index | fewest KV tokens |
+| session (default) | the session's worker unless overloaded or dead; else argmin of Mooncake Conductor's predicted TTFT (queue + prefill(uncached, cached)) plus the prefill it costs later requests (duplicated and evicted prefix tokens) | the session's decode worker, else fewest KV tokens |
+
+Admission (``admit``, ``retry_after_s``) is separate: the front door asks before routing and
+answers 429 with Retry-After when every prefill worker is past its limits.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .prefix_index import ApproxPrefixIndex, GlobalBlockIndex, block_hashes
+from .sessions import SessionTable
+from .view import ClusterView, Decision, RouteRequest, WorkerView
+
+POLICIES = ("round_robin", "random", "least_load", "cache_aware", "kv_events", "session")
+DEFAULT_POLICY = "session"
+
+
+@dataclass(frozen=True)
+class PrefillEstimator:
+    """Predicted prefill seconds of ``new`` uncached tokens after ``cached`` cached ones:
+    ``overhead_s + per_token_s * new + per_pair_s * new * (cached + new / 2)``. The last term is
+    causal attention (each new token attends to the cached prefix and half the new ones on
+    average). Mooncake fits such a model offline; the simulator hands the router its profile's
+    coefficients (``bench/sim/cost_model.py``). Defaults: Llama-3-8B on one H100."""
+
+    overhead_s: float = 0.010
+    per_token_s: float = 2.68e-5        # 2 * 8.03e9 FLOP / 600 TFLOP/s
+    per_pair_s: float = 1.05e-9         # 4 * 32 layers * 4096 FLOP / 500 TFLOP/s
+
+    def seconds(self, new: int, cached: int = 0) -> float:
+        if new <= 0:
+            return self.overhead_s
+        return self.overhead_s + new * (self.per_token_s + self.per_pair_s * (cached + 0.5 * new))
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Per prefill worker: past either limit it takes no new (non-sticky) work."""
+
+    max_queue: int = 64                 # waiting requests
+    max_pending_s: float = 30.0         # predicted queueing seconds (the TTFT a new request would
+                                        # see before its own prefill starts)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    seed: int = 0
+    # cache_aware: SGLang router defaults (docs table; ANCHORS.md 2.1)
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    # kv_events: Dynamo (ANCHORS.md 2.2)
+    overlap_weight: float = 1.0
+    kv_block_size: int = 16             # key elements per hashed block = the engines' page size
+    host_block_credit: float = 0.5      # a host-tier block saves this fraction of its prefill
+    # session
+    session_ttl_s: float = 600.0
+    max_sessions: int = 100_000
+    spill: AdmissionLimits = AdmissionLimits(max_queue=16, max_pending_s=5.0)
+    estimator: PrefillEstimator = PrefillEstimator()
+    duplicate_penalty: float = 1.0     # session: prefill tokens charged per duplicated token
+    evict_penalty: float = 1.0         # session: prefill tokens charged per token it makes evict
+    # approximate index (cache_aware, session)
+    index_page_size: int = 1            # key elements per page
+    index_capacity: int | None = None   # key elements per worker; None = unbounded
+
+
+@dataclass
+class RouterState:
+    """Everything the policies remember between decisions. One per router replica."""
+
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    rng: random.Random = field(init=False)
+    sessions: SessionTable = field(init=False)
+    approx: ApproxPrefixIndex = field(init=False)
+    kv: GlobalBlockIndex = field(init=False)
+    rr_prefill: int = 0
+    rr_decode: int = 0
+
+    def __post_init__(self):
+        c = self.config
+        self.rng = random.Random(c.seed)
+        self.sessions = SessionTable(c.session_ttl_s, c.max_sessions)
+        self.approx = ApproxPrefixIndex(c.index_page_size, c.index_capacity)
+        self.kv = GlobalBlockIndex()
+
+    def forget_worker(self, worker: int) -> None:
+        """A worker left: drop what the router remembered about it."""
+        self.approx.remove_worker(worker)
+        self.kv.remove_worker(worker)
+        self.sessions.forget_worker(worker)
+
+
+# -- shared pieces -------------------------------------------------------------------------------
+def _none(reason: str = "no_worker") -> Decision:
+    return Decision(-1, -1, reason)
+
+
+def _matched_tokens(req: RouteRequest, elements: int) -> int:
+    return min(elements * req.key_unit, req.prompt_tokens)
+
+
+def _rotate_min(ws: list[WorkerView], key, turn: int) -> WorkerView:
+    """The worker with the smallest ``key``; ties go round in turn (by ``turn``), so idle
+    workers share cold traffic instead of the lowest id taking all of it."""
+    best = min(key(w) for w in ws)
+    tied = [w for w in ws if key(w) == best]
+    return tied[turn % len(tied)]
+
+
+def _least_decode(ws: list[WorkerView], state: "RouterState") -> int:
+    """Dynamo's decode choice (overlap weight 0): fewest active KV tokens, then fewest running."""
+    if not ws:
+        return -1
+    state.rr_decode += 1
+    return _rotate_min(ws, lambda w: (w.running_tokens, w.in_flight), state.rr_decode).worker_id
+
+
+def _least_prefill(ws: list[WorkerView], state: "RouterState") -> WorkerView:
+    """Fewest requests in flight, then fewest queued tokens."""
+    state.rr_prefill += 1
+    return _rotate_min(ws, lambda w: (w.in_flight, w.running_tokens), state.rr_prefill)
+
+
+def _over(w: WorkerView, limits: AdmissionLimits) -> bool:
+    return w.queue_len >= limits.max_queue or w.pending_s >= limits.max_pending_s
+
+
+# -- policies ------------------------------------------------------------------------------------
+def round_robin(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
+    ps, ds = view.alive_prefill(), view.alive_decode()
+    if not ps:
+        return _none()
+    p = ps[state.rr_prefill % len(ps)].worker_id
+    d = ds[state.rr_decode % len(ds)].worker_id if ds else -1
+    state.rr_prefill += 1
+    state.rr_decode += 1
+    return Decision(p, d, "turn")
+
+
+def random_choice(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
+    ps, ds = view.alive_prefill(), view.alive_decode()
+    if not ps:
+        return _none()
+    p = state.rng.choice(ps).worker_id
+    d = state.rng.choice(ds).worker_id if ds else -1
+    return Decision(p, d, "random")
+
+
+def least_load(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
+    ps = view.alive_prefill()
+    if not ps:
+        return _none()
+    return Decision(_least_prefill(ps, state).worker_id, _least_decode(view.alive_decode(), state), "load")
+
+
+def cache_aware(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
+    """SGLang's router (ANCHORS.md 2.1). Load = requests in flight."""
+    ps = view.alive_prefill()
+    if not ps:
+        return _none()
+    c = state.config
+    loads = [w.load for w in ps]
+    hi, lo = max(loads), min(loads)
+    matched = 0
+    if hi - lo > c.balance_abs_threshold and hi > c.balance_rel_threshold * lo:
+        chosen, reason = _least_prefill(ps, state), "imbalance"
+    else:
+        m = state.approx.match(req.key)
+        best = max(ps, key=lambda w: (m.get(w.worker_id, 0), -w.load, -state.approx.size(w.worker_id),
+                                      -w.worker_id))
+        matched = _matched_tokens(req, m.get(best.worker_id, 0))
+        if req.prompt_tokens and matched / req.prompt_tokens > c.cache_threshold:
+            chosen, reason = best, "prefix"
+        else:
+            chosen = min(ps, key=lambda w: (state.approx.size(w.worker_id), w.load, w.worker_id))
+            reason, matched = "smallest_tree", _matched_tokens(req, m.get(chosen.worker_id, 0))
+    state.approx.insert(chosen.worker_id, req.key)
+    return Decision(chosen.worker_id, _least_decode(view.alive_decode(), state), reason, matched)
+
+
+def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
+    """Dynamo's KV router over the exact index: ``cost(w) = weight * prefill_blocks(w) +
+    decode_blocks(w)``; prefill_blocks = the request's blocks not cached on ``w`` (a host-tier
+    block counts ``1 - host_block_credit``), decode_blocks = ``w``'s active blocks (tokens it
+    still has to process). Argmin; ties: fewer in flight, then in turn."""
+    ps = view.alive_prefill()
+    if not ps:
+        return _none()
+    c = state.config
+    block_tokens = c.kv_block_size * req.key_unit
+    total = -(-req.prompt_tokens // block_tokens)
+    hashes = req.block_hashes if req.block_hashes is not None else block_hashes(req.key, c.kv_block_size)
+    ov = state.kv.overlap(hashes)
+    cost = {}
+    for w in ps:
+        dev, host = ov.get(w.worker_id, (0, 0))
+        prefill_blocks = max(total - dev - host * c.host_block_credit, 0.0)
+        cost[w.worker_id] = c.overlap_weight * prefill_blocks + -(-w.running_tokens // block_tokens)
+    state.rr_prefill += 1
+    w = _rotate_min(ps, lambda w: (cost[w.worker_id], w.in_flight), state.rr_prefill)
+    dev = ov.get(w.worker_id, (0, 0))[0]
+    return Decision(w.worker_id, _least_decode(view.alive_decode(), state), "kv_cost",
+                    _matched_tokens(req, dev * c.kv_block_size))
+
+
+def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
+    """Sticky sessions with load-aware prefix affinity (the default).
+
+    Prefill: a live session's worker keeps the session while it is alive and under the spill
+    limits (queue length, predicted queueing). Otherwise, and for requests with no session, the
+    worker under those limits (any worker when none is) with the least cost, where cost = the predicted TTFT as Mooncake's Conductor computes
+    it, ``pending_s(w) + prefill(prompt - match(w), match(w))`` with ``match`` from the
+    approximate prefix index, plus what the choice costs later requests (``_later_cost``:
+    duplicated prefix tokens and tokens it forces the worker's cache to evict, one token of
+    prefill each). Ties go to the longer match, then the smaller tree (spreads cold prefixes),
+    then fewer in flight. Decode: the session's previous decode worker while alive and not
+    overloaded, else fewest KV tokens.
+    """
+    ps = view.alive_prefill()
+    if not ps:
+        return _none()
+    c = state.config
+    est = c.estimator
+    key = req.session_key
+    entry = state.sessions.get(key, view.now)
+    chosen = None
+    reason = ""
+    m = state.approx.match(req.key)
+    if entry is not None:
+        w = next((w for w in ps if w.worker_id == entry.prefill_worker), None)
+        if w is not None and not _over(w, c.spill):
+            chosen, reason = w, "sticky"
+    if chosen is None:
+        best = None
+        top = _matched_tokens(req, max(m.values(), default=0))
+        for w in [w for w in ps if not _over(w, c.spill)] or ps:    # the overloaded only if all are
+            hit = _matched_tokens(req, m.get(w.worker_id, 0))
+            t = w.pending_s + est.seconds(req.prompt_tokens - hit, hit) + _later_cost(state, req, w, hit, top)
+            k = (t, -hit, state.approx.size(w.worker_id), w.in_flight, w.worker_id)
+            if best is None or k < best:
+                best, chosen = k, w
+        reason = "spill" if entry is not None else ("prefix" if -best[1] > 0 else "load")
+    hit = _matched_tokens(req, m.get(chosen.worker_id, 0))
+    ttft = chosen.pending_s + est.seconds(req.prompt_tokens - hit, hit)
+    state.approx.insert(chosen.worker_id, req.key)
+
+    ds = view.alive_decode()
+    d = -1
+    if entry is not None:
+        dw = next((w for w in ds if w.worker_id == entry.decode_worker), None)
+        if dw is not None and not _decode_overloaded(dw, ds):
+            d = dw.worker_id
+    if d < 0:
+        d = _least_decode(ds, state)
+    state.sessions.bind(key, chosen.worker_id, d, view.now)
+    return Decision(chosen.worker_id, d, reason, hit, ttft)
+
+
+def _later_cost(state: RouterState, req: RouteRequest, w: WorkerView, hit: int, top: int) -> float:
+    """Seconds of prefill a choice of ``w`` is expected to cost *later requests*, on top of this
+    request's TTFT: each token ``w`` would recompute although another worker caches it
+    (``top - hit``: a duplicate that splits a prefix's traffic and takes room twice) and each
+    token ``w``'s cache would have to evict to take this prompt (from the index's size and
+    capacity; a future miss), priced at one token of prefill per token by default."""
+    c = state.config
+    dup = top - hit
+    ev = 0
+    if c.index_capacity is not None:
+        new = req.prompt_tokens - hit
+        over = (state.approx.size(w.worker_id) - c.index_capacity) * req.key_unit + new
+        ev = max(0, min(new, over))
+    return c.estimator.per_token_s * (c.duplicate_penalty * dup + c.evict_penalty * ev)
+
+
+def _decode_overloaded(w: WorkerView, ds: list[WorkerView]) -> bool:
+    """A decode worker is too full to keep a session when it is nearly out of KV room, or holds
+    more than twice the KV tokens of the least-loaded decode worker plus one long request."""
+    if w.capacity_tokens and w.running_tokens >= 0.9 * w.capacity_tokens:
+        return True
+    lo = min(x.running_tokens for x in ds)
+    return w.running_tokens > 2 * lo + 32_768
+
+
+POLICY_FUNCS: dict[str, Callable[[ClusterView, RouteRequest, RouterState], Decision]] = {
+    "round_robin": round_robin,
+    "random": random_choice,
+    "least_load": least_load,
+    "cache_aware": cache_aware,
+    "kv_events": kv_events,
+    "session": session,
+}
+
+
+def choose(view: ClusterView, req: RouteRequest, state: RouterState, policy: str = DEFAULT_POLICY) -> Decision:
+    """Route ``req`` with the named policy (see the table in this module's docstring)."""
+    fn = POLICY_FUNCS.get(policy)
+    if fn is None:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return fn(view, req, state)
+
+
+# -- admission -----------------------------------------------------------------------------------
+def admit(view: ClusterView, limits: AdmissionLimits = AdmissionLimits()) -> bool:
+    """True when at least one alive prefill worker is under both limits."""
+    return any(not _over(w, limits) for w in view.prefill if w.alive)
+
+
+def retry_after_s(view: ClusterView, limits: AdmissionLimits = AdmissionLimits(),
+                  default_s: int = 5, max_s: int = 60) -> int:
+    """Seconds a refused client should wait (the Retry-After header): the predicted time until
+    the soonest alive prefill worker is back under its limits, from its predicted queue
+    (``pending_s``; per queued request ``pending_s / queue_len``). Whole seconds in
+    ``[1, max_s]``; ``default_s`` when no prefill worker is alive."""
+    best = None
+    for w in view.prefill:
+        if not w.alive:
+            continue
+        wait = max(w.pending_s - limits.max_pending_s, 0.0)
+        if w.queue_len >= limits.max_queue:
+            per_req = w.pending_s / w.queue_len if w.queue_len else 0.0
+            wait = max(wait, (w.queue_len - limits.max_queue + 1) * per_req)
+        best = wait if best is None else min(best, wait)
+    if best is None:
+        return default_s
+    return int(min(max(math.ceil(best), 1), max_s))

@@ -1,0 +1,105 @@
+"""The session table: which prefill and decode worker a conversation last used.
+
+A session is named by the client's explicit id (``X-Session-Id`` / ``session_id``) or, when it
+sends none, by :func:`fingerprint` of the conversation's opening (system prompt + first user
+message), which is the same on every turn of a chat because chat clients resend the history.
+
+The table is bounded (``max_sessions``, least recently touched dropped first) and entries older
+than ``ttl_s`` are treated as absent; both keep memory and lookups O(1) with many sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping, Sequence
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    prefill_worker: int
+    decode_worker: int
+    last_touched: float     # the view's clock (seconds)
+    turns: int = 1
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float = 600.0, max_sessions: int = 100_000):
+        if ttl_s <= 0 or max_sessions < 1:
+            raise ValueError(f"ttl_s={ttl_s} must be > 0 and max_sessions={max_sessions} >= 1")
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._entries: OrderedDict[Hashable, SessionEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable | None, now: float) -> SessionEntry | None:
+        """The live entry for ``key``, or None (no key, unknown, or idle past ``ttl_s``)."""
+        if key is None:
+            return None
+        e = self._entries.get(key)
+        if e is None or now - e.last_touched > self.ttl_s:
+            return None
+        return e
+
+    def bind(self, key: Hashable | None, prefill_worker: int, decode_worker: int, now: float) -> None:
+        """Record the workers ``key``'s latest turn went to (touching it)."""
+        if key is None:
+            return
+        e = self._entries.get(key)
+        if e is None:
+            self._entries[key] = SessionEntry(prefill_worker, decode_worker, now)
+            if len(self._entries) > self.max_sessions:
+                self._entries.popitem(last=False)
+            return
+        live = now - e.last_touched <= self.ttl_s
+        e.prefill_worker, e.decode_worker, e.last_touched = prefill_worker, decode_worker, now
+        e.turns = e.turns + 1 if live else 1
+        self._entries.move_to_end(key)
+
+    def forget_worker(self, worker: int) -> int:
+        """Drop every entry pinned to ``worker`` (it left the cluster). Returns how many."""
+        gone = [k for k, e in self._entries.items() if worker in (e.prefill_worker, e.decode_worker)]
+        for k in gone:
+            del self._entries[k]
+        return len(gone)
+
+    def expire(self, now: float) -> int:
+        """Drop entries idle past ``ttl_s`` (oldest first). Returns how many."""
+        n = 0
+        while self._entries:
+            k, e = next(iter(self._entries.items()))
+            if now - e.last_touched <= self.ttl_s:
+                break
+            del self._entries[k]
+            n += 1
+        return n
+
+
+def _content_text(content: Any) -> str:
+    """A message's text: a string, or the text parts of an OpenAI content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    return ""
+
+
+def fingerprint(messages: Sequence[Mapping[str, Any]]) -> int | None:
+    """A stable 63-bit id of a chat's opening: every system/developer message before the first
+    user message, and that user message. None when there is no user message (a completion
+    prompt, or a chat that cannot be told apart from others). Stable across processes and
+    Python versions (BLAKE2b, not ``hash()``); later turns do not change it."""
+    head = []
+    for m in messages:
+        role = m.get("role")
+        if role in ("system", "developer"):
+            head.append([role, _content_text(m.get("content"))])
+        elif role == "user":
+            head.append(["user", _content_text(m.get("content"))])
+            blob = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode()
+            return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+    return None

@@ -1,0 +1,93 @@
+"""What a routing policy sees: a snapshot of the workers, and the request being routed.
+
+Policies (``policies.py``) are functions of these values plus an explicit state object; nothing
+here talks to a worker. Whoever builds a view (the cluster's backend from worker heartbeats and
+its own dispatch records, or the simulator from its engines) fills every field; the comment beside
+each field says what it means so both builders agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the router sees it at decision time."""
+
+    worker_id: int
+    role: str                       # PREFILL or DECODE
+    alive: bool = True              # health checks pass; a dead worker is never chosen
+    queue_len: int = 0              # requests waiting (not yet computing)
+    in_flight: int = 0              # requests dispatched and not finished (waiting + running)
+    running_tokens: int = 0         # prefill: uncomputed prompt tokens queued or computing;
+                                    # decode: KV tokens held by running requests
+    pending_s: float = 0.0          # predicted seconds of work ahead of a new request (queue + rest
+                                    # of the current batch): the queueing part of a predicted TTFT
+    capacity_tokens: int = 0        # KV tokens the worker can hold (0 = unknown)
+
+    @property
+    def load(self) -> int:
+        """The load SGLang's router compares: requests dispatched and not finished."""
+        return self.in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """All workers, split by role, in a stable order (worker id order)."""
+
+    prefill: tuple[WorkerView, ...]
+    decode: tuple[WorkerView, ...]
+    now: float = 0.0                # seconds, the view builder's clock (session last-touched)
+
+    @classmethod
+    def of(cls, workers: Sequence[WorkerView], now: float = 0.0) -> "ClusterView":
+        ws = sorted(workers, key=lambda w: w.worker_id)
+        return cls(tuple(w for w in ws if w.role == PREFILL),
+                   tuple(w for w in ws if w.role == DECODE), now)
+
+    def alive_prefill(self) -> list[WorkerView]:
+        return [w for w in self.prefill if w.alive]
+
+    def alive_decode(self) -> list[WorkerView]:
+        return [w for w in self.decode if w.alive]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request being routed.
+
+    ``key`` is what the prefix indexes match on: the prompt's token ids, or, in the simulator,
+    one int per trace block (then ``key_unit`` = the block size). ``prompt_tokens`` is the real
+    prompt length; a match of ``m`` key elements covers ``min(m * key_unit, prompt_tokens)``
+    tokens.
+    """
+
+    request_id: str
+    key: Sequence[int]
+    prompt_tokens: int
+    key_unit: int = 1
+    session_id: str | None = None   # explicit (X-Session-Id / session_id field)
+    fingerprint: int | None = None  # sessions.fingerprint() of the conversation's opening, or None
+    max_tokens: int = 0             # output budget (decode load estimate)
+    block_hashes: tuple[int, ...] | None = None   # the key's chained block hashes at the engines'
+                                    # page size, when the front door computed them once with the
+                                    # tokens (kv_events computes them itself otherwise)
+
+    @property
+    def session_key(self) -> str | int | None:
+        """What the session table is keyed by: the explicit id, else the fingerprint."""
+        return self.session_id if self.session_id is not None else self.fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    prefill_worker: int             # worker id; -1 = none (no alive prefill worker)
+    decode_worker: int              # worker id; -1 = none
+    reason: str                     # short tag for logs and metrics, e.g. "sticky", "prefix", "load"
+    matched_tokens: int = 0         # prompt tokens the policy expects the prefill worker to hold
+    predicted_ttft_s: float = 0.0   # the policy's estimate (0 when it makes none)
