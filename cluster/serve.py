@@ -41,9 +41,12 @@ def run_serve(args) -> int:
     cfg = serve_config_from_args(args)
     if cfg.mode == "colocated":
         from tandem.engine.engine import Engine
+        from tandem.engine.metrics import register_engine_metrics
         from tandem.router.backend import LocalEngineBackend
 
-        backend = LocalEngineBackend(Engine(cfg.engine_config))
+        engine = Engine(cfg.engine_config)
+        register_engine_metrics(engine, worker="colocated-0")
+        backend = LocalEngineBackend(engine)
     else:
         from tandem.cluster.launch import launch_disaggregated
 

@@ -1,0 +1,56 @@
+"""Prometheus metrics of one engine, read from its scheduler's counters at scrape time.
+
+A custom collector (no work on the decode hot path): each scrape reads the scheduler's ``stats``
+and pool sizes. Every family carries a ``worker`` label so a cluster's workers can be merged into
+one exposition. Names never reuse the front door's (router/metrics.py).
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine, worker: str, role: str = "colocated"):
+        self.engine, self.worker, self.role = engine, worker, role
+
+    def collect(self):
+        e, s = self.engine, self.engine.scheduler
+        st = dict(s.stats)
+        labels, values = ["worker", "role"], [self.worker, self.role]
+
+        def gauge(name, doc, v):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, float(v))
+            return g
+
+        def counter(name, doc, v):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, float(v))
+            return c
+
+        yield gauge("tandem_worker_running_requests", "requests holding KV on this worker", len(s.running))
+        yield gauge("tandem_worker_waiting_requests", "requests queued on this worker", len(s.waiting))
+        used = e.allocator.size - e.allocator.available_size()
+        yield gauge("tandem_worker_kv_used_tokens", "device KV slots in use (cache + requests)", used)
+        yield gauge("tandem_worker_kv_capacity_tokens", "device KV slots in total", e.allocator.size)
+        yield gauge("tandem_worker_cache_evictable_tokens", "unlocked tokens in the prefix cache",
+                    s.cache.evictable_size())
+        yield counter("tandem_worker_prompt_tokens", "prompt tokens admitted", st["prompt_tokens"])
+        yield counter("tandem_worker_cached_prompt_tokens", "prompt tokens served from the prefix cache",
+                      st["cached_tokens"])
+        yield counter("tandem_worker_generated_tokens", "tokens sampled", st["generated_tokens"])
+        yield counter("tandem_worker_evicted_tokens", "tokens evicted from the prefix cache",
+                      st["evicted_tokens"])
+        yield counter("tandem_worker_steps", "model steps run", st["steps"])
+        yield counter("tandem_retractions", "requests retracted under KV memory pressure",
+                      st["retractions"])
+        ratio = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
+        yield gauge("tandem_worker_cache_hit_ratio", "cached / admitted prompt tokens", ratio)
+
+
+def register_engine_metrics(engine, worker: str, role: str = "colocated", registry=REGISTRY) -> EngineCollector:
+    c = EngineCollector(engine, worker, role)
+    registry.register(c)
+    return c
