@@ -30,6 +30,7 @@ from tandem.cache.req_to_token import ReqToTokenPool
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.prefix_cache import NoPrefixCache
 from tandem.engine.scheduler import Scheduler
 
@@ -71,7 +72,10 @@ def make_attention_backend(name: str, device: torch.device):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded=None):
+    def __init__(self, config: EngineConfig | None = None, *, loaded=None,
+                 hybrid: HybridConfig | None = None):
+        """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
+        pool sizes for models with sliding-window / recurrent layers (engine/hybrid.py)."""
         from tandem.engine.loader import load_model
 
         self.config = cfg = config or EngineConfig()
@@ -91,8 +95,14 @@ class Engine:
         num_pages = cc.max_total_tokens // cc.page_size
         self.allocator = PagedAllocator(num_pages, cc.page_size)
         self.req_to_token = ReqToTokenPool(cc.max_running_requests, self.max_context, self.device)
-        self.kv_pool = KVPool(num_pages * cc.page_size, cc.page_size, arch.num_layers,
-                              arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
+        # Hybrid models (SWA / recurrent layers): their SWA pool, state pool and per-request
+        # state live in engine/hybrid.py, and the KV pool is a view over the full + SWA pools.
+        # FULL-only models get NO_HYBRID (no-op hooks) and the plain pool.
+        self.hybrid = make_hybrid(self.loaded, cc, cfg.scheduler.chunked_prefill_size,
+                                  self.allocator, self.req_to_token, self.device, self.dtype, hybrid)
+        self.kv_pool = self.hybrid.kv_pool if self.hybrid.active else KVPool(
+            num_pages * cc.page_size, cc.page_size, arch.num_layers, arch.num_kv_heads,
+            arch.head_dim, self.dtype, self.device)
         self.cache = self._make_cache()
         self.runner = _Runner(self.loaded.model, make_attention_backend(cfg.attention_backend, self.device))
         self.scheduler = Scheduler(
@@ -101,7 +111,7 @@ class Engine:
             max_context=self.max_context, chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
             max_batch_tokens=cfg.scheduler.max_batch_tokens,
             schedule_policy=cfg.scheduler.schedule_policy, seed=cfg.seed, device=self.device,
-            debug_invariants=cc.debug_invariants)
+            debug_invariants=cc.debug_invariants, hybrid=self.hybrid)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, Callable[[StreamChunk], None]] = {}
         self._wake = threading.Event()
@@ -118,7 +128,8 @@ class Engine:
         except ImportError:
             log.warning("radix cache not available; running without prefix caching")
             return NoPrefixCache()
-        return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool)
+        return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool,
+                                components=self.hybrid.components)
 
     # ------------------------------------------------------------------ public API
     @property

@@ -10,12 +10,13 @@ from tandem.core.config import CacheConfig
 
 class RadixPrefixCache:
     def __init__(self, config: CacheConfig, allocator, kv_pool, req_to_token_pool=None, **kw):
+        """``kw``: passed to :class:`UnifiedRadixCache` (``components=(FULL, SWA(...), ...)``)."""
         self.radix = UnifiedRadixCache(config, allocator, req_to_token_pool, **kw)
         self.disabled = self.radix.disabled
 
-    def match(self, ids, session_id=None) -> tuple[torch.Tensor, object]:
+    def match(self, ids, session_id=None) -> tuple[torch.Tensor, object, object]:
         r = self.radix.match_prefix(ids, session_id=session_id)
-        return r.device_indices, r.last_device_node
+        return r.device_indices, r.last_device_node, r.components
 
     def lock(self, node) -> None:
         if node is not None:
@@ -25,14 +26,14 @@ class RadixPrefixCache:
         if node is not None:
             self.radix.dec_lock_ref(node)
 
-    def cache(self, ids, slots, node, session_id=None):
-        return self.radix.cache_req(ids, slots, node, session_id=session_id)
+    def cache(self, ids, slots, node, session_id=None, extra=None):
+        return self.radix.cache_req(ids, slots, node, session_id=session_id, extra=extra)
 
-    def evict(self, n: int) -> int:
-        return self.radix.evict(n)
+    def evict(self, n: int, component: str = "full") -> int:
+        return self.radix.evict(n, component)
 
-    def evictable_size(self) -> int:
-        return self.radix.evictable_size()
+    def evictable_size(self, component: str = "full") -> int:
+        return self.radix.evictable_size(component)
 
     def check(self, extra_owned=None) -> None:
         self.radix.sanity_check(extra_owned=extra_owned)

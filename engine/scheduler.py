@@ -13,6 +13,10 @@ checks, streaming; finished requests hand their KV to the prefix cache and free 
 
 Memory ownership: a slot is owned by exactly one of the allocator's free list, the prefix cache,
 or one request's row range ``[cached_prefix, computed_len)``. ``check_invariants`` proves it.
+
+Hybrid models (sliding-window / recurrent layers): ``self.hybrid`` (engine/hybrid.py) owns their
+extra pools and is called at the hook points marked ``# hybrid:``; for FULL-only models it is
+``NO_HYBRID`` and every hook is a no-op.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk
 from tandem.engine.batch_builder import PlanItem, build_forward_batch
+from tandem.engine.hybrid import NO_HYBRID
 from tandem.engine.output import OutputTracker
 from tandem.engine.sampler import Sampler
 
@@ -45,12 +50,14 @@ class Scheduler:
     def __init__(self, *, runner, req_to_token_pool, allocator, kv_pool, cache, tokenizer,
                  max_context: int, chunked_prefill_size: int, max_batch_tokens: int,
                  schedule_policy: str = "fcfs", seed: int = 0, device="cpu",
-                 debug_invariants: bool = False):
+                 debug_invariants: bool = False, hybrid=NO_HYBRID):
         self.runner = runner
         self.r2t = req_to_token_pool
         self.alloc = allocator
         self.kv_pool = kv_pool
         self.cache = cache
+        self.hybrid = hybrid    # SWA / recurrent-state resources (engine/hybrid.py), or NO_HYBRID
+        hybrid.attach(cache)
         self.tok = tokenizer
         self.max_context = max_context
         self.chunk = chunked_prefill_size
@@ -166,7 +173,10 @@ class Scheduler:
         items = [PlanItem(st.req.req_pool_idx, st.req.computed_len,
                           st.req.all_ids[st.req.computed_len: st.req.computed_len + n], slots)
                  for st, n, slots in plan]
-        fb = build_forward_batch(items, self.r2t, self.kv_pool, self.device)
+        # hybrid: each sequence's recurrent-state row
+        state_indices, state_pool = self.hybrid.batch_state([st.req for st, _, _ in plan])
+        fb = build_forward_batch(items, self.r2t, self.kv_pool, self.device,
+                                 state_indices=state_indices, state_pool=state_pool)
         logits = self.runner.forward(fb)  # [B, V]
         self.stats["steps"] += 1
 
@@ -174,6 +184,7 @@ class Scheduler:
         sample_rows, sample_states = [], []
         for i, (st, n, _) in enumerate(plan):
             st.req.computed_len += n
+            self.hybrid.advanced(st.req, st.locked_len)   # hybrid: free SWA rows behind the window
             if st.req.computed_len == st.req.seq_len:
                 sample_rows.append(i)
                 sample_states.append(st)
@@ -210,11 +221,19 @@ class Scheduler:
         r.req_pool_idx = row
         # Reuse at most seq_len - 1 tokens: the last one must be computed to get logits.
         usable = (r.seq_len - 1) // self.page_size * self.page_size
-        slots, node = self.cache.match(r.all_ids[:usable], r.session_id)
+        slots, node, components = self.cache.match(r.all_ids[:usable], r.session_id)
         m = min(len(slots), usable)
         slots = slots[:m]
         self.cache.lock(node)
         r.last_node = node
+        # hybrid: the working state row (the matched checkpoint copied in); none free -> not now
+        if not self.hybrid.admit(r, components, m):
+            self.cache.unlock(node)
+            r.last_node = None
+            self.r2t.free(row)
+            r.req_pool_idx = None
+            self.waiting.appendleft(r)
+            return None
         if m:
             self.r2t.write(row, 0, slots)
         first_time = r.status == ReqStatus.WAITING
@@ -232,6 +251,7 @@ class Scheduler:
     def _unadmit(self, st: _Running) -> None:
         """Undo _admit of a request that got no slots this step (nothing computed yet)."""
         r = st.req
+        self.hybrid.release(r, st.locked_len)             # hybrid: the state rows taken at admit
         self.cache.unlock(r.last_node)
         r.last_node = None
         self.r2t.free(r.req_pool_idx)
@@ -247,8 +267,13 @@ class Scheduler:
         if self.alloc.available_size() < need:
             freed = self.cache.evict(need - self.alloc.available_size())
             self.stats["evicted_tokens"] += freed
+        # hybrid: SWA rows first (they free exactly; a half-used full page could not be given back)
+        if not self.hybrid.reserve(n):
+            return None
         last_loc = int(self.r2t.req_to_token[r.req_pool_idx, r.computed_len - 1]) if r.computed_len else -1
-        return self.alloc.alloc_extend(last_loc, r.computed_len, n)
+        slots = self.alloc.alloc_extend(last_loc, r.computed_len, n)
+        self.hybrid.bind(r, slots)                        # hybrid: index_map[slots] = rows
+        return slots
 
     def _pick_victim(self, exclude: set) -> _Running | None:
         """Retraction victim: fewest generated tokens, ties to the longest prompt. Requests
@@ -277,7 +302,9 @@ class Scheduler:
         if aligned <= st.locked_len:
             return
         slots = self.r2t.read(r.req_pool_idx, 0, aligned)
-        new_slots, node = self.cache.cache(r.all_ids[:aligned], slots, r.last_node, r.session_id)
+        extra = self.hybrid.extra(r, st.locked_len, aligned, final=False)   # hybrid: rows, checkpoint
+        new_slots, node = self.cache.cache(r.all_ids[:aligned], slots, r.last_node, r.session_id,
+                                           extra=extra)
         self.r2t.write(r.req_pool_idx, 0, new_slots)
         r.last_node = node
         st.locked_len = len(new_slots)
@@ -293,12 +320,15 @@ class Scheduler:
             aligned = n // self.page_size * self.page_size
             if aligned > st.locked_len:
                 slots = self.r2t.read(row, 0, aligned)
-                _, node = self.cache.cache(r.all_ids[:aligned], slots, r.last_node, r.session_id)
+                extra = self.hybrid.extra(r, st.locked_len, aligned, final=True)  # hybrid
+                _, node = self.cache.cache(r.all_ids[:aligned], slots, r.last_node, r.session_id,
+                                           extra=extra)
                 r.last_node = node
                 st.locked_len = aligned
             if n > st.locked_len:
                 self.alloc.free(self.r2t.read(row, st.locked_len, n))
             self.cache.unlock(r.last_node)
+        self.hybrid.release(r, st.locked_len)             # hybrid: SWA rows and state rows left
         r.last_node = None
         self.r2t.free(row)
         r.req_pool_idx = None
@@ -342,6 +372,8 @@ class Scheduler:
         the prompt, to be filled by a KV transfer. Returns ``(prefix_len, slots)`` (slots cover
         positions ``[prefix_len, len(prompt))``) or None when there is no room now."""
         self.validate(req)
+        if self.hybrid.active:   # hybrid: SWA rows / recurrent state are not transferred (yet)
+            raise InvalidRequest("KV transfer does not support hybrid (SWA / recurrent) models")
         self.waiting.append(req)
         st = self._admit(req)
         if st is None:
@@ -398,8 +430,12 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Every allocated page is owned exactly once: by the cache or by one request."""
         owned = self.request_owned_slots()
-        self.cache.check(extra_owned=owned)
+        # hybrid: the SWA rows and state rows requests own, per cache component
+        states = [*self.running.values(), *self.held.values(), *self.reserved.values()]
+        aux = self.hybrid.owned([(st.req, st.locked_len) for st in states])
+        self.cache.check(extra_owned={"full": owned, **aux} if aux else owned)
         if self.cache.disabled:
+            self.hybrid.check_exact(aux)
             pages = torch.unique(owned // self.page_size) if len(owned) else owned
             allocated = self.alloc.allocated_pages()
             if len(pages) != len(allocated) or not torch.equal(torch.sort(pages).values, allocated):

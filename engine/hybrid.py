@@ -1,0 +1,367 @@
+"""Per-engine resources of hybrid models: sliding-window (SWA) layers and recurrent ("mamba") layers.
+
+The scheduler calls one object at fixed hook points (admit, slot allocation, batch building, after
+the forward, caching, release, invariants); for FULL-only models that object is :data:`NO_HYBRID`,
+whose hooks do nothing, so the FULL path is unchanged.
+
+Memory model
+------------
+- **FULL slots** (``PagedAllocator`` of the engine, ``req_to_token`` rows, radix-tree values) exist
+  for every token of every model: they are the tree's keys' values and the ids attention reads
+  through. The full KV pool holds only the "full" layers; a model whose layers are all SWA keeps
+  the slot ids but its full pool has no layers (zero bytes per slot).
+- **SWA rows**: a second :class:`KVPool` (``page_size`` 1, ``swa_pool_tokens`` rows, row 0 padding)
+  holds the K/V of the "swa" layers, with its own allocator. ``index_map[full slot] -> SWA row``
+  (int64 ``[full pool rows]``, on the device) is how attention reaches them
+  (``LayerKV.index_map``). Every new token gets a full slot and an SWA row; ``index_map`` is
+  written when they are allocated (and by the cache's SWA component when the tree adopts rows
+  for a tombstoned node).
+  A running request owns the SWA rows of positions ``[max(swa_from, locked_len), computed_len)``.
+  After each forward it releases the rows of its own positions below
+  ``floor_page(floor_page(computed_len) - window)``: the next query (at ``computed_len``) sees only
+  keys after ``computed_len - window``, and keeping a full window before the last page-aligned
+  boundary lets that boundary pass the cache's SWA vote when it is cached. Releases are whole
+  pages of positions, so the cache's tombstone floor falls exactly at ``swa_from``. Rows below
+  ``locked_len`` belong to the tree (handed over with ``extra={"swa": rows}``; -1 for positions
+  the request does not own, so the tree never adopts a row twice).
+- **State rows** (recurrent layers): a :class:`StatePool` ``[L_mamba, state_slots + 1, Hm, dk,
+  dv]`` float32 with its own allocator. Each running request has a private *working* row
+  (``fb.state_indices``): zeroed at admission, or filled by copying the matched checkpoint
+  (``MatchResult.components["mamba"] = StateCopy(src)``) before the first forward writes it.
+  A checkpoint is the state after a cached key's last token: when a chunk or a finished request
+  is cached at ``aligned == computed_len`` the working state is copied into a fresh row (chunk)
+  or handed over itself (finish) as ``extra={"mamba": row}``. With ``page_size > 1`` a *track*
+  row keeps a copy of the state at the last page-aligned position reached, so a finished request
+  whose length is not page-aligned still leaves a checkpoint at ``floor_page(computed_len)``.
+  The tree frees a duplicate checkpoint and owns every row it keeps.
+
+Sizing: ``swa_pool_tokens`` defaults to the full pool's size (SWA rows never run out before full
+slots do: every row is paired with a full slot of the same owner); a smaller pool saves memory and
+must hold ``max_running_requests * (window + 2 * page_size) + chunked_prefill_size`` rows to never
+stall a prefill. ``state_slots`` defaults to ``2 * max_running_requests + 2``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.cache.allocator import PagedAllocator
+from tandem.cache.kv_pool import KVPool, LayerKV
+from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
+from tandem.cache.radix.sanity import check_ownership
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class HybridConfig(BaseModel):
+    """Pool sizes of a hybrid model's extra pools (None: the defaults in the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
+    state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
+
+
+class StatePool:
+    """Recurrent state rows: ``data [L_mamba, num_slots + 1, *state_shape]`` float32; row 0 is
+    padding. ``layer(id)`` is the ``[num_slots + 1, *state_shape]`` view of one recurrent layer."""
+
+    def __init__(self, num_slots: int, layer_ids: list[int], state_shape: tuple[int, ...],
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.num_slots = num_slots
+        self.layer_ids = list(layer_ids)
+        self._local = {lid: i for i, lid in enumerate(self.layer_ids)}
+        self.data = torch.zeros((len(self.layer_ids), num_slots + 1, *state_shape), dtype=dtype,
+                                device=device)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.data[:, 0].numel() * self.data.element_size()
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        return self.data[self._local[layer_id]]
+
+    def copy(self, src: int, dst: int) -> None:
+        """Every layer's state row ``src`` -> row ``dst``."""
+        self.data[:, dst] = self.data[:, src]
+
+    def zero(self, row: int) -> None:
+        self.data[:, row] = 0
+
+
+class HybridKVPool:
+    """The KV pool a hybrid model's attention backend sees: "full" layers in the full pool
+    (rows = full slots), "swa" layers in the SWA pool (rows = ``index_map[full slot]``).
+    ``kv_data``/``page_size``/``num_slots`` are the full pool's (slot ids are full slots)."""
+
+    def __init__(self, full: KVPool, swa: KVPool | None, index_map: torch.Tensor | None):
+        self.full, self.swa, self.index_map = full, swa, index_map
+        self.page_size, self.device, self.dtype = full.page_size, full.device, full.dtype
+        self.num_slots, self.kv_data = full.num_slots, full.kv_data
+        self._swa_layers = {lid: LayerKV(swa.layer(lid).k, swa.layer(lid).v, index_map)
+                            for lid in (swa.layer_ids if swa is not None else [])}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per full slot in the full pool (the SWA pool is sized separately)."""
+        return self.full.bytes_per_token
+
+    def has_layer(self, layer_id: int) -> bool:
+        return self.full.has_layer(layer_id) or layer_id in self._swa_layers
+
+    def layer(self, layer_id: int) -> LayerKV:
+        lkv = self._swa_layers.get(layer_id)
+        return lkv if lkv is not None else self.full.layer(layer_id)
+
+
+class NoHybrid:
+    """FULL-only models: every hook is a no-op (the scheduler's FULL path is unchanged)."""
+
+    active = False
+    components = (FULL,)
+    stats: dict = {}
+
+    def attach(self, cache) -> None: pass
+    def admit(self, r, components: Mapping[str, Any], prefix_len: int) -> bool: return True
+    def reserve(self, n: int) -> bool: return True
+    def bind(self, r, slots) -> None: pass
+    def batch_state(self, reqs) -> tuple[None, None]: return None, None
+    def advanced(self, r, locked_len: int) -> None: pass
+    def extra(self, r, locked_len: int, aligned: int, final: bool) -> None: return None
+    def release(self, r, locked_len: int) -> None: pass
+    def owned(self, held) -> dict: return {}
+    def check_exact(self, owned: Mapping[str, torch.Tensor]) -> None: pass
+
+
+NO_HYBRID = NoHybrid()
+
+
+def make_hybrid(loaded, cache_cfg, chunked_prefill_size: int, allocator: PagedAllocator,
+                req_to_token_pool, device, dtype, config: HybridConfig | None = None):
+    """:data:`NO_HYBRID` for a model whose layers are all "full", else :class:`HybridResources`."""
+    if all(t == "full" for t in loaded.arch.layer_types):
+        return NO_HYBRID
+    return HybridResources(loaded, cache_cfg, chunked_prefill_size, allocator, req_to_token_pool,
+                           device, dtype, config or HybridConfig())
+
+
+class HybridResources:
+    """The SWA pool + allocator + ``index_map``, the state pool + allocator, and each running
+    request's SWA release point and state rows (indexed by its ``req_to_token`` row)."""
+
+    active = True
+
+    def __init__(self, loaded, cache_cfg, chunked_prefill_size: int, allocator: PagedAllocator,
+                 req_to_token_pool, device, dtype, config: HybridConfig):
+        arch = loaded.arch
+        types = arch.layer_types
+        self.page_size = ps = cache_cfg.page_size
+        self.r2t = req_to_token_pool
+        self.device = torch.device(device)
+        self.cache = None
+        full_layers = [i for i, t in enumerate(types) if t == "full"]
+        swa_layers = [i for i, t in enumerate(types) if t == "swa"]
+        mamba_layers = [i for i, t in enumerate(types) if t == "mamba"]
+        n_slots = allocator.num_pages * ps
+        self.full_pool = KVPool(n_slots, ps, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                dtype, device, layer_ids=full_layers)
+        # -- SWA --
+        self.window = arch.sliding_window if swa_layers else None
+        self.swa_alloc = self.swa_pool = self.index_map = None
+        if swa_layers:
+            rows = config.swa_pool_tokens or n_slots
+            need = chunked_prefill_size + self.window + 2 * ps
+            if rows < need:
+                raise ValueError(f"swa_pool_tokens={rows} cannot hold one prefill chunk and a window "
+                                 f"(chunked_prefill_size={chunked_prefill_size} + window={self.window}"
+                                 f" + 2 pages of {ps} = {need})")
+            self.swa_alloc = PagedAllocator(rows, 1)
+            self.swa_pool = KVPool(rows, 1, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                   dtype, device, layer_ids=swa_layers)
+            # index_map: [full pool rows] int64, full slot -> SWA row (0 = the padding row)
+            self.index_map = torch.zeros(n_slots + ps, dtype=torch.int64, device=device)
+        self.kv_pool = HybridKVPool(self.full_pool, self.swa_pool, self.index_map)
+        # -- recurrent state --
+        self.state_alloc = self.state_pool = None
+        if mamba_layers:
+            shape = getattr(loaded.model, "state_shape", None)
+            if shape is None:
+                raise ValueError(f"model {loaded.name!r} has mamba layers but no state_shape")
+            slots = config.state_slots or 2 * cache_cfg.max_running_requests + 2
+            self.state_alloc = PagedAllocator(slots, 1)
+            self.state_pool = StatePool(slots, mamba_layers, tuple(shape), device)
+        # Per request row: first position whose SWA row it may own; working/track state rows
+        # (0 = none) and the length the track row's state is at.
+        n_rows = req_to_token_pool.size + 1
+        self._swa_from = [0] * n_rows
+        self._work = [0] * n_rows
+        self._track = [0] * n_rows
+        self._track_len = [-1] * n_rows
+        self._pending: torch.Tensor | None = None
+        self.stats = {"swa_released": 0, "swa_evicted": 0, "state_evicted": 0, "checkpoints": 0}
+
+    @property
+    def components(self) -> tuple:
+        """The radix cache's components over these pools."""
+        comps: list = [FULL]
+        if self.swa_alloc is not None:
+            comps.append(SWA(self.window, self.swa_alloc, self.index_map))
+        if self.state_alloc is not None:
+            comps.append(Mamba(self.state_alloc))
+        return tuple(comps)
+
+    def attach(self, cache) -> None:
+        """The engine's prefix cache (its ``evict(n, component)`` makes room in these pools)."""
+        self.cache = cache
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def admit(self, r, components: Mapping[str, Any], prefix_len: int) -> bool:
+        """After the match is locked: the request's working state row, holding the matched
+        checkpoint's state (copy-on-claim) or zeros. False when no state row is free."""
+        row = r.req_pool_idx
+        self._swa_from[row] = prefix_len
+        if self.state_alloc is None:
+            return True
+        slot = self._alloc_state()
+        if slot is None:
+            return False
+        if prefix_len:
+            src = components.get("mamba")
+            if not isinstance(src, StateCopy):
+                raise ValueError(f"request {r.rid}: a {prefix_len}-token prefix matched without a "
+                                 f"recurrent-state checkpoint ({src!r})")
+            self.state_pool.copy(src.src, slot)
+        else:
+            self.state_pool.zero(slot)
+        self._work[row] = slot
+        return True
+
+    def reserve(self, n: int) -> bool:
+        """Before the full slots of ``n`` new positions: their SWA rows (evicting the cache's
+        unlocked SWA data when short). False when there is no room; :meth:`bind` follows."""
+        if self.swa_alloc is None:
+            return True
+        short = n - self.swa_alloc.available_size()
+        if short > 0 and self.cache is not None:
+            self.stats["swa_evicted"] += self.cache.evict(short, "swa")
+        self._pending = self.swa_alloc.alloc(n)
+        return self._pending is not None
+
+    def bind(self, r, slots: torch.Tensor | None) -> None:
+        """After the full slots: ``index_map[slots] = rows`` (or give the rows back: no slots)."""
+        if self.swa_alloc is None:
+            return
+        rows, self._pending = self._pending, None
+        if slots is None:
+            self.swa_alloc.free(rows)
+        else:
+            self.index_map[slots.to(self.device)] = rows.to(self.device)
+
+    def batch_state(self, reqs) -> tuple[torch.Tensor | None, StatePool | None]:
+        """``(state_indices [B], state_pool)`` for the batch (None, None without recurrent layers)."""
+        if self.state_pool is None:
+            return None, None
+        idx = [self._work[r.req_pool_idx] for r in reqs]
+        return torch.tensor(idx, dtype=torch.int64, device=self.device), self.state_pool
+
+    def advanced(self, r, locked_len: int) -> None:
+        """After the forward moved ``r.computed_len``: release SWA rows that left the window;
+        snapshot the state at a page-aligned length (track row, ``page_size > 1``)."""
+        row, n, ps = r.req_pool_idx, r.computed_len, self.page_size
+        if self.window is not None:
+            keep = n // ps * ps - self.window
+            new_from = keep // ps * ps if keep > 0 else 0
+            lo = max(self._swa_from[row], locked_len)
+            if new_from > lo:
+                rows = self.index_map[self.r2t.read(row, lo, new_from).to(self.device)]
+                self.swa_alloc.free(rows)
+                self.stats["swa_released"] += len(rows)
+            self._swa_from[row] = max(self._swa_from[row], new_from)
+        if self.state_pool is not None and ps > 1 and n % ps == 0:
+            if not self._track[row]:
+                self._track[row] = self._alloc_state() or 0
+            if self._track[row]:
+                self.state_pool.copy(self._work[row], self._track[row])
+                self._track_len[row] = n
+
+    def extra(self, r, locked_len: int, aligned: int, final: bool) -> dict | None:
+        """What ``cache(ids[:aligned], ...)`` takes over besides the full slots: the SWA rows of
+        ``[0, aligned)`` (-1 where the request owns none) and a checkpoint at ``aligned`` if the
+        request has the state there. ``final``: the request is done (its working row may go)."""
+        row = r.req_pool_idx
+        out: dict = {}
+        if self.window is not None:
+            rows = torch.full((aligned,), -1, dtype=torch.int64)
+            lo = max(self._swa_from[row], locked_len)
+            if aligned > lo:
+                rows[lo:aligned] = self.index_map[self.r2t.read(row, lo, aligned).to(self.device)].cpu()
+            out["swa"] = rows
+        if self.state_pool is not None:
+            slot = None
+            if self._track[row] and self._track_len[row] == aligned:
+                slot, self._track[row], self._track_len[row] = self._track[row], 0, -1
+            elif aligned == r.computed_len:
+                if final:
+                    slot, self._work[row] = self._work[row], 0
+                else:
+                    slot = self._alloc_state()
+                    if slot is not None:
+                        self.state_pool.copy(self._work[row], slot)
+            if slot:
+                out["mamba"] = slot
+                self.stats["checkpoints"] += 1
+        return out or None
+
+    def release(self, r, locked_len: int) -> None:
+        """Free what the request still owns: SWA rows of ``[max(swa_from, locked_len),
+        computed_len)`` and its working/track state rows."""
+        row, n = r.req_pool_idx, r.computed_len
+        if self.window is not None:
+            lo = max(self._swa_from[row], locked_len)
+            if n > lo:
+                self.swa_alloc.free(self.index_map[self.r2t.read(row, lo, n).to(self.device)])
+        if self.state_alloc is not None:
+            held = [s for s in (self._work[row], self._track[row]) if s]
+            if held:
+                self.state_alloc.free(torch.tensor(held, dtype=torch.int64))
+        self._swa_from[row] = self._work[row] = self._track[row] = 0
+        self._track_len[row] = -1
+
+    # -- invariants ------------------------------------------------------------------------------
+    def owned(self, held) -> dict[str, torch.Tensor]:
+        """Rows each pool's requests own; ``held``: ``(req, locked_len)`` of every request
+        holding a row. For ``sanity_check(extra_owned=...)``."""
+        swa, states = [], []
+        for r, locked_len in held:
+            row = r.req_pool_idx
+            if self.window is not None:
+                lo = max(self._swa_from[row], locked_len)
+                if r.computed_len > lo:
+                    swa.append(self.index_map[self.r2t.read(row, lo, r.computed_len).to(self.device)].cpu())
+            states += [s for s in (self._work[row], self._track[row]) if s]
+        out = {}
+        if self.swa_alloc is not None:
+            out["swa"] = torch.cat(swa) if swa else _EMPTY
+        if self.state_alloc is not None:
+            out["mamba"] = torch.tensor(states, dtype=torch.int64)
+        return out
+
+    def check_exact(self, owned: Mapping[str, torch.Tensor]) -> None:
+        """Without a prefix cache: requests own exactly the allocated rows of each pool."""
+        errs = []
+        if self.swa_alloc is not None:
+            errs += check_ownership("swa", self.swa_alloc, [], owned["swa"])
+        if self.state_alloc is not None:
+            errs += check_ownership("mamba", self.state_alloc, [], owned["mamba"])
+        if errs:
+            raise AssertionError("hybrid pool ownership violation(s):\n" + "\n".join(errs))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _alloc_state(self) -> int | None:
+        """A free state row, evicting one unlocked cached checkpoint if none is free."""
+        if self.state_alloc.available_size() == 0 and self.cache is not None:
+            self.stats["state_evicted"] += self.cache.evict(1, "mamba")
+        s = self.state_alloc.alloc(1)
+        return None if s is None else int(s[0])
