@@ -105,6 +105,7 @@ class Req:
     cached_len: int = 0                 # prompt tokens served from the prefix cache (for usage stats)
     computed_len: int = 0               # tokens whose KV is in the request's row (prefix + computed)
     last_node: Any = None               # cache handle locked for this request (None = none locked)
+    admissions: int = 0                 # times admitted (re-admission after retraction adds one)
     finish_reason: str | None = None
     error: str | None = None
     first_token_time: float | None = None

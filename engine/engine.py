@@ -207,7 +207,7 @@ class Engine:
             done.wait(10)
         out = []
         for g in greqs:
-            cs = chunks[g.rid]
+            cs = chunks[g.rid] or [StreamChunk(g.rid, (), "", "abort", error="no response from the engine")]
             last = cs[-1]
             out.append(Completion(g.rid, "".join(c.text for c in cs),
                                   [t for c in cs for t in c.token_ids], last.prompt_tokens,
@@ -286,9 +286,14 @@ class Engine:
             log.exception("engine thread crashed")
             self._error = e
         finally:
-            pending = [r.rid for r in self.scheduler.waiting] + list(self.scheduler.running)
-            for rid in pending:
-                c = self.scheduler.abort(rid, error="engine stopped" if self._error is None
-                                         else f"engine error: {self._error!r}")
+            error = "engine stopped" if self._error is None else f"engine error: {self._error!r}"
+            for rid in [r.rid for r in self.scheduler.waiting] + list(self.scheduler.running):
+                try:
+                    c = self.scheduler.abort(rid, error=error)
+                except Exception:  # the scheduler itself is broken: finish the stream anyway
+                    log.exception("abort of %s failed while stopping", rid)
+                    c = StreamChunk(rid, (), "", "abort", error=error)
                 if c is not None:
                     self._emit([c])
+            # anyone still waiting (reserved, held, or lost in a crash) gets a final chunk too
+            self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

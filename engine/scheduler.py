@@ -236,7 +236,8 @@ class Scheduler:
             return None
         if m:
             self.r2t.write(row, 0, slots)
-        first_time = r.status == ReqStatus.WAITING
+        first_time = r.admissions == 0
+        r.admissions += 1
         r.computed_len = m
         if first_time:
             r.cached_len = m
@@ -251,6 +252,10 @@ class Scheduler:
     def _unadmit(self, st: _Running) -> None:
         """Undo _admit of a request that got no slots this step (nothing computed yet)."""
         r = st.req
+        r.admissions -= 1
+        if r.admissions == 0:  # the first admission is undone: so is its accounting
+            self.stats["prompt_tokens"] -= len(r.prompt_ids)
+            self.stats["cached_tokens"] -= r.cached_len
         self.hybrid.release(r, st.locked_len)             # hybrid: the state rows taken at admit
         self.cache.unlock(r.last_node)
         r.last_node = None
