@@ -128,8 +128,12 @@ class Engine:
         except ImportError:
             log.warning("radix cache not available; running without prefix caching")
             return NoPrefixCache()
+        host = None
+        if self.config.cache.host_pool_tokens and not self.hybrid.active:
+            from tandem.cache.radix.host import HostTier  # FULL KV only (see cache/README.md)
+            host = HostTier.from_config(self.kv_pool, self.config.cache)
         return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool,
-                                components=self.hybrid.components)
+                                components=self.hybrid.components, host=host)
 
     # ------------------------------------------------------------------ public API
     @property

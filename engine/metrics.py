@@ -46,6 +46,23 @@ class EngineCollector(Collector):
         yield counter("tandem_worker_steps", "model steps run", st["steps"])
         yield counter("tandem_retractions", "requests retracted under KV memory pressure",
                       st["retractions"])
+        yield counter("tandem_retraction_restores", "retracted requests restored from the host tier",
+                      st["retraction_restores"])
+        yield counter("tandem_retraction_recomputes", "retracted requests re-prefilled from tokens",
+                      st["retraction_recomputes"])
+        yield counter("tandem_retraction_aborts", "retracted requests aborted (no room ever)",
+                      st["retraction_aborts"])
+        host_used = s.cache.host_used_tokens() if hasattr(s.cache, "host_used_tokens") else 0
+        yield gauge("tandem_host_pool_used_tokens", "host (L2) KV tokens in use", host_used)
+        bpt = e.kv_pool.bytes_per_token
+        yield counter("tandem_retraction_backup_bytes", "KV bytes backed up to the host on retraction",
+                      st["backup_tokens"] * bpt)
+        yield counter("tandem_retraction_backup_seconds", "time spent backing up on retraction",
+                      st["backup_seconds"])
+        yield counter("tandem_retraction_restore_bytes", "KV bytes restored to the device",
+                      st["restore_tokens"] * bpt)
+        yield counter("tandem_retraction_restore_seconds", "time spent restoring retracted requests",
+                      st["restore_seconds"])
         ratio = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
         yield gauge("tandem_worker_cache_hit_ratio", "cached / admitted prompt tokens", ratio)
 

@@ -75,8 +75,15 @@ class Scheduler:
         self.hold_finished = False
         self.held: dict[str, _Running] = {}
         self.reserved: dict[str, _Running] = {}
+        # Retraction with host backup: a retracted request's KV lives in the cache's host tier as
+        # host-only nodes locked by ``backups[rid]`` until it is restored (or aborted).
+        self.retracted: deque[Req] = deque()
+        self.backups: dict[str, object] = {}
+        self.host_backup = bool(getattr(cache, "has_host_tier", False)) and not hybrid.active
         self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "generated_tokens": 0, "evicted_tokens": 0}
+                      "generated_tokens": 0, "evicted_tokens": 0, "retraction_restores": 0,
+                      "retraction_recomputes": 0, "retraction_aborts": 0, "backup_tokens": 0,
+                      "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0}
 
     # ------------------------------------------------------------------ requests in and out
     def validate(self, req: Req) -> None:
@@ -98,17 +105,19 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str, error: str | None = None) -> StreamChunk | None:
-        for r in self.waiting:
-            if r.rid == rid:
-                self.waiting.remove(r)
-                return self._finish_unstarted(r, error)
+        for q in (self.waiting, self.retracted):
+            for r in q:
+                if r.rid == rid:
+                    q.remove(r)
+                    self._drop_backup(r)   # its host copy returns to the (evictable) host cache
+                    return self._finish_unstarted(r, error)
         st = self.running.get(rid)
         if st is None:
             return None
         return self._finish(st, "abort", "", error=error)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.retracted)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[StreamChunk]:
@@ -133,6 +142,8 @@ class Scheduler:
                 self._retract(victim)
                 slots = self._alloc(st.req, 1)
             if slots is None:
+                if plan:   # the rest of the pool is this step's other work: wait a step
+                    continue
                 out.append(self._finish(st, "abort", "", error=(
                     f"KV pool exhausted: {self.alloc.size} tokens cannot hold this request "
                     f"at {st.req.seq_len} tokens")))
@@ -153,6 +164,25 @@ class Scheduler:
                     continue
                 plan.append((st, n, slots))
                 prompt_budget -= n
+        for r in self._restorable():
+            if prompt_budget <= 0 or self.r2t.available_size() == 0:
+                break
+            st = self._restore(r)
+            if st is None:
+                break
+            n = min(r.seq_len - r.computed_len, prompt_budget)
+            slots = self._alloc(r, n)
+            if slots is None:
+                if not plan and len(self.running) == 1:   # alone and still no room: never will be
+                    self.stats["retraction_aborts"] += 1
+                    out.append(self._finish(st, "abort", "", error=(
+                        f"KV pool exhausted: {self.alloc.size} tokens cannot hold this retracted "
+                        f"request at {r.seq_len} tokens")))
+                    continue
+                self._unadmit(st)
+                break
+            plan.append((st, n, slots))
+            prompt_budget -= n
         for r in self._admission_order():
             if prompt_budget <= 0 or self.r2t.available_size() == 0:
                 break
@@ -289,14 +319,88 @@ class Scheduler:
         return min(cands, key=lambda s: (len(s.req.output_ids), -len(s.req.prompt_ids)))
 
     def _retract(self, st: _Running) -> None:
-        """Give the request's KV to the cache (or free it) and queue it for re-prefill."""
+        """Free the request's device KV and queue it to resume later; its stream stays open.
+
+        With a host tier the KV is backed up there as host-only nodes that stay locked while the
+        request is retracted, and restoring is a prefix match plus load-back (no recompute; at
+        most the last partial page is recomputed). Without one, or when the host pool is full even
+        after host eviction, the KV goes to the device cache unlocked and the request is
+        re-prefilled from its tokens (whatever survives in the cache is still reused)."""
         r = st.req
-        self._release_kv(st)
+        self.stats["retractions"] += 1
+        del self.running[r.rid]
+        backed_up = self._backup(st) if self.host_backup else False
+        if backed_up:
+            self.retracted.append(r)
+        else:
+            if r.req_pool_idx is not None:   # (a failed backup has released it already)
+                self._release_kv(st)
+            self.stats["retraction_recomputes"] += 1
+            self.waiting.appendleft(r)
         r.status = ReqStatus.RETRACTED
         r.computed_len = 0
-        del self.running[r.rid]
+
+    def _backup(self, st: _Running) -> bool:
+        r = st.req
+        row, n = r.req_pool_idx, r.computed_len
+        aligned = n // self.page_size * self.page_size
+        t0 = time.perf_counter()
+        node, freed = self.cache.backup(r.all_ids[:aligned], self.r2t.read(row, 0, aligned),
+                                        r.last_node, r.session_id)
+        if not self.cache.host_only(node):
+            # Nothing to move, or the host pool is full even after host eviction: the KV stays as
+            # device cache (unlocked) instead, and the request will be re-prefilled.
+            r.last_node, st.locked_len = node, aligned
+            if n > aligned:
+                self.alloc.free(self.r2t.read(row, aligned, n))
+            self.cache.unlock(node)
+            r.last_node = None
+            self.r2t.free(row)
+            r.req_pool_idx, st.locked_len = None, 0
+            return False
+        if n > aligned:   # the partial last page: recomputed on restore
+            self.alloc.free(self.r2t.read(row, aligned, n))
+        self.backups[r.rid] = node
+        r.last_node = None
+        self.r2t.free(row)
+        r.req_pool_idx, st.locked_len = None, 0
+        self.stats["backup_tokens"] += freed
+        self.stats["backup_seconds"] += time.perf_counter() - t0
+        return True
+
+    def _drop_backup(self, r: Req) -> None:
+        node = self.backups.pop(r.rid, None)
+        if node is not None:
+            self.cache.unlock(node)
+
+    def _restorable(self) -> list[Req]:
+        """Retracted requests whose KV fits now, with a page of decode headroom each."""
+        out, room = [], self.alloc.available_size() + self.cache.evictable_size()
+        for r in self.retracted:
+            need = r.seq_len + 2 * self.page_size
+            if need > room:
+                break
+            room -= need
+            out.append(r)
+        if not out and self.retracted and not self.running:
+            out.append(self.retracted[0])   # nothing else runs: try (and abort if it cannot fit)
+        return out
+
+    def _restore(self, r: Req) -> _Running | None:
+        """Admit a retracted request: the match loads its host-only KV back to the device."""
+        self.retracted.remove(r)
         self.waiting.appendleft(r)
-        self.stats["retractions"] += 1
+        t0 = time.perf_counter()
+        st = self._admit(r)
+        if st is None:
+            self.waiting.remove(r)
+            self.retracted.appendleft(r)
+            return None
+        self._drop_backup(r)   # the request's own lock on the restored path now protects it
+        self.stats["retraction_restores"] += 1
+        self.stats["restore_tokens"] += r.computed_len
+        self.stats["restore_seconds"] += time.perf_counter() - t0
+        return st
 
     def _cache_chunk(self, st: _Running) -> None:
         """Insert a finished prompt chunk into the cache and adopt its canonical slots."""

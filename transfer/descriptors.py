@@ -1,0 +1,177 @@
+"""Page ids -> byte ranges. Pure numpy; no NIXL, no torch.
+
+A memory region is one contiguous buffer of ``num_layers * kinds`` slabs; each slab holds ``rows``
+rows of ``row_bytes`` bytes, and page ``p`` is rows ``p*page_size .. p*page_size + page_size - 1``
+of every slab. For the KV pool (``cache/kv_pool.py``) ``kv_data: [L, 2, rows, H_kv, D]`` gives
+``kinds = 2`` (K, V) and ``row_bytes = H_kv * D * elem``; a Mamba state pool ``[L, n, ...]`` is
+``kinds = 1, page_size = 1``.
+
+    slab s = layer * kinds + kind
+    offset(s, p) = (s * rows + p * page_size) * row_bytes         page bytes = page_size * row_bytes
+
+Two pages that are consecutive on both sides form one run, so a run of ``n`` pages is one range of
+``n * page_bytes`` bytes per slab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Geometry of one region. The two sides of a transfer may differ only in ``rows``."""
+
+    num_layers: int
+    rows: int
+    page_size: int
+    row_bytes: int
+    kinds: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "rows", "page_size", "row_bytes", "kinds"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"PoolLayout.{name} must be a positive int, got {v!r}")
+        if self.rows % self.page_size:
+            raise ValueError(f"PoolLayout.rows={self.rows} is not a multiple of page_size={self.page_size}")
+
+    @property
+    def num_slabs(self) -> int:
+        return self.num_layers * self.kinds
+
+    @property
+    def num_pages(self) -> int:
+        return self.rows // self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.row_bytes
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slabs * self.slab_bytes
+
+    def check_compatible(self, other: "PoolLayout") -> None:
+        """Raise ValueError unless pages of ``self`` can be copied into pages of ``other``."""
+        for name in ("num_layers", "kinds", "page_size", "row_bytes"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                raise ValueError(f"layouts differ in {name}: source {a} vs destination {b}")
+
+
+@dataclass(frozen=True)
+class ByteRanges:
+    """Parallel int64 arrays ``[n]``: copy ``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``.
+
+    Offsets are relative to each region's base address. Ordered slab-major: all runs of slab 0,
+    then all runs of slab 1, ...
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def _as_pages(pages, name: str, num_pages: int) -> np.ndarray:
+    a = np.asarray(pages)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    if a.size and (a.min() < 0 or a.max() >= num_pages):
+        bad = a[(a < 0) | (a >= num_pages)][0]
+        raise ValueError(f"{name} holds page {int(bad)} outside [0, {num_pages})")
+    return a
+
+
+def coalesce(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group pages into runs consecutive on both sides.
+
+    Returns int64 ``(src_start, dst_start, count)``, one entry per run, in input order.
+    ``coalesce([3, 4, 5, 9], [10, 11, 20, 21]) -> ([3, 5, 9], [10, 20, 21], [2, 1, 1])``.
+    """
+    s = np.asarray(src_pages, dtype=np.int64)
+    d = np.asarray(dst_pages, dtype=np.int64)
+    if s.shape != d.shape or s.ndim != 1:
+        raise ValueError(f"src_pages and dst_pages must be 1-D of equal length, got {s.shape} and {d.shape}")
+    if s.size == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e.copy(), e.copy()
+    # a new run starts where either side does not continue the previous page
+    brk = (np.diff(s) != 1) | (np.diff(d) != 1)
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    counts = np.diff(np.append(starts, s.size))
+    return s[starts], d[starts], counts
+
+
+def byte_ranges(src: PoolLayout, dst: PoolLayout, src_pages, dst_pages) -> ByteRanges:
+    """Byte ranges that copy ``src_pages`` of ``src`` into ``dst_pages`` of ``dst``, every slab.
+
+    Raises ValueError for incompatible layouts, unequal lengths, out-of-range or repeated
+    destination pages.
+    """
+    src.check_compatible(dst)
+    s = _as_pages(src_pages, "src_pages", src.num_pages)
+    d = _as_pages(dst_pages, "dst_pages", dst.num_pages)
+    if s.shape != d.shape:
+        raise ValueError(f"src_pages has {s.size} pages but dst_pages has {d.size}")
+    if d.size and np.unique(d).size != d.size:
+        raise ValueError("dst_pages repeats a page; two sources would write the same destination")
+    s0, d0, n = coalesce(s, d)
+    slabs = np.arange(src.num_slabs, dtype=np.int64)[:, None]  # [S, 1] against runs [1, R]
+    pb = src.page_bytes
+    src_off = (slabs * src.slab_bytes + s0[None, :] * pb).reshape(-1)
+    dst_off = (slabs * dst.slab_bytes + d0[None, :] * pb).reshape(-1)
+    lengths = np.broadcast_to(n[None, :] * pb, (src.num_slabs, n.size)).reshape(-1).copy()
+    return ByteRanges(src_off, dst_off, lengths)
+
+
+def split_even(lengths: np.ndarray, parts: int) -> list[slice]:
+    """Cut ``lengths`` (in order) into at most ``parts`` contiguous slices of about equal bytes.
+
+    Never returns an empty slice; fewer slices come back when there are fewer entries than parts.
+    ``split_even([4, 4, 4, 4], 2) -> [slice(0, 2), slice(2, 4)]``.
+    """
+    n = len(lengths)
+    parts = max(1, min(parts, n))
+    if n == 0:
+        return []
+    cum = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    targets = cum[-1] * np.arange(1, parts) / parts
+    # cut after the first entry whose running total reaches each target
+    cuts = np.searchsorted(cum, targets, side="left") + 1
+    bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n), [n])))
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def page_table(layout: PoolLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths of every (slab, page) pair, for a prepared descriptor list.
+
+    Entry ``slab * num_pages + page``; returns int64 ``(offsets [S*P], lengths [S*P])``.
+    """
+    slabs = np.arange(layout.num_slabs, dtype=np.int64)[:, None]
+    pages = np.arange(layout.num_pages, dtype=np.int64)[None, :]
+    off = (slabs * layout.slab_bytes + pages * layout.page_bytes).reshape(-1)
+    return off, np.full(off.shape, layout.page_bytes, dtype=np.int64)
+
+
+def page_table_indices(layout: PoolLayout, pages) -> np.ndarray:
+    """Indices into :func:`page_table` for ``pages`` of every slab, slab-major (int64 ``[S*len]``)."""
+    p = _as_pages(pages, "pages", layout.num_pages)
+    slabs = np.arange(layout.num_slabs, dtype=np.int64)[:, None]
+    return (slabs * layout.num_pages + p[None, :]).reshape(-1)

@@ -1,0 +1,276 @@
+"""Messages between a decode worker and a prefill worker's transfer layers.
+
+Small frozen dataclasses, encoded with msgpack as ``{"type": <name>, <field>: <value>, ...}``;
+never pickle. ``decode`` validates strictly: an unknown type, a missing or extra field, or a value
+of the wrong type raises ValueError naming the field.
+
+Push model (as in SGLang PD): the decode worker preallocates pages and sends its
+:class:`Handshake` once, then one :class:`KVTransferRequest` per request; the prefill worker
+WRITEs into those pages and the NIXL notification that rides on the write carries a
+:class:`KVTransferDone`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from tandem.transfer.descriptors import PoolLayout
+
+_MAX_INT = 2**63 - 1
+
+
+def _fail(cls: type, name: str, want: str, got: Any) -> ValueError:
+    return ValueError(f"{cls.__name__}.{name} must be {want}, got {type(got).__name__} {got!r:.80}")
+
+
+def _int(cls, name, v, lo: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= _MAX_INT:
+        raise _fail(cls, name, f"an int >= {lo}", v)
+    return v
+
+
+def _str(cls, name, v) -> str:
+    if not isinstance(v, str) or not v:
+        raise _fail(cls, name, "a non-empty str", v)
+    return v
+
+
+def _float(cls, name, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _fail(cls, name, "a finite number", v)
+    return float(v)
+
+
+def _list(cls, name, v) -> list:
+    if not isinstance(v, (list, tuple)):
+        raise _fail(cls, name, "a list", v)
+    return list(v)
+
+
+def _int_tuple(cls, name, v) -> tuple[int, ...]:
+    items = _list(cls, name, v)
+    for i, x in enumerate(items):
+        _int(cls, f"{name}[{i}]", x)
+    return tuple(items)
+
+
+def _fields(cls, d: Any) -> dict:
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__}: expected a map, got {type(d).__name__}")
+    want = {f.name for f in fields(cls)}
+    have = set(d) - {"type"}
+    if want - have:
+        raise ValueError(f"{cls.__name__}: missing field {sorted(want - have)[0]!r}")
+    if have - want:
+        raise ValueError(f"{cls.__name__}: unknown field {sorted(map(str, have - want))[0]!r}")
+    return d
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """Where one registered region lives in its owner's address space, and its geometry.
+
+    ``mem_type`` is "DRAM" or "VRAM"; ``dev_id`` the GPU index (0 for DRAM).
+    """
+
+    name: str
+    base_addr: int
+    dev_id: int
+    mem_type: str
+    layout: PoolLayout
+
+    def to_wire(self) -> dict:
+        lay = self.layout
+        return {"name": self.name, "base_addr": self.base_addr, "dev_id": self.dev_id,
+                "mem_type": self.mem_type, "num_layers": lay.num_layers, "rows": lay.rows,
+                "page_size": lay.page_size, "row_bytes": lay.row_bytes, "kinds": lay.kinds}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "RegionInfo":
+        want = {"name", "base_addr", "dev_id", "mem_type", "num_layers", "rows", "page_size",
+                "row_bytes", "kinds"}
+        if not isinstance(d, dict) or set(d) != want:
+            got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"RegionInfo: fields must be {sorted(want)}, got {got}")
+        if d["mem_type"] not in ("DRAM", "VRAM"):
+            raise _fail(cls, "mem_type", '"DRAM" or "VRAM"', d["mem_type"])
+        lay = {k: _int(cls, k, d[k], lo=1) for k in ("num_layers", "rows", "page_size", "row_bytes", "kinds")}
+        return cls(name=_str(cls, "name", d["name"]), base_addr=_int(cls, "base_addr", d["base_addr"]),
+                   dev_id=_int(cls, "dev_id", d["dev_id"]), mem_type=d["mem_type"],
+                   layout=PoolLayout(**lay))
+
+
+class _Message:
+    TYPE: ClassVar[str]
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"type": self.TYPE, **self._to_wire()}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes):
+        msg = decode_message(data)
+        if not isinstance(msg, cls):
+            raise ValueError(f"expected a {cls.__name__}, got a {type(msg).__name__}")
+        return msg
+
+
+@dataclass(frozen=True)
+class Handshake(_Message):
+    """Sent once per peer pair: who I am, my NIXL agent metadata, and my regions."""
+
+    TYPE: ClassVar[str] = "handshake"
+    agent_name: str
+    agent_metadata: bytes
+    regions: tuple[RegionInfo, ...]
+
+    def region(self, name: str) -> RegionInfo:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(f"peer {self.agent_name!r} has no region {name!r}; it has {[r.name for r in self.regions]}")
+
+    def _to_wire(self) -> dict:
+        return {"agent_name": self.agent_name, "agent_metadata": self.agent_metadata,
+                "regions": [r.to_wire() for r in self.regions]}
+
+    @classmethod
+    def _from_wire(cls, d: dict) -> "Handshake":
+        if not isinstance(d["agent_metadata"], bytes) or not d["agent_metadata"]:
+            raise _fail(cls, "agent_metadata", "non-empty bytes", d["agent_metadata"])
+        regions = tuple(RegionInfo.from_wire(r) for r in _list(cls, "regions", d["regions"]))
+        names = [r.name for r in regions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Handshake.regions repeats a name: {names}")
+        return cls(_str(cls, "agent_name", d["agent_name"]), d["agent_metadata"], regions)
+
+
+@dataclass(frozen=True)
+class RegionPages:
+    """Destination pages of one region (e.g. "kv", "swa", "mamba")."""
+
+    region: str
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVTransferRequest(_Message):
+    """Decode -> prefill, per request: write this transfer's KV into these preallocated pages.
+
+    ``transfer_id``: the room id both sides know the request by. ``agent_name``: the decode
+    agent to WRITE into (it sent a Handshake before). ``deadline``: wall-clock Unix seconds
+    after which the decode side gives up and may reuse the pages.
+    """
+
+    TYPE: ClassVar[str] = "kv_transfer_request"
+    transfer_id: int
+    agent_name: str
+    dst_pages: tuple[RegionPages, ...]
+    deadline: float
+
+    def __post_init__(self) -> None:
+        names = [rp.region for rp in self.dst_pages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"KVTransferRequest.dst_pages repeats a region: {names}")
+
+    def pages(self, region: str) -> tuple[int, ...]:
+        for rp in self.dst_pages:
+            if rp.region == region:
+                return rp.pages
+        raise KeyError(f"transfer {self.transfer_id} names no pages for region {region!r}")
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(rp.region for rp in self.dst_pages)
+
+    def _to_wire(self) -> dict:
+        return {"transfer_id": self.transfer_id, "agent_name": self.agent_name,
+                "dst_pages": {rp.region: list(rp.pages) for rp in self.dst_pages},
+                "deadline": self.deadline}
+
+    @classmethod
+    def _from_wire(cls, d: dict) -> "KVTransferRequest":
+        dp = d["dst_pages"]
+        if not isinstance(dp, dict) or not all(isinstance(k, str) and k for k in dp):
+            raise _fail(cls, "dst_pages", "a map of region name -> page list", dp)
+        pages = tuple(RegionPages(k, _int_tuple(cls, f"dst_pages[{k!r}]", v)) for k, v in dp.items())
+        return cls(_int(cls, "transfer_id", d["transfer_id"]), _str(cls, "agent_name", d["agent_name"]),
+                   pages, _float(cls, "deadline", d["deadline"]))
+
+
+class TransferStatus:
+    OK = "ok"
+    FAILED = "failed"
+    ALL = (OK, FAILED)
+
+
+@dataclass(frozen=True)
+class KVTransferDone(_Message):
+    """Prefill -> decode (as the notification of the last WRITE, or alone on failure).
+
+    ``first_token``: the token prefill sampled, None if it did not sample (or on failure).
+    ``error``: why it failed, "" when ``status == "ok"``.
+    """
+
+    TYPE: ClassVar[str] = "kv_transfer_done"
+    transfer_id: int
+    status: str
+    first_token: int | None = None
+    error: str = ""
+
+    def _to_wire(self) -> dict:
+        return {"transfer_id": self.transfer_id, "status": self.status,
+                "first_token": self.first_token, "error": self.error}
+
+    @classmethod
+    def _from_wire(cls, d: dict) -> "KVTransferDone":
+        if d["status"] not in TransferStatus.ALL:
+            raise _fail(cls, "status", f"one of {TransferStatus.ALL}", d["status"])
+        ft = d["first_token"]
+        if ft is not None:
+            _int(cls, "first_token", ft)
+        if not isinstance(d["error"], str):
+            raise _fail(cls, "error", "a str", d["error"])
+        return cls(_int(cls, "transfer_id", d["transfer_id"]), d["status"], ft, d["error"])
+
+
+@dataclass(frozen=True)
+class Abort(_Message):
+    """Either side: stop transfer ``transfer_id`` (client abort, deadline, shutdown)."""
+
+    TYPE: ClassVar[str] = "abort"
+    transfer_id: int
+    reason: str = ""
+
+    def _to_wire(self) -> dict:
+        return {"transfer_id": self.transfer_id, "reason": self.reason}
+
+    @classmethod
+    def _from_wire(cls, d: dict) -> "Abort":
+        if not isinstance(d["reason"], str):
+            raise _fail(cls, "reason", "a str", d["reason"])
+        return cls(_int(cls, "transfer_id", d["transfer_id"]), d["reason"])
+
+
+MESSAGE_TYPES: dict[str, type] = {c.TYPE: c for c in (Handshake, KVTransferRequest, KVTransferDone, Abort)}
+Message = Handshake | KVTransferRequest | KVTransferDone | Abort
+
+
+def decode_message(data: bytes) -> Message:
+    """Decode any transfer message; ValueError (naming the field) if it is malformed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"expected bytes, got {type(data).__name__}")
+    try:
+        d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=1 << 26,
+                            max_str_len=1 << 20, max_array_len=1 << 24, max_map_len=1 << 16)
+    except Exception as e:  # msgpack raises several types for corrupt input
+        raise ValueError(f"not a msgpack message: {type(e).__name__}: {e}") from None
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError("message: missing field 'type'")
+    cls = MESSAGE_TYPES.get(d["type"]) if isinstance(d["type"], str) else None
+    if cls is None:
+        raise ValueError(f"message: unknown type {d['type']!r}")
+    return cls._from_wire(_fields(cls, d))
