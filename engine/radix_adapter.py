@@ -26,6 +26,10 @@ class RadixPrefixCache:
                 r = self.radix.match_prefix(ids, session_id=session_id)
         return r.device_indices, r.last_device_node, r.components
 
+    def match_len(self, ids) -> int:
+        """Length of the cached device prefix of ``ids`` (for queue ordering; loads nothing)."""
+        return self.radix.match_prefix(ids).prefix_len
+
     def backup(self, ids, slots, node, session_id=None):
         """Retraction: move the request's KV to the host tier; ``(locked node, tokens freed)``."""
         return self.radix.backup(ids, slots, node, session_id=session_id)

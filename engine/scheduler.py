@@ -46,6 +46,27 @@ class _Running:
     locked_len: int = 0     # positions [0, locked_len) of the row are tree-owned slots (locked)
 
 
+class _InStepPrefixes:
+    """lpm: prompts admitted this step, so a request whose long prefix is not cached yet but is
+    being computed by an earlier admission waits a step and then hits the cache instead."""
+
+    THRESHOLD = 32  # tokens (SGLang's in-queue deprioritize threshold)
+
+    def __init__(self, sched: "Scheduler"):
+        from tandem.cache.unified import UnifiedRadixCache
+
+        self.sched = sched
+        self.tree = UnifiedRadixCache.simulated(page_size=sched.page_size)
+
+    def should_wait(self, r: Req) -> bool:
+        ids = r.all_ids
+        if self.sched.cache.match_len(ids) <= self.THRESHOLD and \
+                self.tree.match_prefix(ids).prefix_len >= self.THRESHOLD:
+            return True
+        self.tree.insert(ids)
+        return False
+
+
 class Scheduler:
     def __init__(self, *, runner, req_to_token_pool, allocator, kv_pool, cache, tokenizer,
                  max_context: int, chunked_prefill_size: int, max_batch_tokens: int,
@@ -183,9 +204,12 @@ class Scheduler:
                 break
             plan.append((st, n, slots))
             prompt_budget -= n
+        in_step = _InStepPrefixes(self) if self.policy == "lpm" and not self.cache.disabled else None
         for r in self._admission_order():
             if prompt_budget <= 0 or self.r2t.available_size() == 0:
                 break
+            if in_step is not None and in_step.should_wait(r):
+                continue   # an earlier request computes the shared prefix this step: hit it next step
             st = self._admit(r)
             if st is None:
                 break
@@ -218,7 +242,7 @@ class Scheduler:
             if st.req.computed_len == st.req.seq_len:
                 sample_rows.append(i)
                 sample_states.append(st)
-            else:
+            if n > 1:   # a prompt chunk (not a decode step): share it with later requests now
                 self._cache_chunk(st)
         if sample_rows:
             tokens = self.sampler.sample(logits[sample_rows], [s.req for s in sample_states], self.eos)
@@ -241,7 +265,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
     def _admission_order(self) -> list[Req]:
-        return list(self.waiting)
+        """``fcfs``: arrival order. ``lpm``: longest cached prefix first, and requests sharing a
+        not-yet-cached prefix with an earlier one wait for it to be computed (SGLang's policy)."""
+        if self.policy != "lpm" or self.cache.disabled or len(self.waiting) < 2:
+            return list(self.waiting)
+        from tandem.cache.schedule_policy import order
+        return order(self.waiting, lambda r: self.cache.match_len(r.all_ids), "lpm",
+                     token_ids_fn=lambda r: r.all_ids, page_size=self.page_size)
 
     def _admit(self, r: Req) -> _Running | None:
         row = self.r2t.alloc()

@@ -137,19 +137,20 @@ def test_window_release_frees_swa_rows(tiny):
             own = len(h.owned([(req, st.locked_len)])["swa"])
             trace.append((req.computed_len, own, h.swa_alloc.size - h.swa_alloc.available_size()))
     assert req.finish_reason == "length" and req.computed_len == 79
-    # Chunks end at 16, 32, 48 (cached: the tree keeps the window before each boundary, the
-    # request's older rows are released); from 60 on the request owns the rows of
-    # [floor4(floor4(len) - 8), len): 8..11 rows, while the pool's total stays at 32..35.
-    assert trace[:3] == [(16, 0, 8), (32, 0, 16), (48, 0, 24)]
-    assert [o for _, o, _ in trace[3:]] == [8, 9, 10, 11] * 4 + [8, 9, 10]
-    assert all(used == 24 + o for _, o, used in trace[3:])
-    assert h.stats["swa_released"] == 8 + 8 + 8 + 4 + 16
+    # Chunks end at 16, 32, 48 and the prompt at 60; each is cached as it completes (the tree
+    # keeps the window before each boundary; the request's older rows are released). Decoding
+    # from 60, the request owns the rows of [max(60, floor4(floor4(len) - 8)), len): 1..11 rows
+    # while its window fills, then 8..11, while the pool's total stays at 32 + what it owns.
+    assert trace[:4] == [(16, 0, 8), (32, 0, 16), (48, 0, 24), (60, 0, 32)]
+    assert [o for _, o, _ in trace[4:]] == list(range(1, 12)) + [8, 9, 10, 11] + [8, 9, 10]
+    assert all(used == 32 + o for _, o, used in trace[4:])
+    assert h.stats["swa_released"] == 8 + 8 + 8 + 4 + 8
     # Cached with tombstones: SWA rows only for the window before each cached boundary.
     slots, _, comps = sched.cache.match(req.all_ids[:76])
     held = torch.nonzero(comps["swa"] >= 0).flatten().tolist()
     assert len(slots) == 76
-    assert held == [*range(8, 16), *range(24, 32), *range(40, 48), *range(68, 76)]
-    assert h.swa_alloc.size - h.swa_alloc.available_size() == 32 == sched.cache.evictable_size("swa")
+    assert held == [*range(8, 16), *range(24, 32), *range(40, 48), *range(52, 60), *range(68, 76)]
+    assert h.swa_alloc.size - h.swa_alloc.available_size() == 40 == sched.cache.evictable_size("swa")
     sched.check_invariants()
 
     # Without the cache the request alone holds rows and gives every one back at the end.
@@ -173,11 +174,11 @@ def test_mamba_match_lands_only_on_checkpoints(tiny):
     e = make_engine(loaded, chunk=16, max_total_tokens=512, state_slots=16)
     plain = make_engine(loaded, chunk=16, max_total_tokens=512, disable=True)
     try:
-        p = list(range(40, 90))                                    # 50 tokens: chunks end at 16, 32, 48
+        p = list(range(40, 90))                      # 50 tokens: chunks end at 16, 32, 48, prompt at 50
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         a = e.generate(p, params)
         ends = e.call(lambda s: _checkpoint_ends(s.cache.radix)).result(10)
-        assert ends == {16, 32, 48, 50 + 6 - 1}
+        assert ends == {16, 32, 48, 50, 50 + 6 - 1}             # chunk ends, prompt end, finish
         b_ids = p[:40] + [7, 7, 7, 7]                              # diverges at 40 (mid-edge 32..48)
         b = e.generate(b_ids, params)
         assert b.cached_tokens == 32 and b.cached_tokens in ends

@@ -57,3 +57,26 @@ def test_prefix_reuse_equals_no_cache(loaded, page_size, max_total_tokens):
         assert all(c > 0 for _, c in ta[1:]), f"session {s}: later turns should hit the cache"
     if max_total_tokens < 1000:
         assert stats["evicted_tokens"] > 0, "the small pool should have forced eviction"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_lets_the_first_of_a_shared_prefix_compute_it(loaded, policy):
+    """Four requests sharing a long uncached prefix arrive together: under lpm the first computes
+    the prefix and the others wait one step and hit it; under fcfs all four compute it."""
+    from tandem.core.config import SchedulerConfig
+
+    e = Engine(EngineConfig(cache=CacheConfig(max_total_tokens=4096, debug_invariants=True),
+                            scheduler=SchedulerConfig(schedule_policy=policy)), loaded=loaded)
+    try:
+        shared = " ".join(f"word{i}" for i in range(60))
+        reqs = [e.make_request(f"{shared} question {i}:", SamplingParams(max_tokens=2)) for i in range(4)]
+        # submit all before the engine thread can run a step in between
+        e.call(lambda s: None).result(10)
+        outs = e.generate_many(reqs, timeout=120)
+    finally:
+        e.shutdown()
+    cached = sorted(c.cached_tokens for c in outs)
+    if policy == "lpm":
+        assert cached[0] == 0 and all(c > 100 for c in cached[1:]), cached
+    else:
+        assert sum(c > 0 for c in cached) <= 1, cached
