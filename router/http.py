@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk, TandemError
+from tandem.router.sessions import fingerprint
 from tandem.router import metrics as m
 from tandem.router.backend import ServingBackend
 from tandem.router.openai_protocol import (
@@ -74,9 +75,9 @@ class _ClientGone(Exception):
 
 def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids: list[int]) -> str | None:
     """The session a request belongs to: ``X-Session-Id`` header, else body ``session_id``, else body
-    ``user``; None when the client names none.
-
-    Hook for the router issue: a prompt fingerprint fallback (``prompt_ids``) goes here.
+    ``user``; when the client names none, a fingerprint of the chat's opening (its system
+    prompt(s) and first user message), so agents that send nothing still stick to their workers.
+    None for a plain completion prompt with no session named.
     """
     for value in (headers.get("x-session-id"), body.get("session_id"), body.get("user")):
         if isinstance(value, str) and value:
@@ -84,6 +85,11 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids:
                 raise APIError(400, f"session id has {len(value)} characters, at most "
                                     f"{MAX_SESSION_ID_CHARS} allowed", param="session_id")
             return value
+    messages = body.get("messages")
+    if isinstance(messages, list) and all(isinstance(m, Mapping) for m in messages):
+        fp = fingerprint(messages)
+        if fp is not None:
+            return f"fp-{fp:016x}"
     return None
 
 
