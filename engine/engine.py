@@ -224,6 +224,9 @@ class Engine:
         return a Future of its result. If ``on_chunk`` is given it becomes ``rid``'s stream
         callback first; if ``fn`` returns a list of StreamChunk they are emitted as usual."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._error is not None or not self._thread.is_alive():
+            fut.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
+            return fut
         if on_chunk is not None:
             self._callbacks[rid] = on_chunk
         self._inbox.put(("call", fn, fut))
@@ -263,6 +266,8 @@ class Engine:
                     self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
             elif msg[0] == "call":
                 _, fn, fut = msg
+                if not fut.set_running_or_notify_cancel():
+                    continue   # the caller gave up on it
                 try:
                     res = fn(self.scheduler)
                 except Exception as e:
@@ -299,5 +304,12 @@ class Engine:
                     c = StreamChunk(rid, (), "", "abort", error=error)
                 if c is not None:
                     self._emit([c])
+            while True:   # calls queued behind the crash fail instead of hanging their callers
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg[0] == "call" and msg[2].set_running_or_notify_cancel():
+                    msg[2].set_exception(RuntimeError(error))
             # anyone still waiting (reserved, held, or lost in a crash) gets a final chunk too
             self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

@@ -1,0 +1,100 @@
+"""Thin Ray shell around :class:`DecodeWorker` (an async actor: methods share one event loop).
+
+``generate`` is an async generator: call it with ``.options(num_returns="streaming")`` and each
+:class:`StreamChunk` arrives as its own object. Prefill workers are reached through their actor
+handles, wrapped as the worker's ``PrefillClient`` (decode never imports prefill).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from tandem.core.config import EngineConfig
+from tandem.core.messages import GenerateRequest
+from tandem.decode.worker import DecodeWorker
+
+
+def assigned_threads() -> int:
+    """Torch threads for this actor: the CPUs Ray assigned it, at least one."""
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    return max(1, int(cpus))
+
+
+class _RayPrefillClient:
+    """A prefill actor handle as the DecodeWorker's PrefillClient."""
+
+    def __init__(self, name: str, handle):
+        self.name, self.handle = name, handle
+        self.dead = False   # set when a call finds the actor dead; later requests go elsewhere
+
+    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> dict:
+        try:
+            return await self.handle.prefill.remote(req_wire, xfer, dst_prefix_len)
+        except ray.exceptions.RayActorError:
+            self.dead = True
+            raise
+
+    async def abort(self, rid: str, reason: str) -> None:
+        await self.handle.abort.remote(rid, reason)
+
+
+@ray.remote
+class DecodeActor:
+    def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
+                 local_prefill_threshold: int, loaded=None):
+        """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
+        cfg = EngineConfig.model_validate(engine_config)
+        if cfg.num_threads is None:
+            cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
+        self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
+                                   local_prefill_threshold=local_prefill_threshold)
+        self.prefills: dict[str, _RayPrefillClient] = {}
+
+    def info(self) -> dict:
+        e = self.worker.engine
+        return {"name": self.worker.name, "role": "decode", "model_name": e.model_name,
+                "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
+                "page_size": self.worker.page_size, "device": str(e.device)}
+
+    def handshake(self) -> bytes:
+        return self.worker.handshake()
+
+    def add_prefill(self, handshake: bytes, handle) -> str:
+        name = self.worker.add_peer(handshake)
+        self.prefills[name] = _RayPrefillClient(name, handle)
+        return name
+
+    def remove_prefill(self, name: str) -> None:
+        self.prefills.pop(name, None)
+        self.worker.remove_peer(name)
+
+    async def generate(self, req_wire: dict, prefill_name: str | None):
+        greq = GenerateRequest.from_wire(req_wire)
+        client = self.prefills.get(prefill_name) if prefill_name else None
+        if client is not None and client.dead:  # the driver has not noticed yet: another one
+            client = next((c for c in self.prefills.values() if not c.dead), None)
+        chunks = self.worker.generate(greq, client)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()  # the worker's cleanup runs now if the caller went away
+
+    async def abort(self, rid: str, reason: str = "") -> bool:
+        return await self.worker.abort(rid, reason)
+
+    async def stats(self) -> dict:
+        return await self.worker.stats()
+
+    async def ping(self) -> str:
+        self.worker.check_alive()   # a crashed engine thread counts as a dead worker
+        return self.worker.name
+
+    def metrics_text(self) -> bytes:
+        # imported here: Ray pickles the actor class by value, and a registry holds locks
+        from prometheus_client import REGISTRY, generate_latest
+
+        return self.worker.metrics_text() + generate_latest(REGISTRY)
+
+    def shutdown(self) -> None:
+        self.worker.close()

@@ -1,0 +1,265 @@
+"""``tandem serve`` end to end: real Ray actors, real NIXL, SmolLM2, HTTP through the openai client.
+
+One cluster per module (1 prefill + 2 decode workers, restarts on) behind the real front door,
+plus a colocated server (LocalEngineBackend) for the reference outputs. Worker-kill tests run
+last; the final test waits for the monitor to have replaced both killed workers.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+
+ENGINE = EngineConfig(device="cpu", num_threads=1,
+                      cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))
+CFG = ServeConfig(prefill=1, decode=2, transfer_timeout_s=10.0, engine_config=ENGINE)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """uvicorn serving ``create_app(backend, cfg)`` in a thread."""
+
+    def __init__(self, backend, cfg):
+        import uvicorn
+
+        from tandem.router.http import create_app
+
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(backend, cfg), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < end, "uvicorn did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2):
+    from tandem.cluster.launch import launch_disaggregated
+    from tandem.engine.engine import Engine
+    from tandem.router.backend import LocalEngineBackend
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    backend = launch_disaggregated(CFG, loaded=smollm2)   # one load, shared via the object store
+    colocated = Engine(ENGINE, loaded=smollm2)
+    disagg, coloc = _Server(backend, CFG), _Server(LocalEngineBackend(colocated), CFG)
+    yield backend, disagg, coloc
+    disagg.stop()
+    coloc.stop()
+    backend.close()
+    colocated.shutdown()
+    ray.shutdown()
+
+
+def _chat(server, messages, **kw):
+    kw.setdefault("max_tokens", 16)
+    kw.setdefault("temperature", 0)
+    return server.client.chat.completions.create(model="smollm2", messages=messages, **kw)
+
+
+def _stats(backend) -> dict[str, dict]:
+    ws = [w for w in backend.prefills + backend.decodes if w.alive]
+    return dict(zip([w.name for w in ws], ray.get([w.handle.stats.remote() for w in ws], timeout=30)))
+
+
+def _wait_baseline(backend, timeout=20.0) -> dict[str, dict]:
+    end = time.monotonic() + timeout
+    while True:
+        stats = _stats(backend)
+        if all(s["available_tokens"] + s["evictable_tokens"] == s["total_tokens"]
+               and s["live_transfers"] == 0 and s.get("held", 0) == 0 and s.get("reserved", 0) == 0
+               for s in stats.values()):
+            return stats
+        if time.monotonic() > end:
+            raise AssertionError(f"pages still owned by requests: {stats}")
+        time.sleep(0.1)
+
+
+def _bytes_moved(server) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "tandem_kv_transfer_bytes" for s in f.samples if s.name.endswith("_total"))
+
+
+def _radix_available() -> bool:
+    try:
+        import tandem.engine.radix_adapter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_chat_streamed_and_not_and_greedy_equals_colocated(servers):
+    backend, disagg, coloc = servers
+    ref = _chat(coloc, QUESTION)
+    out = _chat(disagg, QUESTION)
+    assert out.choices[0].message.content == ref.choices[0].message.content
+    assert out.choices[0].message.content.strip()
+    assert out.choices[0].finish_reason == ref.choices[0].finish_reason
+    assert out.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert out.usage.completion_tokens == ref.usage.completion_tokens
+    stream = _chat(disagg, QUESTION, stream=True, stream_options={"include_usage": True})
+    parts, usage, finish = [], None, None
+    for ev in stream:
+        if ev.choices:
+            parts.append(ev.choices[0].delta.content or "")
+            finish = ev.choices[0].finish_reason or finish
+        if ev.usage is not None:
+            usage = ev.usage
+    assert "".join(parts) == ref.choices[0].message.content
+    assert finish == ref.choices[0].finish_reason and usage.completion_tokens == ref.usage.completion_tokens
+    _wait_baseline(backend)
+
+
+def test_metrics_and_health_are_cluster_wide(servers):
+    import httpx
+
+    backend, disagg, _ = servers
+    text = httpx.get(disagg.url + "/metrics", timeout=30).text
+    for name in ("tandem_kv_transfer_bytes_total{", "tandem_kv_transfer_seconds_bucket{",
+                 "tandem_requests_total{", "tandem_worker_kv_used_tokens{", "tandem_decode_prefill_total{",
+                 'worker="prefill-0"', 'worker="decode-'):
+        assert name in text, name
+    h = httpx.get(disagg.url + "/health", timeout=30).json()
+    assert h["status"] == "ok" and h["prefill_alive"] == 1 and h["decode_alive"] == 2
+
+
+@pytest.mark.skipif(not _radix_available(), reason="needs the radix prefix cache (engine/radix_adapter.py)")
+def test_second_turn_of_a_session_is_cached_and_moves_fewer_bytes(servers):
+    backend, disagg, _ = servers
+    system = {"role": "system", "content": "You are a concise geography tutor. " * 12}
+    turn1 = [system, {"role": "user", "content": "Name the capital of Italy."}]
+    b0 = _bytes_moved(disagg)
+    r1 = _chat(disagg, turn1, extra_body={"session_id": "sess-1"})
+    b1 = _bytes_moved(disagg)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And of Spain?"}]
+    r2 = _chat(disagg, turn2, extra_body={"session_id": "sess-1"})
+    b2 = _bytes_moved(disagg)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    assert 0 < b2 - b1 < b1 - b0
+    _wait_baseline(backend)
+
+
+def test_a_prompt_larger_than_the_decode_pool_is_a_400(servers):
+    backend, disagg, _ = servers
+    big = [{"role": "user", "content": "fox " * (ENGINE.cache.max_total_tokens + 200)}]
+    with pytest.raises(openai.BadRequestError, match="KV pool"):
+        _chat(disagg, big, max_tokens=2)
+    _wait_baseline(backend)
+
+
+def test_abort_mid_stream_frees_every_page_on_both_sides(servers):
+    backend, disagg, _ = servers
+    stream = _chat(disagg, QUESTION, stream=True, max_tokens=400, extra_body={"ignore_eos": True})
+    got = 0
+    for ev in stream:
+        if ev.choices and ev.choices[0].delta.content:
+            got += 1
+            if got == 3:
+                break
+    stream.close()
+    assert got == 3
+    _wait_baseline(backend)
+
+
+def _inflight(backend, timeout=30.0) -> str:
+    end = time.monotonic() + timeout
+    while not backend._inflight:
+        assert time.monotonic() < end, "the request never reached a decode worker"
+        time.sleep(0.01)
+    return next(iter(backend._inflight))
+
+
+def test_killing_a_decode_worker_fails_its_request_and_serving_goes_on(servers):
+    backend, disagg, _ = servers
+    stream = _chat(disagg, QUESTION, stream=True, max_tokens=400, extra_body={"ignore_eos": True})
+    events = iter(stream)
+    next(events)
+    victim = backend._inflight[_inflight(backend)]
+    t0 = time.monotonic()
+    ray.kill(victim.handle)
+    with pytest.raises(openai.APIError, match="died|failed"):
+        for _ in events:
+            pass
+    assert time.monotonic() - t0 < CFG.transfer_timeout_s
+    assert not victim.alive
+    out = _chat(disagg, QUESTION)      # the surviving decode worker answers at once
+    assert out.choices[0].message.content.strip()
+
+
+def test_killing_the_prefill_worker_fails_its_request_and_serving_goes_on(servers):
+    backend, disagg, _ = servers
+    long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog " * 150}]
+    result: dict = {}
+
+    def send():
+        try:
+            result["ok"] = _chat(disagg, long, max_tokens=4)
+        except Exception as e:  # noqa: BLE001 - the test checks what it was
+            result["err"] = e
+
+    th = threading.Thread(target=send)
+    th.start()
+    victim = backend.prefills[0]
+    end = time.monotonic() + 60
+    def busy() -> bool:
+        s = ray.get(victim.handle.stats.remote(), timeout=30)
+        return s["running"] + s["waiting"] > 0
+
+    while not busy():
+        assert time.monotonic() < end and th.is_alive(), f"the prompt never reached prefill: {result}"
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    ray.kill(victim.handle)
+    th.join(timeout=CFG.transfer_timeout_s + 5)
+    assert not th.is_alive()
+    assert time.monotonic() - t0 < CFG.transfer_timeout_s
+    assert isinstance(result.get("err"), openai.APIError), result
+    assert "died" in str(result["err"]) or "prefill" in str(result["err"])
+    out = _chat(disagg, QUESTION)      # decode prefills locally until a prefill worker is back
+    assert out.choices[0].message.content.strip()
+
+
+def test_dead_workers_are_replaced_and_the_cluster_is_whole_again(servers):
+    import httpx
+
+    backend, disagg, coloc = servers
+    end = time.monotonic() + 240
+    while True:
+        h = httpx.get(disagg.url + "/health", timeout=30).json()
+        if h["restarts"] >= 2 and not h["degraded"]:
+            break
+        assert time.monotonic() < end, f"workers were not replaced: {h}"
+        time.sleep(0.5)
+    assert h["prefill_alive"] == 1 and h["decode_alive"] == 2
+    ref = _chat(coloc, QUESTION)
+    for _ in range(2):   # both decode workers (round-robin), prefilled remotely again
+        assert _chat(disagg, QUESTION).choices[0].message.content == ref.choices[0].message.content
+    stats = _wait_baseline(backend)
+    assert sum(s.get("remote", 0) for s in stats.values()) >= 1

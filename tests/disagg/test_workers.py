@@ -1,0 +1,270 @@
+"""PrefillWorker + DecodeWorker in one process (no Ray): real engines, real NIXL, real model.
+
+Each test ends with both KV pools back at their baseline (no page owned by a request), so a leak
+anywhere on either side fails the test that caused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.core.config import CacheConfig, EngineConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import SamplingParams
+from tandem.transfer.messages import KVTransferRequest, RegionPages
+
+PAGE = 4
+CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=768,
+                                                                  max_running_requests=6))
+PROMPT = "What is the capital of France?"
+
+
+class LocalClient:
+    """The real prefill worker as decode's PrefillClient, with optional fault injection."""
+
+    def __init__(self, worker, delay_s: float = 0.0):
+        self.w, self.name, self.delay_s = worker, worker.name, delay_s
+        self.aborts: list[str] = []
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
+
+    async def abort(self, rid, reason):
+        self.aborts.append(rid)
+        await self.w.abort(rid, reason)
+
+
+class HangingClient:
+    """A prefill worker that never writes: answers only once told to abort (or ``release``d)."""
+
+    def __init__(self, name: str, answer_abort: bool = True):
+        self.name, self.answer_abort = name, answer_abort
+        self.release = asyncio.Event()
+        self.aborts: list[str] = []
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        await self.release.wait()
+        return {"status": "aborted", "first_token": None, "error": "aborted", "in_flight": False,
+                "bytes": 0, "pages": 0, "cached_tokens": 0, "prefill_s": 0.0, "transfer_s": 0.0}
+
+    async def abort(self, rid, reason):
+        self.aborts.append(rid)
+        if self.answer_abort:
+            self.release.set()
+
+
+class DeadClient:
+    """A prefill worker that dies mid-call (Ray raises ActorDiedError there)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        await asyncio.sleep(0.2)
+        raise RuntimeError("The actor died unexpectedly before finishing this task.")
+
+    async def abort(self, rid, reason):
+        raise RuntimeError("actor is dead")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2, loop):
+    from tandem.decode.worker import DecodeWorker
+    from tandem.engine.engine import Engine
+    from tandem.prefill.worker import PrefillWorker
+
+    async def make():
+        p = PrefillWorker("t-prefill", CFG, loaded=smollm2, transfer_timeout_s=20)
+        d = DecodeWorker("t-decode", CFG, loaded=smollm2, transfer_timeout_s=20)
+        p.add_peer(d.handshake())
+        d.add_peer(p.handshake())
+        return p, d
+
+    p, d = loop.run_until_complete(make())
+    colocated = Engine(CFG, loaded=smollm2)
+    yield p, d, colocated
+    for w in (p, d):
+        w.close()
+    colocated.shutdown()
+
+
+def run(loop, coro):
+    return loop.run_until_complete(asyncio.wait_for(coro, 120))
+
+
+async def collect(gen, stop_after: int | None = None):
+    out = []
+    try:
+        async for c in gen:
+            out.append(c)
+            if stop_after is not None and len(out) >= stop_after:
+                break
+    finally:
+        await gen.aclose()
+    return out
+
+
+async def at_baseline(*ws, timeout: float = 15.0) -> list[dict]:
+    """Wait until no page on any worker is owned by a request; return the last stats."""
+    end = time.monotonic() + timeout
+    while True:
+        for w in ws:
+            if hasattr(w, "drain"):
+                await w.drain(timeout)
+        stats = [await w.stats() for w in ws]
+        if all(s["available_tokens"] + s["evictable_tokens"] == s["total_tokens"]
+               and s["live_transfers"] == 0 for s in stats):
+            return stats
+        if time.monotonic() > end:
+            raise AssertionError(f"pages still owned by requests: {stats}")
+        await asyncio.sleep(0.05)
+
+
+def request(engine, rid: str, **params) -> GenerateRequest:
+    params.setdefault("max_tokens", 12)
+    return engine.make_request(PROMPT, SamplingParams(**params), chat=True, rid=rid)
+
+
+def test_greedy_output_equals_colocated_and_pools_return_to_baseline(workers, loop):
+    p, d, col = workers
+    ref = col.generate(PROMPT, SamplingParams(max_tokens=12), chat=True)
+    chunks = run(loop, collect(d.generate(request(col, "g1"), LocalClient(p))))
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    last = chunks[-1]
+    assert last.finish_reason == ref.finish_reason and last.error is None
+    assert last.prompt_tokens == ref.prompt_tokens
+    ps, ds = run(loop, at_baseline(p, d))
+    n = ref.prompt_tokens
+    assert ps["pages"] >= -(-n // PAGE) and ps["bytes"] > 0
+    t = ds["last_timings"]
+    assert t["bytes"] == -(-n // PAGE) * PAGE * d.engine.kv_pool.bytes_per_token
+    assert set(t) >= {"reserve_s", "prefill_s", "transfer_s", "receive_s", "activate_s"}
+
+
+def test_seeded_first_token_follows_temperature_and_seed(workers, loop):
+    p, d, col = workers
+    params = dict(max_tokens=1, temperature=1.3, seed=1234)
+    ref = col.generate(PROMPT, SamplingParams(**params), chat=True)
+    chunks = run(loop, collect(d.generate(request(col, "s1", **params), LocalClient(p))))
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    run(loop, at_baseline(p, d))
+
+
+def test_abort_mid_decode_frees_every_page_on_both_sides(workers, loop):
+    p, d, col = workers
+    req = request(col, "a1", max_tokens=200, ignore_eos=True)
+    chunks = run(loop, collect(d.generate(req, LocalClient(p)), stop_after=3))
+    assert len(chunks) == 3 and chunks[-1].finish_reason is None
+    run(loop, at_baseline(p, d))
+
+
+def test_abort_during_transfer_reaches_prefill_and_frees_both_sides(workers, loop):
+    p, d, col = workers
+    client = LocalClient(p, delay_s=0.3)   # the abort lands while decode waits for prefill
+    req = request(col, "a2", max_tokens=20)
+
+    async def go():
+        gen = d.generate(req, client)
+        task = asyncio.ensure_future(collect(gen))
+        await asyncio.sleep(0.1)
+        assert await d.abort("a2", "client went away")
+        return await task
+
+    t0 = time.monotonic()
+    chunks = run(loop, go())
+    assert time.monotonic() - t0 < 5
+    assert chunks[-1].finish_reason == "abort" and "client went away" in chunks[-1].error
+    run(loop, at_baseline(p, d))
+    assert client.aborts == ["a2"]
+    assert run(loop, d.stats())["aborted"] >= 1
+
+
+def test_transfer_timeout_fails_fast_but_frees_pages_only_after_prefill_answers(workers, smollm2, loop):
+    from tandem.decode.worker import DecodeWorker
+
+    p = workers[0]
+    d = DecodeWorker("t-decode-timeout", CFG, loaded=smollm2, transfer_timeout_s=1.0)
+    d.add_peer(p.handshake())
+    try:
+        hang = HangingClient(p.name, answer_abort=False)   # a known agent that never writes
+        req = request(d.engine, "t1", max_tokens=5)
+
+        async def go():
+            t0 = time.monotonic()
+            chunks = await collect(d.generate(req, hang))
+            took = time.monotonic() - t0
+            await asyncio.sleep(0.3)
+            held = await d.stats()             # prefill has not answered: pages stay reserved
+            hang.release.set()                 # ... now it does
+            await d.drain()
+            return chunks, took, held
+
+        chunks, took, held = run(loop, go())
+        assert chunks[-1].finish_reason == "abort" and "timed out" in chunks[-1].error
+        assert 0.9 < took < 3.0
+        assert held["reserved"] == 1 and held["available_tokens"] < held["total_tokens"]
+        assert hang.aborts == ["t1"]
+        run(loop, at_baseline(d))
+    finally:
+        d.close()
+
+
+def test_dead_prefill_fails_the_request_fast_and_frees_pages(workers, loop):
+    p, d, col = workers
+    dead = DeadClient(p.name)   # same name: decode knows the agent; the call itself dies
+    t0 = time.monotonic()
+    chunks = run(loop, collect(d.generate(request(col, "x1"), dead)))
+    assert time.monotonic() - t0 < 5
+    assert chunks[-1].finish_reason == "abort" and "died" in chunks[-1].error
+    run(loop, at_baseline(p, d))
+
+
+def test_short_uncached_suffix_is_prefilled_locally(workers, loop):
+    p, d, col = workers
+    ref = col.generate(PROMPT, SamplingParams(max_tokens=8), chat=True)
+    before = run(loop, p.stats())["ok"]
+    d.local_prefill_threshold = 10_000
+    try:
+        chunks = run(loop, collect(d.generate(request(col, "l1", max_tokens=8), LocalClient(p))))
+    finally:
+        d.local_prefill_threshold = 0
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert run(loop, p.stats())["ok"] == before
+    assert run(loop, d.stats())["local"] >= 1
+    run(loop, at_baseline(p, d))
+
+
+def test_prefill_refuses_a_page_list_that_does_not_fit_the_prompt(workers, loop):
+    p, d, col = workers
+    req = request(col, "bad1")
+    xfer = KVTransferRequest(99, d.name, (RegionPages("kv", (1, 2)),), deadline=time.time() + 10)
+    res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 0))
+    assert res["status"] == "failed" and "need" in res["error"] and "pages" in res["error"]
+    res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 3))
+    assert res["status"] == "failed" and "multiple of page_size" in res["error"]
+    run(loop, at_baseline(p, d))
+
+
+def test_abort_before_the_prefill_request_arrives_is_remembered(workers, loop):
+    p, d, col = workers
+    req = request(col, "early1")
+    run(loop, p.abort("early1", "decode gave up"))
+    n = len(req.prompt_ids)
+    xfer = KVTransferRequest(100, d.name, (RegionPages("kv", tuple(range(1, 1 + -(-n // PAGE)))),),
+                             deadline=time.time() + 10)
+    res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 0))
+    assert res["status"] == "aborted" and "before it reached" in res["error"]
+    run(loop, at_baseline(p, d))
