@@ -52,3 +52,12 @@ PROMPT_TOKENS = _metric(Counter, "tandem_prompt_tokens_total",
                         "Prompt tokens of finished requests.")
 CACHED_PROMPT_TOKENS = _metric(Counter, "tandem_cached_prompt_tokens_total",
                                "Prompt tokens of finished requests served from the prefix cache.")
+
+# Every label value a series can take is created up front at zero, so a fresh server exports
+# each series (dashboards and alerts see 0, not "no data") before its first event.
+REJECT_REASONS = ("malformed", "invalid_request", "timeout", "disconnected", "too_large",
+                  "unauthorized", "model_not_found", "context_length", "overloaded")
+for _s in STATUSES:
+    REQUESTS.labels(_s)
+for _r in REJECT_REASONS:
+    REJECTED.labels(_r)

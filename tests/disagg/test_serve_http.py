@@ -149,6 +149,28 @@ def test_metrics_and_health_are_cluster_wide(servers):
     assert h["status"] == "ok" and h["prefill_alive"] == 1 and h["decode_alive"] == 2
 
 
+def test_grafana_dashboard_references_only_metrics_a_live_server_exports(servers):
+    """k8s/base/dashboards/tandem.json may chart only series that this live `tandem serve`
+    (1 prefill + 2 decode, disaggregated) exports on /metrics, after it has served requests."""
+    import sys
+    from pathlib import Path
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
+    from k8s_support import k8s_dashboard_metric_names
+
+    backend, disagg, _ = servers
+    _chat(disagg, QUESTION)
+    text = httpx.get(disagg.url + "/metrics", timeout=30).text
+    exported = {smp.name for f in text_string_to_metric_families(text) for smp in f.samples}
+    wanted = k8s_dashboard_metric_names()
+    assert wanted, "the dashboard should chart something"
+    missing = sorted(wanted - exported)
+    assert not missing, f"dashboard series not exported by a live server: {missing}"
+
+
 @pytest.mark.skipif(not _radix_available(), reason="needs the radix prefix cache (engine/radix_adapter.py)")
 def test_second_turn_of_a_session_is_cached_and_moves_fewer_bytes(servers):
     backend, disagg, _ = servers
