@@ -55,9 +55,16 @@ def run_serve(args) -> int:
 
     app = create_app(backend, cfg)
     print(f"tandem: serving {backend.model_name} ({cfg.mode}) on http://{cfg.host}:{cfg.port}", flush=True)
+    # lifespan "off": the app has no startup/shutdown hooks, and uvicorn's lifespan task would
+    # otherwise log a CancelledError traceback on Ctrl-C.
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           lifespan="off"))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+        server.run()
+    except KeyboardInterrupt:
+        pass   # uvicorn re-raises the signal after its graceful shutdown
     finally:
+        print("tandem: shutting down", flush=True)
         close = getattr(backend, "close", None)
         if close is not None:
             close()
