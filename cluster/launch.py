@@ -13,6 +13,13 @@
    (requests and tokens in flight per worker); the decode actor's streaming ``generate`` drives
    everything else.
 
+Admission: when every live prefill worker is past ``cfg.admission_max_queue`` requests (or
+``admission_max_pending_s``), ``generate`` raises :class:`Overloaded` (the front door's 429).
+A decode worker found dead before its first chunk costs one re-route; a prefill worker that dies
+before its write is replaced by another one by the decode worker itself (same reserved pages).
+KV events (``cfg.kv_events``, default with the kv_events policy): prefill workers publish their
+cache's events over ZMQ; cluster/kv_feed.py applies them to the router's exact block index.
+
 Health: a monitor thread pings every worker each ``MONITOR_PERIOD_S``; a dead worker is taken
 out of rotation at once, its peers forget its NIXL agent, and (``restart=True``) a replacement
 with a fresh name is launched and bootstrapped. With no live prefill worker, decode prefills
@@ -23,6 +30,7 @@ locally (counted on /metrics as ``tandem_decode_prefill_total{path="local"}``; /
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -36,8 +44,9 @@ from prometheus_client import REGISTRY, generate_latest
 from tandem.cluster.metrics import merge_expositions
 from tandem.core.config import EngineConfig, ServeConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import InvalidRequest, StreamChunk, TandemError
-from tandem.router.policies import PolicyConfig, RouterState, choose
+from tandem.core.types import InvalidRequest, Overloaded, StreamChunk, TandemError
+from tandem.router import metrics as rm
+from tandem.router.policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, retry_after_s
 from tandem.router.view import ClusterView, RouteRequest, WorkerView
 
 log = logging.getLogger(__name__)
@@ -144,6 +153,9 @@ class RayClusterBackend:
         self._lock = threading.RLock()       # guards the worker lists (monitor thread vs. loop)
         cc = cfg.engine_config.cache   # the approximate prefix index holds at most a cache's worth
         self._router = RouterState(PolicyConfig(kv_block_size=cc.page_size, index_capacity=cc.max_total_tokens))
+        self.limits = AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s)
+        self.kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"
+        self._feed = None      # cluster/kv_feed.KVEventFeed when kv_events
         self._capacity = {"prefill": cfg.engine_config.cache.max_total_tokens,
                           "decode": decode_engine_config(cfg).cache.max_total_tokens}
         self._incarnation = itertools.count(1)
@@ -172,7 +184,8 @@ class RayClusterBackend:
         opts = self._resources()
         if role == "prefill":
             h = PrefillActor.options(**opts).remote(
-                name, self.cfg.engine_config.model_dump(), self.cfg.transfer_timeout_s, self.weights)
+                name, self.cfg.engine_config.model_dump(), self.cfg.transfer_timeout_s, self.weights,
+                self.kv_events)
         else:
             h = DecodeActor.options(**opts).remote(
                 name, decode_engine_config(self.cfg).model_dump(), self.cfg.transfer_timeout_s,
@@ -198,6 +211,15 @@ class RayClusterBackend:
         for p in self.prefills:
             for d in self.decodes:
                 self._pair(p, d)
+        if self.kv_events:
+            from tandem.cluster.kv_feed import KVEventFeed
+
+            self._feed = KVEventFeed(self._router.kv, self._lock)
+            for w, i in zip(everyone, infos):
+                if i.get("kv_events"):
+                    self._feed.add(w.wid, i["kv_events"])
+        for w in everyone:
+            rm.WORKER_LOAD.labels(w.name, w.role).set(0)
         self._monitor = threading.Thread(target=self._watch, name="tandem-monitor", daemon=True)
         self._monitor.start()
 
@@ -213,9 +235,18 @@ class RayClusterBackend:
         with self._lock:
             return [w for w in (self.prefills if role == "prefill" else self.decodes) if w.alive]
 
-    def _route(self, req: GenerateRequest) -> tuple[WorkerRef | None, WorkerRef | None]:
+    def _route(self, req: GenerateRequest, exclude: WorkerRef | None = None
+               ) -> tuple[WorkerRef | None, WorkerRef | None]:
         """(decode, prefill) by ``cfg.policy`` (router/policies.py) over the driver's records.
-        No live prefill worker: (least-loaded decode, None) and decode prefills locally."""
+        No live prefill worker: (least-loaded decode, None) and decode prefills locally. Raises
+        :class:`Overloaded` when every live prefill worker is past ``self.limits``."""
+        t0 = time.perf_counter()
+        try:
+            return self._route_locked(req, exclude)
+        finally:
+            rm.ROUTING_DECISION.observe(time.perf_counter() - t0)
+
+    def _route_locked(self, req: GenerateRequest, exclude: WorkerRef | None):
         with self._lock:
             everyone = self.prefills + self.decodes
             view = ClusterView.of(
@@ -225,11 +256,16 @@ class RayClusterBackend:
                 now=time.monotonic())
             rr = RouteRequest(req.rid, req.prompt_ids, len(req.prompt_ids), session_id=req.session_id,
                               max_tokens=req.params.max_tokens)
+            if view.alive_prefill() and not admit(view, self.limits):
+                wait = retry_after_s(view, self.limits)
+                raise Overloaded(f"all {len(view.alive_prefill())} prefill workers are at their admission "
+                                 f"limits (queue {self.limits.max_queue}, {self.limits.max_pending_s:g}s "
+                                 f"predicted wait); retry in {wait}s", wait)
             dec = choose(view, rr, self._router, self.cfg.policy)
-            by_id = {w.wid: w for w in everyone if w.alive}
+            by_id = {w.wid: w for w in everyone if w.alive and w is not exclude}
             d, p = by_id.get(dec.decode_worker), by_id.get(dec.prefill_worker)
             if d is None:
-                live = [w for w in self.decodes if w.alive]
+                live = [w for w in self.decodes if w.alive and w is not exclude]
                 d = min(live, key=lambda w: (w.tokens, w.in_flight)) if live else None
             return d, p
 
@@ -238,15 +274,31 @@ class RayClusterBackend:
             with self._lock:
                 w.in_flight += requests
                 w.tokens += tokens
+                if requests:
+                    rm.WORKER_LOAD.labels(w.name, w.role).set(w.in_flight)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Route, then stream from the decode worker. A decode worker found dead before it sent
+        anything (killed, not yet noticed by the monitor) costs one re-route to another."""
+        n = len(req.prompt_ids)
+        d, p = self._route(req)     # raises Overloaded (-> 429) before anything is charged
+        for attempt in range(2):
+            if d is None:
+                yield StreamChunk(req.rid, (), "", "abort", n, error="no live decode worker")
+                return
+            died_early = []
+            async for c in self._attempt(req, d, p, died_early, retry=attempt == 0):
+                yield c
+            if not died_early:
+                return
+            log.warning("decode worker %s died before serving %s; re-routing", d.name, req.rid)
+            d, p = self._route(req, exclude=d)
+
+    async def _attempt(self, req: GenerateRequest, d: WorkerRef, p: WorkerRef | None,
+                       died_early: list, retry: bool) -> AsyncIterator[StreamChunk]:
         import ray
 
         n = len(req.prompt_ids)
-        d, p = self._route(req)
-        if d is None:
-            yield StreamChunk(req.rid, (), "", "abort", n, error="no live decode worker")
-            return
         self._charge(d, 1, n)
         self._charge(p, 1, n)
         held = {"decode": n, "prefill": p}    # what to give back when the request ends
@@ -266,6 +318,8 @@ class RayClusterBackend:
                     held["decode"] += len(c.token_ids)
                     if finished and c.error and p is not None:
                         await self._ping(p, timeout=1.0)  # a dead prefill leaves rotation now
+                    if finished:
+                        c = dataclasses.replace(c, worker=d.name)
                     yield c
                     if finished:
                         return
@@ -276,6 +330,10 @@ class RayClusterBackend:
                 err = f"decode worker {d.name} failed: {type(cause or e).__name__}: {str(cause or e)[:300]}"
             except ray.exceptions.RayActorError as e:
                 self._mark_dead(d, f"died: {type(e).__name__}")
+                if first and retry:
+                    finished = True      # nothing to abort: the caller re-routes
+                    died_early.append(d)
+                    return
                 err = f"decode worker {d.name} died during the request"
             else:
                 err = f"decode worker {d.name} ended the stream without a finish reason"
@@ -335,6 +393,8 @@ class RayClusterBackend:
                 return
             w.alive, w.error = False, why
             self._router.forget_worker(w.wid)
+        if self._feed is not None:
+            self._feed.remove(w.wid)
         log.warning("%s worker %s is dead (%s)", w.role, w.name, why)
         threading.Thread(target=self._forget, args=(w,), daemon=True).start()
 
@@ -393,7 +453,7 @@ class RayClusterBackend:
         new = None
         try:
             new = self._spawn(w.role, w.slot, name)
-            ray.get(new.handle.info.remote(), timeout=STARTUP_TIMEOUT_S)   # loads overlap
+            info = ray.get(new.handle.info.remote(), timeout=STARTUP_TIMEOUT_S)   # loads overlap
             with self._pair_lock:   # pair and register as one step, so two relaunches meet
                 for other in self._alive("decode" if w.role == "prefill" else "prefill"):
                     if w.role == "prefill":
@@ -406,20 +466,28 @@ class RayClusterBackend:
                     if not stale:
                         ws[ws.index(w)] = new
                         self.restarts += 1
+                        if self._feed is not None and info.get("kv_events"):
+                            self._feed.add(new.wid, info["kv_events"])
+                        try:
+                            rm.WORKER_LOAD.remove(w.name, w.role)
+                        except KeyError:
+                            pass
+                        rm.WORKER_LOAD.labels(new.name, new.role).set(0)
                     self._restarting.discard((w.role, w.slot))
         except BaseException as e:  # noqa: BLE001 - also Ray's SystemExit at shutdown; retried next round
             if not self._stop.is_set():
                 log.error("relaunching %s failed: %s", w.name, e)
             with self._lock:
                 self._restarting.discard((w.role, w.slot))
-            if new is not None:
+            if new is not None and ray.is_initialized():   # ray.kill would start a new Ray
                 try:
                     ray.kill(new.handle)
                 except BaseException:  # noqa: BLE001 - Ray is already down
                     pass
             return
         if stale:   # closing meanwhile: do not leave the new actor behind
-            ray.kill(new.handle)
+            if ray.is_initialized():
+                ray.kill(new.handle)
             return
         log.warning("%s replaced by %s", w.name, name)
 
@@ -451,6 +519,8 @@ class RayClusterBackend:
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=PING_TIMEOUT_S + MONITOR_PERIOD_S)
+        if self._feed is not None:
+            self._feed.close()
         with self._lock:
             everyone = self.prefills + self.decodes
         for w in everyone:

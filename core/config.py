@@ -80,5 +80,10 @@ class ServeConfig(_Strict):
     transfer_timeout_s: float = Field(30.0, gt=0)
     local_prefill_threshold: int = Field(0, ge=0, description="decode prefills suffixes shorter than this")
     decode_max_total_tokens: int | None = Field(None, ge=16, description="device KV tokens per decode worker")
+    admission_max_queue: int = Field(64, ge=0, description="a prefill worker with this many requests "
+                                     "waiting takes no new ones; all of them past it -> 429")
+    admission_max_pending_s: float = Field(30.0, gt=0, description="likewise, predicted queueing seconds")
+    kv_events: bool | None = Field(None, description="prefill workers publish KV events to the "
+                                   "router's exact index (default: when policy is kv_events)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     engine_config: EngineConfig = EngineConfig()

@@ -42,6 +42,15 @@ class InvalidRequest(TandemError, ValueError):
     """A request that cannot be served as given (the message says why, with the numbers)."""
 
 
+class Overloaded(TandemError):
+    """Every eligible worker is past its admission limits: try again in ``retry_after_s``
+    seconds (the front door answers 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = max(int(retry_after_s), 1)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Validated by :meth:`validate` (raises :class:`InvalidRequest`).
@@ -136,6 +145,7 @@ class StreamChunk:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    worker: str = ""        # final chunk, disaggregated: the decode worker that served it
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import ray
 
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
-from tandem.decode.worker import DecodeWorker
+from tandem.decode.worker import DecodeWorker, PrefillUnavailable
 
 
 def assigned_threads() -> int:
@@ -30,9 +30,9 @@ class _RayPrefillClient:
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> dict:
         try:
             return await self.handle.prefill.remote(req_wire, xfer, dst_prefix_len)
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayActorError as e:
             self.dead = True
-            raise
+            raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
 
     async def abort(self, rid: str, reason: str) -> None:
         await self.handle.abort.remote(rid, reason)
@@ -73,12 +73,17 @@ class DecodeActor:
         client = self.prefills.get(prefill_name) if prefill_name else None
         if client is not None and client.dead:  # the driver has not noticed yet: another one
             client = next((c for c in self.prefills.values() if not c.dead), None)
-        chunks = self.worker.generate(greq, client)
+        chunks = self.worker.generate(greq, client, self._alternate)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
             await chunks.aclose()  # the worker's cleanup runs now if the caller went away
+
+    def _alternate(self, dead: str):
+        """Another prefill worker (not ``dead``, not known dead), fewest of our requests first."""
+        live = [c for n, c in self.prefills.items() if n != dead and not c.dead]
+        return live[0] if live else None
 
     async def abort(self, rid: str, reason: str = "") -> bool:
         return await self.worker.abort(rid, reason)

@@ -35,7 +35,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -81,7 +81,17 @@ class PrefillClient(Protocol):
 
 
 class TransferFailed(Exception):
-    """The KV of a request could not be received; the message says why."""
+    """The KV of a request could not be received; the message says why. ``redispatch``: the
+    prefill worker died before its write started, so another one may fill the same pages."""
+
+    def __init__(self, message: str, redispatch: bool = False):
+        super().__init__(message)
+        self.redispatch = redispatch
+
+
+class PrefillUnavailable(Exception):
+    """What a PrefillClient's ``prefill`` raises when the worker is dead (its process is gone:
+    no write of it can land any more)."""
 
 
 @dataclass
@@ -120,7 +130,7 @@ class DecodeWorker:
         self._wake: asyncio.Event | None = None
         self._background: set[asyncio.Task] = set()
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
-                       "quarantined_tokens": 0, "late_notifs": 0}
+                       "quarantined_tokens": 0, "late_notifs": 0, "redispatched": 0}
         self.last_timings: dict = {}
         self.metrics = CollectorRegistry()
         register_engine_metrics(engine, worker=name, role="decode", registry=self.metrics)
@@ -130,6 +140,9 @@ class DecodeWorker:
         self._failures = Counter("tandem_kv_receive_failures_total",
                                  "Requests whose KV was not received, by reason.",
                                  labelnames=("reason",), registry=self.metrics)
+        self._redispatch = Counter("tandem_prefill_redispatch_total",
+                                   "Requests re-sent to another prefill worker after theirs died "
+                                   "before writing.", registry=self.metrics)
         self._wait = Histogram("tandem_kv_receive_seconds",
                                "Decode side: pages reserved to KV received (prefill + transfer).",
                                buckets=_BUCKETS, registry=self.metrics)
@@ -147,10 +160,13 @@ class DecodeWorker:
         self.agent.remove_peer(name)
 
     # ------------------------------------------------------------------ one request
-    async def generate(self, greq: GenerateRequest, prefill: PrefillClient | None = None
+    async def generate(self, greq: GenerateRequest, prefill: PrefillClient | None = None,
+                       alternate: Callable[[str], PrefillClient | None] | None = None
                        ) -> AsyncIterator[StreamChunk]:
         """Stream ``greq``'s chunks. Refusals (bad prompt) raise InvalidRequest before the first
-        chunk; every other failure is a final chunk with finish_reason "abort" and ``error``."""
+        chunk; every other failure is a final chunk with finish_reason "abort" and ``error``.
+        ``alternate(dead_name)``: another live prefill client, asked once when ``prefill`` dies
+        (:class:`PrefillUnavailable`) before its write started; the pages stay reserved."""
         if greq.rid in self._jobs:
             raise InvalidRequest(f"request id {greq.rid} is already running on {self.name}")
         for t in greq.prompt_ids:
@@ -169,7 +185,7 @@ class DecodeWorker:
             self.counts["remote"] += 1
             self._path.labels("remote").inc()
             job = self._jobs[greq.rid] = _Job(greq.rid)
-            inner = self._generate_remote(job, greq, prefill)
+            inner = self._generate_remote(job, greq, prefill, alternate)
         try:
             async for c in inner:
                 yield c
@@ -179,8 +195,8 @@ class DecodeWorker:
                 self._jobs.pop(greq.rid, None)
                 self.last_timings = job.timings
 
-    async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient
-                               ) -> AsyncIterator[StreamChunk]:
+    async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient,
+                               alternate=None) -> AsyncIterator[StreamChunk]:
         rid, n = greq.rid, len(greq.prompt_ids)
         t0 = time.monotonic()
         deadline = t0 + self.transfer_timeout_s
@@ -193,26 +209,48 @@ class DecodeWorker:
             yield StreamChunk(rid, (), "", "abort", n, error=why)
             return
         prefix, slots = reserved
-        tid = job.transfer_id = secrets.randbits(63)
-        self.transfers.add(tid, max(deadline - time.monotonic(), 0.0))      # ALLOCATED
         dst = (slots[:: self.page_size] // self.page_size).tolist()
-        xfer = KVTransferRequest(tid, self.name, (RegionPages(REGION, tuple(dst)),),
-                                 deadline=time.time() + max(deadline - time.monotonic(), 0.0))
-        self.transfers.advance(tid, TransferState.BOOTSTRAPPED)
-        notif = self._waiters[tid] = asyncio.get_running_loop().create_future()
-        self._ensure_poller()
+
+        def start(client: PrefillClient):
+            """A fresh transfer into the same reserved pages, and the prefill call for it."""
+            tid = job.transfer_id = secrets.randbits(63)
+            self.transfers.add(tid, max(deadline - time.monotonic(), 0.0))      # ALLOCATED
+            xfer = KVTransferRequest(tid, self.name, (RegionPages(REGION, tuple(dst)),),
+                                     deadline=time.time() + max(deadline - time.monotonic(), 0.0))
+            self.transfers.advance(tid, TransferState.BOOTSTRAPPED)
+            notif = self._waiters[tid] = asyncio.get_running_loop().create_future()
+            self._ensure_poller()
+            call = asyncio.ensure_future(client.prefill(greq.to_wire(), xfer.encode(), prefix))
+            self.transfers.advance(tid, TransferState.TRANSFERRING)   # a write may land from now on
+            return tid, notif, call
+
         t1 = time.monotonic()
-        call = asyncio.ensure_future(prefill.prefill(greq.to_wire(), xfer.encode(), prefix))
-        self.transfers.advance(tid, TransferState.TRANSFERRING)   # a write may land from now on
+        tid, notif, call = start(prefill)
+        redispatched = False
         finished = False
         try:
-            try:
-                result = await self._wait_transfer(job, notif, call, deadline, prefill.name)
-            except TransferFailed as e:
-                self._fail_transfer(job, call, prefill, str(e))
-                yield StreamChunk(rid, (), "", "abort", n, error=str(e))
-                finished = True
-                return
+            while True:
+                try:
+                    result = await self._wait_transfer(job, notif, call, deadline, prefill.name)
+                    break
+                except TransferFailed as e:
+                    alt = None
+                    if e.redispatch and not redispatched and alternate is not None and not job.aborted.is_set():
+                        alt = alternate(prefill.name)
+                    if alt is None:
+                        self._fail_transfer(job, call, prefill, str(e))
+                        yield StreamChunk(rid, (), "", "abort", n, error=str(e))
+                        finished = True
+                        return
+                    # the dead worker wrote nothing that can still land: same pages, another worker
+                    log.warning("%s; re-dispatching %s to %s", e, rid, alt.name)
+                    self.transfers.fail(tid, str(e))
+                    self.transfers.remove(tid)
+                    self._waiters.pop(tid, None)
+                    self.counts["redispatched"] += 1
+                    self._redispatch.inc()
+                    redispatched, prefill = True, alt
+                    tid, notif, call = start(prefill)
             self.transfers.advance(tid, TransferState.DONE)
             self.transfers.remove(tid)
             self._waiters.pop(tid, None)
@@ -306,7 +344,8 @@ class DecodeWorker:
                     if call.exception() is not None:
                         e = call.exception()
                         raise TransferFailed(f"prefill worker {peer} failed for {job.rid}: "
-                                             f"{type(e).__name__}: {str(e)[:300]}")
+                                             f"{type(e).__name__}: {str(e)[:300]}",
+                                             redispatch=isinstance(e, PrefillUnavailable) and not notif.done())
                     res = call.result()
                     if res["status"] != TransferStatus.OK:
                         raise TransferFailed(f"prefill worker {peer} failed for {job.rid}: {res['error']}")

@@ -73,9 +73,11 @@ def make_attention_backend(name: str, device: torch.device):
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded=None,
-                 hybrid: HybridConfig | None = None):
+                 hybrid: HybridConfig | None = None, kv_events=None):
         """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
-        pool sizes for models with sliding-window / recurrent layers (engine/hybrid.py)."""
+        pool sizes for models with sliding-window / recurrent layers (engine/hybrid.py);
+        ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to."""
+        self._kv_events = kv_events
         from tandem.engine.loader import load_model
 
         self.config = cfg = config or EngineConfig()
@@ -133,7 +135,7 @@ class Engine:
             from tandem.cache.radix.host import HostTier  # FULL KV only (see cache/README.md)
             host = HostTier.from_config(self.kv_pool, self.config.cache)
         return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool,
-                                components=self.hybrid.components, host=host)
+                                components=self.hybrid.components, host=host, events=self._kv_events)
 
     # ------------------------------------------------------------------ public API
     @property

@@ -21,19 +21,22 @@ def assigned_threads() -> int:
 
 @ray.remote
 class PrefillActor:
-    def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None):
+    def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
+                 kv_events: bool = False):
         """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
         all workers of a node), or None to load ``engine_config.model`` here."""
         cfg = EngineConfig.model_validate(engine_config)
         if cfg.num_threads is None:
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
-        self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s)
+        self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
+                                    kv_events=kv_events)
 
     def info(self) -> dict:
         e = self.worker.engine
         return {"name": self.worker.name, "role": "prefill", "model_name": e.model_name,
                 "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
-                "page_size": self.worker.page_size, "device": str(e.device)}
+                "page_size": self.worker.page_size, "device": str(e.device),
+                "kv_events": self.worker.kv_events_endpoint}
 
     def handshake(self) -> bytes:
         return self.worker.handshake()

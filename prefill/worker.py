@@ -70,10 +70,17 @@ class PrefillWorker:
     """Owns an Engine (holding finished KV) and a NIXL agent. Methods run on one asyncio loop."""
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
-                 transfer_timeout_s: float = 30.0, agent_opts: dict | None = None):
+                 transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
+                 kv_events: bool = False):
+        """``kv_events``: publish the prefix cache's KV events on a ZMQ PUB socket bound to
+        127.0.0.1 (an ephemeral port, named by :attr:`kv_events_endpoint`) for the router."""
+        self.kv_publisher = None
         if engine is None:
             from tandem.engine.engine import Engine
-            engine = Engine(config or EngineConfig(), loaded=loaded)
+            if kv_events:
+                from tandem.cache.radix.events import KVEventPublisher
+                self.kv_publisher = KVEventPublisher("tcp://127.0.0.1:0")
+            engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=self.kv_publisher)
         self.name = name
         self.engine = engine
         # Set before any request is submitted: finished requests keep their KV until sent.
@@ -316,8 +323,14 @@ class PrefillWorker:
         if err is not None:
             raise RuntimeError(f"{self.name}: engine thread died: {err!r}")
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self.kv_publisher.endpoint if self.kv_publisher is not None else None
+
     def close(self) -> None:
         try:
             self.engine.shutdown()
         finally:
             self.agent.close()
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk, TandemError
+from tandem.core.types import InvalidRequest, Overloaded, SamplingParams, StreamChunk, TandemError
 from tandem.router.sessions import fingerprint
 from tandem.router import metrics as m
 from tandem.router.backend import ServingBackend
@@ -177,8 +177,7 @@ async def _metered(backend: ServingBackend, greq: GenerateRequest, arrival: floa
             if c.finish_reason is not None:
                 finished = True
                 status = "error" if c.error else "aborted" if c.finish_reason == "abort" else "ok"
-                m.PROMPT_TOKENS.inc(c.prompt_tokens)
-                m.CACHED_PROMPT_TOKENS.inc(c.cached_tokens)
+                m.count_prompt(c.prompt_tokens, c.cached_tokens)
             yield c
             if finished:
                 return
@@ -187,6 +186,10 @@ async def _metered(backend: ServingBackend, greq: GenerateRequest, arrival: floa
     except InvalidRequest:
         status = "rejected"
         m.REJECTED.labels("invalid_request").inc()
+        raise
+    except Overloaded:
+        status = "rejected"
+        m.REJECTED.labels("overloaded").inc()
         raise
     except Exception:
         status = "error"
@@ -350,6 +353,9 @@ class _FrontDoor:
             return Response(status_code=499)   # nobody is listening; _metered already aborted
         except InvalidRequest as e:
             return error_response(400, str(e))
+        except Overloaded as e:   # every worker is past its admission limits
+            return error_response(429, str(e), code="overloaded", type="rate_limit_error",
+                                  headers={"Retry-After": str(e.retry_after_s), "X-Request-Id": rid})
         except Exception as e:
             log.exception("backend failed on %s", rid)
             return error_response(500, f"backend error: {e!r}"[:500], type="server_error")
@@ -368,6 +374,8 @@ class _FrontDoor:
             await chunks.aclose()   # records the outcome now, not when the generator is collected
         if last.error:
             return error_response(500, f"generation failed: {last.error}", type="server_error", headers=headers)
+        if last.worker:
+            headers["X-Tandem-Worker"] = last.worker
         usage = _usage(last, len(greq.prompt_ids), n_tokens)
         model = self.backend.model_name
         if chat:

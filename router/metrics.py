@@ -11,12 +11,19 @@ Who records what (router/http.py):
   ``REQUESTS{status="rejected"}``).
 - ``TTFT``: request arrival (headers read) -> first generated token seen by the front door.
 - ``ITL``: gap between token-carrying chunks, divided evenly over the chunk's tokens.
-- ``PROMPT_TOKENS`` / ``CACHED_PROMPT_TOKENS``: from the final chunk's usage numbers.
+- ``PROMPT_TOKENS`` / ``CACHED_PROMPT_TOKENS``: from the final chunk's usage numbers
+  (:func:`count_prompt`, which also sets ``CACHE_HIT_RATIO`` = cached / prompt tokens so far).
+
+Recorded by a routing backend (cluster/launch.py), not by http.py:
+- ``ROUTING_DECISION``: seconds one routing decision (view + policy) took.
+- ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Histogram
+import threading
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 STATUSES = ("ok", "rejected", "aborted", "error")
 
@@ -52,6 +59,32 @@ PROMPT_TOKENS = _metric(Counter, "tandem_prompt_tokens_total",
                         "Prompt tokens of finished requests.")
 CACHED_PROMPT_TOKENS = _metric(Counter, "tandem_cached_prompt_tokens_total",
                                "Prompt tokens of finished requests served from the prefix cache.")
+
+CACHE_HIT_RATIO = _metric(Gauge, "tandem_cache_hit_ratio",
+                          "Cluster-wide prefix cache hit ratio: cached / prompt tokens of finished "
+                          "requests at the front door since start.")
+ROUTING_DECISION = _metric(Histogram, "tandem_routing_decision_seconds",
+                           "Time the router took to pick a prefill and a decode worker.",
+                           buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                                    0.01, 0.025, 0.05, 0.1))
+WORKER_LOAD = _metric(Gauge, "tandem_worker_load",
+                      "Requests in flight per worker, as the router's dispatch records see them.",
+                      labelnames=("worker", "role"))
+
+_totals = {"prompt": 0, "cached": 0}
+_totals_lock = threading.Lock()
+
+
+def count_prompt(prompt_tokens: int, cached_tokens: int) -> None:
+    """One finished request's usage: the token counters and the hit-ratio gauge."""
+    PROMPT_TOKENS.inc(prompt_tokens)
+    CACHED_PROMPT_TOKENS.inc(cached_tokens)
+    with _totals_lock:
+        _totals["prompt"] += prompt_tokens
+        _totals["cached"] += cached_tokens
+        if _totals["prompt"]:
+            CACHE_HIT_RATIO.set(_totals["cached"] / _totals["prompt"])
+
 
 # Every label value a series can take is created up front at zero, so a fresh server exports
 # each series (dashboards and alerts see 0, not "no data") before its first event.
