@@ -41,7 +41,9 @@ def serve_config_from_args(args) -> ServeConfig:
              "ray_address": args.ray_address, "policy": args.policy,
              "transfer_timeout_s": args.transfer_timeout,
              "local_prefill_threshold": args.local_prefill_threshold,
-             "decode_max_total_tokens": args.decode_max_total_tokens}
+             "decode_max_total_tokens": args.decode_max_total_tokens,
+             "sim_profile": getattr(args, "sim_profile", None),
+             "sim_speedup": getattr(args, "sim_speedup", None)}
     d.update({k: v for k, v in flags.items() if v is not None})
     d["engine_config"] = engine_config_from_args(args, base.engine_config).model_dump()
     return ServeConfig.model_validate(d)

@@ -30,7 +30,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="decode prefills an uncached suffix shorter than this itself (default 0)")
     g.add_argument("--decode-max-total-tokens", type=int, default=None,
-                   help="device KV tokens per decode worker (default: --max-total-tokens)")
+                   help="device KV tokens per decode worker (default: --max-total-tokens; "
+                        "--engine sim: the profile's KV room)")
+    g.add_argument("--sim-profile", default=None,
+                   help="--engine sim: cost profile, e.g. llama3-8b-h100 (default), llama3-70b-h100x8")
+    g.add_argument("--sim-speedup", type=float, default=None,
+                   help="--engine sim: simulated seconds per wall second (default 1)")
 
 
 def run_serve(args) -> int:
@@ -39,7 +44,11 @@ def run_serve(args) -> int:
     from tandem.cluster.config import serve_config_from_args
 
     cfg = serve_config_from_args(args)
-    if cfg.mode == "colocated":
+    if cfg.engine == "sim":   # the real front door and router over cost-model workers: no Ray, no weights
+        from tandem.cluster.sim_backend import SimServingBackend
+
+        backend = SimServingBackend(cfg)
+    elif cfg.mode == "colocated":
         from tandem.engine.engine import Engine
         from tandem.engine.metrics import register_engine_metrics
         from tandem.router.backend import LocalEngineBackend
@@ -54,7 +63,8 @@ def run_serve(args) -> int:
     from tandem.router.http import create_app
 
     app = create_app(backend, cfg)
-    print(f"tandem: serving {backend.model_name} ({cfg.mode}) on http://{cfg.host}:{cfg.port}", flush=True)
+    kind = f"sim {cfg.sim_profile} x{cfg.sim_speedup:g}" if cfg.engine == "sim" else cfg.mode
+    print(f"tandem: serving {backend.model_name} ({kind}) on http://{cfg.host}:{cfg.port}", flush=True)
     # lifespan "off": the app has no startup/shutdown hooks, and uvicorn's lifespan task would
     # otherwise log a CancelledError traceback on Ctrl-C.
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",

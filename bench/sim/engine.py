@@ -95,6 +95,16 @@ class PrefillWorker:
         self.queue.append(req)
         self.stats.max_queue = max(self.stats.max_queue, len(self.queue))
 
+    def remove(self, req: SimRequest) -> bool:
+        """Take a still-queued ``req`` out of the queue (an abort); False when it is not queued."""
+        try:
+            self.queue.remove(req)
+        except ValueError:
+            return False
+        self._queued_s -= req.pred_s
+        self._queued_new -= req.pred_new
+        return True
+
     def start(self, now: float) -> float | None:
         """Start the next queued request if idle; returns when its prefill ends."""
         if self.current is not None or not self.queue:

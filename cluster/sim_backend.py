@@ -1,0 +1,395 @@
+"""``tandem serve --engine sim``: the real front door and router over simulated workers.
+
+:class:`SimServingBackend` is a ServingBackend (router/backend.py) whose prefill and decode
+workers are bench/sim's (``PrefillWorker`` with a real ``UnifiedRadixCache`` in simulated mode,
+``DecodeWorker`` with continuous batching), run in real time on the event loop: the forward pass
+and the KV bytes are replaced by ``asyncio.sleep`` of the cost profile's seconds
+(bench/sim/cost_model.py), divided by ``cfg.sim_speedup``. Everything else is the product's:
+tokenization and the HTTP API (router/http.py), the routing policy ``cfg.policy`` with its
+session table and prefix indexes (router/policies.py), admission (429 with Retry-After), and the
+front door's metrics. No Ray, no model weights: only the tokenizer is loaded.
+
+Per request (times in simulated seconds, as ``bench/sim/simulate.py`` has them):
+
+    route (policy over the workers' views) -> prefill worker queue (FCFS) -> prefill of the
+    uncached tokens (cache match + lock at start, insert at end) -> KV room reserved on the decode
+    worker (else wait) -> transfer of prompt_tokens * kv_bytes_per_token over the prefill
+    worker's NIC (one at a time) -> first token -> one token per decode step, the step's length
+    from the batch size and context -> final chunk
+
+Sizes: each prefill cache holds, and each decode worker reserves up to, the profile's KV room
+(``decode_kv_tokens``; ``cfg.decode_max_total_tokens`` overrides decode's); pages are
+``engine_config.cache.page_size`` tokens of the real prompt ids. Outputs are pseudo-random token
+ids (seeded by the request id, special tokens excluded) decoded with the model's real tokenizer,
+so a request always runs to ``max_tokens`` (finish "length"); stop strings are not applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prometheus_client import REGISTRY, Counter, Gauge, generate_latest
+
+from tandem.bench.sim.cost_model import get_profile
+from tandem.bench.sim.engine import DecodeWorker, PrefillWorker, SimRequest
+from tandem.cache.unified import UnifiedRadixCache
+from tandem.core.config import ServeConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.tokenizer import IncrementalDetokenizer
+from tandem.core.types import Overloaded, StreamChunk, TandemError
+from tandem.router import metrics as rm
+from tandem.router.metrics import _metric
+from tandem.router.policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, retry_after_s
+from tandem.router.view import ClusterView, RouteRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 8192      # SmolLM2's and Llama-3-8B's context; --context-length overrides
+
+SIM_PREFILL_QUEUE = _metric(Gauge, "tandem_sim_prefill_queue",
+                            "Simulated prefill worker: requests waiting for their prefill.",
+                            labelnames=("worker",))
+SIM_PREFILL_PENDING = _metric(Gauge, "tandem_sim_prefill_pending_seconds",
+                              "Simulated prefill worker: predicted seconds of queued work (simulated time).",
+                              labelnames=("worker",))
+SIM_CACHE_TOKENS = _metric(Gauge, "tandem_sim_prefix_cache_tokens",
+                           "Simulated prefill worker: tokens held by its prefix cache.",
+                           labelnames=("worker",))
+SIM_PREFILL_TOKENS = _metric(Counter, "tandem_sim_prefill_tokens_total",
+                             "Simulated prefill worker: prompt tokens prefilled, computed or cached.",
+                             labelnames=("worker", "kind"))
+SIM_TRANSFER_BYTES = _metric(Counter, "tandem_sim_transfer_bytes_total",
+                             "Simulated KV bytes sent from a prefill worker to decode workers.",
+                             labelnames=("worker",))
+SIM_DECODE_RUNNING = _metric(Gauge, "tandem_sim_decode_running",
+                             "Simulated decode worker: requests in its running batch.",
+                             labelnames=("worker",))
+SIM_DECODE_KV = _metric(Gauge, "tandem_sim_decode_kv_tokens",
+                        "Simulated decode worker: KV tokens reserved (prompt + output of admitted requests).",
+                        labelnames=("worker",))
+SIM_DECODE_TOKENS = _metric(Counter, "tandem_sim_decode_tokens_total",
+                            "Simulated decode worker: tokens generated.", labelnames=("worker",))
+SIM_BUSY = _metric(Counter, "tandem_sim_busy_seconds_total",
+                   "Simulated seconds a worker spent computing (prefills or decode steps).",
+                   labelnames=("worker", "role"))
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request in the simulated cluster: its SimRequest and the stream the caller reads."""
+
+    sim: SimRequest
+    req: GenerateRequest
+    prefill: PrefillWorker
+    decode: DecodeWorker
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    rng: random.Random = field(default_factory=random.Random)
+    detok: IncrementalDetokenizer | None = None
+    emitted: int = 0
+    stage: str = "queued"        # queued -> prefill -> kv_wait -> transfer -> decode -> done
+    aborted: bool = False
+
+
+class SimServingBackend:
+    """ServingBackend over cost-model workers (module docstring). ``generate``/``abort``/``health``
+    run on the front door's event loop (the workers' tasks start there on first use);
+    ``metrics_text`` runs off it and only reads."""
+
+    def __init__(self, cfg: ServeConfig, profile: str | None = None, *, tokenizer=None,
+                 speedup: float | None = None):
+        if cfg.prefill < 1:
+            raise TandemError("--engine sim needs at least one prefill worker (--prefill >= 1)")
+        self.cfg = cfg
+        self.profile = get_profile(profile or cfg.sim_profile)
+        self.speedup = float(speedup if speedup is not None else cfg.sim_speedup)
+        if self.speedup <= 0:
+            raise TandemError(f"sim speedup must be > 0, got {self.speedup}")
+        ec = cfg.engine_config
+        if tokenizer is None:
+            from tandem.cluster.launch import load_tokenizer
+
+            tokenizer = load_tokenizer(ec.model)
+        self.tokenizer = tokenizer
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.model_name = ec.model   # the same id the real engines serve under (e.g. "smollm2")
+        self.max_context = int(ec.context_length or DEFAULT_CONTEXT)
+        specials = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        bos = getattr(tokenizer, "bos_token_id", None)
+        specials |= {bos} if bos is not None else set()
+        # output ids: the vocabulary past its leading special tokens (SmolLM2: ids 0..16)
+        first = max(specials, default=-1) + 1
+        self._out_lo = first if first < self.vocab_size // 2 else 0
+        self._specials = specials
+
+        self.page_size = ec.cache.page_size
+        prefill_cap = self.profile.decode_kv_tokens          # one GPU's KV room, in tokens
+        decode_cap = cfg.decode_max_total_tokens or self.profile.decode_kv_tokens
+        self._router = RouterState(PolicyConfig(kv_block_size=self.page_size, index_capacity=prefill_cap,
+                                                estimator=self.profile.estimator(), seed=ec.seed))
+        self.limits = AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s)
+        use_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"
+        self.prefills: list[PrefillWorker] = []
+        for i in range(cfg.prefill):
+            sink = None
+            if use_events:
+                from tandem.bench.sim.simulate import _EventSink
+
+                sink = _EventSink(self._router, [i])
+            cache = UnifiedRadixCache.simulated(page_size=self.page_size, capacity_tokens=prefill_cap,
+                                                eviction=ec.cache.eviction_policy
+                                                if ec.cache.eviction_policy in ("lru", "lfu", "fifo") else "lru",
+                                                events=sink)
+            self.prefills.append(PrefillWorker(i, self.profile, cache, 1))
+        self.decodes = [DecodeWorker(cfg.prefill + j, self.profile, decode_cap) for j in range(cfg.decode)]
+        self.names = {w.id: f"prefill-{i}" for i, w in enumerate(self.prefills)}
+        self.names.update({w.id: f"decode-{j}" for j, w in enumerate(self.decodes)})
+        self._nic_free = [0.0] * cfg.prefill
+        self._flights: dict[str, _Flight] = {}
+        self._by_sim: dict[int, _Flight] = {}
+        self._sim_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._t0 = 0.0
+        self._wake: dict[int, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task] = set()
+        for w in self.prefills + self.decodes:
+            role = "prefill" if isinstance(w, PrefillWorker) else "decode"
+            rm.WORKER_LOAD.labels(self.names[w.id], role).set(0)
+
+    # ------------------------------------------------------------------ clock and tasks
+    def now(self) -> float:
+        """Simulated seconds since the workers started."""
+        return (self._loop.time() - self._t0) * self.speedup
+
+    async def _sleep_until(self, t: float) -> None:
+        dt = (t - self.now()) / self.speedup
+        await asyncio.sleep(max(dt, 0.0))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("simulated worker task failed", exc_info=task.exception())
+
+    def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            raise TandemError("SimServingBackend is bound to another event loop")
+        self._loop, self._t0 = loop, loop.time()
+        for w in self.prefills:
+            self._wake[w.id] = asyncio.Event()
+            self._spawn(self._prefill_loop(w))
+        for w in self.decodes:
+            self._wake[w.id] = asyncio.Event()
+            self._spawn(self._decode_loop(w))
+
+    # ------------------------------------------------------------------ workers
+    async def _prefill_loop(self, pw: PrefillWorker) -> None:
+        name = self.names[pw.id]
+        while True:
+            await self._wake[pw.id].wait()
+            self._wake[pw.id].clear()
+            while pw.queue:
+                end = pw.start(self.now())
+                f = self._by_sim[pw.current.rid]
+                f.stage = "prefill"
+                r = pw.current
+                SIM_PREFILL_TOKENS.labels(name, "cached").inc(r.cached_tokens)
+                SIM_PREFILL_TOKENS.labels(name, "computed").inc(r.prompt_tokens - r.cached_tokens)
+                SIM_BUSY.labels(name, "prefill").inc(end - self.now())
+                await self._sleep_until(end)
+                pw.finish(self.now())
+                self._prefilled(f)
+
+    def _prefilled(self, f: _Flight) -> None:
+        """Prefill done: reserve KV room on the decode worker and send, or wait for room."""
+        rm.WORKER_LOAD.labels(self.names[f.prefill.id], "prefill").dec()
+        if f.aborted:
+            self._finish_flight(f)
+            return
+        f.stage = "kv_wait"
+        if f.decode.reserve(f.sim):
+            self._transfer(f)
+
+    def _transfer(self, f: _Flight) -> None:
+        f.stage = "transfer"
+        p = f.prefill.id
+        now = self.now()
+        begin = max(now, self._nic_free[p])
+        self._nic_free[p] = begin + self.profile.kv_transfer_s(f.sim.prompt_tokens)
+        SIM_TRANSFER_BYTES.labels(self.names[p]).inc(f.sim.prompt_tokens * self.profile.kv_bytes_per_token)
+        self._spawn(self._arrive(f, self._nic_free[p]))
+
+    async def _arrive(self, f: _Flight, at: float) -> None:
+        await self._sleep_until(at)
+        dw = f.decode
+        if not f.aborted:
+            f.stage = "decode"
+        f.sim.ttft_at = self.now()
+        wake = dw.join(f.sim, self.now())
+        if f.aborted:
+            f.sim.remaining = 0          # leaves at the next step boundary, its KV freed
+        else:
+            self._emit(f)                # the first token travels with the KV
+        if wake:
+            self._wake[dw.id].set()
+
+    async def _decode_loop(self, dw: DecodeWorker) -> None:
+        name = self.names[dw.id]
+        while True:
+            await self._wake[dw.id].wait()
+            self._wake[dw.id].clear()
+            while True:
+                emitting = list(dw.running)         # the batch that ran since the last boundary
+                busy = dw.stats.busy_s
+                _, admitted, nxt = dw.step(self.now())
+                SIM_BUSY.labels(name, "decode").inc(dw.stats.busy_s - busy)
+                if emitting:
+                    SIM_DECODE_TOKENS.labels(name).inc(len(emitting))
+                for r in emitting:
+                    f = self._by_sim.get(r.rid)
+                    if f is not None and not f.aborted:
+                        self._emit(f)
+                for r in admitted:
+                    f = self._by_sim.get(r.rid)
+                    if f is not None:
+                        self._transfer(f)
+                if nxt is None:
+                    break
+                await self._sleep_until(nxt)
+
+    def _emit(self, f: _Flight) -> None:
+        """One output token for ``f`` (the final chunk when it is the last)."""
+        if f.aborted or f.stage == "done":
+            return
+        n = f.req.params.max_tokens
+        tok = f.rng.randrange(self._out_lo, self.vocab_size)
+        while tok in self._specials:
+            tok = f.rng.randrange(self._out_lo, self.vocab_size)
+        f.emitted += 1
+        text = f.detok.add(tok)
+        s = f.sim
+        if f.emitted >= n:
+            text += f.detok.flush()
+            f.out.put_nowait(StreamChunk(f.req.rid, (tok,), text, "length", s.prompt_tokens,
+                                         s.cached_tokens, f.emitted, worker=self.names[f.decode.id]))
+            self._finish_flight(f)
+        else:
+            f.out.put_nowait(StreamChunk(f.req.rid, (tok,), text))
+
+    def _finish_flight(self, f: _Flight) -> None:
+        if f.stage == "done":
+            return
+        f.stage = "done"
+        self._flights.pop(f.req.rid, None)
+        self._by_sim.pop(f.sim.rid, None)
+        rm.WORKER_LOAD.labels(self.names[f.decode.id], "decode").dec()
+
+    # ------------------------------------------------------------------ ServingBackend
+    def _views(self) -> ClusterView:
+        now = self.now()
+        return ClusterView(tuple(w.view(now) for w in self.prefills),
+                           tuple(w.view(now) for w in self.decodes), now)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        self._ensure_started()
+        n = len(req.prompt_ids)
+        t0 = time.perf_counter()
+        view = self._views()
+        if not admit(view, self.limits):
+            wait = retry_after_s(view, self.limits)
+            raise Overloaded(f"all {len(self.prefills)} simulated prefill workers are at their admission "
+                             f"limits (queue {self.limits.max_queue}, {self.limits.max_pending_s:g}s "
+                             f"predicted wait); retry in {wait}s", wait)
+        rr = RouteRequest(req.rid, req.prompt_ids, n, session_id=req.session_id,
+                          max_tokens=req.params.max_tokens)
+        dec = choose(view, rr, self._router, self.cfg.policy)
+        rm.ROUTING_DECISION.observe(time.perf_counter() - t0)
+        pw = next(w for w in self.prefills if w.id == dec.prefill_worker)
+        dw = next((w for w in self.decodes if w.id == dec.decode_worker), None)
+        if dw is None:
+            dw = min(self.decodes, key=lambda w: (w.reserved, len(w.running)))
+        sim = SimRequest(next(self._sim_ids), self.now(), n, req.params.max_tokens, list(req.prompt_ids))
+        f = _Flight(sim, req, pw, dw, rng=random.Random(req.rid),
+                    detok=IncrementalDetokenizer(self.tokenizer, list(req.prompt_ids[-5:])))
+        self._flights[req.rid] = f
+        self._by_sim[sim.rid] = f
+        rm.WORKER_LOAD.labels(self.names[pw.id], "prefill").inc()
+        rm.WORKER_LOAD.labels(self.names[dw.id], "decode").inc()
+        pw.enqueue(sim, self.now(), dec.matched_tokens)
+        self._wake[pw.id].set()
+        finished = False
+        try:
+            while True:
+                chunk = await f.out.get()
+                finished = chunk.finish_reason is not None
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort(f)
+
+    def _abort(self, f: _Flight) -> None:
+        """Stop ``f`` where it is, keeping the workers' accounting whole."""
+        if f.aborted or f.stage == "done":
+            return
+        f.aborted = True
+        s = f.sim
+        if f.stage == "queued" and f.prefill.remove(s):
+            rm.WORKER_LOAD.labels(self.names[f.prefill.id], "prefill").dec()
+            self._finish_flight(f)
+        elif f.stage == "kv_wait" and s in f.decode.waiting:
+            f.decode.waiting.remove(s)
+            self._finish_flight(f)
+        elif f.stage == "decode":
+            if s in f.decode.running:
+                s.remaining = 1          # leaves at the next step boundary, its KV freed
+            else:
+                s.remaining = 0
+            self._finish_flight(f)
+        # "prefill" / "transfer": the simulated GPU work in progress completes; the request is
+        # dropped when it does (_prefilled, _arrive)
+        if f.stage == "transfer":
+            self._finish_flight(f)
+
+    async def abort(self, rid: str) -> None:
+        f = self._flights.get(rid)
+        if f is not None:
+            self._abort(f)
+            f.out.put_nowait(StreamChunk(rid, (), "", "abort", f.sim.prompt_tokens, f.sim.cached_tokens,
+                                         f.emitted, error="aborted by the client"))
+
+    async def health(self) -> dict:
+        return {"status": "ok", "mode": "sim", "model": self.model_name, "profile": self.profile.name,
+                "speedup": self.speedup, "prefill_alive": len(self.prefills),
+                "decode_alive": len(self.decodes), "in_flight": len(self._flights)}
+
+    def metrics_text(self) -> bytes:
+        now = self.now() if self._loop is not None else 0.0
+        for w in self.prefills:
+            name = self.names[w.id]
+            SIM_PREFILL_QUEUE.labels(name).set(len(w.queue))
+            SIM_PREFILL_PENDING.labels(name).set(w.pending_s(now))
+            SIM_CACHE_TOKENS.labels(name).set(w.cache.total_size())
+        for w in self.decodes:
+            name = self.names[w.id]
+            SIM_DECODE_RUNNING.labels(name).set(len(w.running))
+            SIM_DECODE_KV.labels(name).set(w.reserved)
+        return generate_latest(REGISTRY)
+
+    def close(self) -> None:
+        for t in list(self._tasks):
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(t.cancel)
