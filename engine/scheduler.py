@@ -205,7 +205,9 @@ class Scheduler:
             plan.append((st, n, slots))
             prompt_budget -= n
         in_step = _InStepPrefixes(self) if self.policy == "lpm" and not self.cache.disabled else None
-        for r in self._admission_order():
+        # A retracted request waiting for room goes first: new requests would take that room
+        # (and be retracted in turn), so none are admitted until it is restored.
+        for r in (self._admission_order() if not self.retracted else ()):
             if prompt_budget <= 0 or self.r2t.available_size() == 0:
                 break
             if in_step is not None and in_step.should_wait(r):
