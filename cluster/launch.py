@@ -182,6 +182,12 @@ class RayClusterBackend:
         from tandem.prefill.actor import PrefillActor
 
         opts = self._resources()
+        import ray
+
+        # On a KubeRay cluster each worker group offers a custom resource named after its role
+        # (k8s/base/raycluster.yaml): ask for it so prefill and decode actors land on their group.
+        if ray.cluster_resources().get(role, 0) >= 1:
+            opts = {**opts, "resources": {role: 1}}
         if role == "prefill":
             h = PrefillActor.options(**opts).remote(
                 name, self.cfg.engine_config.model_dump(), self.cfg.transfer_timeout_s, self.weights,
