@@ -40,6 +40,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    default=None, help="radix cache eviction policy (default lru)")
     g.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default=None,
                    help="waiting-queue order: arrival (fcfs, default) or longest cached prefix (lpm)")
+    g.add_argument("--retraction-policy", choices=["default", "session"], default=None,
+                   help="which request a full decode pool retracts first: fewest generated tokens "
+                        "(default) or the least recently active session's (session)")
     g.add_argument("--host-pool-tokens", type=int, default=None,
                    help="host-memory (L2) KV tokens per worker; 0 disables the host tier (default 0)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
@@ -94,7 +97,8 @@ def engine_config_from_args(args, base=None):
              "max_running_requests": args.max_running_requests,
              "disable_prefix_cache": args.disable_prefix_cache, "eviction_policy": args.eviction_policy,
              "host_pool_tokens": args.host_pool_tokens, "debug_invariants": args.debug_cache_invariants}
-    sched = {"chunked_prefill_size": args.chunked_prefill_size, "schedule_policy": args.schedule_policy}
+    sched = {"chunked_prefill_size": args.chunked_prefill_size, "schedule_policy": args.schedule_policy,
+             "retraction_policy": args.retraction_policy}
     d.update({k: v for k, v in top.items() if v is not None})
     d["cache"].update({k: v for k, v in cache.items() if v is not None})
     d["scheduler"].update({k: v for k, v in sched.items() if v is not None})

@@ -39,6 +39,9 @@ class SchedulerConfig(_Strict):
     chunked_prefill_size: int = Field(512, ge=16, description="prompt-token budget per step")
     max_batch_tokens: int = Field(8192, ge=16, description="all tokens (prefill + decode) per step")
     schedule_policy: SchedulePolicy = "fcfs"
+    retraction_policy: Literal["default", "session"] = Field(
+        "default", description="retraction victim: fewest generated tokens (ties: longest prompt), "
+                               "or 'session': requests of the least recently active sessions first")
 
 
 class EngineConfig(_Strict):

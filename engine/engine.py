@@ -113,7 +113,8 @@ class Engine:
             max_context=self.max_context, chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
             max_batch_tokens=cfg.scheduler.max_batch_tokens,
             schedule_policy=cfg.scheduler.schedule_policy, seed=cfg.seed, device=self.device,
-            debug_invariants=cc.debug_invariants, hybrid=self.hybrid)
+            debug_invariants=cc.debug_invariants, hybrid=self.hybrid,
+            retraction_policy=cfg.scheduler.retraction_policy)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, Callable[[StreamChunk], None]] = {}
         self._wake = threading.Event()

@@ -46,6 +46,21 @@ class _Running:
     locked_len: int = 0     # positions [0, locked_len) of the row are tree-owned slots (locked)
 
 
+def pick_victim(cands: list[Req], policy: str = "default",
+                session_seen: dict[str, float] | None = None) -> Req | None:
+    """The request to retract. ``default`` (SGLang's order): fewest generated tokens, ties to the
+    longest prompt. ``session``: requests of the least recently active sessions go first (a request
+    with no session counts as least recent), then the default order; the sessions an agent is
+    actively driving keep their KV longest."""
+    if not cands:
+        return None
+    if policy == "session":
+        seen = session_seen or {}
+        return min(cands, key=lambda r: (seen.get(r.session_id, float("-inf")) if r.session_id else
+                                         float("-inf"), len(r.output_ids), -len(r.prompt_ids)))
+    return min(cands, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+
+
 class _InStepPrefixes:
     """lpm: prompts admitted this step, so a request whose long prefix is not cached yet but is
     being computed by an earlier admission waits a step and then hits the cache instead."""
@@ -71,7 +86,8 @@ class Scheduler:
     def __init__(self, *, runner, req_to_token_pool, allocator, kv_pool, cache, tokenizer,
                  max_context: int, chunked_prefill_size: int, max_batch_tokens: int,
                  schedule_policy: str = "fcfs", seed: int = 0, device="cpu",
-                 debug_invariants: bool = False, hybrid=NO_HYBRID):
+                 debug_invariants: bool = False, hybrid=NO_HYBRID,
+                 retraction_policy: str = "default"):
         self.runner = runner
         self.r2t = req_to_token_pool
         self.alloc = allocator
@@ -91,6 +107,8 @@ class Scheduler:
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running: dict[str, _Running] = {}
+        self.retraction_policy = retraction_policy
+        self._session_seen: dict[str, float] = {}   # session id -> when its latest request arrived
         # Disaggregation: a prefill worker holds finished requests' KV until it has been sent
         # (hold_finished=True); a decode worker reserves rows and slots for KV being received.
         self.hold_finished = False
@@ -122,6 +140,8 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         self.validate(req)
+        if req.session_id is not None:
+            self._session_seen[req.session_id] = time.monotonic()
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
 
@@ -343,12 +363,11 @@ class Scheduler:
         return slots
 
     def _pick_victim(self, exclude: set) -> _Running | None:
-        """Retraction victim: fewest generated tokens, ties to the longest prompt. Requests
-        already planned for this step (holding fresh slots) are not candidates."""
-        cands = [s for s in self.running.values() if s not in exclude]
-        if not cands:
-            return None
-        return min(cands, key=lambda s: (len(s.req.output_ids), -len(s.req.prompt_ids)))
+        """Retraction victim among requests not already planned for this step (they hold fresh
+        slots); see :func:`pick_victim`."""
+        cands = [s.req for s in self.running.values() if s not in exclude]
+        victim = pick_victim(cands, self.retraction_policy, self._session_seen)
+        return None if victim is None else self.running[victim.rid]
 
     def _retract(self, st: _Running) -> None:
         """Free the request's device KV and queue it to resume later; its stream stays open.
