@@ -17,9 +17,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     (statistics in float32, then ``weight * normalized.to(x.dtype)`` as transformers does)."""
     d = (x.shape[-1],)
     if x.dtype == torch.float32:
-        return F.rms_norm(x, d, weight, eps)
+        if x.numel() < _RMS_NORM_FUSED_MAX:
+            return F.rms_norm(x, d, weight, eps)
+        # Same ops, same order as F.rms_norm / transformers (bitwise equal), in place: on CPU
+        # F.rms_norm is ~4x slower than this on a [2048, 576] prefill.
+        y = torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_())
+        return y if weight is None else y.mul_(weight)
     y = F.rms_norm(x.float(), d, None, eps).to(x.dtype)
     return y if weight is None else y * weight
+
+
+_RMS_NORM_FUSED_MAX = 64 * 1024  # elements; below this F.rms_norm's lower call overhead wins
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
@@ -68,4 +76,10 @@ class Rotary:
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D] -> [T, H, D] (new tensor)."""
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out.chunk(2, dim=-1)
+        torch.mul(x1, cos, out=o1)
+        o1.sub_(x2 * sin)                                            # x1 * cos - x2 * sin
+        torch.mul(x2, cos, out=o2)
+        o2.add_(x1 * sin)                                            # x2 * cos + x1 * sin
+        return out

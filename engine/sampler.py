@@ -31,10 +31,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: frozenset[int]) -> list[int]:
         """logits: [B, V] float -> one token id per request (row i belongs to reqs[i])."""
         logits = logits.float()
+        owned = False  # logits may be the model's (inference-mode) output: copy before editing
         for i, r in enumerate(reqs):  # min_tokens: forbid finishing tokens early
             if len(r.output_ids) < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_ids))
                 if banned:
+                    if not owned:
+                        logits, owned = logits.clone(), True
                     logits[i, list(banned)] = float("-inf")
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1).tolist()

@@ -267,7 +267,8 @@ class Scheduler:
             if n > 1:   # a prompt chunk (not a decode step): share it with later requests now
                 self._cache_chunk(st)
         if sample_rows:
-            tokens = self.sampler.sample(logits[sample_rows], [s.req for s in sample_states], self.eos)
+            rows = logits if len(sample_rows) == len(plan) else logits[sample_rows]  # no copy when all
+            tokens = self.sampler.sample(rows, [s.req for s in sample_states], self.eos)
             now = time.monotonic()
             for st, tok in zip(sample_states, tokens):
                 r = st.req
