@@ -118,6 +118,9 @@ class Scheduler:
         # host-only nodes locked by ``backups[rid]`` until it is restored (or aborted).
         self.retracted: deque[Req] = deque()
         self.backups: dict[str, object] = {}
+        # A retracted request keeps its _Running (its OutputTracker knows how much text was
+        # already streamed) until it is re-admitted or aborted.
+        self.parked: dict[str, _Running] = {}
         self.host_backup = bool(getattr(cache, "has_host_tier", False)) and not hybrid.active
         self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "generated_tokens": 0, "evicted_tokens": 0, "retraction_restores": 0,
@@ -151,6 +154,7 @@ class Scheduler:
                 if r.rid == rid:
                     q.remove(r)
                     self._drop_backup(r)   # its host copy returns to the (evictable) host cache
+                    self.parked.pop(r.rid, None)
                     return self._finish_unstarted(r, error)
         st = self.running.get(rid)
         if st is None:
@@ -327,7 +331,8 @@ class Scheduler:
             self.stats["prompt_tokens"] += len(r.prompt_ids)
             self.stats["cached_tokens"] += m
         r.status = ReqStatus.PREFILLING
-        st = self.running.get(r.rid) or _Running(r, OutputTracker(r, self.tok, self.max_context))
+        st = (self.running.get(r.rid) or self.parked.pop(r.rid, None)
+              or _Running(r, OutputTracker(r, self.tok, self.max_context)))
         st.locked_len = m
         self.running[r.rid] = st
         return st
@@ -347,6 +352,8 @@ class Scheduler:
         r.computed_len = 0
         r.status = ReqStatus.WAITING if not r.output_ids else ReqStatus.RETRACTED
         del self.running[r.rid]
+        if r.output_ids:
+            self.parked[r.rid] = st
         self.waiting.appendleft(r)
 
     def _alloc(self, r: Req, n: int) -> torch.Tensor | None:
@@ -381,6 +388,7 @@ class Scheduler:
         r = st.req
         self.stats["retractions"] += 1
         del self.running[r.rid]
+        self.parked[r.rid] = st
         backed_up = self._backup(st) if self.host_backup else False
         if backed_up:
             self.retracted.append(r)

@@ -34,7 +34,7 @@ def loaded():
 def alone(loaded):
     e = Engine(EngineConfig(cache=CacheConfig(max_total_tokens=4096)), loaded=loaded)
     try:
-        return [e.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+        return [e.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))
                 for p, n in zip(PROMPTS, N)]
     finally:
         e.shutdown()
@@ -65,7 +65,9 @@ def test_host_backup_restores_without_recompute(loaded, alone):
         assert st["retraction_recomputes"] == 0 and st["retraction_aborts"] == 0
         assert st["backup_tokens"] > 0 and st["restore_tokens"] > 0
         for i, c in enumerate(outs):
-            assert c.error is None and c.token_ids == alone[i], f"request {i} differs after restore"
+            assert c.error is None and c.token_ids == alone[i].token_ids, f"request {i} differs after restore"
+            # the streamed text too: a resumed request must not stream its output again
+            assert c.text == alone[i].text, f"request {i}'s streamed text differs after restore"
         assert _idle(e) == (e.allocator.size, 0, 0, e.req_to_token.size)
     finally:
         e.shutdown()
@@ -78,7 +80,8 @@ def test_full_host_pool_takes_the_recompute_path(loaded, alone):
         st = e.scheduler.stats
         assert st["retractions"] > 0 and st["retraction_recomputes"] > 0
         for i, c in enumerate(outs):
-            assert c.error is None and c.token_ids == alone[i], f"request {i} differs after recompute"
+            assert c.error is None and c.token_ids == alone[i].token_ids, f"request {i} differs after recompute"
+            assert c.text == alone[i].text, f"request {i}'s streamed text differs after recompute"
         assert _idle(e) == (e.allocator.size, 0, 0, e.req_to_token.size)
     finally:
         e.shutdown()
