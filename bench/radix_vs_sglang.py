@@ -112,15 +112,15 @@ def run_tandem(reqs, page_size):
     pc = time.perf_counter_ns
     for toks in reqs:
         t0 = pc()
-        m = cache.match_prefix(toks).prefix_len
+        m = cache.match(toks).prefix_len
         cache.insert(toks)
-        over = cache.total_size() - CAPACITY
+        over = cache.stats().device - CAPACITY
         if over > 0:
             cache.evict(over)
         times.append(pc() - t0)
         hits += m
         total += len(toks)
-    return hits / total, times, cache.total_size()
+    return hits / total, times, cache.stats().device
 
 
 def run_sglang(reqs, page_size, sgl):

@@ -6,7 +6,7 @@ Measured in one run (medians; repeats interleaved so load drifts hit both sides 
    engine thread (``Engine.call``) of an engine with a host tier (write_back, so every repeat
    copies all N tokens at retraction), a request of N prompt tokens is prefilled, then retracted
    with the scheduler's own ``_retract`` (its KV is backed up to the host pool as host-only nodes)
-   and restored with ``_restore`` (prefix match + ``load_back``); one more step computes the one
+   and restored by a re-admission (prefix match + ``cache.host.restore``); one more step computes the one
    token without KV and samples the next token ("resume"). The baseline is a re-prefill of the
    same N + 1 tokens to that next token on an engine with the prefix cache disabled (what a
    retraction without host backup costs). Both must sample the same token. Between repeats the
@@ -120,22 +120,22 @@ class _CopyTimer:
         del self.copier.to_host, self.copier.to_device
 
 
-def _host_cycle(s, ids: list[int], rid: str, mem_reps: int, profile: bool = False) -> dict:
-    """On the engine thread of the host-tier engine: prefill, retract (backup), restore, resume."""
+def _host_cycle(e, ids: list[int], rid: str, mem_reps: int, profile: bool = False) -> dict:
+    """On the engine thread of the host-tier engine ``e``: prefill, retract (backup), restore,
+    resume (driving the scheduler's retraction steps directly)."""
     from tandem.core.types import Req, SamplingParams
 
-    radix = s.cache.radix
-    timer = _CopyTimer(radix.host.copier)
+    s, cache = e.scheduler, e.kv.cache
+    timer = _CopyTimer(cache.host.copier)
     try:
         req = Req(list(ids), SamplingParams(max_tokens=8, ignore_eos=True), rid=rid)
-        s.add(req)
+        sr = s.add(req)
         t = time.perf_counter()
         while not req.output_ids:
-            s.step()
+            e.step()
         prefill_s = time.perf_counter() - t
         prefill_copy_tokens = timer.to_host_tokens
         cached = req.cached_len
-        st = s.running[rid]
         n = req.computed_len
         stats0 = dict(s.stats)
         timer.reset()   # count only the copies of this backup + restore
@@ -143,22 +143,24 @@ def _host_cycle(s, ids: list[int], rid: str, mem_reps: int, profile: bool = Fals
         if prof:
             prof.enable()
         t = time.perf_counter()
-        s._retract(st)
+        s._retract(sr)
         backup_s = time.perf_counter() - t
-        if rid not in s.backups:
+        if rid not in s.retraction.backups:
             raise RuntimeError(f"{rid} was not backed up to the host (host pool too small?)")
         t = time.perf_counter()
-        st = s._restore(req)
+        restored_ok = s._admit(sr)
         restore_s = time.perf_counter() - t
+        if restored_ok:
+            s.retraction.restored(sr, restore_s)
         if prof:
             prof.disable()
-        if st is None:
+        if not restored_ok:
             raise RuntimeError(f"{rid} could not be restored")
         restored, resume_tokens = req.computed_len, req.seq_len - req.computed_len
         copies = timer.snapshot()
         t = time.perf_counter()
         while len(req.output_ids) < 2:
-            s.step()
+            e.step()
         resume_s = time.perf_counter() - t
         res = {"tokens": n, "prefill_cached_tokens": cached, "prefill_s": prefill_s,
                "backup_s": backup_s, "restore_s": restore_s, "resume_s": resume_s,
@@ -174,8 +176,8 @@ def _host_cycle(s, ids: list[int], rid: str, mem_reps: int, profile: bool = Fals
 
         # Baselines on the same bytes, same thread, right now.
         host_slots, dev_slots = timer.last_to_device
-        dev, host = s.kv_pool.kv_data, radix.host.pool.kv_data
-        nbytes = len(dev_slots) * s.kv_pool.bytes_per_token
+        dev, host = e.kv.kv_pool.kv_data, cache.host.pool.kv_data
+        nbytes = len(dev_slots) * e.kv.kv_pool.bytes_per_token
         src = torch.ones(nbytes // dev.element_size(), dtype=dev.dtype)
         dst = torch.empty_like(src)
         dst.copy_(src)
@@ -208,21 +210,21 @@ def _host_cycle(s, ids: list[int], rid: str, mem_reps: int, profile: bool = Fals
         del src, dst, g
 
         s.abort(rid)
-        radix.evict(1 << 40, "host")   # next repeat backs up (copies) from scratch again
+        cache.evict(1 << 40, "host")   # next repeat backs up (copies) from scratch again
         return res
     finally:
         timer.remove()
 
 
-def _recompute_cycle(s, ids: list[int], rid: str) -> dict:
+def _recompute_cycle(e, ids: list[int], rid: str) -> dict:
     """On the engine thread of a no-prefix-cache engine: prefill N + 1 tokens to the next token."""
     from tandem.core.types import Req, SamplingParams
 
     req = Req(list(ids), SamplingParams(max_tokens=1, ignore_eos=True), rid=rid)
-    s.add(req)
+    e.scheduler.add(req)
     t = time.perf_counter()
     while not req.output_ids:
-        s.step()
+        e.step()
     return {"recompute_s": time.perf_counter() - t, "next_token": req.output_ids[0]}
 
 
@@ -253,20 +255,20 @@ def restore_vs_recompute(loaded, sizes: list[int], repeats: int, recompute_repea
         for r in range(repeats):
             order = sizes if r % 2 == 0 else sizes[::-1]
             for n in order:
-                h = host_eng.call(lambda s, n=n, r=r: _host_cycle(s, prompts[n], f"h{n}-{r}", mem_reps)).result()
+                h = host_eng.call(_host_cycle, host_eng, prompts[n], f"h{n}-{r}", mem_reps).result()
                 msg = ""
                 if r < recompute_repeats:   # the costly side: fewer repeats, interleaved all the same
                     ids = prompts[n] + [h["first_token"]]
-                    c = rec_eng.call(lambda s, ids=ids, n=n, r=r: _recompute_cycle(s, ids, f"c{n}-{r}")).result()
+                    c = rec_eng.call(_recompute_cycle, rec_eng, ids, f"c{n}-{r}").result()
                     h.update(recompute_s=c["recompute_s"], recompute_token=c["next_token"])
                     msg = f", recompute {c['recompute_s']:.2f} s"
                 samples[n].append(h)
                 log(f"  N={n} repeat {r}: backup {h['backup_s'] * 1e3:.1f} ms, restore "
                     f"{h['restore_s'] * 1e3:.1f} ms, resume {h['resume_s'] * 1e3:.0f} ms{msg}")
         if profile:
-            h = host_eng.call(lambda s: _host_cycle(s, prompts[top], f"p{top}", 1, profile=True)).result()
+            h = host_eng.call(_host_cycle, host_eng, prompts[top], f"p{top}", 1, True).result()
             profile_text = h["profile"]
-        stats = host_eng.call(lambda s: dict(s.stats)).result()
+        stats = host_eng.call(lambda: dict(host_eng.scheduler.stats)).result()
     finally:
         host_eng.shutdown()
         rec_eng.shutdown()
@@ -314,26 +316,27 @@ def _load_run(loaded, prompts: list[list[int]], out_tokens: int, pool: int, host
     def trace_retractions(s):
         events, overtakes, retract, admit, unadmit = [], set(), s._retract, s._admit, s._unadmit
 
-        def _retract(st):   # who is retracted, after how many generated tokens
-            events.append((st.req.rid, len(st.req.output_ids)))
-            retract(st)
+        def _retract(sr):   # who is retracted, after how many generated tokens
+            events.append((sr.rid, len(sr.req.output_ids)))
+            retract(sr)
 
-        def _admit(r):      # a new request admitted while a retracted one still waits
-            st = admit(r)
-            if st is not None and r.admissions == 1 and not r.output_ids and (
-                    s.retracted or any(w.output_ids for w in s.waiting)):
+        def _admit(sr, *a, **kw):      # a new request admitted while a retracted one still waits
+            ok = admit(sr, *a, **kw)
+            r = sr.req
+            if ok and r.admissions == 1 and not r.output_ids and (
+                    s.retraction.retracted or any(w.req.output_ids for w in s.waiting)):
                 overtakes.add(r.rid)
-            return st
+            return ok
 
-        def _unadmit(st):   # (no slots this step after all: not admitted)
-            if st.req.admissions == 1:
-                overtakes.discard(st.req.rid)
-            unadmit(st)
+        def _unadmit(sr, *a, **kw):   # (no slots this step after all: not admitted)
+            if sr.req.admissions == 1:
+                overtakes.discard(sr.rid)
+            unadmit(sr, *a, **kw)
         s._retract, s._admit, s._unadmit = _retract, _admit, _unadmit
         return events, overtakes
 
     try:
-        events, overtakes = e.call(trace_retractions).result(30)
+        events, overtakes = e.call(trace_retractions, e.scheduler).result(30)
         params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
         greqs = [e.make_request(p, params, rid=f"r{i}") for i, p in enumerate(prompts)]
         stamps: dict[str, list[float]] = {g.rid: [] for g in greqs}
@@ -359,9 +362,10 @@ def _load_run(loaded, prompts: list[list[int]], out_tokens: int, pool: int, host
         if not done.wait(timeout):
             raise RuntimeError(f"load run timed out after {timeout} s ({len(finals)}/{len(greqs)} done)")
         wall = time.perf_counter() - t0
-        stats = e.call(lambda s: dict(s.stats)).result(30)
-        idle = e.call(lambda s: (s.alloc.available_size() + s.cache.evictable_size() == s.alloc.size,
-                                 len(s.backups), len(s.retracted))).result(30)
+        stats = e.call(lambda: dict(e.scheduler.stats)).result(30)
+        snap = e.snapshot()
+        idle = (snap.available_tokens + snap.evictable_tokens == snap.total_tokens,
+                len(e.scheduler.retraction.backups), snap.retracted)
     finally:
         e.shutdown()
     errors = [c.error for c in finals.values() if c.error]

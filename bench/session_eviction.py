@@ -99,7 +99,7 @@ def replay(workload, policy: str, capacity: int) -> dict:
     seen = set()
     for t, sid, prompt, reply, last in workload:
         clock.t = t
-        hit = cache.match_prefix(prompt, session_id=sid).prefix_len
+        hit = cache.match(prompt, session_id=sid).prefix_len
         cache.insert(prompt + reply, session_id=sid)
         if explicit_end and last and sid is not None:
             cache.policy.end_session(sid)

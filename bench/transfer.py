@@ -147,7 +147,7 @@ def writer(conn, rconn, sess: tuple, repeats: int, quick: bool) -> None:
 
     faulthandler.enable()
     from tandem.transfer.bootstrap import BootstrapServer
-    from tandem.transfer.messages import KVTransferDone
+    from tandem.transfer.state import TransferState
 
     torch.set_num_threads(1)
     pool = _source_pool()
@@ -171,13 +171,13 @@ def writer(conn, rconn, sess: tuple, repeats: int, quick: bool) -> None:
                     b.copy_(a)
                     c1, t1 = time.process_time(), time.perf_counter()
                     tid += 1
-                    notif = KVTransferDone(tid, "ok", first_token=0).encode()
+                    notif = f"done:{tid}".encode()
                     h = agent.write_pages("reader", f"p{page_size}", sp, dp, notif=notif)
                     t2 = time.perf_counter()
-                    while (st := agent.poll(h)) == "PROC":
+                    while (st := agent.poll(h)) is TransferState.TRANSFERRING:
                         pass
                     c3, t3 = time.process_time(), time.perf_counter()
-                    if st != "DONE":
+                    if st is not TransferState.DONE:
                         raise RuntimeError(h.error)
                     descs = h.num_descs
                     agent.release(h)

@@ -80,3 +80,28 @@ class KVPool:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots ``src`` to slots ``dst`` (same length)."""
         self.kv_data[:, :, dst] = self.kv_data[:, :, src]
+
+
+class HybridKVPool:
+    """The KV pool a hybrid model's attention backend sees: "full" layers in the full pool
+    (rows = full slots), "swa" layers in the SWA pool (rows = ``index_map[full slot]``).
+    ``kv_data``/``page_size``/``num_slots`` are the full pool's (slot ids are full slots)."""
+
+    def __init__(self, full: KVPool, swa: KVPool | None, index_map: torch.Tensor | None):
+        self.full, self.swa, self.index_map = full, swa, index_map
+        self.page_size, self.device, self.dtype = full.page_size, full.device, full.dtype
+        self.num_slots, self.kv_data = full.num_slots, full.kv_data
+        self._swa_layers = {lid: LayerKV(swa.layer(lid).k, swa.layer(lid).v, index_map)
+                            for lid in (swa.layer_ids if swa is not None else [])}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per full slot in the full pool (the SWA pool is sized separately)."""
+        return self.full.bytes_per_token
+
+    def has_layer(self, layer_id: int) -> bool:
+        return self.full.has_layer(layer_id) or layer_id in self._swa_layers
+
+    def layer(self, layer_id: int) -> LayerKV:
+        lkv = self._swa_layers.get(layer_id)
+        return lkv if lkv is not None else self.full.layer(layer_id)

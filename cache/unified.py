@@ -1,17 +1,25 @@
-"""UnifiedRadixCache: the prefix cache the engine talks to.
+"""UnifiedRadixCache: the prefix cache the scheduler talks to (one class, nine verbs).
 
 One radix tree (:mod:`tandem.cache.radix.tree`) decides what is cached and what to evict; this
 class executes: it frees slots through the allocators it was given, copies KV to and from the
 host tier, publishes KV events, and checks invariants after every public operation when
-``CacheConfig.debug_invariants`` is set.
+``CacheConfig.debug_invariants`` is set. :class:`tandem.cache.null.NullCache` implements the same
+protocol for ``disable_prefix_cache`` (it keeps nothing).
 
-Engine protocol (mirrors SGLang's cache_unfinished_req / cache_finished_req)::
+Protocol (mirrors SGLang's cache_unfinished_req / cache_finished_req)::
 
-    r = cache.match_prefix(ids, session_id=sid)      # r.device_indices: reusable slots
-    cache.inc_lock_ref(r.last_device_node)
+    m = cache.match(ids, session_id=sid)             # m.device_indices: reusable slots
+    cache.lock(m.last_device_node)
     ...compute, allocating slots (cache.evict(n) when the allocator is short)...
-    slots, node = cache.cache_req(ids[:aligned], row_slots, node)   # after a chunk / at finish
-    ...rewrite the request's row with `slots`; at finish: cache.dec_lock_ref(node)
+    slots, node = cache.cache(ids[:aligned], row_slots, node)   # after a chunk / at finish
+    ...rewrite the request's row with `slots` (the tree now owns them); at finish: cache.unlock(node)
+
+    cache.peek(ids) -> int        side-effect free prefix length (routing, queue order)
+    cache.insert(ids, value)      raw insert (simulated caches, tests): returns the length
+                                  already cached
+    cache.evict(n, component)     free unlocked cache
+    cache.stats() -> CacheStats   sizes;  cache.check(extra_owned)  the invariant recount
+    cache.host                    the host tier (backup / restore), or None
 
 Handles (nodes) are opaque; one stays valid while it is locked.
 """
@@ -19,6 +27,7 @@ Handles (nodes) are opaque; one stays valid while it is locked.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -30,81 +39,79 @@ from tandem.cache.radix.events import AllCleared, KVEventPublisher
 from tandem.cache.radix.eviction import make_policy
 from tandem.cache.radix.host import HostTier
 from tandem.cache.radix.sanity import check
-from tandem.cache.radix.tree import Node, RadixTree
+from tandem.cache.radix.tree import Node, RadixTree, concat_values as _concat
 from tandem.core.config import CacheConfig
 
 _NO_COMPONENTS: Mapping[str, Any] = MappingProxyType({})
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _concat(pieces: list) -> torch.Tensor:
-    """One int64 tensor of the path's values: always a new tensor, never the tree's own."""
-    if not pieces:
-        return _EMPTY.clone()
-    if all(type(p) is range for p in pieces):   # simulated mode: token positions 0..n-1
-        return torch.arange(pieces[0].start, pieces[-1].stop, dtype=torch.int64)
-    return torch.cat([p if isinstance(p, torch.Tensor) else torch.as_tensor(list(p), dtype=torch.int64)
-                      for p in pieces])
-
-
+@dataclass(frozen=True)
 class MatchResult:
     """What a match found. Node handles:
 
     - ``last_device_node``: deepest node every component accepts whose KV is on the device;
       ``device_indices`` (int64 ``[prefix_len]``) are the slots of the path down to it. Lock it.
     - ``best_match_node``: deepest accepted node on any tier; ``host_hit_length`` tokens below
-      ``last_device_node`` are on the host only (``load_back(best_match_node)`` brings them).
+      ``last_device_node`` are on the host only (``cache.host.restore(best_match_node)`` brings
+      them back).
     - ``last_host_node``: deepest accepted node with a host copy (the root if none); without a
       host tier, ``last_device_node``.
 
     ``components`` maps a component name to what it returned (``"swa"``: SWA rows of the prefix,
-    -1 where tombstoned; ``"mamba"``: a :class:`StateCopy` or None).
+    -1 where tombstoned; ``"mamba"``: a :class:`StateCopy` or None). A null cache's handles are
+    None.
     """
 
-    __slots__ = ("prefix_len", "last_device_node", "last_host_node", "best_match_node",
-                 "host_hit_length", "components", "_pieces", "_indices")
-
-    def __init__(self, prefix_len, last_device_node, last_host_node, best_match_node,
-                 host_hit_length=0, components=_NO_COMPONENTS, pieces=()):
-        self.prefix_len = prefix_len
-        self.last_device_node = last_device_node
-        self.last_host_node = last_host_node
-        self.best_match_node = best_match_node
-        self.host_hit_length = host_hit_length
-        self.components = components
-        self._pieces = pieces
-        self._indices = None
-
-    @property
-    def device_indices(self) -> torch.Tensor:
-        """Slots of the matched device prefix, concatenated once, on first use."""
-        if self._indices is None:
-            self._indices = _concat(self._pieces)
-        return self._indices
+    prefix_len: int
+    device_indices: torch.Tensor
+    last_device_node: Node | None
+    last_host_node: Node | None
+    best_match_node: Node | None
+    host_hit_length: int = 0
+    components: Mapping[str, Any] = field(default_factory=lambda: _NO_COMPONENTS)
 
     def __repr__(self) -> str:
         return (f"MatchResult(prefix_len={self.prefix_len}, host_hit_length={self.host_hit_length}, "
                 f"last_device_node={self.last_device_node})")
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """Sizes, O(1) (proven by :meth:`UnifiedRadixCache.check`). Tokens for FULL; for an
+    auxiliary component, units of its pool (``components[name] = (evictable, protected)``)."""
+
+    evictable: int = 0          # unlocked device tokens
+    protected: int = 0          # locked device tokens
+    host: int = 0               # tokens with a host copy (0 without a host tier)
+    components: Mapping[str, tuple[int, int]] = field(default_factory=lambda: _NO_COMPONENTS)
+
+    @property
+    def device(self) -> int:
+        """Tokens cached on the device."""
+        return self.evictable + self.protected
+
+
 class UnifiedRadixCache:
     """A radix prefix cache over token pages with FULL/SWA/MAMBA components and a host tier.
 
     Args:
-        config: page size, eviction policy (+ session TTL), disable flag, debug invariants.
+        config: page size, eviction policy (+ session TTL), debug invariants.
+            (``disable_prefix_cache`` is :class:`~tandem.cache.null.NullCache`'s job.)
         allocator: the device pool's allocator; tree values are its slot ids. None = simulated
             mode (no pools; values are token positions).
-        req_to_token_pool: lets :meth:`cache_req` rewrite a request's row itself (``row=``).
         components: ``(FULL,)`` plus optional :class:`SWA` / :class:`Mamba` instances that own
             their pools' allocators.
-        host: a :class:`HostTier` (see ``HostTier.from_config``), or None.
+        host: a :class:`HostTier` (see ``HostTier.from_config``), or None. It becomes
+            :attr:`host`, the collaborator that backs requests up and restores them.
         events: a :class:`KVEventPublisher`; stored/removed pages are published after each
             operation.
         clock: wall clock for the session policy's TTL (injectable for tests).
     """
 
+    retains = True      # keeps what it is given (a NullCache does not)
+
     def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
-                 req_to_token_pool=None, components: Sequence[Any] = (FULL,),
+                 components: Sequence[Any] = (FULL,),
                  host: HostTier | None = None, events: KVEventPublisher | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if FULL not in components:
@@ -123,10 +130,7 @@ class UnifiedRadixCache:
         self.config = config
         self.page_size = ps
         self.allocator = allocator
-        self.req_to_token_pool = req_to_token_pool
-        self.host = host
         self.publisher = events
-        self.disabled = config.disable_prefix_cache
         self._debug = config.debug_invariants
         self._capacity: int | None = None
         self._aux = tuple(aux)
@@ -134,6 +138,9 @@ class UnifiedRadixCache:
         self.policy = make_policy(config.eviction_policy, session_ttl_s=config.session_ttl_s,
                                   clock=clock)
         self._tree = RadixTree(ps, self.policy, aux, record_events=events is not None)
+        self.host = host
+        if host is not None:
+            host.bind(self)
         if events is not None:
             events.publish([AllCleared()])
 
@@ -151,14 +158,13 @@ class UnifiedRadixCache:
         return cache
 
     # -- matching --------------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], *, session_id: Hashable | None = None,
-                     priority: int | None = None) -> MatchResult:
+    def match(self, token_ids: Sequence[int], *, session_id: Hashable | None = None,
+              priority: int | None = None) -> MatchResult:
         """The longest reusable page-aligned prefix of ``token_ids``. Does not lock; may split an
         edge (structure only). Touches the matched path for the eviction policy (and raises its
-        nodes' priority to ``priority``, as an insert does)."""
+        nodes' priority to ``priority``, as an insert does). Loads nothing back from the host:
+        ``host_hit_length`` says how much :meth:`HostTier.restore` could bring."""
         t = self._tree
-        if self.disabled:
-            return MatchResult(0, t.root, t.root, t.root)
         if session_id is not None:
             self.policy.touch_session(session_id)
         path = t.match(self._key(token_ids), session_id, priority)
@@ -172,11 +178,18 @@ class UnifiedRadixCache:
         else:
             last_host = next((nd for nd in reversed(path[:n_best]) if nd.host is not None), root)
         comps = ({c.name: c.finalize(dev_path) for c in self._aux} if self._aux else _NO_COMPONENTS)
-        result = MatchResult(last_dev.start + len(last_dev.key), last_dev, last_host, best,
-                             best.end - last_dev.end, comps, [nd.value for nd in dev_path])
+        result = MatchResult(last_dev.end, _concat([nd.value for nd in dev_path]), last_dev,
+                             last_host, best, best.end - last_dev.end, comps)
         if self._debug:
             self._after()
         return result
+
+    def peek(self, token_ids: Sequence[int]) -> int:
+        """Length of the reusable device prefix of ``token_ids``, with no side effect at all: no
+        split, no policy touch, no load-back. Exact for FULL-only caches; with auxiliary
+        components a boundary inside an edge is not voted on, so it may be shorter than
+        :meth:`match` would find."""
+        return self._tree.peek(self._key(token_ids))
 
     # -- inserting -------------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], value: torch.Tensor | None = None, *,
@@ -186,22 +199,17 @@ class UnifiedRadixCache:
         (None only in simulated mode). Returns the length that was already cached: the caller's
         slots ``value[prev_cached:returned]`` are duplicates it must free; the tree keeps the
         rest. ``extra`` hands over component data (``"swa"``: rows ``[n]``, -1 = released;
-        ``"mamba"``: the state row after the last token); the cache keeps or frees all of it.
-        With ``disable_prefix_cache`` nothing is kept: the cache frees ``value`` and returns 0."""
+        ``"mamba"``: the state row after the last token); the cache keeps or frees all of it."""
         key = self._key(token_ids)
         value = self._slots(value, len(key))
-        if self.disabled:
-            if value is not None and self.allocator is not None and len(key):
-                self.allocator.free(value[:len(key)])
-            return 0
         cached, _, _ = self._insert(key, value, extra, session_id, priority)
         self._enforce_capacity()
         self._after()
         return cached
 
-    def cache_req(self, token_ids: Sequence[int], slots: torch.Tensor | None, last_node: Node | None,
-                  *, extra: Mapping[str, Any] | None = None, session_id: Hashable | None = None,
-                  priority: int = 0, row: int | None = None) -> tuple[torch.Tensor, Node]:
+    def cache(self, token_ids: Sequence[int], slots: torch.Tensor | None, last_node: Node | None,
+              *, extra: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
+              session_id: Hashable | None = None, priority: int = 0) -> tuple[torch.Tensor, Node]:
         """Hand a request's computed KV to the tree (SGLang's cache_unfinished/finished_req).
 
         ``token_ids``: the request's tokens so far (only whole pages are cached); ``slots``: its
@@ -209,21 +217,21 @@ class UnifiedRadixCache:
         ``[0, last_node.end)``, slots the tree already owns). Inserts, frees the request's
         duplicate slots ``slots[last_node.end : already_cached]``, moves the lock from
         ``last_node`` to the node ending the page-aligned key, and returns
-        ``(canonical slots [aligned], new_node)`` for the engine to rewrite its row (done here
-        when ``row`` is given and a ``req_to_token_pool`` was). Slots past the aligned length stay
-        the request's. The caller unlocks ``new_node`` when the request finishes.
-        Disabled cache: nothing is kept or freed; returns ``(slots[:aligned], last_node)``."""
+        ``(canonical slots [aligned], new_node)``: the tree now owns those slots (the caller
+        rewrites its row with them and unlocks ``new_node`` when the request finishes). Slots
+        past the aligned length stay the request's. ``extra`` (or a callable returning it,
+        called once, only by a cache that keeps the prefix) hands over component data."""
         key = self._key(token_ids)
         n = len(key)
         slots = self._slots(slots, n)
         t = self._tree
         last_node = t.root if last_node is None else last_node
-        if self.disabled:
-            return (slots[:n] if slots is not None else torch.arange(n)), last_node
-        protected = last_node.start + len(last_node.key)
+        protected = last_node.end
         if protected > n:
             raise ValueError(f"last_node covers {protected} tokens but only {n} page-aligned "
                              f"tokens were given")
+        if callable(extra):
+            extra = extra()
         cached, node, _ = self._insert(key, slots, extra, session_id, priority)
         if cached > protected and self.allocator is not None:
             self.allocator.free(slots[protected:cached])
@@ -231,8 +239,6 @@ class UnifiedRadixCache:
         t.lock(last_node, -1)
         self._enforce_capacity()
         indices = _concat([nd.value for nd in t.path(node)])
-        if row is not None and self.req_to_token_pool is not None and n > protected:
-            self.req_to_token_pool.write(row, protected, indices[protected:])
         self._after()
         return indices, node
 
@@ -260,7 +266,7 @@ class UnifiedRadixCache:
         else:
             cached, node, created = t.insert(key, value, aux, session_id, priority)
         if created and self.host is not None and self.host.write_through:
-            self._backup_node(node)
+            self.host.copy_node(node)
         return cached, node, created
 
     def _aux_values(self, extra: Mapping[str, Any] | None, n: int) -> list | None:
@@ -295,15 +301,19 @@ class UnifiedRadixCache:
                     floor = max(floor, int(neg[-1]) + 1)
         return min(n, -(-floor // self.page_size) * self.page_size)
 
-    # -- locks -----------------------------------------------------------------------------------
-    def inc_lock_ref(self, node: Node) -> None:
-        """Protect the path root..node from eviction (device and host copies)."""
+    # -- locks ---------------------------------------------------------------------------------
+    def lock(self, node: Node | None) -> None:
+        """Protect the path root..node from eviction (device and host copies). None: no-op."""
+        if node is None:
+            return
         self._tree.lock(node, +1)
         if self._debug:
             self._after()
 
-    def dec_lock_ref(self, node: Node) -> None:
-        """Undo one :meth:`inc_lock_ref`. Raises ValueError if the node is not locked."""
+    def unlock(self, node: Node | None) -> None:
+        """Undo one :meth:`lock`. Raises ValueError if the node is not locked. None: no-op."""
+        if node is None:
+            return
         self._tree.lock(node, -1)
         if self._debug:
             self._after()
@@ -314,7 +324,7 @@ class UnifiedRadixCache:
         much was freed. ``component``: "full" (device KV; leaves first, cascading, backed up to
         the host tier when there is one), "host" (host copies), or an auxiliary component's name
         (tombstones its data; the nodes and their FULL KV stay)."""
-        if self.disabled or num_tokens <= 0:
+        if num_tokens <= 0:
             return 0
         if component == "full":
             freed = self._evict_device(num_tokens)
@@ -338,7 +348,7 @@ class UnifiedRadixCache:
             if nd is None:
                 break
             if self.host is not None and nd.host is None:
-                self._backup_node(nd)
+                self.host.copy_node(nd)
             freed += t.drop_device(nd)
         return freed
 
@@ -348,94 +358,15 @@ class UnifiedRadixCache:
             if over > 0:
                 self._evict_device(over)
 
-    # -- host tier -------------------------------------------------------------------------------
-    def _host_alloc(self, n: int) -> torch.Tensor | None:
-        alloc = self.host.allocator
-        if alloc.available_size() < n:
-            self._tree.evict_host(n - alloc.available_size())
-            self._free_host()
-        return alloc.alloc(n)
-
-    def _backup_node(self, nd: Node) -> bool:
-        """Copy ``nd``'s device KV to new host slots. False when the host has no room."""
-        host_slots = self._host_alloc(len(nd.key))
-        if host_slots is None:
-            return False
-        self.host.copier.to_host(nd.value, host_slots)
-        self._tree.set_host(nd, host_slots)
-        return True
-
-    def load_back(self, node: Node) -> torch.Tensor | None:
-        """Bring the host-only nodes on the path to ``node`` back to the device (evicting device
-        cache if short). Returns the device slots of the whole path root..node, or None when the
-        device has no room. Does not lock ``node``."""
+    # -- sizes and invariants --------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """Current sizes (O(1) counters; :meth:`check` proves them by recount)."""
         t = self._tree
-        if self.host is None or node.parent is None and node is not t.root:
-            raise ValueError(f"load_back({node}): no host tier, or the node is not in the tree")
-        todo = [nd for nd in t.path(node) if nd.value is None]
-        if todo:
-            need = sum(len(nd.key) for nd in todo)
-            t.lock(node, +1)                    # keep the path while making room
-            if self.allocator.available_size() < need:
-                self._evict_device(need - self.allocator.available_size())
-                self._free_device()
-            slots = self.allocator.alloc(need)
-            t.lock(node, -1)
-            if slots is None:
-                self._after()
-                return None
-            self.host.copier.to_device(torch.cat([nd.host for nd in todo]), slots)
-            off = 0
-            for nd in todo:
-                t.set_device(nd, slots[off:off + len(nd.key)])
-                off += len(nd.key)
-        indices = _concat([nd.value for nd in t.path(node)])
-        self._after()
-        return indices
+        comps = ({c.name: (t.aux_evictable[i], t.aux_protected[i]) for i, c in enumerate(self._aux)}
+                 if self._aux else _NO_COMPONENTS)
+        return CacheStats(t.evictable, t.protected, t.host_size if self.host else 0, comps)
 
-    def backup(self, token_ids: Sequence[int], slots: torch.Tensor, last_node: Node | None, *,
-               session_id: Hashable | None = None) -> tuple[Node, int]:
-        """Retraction: move a request's KV to the host tier and free its device slots.
-
-        Like :meth:`cache_req` (the lock moves from ``last_node`` to the returned node), then
-        the nodes only this request holds are copied to the host and dropped from the device,
-        bottom-up. Returns ``(node, device tokens freed)``; ``node`` stays locked (host copies
-        are not evicted) until the caller's :meth:`dec_lock_ref`. Restore with
-        ``match_prefix`` + ``load_back(best_match_node)``."""
-        indices, node = self.cache_req(token_ids, slots, last_node, session_id=session_id)
-        if self.host is None or self.disabled:
-            return node, 0
-        t = self._tree
-        freed = 0
-        nd = node
-        while nd is not t.root and nd.lock_ref == 1 and nd.value is not None and nd.ndc == 0:
-            if nd.host is None and not self._backup_node(nd):
-                break
-            freed += t.drop_device(nd)
-            nd = nd.parent
-        self._after()
-        return node, freed
-
-    # -- sizes -----------------------------------------------------------------------------------
-    def evictable_size(self, component: str = "full") -> int:
-        """Unlocked device tokens (or units of a component's pool)."""
-        if component == "full":
-            return self._tree.evictable
-        return self._tree.aux_evictable[self._aux_index[component]]
-
-    def protected_size(self, component: str = "full") -> int:
-        """Locked device tokens (or units of a component's pool)."""
-        if component == "full":
-            return self._tree.protected
-        return self._tree.aux_protected[self._aux_index[component]]
-
-    def total_size(self, tier: str = "device") -> int:
-        """Tokens cached on the device (evictable + protected) or on the host tier."""
-        t = self._tree
-        return t.host_size if tier == "host" else t.evictable + t.protected
-
-    # -- invariants ------------------------------------------------------------------------------
-    def sanity_check(self, extra_owned: Any = None) -> None:
+    def check(self, extra_owned: Any = None) -> None:
         """Recount everything (see :mod:`tandem.cache.radix.sanity`); raise AssertionError
         listing every violation. ``extra_owned``: slots held by in-flight requests (a tensor, or
         a mapping of component name -> tensor); with it, ownership must be exact."""
@@ -498,4 +429,4 @@ class UnifiedRadixCache:
             self.publisher.publish(t.events)
             t.events = []
         if self._debug:
-            self.sanity_check()
+            self.check()

@@ -50,7 +50,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     g.add_argument("--debug-cache-invariants", action="store_true", default=None,
-                   help="run the cache's sanity_check() after every operation (slow)")
+                   help="run the cache's invariant check() after every operation (slow)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -382,7 +382,7 @@ class SimServingBackend:
             name = self.names[w.id]
             SIM_PREFILL_QUEUE.labels(name).set(len(w.queue))
             SIM_PREFILL_PENDING.labels(name).set(w.pending_s(now))
-            SIM_CACHE_TOKENS.labels(name).set(w.cache.total_size())
+            SIM_CACHE_TOKENS.labels(name).set(w.cache.stats().device)
         for w in self.decodes:
             name = self.names[w.id]
             SIM_DECODE_RUNNING.labels(name).set(len(w.running))

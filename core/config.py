@@ -30,7 +30,7 @@ class CacheConfig(_Strict):
     session_ttl_s: float = Field(300.0, gt=0, description="a session touched within this is active")
     host_pool_tokens: int = Field(0, ge=0, description="host (L2) KV tokens; 0 disables the host tier")
     host_write_policy: HostWritePolicy = "write_through"
-    debug_invariants: bool = Field(False, description="run sanity_check() after every cache operation")
+    debug_invariants: bool = Field(False, description="run the cache invariant check() after every cache operation")
 
 
 class SchedulerConfig(_Strict):
@@ -42,6 +42,9 @@ class SchedulerConfig(_Strict):
     retraction_policy: Literal["default", "session"] = Field(
         "default", description="retraction victim: fewest generated tokens (ties: longest prompt), "
                                "or 'session': requests of the least recently active sessions first")
+    debug_retract_every: int = Field(
+        0, ge=0, description="test lever: retract the chosen victim every N decode steps even "
+                             "without memory pressure (0 = off)")
 
 
 class EngineConfig(_Strict):

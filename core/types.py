@@ -1,7 +1,8 @@
 """Core request types: who fills which field is noted beside it.
 
 A request's life: the API layer builds a :class:`Req` from a prompt and :class:`SamplingParams`;
-the scheduler moves it WAITING -> RUNNING (-> RETRACTED -> RUNNING) -> a finished status; the
+the scheduler moves it WAITING -> PREFILLING -> RUNNING (-> RETRACTED -> RUNNING) -> a finished
+status (a disaggregated decode worker: WAITING_FOR_KV -> RUNNING); the
 engine appends sampled tokens to ``output_ids``. Nothing here imports torch, so the router can use
 these types without a model.
 """
@@ -20,6 +21,7 @@ _req_counter = itertools.count()
 class ReqStatus(enum.Enum):
     WAITING = "waiting"          # queued, nothing computed
     PREFILLING = "prefilling"    # some prompt chunks computed (chunked prefill)
+    WAITING_FOR_KV = "waiting_for_kv"   # decode: pages reserved, the prompt's KV is being received
     RUNNING = "running"          # decoding
     RETRACTED = "retracted"      # evicted from the device under memory pressure; KV backed up or dropped
     FINISHED_STOP = "stop"       # EOS, a stop token id or a stop string

@@ -12,6 +12,8 @@ import ray
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.decode.worker import DecodeWorker, PrefillUnavailable
+from tandem.engine.role_worker import RoleActorMixin
+from tandem.transfer.messages import PrefillResult
 
 
 def assigned_threads() -> int:
@@ -27,37 +29,31 @@ class _RayPrefillClient:
         self.name, self.handle = name, handle
         self.dead = False   # set when a call finds the actor dead; later requests go elsewhere
 
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> dict:
+    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         try:
-            return await self.handle.prefill.remote(req_wire, xfer, dst_prefix_len)
+            raw = await self.handle.prefill.remote(req_wire, xfer, dst_prefix_len)
         except ray.exceptions.RayActorError as e:
             self.dead = True
             raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
+        return PrefillResult.decode(raw)
 
     async def abort(self, rid: str, reason: str) -> None:
         await self.handle.abort.remote(rid, reason)
 
 
 @ray.remote
-class DecodeActor:
+class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
-                 local_prefill_threshold: int, loaded=None):
+                 local_prefill_threshold: int, loaded=None, kv_digest: bool = False,
+                 debug_corrupt_kv: bool = False):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         cfg = EngineConfig.model_validate(engine_config)
         if cfg.num_threads is None:
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
-                                   local_prefill_threshold=local_prefill_threshold)
+                                   local_prefill_threshold=local_prefill_threshold,
+                                   kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv)
         self.prefills: dict[str, _RayPrefillClient] = {}
-
-    def info(self) -> dict:
-        e = self.worker.engine
-        return {"name": self.worker.name, "role": "decode", "model_name": e.model_name,
-                "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
-                "page_size": self.worker.page_size, "device": str(e.device)}
-
-    def handshake(self) -> bytes:
-        return self.worker.handshake()
 
     def add_prefill(self, handshake: bytes, handle) -> str:
         name = self.worker.add_peer(handshake)
@@ -84,22 +80,3 @@ class DecodeActor:
         """Another prefill worker (not ``dead``, not known dead), fewest of our requests first."""
         live = [c for n, c in self.prefills.items() if n != dead and not c.dead]
         return live[0] if live else None
-
-    async def abort(self, rid: str, reason: str = "") -> bool:
-        return await self.worker.abort(rid, reason)
-
-    async def stats(self) -> dict:
-        return await self.worker.stats()
-
-    async def ping(self) -> str:
-        self.worker.check_alive()   # a crashed engine thread counts as a dead worker
-        return self.worker.name
-
-    def metrics_text(self) -> bytes:
-        # imported here: Ray pickles the actor class by value, and a registry holds locks
-        from prometheus_client import REGISTRY, generate_latest
-
-        return self.worker.metrics_text() + generate_latest(REGISTRY)
-
-    def shutdown(self) -> None:
-        self.worker.close()

@@ -7,8 +7,13 @@ API (thread-safe):
 - ``stream(req)``: async iterator of StreamChunk (for asyncio servers).
 - ``generate(prompt, params, chat=False)``: blocking, returns a Completion.
 - ``abort(rid)``: finish a request with reason "abort"; its KV is released.
+- ``handle()``: the :class:`~tandem.engine.handle.EngineHandle` workers use (typed, async).
 - ``shutdown()``: stop the thread (pending requests finish with "abort").
 Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing.
+
+The engine thread runs the loop: drain the inbox, then one step --
+``plan = scheduler.schedule()``; ``runner.forward(kv.forward_batch(plan))``; the sampler picks the
+tokens of ``plan.sample_rows``; ``scheduler.update(plan, tokens)``; stream the chunks.
 """
 
 from __future__ import annotations
@@ -26,12 +31,17 @@ import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
+from tandem.cache.null import NullCache
+from tandem.cache.radix.host import HostTier
 from tandem.cache.req_to_token import ReqToTokenPool
+from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
 from tandem.engine.hybrid import HybridConfig, make_hybrid
-from tandem.engine.prefix_cache import NoPrefixCache
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request_kv import RequestKV
+from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -47,18 +57,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
-
-
-class _Runner:
-    """Model + attention backend: ``forward(fb) -> logits [B, V]``."""
-
-    def __init__(self, model, backend):
-        self.model, self.backend = model, backend
-
-    @torch.inference_mode()
-    def forward(self, fb):
-        self.backend.init_forward(fb)
-        return self.model.forward(fb, self.backend)
 
 
 def make_attention_backend(name: str, device: torch.device):
@@ -106,15 +104,20 @@ class Engine:
             num_pages * cc.page_size, cc.page_size, arch.num_layers, arch.num_kv_heads,
             arch.head_dim, self.dtype, self.device)
         self.cache = self._make_cache()
-        self.runner = _Runner(self.loaded.model, make_attention_backend(cfg.attention_backend, self.device))
+        self.runner = ModelRunner(self.loaded, self.kv_pool, self.req_to_token, self.allocator,
+                                  make_attention_backend(cfg.attention_backend, self.device))
+        self.kv = RequestKV(req_to_token_pool=self.req_to_token, allocator=self.allocator,
+                            kv_pool=self.kv_pool, cache=self.cache, hybrid=self.hybrid,
+                            device=self.device)
+        sc = cfg.scheduler
         self.scheduler = Scheduler(
-            runner=self.runner, req_to_token_pool=self.req_to_token, allocator=self.allocator,
-            kv_pool=self.kv_pool, cache=self.cache, tokenizer=self.tokenizer,
-            max_context=self.max_context, chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
-            max_batch_tokens=cfg.scheduler.max_batch_tokens,
-            schedule_policy=cfg.scheduler.schedule_policy, seed=cfg.seed, device=self.device,
-            debug_invariants=cc.debug_invariants, hybrid=self.hybrid,
-            retraction_policy=cfg.scheduler.retraction_policy)
+            kv=self.kv, tokenizer=self.tokenizer, max_context=self.max_context,
+            chunked_prefill_size=sc.chunked_prefill_size, max_batch_tokens=sc.max_batch_tokens,
+            # lpm orders by what the cache holds: with no cache it is fcfs
+            schedule_policy=sc.schedule_policy if self.cache.retains else "fcfs",
+            retraction_policy=sc.retraction_policy, debug_invariants=cc.debug_invariants,
+            debug_retract_every=sc.debug_retract_every)
+        self.sampler = Sampler(cfg.seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, Callable[[StreamChunk], None]] = {}
         self._wake = threading.Event()
@@ -124,19 +127,16 @@ class Engine:
         self._thread.start()
 
     def _make_cache(self):
-        if self.config.cache.disable_prefix_cache:
-            return NoPrefixCache()
-        try:
-            from tandem.engine.radix_adapter import RadixPrefixCache
-        except ImportError:
-            log.warning("radix cache not available; running without prefix caching")
-            return NoPrefixCache()
+        """The radix cache over this engine's pools (with a host tier when configured; FULL KV
+        only, so not for hybrid models yet), or a NullCache with ``disable_prefix_cache``."""
+        cc = self.config.cache
+        if cc.disable_prefix_cache:
+            return NullCache(self.allocator, self.hybrid.components)
         host = None
-        if self.config.cache.host_pool_tokens and not self.hybrid.active:
-            from tandem.cache.radix.host import HostTier  # FULL KV only (see cache/README.md)
-            host = HostTier.from_config(self.kv_pool, self.config.cache)
-        return RadixPrefixCache(self.config.cache, self.allocator, self.kv_pool,
-                                components=self.hybrid.components, host=host, events=self._kv_events)
+        if cc.host_pool_tokens and not self.hybrid.active:
+            host = HostTier.from_config(self.kv_pool, cc)
+        return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, host=host,
+                                 events=self._kv_events)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -221,20 +221,36 @@ class Engine:
                                   last.cached_tokens, last.finish_reason, last.error))
         return out
 
-    def call(self, fn: Callable, on_chunk: Callable[[StreamChunk], None] | None = None,
+    def call(self, fn: Callable, *args, on_chunk: Callable[[StreamChunk], None] | None = None,
              rid: str | None = None) -> concurrent.futures.Future:
-        """Run ``fn(scheduler)`` on the engine thread (the scheduler is not thread-safe) and
-        return a Future of its result. If ``on_chunk`` is given it becomes ``rid``'s stream
-        callback first; if ``fn`` returns a list of StreamChunk they are emitted as usual."""
+        """Run ``fn(*args)`` on the engine thread (the scheduler is not thread-safe) and return
+        a Future of its result. Workers pass bound methods of their role's engine-thread object
+        (see engine/handle.py), never closures over scheduler internals. If ``on_chunk`` is
+        given it becomes ``rid``'s stream callback first; a StreamChunk (or a list of them)
+        that ``fn`` returns is emitted as usual."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._error is not None or not self._thread.is_alive():
             fut.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
             return fut
         if on_chunk is not None:
             self._callbacks[rid] = on_chunk
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(("call", (fn, args), fut))
         self._wake.set()
         return fut
+
+    def handle(self):
+        """The typed, async way a worker reaches this engine (engine/handle.py)."""
+        from tandem.engine.handle import EngineHandle
+        return EngineHandle(self)
+
+    def snapshot(self, timeout: float = 30.0):
+        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI)."""
+        from tandem.engine.handle import take_snapshot
+        return self.call(take_snapshot, self).result(timeout)
+
+    def check_invariants(self, timeout: float = 30.0) -> None:
+        """Blocking: the ownership recount on the engine thread (raises AssertionError)."""
+        self.call(self.scheduler.check_invariants).result(timeout)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -249,6 +265,7 @@ class Engine:
                 continue
             if c.finish_reason is not None:
                 del self._callbacks[c.rid]
+                self.sampler.forget(c.rid)
             try:
                 cb(c)
             except Exception:  # a consumer's bug must not kill the engine
@@ -268,15 +285,17 @@ class Engine:
                 except InvalidRequest as e:
                     self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
             elif msg[0] == "call":
-                _, fn, fut = msg
+                _, (fn, args), fut = msg
                 if not fut.set_running_or_notify_cancel():
                     continue   # the caller gave up on it
                 try:
-                    res = fn(self.scheduler)
+                    res = fn(*args)
                 except Exception as e:
                     fut.set_exception(e)
                     continue
-                if isinstance(res, list) and res and isinstance(res[0], StreamChunk):
+                if isinstance(res, StreamChunk):
+                    self._emit([res])
+                elif isinstance(res, list) and res and isinstance(res[0], StreamChunk):
                     self._emit(res)
                 fut.set_result(res)
             else:
@@ -284,6 +303,24 @@ class Engine:
                 c = self.scheduler.abort(rid, error)
                 if c is not None:
                     self._emit([c])
+
+    def step(self) -> bool:
+        """One step: plan, forward, sample, update, stream. False when nothing could run.
+        Engine thread only (or a test driving an engine whose thread is stopped)."""
+        s = self.scheduler
+        plan = s.schedule()
+        chunks = plan.finished
+        if plan.entries:
+            logits = self.runner.forward(self.kv.forward_batch(plan))   # [B, V]
+            rows = plan.sample_rows
+            if rows:
+                sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
+                tokens = self.sampler.sample(sampled, [e.sr.req for e in plan.sampling], s.eos)
+            else:
+                tokens = []
+            chunks = chunks + s.update(plan, tokens)
+        self._emit(chunks)
+        return bool(plan.entries or chunks)
 
     def _loop(self) -> None:
         try:
@@ -293,13 +330,17 @@ class Engine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                self._emit(self.scheduler.step())
+                if not self.step():       # work that cannot run yet (no room): do not spin
+                    self._wake.wait(0.005)
+                    self._wake.clear()
         except BaseException as e:  # surface to callers instead of hanging them
             log.exception("engine thread crashed")
             self._error = e
         finally:
             error = "engine stopped" if self._error is None else f"engine error: {self._error!r}"
-            for rid in [r.rid for r in self.scheduler.waiting] + list(self.scheduler.running):
+            s = self.scheduler
+            for rid in ([sr.rid for sr in s.waiting] + [sr.rid for sr in s.retraction.retracted]
+                        + list(s.running)):
                 try:
                     c = self.scheduler.abort(rid, error=error)
                 except Exception:  # the scheduler itself is broken: finish the stream anyway

@@ -1,8 +1,8 @@
 """Per-engine resources of hybrid models: sliding-window (SWA) layers and recurrent ("mamba") layers.
 
-The scheduler calls one object at fixed hook points (admit, slot allocation, batch building, after
-the forward, caching, release, invariants); for FULL-only models that object is :data:`NO_HYBRID`,
-whose hooks do nothing, so the FULL path is unchanged.
+engine/request_kv.py calls one object at fixed hook points (the table in :class:`NoHybrid`); for
+FULL-only models that object is :data:`NO_HYBRID`, whose hooks do nothing, so the FULL path is
+unchanged. The pools themselves (``StatePool``, ``HybridKVPool``) live in cache/.
 
 Memory model
 ------------
@@ -49,9 +49,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.cache.allocator import PagedAllocator
-from tandem.cache.kv_pool import KVPool, LayerKV
+from tandem.cache.kv_pool import HybridKVPool, KVPool
+from tandem.cache.state_pool import StatePool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
-from tandem.cache.radix.sanity import check_ownership
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -64,75 +64,42 @@ class HybridConfig(BaseModel):
     state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
 
 
-class StatePool:
-    """Recurrent state rows: ``data [L_mamba, num_slots + 1, *state_shape]`` float32; row 0 is
-    padding. ``layer(id)`` is the ``[num_slots + 1, *state_shape]`` view of one recurrent layer."""
-
-    def __init__(self, num_slots: int, layer_ids: list[int], state_shape: tuple[int, ...],
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        self.num_slots = num_slots
-        self.layer_ids = list(layer_ids)
-        self._local = {lid: i for i, lid in enumerate(self.layer_ids)}
-        self.data = torch.zeros((len(self.layer_ids), num_slots + 1, *state_shape), dtype=dtype,
-                                device=device)
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return self.data[:, 0].numel() * self.data.element_size()
-
-    def layer(self, layer_id: int) -> torch.Tensor:
-        return self.data[self._local[layer_id]]
-
-    def copy(self, src: int, dst: int) -> None:
-        """Every layer's state row ``src`` -> row ``dst``."""
-        self.data[:, dst] = self.data[:, src]
-
-    def zero(self, row: int) -> None:
-        self.data[:, row] = 0
-
-
-class HybridKVPool:
-    """The KV pool a hybrid model's attention backend sees: "full" layers in the full pool
-    (rows = full slots), "swa" layers in the SWA pool (rows = ``index_map[full slot]``).
-    ``kv_data``/``page_size``/``num_slots`` are the full pool's (slot ids are full slots)."""
-
-    def __init__(self, full: KVPool, swa: KVPool | None, index_map: torch.Tensor | None):
-        self.full, self.swa, self.index_map = full, swa, index_map
-        self.page_size, self.device, self.dtype = full.page_size, full.device, full.dtype
-        self.num_slots, self.kv_data = full.num_slots, full.kv_data
-        self._swa_layers = {lid: LayerKV(swa.layer(lid).k, swa.layer(lid).v, index_map)
-                            for lid in (swa.layer_ids if swa is not None else [])}
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes per full slot in the full pool (the SWA pool is sized separately)."""
-        return self.full.bytes_per_token
-
-    def has_layer(self, layer_id: int) -> bool:
-        return self.full.has_layer(layer_id) or layer_id in self._swa_layers
-
-    def layer(self, layer_id: int) -> LayerKV:
-        lkv = self._swa_layers.get(layer_id)
-        return lkv if lkv is not None else self.full.layer(layer_id)
-
-
 class NoHybrid:
-    """FULL-only models: every hook is a no-op (the scheduler's FULL path is unchanged)."""
+    """FULL-only models: every hook is a no-op (the FULL path is unchanged).
+
+    The hooks a hybrid resource manager implements, called by engine/request_kv.py only:
+
+    ===========================================  ===============================================
+    ``attach(cache)``                            once: the prefix cache (its ``evict(n, name)``
+                                                 makes room in the SWA / state pools)
+    ``claim(r, components, prefix_len) -> bool``  after the match is locked: the working state
+                                                 row (the matched checkpoint copied in); False:
+                                                 none free, the admission is undone
+    ``alloc(r, n, alloc_full) -> slots | None``   SWA rows for ``n`` new positions, then the full
+                                                 slots from ``alloc_full()``; bound in
+                                                 ``index_map`` (or given back on None)
+    ``state_batch(reqs) -> (indices, pool)``     each sequence's state row for the forward
+    ``advanced(r, locked_len)``                  after the forward: release SWA rows behind the
+                                                 window, snapshot the state at page boundaries
+    ``handover(r, locked_len, aligned, final)``  the component data ``cache(ids[:aligned])``
+                                                 takes: ``{"swa": rows, "mamba": row}``
+    ``release(r, locked_len)``                   free what the request still owns
+    ``owned(held) -> {name: rows}``              rows requests own (the ownership check)
+    ===========================================  ===============================================
+    """
 
     active = False
     components = (FULL,)
     stats: dict = {}
 
     def attach(self, cache) -> None: pass
-    def admit(self, r, components: Mapping[str, Any], prefix_len: int) -> bool: return True
-    def reserve(self, n: int) -> bool: return True
-    def bind(self, r, slots) -> None: pass
-    def batch_state(self, reqs) -> tuple[None, None]: return None, None
+    def claim(self, r, components: Mapping[str, Any], prefix_len: int) -> bool: return True
+    def alloc(self, r, n: int, alloc_full): return alloc_full()
+    def state_batch(self, reqs) -> tuple[None, None]: return None, None
     def advanced(self, r, locked_len: int) -> None: pass
-    def extra(self, r, locked_len: int, aligned: int, final: bool) -> None: return None
+    def handover(self, r, locked_len: int, aligned: int, final: bool) -> None: return None
     def release(self, r, locked_len: int) -> None: pass
     def owned(self, held) -> dict: return {}
-    def check_exact(self, owned: Mapping[str, torch.Tensor]) -> None: pass
 
 
 NO_HYBRID = NoHybrid()
@@ -199,7 +166,6 @@ class HybridResources:
         self._work = [0] * n_rows
         self._track = [0] * n_rows
         self._track_len = [-1] * n_rows
-        self._pending: torch.Tensor | None = None
         self.stats = {"swa_released": 0, "swa_evicted": 0, "state_evicted": 0, "checkpoints": 0}
 
     @property
@@ -217,7 +183,7 @@ class HybridResources:
         self.cache = cache
 
     # -- hooks -----------------------------------------------------------------------------------
-    def admit(self, r, components: Mapping[str, Any], prefix_len: int) -> bool:
+    def claim(self, r, components: Mapping[str, Any], prefix_len: int) -> bool:
         """After the match is locked: the request's working state row, holding the matched
         checkpoint's state (copy-on-claim) or zeros. False when no state row is free."""
         row = r.req_pool_idx
@@ -238,28 +204,27 @@ class HybridResources:
         self._work[row] = slot
         return True
 
-    def reserve(self, n: int) -> bool:
-        """Before the full slots of ``n`` new positions: their SWA rows (evicting the cache's
-        unlocked SWA data when short). False when there is no room; :meth:`bind` follows."""
+    def alloc(self, r, n: int, alloc_full):
+        """SWA rows for ``n`` new positions (evicting the cache's unlocked SWA data when short;
+        rows first: they free exactly, a half-used full page could not be given back), then the
+        full slots from ``alloc_full()``, bound as ``index_map[slots] = rows``. None (nothing
+        taken) when either is short."""
         if self.swa_alloc is None:
-            return True
+            return alloc_full()
         short = n - self.swa_alloc.available_size()
         if short > 0 and self.cache is not None:
             self.stats["swa_evicted"] += self.cache.evict(short, "swa")
-        self._pending = self.swa_alloc.alloc(n)
-        return self._pending is not None
-
-    def bind(self, r, slots: torch.Tensor | None) -> None:
-        """After the full slots: ``index_map[slots] = rows`` (or give the rows back: no slots)."""
-        if self.swa_alloc is None:
-            return
-        rows, self._pending = self._pending, None
+        rows = self.swa_alloc.alloc(n)
+        if rows is None:
+            return None
+        slots = alloc_full()
         if slots is None:
             self.swa_alloc.free(rows)
         else:
             self.index_map[slots.to(self.device)] = rows.to(self.device)
+        return slots
 
-    def batch_state(self, reqs) -> tuple[torch.Tensor | None, StatePool | None]:
+    def state_batch(self, reqs) -> tuple[torch.Tensor | None, StatePool | None]:
         """``(state_indices [B], state_pool)`` for the batch (None, None without recurrent layers)."""
         if self.state_pool is None:
             return None, None
@@ -286,7 +251,7 @@ class HybridResources:
                 self.state_pool.copy(self._work[row], self._track[row])
                 self._track_len[row] = n
 
-    def extra(self, r, locked_len: int, aligned: int, final: bool) -> dict | None:
+    def handover(self, r, locked_len: int, aligned: int, final: bool) -> dict | None:
         """What ``cache(ids[:aligned], ...)`` takes over besides the full slots: the SWA rows of
         ``[0, aligned)`` (-1 where the request owns none) and a checkpoint at ``aligned`` if the
         request has the state there. ``final``: the request is done (its working row may go)."""
@@ -332,7 +297,7 @@ class HybridResources:
     # -- invariants ------------------------------------------------------------------------------
     def owned(self, held) -> dict[str, torch.Tensor]:
         """Rows each pool's requests own; ``held``: ``(req, locked_len)`` of every request
-        holding a row. For ``sanity_check(extra_owned=...)``."""
+        holding a row. For ``cache.check(extra_owned=...)``."""
         swa, states = [], []
         for r, locked_len in held:
             row = r.req_pool_idx
@@ -347,16 +312,6 @@ class HybridResources:
         if self.state_alloc is not None:
             out["mamba"] = torch.tensor(states, dtype=torch.int64)
         return out
-
-    def check_exact(self, owned: Mapping[str, torch.Tensor]) -> None:
-        """Without a prefix cache: requests own exactly the allocated rows of each pool."""
-        errs = []
-        if self.swa_alloc is not None:
-            errs += check_ownership("swa", self.swa_alloc, [], owned["swa"])
-        if self.state_alloc is not None:
-            errs += check_ownership("mamba", self.state_alloc, [], owned["mamba"])
-        if errs:
-            raise AssertionError("hybrid pool ownership violation(s):\n" + "\n".join(errs))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _alloc_state(self) -> int | None:

@@ -18,6 +18,7 @@ class EngineCollector(Collector):
     def collect(self):
         e, s = self.engine, self.engine.scheduler
         st = dict(s.stats)
+        cs = e.kv.cache.stats()
         labels, values = ["worker", "role"], [self.worker, self.role]
 
         def gauge(name, doc, v):
@@ -36,7 +37,7 @@ class EngineCollector(Collector):
         yield gauge("tandem_worker_kv_used_tokens", "device KV slots in use (cache + requests)", used)
         yield gauge("tandem_worker_kv_capacity_tokens", "device KV slots in total", e.allocator.size)
         yield gauge("tandem_worker_cache_evictable_tokens", "unlocked tokens in the prefix cache",
-                    s.cache.evictable_size())
+                    cs.evictable)
         yield counter("tandem_worker_prompt_tokens", "prompt tokens admitted", st["prompt_tokens"])
         yield counter("tandem_worker_cached_prompt_tokens", "prompt tokens served from the prefix cache",
                       st["cached_tokens"])
@@ -52,8 +53,7 @@ class EngineCollector(Collector):
                       st["retraction_recomputes"])
         yield counter("tandem_retraction_aborts", "retracted requests aborted (no room ever)",
                       st["retraction_aborts"])
-        host_used = s.cache.host_used_tokens() if hasattr(s.cache, "host_used_tokens") else 0
-        yield gauge("tandem_host_pool_used_tokens", "host (L2) KV tokens in use", host_used)
+        yield gauge("tandem_host_pool_used_tokens", "host (L2) KV tokens in use", cs.host)
         bpt = e.kv_pool.bytes_per_token
         yield counter("tandem_retraction_backup_bytes", "KV bytes backed up to the host on retraction",
                       st["backup_tokens"] * bpt)

@@ -1,9 +1,8 @@
 """ModelRunner: build a ForwardBatch from (row, prefix_len, new ids, new slots) and run the model.
 
-Thin on purpose: the scheduler decides what runs and owns every slot; the runner only
-1. writes the new slots into ``req_to_token`` (:meth:`build_forward_batch`),
-2. turns the plan into device tensors (the one place that does), and
-3. calls ``backend.init_forward`` then ``model.forward`` (:meth:`forward`).
+Thin on purpose: the scheduler decides what runs and owns every slot; the engine loop calls
+:meth:`forward` (``backend.init_forward`` then ``model.forward``) on the batch that
+engine/batch_builder.py built from the scheduler's plan.
 
 For tests and benchmarks it also has a tiny sequence API (:meth:`prefill`, :meth:`extend`,
 :meth:`decode`, :meth:`release`, :meth:`generate_greedy`) that allocates rows and slots itself.
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.batch_builder import PlanItem, build_forward_batch
 from tandem.engine.forward_batch import ForwardBatch
 
 # (req_to_token row, prefix_len, new token ids, their KV slots [n] int64)
@@ -41,43 +41,15 @@ class ModelRunner:
 
     # -- the engine-facing API -----------------------------------------------------------------
     def build_forward_batch(self, seqs: list[SeqPlan]) -> ForwardBatch:
-        """Write each sequence's new slots into its req_to_token row and build the step's tensors.
-
-        Sequence i's new tokens take positions ``prefix_len .. prefix_len + len(new_ids) - 1``.
-        """
+        """Write each sequence's new slots into its req_to_token row and build the step's tensors
+        (engine/batch_builder.py: the one place that does). Sequence i's new tokens take
+        positions ``prefix_len .. prefix_len + len(new_ids) - 1``."""
         if not seqs:
             raise ValueError("build_forward_batch needs at least one sequence")
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        locs: list[torch.Tensor] = []
-        rows, prefix, ext = [], [], []
-        for row, prefix_len, new_ids, new_slots in seqs:
-            n = len(new_ids)
-            if n == 0 or len(new_slots) != n:
-                raise ValueError(f"row {row}: {n} new ids but {len(new_slots)} slots (need >= 1, equal)")
-            self.req_to_token_pool.write(row, prefix_len, new_slots)
-            ids.extend(new_ids)
-            positions.append(torch.arange(prefix_len, prefix_len + n, dtype=torch.int64))
-            locs.append(new_slots.to("cpu", torch.int64))
-            rows.append(row)
-            prefix.append(prefix_len)
-            ext.append(n)
-        seq_lens = [p + n for p, n in zip(prefix, ext)]
-        starts = [0]
-        for n in ext[:-1]:
-            starts.append(starts[-1] + n)
-        dev = self.device
+        items = [PlanItem(row, prefix_len, list(ids), slots) for row, prefix_len, ids, slots in seqs]
+        return build_forward_batch(items, self.req_to_token_pool, self.kv_pool, self.device)
 
-        def t(x):
-            return torch.as_tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=t(ids), positions=torch.cat(positions).to(dev), out_cache_loc=torch.cat(locs).to(dev),
-            req_pool_indices=t(rows), seq_lens=t(seq_lens), prefix_lens=t(prefix),
-            extend_lens=t(ext), extend_starts=t(starts),
-            req_to_token=self.req_to_token_pool.req_to_token, kv_pool=self.kv_pool,
-            seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix, extend_lens_cpu=ext)
-
+    @torch.inference_mode()
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] (float32) at each sequence's last new token, or [T, V]."""
         self.backend.init_forward(fb)

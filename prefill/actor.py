@@ -2,7 +2,8 @@
 
 Created by cluster/launch.py with ``.options(num_cpus=..., num_gpus=...)``; torch uses as many
 threads as the actor was given CPUs (at least one). Everything crossing Ray is plain data: the
-engine config as a dict, messages as bytes or wire dicts.
+engine config as a dict, messages as bytes or wire dicts (the result: PrefillResult bytes).
+The methods every role's actor has come from :class:`RoleActorMixin`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ray
 
 from tandem.core.config import EngineConfig
+from tandem.engine.role_worker import RoleActorMixin
 from tandem.prefill.worker import PrefillWorker
 
 
@@ -20,7 +22,7 @@ def assigned_threads() -> int:
 
 
 @ray.remote
-class PrefillActor:
+class PrefillActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
                  kv_events: bool = False):
         """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
@@ -31,15 +33,8 @@ class PrefillActor:
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                     kv_events=kv_events)
 
-    def info(self) -> dict:
-        e = self.worker.engine
-        return {"name": self.worker.name, "role": "prefill", "model_name": e.model_name,
-                "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
-                "page_size": self.worker.page_size, "device": str(e.device),
-                "kv_events": self.worker.kv_events_endpoint}
-
-    def handshake(self) -> bytes:
-        return self.worker.handshake()
+    def _extra_info(self) -> dict:
+        return {"kv_events": self.worker.kv_events_endpoint}
 
     def add_peer(self, handshake: bytes) -> str:
         return self.worker.add_peer(handshake)
@@ -47,24 +42,5 @@ class PrefillActor:
     def remove_peer(self, name: str) -> None:
         self.worker.remove_peer(name)
 
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> dict:
-        return await self.worker.prefill(req_wire, xfer, dst_prefix_len)
-
-    async def abort(self, rid: str, reason: str = "") -> bool:
-        return await self.worker.abort(rid, reason)
-
-    async def stats(self) -> dict:
-        return await self.worker.stats()
-
-    async def ping(self) -> str:
-        self.worker.check_alive()   # a crashed engine thread counts as a dead worker
-        return self.worker.name
-
-    def metrics_text(self) -> bytes:
-        # imported here: Ray pickles the actor class by value, and a registry holds locks
-        from prometheus_client import REGISTRY, generate_latest
-
-        return self.worker.metrics_text() + generate_latest(REGISTRY)
-
-    def shutdown(self) -> None:
-        self.worker.close()
+    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+        return (await self.worker.prefill(req_wire, xfer, dst_prefix_len)).encode()

@@ -6,9 +6,14 @@ knows nothing of requests or trees. Not thread-safe: call it from one thread (th
     agent = KVTransferAgent("decode-0", [Region.of("kv", pool.kv_data, page_size=16)])
     hs = agent.handshake()                       # travels over the bootstrap channel
     other.add_peer(hs.agent_name, hs.agent_metadata, hs.regions)
-    h = other.write_pages("decode-0", "kv", src_pages, dst_pages, notif=done.encode())
-    while other.poll(h) == "PROC": ...
+    h = other.write_pages("decode-0", "kv", src_pages, dst_pages)
+    while other.poll(h) is TransferState.TRANSFERRING: ...
     other.release(h)
+
+:meth:`KVTransferAgent.poll` answers in :class:`~tandem.transfer.state.TransferState` (NIXL's
+"PROC" / "DONE" / "ERR" are mapped here and nowhere else). With NIXL's progress thread off, the
+*receiving* agent must keep calling :meth:`progress` while writes to it may be in flight: UCX
+transports that emulate remote writes (tcp) move the bytes only when the target progresses.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, MutableMapping, Sequence
+from typing import Mapping, MutableMapping, Sequence
 
 import numpy as np
 import torch
 
 from tandem.transfer.descriptors import PoolLayout, byte_ranges, page_table, page_table_indices, split_even
 from tandem.transfer.messages import Handshake, RegionInfo
+from tandem.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ log = logging.getLogger(__name__)
 # memory of a same-host peer with process_vm_writev, one call per descriptor (bench/transfer.py).
 DEFAULT_UCX_TLS = "tcp,sm,cma,self"
 
-XferStatus = Literal["DONE", "PROC", "ERR"]
+_NIXL_STATE = {"PROC": TransferState.TRANSFERRING, "DONE": TransferState.DONE, "ERR": TransferState.FAILED}
 
 
 def configure_ucx_tls(ucx_tls: str | None, environ: MutableMapping[str, str] = os.environ) -> str:
@@ -91,7 +97,7 @@ class TransferHandle:
     parts: list = field(default_factory=list)    # nixl_xfer_handle per part
     part_done: list = field(default_factory=list)
     notif: bytes | None = None        # sent once every part is DONE (multi-part writes only)
-    status: XferStatus = "PROC"
+    status: TransferState = TransferState.TRANSFERRING
     error: str = ""
 
 
@@ -243,34 +249,34 @@ class KVTransferAgent:
                 x = make(sl, notif if single else b"")
                 h.parts.append(x)
                 h.part_done.append(False)
-                if self._nixl.transfer(x) == "ERR":
+                if _NIXL_STATE.get(self._nixl.transfer(x)) is TransferState.FAILED:
                     return self._fail(h, "post returned ERR")
         except Exception as e:  # NIXL raises e.g. nixlRemoteDisconnectError when the peer is gone
             return self._fail(h, f"{type(e).__name__}: {e}")
         return h
 
-    def poll(self, h: TransferHandle) -> XferStatus:
-        """"DONE" once every part finished (and a deferred notif went out), "ERR" on a transport
-        error or once the deadline passed, else "PROC". Terminal answers are sticky."""
-        if h.status != "PROC":
+    def poll(self, h: TransferHandle) -> TransferState:
+        """DONE once every part finished (and a deferred notif went out), FAILED on a transport
+        error or once the deadline passed, else TRANSFERRING. Terminal answers are sticky."""
+        if h.status is not TransferState.TRANSFERRING:
             return h.status
         try:
             for i, x in enumerate(h.parts):
                 if not h.part_done[i]:
-                    st = self._nixl.check_xfer_state(x)
-                    if st == "ERR":
+                    st = _NIXL_STATE.get(self._nixl.check_xfer_state(x), TransferState.FAILED)
+                    if st is TransferState.FAILED:
                         return self._fail(h, f"part {i}/{len(h.parts)} reported ERR").status
-                    h.part_done[i] = st == "DONE"
+                    h.part_done[i] = st is TransferState.DONE
             if all(h.part_done):
                 if h.notif is not None:
                     self._nixl.send_notif(h.peer, h.notif)
-                h.status = "DONE"
-                return "DONE"
+                h.status = TransferState.DONE
+                return h.status
         except Exception as e:
             return self._fail(h, f"{type(e).__name__}: {e}").status
         if time.monotonic() > h.deadline:
             return self._fail(h, "deadline passed").status
-        return "PROC"
+        return TransferState.TRANSFERRING
 
     def release(self, h: TransferHandle) -> None:
         """Free the NIXL requests. A request still in flight is kept and released later."""
@@ -284,6 +290,21 @@ class KVTransferAgent:
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call: peer name -> messages, in arrival order."""
         return self._nixl.get_new_notifs()
+
+    def progress(self) -> int:
+        """Make progress on writes landing here (see the module docstring); returns how many
+        notifications arrived (they are dropped: Tandem's protocol does not use them)."""
+        return sum(len(v) for v in self._nixl.get_new_notifs().values())
+
+    # ---- peers from handshake bytes (what workers exchange through the bootstrap channel) ----
+    def handshake_bytes(self) -> bytes:
+        return self.handshake().encode()
+
+    def connect(self, handshake: bytes) -> str:
+        """Add the peer a :class:`Handshake` (bytes) describes; returns its agent name."""
+        hs = Handshake.decode(handshake)
+        self.add_peer(hs.agent_name, hs.agent_metadata, hs.regions)
+        return hs.agent_name
 
     def send_notif(self, peer: str, msg: bytes) -> bool:
         """Send a notification not tied to a write. False (logged) if the peer is unreachable."""
@@ -345,7 +366,7 @@ class KVTransferAgent:
         return h
 
     def _fail(self, h: TransferHandle, why: str) -> TransferHandle:
-        h.status = "ERR"
+        h.status = TransferState.FAILED
         h.error = f"write to {h.peer!r} ({h.nbytes} bytes, {h.num_descs} descriptors) failed: {why}"
         log.warning("%s", h.error)
         return h

@@ -6,8 +6,13 @@ of the wrong type raises ValueError naming the field.
 
 Push model (as in SGLang PD): the decode worker preallocates pages and sends its
 :class:`Handshake` once, then one :class:`KVTransferRequest` per request; the prefill worker
-WRITEs into those pages and the NIXL notification that rides on the write carries a
-:class:`KVTransferDone`.
+WRITEs into those pages and answers the request with a :class:`PrefillResult`.
+
+The one completion signal is that result. Why it and not a NIXL notification: it covers every
+outcome (done, failed, aborted, still in flight), carries what decode needs (the first token,
+the KV digest, usage), and its arrival *is* the page-ownership contract -- the prefill worker
+answers only once no write of the transfer can still land. A write is DONE on the writer only
+after UCX flushed it to the target, so the bytes are in decode's pages by then.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from tandem.transfer.descriptors import PoolLayout
+from tandem.transfer.state import TransferState
 
 _MAX_INT = 2**63 - 1
 
@@ -162,7 +168,8 @@ class KVTransferRequest(_Message):
 
     ``transfer_id``: the room id both sides know the request by. ``agent_name``: the decode
     agent to WRITE into (it sent a Handshake before). ``deadline``: wall-clock Unix seconds
-    after which the decode side gives up and may reuse the pages.
+    after which the decode side gives up and may reuse the pages. ``digest``: the answer must
+    carry a digest of the pages written (``--kv-digest``).
     """
 
     TYPE: ClassVar[str] = "kv_transfer_request"
@@ -170,6 +177,7 @@ class KVTransferRequest(_Message):
     agent_name: str
     dst_pages: tuple[RegionPages, ...]
     deadline: float
+    digest: bool = False
 
     def __post_init__(self) -> None:
         names = [rp.region for rp in self.dst_pages]
@@ -189,7 +197,7 @@ class KVTransferRequest(_Message):
     def _to_wire(self) -> dict:
         return {"transfer_id": self.transfer_id, "agent_name": self.agent_name,
                 "dst_pages": {rp.region: list(rp.pages) for rp in self.dst_pages},
-                "deadline": self.deadline}
+                "deadline": self.deadline, "digest": self.digest}
 
     @classmethod
     def _from_wire(cls, d: dict) -> "KVTransferRequest":
@@ -197,44 +205,70 @@ class KVTransferRequest(_Message):
         if not isinstance(dp, dict) or not all(isinstance(k, str) and k for k in dp):
             raise _fail(cls, "dst_pages", "a map of region name -> page list", dp)
         pages = tuple(RegionPages(k, _int_tuple(cls, f"dst_pages[{k!r}]", v)) for k, v in dp.items())
+        if not isinstance(d["digest"], bool):
+            raise _fail(cls, "digest", "a bool", d["digest"])
         return cls(_int(cls, "transfer_id", d["transfer_id"]), _str(cls, "agent_name", d["agent_name"]),
-                   pages, _float(cls, "deadline", d["deadline"]))
+                   pages, _float(cls, "deadline", d["deadline"]), d["digest"])
 
 
-class TransferStatus:
-    OK = "ok"
-    FAILED = "failed"
-    ALL = (OK, FAILED)
+_RESULT_STATES = (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED)
 
 
 @dataclass(frozen=True)
-class KVTransferDone(_Message):
-    """Prefill -> decode (as the notification of the last WRITE, or alone on failure).
+class PrefillResult(_Message):
+    """Prefill -> decode, the answer to one :class:`KVTransferRequest` (the Ray call's return).
 
-    ``first_token``: the token prefill sampled, None if it did not sample (or on failure).
-    ``error``: why it failed, "" when ``status == "ok"``.
+    ``status``: DONE (the KV is in the decode pages), FAILED or ABORTED. ``first_token``: the
+    token prefill sampled (None if it did not sample). ``error``: why not DONE ("" when DONE).
+    ``in_flight``: a write that neither finished nor failed within the writer's limit: decode
+    must never reuse those pages. ``digest``: hex digest of the pages written ("" when the
+    digest is off). ``cached_tokens``: prompt tokens prefill's cache served; ``prefill_s``:
+    engine arrival to first token; ``transfer_s``: write posted to DONE.
     """
 
-    TYPE: ClassVar[str] = "kv_transfer_done"
+    TYPE: ClassVar[str] = "prefill_result"
     transfer_id: int
-    status: str
+    status: TransferState
+    worker: str
     first_token: int | None = None
     error: str = ""
+    in_flight: bool = False
+    bytes: int = 0
+    pages: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    digest: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TransferState.DONE
 
     def _to_wire(self) -> dict:
-        return {"transfer_id": self.transfer_id, "status": self.status,
-                "first_token": self.first_token, "error": self.error}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["status"] = self.status.value
+        return d
 
     @classmethod
-    def _from_wire(cls, d: dict) -> "KVTransferDone":
-        if d["status"] not in TransferStatus.ALL:
-            raise _fail(cls, "status", f"one of {TransferStatus.ALL}", d["status"])
+    def _from_wire(cls, d: dict) -> "PrefillResult":
+        states = {s.value: s for s in _RESULT_STATES}
+        if d["status"] not in states:
+            raise _fail(cls, "status", f"one of {sorted(states)}", d["status"])
         ft = d["first_token"]
         if ft is not None:
             _int(cls, "first_token", ft)
-        if not isinstance(d["error"], str):
-            raise _fail(cls, "error", "a str", d["error"])
-        return cls(_int(cls, "transfer_id", d["transfer_id"]), d["status"], ft, d["error"])
+        for name in ("error", "digest"):
+            if not isinstance(d[name], str):
+                raise _fail(cls, name, "a str", d[name])
+        if not isinstance(d["in_flight"], bool):
+            raise _fail(cls, "in_flight", "a bool", d["in_flight"])
+        return cls(transfer_id=_int(cls, "transfer_id", d["transfer_id"]), status=states[d["status"]],
+                   worker=_str(cls, "worker", d["worker"]), first_token=ft, error=d["error"],
+                   in_flight=d["in_flight"], bytes=_int(cls, "bytes", d["bytes"]),
+                   pages=_int(cls, "pages", d["pages"]),
+                   cached_tokens=_int(cls, "cached_tokens", d["cached_tokens"]),
+                   prefill_s=_float(cls, "prefill_s", d["prefill_s"]),
+                   transfer_s=_float(cls, "transfer_s", d["transfer_s"]), digest=d["digest"])
 
 
 @dataclass(frozen=True)
@@ -255,8 +289,8 @@ class Abort(_Message):
         return cls(_int(cls, "transfer_id", d["transfer_id"]), d["reason"])
 
 
-MESSAGE_TYPES: dict[str, type] = {c.TYPE: c for c in (Handshake, KVTransferRequest, KVTransferDone, Abort)}
-Message = Handshake | KVTransferRequest | KVTransferDone | Abort
+MESSAGE_TYPES: dict[str, type] = {c.TYPE: c for c in (Handshake, KVTransferRequest, PrefillResult, Abort)}
+Message = Handshake | KVTransferRequest | PrefillResult | Abort
 
 
 def decode_message(data: bytes) -> Message:

@@ -1,12 +1,14 @@
-"""Transfer state machine and a registry with deadlines.
+"""The one vocabulary of a KV transfer's state, and a registry with deadlines.
 
     ALLOCATED ──> BOOTSTRAPPED ──> TRANSFERRING ──> DONE
         │              │                 │
-        └──────────────┴─────────────────┴──────> FAILED
+        └──────────────┴─────────────────┴──────> FAILED | ABORTED
 
 ALLOCATED: destination pages are reserved. BOOTSTRAPPED: the peers know each other and the writer
-has the page list. TRANSFERRING: writes are posted. DONE / FAILED are terminal. Any live state may
-fail (error, abort, deadline). Clocks are the caller's: deadlines and ``now`` use one clock
+has the page list. TRANSFERRING: writes are posted (NIXL's "PROC"). DONE (NIXL's "DONE"), FAILED
+(NIXL's "ERR", an error, a deadline) and ABORTED (a client or router abort) are terminal. The same
+enum is a write's poll answer (transfer/agent.py maps NIXL's strings onto it) and a prefill
+result's status. Clocks are the caller's: deadlines and ``now`` use one clock
 (``time.monotonic()`` by default).
 """
 
@@ -24,19 +26,22 @@ class TransferState(enum.Enum):
     TRANSFERRING = "transferring"
     DONE = "done"
     FAILED = "failed"
+    ABORTED = "aborted"
 
     @property
     def terminal(self) -> bool:
-        return self in (TransferState.DONE, TransferState.FAILED)
+        return self in _TERMINAL
 
 
 _S = TransferState
+_TERMINAL = frozenset({_S.DONE, _S.FAILED, _S.ABORTED})
 LEGAL: dict[TransferState, frozenset[TransferState]] = {
-    _S.ALLOCATED: frozenset({_S.BOOTSTRAPPED, _S.FAILED}),
-    _S.BOOTSTRAPPED: frozenset({_S.TRANSFERRING, _S.FAILED}),
-    _S.TRANSFERRING: frozenset({_S.DONE, _S.FAILED}),
+    _S.ALLOCATED: frozenset({_S.BOOTSTRAPPED, _S.FAILED, _S.ABORTED}),
+    _S.BOOTSTRAPPED: frozenset({_S.TRANSFERRING, _S.FAILED, _S.ABORTED}),
+    _S.TRANSFERRING: frozenset({_S.DONE, _S.FAILED, _S.ABORTED}),
     _S.DONE: frozenset(),
     _S.FAILED: frozenset(),
+    _S.ABORTED: frozenset(),
 }
 
 

@@ -78,7 +78,7 @@ class PrefillWorker:
         self.stats = WorkerStats()
 
     def _hit(self, req: SimRequest) -> tuple[int, object]:
-        r = self.cache.match_prefix(req.key)
+        r = self.cache.match(req.key)
         # a fully cached prompt still computes its last token (the logits of the first output)
         hit = min(len(r.device_indices) * self.unit, req.prompt_tokens - 1)
         return max(hit, 0), r.last_device_node
@@ -113,7 +113,7 @@ class PrefillWorker:
         self._queued_s -= req.pred_s
         self._queued_new -= req.pred_new
         hit, node = self._hit(req)
-        self.cache.inc_lock_ref(node)
+        self.cache.lock(node)
         dur = self.profile.prefill_s(req.prompt_tokens - hit, hit)
         req.cached_tokens = hit
         req.prefill_start = now
@@ -131,7 +131,7 @@ class PrefillWorker:
         """The running prefill is done: cache its pages, unlock its prefix, hand it back."""
         req, node = self.current, self._node
         self.cache.insert(req.key)
-        self.cache.dec_lock_ref(node)
+        self.cache.unlock(node)
         self.current = self._node = None
         return req
 

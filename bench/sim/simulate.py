@@ -265,9 +265,9 @@ def summarize(reqs: list[SimRequest], pws: list[PrefillWorker], dws: list[Decode
              "hit_rate": w.stats.hit_tokens / w.stats.prompt_tokens if w.stats.prompt_tokens else 0.0,
              "busy_s": w.stats.busy_s, "utilization": w.stats.busy_s / span,
              "max_queue": w.stats.max_queue,
-             "cached_tokens_end": None if shared else w.cache.total_size() * w.unit}
+             "cached_tokens_end": None if shared else w.cache.stats().device * w.unit}
             for w in pws],
-        "global_cache_tokens_end": pws[0].cache.total_size() * pws[0].unit if shared else None,
+        "global_cache_tokens_end": pws[0].cache.stats().device * pws[0].unit if shared else None,
         "decode_workers": [
             {"id": d.id, "requests": d.stats.requests, "tokens_out": d.stats.tokens_out,
              "busy_s": d.stats.busy_s, "utilization": d.stats.busy_s / span,

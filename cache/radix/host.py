@@ -1,7 +1,14 @@
-"""Host tier (L2): a host KV pool mirroring the device pool's layout, its allocator, a copier.
+"""Host tier (L2): a host KV pool mirroring the device pool's layout, its allocator, a copier,
+and the cache's collaborator for moving requests' KV to the host and back.
 
 The tree decides which nodes live where (device, host, both); :class:`UnifiedRadixCache`
 executes through this object: it allocates host slots, asks the copier to move bytes, frees.
+A :class:`HostTier` is bound to exactly one cache (``cache.host``); its verbs:
+
+- ``backup(ids, slots, node)``: retraction — hand the request's KV to the tree, then move the
+  nodes only that request holds to the host (device slots freed); the node stays locked;
+- ``restore(node)``: bring the host-only nodes on root..node back to the device (load-back);
+- ``used()``: tokens with a host copy.
 
 Write policies:
 - ``write_through``: a node is copied to the host when it is inserted; evicting it from the
@@ -13,10 +20,13 @@ Either way, a device eviction backs up a node that has no host copy yet if the h
 
 from __future__ import annotations
 
+from typing import Any, Hashable, Sequence
+
 import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
+from tandem.cache.radix.tree import concat_values
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -153,3 +163,88 @@ class HostTier:
     @property
     def write_through(self) -> bool:
         return self.write_policy == "write_through"
+
+    # -- the cache's collaborator ----------------------------------------------------------------
+    # A friend of UnifiedRadixCache: it reaches the cache's tree and device allocator directly
+    # (one object's two halves; nothing else does).
+    def bind(self, cache) -> None:
+        """Attach to the one cache whose nodes this tier holds (called by the cache)."""
+        if getattr(self, "_cache", None) is not None and self._cache is not cache:
+            raise ValueError("a HostTier serves one cache")
+        self._cache = cache
+
+    def used(self) -> int:
+        """Tokens with a host copy."""
+        return self._cache._tree.host_size
+
+    def copy_node(self, nd) -> bool:
+        """Copy ``nd``'s device KV to new host slots (evicting unlocked host copies if short).
+        False when the host has no room."""
+        t = self._cache._tree
+        if self.allocator.available_size() < len(nd.key):
+            t.evict_host(len(nd.key) - self.allocator.available_size())
+            self._cache._free_host()
+        host_slots = self.allocator.alloc(len(nd.key))
+        if host_slots is None:
+            return False
+        self.copier.to_host(nd.value, host_slots)
+        t.set_host(nd, host_slots)
+        return True
+
+    def backup(self, token_ids: Sequence[int], slots: torch.Tensor, last_node, *,
+               session_id: Hashable | None = None) -> tuple[Any, int]:
+        """Retraction: move a request's KV to the host tier and free its device slots.
+
+        Like ``cache.cache`` (the lock moves from ``last_node`` to the returned node), then the
+        nodes only this request holds are copied to the host and dropped from the device,
+        bottom-up. Returns ``(node, device tokens freed)``; ``node`` stays locked (host copies
+        are not evicted) until the caller's ``cache.unlock``. Restore with ``cache.match`` +
+        :meth:`restore` of its ``best_match_node``. ``freed == 0`` with ``node`` still on the
+        device means nothing could move (the host is full)."""
+        c = self._cache
+        _, node = c.cache(token_ids, slots, last_node, session_id=session_id)
+        t = c._tree
+        freed = 0
+        nd = node
+        while nd is not t.root and nd.lock_ref == 1 and nd.value is not None and nd.ndc == 0:
+            if nd.host is None and not self.copy_node(nd):
+                break
+            freed += t.drop_device(nd)
+            nd = nd.parent
+        c._after()
+        return node, freed
+
+    def restore(self, node) -> torch.Tensor | None:
+        """Bring the host-only nodes on root..``node`` back to the device (evicting device cache
+        if short). Returns the device slots of the whole path, or None when the device has no
+        room. Does not lock ``node``."""
+        c = self._cache
+        t = c._tree
+        if node.parent is None and node is not t.root:
+            raise ValueError(f"restore({node}): the node is not in the tree")
+        todo = [nd for nd in t.path(node) if nd.value is None]
+        if todo:
+            need = sum(len(nd.key) for nd in todo)
+            t.lock(node, +1)                    # keep the path while making room
+            alloc = c.allocator
+            if alloc.available_size() < need:
+                c._evict_device(need - alloc.available_size())
+                c._free_device()
+            slots = alloc.alloc(need)
+            t.lock(node, -1)
+            if slots is None:
+                c._after()
+                return None
+            self.copier.to_device(torch.cat([nd.host for nd in todo]), slots)
+            off = 0
+            for nd in todo:
+                t.set_device(nd, slots[off:off + len(nd.key)])
+                off += len(nd.key)
+        indices = concat_values([nd.value for nd in t.path(node)])
+        c._after()
+        return indices
+
+    @staticmethod
+    def host_only(node) -> bool:
+        """True when ``node``'s KV is on the host and not on the device."""
+        return node is not None and node.value is None

@@ -85,6 +85,16 @@ def _cut(value: Any, m: int) -> tuple[Any, Any]:
     return value[:m], value[m:]
 
 
+def concat_values(pieces: list) -> torch.Tensor:
+    """One int64 tensor of the path's values: always a new tensor, never the tree's own."""
+    if not pieces:
+        return torch.empty(0, dtype=torch.int64)
+    if all(type(p) is range for p in pieces):   # simulated mode: token positions 0..n-1
+        return torch.arange(pieces[0].start, pieces[-1].stop, dtype=torch.int64)
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.as_tensor(list(p), dtype=torch.int64)
+                      for p in pieces])
+
+
 class RadixTree:
     def __init__(self, page_size: int = 1, policy: EvictionPolicy | None = None,
                  components: Sequence[Any] = (), record_events: bool = False):
@@ -173,6 +183,33 @@ class RadixTree:
                 if nd.hk is not None:
                     self._upd(nd)
         return path
+
+    def peek(self, key: list) -> int:
+        """Depth of the deepest device boundary of ``key`` every component accepts, changing
+        nothing (no split, no touch). Inside a diverging edge only FULL-only trees count the
+        common part (a component vote needs a node boundary there)."""
+        ps = self.page_size
+        pos, n = 0, len(key)
+        path: list[Node] = []
+        tail, partial = None, 0
+        children = self.root.children
+        while pos < n:
+            child = children.get(key[pos] if ps == 1 else tuple(key[pos:pos + ps]))
+            if child is None:
+                break
+            ek = child.key
+            L = len(ek)
+            if key[pos:pos + L] != ek:
+                tail, partial = child, self._common(ek, key, pos)
+                break
+            path.append(child)
+            pos += L
+            children = child.children
+        n_dev, _ = self.vote(path)
+        depth = path[n_dev - 1].end if n_dev else 0
+        if tail is not None and n_dev == len(path) and not self.components and tail.value is not None:
+            depth += partial
+        return depth
 
     def vote(self, path: list[Node]) -> tuple[int, int]:
         """``(n_dev, n_best)``: how many leading nodes of ``path`` end at the deepest boundary
@@ -309,7 +346,7 @@ class RadixTree:
         if node.parent is None:
             raise ValueError(f"{node} is not in this tree (it was evicted, or belongs to another)")
         if delta < 0 and node.lock_ref <= 0:
-            raise ValueError(f"dec_lock_ref on {node}: its lock_ref is already {node.lock_ref}")
+            raise ValueError(f"unlock of {node}: its lock_ref is already {node.lock_ref}")
         nd = node
         if delta > 0:
             while nd is not root:

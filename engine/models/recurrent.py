@@ -9,7 +9,7 @@ Per head h and token t (``dk`` key dims, ``dv`` value dims)::
 followed by the output projection and, as in a Llama layer, a SwiGLU MLP. The state after a
 request's last computed token is all it needs to continue: no KV grows with the sequence.
 
-State rows live in a :class:`tandem.engine.hybrid.StatePool` (``fb.state_pool``); sequence i of
+State rows live in a :class:`tandem.cache.state_pool.StatePool` (``fb.state_pool``); sequence i of
 the batch reads and writes row ``fb.state_indices[i]`` (its private working row: the engine copies
 a cached checkpoint into it before the forward, never the other way round). The forward is
 vectorised over the batch and loops over the token index within a chunk: sequences are sorted by

@@ -39,14 +39,14 @@ def test_one_prefill_worker_equals_direct_replay(slice200):
     hit = total = 0
     for r in slice200:
         key = trace_key(r, 512)
-        m = cache.match_prefix(key)
-        cache.inc_lock_ref(m.last_device_node)
+        m = cache.match(key)
+        cache.lock(m.last_device_node)
         hit += min(len(m.device_indices) * 512, r.input_length - 1)
         total += r.input_length
         cache.insert(key)
-        cache.dec_lock_ref(m.last_device_node)
-        cache.sanity_check()
-    assert cache.total_size() <= cap // 512
+        cache.unlock(m.last_device_node)
+        cache.check()
+    assert cache.stats().device <= cap // 512
     for policy in ("round_robin", "session"):
         s = simulate(slice200, prefill=1, decode=1, policy=policy, capacity_tokens=cap)
         assert s["hit_rate"] == hit / total

@@ -30,17 +30,17 @@ def make_cache(page_size: int = 1, pages: int = 64, policy: str = "lru", compone
 
 
 def run_request(cache, alloc, ids, *, session_id=None, priority=0, extra=None):
-    """Engine-style: match, lock, allocate the rest, cache_req, free the unaligned tail, unlock.
+    """Engine-style: match, lock, allocate the rest, cache, free the unaligned tail, unlock.
     Returns the canonical slots the tree holds for the page-aligned prefix."""
-    r = cache.match_prefix(ids, session_id=session_id)
-    cache.inc_lock_ref(r.last_device_node)
+    r = cache.match(ids, session_id=session_id)
+    cache.lock(r.last_device_node)
     own = alloc.alloc(len(ids) - r.prefix_len)
     assert own is not None, "test allocator too small"
     slots = torch.cat([r.device_indices, own])
-    indices, node = cache.cache_req(ids, slots, r.last_device_node, session_id=session_id,
+    indices, node = cache.cache(ids, slots, r.last_device_node, session_id=session_id,
                                     priority=priority, extra=extra)
     aligned = len(indices)
     if len(ids) > aligned:
         alloc.free(slots[aligned:])
-    cache.dec_lock_ref(node)
+    cache.unlock(node)
     return indices

@@ -1,5 +1,5 @@
 """Property-based tests: random operation sequences against a reference model, with
-sanity_check() after every operation (debug_invariants) and exact slot ownership checked.
+check() after every operation (debug_invariants) and exact slot ownership checked.
 
 1. Simulated cache, FULL only, page sizes 1 and 4, every eviction policy: a set of cached page
    prefixes predicts every match and insert; evictions must free exactly what disappears, never
@@ -101,17 +101,17 @@ def test_simulated_cache_against_reference(ps, policy):
                 model |= page_prefixes(ids, ps)
             elif op[0] in ("match", "lock"):
                 ids = op[1]
-                r = cache.match_prefix(ids, session_id=op[2] if op[0] == "match" else None)
+                r = cache.match(ids, session_id=op[2] if op[0] == "match" else None)
                 n = longest(model, ids, ps)
                 assert r.prefix_len == n and r.device_indices.tolist() == list(range(n))
                 if op[0] == "lock":
-                    cache.inc_lock_ref(r.last_device_node)
+                    cache.lock(r.last_device_node)
                     locks.append((r.last_device_node, page_prefixes(ids[:n], ps)))
             elif op[0] == "unlock":
                 if locks:
-                    cache.dec_lock_ref(locks.pop(op[1] % len(locks))[0])
+                    cache.unlock(locks.pop(op[1] % len(locks))[0])
             elif op[0] == "evict":
-                before = cache.evictable_size()
+                before = cache.stats().evictable
                 freed = cache.evict(op[1])
                 now = {toks[:k] for nd, toks in walk(cache)
                        for k in range(nd.start + ps, nd.end + 1, ps)}
@@ -123,15 +123,15 @@ def test_simulated_cache_against_reference(ps, policy):
             else:
                 clock.t += op[1]
             protected = set().union(*(p for _, p in locks))
-            assert cache.total_size() == len(model) * ps
-            assert cache.protected_size() == len(protected) * ps
+            assert cache.stats().device == len(model) * ps
+            assert cache.stats().protected == len(protected) * ps
     run()
 
 
 # -- 2. real pools with SWA / MAMBA ----------------------------------------------------------------
 class Driver:
     """An engine in miniature: requests match, lock, compute (allocating from every pool),
-    release SWA rows that left the window, and hand everything to cache_req."""
+    release SWA rows that left the window, and hand everything to cache()."""
 
     def __init__(self, ps, comps, policy):
         self.ps = ps
@@ -215,9 +215,9 @@ class Driver:
         return got
 
     def start(self, ids, keep_pages=0):
-        r = self.cache.match_prefix(ids)
+        r = self.cache.match(ids)
         self.check_match(ids, r)
-        self.cache.inc_lock_ref(r.last_device_node)
+        self.cache.lock(r.last_device_node)
         P, n = r.prefix_len, len(ids)
         q = {"ids": ids, "r": r, "P": P, "own": self._take(self.alloc, n - P, "full"),
              "swa_own": None, "state": None}
@@ -250,7 +250,7 @@ class Driver:
             self.swa_alloc.free(q["swa_own"][q["swa_own"] >= 0])
         if q["state"] is not None:
             self.states.free(torch.tensor([q["state"]]))
-        self.cache.dec_lock_ref(q["r"].last_device_node)
+        self.cache.unlock(q["r"].last_device_node)
 
     def finish(self, i):
         if not self.inflight:
@@ -268,7 +268,7 @@ class Driver:
                 extra["mamba"] = q["state"]              # ownership moves to the cache
             else:
                 self.states.free(torch.tensor([q["state"]]))
-        indices, node = self.cache.cache_req(ids, slots, r.last_device_node, extra=extra)
+        indices, node = self.cache.cache(ids, slots, r.last_device_node, extra=extra)
         assert indices[:P].tolist() == r.device_indices.tolist()
         if len(ids) > aligned:                           # the partial page stays the request's
             self.alloc.free(slots[aligned:])
@@ -276,7 +276,7 @@ class Driver:
                 tail = extra["swa"][aligned:]
                 if (tail >= 0).any():
                     self.swa_alloc.free(tail[tail >= 0])
-        self.cache.dec_lock_ref(node)
+        self.cache.unlock(node)
         self.snapshot(new_state_ok={tuple(ids[:aligned])})
         ps = self.ps
         for k in range(ps, aligned + 1, ps):
@@ -341,15 +341,15 @@ def test_components_against_reference(ps, comps, policy):
                     cut = op[2] % (len(own) + 1)
                     ids = own[:cut] + [(own[cut] + 1) % 3 if cut < len(own) else 0]
                 d.snapshot()
-                d.check_match(ids, d.cache.match_prefix(ids))
+                d.check_match(ids, d.cache.match(ids))
             elif op[1] in comps or op[1] == "full":
                 d.evict(op[1], op[2])
             d.snapshot()
-            d.cache.sanity_check(extra_owned=d.owned())
+            d.cache.check(extra_owned=d.owned())
         while d.inflight:
             d.finish(0)
         d.cache.evict(10 ** 6)
-        d.cache.sanity_check(extra_owned=d.owned())
+        d.cache.check(extra_owned=d.owned())
         assert d.alloc.available_size() == d.alloc.size
         for a in (d.swa_alloc, d.states):
             assert a is None or a.available_size() == a.size
@@ -387,16 +387,16 @@ def test_host_tier_against_reference(ps, policy):
             assert got == [kv_of(tuple(ids[:p + 1])) for p in range(len(slots))]
 
         def compute(ids):
-            r = cache.match_prefix(ids)
+            r = cache.match(ids)
             check_kv(ids, r.device_indices)
-            cache.inc_lock_ref(r.last_device_node)
+            cache.lock(r.last_device_node)
             n = len(ids) - r.prefix_len
             own = alloc.alloc(n)
             if own is None:
                 cache.evict(n)
                 own = alloc.alloc(n)
             if own is None:
-                cache.dec_lock_ref(r.last_device_node)
+                cache.unlock(r.last_device_node)
                 return None
             for j, s in enumerate(own.tolist()):
                 pool.kv_data[:, :, s] = kv_of(tuple(ids[:r.prefix_len + j + 1]))
@@ -413,34 +413,34 @@ def test_host_tier_against_reference(ps, policy):
                 if len(ids) > aligned:
                     alloc.free(slots[aligned:])
                 if op[0] == "run":
-                    _, node = cache.cache_req(ids, slots, r.last_device_node)
-                    cache.dec_lock_ref(node)
+                    _, node = cache.cache(ids, slots, r.last_device_node)
+                    cache.unlock(node)
                 else:
-                    node, _ = cache.backup(ids, slots, r.last_device_node)
+                    node, _ = cache.host.backup(ids, slots, r.last_device_node)
                     backups.append(node)
             elif op[0] == "release":
                 if backups:
-                    cache.dec_lock_ref(backups.pop(op[1] % len(backups)))
+                    cache.unlock(backups.pop(op[1] % len(backups)))
             elif op[0] == "load":
                 ids = op[1]
-                r = cache.match_prefix(ids)
+                r = cache.match(ids)
                 any_tier = {toks[:k] for nd, toks in walk(cache)
                             for k in range(nd.start + ps, nd.end + 1, ps)}
                 assert r.best_match_node.end == longest(any_tier, ids, ps)
                 assert r.host_hit_length == r.best_match_node.end - r.prefix_len
-                indices = cache.load_back(r.best_match_node)
+                indices = cache.host.restore(r.best_match_node)
                 if indices is not None:
                     check_kv(ids, indices)
-                    assert cache.match_prefix(ids).prefix_len == r.best_match_node.end
+                    assert cache.match(ids).prefix_len == r.best_match_node.end
             else:
                 cache.evict(op[2], op[1])
             for nd in backups:                           # backed-up KV stays (device or host)
                 assert nd.parent is not None or nd is cache._tree.root
-            cache.sanity_check(extra_owned=torch.empty(0, dtype=torch.int64))
+            cache.check(extra_owned=torch.empty(0, dtype=torch.int64))
         for nd in backups:
-            cache.dec_lock_ref(nd)
+            cache.unlock(nd)
         cache.evict(10 ** 6)
         cache.evict(10 ** 6, "host")
-        assert cache.total_size() == 0 and cache.total_size("host") == 0
+        assert cache.stats().device == 0 and cache.stats().host == 0
         assert alloc.available_size() == alloc.size and host.allocator.available_size() == host.allocator.size
     run()

@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
 
-from test_serve_http import _radix_available, _Server  # noqa: E402
+from test_serve_http import _Server  # noqa: E402
 
 ENGINE = EngineConfig(device="cpu", num_threads=1,
                       cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))
@@ -27,7 +27,6 @@ CFG = ServeConfig(prefill=2, decode=2, transfer_timeout_s=30.0, engine_config=EN
                   kv_events=True, admission_max_queue=1)
 LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 120
 
-pytestmark = pytest.mark.skipif(not _radix_available(), reason="needs the radix prefix cache")
 
 
 @pytest.fixture(scope="module")

@@ -106,14 +106,6 @@ def _bytes_moved(server) -> float:
                if f.name == "tandem_kv_transfer_bytes" for s in f.samples if s.name.endswith("_total"))
 
 
-def _radix_available() -> bool:
-    try:
-        import tandem.engine.radix_adapter  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def test_chat_streamed_and_not_and_greedy_equals_colocated(servers):
     backend, disagg, coloc = servers
     ref = _chat(coloc, QUESTION)
@@ -171,7 +163,6 @@ def test_grafana_dashboard_references_only_metrics_a_live_server_exports(servers
     assert not missing, f"dashboard series not exported by a live server: {missing}"
 
 
-@pytest.mark.skipif(not _radix_available(), reason="needs the radix prefix cache (engine/radix_adapter.py)")
 def test_second_turn_of_a_session_is_cached_and_moves_fewer_bytes(servers):
     backend, disagg, _ = servers
     system = {"role": "system", "content": "You are a concise geography tutor. " * 12}

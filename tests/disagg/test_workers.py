@@ -14,7 +14,8 @@ import pytest
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
-from tandem.transfer.messages import KVTransferRequest, RegionPages
+from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
+from tandem.transfer.state import TransferState
 
 PAGE = 4
 CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=768,
@@ -49,8 +50,8 @@ class HangingClient:
 
     async def prefill(self, req_wire, xfer, dst_prefix_len):
         await self.release.wait()
-        return {"status": "aborted", "first_token": None, "error": "aborted", "in_flight": False,
-                "bytes": 0, "pages": 0, "cached_tokens": 0, "prefill_s": 0.0, "transfer_s": 0.0}
+        tid = KVTransferRequest.decode(xfer).transfer_id
+        return PrefillResult(tid, TransferState.ABORTED, self.name, error="aborted")
 
     async def abort(self, rid, reason):
         self.aborts.append(rid)
@@ -252,9 +253,9 @@ def test_prefill_refuses_a_page_list_that_does_not_fit_the_prompt(workers, loop)
     req = request(col, "bad1")
     xfer = KVTransferRequest(99, d.name, (RegionPages("kv", (1, 2)),), deadline=time.time() + 10)
     res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 0))
-    assert res["status"] == "failed" and "need" in res["error"] and "pages" in res["error"]
+    assert res.status is TransferState.FAILED and "need" in res.error and "pages" in res.error
     res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 3))
-    assert res["status"] == "failed" and "multiple of page_size" in res["error"]
+    assert res.status is TransferState.FAILED and "multiple of page_size" in res.error
     run(loop, at_baseline(p, d))
 
 
@@ -266,5 +267,5 @@ def test_abort_before_the_prefill_request_arrives_is_remembered(workers, loop):
     xfer = KVTransferRequest(100, d.name, (RegionPages("kv", tuple(range(1, 1 + -(-n // PAGE)))),),
                              deadline=time.time() + 10)
     res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 0))
-    assert res["status"] == "aborted" and "before it reached" in res["error"]
+    assert res.status is TransferState.ABORTED and "before it reached" in res.error
     run(loop, at_baseline(p, d))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tandem.core.types import SamplingParams
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.hybrid import StatePool
+from tandem.cache.state_pool import StatePool
 
 
 class DenseBackend:
@@ -83,7 +83,7 @@ def check_index_map(engine) -> int:
     """Every tree node holding SWA rows is reachable through ``index_map[its full slots]`` (the
     engine writes the map at allocation, the cache's SWA component when the tree adopts rows).
     Returns how many tokens were checked."""
-    radix = engine.cache.radix
+    radix = engine.kv.cache
     i = radix._aux_index["swa"]
     imap = engine.hybrid.index_map
     checked, stack = 0, [radix._tree.root]

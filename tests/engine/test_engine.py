@@ -65,8 +65,8 @@ def alone(engine):
 
 
 def _idle_accounting(e: Engine) -> tuple[int, int]:
-    return e.call(lambda s: (s.alloc.available_size() + s.cache.evictable_size(),
-                             s.r2t.available_size())).result(10)
+    snap = e.snapshot()
+    return snap.available_tokens + snap.evictable_tokens, snap.rows_free
 
 
 def test_batched_requests_arriving_at_different_times_match_alone(engine, alone):

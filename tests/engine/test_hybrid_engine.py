@@ -42,7 +42,7 @@ def make_engine(loaded, *, page_size=1, max_total_tokens=320, disable=False, chu
 
 
 def idle_scheduler(loaded, **kw):
-    """An engine whose thread is stopped: the test drives ``scheduler.step()`` itself."""
+    """An engine whose thread is stopped: the test drives ``engine.step()`` itself."""
     e = make_engine(loaded, **kw)
     e.shutdown()
     return e, e.scheduler
@@ -59,7 +59,7 @@ def test_prefix_reuse_equals_no_cache_and_dense(tiny, layout, page_size):
         b = run_sessions(plain)
         stats, hstats = dict(cached.scheduler.stats), dict(cached.hybrid.stats)
         if "swa" in layout:
-            assert cached.call(lambda s: check_index_map(cached)).result(10) > 0
+            assert cached.call(check_index_map, cached).result(10) > 0
     finally:
         cached.shutdown()
         plain.shutdown()
@@ -131,7 +131,7 @@ def test_window_release_frees_swa_rows(tiny):
     sched.add(req)
     trace = []
     while sched.has_work():
-        sched.step()                                # (debug_invariants: exact ownership, each step)
+        e.step()                                    # (debug_invariants: exact ownership, each step)
         if req.rid in sched.running:
             st = sched.running[req.rid]
             own = len(h.owned([(req, st.locked_len)])["swa"])
@@ -146,11 +146,11 @@ def test_window_release_frees_swa_rows(tiny):
     assert all(used == 32 + o for _, o, used in trace[4:])
     assert h.stats["swa_released"] == 8 + 8 + 8 + 4 + 8
     # Cached with tombstones: SWA rows only for the window before each cached boundary.
-    slots, _, comps = sched.cache.match(req.all_ids[:76])
-    held = torch.nonzero(comps["swa"] >= 0).flatten().tolist()
-    assert len(slots) == 76
+    m = sched.kv.cache.match(req.all_ids[:76])
+    held = torch.nonzero(m.components["swa"] >= 0).flatten().tolist()
+    assert len(m.device_indices) == 76
     assert held == [*range(8, 16), *range(24, 32), *range(40, 48), *range(52, 60), *range(68, 76)]
-    assert h.swa_alloc.size - h.swa_alloc.available_size() == 40 == sched.cache.evictable_size("swa")
+    assert h.swa_alloc.size - h.swa_alloc.available_size() == 40 == sched.kv.cache.stats().components["swa"][0]
     sched.check_invariants()
 
     # Without the cache the request alone holds rows and gives every one back at the end.
@@ -160,7 +160,7 @@ def test_window_release_frees_swa_rows(tiny):
     sched2.add(req2)
     peak = 0
     while sched2.has_work():
-        sched2.step()
+        e2.step()
         peak = max(peak, e2.hybrid.swa_alloc.size - e2.hybrid.swa_alloc.available_size())
     assert req2.output_ids == req.output_ids
     assert peak == w + ps - 1            # between steps: the window + a partial page, never more
@@ -177,7 +177,7 @@ def test_mamba_match_lands_only_on_checkpoints(tiny):
         p = list(range(40, 90))                      # 50 tokens: chunks end at 16, 32, 48, prompt at 50
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         a = e.generate(p, params)
-        ends = e.call(lambda s: _checkpoint_ends(s.cache.radix)).result(10)
+        ends = e.call(_checkpoint_ends, e.kv.cache).result(10)
         assert ends == {16, 32, 48, 50, 50 + 6 - 1}             # chunk ends, prompt end, finish
         b_ids = p[:40] + [7, 7, 7, 7]                              # diverges at 40 (mid-edge 32..48)
         b = e.generate(b_ids, params)
@@ -186,7 +186,7 @@ def test_mamba_match_lands_only_on_checkpoints(tiny):
         c_ids = p + a.token_ids + [1, 2, 3]                       # the next turn: the finish checkpoint
         c = e.generate(c_ids, params)
         assert c.cached_tokens == 55 and c.token_ids == plain.generate(c_ids, params).token_ids
-        ends = e.call(lambda s: _checkpoint_ends(s.cache.radix)).result(10)
+        ends = e.call(_checkpoint_ends, e.kv.cache).result(10)
         assert {16, 32, 48, 55} <= ends and 40 not in ends       # the split at 40 has no state
     finally:
         e.shutdown()
@@ -203,7 +203,7 @@ def test_mamba_checkpoint_at_page_boundary_via_track_row(tiny):
         p = list(range(40, 90))
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         a = e.generate(p, params)                                  # computed: 50 + 5 = 55
-        assert e.call(lambda s: _checkpoint_ends(s.cache.radix)).result(10) == {16, 32, 48, 52}
+        assert e.call(_checkpoint_ends, e.kv.cache).result(10) == {16, 32, 48, 52}
         c_ids = p + a.token_ids + [1, 2, 3]
         c = e.generate(c_ids, params)
         assert c.cached_tokens == 52 and c.token_ids == plain.generate(c_ids, params).token_ids

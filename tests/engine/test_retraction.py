@@ -52,8 +52,9 @@ def _run(e: Engine):
 
 
 def _idle(e: Engine):
-    return e.call(lambda s: (s.alloc.available_size() + s.cache.evictable_size(), len(s.backups),
-                             len(s.retracted), s.r2t.available_size())).result(10)
+    snap = e.snapshot()
+    return (snap.available_tokens + snap.evictable_tokens, snap.locked_tokens, snap.retracted,
+            snap.rows_free)
 
 
 def test_host_backup_restores_without_recompute(loaded, alone):
@@ -103,17 +104,17 @@ def test_abort_while_retracted_frees_the_host_copy(loaded):
         victim = None
         deadline = time.time() + 120
         while victim is None and time.time() < deadline:
-            victim = e.call(lambda s: next(iter(s.backups), None)).result(10)
+            victim = e.call(lambda: next(iter(e.scheduler.retraction.backups), None)).result(10)
         assert victim is not None, "no request was retracted"
-        host_locked = e.call(lambda s: s.cache.radix.protected_size()).result(10)
+        host_locked = e.snapshot().locked_tokens
         e.abort(victim)
         while len(finals) < len(reqs) and time.time() < deadline + 120:
             time.sleep(0.1)
         assert finals[victim].finish_reason == "abort"
         assert len(finals) == len(reqs)
-        backups, retracted = _idle(e)[1:3]
-        assert (backups, retracted) == (0, 0)
+        locked, retracted = _idle(e)[1:3]
+        assert (locked, retracted) == (0, 0)
         assert host_locked >= 0
-        e.call(lambda s: s.check_invariants()).result(10)
+        e.check_invariants()
     finally:
         e.shutdown()

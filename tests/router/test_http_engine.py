@@ -119,7 +119,8 @@ def test_completion_prompt_ids_and_context_clamp(client, engine):
 
 def test_disconnect_mid_stream_frees_the_engines_kv(served, engine):
     def idle() -> tuple[int, int, int]:
-        return engine.call(lambda s: (len(s.waiting), len(s.running), s.alloc.available_size())).result(10)
+        snap = engine.snapshot()
+        return snap.waiting, snap.running, snap.available_tokens
 
     def aborted() -> float:
         return REGISTRY.get_sample_value("tandem_requests_total", {"status": "aborted"}) or 0.0
@@ -136,6 +137,6 @@ def test_disconnect_mid_stream_frees_the_engines_kv(served, engine):
     waiting, running, free = idle()
     assert (waiting, running) == (0, 0)
     # everything the request held went back to the pool (or sits in the prefix cache, evictable)
-    evictable = engine.call(lambda s: s.cache.evictable_size()).result(10)
+    evictable = engine.snapshot().evictable_tokens
     assert free + evictable >= free_before
     assert httpx.get(served.url + "/health").json()["status"] == "ok"

@@ -13,13 +13,14 @@ pytest.importorskip("nixl")
 from tandem.transfer.agent import (  # noqa: E402
     DEFAULT_UCX_TLS, KVTransferAgent, Region, TransferHandle, configure_ucx_tls,
 )
+from tandem.transfer.state import TransferState  # noqa: E402
 
 PAGE = 4
 
 
 def _wait(agent, h, limit_s=5.0):
     end = time.monotonic() + limit_s
-    while (st := agent.poll(h)) == "PROC" and time.monotonic() < end:
+    while (st := agent.poll(h)) is TransferState.TRANSFERRING and time.monotonic() < end:
         time.sleep(0.0005)
     return st
 
@@ -73,7 +74,7 @@ def test_write_pages_exact_bytes(pair, mode, parts):
     sp, dp = [1, 2, 6, 7], [3, 0, 1, 2]          # runs: 1->3 | 2->0 | 6,7->1,2
     h = a.write_pages("B", "kv", sp, dp, notif=b"t1")
     assert h.num_descs == (3 * 4 if mode == "dynamic" else 4 * 4)
-    assert _wait(a, h) == "DONE", h.error
+    assert _wait(a, h) is TransferState.DONE, h.error
     assert h.nbytes == 4 * 4 * PAGE * 32
     a.release(h)
     assert _notifs(b) == [b"t1"]
@@ -87,7 +88,7 @@ def test_multi_region_write_one_notification(pair):
     dst_st.zero_()
     a.parts = 2
     h = a.write("B", {"kv": ([5], [3]), "state": ([6, 7], [0, 1])}, notif=b"both")
-    assert _wait(a, h) == "DONE", h.error
+    assert _wait(a, h) is TransferState.DONE, h.error
     a.release(h)
     a.parts = 1
     assert _notifs(b) == [b"both"]
@@ -98,7 +99,7 @@ def test_multi_region_write_one_notification(pair):
 def test_empty_write_still_notifies_and_plain_notif(pair):
     a, b, _ = pair
     h = a.write_pages("B", "kv", [], [], notif=b"nothing")
-    assert _wait(a, h) == "DONE" and h.num_descs == 0
+    assert _wait(a, h) is TransferState.DONE and h.num_descs == 0
     a.release(h)
     assert a.send_notif("B", b"ping") is True
     assert _notifs(b, 2) == [b"nothing", b"ping"]
@@ -144,9 +145,9 @@ def test_poll_fails_a_stuck_write_at_its_deadline(pair, monkeypatch):
     monkeypatch.setattr(a._nixl, "check_xfer_state", lambda x: "PROC")
     h = TransferHandle("B", nbytes=96, num_descs=1, deadline=time.monotonic() + 0.05,
                        parts=[stuck], part_done=[False])
-    assert a.poll(h) == "PROC"
+    assert a.poll(h) is TransferState.TRANSFERRING
     time.sleep(0.06)
-    assert a.poll(h) == "ERR" and a.poll(h) == "ERR"
+    assert a.poll(h) is TransferState.FAILED and a.poll(h) is TransferState.FAILED
     assert h.error == "write to 'B' (96 bytes, 1 descriptors) failed: deadline passed"
 
     class Busy:

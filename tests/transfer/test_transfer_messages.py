@@ -7,8 +7,9 @@ import pytest
 
 from tandem.transfer.descriptors import PoolLayout
 from tandem.transfer.messages import (
-    Abort, Handshake, KVTransferDone, KVTransferRequest, RegionInfo, RegionPages, decode_message,
+    Abort, Handshake, KVTransferRequest, PrefillResult, RegionInfo, RegionPages, decode_message,
 )
+from tandem.transfer.state import TransferState
 
 KV = RegionInfo("kv", 0x7F00_0000_1000, 0, "DRAM", PoolLayout(30, 4112, 16, 768))
 SWA = RegionInfo("swa", 0x7F00_8000_0000, 1, "VRAM", PoolLayout(4, 1040, 16, 768))
@@ -28,8 +29,11 @@ def _bytes(d: dict) -> bytes:
 @pytest.mark.parametrize("msg", [
     HS, REQ,
     KVTransferRequest(1, "d", (), deadline=0),
-    KVTransferDone(7, "ok", first_token=42),
-    KVTransferDone(7, "failed", error="prefill worker died"),
+    KVTransferRequest(1, "d", (), deadline=0, digest=True),
+    PrefillResult(7, TransferState.DONE, "prefill-0", first_token=42, bytes=4096, pages=2,
+                  cached_tokens=16, prefill_s=0.5, transfer_s=0.01, digest="ab12"),
+    PrefillResult(7, TransferState.FAILED, "prefill-0", error="prefill worker died", in_flight=True),
+    PrefillResult(7, TransferState.ABORTED, "prefill-0", error="client went away"),
     Abort(9, "client went away"),
 ])
 def test_round_trip(msg):
@@ -49,8 +53,13 @@ def test_accessors():
 
 
 def test_decode_as_the_wrong_class():
-    with pytest.raises(ValueError, match="expected a KVTransferDone, got a Abort"):
-        KVTransferDone.decode(Abort(1).encode())
+    with pytest.raises(ValueError, match="expected a PrefillResult, got a Abort"):
+        PrefillResult.decode(Abort(1).encode())
+
+
+def test_prefill_result_ok_only_when_done():
+    assert PrefillResult(1, TransferState.DONE, "p").ok
+    assert not PrefillResult(1, TransferState.FAILED, "p").ok
 
 
 @pytest.mark.parametrize("data, match", [
@@ -87,9 +96,12 @@ def _mutate(msg, **changes) -> bytes:
     (_mutate(REQ, dst_pages=[1, 2]), "KVTransferRequest.dst_pages must be a map"),
     (_mutate(REQ, dst_pages={"kv": [1, "2"]}), r"KVTransferRequest.dst_pages\['kv'\]\[1\] must be an int"),
     (_mutate(REQ, dst_pages={"kv": 5}), r"KVTransferRequest.dst_pages\['kv'\] must be a list"),
-    (_mutate(KVTransferDone(1, "ok"), status="maybe"), "KVTransferDone.status must be one of"),
-    (_mutate(KVTransferDone(1, "ok"), first_token=1.5), "KVTransferDone.first_token must be an int"),
-    (_mutate(KVTransferDone(1, "ok"), error=None), "KVTransferDone.error must be a str"),
+    (_mutate(REQ, digest=1), "KVTransferRequest.digest must be a bool"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p"), status="transferring"), "PrefillResult.status must be one of"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p"), first_token=1.5), "PrefillResult.first_token must be an int"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p"), error=None), "PrefillResult.error must be a str"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p"), in_flight=0), "PrefillResult.in_flight must be a bool"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p"), bytes=...), "PrefillResult: missing field 'bytes'"),
     (_mutate(Abort(1), reason=3), "Abort.reason must be a str"),
     (_mutate(HS, agent_metadata="text"), "Handshake.agent_metadata must be non-empty bytes"),
     (_mutate(HS, regions={"kv": 1}), "Handshake.regions must be a list"),

@@ -43,8 +43,9 @@ def test_illegal_transitions_name_both_states(path, bad):
     assert reg.get(3).state is cur
 
 
-def test_every_live_state_can_fail():
-    assert all(S.FAILED in LEGAL[s] for s in S if not s.terminal)
+def test_every_live_state_can_fail_or_abort():
+    assert all({S.FAILED, S.ABORTED} <= LEGAL[s] for s in S if not s.terminal)
+    assert {s for s in S if s.terminal} == {S.DONE, S.FAILED, S.ABORTED}
     reg = TransferRegistry(Clock())
     reg.add(1, 1)
     reg.advance(1, S.BOOTSTRAPPED)

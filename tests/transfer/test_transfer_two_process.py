@@ -19,7 +19,8 @@ pytest.importorskip("nixl")
 
 from tandem.transfer.agent import KVTransferAgent, Region  # noqa: E402
 from tandem.transfer.bootstrap import BootstrapServer  # noqa: E402
-from tandem.transfer.messages import Handshake, KVTransferDone, KVTransferRequest  # noqa: E402
+from tandem.transfer.messages import Handshake, KVTransferRequest  # noqa: E402
+from tandem.transfer.state import TransferState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import transfer_peer as peer  # noqa: E402
@@ -49,9 +50,9 @@ def _bootstrap(server: BootstrapServer, agent: KVTransferAgent) -> KVTransferReq
     return req
 
 
-def _wait(agent: KVTransferAgent, h, limit_s: float) -> str:
+def _wait(agent: KVTransferAgent, h, limit_s: float) -> TransferState:
     end = time.monotonic() + limit_s
-    while (st := agent.poll(h)) == "PROC" and time.monotonic() < end:
+    while (st := agent.poll(h)) is TransferState.TRANSFERRING and time.monotonic() < end:
         time.sleep(0.001)
     return st
 
@@ -107,10 +108,9 @@ def test_write_noncontiguous_pages_to_another_process(prefill):
     child = _spawn("receive", server.endpoint, agent.progress_thread)
     try:
         req = _bootstrap(server, agent)
-        done = KVTransferDone(req.transfer_id, "ok", first_token=peer.FIRST_TOKEN)
-        h = agent.write_pages(req.agent_name, "kv", peer.SRC_PAGES, req.pages("kv"), notif=done.encode())
+        h = agent.write_pages(req.agent_name, "kv", peer.SRC_PAGES, req.pages("kv"), notif=peer.done_notif())
         assert h.num_descs == 5 * peer.L * 2  # 5 runs x (layer, k/v)
-        assert _wait(agent, h, 10) == "DONE", h.error
+        assert _wait(agent, h, 10) is TransferState.DONE, h.error
         agent.release(h)
         out, err = child.communicate(timeout=30)
     finally:
@@ -123,7 +123,7 @@ def test_write_to_killed_peer_fails_fast(prefill):
     """UCX (error handling mode "peer") sees the reset: the post itself fails."""
     agent, server = prefill
     st, elapsed, h = _hang_then(signal.SIGKILL, agent, server)
-    assert st == "ERR" and elapsed < 2.0, (st, elapsed)
+    assert st is TransferState.FAILED and elapsed < 2.0, (st, elapsed)
     assert "'decode'" in h.error and "NIXL_ERR_REMOTE_DISCONNECT" in h.error, h.error
     agent.remove_peer("decode")
     assert agent.peers == []
@@ -137,4 +137,4 @@ def test_write_to_stopped_peer_never_hangs(prefill_with_thread):
     agent, server = prefill_with_thread
     st, elapsed, h = _hang_then(signal.SIGSTOP, agent, server)
     assert elapsed < 2.0, f"write took {elapsed:.1f}s to end"
-    assert st == "DONE" or "deadline passed" in h.error, h.error
+    assert st is TransferState.DONE or "deadline passed" in h.error, h.error

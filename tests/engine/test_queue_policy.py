@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tandem.cache.schedule_policy import order
+from tandem.engine.queue_policy import order
 from tandem.cache.unified import UnifiedRadixCache
 
 
@@ -23,7 +23,7 @@ def test_lpm_orders_by_cached_prefix_and_defers_in_queue_sharers():
     doc = list(range(2000, 2050))                              # 50 tokens, not cached
     waiting = [R("cold", [7] * 10), R("doc1", doc + [1]), R("sys", system + [5]),
                R("doc2", doc + [2]), R("cold2", [8] * 10)]
-    match = lambda r: cache.match_prefix(r.prompt_ids).prefix_len
+    match = lambda r: cache.peek(r.prompt_ids)
     got = [r.name for r in order(waiting, match, "lpm")]
     # sys hits 40 tokens; doc2 shares 50 uncached tokens with doc1 queued ahead: it waits.
     assert got == ["sys", "cold", "doc1", "cold2", "doc2"]

@@ -1,4 +1,4 @@
-"""Waiting-queue order: ``fcfs`` or ``lpm`` (longest cached prefix first), as pure functions.
+"""Waiting-queue order: ``fcfs`` or ``lpm`` (longest cached prefix first), for the scheduler.
 
 ``lpm`` follows SGLang's schedule_policy: requests with the longest prefix already in the cache
 go first. A request whose cached prefix is short (<= ``check_threshold``) is also matched against
@@ -7,6 +7,9 @@ an in-queue simulated tree of the prompts queued before it: if it shares at leas
 first request computes the shared prefix once and the others then hit it in the real cache.
 Ties keep arrival order. Beyond ``max_lpm_queue`` waiting requests, matching every request costs
 more than it saves and ``lpm`` falls back to ``fcfs``.
+
+:class:`InStepPrefixes` applies the same idea within one step: a request whose long prefix is not
+cached yet but is being computed by a request admitted earlier in the step waits a step.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ def order(waiting: Sequence[Any], match_len_fn: Callable[[Any], int], policy: st
           check_threshold: int = 32, deprioritize_threshold: int = 32,
           max_lpm_queue: int = 128, page_size: int = 1) -> list:
     """``waiting`` in the order to admit. ``match_len_fn(req)``: the request's cached prefix
-    length in the real cache (e.g. ``cache.match_prefix(ids).prefix_len``). Does not modify
+    length in the real cache (e.g. ``cache.peek(ids)``). Does not modify
     ``waiting`` or the cache beyond what ``match_len_fn`` does."""
     if policy == "fcfs" or (policy == "lpm" and len(waiting) > max_lpm_queue):
         return list(waiting)
@@ -36,10 +39,28 @@ def order(waiting: Sequence[Any], match_len_fn: Callable[[Any], int], policy: st
         later = False
         if cached <= check_threshold:
             ids = token_ids_fn(r)
-            if in_queue.match_prefix(ids).prefix_len >= deprioritize_threshold:
+            if in_queue.peek(ids) >= deprioritize_threshold:
                 later = True
             else:
                 in_queue.insert(ids)
         keys.append((later, -cached, i))
     keys.sort()
     return [waiting[i] for _, _, i in keys]
+
+
+class InStepPrefixes:
+    """lpm within a step: prompts admitted this step, so a request whose long prefix is not
+    cached yet but is being computed by an earlier admission waits a step and then hits the
+    cache instead (``cached_len_fn``: the request's cached prefix in the real cache)."""
+
+    THRESHOLD = 32  # tokens (SGLang's in-queue deprioritize threshold)
+
+    def __init__(self, cached_len_fn: Callable[[Sequence[int]], int], page_size: int):
+        self.cached_len = cached_len_fn
+        self.tree = UnifiedRadixCache.simulated(page_size=page_size)
+
+    def should_wait(self, ids: Sequence[int]) -> bool:
+        if self.cached_len(ids) <= self.THRESHOLD and self.tree.peek(ids) >= self.THRESHOLD:
+            return True
+        self.tree.insert(ids)
+        return False

@@ -1,0 +1,37 @@
+"""KV integrity on the prefill -> decode handoff (``--kv-digest``).
+
+Both sides hash the same bytes in the same order: every layer's K and V of the given pages
+(``kv_data: [L, 2, rows, H_kv, D]``, page ``p`` = rows ``[p * page_size, (p + 1) * page_size)``),
+gathered in page-list order, with BLAKE2b (16-byte digest). Prefill digests the source pages it
+writes; decode digests its destination pages once the write is done and refuses to decode on a
+mismatch (SGLang and vLLM added the same check after silent-corruption reports).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+
+def _rows(pages: Sequence[int], page_size: int, device) -> torch.Tensor:
+    p = torch.as_tensor(list(pages), dtype=torch.int64)
+    rows = (p[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
+    return rows.to(device)
+
+
+def page_digest(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> str:
+    """Hex digest of ``pages`` of a ``[L, 2, rows, H_kv, D]`` pool (any dtype, any device)."""
+    h = hashlib.blake2b(digest_size=16)
+    if len(pages):
+        data = kv_data.index_select(2, _rows(pages, page_size, kv_data.device)).contiguous()
+        h.update(data.view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def corrupt_page(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> None:
+    """Test lever: perturb layer 0's K of the first page (what a bad transfer would do)."""
+    if len(pages):
+        r = pages[0] * page_size
+        kv_data[0, 0, r:r + page_size] += 1.0

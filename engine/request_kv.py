@@ -1,0 +1,172 @@
+"""RequestKV: every KV operation on a request's row, in one place.
+
+The scheduler decides *when* (admit, extend, cache a chunk, release, retract); this class does
+it against the pools and the prefix cache: a row of ``ReqToTokenPool``, slots from the
+``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, the host tier's
+``restore``, and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
+of requests holding a row (``holders``: running, reserved for a KV transfer, held for sending),
+which is what the ownership invariant counts.
+
+Ownership rule (proved by :meth:`check`): every allocated slot is owned exactly once, by the
+allocator's free list, by the cache, or by one holder's row range ``[locked_len, computed_len)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.batch_builder import PlanItem, build_forward_batch
+from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.hybrid import NO_HYBRID
+from tandem.engine.sched_types import SchedReq, StepPlan
+
+
+def pages_of(slots: torch.Tensor, page_size: int) -> tuple[int, ...]:
+    """Page ids of page-aligned, whole-page slot runs ``[n]`` (the first slot of each page)."""
+    return tuple((slots[::page_size] // page_size).tolist())
+
+
+class RequestKV:
+    def __init__(self, *, req_to_token_pool, allocator, kv_pool, cache, hybrid=NO_HYBRID,
+                 device="cpu", stats: dict | None = None):
+        self.r2t = req_to_token_pool
+        self.alloc = allocator
+        self.kv_pool = kv_pool
+        self.cache = cache
+        self.hybrid = hybrid
+        hybrid.attach(cache)
+        self.device = device
+        self.page_size = allocator.page_size
+        self.stats = stats if stats is not None else {"evicted_tokens": 0}
+        self.holders: dict[str, SchedReq] = {}
+
+    # -- taking and giving back a row -------------------------------------------------------------
+    def admit(self, sr: SchedReq) -> bool:
+        """Give ``sr`` a row holding its longest reusable cached prefix (locked), loading a
+        host-only prefix back first. False (nothing taken) when no row or no hybrid state row
+        is free. Sets ``computed_len`` and ``locked_len`` to the prefix length."""
+        r = sr.req
+        row = self.r2t.alloc()
+        if row is None:
+            return False
+        # Reuse at most seq_len - 1 tokens: the last one must be computed to get logits.
+        usable = (r.seq_len - 1) // self.page_size * self.page_size
+        ids = r.all_ids[:usable]
+        m = self.cache.match(ids, session_id=r.session_id)
+        if m.host_hit_length and self.cache.host is not None:
+            if self.cache.host.restore(m.best_match_node) is not None:   # HiCache L2 load-back
+                m = self.cache.match(ids, session_id=r.session_id)
+        n = min(m.prefix_len, usable)
+        self.cache.lock(m.last_device_node)
+        r.req_pool_idx, r.last_node = row, m.last_device_node
+        if not self.hybrid.claim(r, m.components, n):   # hybrid: the working state row
+            self.cache.unlock(m.last_device_node)
+            r.last_node = r.req_pool_idx = None
+            self.r2t.free(row)
+            return False
+        if n:
+            self.r2t.write(row, 0, m.device_indices[:n])
+        r.computed_len = sr.locked_len = n
+        self.holders[r.rid] = sr
+        return True
+
+    def unadmit(self, sr: SchedReq) -> None:
+        """Undo :meth:`admit` of a request that computed nothing since."""
+        r = sr.req
+        self.hybrid.release(r, sr.locked_len)
+        self.cache.unlock(r.last_node)
+        self._drop_row(sr)
+        r.computed_len = 0
+
+    def release(self, sr: SchedReq) -> None:
+        """Hand the computed KV to the cache, free what it does not keep, unlock, free the row."""
+        r = sr.req
+        n = r.computed_len
+        self.cache_prefix(sr, final=True)
+        if n > sr.locked_len:
+            self.alloc.free(self.r2t.read(r.req_pool_idx, sr.locked_len, n))
+        self.cache.unlock(r.last_node)
+        self.hybrid.release(r, sr.locked_len)
+        self._drop_row(sr)
+
+    def free_range(self, sr: SchedReq, start: int, end: int) -> None:
+        """Free the request-owned slots of positions ``[start, end)`` (a range never computed,
+        e.g. a failed transfer's pages, or the partial last page of a backed-up request)."""
+        if end > start:
+            self.alloc.free(self.r2t.read(sr.req.req_pool_idx, start, end))
+
+    def _drop_row(self, sr: SchedReq) -> None:
+        r = sr.req
+        self.r2t.free(r.req_pool_idx)
+        r.req_pool_idx = r.last_node = None
+        sr.locked_len = 0
+        self.holders.pop(r.rid, None)
+
+    # -- growing ---------------------------------------------------------------------------------
+    def extend(self, sr: SchedReq, n: int) -> torch.Tensor | None:
+        """Slots ``[n]`` for positions ``[computed_len, computed_len + n)`` (not yet written to
+        the row), evicting unlocked cache when short; None when there is no room."""
+        r = sr.req
+        need = n + self.page_size  # a page of slack for the partial-page rounding
+        if self.alloc.available_size() < need:
+            self.stats["evicted_tokens"] += self.cache.evict(need - self.alloc.available_size())
+        c = r.computed_len
+        last_loc = int(self.r2t.req_to_token[r.req_pool_idx, c - 1]) if c else -1
+        return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n))
+
+    def cache_prefix(self, sr: SchedReq, final: bool = False) -> None:
+        """Hand the page-aligned computed prefix to the cache and adopt its canonical slots (the
+        request then shares them with later requests; its lock moves to the new node)."""
+        r = sr.req
+        aligned = r.computed_len // self.page_size * self.page_size
+        if aligned <= sr.locked_len:
+            return
+        row, locked = r.req_pool_idx, sr.locked_len
+        slots = self.r2t.read(row, 0, aligned)
+        new_slots, node = self.cache.cache(
+            r.all_ids[:aligned], slots, r.last_node, session_id=r.session_id,
+            extra=lambda: self.hybrid.handover(r, locked, aligned, final))  # hybrid: rows, state
+        if not final:
+            self.r2t.write(row, 0, new_slots)
+        r.last_node = node
+        sr.locked_len = len(new_slots)
+
+    def forward_batch(self, plan: StepPlan) -> ForwardBatch:
+        """The device tensors of ``plan`` (the one place a plan becomes tensors)."""
+        items = [PlanItem(e.sr.req.req_pool_idx, e.sr.req.computed_len,
+                          e.sr.req.all_ids[e.sr.req.computed_len: e.sr.req.computed_len + e.n], e.slots)
+                 for e in plan.entries]
+        state_indices, state_pool = self.hybrid.state_batch([e.sr.req for e in plan.entries])
+        return build_forward_batch(items, self.r2t, self.kv_pool, self.device,
+                                   state_indices=state_indices, state_pool=state_pool)
+
+    def advanced(self, sr: SchedReq) -> None:
+        """After the forward moved ``computed_len`` (hybrid: SWA rows that left the window)."""
+        self.hybrid.advanced(sr.req, sr.locked_len)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def pages(self, sr: SchedReq, start: int, end: int) -> tuple[int, ...]:
+        """Page ids of positions ``[start, end)`` (``start`` page-aligned)."""
+        slots = self.r2t.read(sr.req.req_pool_idx, start, end)
+        if len(slots) and int(slots[0]) % self.page_size:
+            raise AssertionError(f"{sr.rid}: position {start} maps to slot {int(slots[0])}, "
+                                 f"not a page start (page_size {self.page_size})")
+        return pages_of(slots, self.page_size)
+
+    def room(self) -> int:
+        """Tokens that could be allocated now (free + evictable cache)."""
+        return self.alloc.available_size() + self.cache.stats().evictable
+
+    # -- invariants ------------------------------------------------------------------------------
+    def owned_slots(self) -> torch.Tensor:
+        """Slots the holders own beyond their tree-locked prefixes."""
+        parts = [self.r2t.read(sr.req.req_pool_idx, sr.locked_len, sr.req.computed_len)
+                 for sr in self.holders.values() if sr.req.computed_len > sr.locked_len]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def check(self) -> None:
+        """Every allocated page (and hybrid row) is owned exactly once: by the cache or by one
+        holder. Raises AssertionError listing violations."""
+        owned = self.owned_slots()
+        aux = self.hybrid.owned([(sr.req, sr.locked_len) for sr in self.holders.values()])
+        self.cache.check(extra_owned={"full": owned, **aux} if aux else owned)

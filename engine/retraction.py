@@ -1,0 +1,141 @@
+"""Retraction: what a decode batch gives up when the device KV pool runs out, and how it comes back.
+
+SGLang's order of choices, with its failure modes designed out (ANCHORS.md section 3):
+
+1. **victim** (:func:`pick_victim`): fewest generated tokens, ties to the longest prompt
+   (``default``), or requests of the least recently active sessions first (``session``);
+2. **backup**: with a host tier the victim's KV is handed to the cache and the nodes only it
+   holds move to the host (``cache.host.backup``); they stay locked by the retraction (never
+   evicted from the host) and the request waits in :attr:`Retraction.retracted`;
+3. **restore** when room frees (its whole KV plus a page of headroom, counting evictable cache):
+   a normal admission whose match loads the host-only prefix back (at most the last partial page
+   is recomputed); the retraction's own host lock is dropped once the admission's lock holds;
+4. **recompute** when there is no host tier, or the host is full even after host eviction: the
+   KV goes to the device cache unlocked and the request is re-prefilled from its tokens (what
+   survives in the cache is reused) -- it re-enters the waiting queue first in line;
+5. **abort** only when the request alone can never fit (the scheduler decides that).
+
+Nothing here picks *when* to retract: the scheduler calls :meth:`Retraction.retract` when a
+decode finds no slot (or every ``debug_retract_every`` decode steps, a test lever).
+The request's :class:`SchedReq` (and so its stream state) is kept throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tandem.core.types import Req, ReqStatus
+from tandem.engine.request_kv import RequestKV
+from tandem.engine.sched_types import SchedReq
+
+
+def pick_victim(cands: list[Req], policy: str = "default",
+                session_seen: dict[str, float] | None = None) -> Req | None:
+    """The request to retract. ``default`` (SGLang's order): fewest generated tokens, ties to the
+    longest prompt. ``session``: requests of the least recently active sessions go first (a request
+    with no session counts as least recent), then the default order; the sessions an agent is
+    actively driving keep their KV longest."""
+    if not cands:
+        return None
+    if policy == "session":
+        seen = session_seen or {}
+        return min(cands, key=lambda r: (seen.get(r.session_id, float("-inf")) if r.session_id else
+                                         float("-inf"), len(r.output_ids), -len(r.prompt_ids)))
+    return min(cands, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+
+
+class Retraction:
+    """Backups and the queue of retracted requests waiting for room. ``stats``: the scheduler's
+    counters (retractions, restores, recomputes, backup/restore tokens and seconds)."""
+
+    def __init__(self, kv: RequestKV, stats: dict, *, policy: str = "default",
+                 host_backup: bool = True):
+        self.kv = kv
+        self.stats = stats
+        self.policy = policy
+        self.host_backup = host_backup and kv.cache.host is not None
+        self.retracted: deque[SchedReq] = deque()    # backed up, waiting for room (oldest first)
+        self.backups: dict[str, object] = {}        # rid -> the host node its backup holds locked
+
+    def choose(self, cands: list[SchedReq], session_seen: dict[str, float]) -> SchedReq | None:
+        by_rid = {sr.rid: sr for sr in cands}
+        victim = pick_victim([sr.req for sr in cands], self.policy, session_seen)
+        return None if victim is None else by_rid[victim.rid]
+
+    def retract(self, sr: SchedReq) -> bool:
+        """Free ``sr``'s device KV (the caller took it out of the running set). True: backed up
+        (it waits in :attr:`retracted`); False: it must be recomputed (the caller queues it)."""
+        r = sr.req
+        self.stats["retractions"] += 1
+        backed_up = self.host_backup and self._backup(sr)
+        if backed_up:
+            self.retracted.append(sr)
+        else:
+            if r.req_pool_idx is not None:
+                self.kv.release(sr)
+            self.stats["retraction_recomputes"] += 1
+        r.status = ReqStatus.RETRACTED
+        r.computed_len = 0
+        return backed_up
+
+    def _backup(self, sr: SchedReq) -> bool:
+        r, kv = sr.req, self.kv
+        n = r.computed_len
+        aligned = n // kv.page_size * kv.page_size
+        t0 = time.perf_counter()
+        node, freed = kv.cache.host.backup(r.all_ids[:aligned], kv.r2t.read(r.req_pool_idx, 0, aligned),
+                                           r.last_node, session_id=r.session_id)
+        r.last_node, sr.locked_len = node, aligned   # the tree owns [0, aligned) now
+        kv.free_range(sr, aligned, n)                # the partial last page: recomputed on restore
+        r.computed_len = aligned
+        if not kv.cache.host.host_only(node):
+            # Nothing moved (the host is full even after host eviction): the KV stays as device
+            # cache, unlocked, and the request will be re-prefilled.
+            kv.release(sr)
+            return False
+        self.backups[r.rid] = node
+        r.last_node = None                           # the backup's lock, not the row's
+        kv._drop_row(sr)
+        self.stats["backup_tokens"] += freed
+        self.stats["backup_seconds"] += time.perf_counter() - t0
+        return True
+
+    def restorable(self, anything_running: bool) -> list[SchedReq]:
+        """Retracted requests whose KV fits now, with two pages of headroom each, oldest first.
+        When nothing else runs the oldest is tried anyway (the scheduler aborts it if it can
+        never fit)."""
+        out, room = [], self.kv.room()
+        for sr in self.retracted:
+            need = sr.req.seq_len + 2 * self.kv.page_size
+            if need > room:
+                break
+            room -= need
+            out.append(sr)
+        if not out and self.retracted and not anything_running:
+            out.append(self.retracted[0])
+        return out
+
+    def restored(self, sr: SchedReq, seconds: float) -> None:
+        """``sr`` was admitted again (its match loaded the host-only KV back): it leaves the
+        queue, and the admission's own lock on the restored path now protects it."""
+        self.retracted.remove(sr)
+        self.drop(sr)
+        self.stats["retraction_restores"] += 1
+        self.stats["restore_tokens"] += sr.req.computed_len
+        self.stats["restore_seconds"] += seconds
+
+    def drop(self, sr: SchedReq) -> None:
+        """Release the backup's host lock (restored, or aborted while retracted)."""
+        node = self.backups.pop(sr.rid, None)
+        if node is not None:
+            self.kv.cache.unlock(node)
+
+    def abort(self, rid: str) -> SchedReq | None:
+        """Take ``rid`` out of the retracted queue (its host copy becomes evictable)."""
+        for sr in self.retracted:
+            if sr.rid == rid:
+                self.retracted.remove(sr)
+                self.drop(sr)
+                return sr
+        return None

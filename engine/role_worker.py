@@ -1,0 +1,114 @@
+"""RoleWorker: what a prefill worker and a decode worker share (written once).
+
+Each owns an :class:`~tandem.engine.engine.Engine` reached only through its role's handle
+(``PrefillHandle`` / ``DecodeHandle``, subclasses of :class:`EngineHandle`), a NIXL
+:class:`KVTransferAgent` over the engine's KV pool (one region, ``"kv"``), a registry of live
+transfers, its own Prometheus registry, and plain counters. Methods run on one asyncio loop
+(the agent is not thread-safe). The Ray shells (``*/actor.py``) share :class:`RoleActorMixin`.
+
+Bootstrap: ``handshake()`` returns this worker's :class:`Handshake` bytes; ``add_peer(bytes)``
+loads a peer's; ``remove_peer(name)`` forgets a dead one.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tandem.engine.handle import EngineHandle
+from tandem.engine.metrics import register_engine_metrics
+from tandem.transfer.agent import KVTransferAgent, Region
+from tandem.transfer.state import TransferRegistry
+
+REGION = "kv"
+
+
+class RoleWorker:
+    role = "worker"
+
+    def __init__(self, name: str, engine, handle: EngineHandle, *, transfer_timeout_s: float,
+                 agent_opts: dict | None = None):
+        self.name = name
+        self.engine = engine
+        self.handle = handle
+        self.page_size = engine.kv_pool.page_size
+        self.transfer_timeout_s = transfer_timeout_s
+        self.agent = KVTransferAgent(name, [Region.of(REGION, engine.kv_pool.kv_data, self.page_size)],
+                                     **(agent_opts or {}))
+        self.transfers = TransferRegistry()
+        self.counts: dict[str, int] = {}
+        self.metrics = CollectorRegistry()
+        register_engine_metrics(engine, worker=name, role=self.role, registry=self.metrics)
+
+    # -- bootstrap -------------------------------------------------------------------------------
+    def handshake(self) -> bytes:
+        """This worker's Handshake (NIXL metadata + region layout), encoded."""
+        return self.agent.handshake_bytes()
+
+    def add_peer(self, handshake: bytes) -> str:
+        """Load a peer worker's handshake; returns its agent name."""
+        return self.agent.connect(handshake)
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a (dead) peer; transfers with it fail from now on."""
+        self.agent.remove_peer(name)
+
+    # -- observability ---------------------------------------------------------------------------
+    async def stats(self) -> dict:
+        """Pool accounting (:class:`EngineSnapshot` fields), live transfers and counters."""
+        snap = await self.handle.snapshot()
+        return {"worker": self.name, "role": self.role, **snap.as_dict(),
+                "live_transfers": len(self.transfers), **self.counts, **self._extra_stats(snap)}
+
+    def _extra_stats(self, snap) -> dict:
+        return {}
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(self.metrics)
+
+    def check_alive(self) -> None:
+        """Raise if the engine thread died (the cluster then replaces this worker)."""
+        try:
+            self.handle.check_alive()
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.name}: {e}") from None
+
+    def close(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            self.agent.close()
+
+
+class RoleActorMixin:
+    """The thin methods every worker's Ray actor has (``self.worker`` is a RoleWorker)."""
+
+    def info(self) -> dict:
+        w, e = self.worker, self.worker.engine
+        return {"name": w.name, "role": w.role, "model_name": e.model_name,
+                "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
+                "page_size": w.page_size, "device": str(e.device), **self._extra_info()}
+
+    def _extra_info(self) -> dict:
+        return {}
+
+    def handshake(self) -> bytes:
+        return self.worker.handshake()
+
+    async def abort(self, rid: str, reason: str = "") -> bool:
+        return await self.worker.abort(rid, reason)
+
+    async def stats(self) -> dict:
+        return await self.worker.stats()
+
+    async def ping(self) -> str:
+        self.worker.check_alive()   # a crashed engine thread counts as a dead worker
+        return self.worker.name
+
+    def metrics_text(self) -> bytes:
+        # imported here: Ray pickles the actor class by value, and a registry holds locks
+        from prometheus_client import REGISTRY, generate_latest
+
+        return self.worker.metrics_text() + generate_latest(REGISTRY)
+
+    def shutdown(self) -> None:
+        self.worker.close()

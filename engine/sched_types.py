@@ -1,0 +1,80 @@
+"""The scheduler's own request record and the plan of one step.
+
+A :class:`SchedReq` lives from ``Scheduler.add`` to the request's finish; it survives
+retraction (its :class:`OutputTracker` knows how much text was already streamed). A
+:class:`StepPlan` is what ``Scheduler.schedule()`` decides and the engine loop executes: which
+requests extend by how many tokens into which slots, plus requests finished without running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.core.types import Req, StreamChunk
+from tandem.engine.output import OutputTracker
+
+
+@dataclass(eq=False)
+class SchedReq:
+    """One request inside the scheduler. ``req.req_pool_idx`` is its row while it holds KV.
+
+    Token ranges of the row (positions of ``req.all_ids``)::
+
+        0              locked_len           computed_len              seq_len
+        |--- tree-owned ---|--- request-owned ---|--- no KV yet ---------|
+         a locked cache      slots this request    the next tokens to compute
+         prefix (shared,     alone owns (freed     (during decode: the last
+         owned by the tree)  or handed to the      sampled token, so
+                             cache at release)     computed_len == seq_len - 1)
+
+    ``locked_len`` is page-aligned and ``== len(slots the cache returned)`` after every hand-over
+    (0 with a null cache: the request then owns its whole row). The cache handle locked for the
+    tree-owned range is ``req.last_node``.
+    """
+
+    req: Req
+    tracker: OutputTracker
+    locked_len: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """``sr`` extends its KV from ``req.computed_len`` by ``n`` tokens into ``slots`` ``[n]``;
+    ``samples``: that reaches ``seq_len``, so its last position's logits pick the next token."""
+
+    sr: SchedReq
+    n: int
+    slots: torch.Tensor
+    samples: bool
+
+
+@dataclass
+class StepPlan:
+    """One step: ``entries`` run in one forward (mixed prefill chunks and decodes);
+    ``finished`` are chunks of requests the scheduler ended without running them this step
+    (e.g. no KV room ever). Entries that sample are ``sampling`` (in entry order)."""
+
+    entries: list[PlanEntry] = field(default_factory=list)
+    finished: list[StreamChunk] = field(default_factory=list)
+
+    def add(self, sr: SchedReq, n: int, slots: torch.Tensor) -> None:
+        r = sr.req
+        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n == r.seq_len))
+
+    def holds(self, sr: SchedReq) -> bool:
+        return any(e.sr is sr for e in self.entries)
+
+    @property
+    def sampling(self) -> list[PlanEntry]:
+        return [e for e in self.entries if e.samples]
+
+    @property
+    def sample_rows(self) -> list[int]:
+        """Indices into the forward's ``[B, V]`` logits of the sampling entries."""
+        return [i for i, e in enumerate(self.entries) if e.samples]
