@@ -94,7 +94,8 @@ class StateRunner:
 
 
 def make_engine(loaded, *, page_size: int, disable: bool, chunk: int = 16,
-                max_total_tokens: int = 512, state_slots: int = 12) -> Engine:
+                max_total_tokens: int = 512, state_slots: int = 12,
+                swa_pool_tokens: int | None = None) -> Engine:
     """An Engine with every invariant check on (cache sanity after each operation, the
     scheduler's exact pool ownership after each step)."""
     cfg = EngineConfig(
@@ -102,7 +103,8 @@ def make_engine(loaded, *, page_size: int, disable: bool, chunk: int = 16,
         cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens,
                           max_running_requests=4, debug_invariants=True, disable_prefix_cache=disable),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk))
-    return Engine(cfg, loaded=loaded, hybrid=HybridConfig(state_slots=state_slots))
+    return Engine(cfg, loaded=loaded,
+                  hybrid=HybridConfig(state_slots=state_slots, swa_pool_tokens=swa_pool_tokens))
 
 
 def engine_sessions(engine: Engine, n_sessions: int = 2, turns: int = 3, max_tokens: int = 6):

@@ -9,7 +9,8 @@ softcapping, norm weights centred on 0 so ``1 + w`` matters) saved with ``save_p
   boundaries fall inside and across the window, batched with decode rows, page sizes 1 and 4;
 - the Engine (chunked_prefill_size 16, page sizes 1 and 4, prefix cache on and off, every
   invariant checked) gives transformers' greedy tokens over multi-turn sessions, for a window
-  smaller than a chunk (7) and larger than one (20).
+  smaller than a chunk (7) and larger than one (20), also with pools small enough that the cache
+  evicts FULL nodes and tombstones SWA rows.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def test_engine_greedy_matches_hf(gemma, page_size, disable):
     e = make_engine(loaded, page_size=page_size, disable=disable)
     try:
         sessions = engine_sessions(e)
+        e.call(lambda s: s.check_invariants()).result(10)   # also checked after every step
         stats, hstats = dict(e.scheduler.stats), dict(e.hybrid.stats)
     finally:
         e.shutdown()
@@ -136,3 +138,21 @@ def test_engine_greedy_matches_hf(gemma, page_size, disable):
     assert (sum(later) > 0) != disable, later        # later turns reuse the cached prefix
     if disable:   # the request alone owns its SWA rows and frees them as the window moves on
         assert hstats["swa_released"] > 0 and stats["steps"] > 0
+
+
+def test_engine_under_pool_pressure_matches_hf(gemma):
+    """Small full and SWA pools (256 / 64 rows), three sessions: the cache evicts FULL nodes and
+    tombstones SWA rows (its SWA vote then limits reuse), outputs stay transformers'."""
+    hf, loaded, _ = gemma
+    e = make_engine(loaded, page_size=4, disable=False, max_total_tokens=256, swa_pool_tokens=64)
+    try:
+        sessions = engine_sessions(e, n_sessions=3)
+        e.call(lambda s: s.check_invariants()).result(10)
+        stats, hstats = dict(e.scheduler.stats), dict(e.hybrid.stats)
+    finally:
+        e.shutdown()
+    for sess in sessions:
+        for prompt, out, _ in sess:
+            assert out == hf_greedy(hf, prompt, len(out))
+    assert hstats["swa_evicted"] > 0 and stats["evicted_tokens"] > 0
+    assert sum(c for sess in sessions for _, _, c in sess) > 0

@@ -10,7 +10,8 @@ rotary, and MoE (4 experts, top 2) without positions ("nope", as Granite-4.0-H s
   one-shot, and in chunks + decode steps carrying the state row, batched with another sequence;
 - the Engine (chunked_prefill_size 16, page sizes 1 and 4, prefix cache on and off, every
   invariant checked) gives transformers' greedy tokens over multi-turn sessions; with the cache
-  on, later turns resume from recurrent-state checkpoints.
+  on, later turns resume from recurrent-state checkpoints, also when checkpoints must be evicted
+  to admit requests (six state rows for three sessions).
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def test_engine_greedy_matches_hf(granite, page_size, disable):
     e = make_engine(loaded, page_size=page_size, disable=disable)
     try:
         sessions = engine_sessions(e)
+        e.call(lambda s: s.check_invariants()).result(10)   # also checked after every step
         hstats = dict(e.hybrid.stats)
         assert e.hybrid.state_pool.data.shape[-1] == loaded.model.state_shape[0]
     finally:
@@ -193,3 +195,21 @@ def test_engine_greedy_matches_hf(granite, page_size, disable):
     else:   # each later turn resumes from a checkpoint: the previous turn's page-aligned end
         assert all(c > 0 and c % page_size == 0 for c in later), later
         assert hstats["checkpoints"] > 0
+
+
+def test_engine_under_state_pressure_matches_hf(granite):
+    """Six state rows for three sessions (each running request holds a working and a track row):
+    cached checkpoints are evicted to admit requests, outputs stay transformers'."""
+    hf, loaded, _ = granite
+    e = make_engine(loaded, page_size=4, disable=False, state_slots=6)
+    try:
+        sessions = engine_sessions(e, n_sessions=3)
+        e.call(lambda s: s.check_invariants()).result(10)
+        hstats = dict(e.hybrid.stats)
+    finally:
+        e.shutdown()
+    for sess in sessions:
+        for prompt, out, _ in sess:
+            assert out == hf_greedy(hf, prompt, len(out))
+    assert hstats["state_evicted"] > 0 and hstats["checkpoints"] > 0
+    assert sum(c for sess in sessions for _, _, c in sess) > 0
