@@ -67,7 +67,7 @@ class StateRunner:
 
     def __init__(self, loaded, page_size: int = 1, max_total_tokens: int = 512):
         self.r = ModelRunner.create(loaded, max_total_tokens=max_total_tokens, page_size=page_size,
-                                    max_reqs=4, max_context=256)
+                                    max_reqs=4, max_context=max(256, max_total_tokens))
         m = loaded.model
         self.pool = StatePool(4, m.recurrent_layers, m.state_shape) \
             if getattr(m, "state_shape", None) else None
