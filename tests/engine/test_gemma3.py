@@ -98,6 +98,16 @@ def test_prefill_logits_match_hf(gemma):
         assert (wide(torch.tensor([PROMPT])).logits[0] - ref).abs().max() > 0.05   # the window matters
 
 
+def test_pickled_model_gives_the_same_logits(gemma):
+    """The cluster ships a loaded model to its workers with ray.put (pickle)."""
+    import pickle
+
+    _, loaded, ref = gemma
+    r = StateRunner(pickle.loads(pickle.dumps(loaded)))
+    got = r.extend([r.new_seq()], [PROMPT], all_logits=True)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_chunked_prefill_and_decode_match_hf(gemma, page_size):
     """Seq A: chunks [0, 6) [6, 19) [19, 30), then decode to 37 (chunk boundaries inside and

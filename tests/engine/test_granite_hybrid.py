@@ -152,6 +152,16 @@ def test_prefill_logits_match_hf(granite):
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+def test_pickled_model_gives_the_same_logits(granite):
+    """The cluster ships a loaded model to its workers with ray.put (pickle)."""
+    import pickle
+
+    _, loaded, ref = granite
+    r = StateRunner(pickle.loads(pickle.dumps(loaded)))
+    got = r.extend([r.new_seq()], [PROMPT], all_logits=True)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_chunked_prefill_and_decode_match_hf(granite, page_size):
     """Seq A: chunks [0, 2) (shorter than the conv window) [2, 19) [19, 30), then decode to 37;
