@@ -24,8 +24,9 @@ Memory model
   pages of positions, so the cache's tombstone floor falls exactly at ``swa_from``. Rows below
   ``locked_len`` belong to the tree (handed over with ``extra={"swa": rows}``; -1 for positions
   the request does not own, so the tree never adopts a row twice).
-- **State rows** (recurrent layers): a :class:`StatePool` ``[L_mamba, state_slots + 1, Hm, dk,
-  dv]`` float32 with its own allocator. Each running request has a private *working* row
+- **State rows** (recurrent layers): a :class:`StatePool` ``[L_mamba, state_slots + 1,
+  *state_shape]`` float32 with its own allocator (Mamba2 packs its conv window and SSM state into
+  one flat row: engine/models/state_layout.py). Each running request has a private *working* row
   (``fb.state_indices``): zeroed at admission, or filled by copying the matched checkpoint
   (``MatchResult.components["mamba"] = StateCopy(src)``) before the first forward writes it.
   A checkpoint is the state after a cached key's last token: when a chunk or a finished request

@@ -5,7 +5,8 @@ Specs:
   (located with importlib, never imported: its ``__init__`` needs a package we do not have);
 - a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral);
 - a directory: a Hugging Face model (``config.json``, ``*.safetensors`` or a sharded
-  ``model.safetensors.index.json``, ``tokenizer.json``).
+  ``model.safetensors.index.json``, ``tokenizer.json``): the Llama family, or a family of
+  ``engine/models/families.py`` (Gemma 3, Granite-4.0-H).
 
 GGUF tensors are dequantized to float32 with ``gguf.quants.dequantize``, renamed to HF names and,
 for llama/mistral files, have llama.cpp's q/k row permutation undone (rotary pairs are stored
@@ -27,6 +28,7 @@ import torch
 
 from tandem.core.tokenizer import Tokenizer, TokenizerError
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
+from tandem.engine.models.families import hf_family
 from tandem.engine.models.llama import LlamaForCausalLM
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
@@ -196,7 +198,8 @@ def _load_hf_dir(path: str, dev, dt, sliding_window, context_length) -> LoadedMo
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {cfg_path!r}: {e}") from None
-    arch = ModelArchConfig.from_hf_config(cfg)
+    family = hf_family(cfg)   # Gemma 3, Granite-4.0-H, ... (None: the Llama family)
+    arch, extras = family.parse(cfg) if family else (ModelArchConfig.from_hf_config(cfg), None)
     arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ModelLoadError(f"model directory {path!r} has no tokenizer.json")
@@ -223,6 +226,6 @@ def _load_hf_dir(path: str, dev, dt, sliding_window, context_length) -> LoadedMo
             raise ModelLoadError(f"model directory {path!r} lacks tensor {name!r}")
         return handles[fn].get_tensor(name)
 
-    model = LlamaForCausalLM(arch, get, dev, dt)
+    model = family.build(arch, extras, get, dev, dt) if family else LlamaForCausalLM(arch, get, dev, dt)
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(model, arch, tokenizer, os.path.basename(os.path.normpath(path)))

@@ -20,6 +20,11 @@ HF_ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
+# Families with their own config parsing and model class (engine/models/families.py).
+HF_FAMILY_ARCHS = {
+    "Gemma3ForCausalLM": "gemma3",                          # interleaved sliding-window / global
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",      # Granite-4.0-H: Mamba2 + attention
+}
 LAYER_TYPES = ("full", "swa", "mamba")
 
 
@@ -29,7 +34,7 @@ class ModelLoadError(TandemError):
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    arch: str                          # "llama" | "qwen2" | "qwen3" | "mistral"
+    arch: str                          # "llama" | "qwen2" | "qwen3" | "mistral" | HF_FAMILY_ARCHS values
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -146,7 +151,8 @@ class ModelArchConfig:
         if not names:
             shown = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
             raise ModelLoadError(
-                f"architecture {shown} is not supported (supported: {', '.join(HF_ARCHS)})")
+                f"architecture {shown} is not supported "
+                f"(supported: {', '.join([*HF_ARCHS, *HF_FAMILY_ARCHS])})")
         arch = HF_ARCHS[names[0]]
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "vocab_size"):

@@ -2,9 +2,10 @@
 ("mamba") layers, plus tiny random-initialised test models built in code.
 
 The attention layers are :class:`~tandem.engine.models.llama.LlamaLayer` (their KV goes through the
-attention backend: the full pool, or the SWA pool via ``LayerKV.index_map``); the recurrent layers
-are :class:`~tandem.engine.models.recurrent.RecurrentLayer` (their state rows come from
-``fb.state_pool`` at ``fb.state_indices``). Per step::
+attention backend: the full pool, or the SWA pool via ``LayerKV.index_map``); a recurrent layer is
+:class:`MambaBlock`: the real Mamba2 mixer (``engine/models/mamba2.py``, the one Granite-4.0-H
+uses; state rows from ``fb.state_pool`` at ``fb.state_indices``) followed by a SwiGLU MLP, with
+Llama's pre-norms. Per step::
 
     input_ids [T] -> embed [T, H] -> N x (attention layer | recurrent layer)
     -> rows at fb.last_token_indices [B, H] (or all T) -> final norm -> lm_head -> logits [B|T, V]
@@ -17,7 +18,6 @@ combination (FULL+SWA, FULL+MAMBA, FULL+SWA+MAMBA) on the CPU in seconds.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,36 +29,50 @@ from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.layers import Rotary, rms_norm, rope_inv_freq
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
 from tandem.engine.models.llama import LlamaLayer, _layer_tensors
-from tandem.engine.models.recurrent import RecurrentLayer
+from tandem.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, mamba2_tensors
 
 GetTensor = Callable[[str], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class RecurrentSpec:
-    """Shape of the recurrent layers' state: ``heads x key_dim x value_dim`` per request."""
+class MambaBlock(nn.Module):
+    """``x += mamba2(rms_norm(x))``, then ``x += down(silu(gate) * up)(rms_norm(x))``; the
+    same call signature as LlamaLayer. Matrices in F.linear's [N, K] layout."""
 
-    heads: int
-    key_dim: int
-    value_dim: int
+    def __init__(self, layer_id: int, arch: ModelArchConfig, mixer: Mamba2Mixer,
+                 t: dict[str, torch.Tensor]):
+        super().__init__()
+        self.layer_id, self.mixer = layer_id, mixer
+        self.eps, self.inter = arch.rms_norm_eps, arch.intermediate_size
+        for name, w in t.items():
+            self.register_buffer(name, w.contiguous())
+
+    def forward(self, x: torch.Tensor, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
+        # x: [T, H] residual stream (cos, sin, backend: unused)
+        x = x + self.mixer(rms_norm(x, self.input_norm, self.eps), fb)
+        gu = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up)    # [T, 2I]
+        return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], self.down)
 
 
 class HybridForCausalLM(nn.Module):
     """A decoder whose layers follow ``arch.layer_types`` ("full" | "swa" | "mamba").
 
-    ``recurrent_layers``: ids of the "mamba" layers; ``state_shape``: ``(Hm, dk, dv)`` of one
-    request's state in each of them (the engine sizes its state pool from these)."""
+    ``recurrent_layers``: ids of the "mamba" layers; ``state_shape``: ``(numel,)`` of one
+    request's packed Mamba2 state (conv window + SSM state) in each of them (the engine sizes its
+    state pool from these)."""
 
     def __init__(self, arch: ModelArchConfig, get: GetTensor, device: torch.device,
-                 dtype: torch.dtype, recurrent: RecurrentSpec | None = None):
+                 dtype: torch.dtype, recurrent: Mamba2Dims | None = None):
         super().__init__()
         if "mamba" in arch.layer_types and recurrent is None:
-            raise ModelLoadError("a model with mamba layers needs a RecurrentSpec")
+            raise ModelLoadError("a model with mamba layers needs its Mamba2Dims")
         self.arch = arch
         self.device, self.dtype = torch.device(device), dtype
 
         def cvt(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype).contiguous()
+
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=torch.float32).contiguous()
 
         self.embed = nn.Parameter(cvt(get("model.embed_tokens.weight")), requires_grad=False)
         self.norm = nn.Parameter(cvt(get("model.norm.weight")), requires_grad=False)
@@ -69,15 +83,14 @@ class HybridForCausalLM(nn.Module):
         self.recurrent_layers: list[int] = []
         for i, kind in enumerate(arch.layer_types):
             if kind == "mamba":
-                layers.append(_recurrent_layer(arch, recurrent, i, get, cvt))
+                layers.append(_mamba_block(arch, recurrent, i, get, cvt, f32))
                 self.recurrent_layers.append(i)
             else:
                 spec = AttnSpec(i, arch.num_q_heads, arch.num_kv_heads, arch.head_dim, scale,
                                 arch.layer_window(i))
                 layers.append(LlamaLayer(arch, spec, _layer_tensors(arch, i, get, cvt)))
         self.layers = nn.ModuleList(layers)
-        self.state_shape = (recurrent.heads, recurrent.key_dim, recurrent.value_dim) \
-            if recurrent is not None else None
+        self.state_shape = (recurrent.layout.numel,) if recurrent is not None else None
         inv = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.rotary = Rotary(inv, arch.max_position, self.device, dtype)
 
@@ -95,21 +108,14 @@ class HybridForCausalLM(nn.Module):
         return (x @ self.lm_head_t).float()                           # [B|T, V]
 
 
-def _recurrent_layer(arch: ModelArchConfig, rs: RecurrentSpec, i: int, get: GetTensor, cvt) -> RecurrentLayer:
+def _mamba_block(arch: ModelArchConfig, dims: Mamba2Dims, i: int, get: GetTensor, cvt, f32) -> MambaBlock:
     p = f"model.layers.{i}."
-    gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
-    tensors = {
-        "input_norm": cvt(get(p + "input_layernorm.weight")),
-        "in_proj": cvt(get(p + "mixer.in_proj.weight").t()),
-        "decay_bias": cvt(get(p + "mixer.decay_bias")),
-        "out_norm": cvt(get(p + "mixer.out_norm.weight")),
-        "out_proj": cvt(get(p + "mixer.out_proj.weight").t()),
-        "post_norm": cvt(get(p + "post_attention_layernorm.weight")),
-        "gate_up": cvt(torch.cat([gate, up], 0).t()),
-        "down": cvt(get(p + "mlp.down_proj.weight").t()),
-    }
-    return RecurrentLayer(i, arch.hidden_size, rs.heads, rs.key_dim, rs.value_dim,
-                          arch.intermediate_size, arch.rms_norm_eps, tensors)
+    mixer = Mamba2Mixer(i, dims, mamba2_tensors(p + "mamba.", get, cvt, f32, bias=False, conv_bias=True))
+    t = {"input_norm": cvt(get(p + "input_layernorm.weight")),
+         "post_norm": cvt(get(p + "post_attention_layernorm.weight")),
+         "gate_up": cvt(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0)),
+         "down": cvt(get(p + "mlp.down_proj.weight"))}
+    return MambaBlock(i, arch, mixer, t)
 
 
 # -- tiny random test models -----------------------------------------------------------------------
@@ -152,15 +158,15 @@ def tiny_hybrid(layout: str | list[str], *, seed: int = 0, sliding_window: int =
         rms_norm_eps=1e-5, max_position=max_position, layer_types=types,
         sliding_window=sliding_window if "swa" in types else None,
         bos_token_id=256, eos_token_ids=(257,))
-    rs = RecurrentSpec(heads=2, key_dim=16, value_dim=16)
-    model = HybridForCausalLM(arch, _random_tensors(arch, rs, seed), torch.device(device), dtype, rs)
+    dims = Mamba2Dims(hidden=hidden, n_heads=4, head_dim=hidden // 4, n_groups=2, d_state=8,
+                      d_conv=4, chunk_size=8, eps=1e-5)
+    model = HybridForCausalLM(arch, _random_tensors(arch, dims, seed), torch.device(device), dtype, dims)
     name = f"tiny-{layout if isinstance(layout, str) else '+'.join(types)}"
     return LoadedModel(model, arch, byte_tokenizer(), name)
 
 
-def _random_tensors(arch: ModelArchConfig, rs: RecurrentSpec, seed: int) -> GetTensor:
+def _random_tensors(arch: ModelArchConfig, d: Mamba2Dims, seed: int) -> GetTensor:
     H, I = arch.hidden_size, arch.intermediate_size
-    n_in = rs.heads * (3 * rs.key_dim + 2 * rs.value_dim)
     shapes = {
         "model.embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
         "model.norm.weight": (H,),
@@ -168,8 +174,10 @@ def _random_tensors(arch: ModelArchConfig, rs: RecurrentSpec, seed: int) -> GetT
         "self_attn.q_proj.weight": (arch.q_size, H), "self_attn.k_proj.weight": (arch.kv_size, H),
         "self_attn.v_proj.weight": (arch.kv_size, H), "self_attn.o_proj.weight": (H, arch.q_size),
         "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-        "mixer.in_proj.weight": (n_in, H), "mixer.decay_bias": (rs.heads * rs.key_dim,),
-        "mixer.out_norm.weight": (rs.value_dim,), "mixer.out_proj.weight": (H, rs.heads * rs.value_dim),
+        "mamba.in_proj.weight": (d.inner + d.conv_dim + d.n_heads, H),
+        "mamba.conv1d.weight": (d.conv_dim, 1, d.d_conv), "mamba.conv1d.bias": (d.conv_dim,),
+        "mamba.dt_bias": (d.n_heads,), "mamba.A_log": (d.n_heads,), "mamba.D": (d.n_heads,),
+        "mamba.norm.weight": (d.inner,), "mamba.out_proj.weight": (H, d.inner),
     }
 
     def get(name: str) -> torch.Tensor:
@@ -180,7 +188,11 @@ def _random_tensors(arch: ModelArchConfig, rs: RecurrentSpec, seed: int) -> GetT
         shape = shapes[short]
         if short.endswith("norm.weight"):
             return 1.0 + 0.2 * torch.randn(shape, generator=g)
-        if short == "mixer.decay_bias":
-            return 2.0 + torch.randn(shape, generator=g)    # decays mostly in (0.7, 0.97)
+        if short == "mamba.A_log":     # A = -exp(A_log) in about -(1..8): realistic decays
+            return torch.log(torch.linspace(1, 8, shape[0])) + 0.1 * torch.randn(shape, generator=g)
+        if short == "mamba.dt_bias":   # softplus(dt + dt_bias) around 0.3
+            return 0.5 * torch.randn(shape, generator=g) - 1.0
+        if short == "mamba.D":
+            return 1.0 + 0.2 * torch.randn(shape, generator=g)
         return 0.15 * torch.randn(shape, generator=g)
     return get

@@ -1,0 +1,46 @@
+"""Model families with their own config parsing and model class, by HF architecture name.
+
+The Llama family (Llama, Qwen2, Qwen3, Mistral) is parsed by ``ModelArchConfig.from_hf_config``
+and built as ``LlamaForCausalLM``; every other family registers here a ``parse(cfg) -> (arch,
+extras)`` (``arch``: the engine's :class:`ModelArchConfig`, ``extras``: whatever else the model
+needs) and a ``build(arch, extras, get, device, dtype) -> model``. The loader applies
+``sliding_window=`` / ``context_length=`` overrides to ``arch`` between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tandem.engine.model_config import HF_FAMILY_ARCHS
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                                   # ModelArchConfig.arch
+    parse: Callable[[dict[str, Any]], tuple]    # config.json -> (ModelArchConfig, extras)
+    build: Callable[..., Any]                   # (arch, extras, get, device, dtype) -> model
+
+
+def _gemma3() -> Family:
+    from tandem.engine.models.gemma3 import Gemma3ForCausalLM, gemma3_arch
+
+    return Family("gemma3", gemma3_arch, Gemma3ForCausalLM)
+
+
+def _granite_hybrid() -> Family:
+    from tandem.engine.models.granite_hybrid import GraniteHybridForCausalLM, granite_hybrid_arch
+
+    return Family("granitemoehybrid", granite_hybrid_arch, GraniteHybridForCausalLM)
+
+
+_FAMILIES: dict[str, Callable[[], Family]] = {"gemma3": _gemma3, "granitemoehybrid": _granite_hybrid}
+
+
+def hf_family(cfg: dict[str, Any]) -> Family | None:
+    """The family of a parsed config.json, or None (the Llama family, or unsupported: then
+    ``ModelArchConfig.from_hf_config`` says which architectures are)."""
+    for a in cfg.get("architectures") or []:
+        if a in HF_FAMILY_ARCHS:
+            return _FAMILIES[HF_FAMILY_ARCHS[a]]()
+    return None

@@ -1,0 +1,217 @@
+"""Gemma 3 (text): interleaved sliding-window ("local") and global attention layers.
+
+Matches transformers' ``Gemma3ForCausalLM`` op for op:
+
+- the embedding is scaled by ``sqrt(hidden)`` (the scale cast to the weight dtype first);
+- every RMSNorm is Gemma's ``(1 + w)`` form in float32 (``norms.offset_rms_norm``), and each layer
+  is a sandwich: ``x += post_attn_norm(attn(input_norm(x)))``, ``x += post_ff_norm(mlp(pre_ff_norm(x)))``;
+- per-head q/k RMSNorm before rotary; attention scale ``query_pre_attn_scalar ** -0.5``;
+- ``sliding_attention`` layers see a window of W keys (a query at p sees p-W+1 .. p:
+  transformers' ``kv_idx > q_idx - W``) and use rotary base ``rope_local_base_freq`` (10k);
+  ``full_attention`` layers see every key and use ``rope_theta`` (1M) with its scaling (linear
+  x8 on the 4B+ models); the pattern is ``config.layer_types`` (or ``sliding_window_pattern``);
+- MLP ``down(gelu_tanh(gate(x)) * up(x))``; final norm; tied head; ``final_logit_softcapping``
+  (``cap * tanh(logits / cap)``) when set.
+
+Engine view: ``layer_types`` "swa" / "full", so the local layers' K/V live in the SWA pool
+(engine/hybrid.py) and the radix cache votes with the SWA component; the model itself only sets
+``AttnSpec.sliding_window``. Refused (``ModelLoadError``): ``attn_logit_softcapping`` (no Gemma 3
+checkpoint sets it, and transformers' Gemma 3 attention ignores it), bidirectional attention
+(EmbeddingGemma), activations other than gelu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.attention.base import AttentionBackend, AttnSpec
+from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.layers import Rotary, rope_inv_freq
+from tandem.engine.model_config import ModelArchConfig, ModelLoadError, _hf_rope_scaling
+from tandem.engine.models.hf_config import need, special_ids
+from tandem.engine.models.norms import offset_rms_norm, offset_weight
+
+GetTensor = Callable[[str], torch.Tensor]
+_GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass(frozen=True)
+class Gemma3Extras:
+    """What Gemma 3 needs beyond ModelArchConfig. ``rope_kinds[i]``: "local" | "global" (the
+    layer's kind in config.json: it picks the rotary table even if ``sliding_window=`` overrides
+    make every layer windowed)."""
+
+    rope_kinds: tuple[str, ...]
+    local_theta: float
+    local_scaling: dict | None
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+    gelu_approximate: str
+
+
+def gemma3_arch(cfg: dict[str, Any]) -> tuple[ModelArchConfig, Gemma3Extras]:
+    """Parse a ``Gemma3ForCausalLM`` config.json (transformers 4.5x or 5.x layout)."""
+    need(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "vocab_size")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError("Gemma 3 attn_logit_softcapping is not supported (transformers' "
+                             "Gemma 3 ignores it; Gemma 3 checkpoints set it to null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3 with use_bidirectional_attention is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU:
+        raise ModelLoadError(f"Gemma 3 hidden_activation {act!r} is not supported "
+                             f"(supported: {', '.join(_GELU)})")
+    n_layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    n_q = int(cfg["num_attention_heads"])
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    mapping = {"sliding_attention": "swa", "full_attention": "full"}
+    if len(kinds) != n_layers or any(k not in mapping for k in kinds):
+        raise ModelLoadError(f"config.json layer_types {kinds!r} is not supported")
+    window = cfg.get("sliding_window")
+    layer_types = [mapping[k] if window else "full" for k in kinds]
+    # Rotary: transformers 5 writes rope_parameters per layer kind; older configs have rope_theta,
+    # rope_local_base_freq and rope_scaling (which applies to the global layers only).
+    rp = cfg.get("rope_parameters") or {}
+    glob = dict(rp.get("full_attention") or {})
+    loc = dict(rp.get("sliding_attention") or {})
+    if not glob and cfg.get("rope_scaling"):
+        glob = dict(cfg["rope_scaling"])
+    g_theta = float(glob.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0)
+    l_theta = float(loc.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0)
+    bos, eos = special_ids(cfg)
+    arch = ModelArchConfig(
+        arch="gemma3", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, num_layers=n_layers,
+        num_q_heads=n_q, num_kv_heads=int(cfg.get("num_key_value_heads") or n_q),
+        head_dim=int(cfg.get("head_dim") or hidden // n_q),
+        intermediate_size=int(cfg["intermediate_size"]), rope_theta=g_theta,
+        rope_scaling=_hf_rope_scaling(glob), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings") or 131072),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=True,
+        layer_types=layer_types, sliding_window=int(window) if "swa" in layer_types else None,
+        bos_token_id=bos, eos_token_ids=eos)
+    extras = Gemma3Extras(
+        rope_kinds=tuple("local" if k == "sliding_attention" else "global" for k in kinds),
+        local_theta=l_theta, local_scaling=_hf_rope_scaling(loc),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or arch.head_dim),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        gelu_approximate=_GELU[act])
+    return arch, extras
+
+
+class Gemma3Layer(nn.Module):
+    """One decoder layer. Weights in F.linear's [N, K] layout: qkv [(Hq + 2Hkv) * D, H] (fused at
+    load), o [H, Hq * D], gate_up [2I, H], down [H, I]; norms as float32 ``1 + w``."""
+
+    def __init__(self, arch: ModelArchConfig, spec: AttnSpec, rope_kind: str, gelu: str,
+                 t: dict[str, torch.Tensor | None]):
+        super().__init__()
+        self.spec, self.rope_kind, self.gelu = spec, rope_kind, gelu
+        self.eps, self.inter = arch.rms_norm_eps, arch.intermediate_size
+        self.n_q, self.n_kv, self.d = arch.num_q_heads, arch.num_kv_heads, arch.head_dim
+        for name, w in t.items():
+            self.register_buffer(name, None if w is None else w.contiguous())
+
+    def forward(self, x: torch.Tensor, rot: dict, fb: ForwardBatch,
+                backend: AttentionBackend) -> torch.Tensor:
+        # x: [T, H] residual stream
+        T, eps = x.shape[0], self.eps
+        h = offset_rms_norm(x, self.input_norm, eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)                         # [T, (Hq + 2Hkv) * D]
+        q_end, k_end = self.n_q * self.d, (self.n_q + self.n_kv) * self.d
+        q = offset_rms_norm(qkv[:, :q_end].view(T, self.n_q, self.d), self.q_norm, eps)
+        k = offset_rms_norm(qkv[:, q_end:k_end].view(T, self.n_kv, self.d), self.k_norm, eps)
+        v = qkv[:, k_end:].view(T, self.n_kv, self.d)
+        cos, sin = rot[self.rope_kind]                                      # [T, 1, D/2]
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        o = backend.forward(q, k, v, self.spec, fb).reshape(T, q_end)       # [T, Hq * D]
+        x = x + offset_rms_norm(F.linear(o, self.o_proj, self.o_bias), self.post_attn_norm, eps)
+        h = offset_rms_norm(x, self.pre_ff_norm, eps)
+        gu = F.linear(h, self.gate_up)                                      # [T, 2I]
+        act = F.gelu(gu[:, : self.inter], approximate=self.gelu) * gu[:, self.inter:]
+        return x + offset_rms_norm(F.linear(act, self.down), self.post_ff_norm, eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """``forward(fb, backend, return_all_logits) -> logits [B | T, V]`` float32."""
+
+    def __init__(self, arch: ModelArchConfig, extras: Gemma3Extras, get: GetTensor,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.arch, self.extras = arch, extras
+        self.device, self.dtype = torch.device(device), dtype
+
+        def cvt(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        def norm(name: str) -> torch.Tensor:
+            return offset_weight(get(name)).to(self.device)
+
+        self.register_buffer("embed", cvt(get("model.embed_tokens.weight")))    # [V, H]
+        if tuple(self.embed.shape) != (arch.vocab_size, arch.hidden_size):
+            raise ModelLoadError(f"embedding shape {tuple(self.embed.shape)} does not match "
+                                 f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}")
+        self.register_buffer("embed_scale", torch.tensor(arch.hidden_size ** 0.5).to(self.device, dtype))
+        self.register_buffer("norm", norm("model.norm.weight"))
+        self.register_buffer("lm_head", self.embed if arch.tie_word_embeddings
+                             else cvt(get("lm_head.weight")))                  # [V, H]
+        scale = extras.query_pre_attn_scalar ** -0.5
+        layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = [get(a + f"{n}_proj.weight") for n in "qkv"]
+            want = (arch.q_size, arch.kv_size, arch.kv_size)
+            if tuple(w.shape[0] for w in qkv) != want:
+                raise ModelLoadError(f"layer {i}: q/k/v rows {tuple(w.shape[0] for w in qkv)} do "
+                                     f"not match heads x head_dim {want}")
+            bias = arch.attention_bias
+            t = {
+                "input_norm": norm(p + "input_layernorm.weight"),
+                "post_attn_norm": norm(p + "post_attention_layernorm.weight"),
+                "pre_ff_norm": norm(p + "pre_feedforward_layernorm.weight"),
+                "post_ff_norm": norm(p + "post_feedforward_layernorm.weight"),
+                "q_norm": norm(a + "q_norm.weight"), "k_norm": norm(a + "k_norm.weight"),
+                "qkv": cvt(torch.cat(qkv, 0)),
+                "qkv_bias": cvt(torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"])) if bias else None,
+                "o_proj": cvt(get(a + "o_proj.weight")),
+                "o_bias": cvt(get(a + "o_proj.bias")) if bias else None,
+                "gate_up": cvt(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                "down": cvt(get(p + "mlp.down_proj.weight")),
+            }
+            spec = AttnSpec(i, arch.num_q_heads, arch.num_kv_heads, arch.head_dim, scale,
+                            arch.layer_window(i))
+            layers.append(Gemma3Layer(arch, spec, extras.rope_kinds[i], extras.gelu_approximate, t))
+        self.layers = nn.ModuleList(layers)
+        self.rotary = {
+            "global": Rotary(rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling),
+                             arch.max_position, self.device, dtype),
+            "local": Rotary(rope_inv_freq(arch.head_dim, extras.local_theta, extras.local_scaling),
+                            arch.max_position, self.device, dtype),
+        }
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, backend: AttentionBackend,
+                return_all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] (float32)."""
+        x = F.embedding(fb.input_ids, self.embed) * self.embed_scale        # [T, H]
+        rot = {k: r.tables(fb.positions) for k, r in self.rotary.items()}  # kind -> [T, 1, D/2] x2
+        for layer in self.layers:
+            x = layer(x, rot, fb, backend)
+        if not return_all_logits:
+            x = x[fb.last_token_indices]                                    # [B, H]
+        x = offset_rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        logits = F.linear(x, self.lm_head)                                  # [B | T, V]
+        cap = self.extras.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
