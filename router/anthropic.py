@@ -1,0 +1,3 @@
+class AnthropicRoutes:
+    def __init__(self, door):
+        self.door = door
