@@ -64,7 +64,8 @@ class ScriptedBackend:
     max_context = 256
     script = SCRIPT
 
-    def __init__(self):
+    def __init__(self, max_context: int = 256):
+        self.max_context = max_context
         self.tokenizer = CharTokenizer()
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
@@ -158,6 +159,12 @@ def serve():
 def live(serve):
     """Scripted backend, no API key, a 64 KiB body limit."""
     return serve(ScriptedBackend(), ServeConfig(max_body_bytes=64 * 1024))
+
+
+@pytest.fixture(scope="session")
+def live_agent(serve):
+    """Scripted backend with room for tool prompts (64k characters of context)."""
+    return serve(ScriptedBackend(max_context=1 << 16), ServeConfig())
 
 
 @pytest.fixture(scope="session")
