@@ -1,7 +1,7 @@
 """The HTTP front door: ``create_app(backend, config) -> FastAPI``.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /v1/messages
-(anthropic.py), GET /v1/models, GET /health, GET /metrics. /v1/* needs the API key when
+Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /v1/messages and
+/v1/messages/count_tokens (anthropic.py), GET /v1/models, GET /health, GET /metrics. /v1/* needs the API key when
 ``ServeConfig.api_key`` is set (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
 clients send it).
 
@@ -218,6 +218,10 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await anthropic_routes.serve(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await anthropic_routes.count_tokens(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
