@@ -279,3 +279,34 @@ def test_bad_constraints_are_invalid_requests(compiler, constraint, message):
 def test_non_strict_schema_ignores_unsupported_keywords(compiler):
     spec = '{"type": "string", "format": "no-such-format"}'
     assert compiler.compile_now(Constraint("json_schema", spec, strict=False)).constraint.strict is False
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_front_door_call_grammars_yield_parsable_valid_calls(tok, compiler, closers, fmt, choice):
+    """The constraint router/tools builds for tool_choice required / a named function compiles, and
+    whatever is sampled under it parses back (with the same format's parser) into calls whose
+    arguments validate against the tool's parameter schema."""
+    from tandem.router.tools.formats import FORMATS, parse_all
+    from tandem.router.tools.spec import parse_openai_tools
+
+    tools = [{"type": "function", "function": {"name": f"tool_{k}", "parameters": random_schema(random.Random(k))
+                                               if k else {"type": "object", "properties": {
+                                                   "q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}
+             for k in range(3)]
+    for t in tools:   # tool parameters are objects
+        p = t["function"]["parameters"]
+        if p.get("type") != "object":
+            t["function"]["parameters"] = {"type": "object", "properties": {"v": p}, "required": ["v"]}
+    tc = "required" if choice == "required" else {"type": "function", "function": {"name": "tool_1"}}
+    plan = parse_openai_tools(tools, tc, True)
+    constraint = FORMATS[fmt].constraint(plan)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for seed in range(3):
+        text = text_of(tok, sample(compiler, constraint, seed, closers))
+        content, calls = parse_all(FORMATS[fmt], text)
+        assert calls and not content.strip(), text
+        if choice == "named":
+            assert [c.name for c in calls] == ["tool_1"]
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
