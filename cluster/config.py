@@ -42,6 +42,7 @@ def serve_config_from_args(args) -> ServeConfig:
              "transfer_timeout_s": args.transfer_timeout,
              "local_prefill_threshold": args.local_prefill_threshold,
              "decode_max_total_tokens": args.decode_max_total_tokens,
+             "tool_parser": getattr(args, "tool_parser", None),
              "sim_profile": getattr(args, "sim_profile", None),
              "sim_speedup": getattr(args, "sim_speedup", None)}
     d.update({k: v for k, v in flags.items() if v is not None})

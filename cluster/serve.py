@@ -22,6 +22,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    g.add_argument("--tool-parser", default=None, choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="tool-call format the model writes (default auto: from its chat template; "
+                        "Hermes <tool_call> when the template has no tool support)")
     g.add_argument("--policy", default=None,
                    choices=["round_robin", "random", "least_load", "cache_aware", "kv_events", "session"],
                    help="routing policy (default session)")

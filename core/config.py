@@ -92,6 +92,9 @@ class ServeConfig(_Strict):
     kv_events: bool | None = Field(None, description="prefill workers publish KV events to the "
                                    "router's exact index (default: when policy is kv_events)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="tool-call output format (router/tools/formats.py): 'auto' picks it from "
+                            "the model's chat template, Hermes when the template has no tool support")
     sim_profile: str = Field("llama3-8b-h100", description="engine 'sim': the cost profile "
                              "(bench/sim/cost_model.py) the simulated workers run at")
     sim_speedup: float = Field(1.0, gt=0, description="engine 'sim': simulated seconds per wall second")

@@ -2,6 +2,12 @@
 
 Encoded for the wire with :func:`to_wire` / :func:`from_wire` (msgpack-compatible plain dicts,
 never pickle); ``from_wire`` validates field names and types.
+
+OpenAI's ``n`` (several samples of one prompt) is fanned out by the front door: ``n``
+GenerateRequests with the same prompt, each its own rid, stream and abort, tied by a
+:class:`SampleGroup`. A backend that knows nothing of groups serves them as independent requests
+(correct, but the prompt is computed n times); the engine uses the group to compute it once: a
+member with ``index > 0`` waits for member 0's prompt KV and reuses it (see SampleGroup).
 """
 
 from __future__ import annotations
@@ -9,17 +15,51 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from tandem.core.types import InvalidRequest, SamplingParams
+from tandem.core.types import Constraint, InvalidRequest, SamplingParams
+
+MAX_N = 8   # the most samples one request may ask for (OpenAI ``n``)
+
+
+@dataclass(frozen=True)
+class SampleGroup:
+    """Membership of one of ``size`` samples of one prompt (filled by the front door).
+
+    ``id`` names the group (the HTTP request's id); members are ``index`` 0..size-1, sent to the
+    backend in index order, all with the same prompt_ids and session_id. Contract for a backend
+    that shares the prompt: member 0 (the leader) runs as usual; a member with ``index > 0`` is
+    admitted only once the leader's prompt KV is in the prefix cache (or the leader finished or
+    failed), so it reuses all of it but the last token; a disaggregated backend routes every
+    member to the leader's workers. Seeds differ per member (the front door sets seed + index).
+    """
+
+    id: str
+    index: int = 0
+    size: int = 1
+
+    def validate(self) -> "SampleGroup":
+        if not isinstance(self.id, str) or not self.id:
+            raise InvalidRequest("SampleGroup.id must be a non-empty string")
+        if not (isinstance(self.size, int) and 1 <= self.size <= MAX_N):
+            raise InvalidRequest(f"SampleGroup.size must be in [1, {MAX_N}], got {self.size!r}")
+        if not (isinstance(self.index, int) and 0 <= self.index < self.size):
+            raise InvalidRequest(f"SampleGroup.index must be in [0, {self.size}), got {self.index!r}")
+        return self
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation, already tokenized. ``rid`` is unique per request; ``session_id`` groups turns."""
+    """One generation, already tokenized. ``rid`` is unique per request; ``session_id`` groups turns;
+    ``group`` ties the n samples of one prompt (None for n = 1)."""
 
     rid: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None
+    group: SampleGroup | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -30,21 +70,44 @@ class GenerateRequest:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "GenerateRequest":
-        if not isinstance(d, dict) or set(d) != {f.name for f in fields(cls)}:
+        names = {f.name for f in fields(cls)}
+        # "group" may be absent: a message from a sender that predates it
+        if not isinstance(d, dict) or not ({"rid", "prompt_ids", "params", "session_id"} <= set(d) <= names):
             raise InvalidRequest(f"GenerateRequest fields mismatch: {sorted(d) if isinstance(d, dict) else type(d)}")
         if not isinstance(d["rid"], str):
             raise InvalidRequest("GenerateRequest.rid must be a string")
         ids = d["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise InvalidRequest("GenerateRequest.prompt_ids must be a list of ints")
-        p = d["params"]
-        names = {f.name for f in fields(SamplingParams)}
-        if not isinstance(p, dict) or not set(p) <= names:
-            raise InvalidRequest(f"GenerateRequest.params has unknown fields: {sorted(set(p) - names)}")
-        p = dict(p)
-        p["stop"] = tuple(p.get("stop", ()))
-        p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
         sid = d["session_id"]
         if sid is not None and not isinstance(sid, str):
             raise InvalidRequest("GenerateRequest.session_id must be a string or null")
-        return cls(rid=d["rid"], prompt_ids=tuple(ids), params=SamplingParams(**p).validate(), session_id=sid)
+        return cls(rid=d["rid"], prompt_ids=tuple(ids), params=_params_from_wire(d["params"]),
+                   session_id=sid, group=_group_from_wire(d.get("group")))
+
+
+def _params_from_wire(p: Any) -> SamplingParams:
+    names = {f.name for f in fields(SamplingParams)}
+    if not isinstance(p, dict) or not set(p) <= names:
+        raise InvalidRequest(f"GenerateRequest.params has unknown fields: "
+                             f"{sorted(set(p) - names) if isinstance(p, dict) else type(p).__name__}")
+    p = dict(p)
+    p["stop"] = tuple(p.get("stop", ()))
+    p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
+    c = p.get("constraint")
+    if c is not None:
+        cnames = {f.name for f in fields(Constraint)}
+        if not isinstance(c, dict) or not ({"kind"} <= set(c) <= cnames):
+            raise InvalidRequest(f"GenerateRequest.params.constraint must be an object with fields "
+                                 f"{sorted(cnames)}, got {c!r}"[:300])
+        p["constraint"] = Constraint(**c)
+    return SamplingParams(**p).validate()
+
+
+def _group_from_wire(g: Any) -> SampleGroup | None:
+    if g is None:
+        return None
+    gnames = {f.name for f in fields(SampleGroup)}
+    if not isinstance(g, dict) or set(g) != gnames:
+        raise InvalidRequest(f"GenerateRequest.group must be an object with fields {sorted(gnames)}")
+    return SampleGroup(**g).validate()

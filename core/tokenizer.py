@@ -65,6 +65,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {ch: b for b, ch in _bytes_to_unicode().items()}
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the model's special ids and chat template."""
 
@@ -211,6 +216,19 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8
+        character, so this is not ``decode([id]).encode()``); special tokens give their text.
+        b"" for an id outside the vocabulary."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if type(self._tok.decoder).__name__ == "ByteLevel":
+            inverse = _unicode_to_bytes()
+            if all(ch in inverse for ch in piece):
+                return bytes(inverse[ch] for ch in piece)
+        return self._tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
     # -- chat ----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

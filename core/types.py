@@ -53,6 +53,59 @@ class Overloaded(TandemError):
         self.retry_after_s = max(int(retry_after_s), 1)
 
 
+MAX_TOP_LOGPROBS = 20   # OpenAI's limit for top_logprobs (chat and completions alike here)
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "structural_tag")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, decoded under a token bitmask (engine/grammar.py enforces it).
+
+    Filled by the front door (response_format, tool_choice); read by the sampler. ``spec`` is text:
+
+    - ``json_schema``: a JSON Schema, serialized JSON (``strict`` below says how unsupported keywords
+      are treated: refused when strict, ignored otherwise);
+    - ``json_object``: any JSON object (``spec`` is ignored, "" by convention);
+    - ``regex``: a regular expression the whole output must match;
+    - ``lark``: a grammar in llguidance's Lark dialect (EBNF-like; may embed ``%json {schema}``);
+    - ``structural_tag``: serialized JSON ``{"tags": [{"begin", "schema", "end"}], "triggers": [..]}``:
+      free text, but whatever follows a trigger must be one of the tags (lazy tool-call grammars).
+
+    The output ends where the grammar is complete (EOS is the only token allowed then).
+    """
+
+    kind: str
+    spec: str = ""
+    strict: bool = True
+
+    def validate(self) -> "Constraint":
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequest(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                                 f"got {self.kind!r}")
+        if not isinstance(self.spec, str) or not isinstance(self.strict, bool):
+            raise InvalidRequest(f"constraint spec must be a string and strict a bool, got "
+                                 f"{type(self.spec).__name__} and {type(self.strict).__name__}")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequest(f"a {self.kind} constraint needs a non-empty spec")
+        return self
+
+    def key(self) -> tuple[str, str, bool]:
+        """The grammar cache key (two requests with equal keys share one compiled grammar)."""
+        return (self.kind, self.spec, self.strict)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the ``top`` alternatives ((token id, logprob),
+    most likely first). Both come from ``log_softmax`` of the logits the sampler drew from: the
+    model's logits with the constraint's bitmask and min_tokens bans applied, before temperature,
+    top-k and top-p (so a greedy token is always ``top[0]``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Validated by :meth:`validate` (raises :class:`InvalidRequest`).
@@ -61,6 +114,9 @@ class SamplingParams:
     ``stop`` strings are matched on the detokenized output and excluded from the returned text.
     ``stop_token_ids`` finish with reason "stop"; EOS does too unless ``ignore_eos``.
     ``min_tokens`` suppresses EOS/stop tokens until that many tokens were generated.
+    ``logprobs``: report each sampled token's logprob (StreamChunk.logprobs), with the
+    ``top_logprobs`` (0..MAX_TOP_LOGPROBS) most likely alternatives. ``constraint``: decode under a
+    grammar (None = unconstrained).
     """
 
     max_tokens: int = 16
@@ -72,6 +128,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    constraint: Constraint | None = None
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -87,6 +146,17 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequest(f"logprobs must be a bool, got {self.logprobs!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs to be true")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidRequest(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+            self.constraint.validate()
         return self
 
     @property
@@ -137,7 +207,12 @@ class Req:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """What a caller receives per step: the new token ids and text, and the finish reason once."""
+    """What a caller receives per step: the new token ids and text, and the finish reason once.
+
+    ``logprobs`` (only when the request asked for them): one entry per id in ``token_ids``, same
+    order. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
+    when EOS or a stop token id did.
+    """
 
     rid: str
     token_ids: tuple[int, ...]
@@ -148,6 +223,8 @@ class StreamChunk:
     completion_tokens: int = 0
     error: str | None = None
     worker: str = ""        # final chunk, disaggregated: the decode worker that served it
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stop_str: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""OpenAI-compatible request and response bodies (the subset Tandem serves).
+"""OpenAI-compatible request bodies (the subset Tandem serves) and the error object.
 
 Requests are validated strictly (``"1"`` is not an int, ``1`` is not a bool, NaN/inf are not
 numbers) with unknown fields ignored, as OpenAI clients send extras. Fields we parse but cannot
 honour are refused by :meth:`_SamplingFields.unsupported` rather than silently ignored.
-Vendor extensions accepted in the body: top_k, min_tokens, ignore_eos, session_id.
+Vendor extensions accepted in the body: top_k, min_tokens, ignore_eos, session_id, and
+response_format types ``regex`` / ``grammar`` (router/structured.py). Response bodies are in
+openai_responses.py; tools are validated by router/tools/spec.py.
 
 :func:`parse_json_object` and :func:`parse_request` turn a body into a request model or raise
 :class:`APIError` (the OpenAI error object's fields plus the HTTP status).
@@ -15,12 +17,14 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.core.messages import MAX_N
+from tandem.core.types import MAX_TOP_LOGPROBS
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64).
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_STOP_STRINGS = 16
-MAX_SESSION_ID_CHARS = 256
 
 
 class _Request(BaseModel):
@@ -48,9 +52,8 @@ class _SamplingFields(_Request):
     n: int = Field(1, ge=1)
     user: str | None = None
     session_id: str | None = None
+    response_format: dict[str, Any] | None = None
     # parsed only to refuse them when set (see unsupported())
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -63,12 +66,10 @@ class _SamplingFields(_Request):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something Tandem does not serve."""
-        if self.n != 1:
-            return "n", f"only n=1 is supported, got n={self.n}"
+        if self.n > MAX_N:
+            return "n", f"n must be at most {MAX_N} (Tandem's limit), got n={self.n}"
         if self.best_of not in (None, 1):
             return "best_of", f"only best_of=1 is supported, got {self.best_of}"
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 return name, f"{name} is not supported (only 0)"
@@ -81,16 +82,35 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token (0..MAX_TOP_LOGPROBS)."""
+        raise NotImplementedError
+
 
 class ContentPart(_Request):
     type: str
     text: str | None = None
 
 
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallParam(_Request):
+    """An assistant message's earlier call, as a client sends it back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None   # assistant
+    tool_call_id: str | None = None                 # tool
 
     def text(self) -> str:
         """The message as plain text; raises ValueError for non-text parts."""
@@ -109,17 +129,24 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    # validated by router/tools/spec.py, which names the failing field in its message
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools are not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format type 'text' is supported"
+        if self.top_logprobs is not None and self.top_logprobs > MAX_TOP_LOGPROBS:
+            return "top_logprobs", f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
 
 
@@ -128,6 +155,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0)    # the legacy shape: how many alternatives per token
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; raises ValueError for a batch of several (or none)."""
@@ -141,7 +169,12 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
+            return "logprobs", f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}"
         if self.echo:
             return "echo", "echo is not supported"
         if self.suffix:
@@ -149,105 +182,9 @@ class CompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
-# ------------------------------------------------------------------------------ responses
+# ------------------------------------------------------------------------------ errors
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Response):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class ChatCompletion(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(_Response):
-    """Serialized without its unset fields: the final chunk's delta is ``{}``, as OpenAI sends it."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer
-    def _drop_none(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-
-
-class ChatChunkChoice(_Response):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(_Response):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class Completion(_Response):
-    """Both the non-streamed body (object "text_completion") and each streamed chunk (same object)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tandem"
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class ErrorBody(_Response):

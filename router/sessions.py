@@ -1,8 +1,17 @@
-"""The session table: which prefill and decode worker a conversation last used.
+"""Naming sessions (:func:`session_key`) and the session table: which prefill and decode worker a
+conversation last used.
 
-A session is named by the client's explicit id (``X-Session-Id`` / ``session_id``) or, when it
-sends none, by :func:`fingerprint` of the conversation's opening (system prompt + first user
-message), which is the same on every turn of a chat because chat clients resend the history.
+A session is named by the client's explicit id or, when it sends none, by :func:`fingerprint` of
+the conversation's opening (system prompt + first user message), which is the same on every turn
+of a chat because chat clients resend the history. Explicit ids, first match wins
+(:data:`SESSION_HEADERS`, then body fields):
+
+1. ``X-Session-Id`` (Tandem's own header)
+2. ``X-Session-Affinity`` (llm-d's affinity header)
+3. ``X-Claude-Code-Session-Id`` (sent by Claude Code on every request of a session)
+4. ``Session-Id``
+5. body ``session_id``, then body ``user`` (OpenAI), then Anthropic ``metadata.user_id``
+6. the fingerprint of the chat's opening (``fp-<16 hex>``)
 
 The table is bounded (``max_sessions``, least recently touched dropped first) and entries older
 than ``ttl_s`` are treated as absent; both keep memory and lookups O(1) with many sessions.
@@ -15,6 +24,36 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Sequence
+
+MAX_SESSION_ID_CHARS = 256
+SESSION_HEADERS = ("x-session-id", "x-session-affinity", "x-claude-code-session-id", "session-id")
+
+
+class SessionIdTooLong(ValueError):
+    """An explicit session id over MAX_SESSION_ID_CHARS (the front door answers 400)."""
+
+
+def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids: Sequence[int] = ()) -> str | None:
+    """The session a request belongs to (order in the module docstring). None for a plain
+    completion prompt with no session named. Raises SessionIdTooLong."""
+    meta = body.get("metadata")
+    values = [headers.get(h) for h in SESSION_HEADERS] + [
+        body.get("session_id"), body.get("user"), meta.get("user_id") if isinstance(meta, Mapping) else None]
+    for value in values:
+        if isinstance(value, str) and value:
+            if len(value) > MAX_SESSION_ID_CHARS:
+                raise SessionIdTooLong(f"session id has {len(value)} characters, at most "
+                                       f"{MAX_SESSION_ID_CHARS} allowed")
+            return value
+    messages = body.get("messages")
+    if isinstance(messages, list) and all(isinstance(m, Mapping) for m in messages):
+        system = body.get("system")   # Anthropic keeps the system prompt out of the messages
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        fp = fingerprint(messages)
+        if fp is not None:
+            return f"fp-{fp:016x}"
+    return None
 
 
 @dataclass(slots=True)

@@ -96,8 +96,10 @@ class StreamClient:
         return body
 
     async def chat(self, messages: list[dict], *, max_tokens: int, exact: bool = False,
-                   session: str | None = None, turn: int = 0) -> Record:
+                   session: str | None = None, turn: int = 0, tools: tuple[dict, ...] = ()) -> Record:
         body = self._body(max_tokens, exact) | {"messages": messages}
+        if tools:
+            body["tools"] = list(tools)
         headers = {"X-Session-Id": session} if session and self.cfg.session_header else {}
         return await self._send("/v1/chat/completions", body, headers, Record(session, turn, 0.0))
 
@@ -206,7 +208,7 @@ async def run_sessions(client: StreamClient, sessions: list[Session], *, concurr
                 if not budget.take():
                     return
                 rec = await client.chat(s.messages(t, replies), max_tokens=turn.max_tokens,
-                                        exact=turn.exact_output, session=s.sid, turn=t)
+                                        exact=turn.exact_output, session=s.sid, turn=t, tools=s.tools)
                 records.append(rec)
                 bar.update(1)
                 if not rec.ok:

@@ -31,8 +31,8 @@ great old year off come since against go came right used take three small large 
 step check list table value query index result error cache block page model server client request
 token batch queue worker node route stream write read parse build test run""".split())
 
-# Tool schemas every agent session shares (rendered into the system prompt: Tandem, like many
-# servers, refuses the ``tools`` field, and the text is what a cache sees anyway).
+# Tool schemas every agent session shares, declared in the request's ``tools`` (as an agent does;
+# the server renders them into the prompt, so they are part of the shared prefix).
 TOOL_SCHEMAS: tuple[dict, ...] = (
     {"name": "search_files", "description": "Search the repository for a pattern.",
      "parameters": {"type": "object", "properties": {"pattern": {"type": "string"},
@@ -46,6 +46,20 @@ TOOL_SCHEMAS: tuple[dict, ...] = (
     {"name": "run_tests", "description": "Run the test suite and report failures.",
      "parameters": {"type": "object", "properties": {"selector": {"type": "string"}}}},
 )
+
+
+TOOLS: tuple[dict, ...] = tuple({"type": "function", "function": t} for t in TOOL_SCHEMAS)
+
+
+def tool_arguments(rng: random.Random, name: str) -> dict:
+    """Plausible arguments for one of TOOL_SCHEMAS' tools (each required field filled)."""
+    w = rng.choice(WORDS)
+    if name == "search_files":
+        return {"pattern": w, "path": "src"}
+    if name == "read_file":
+        start = rng.randint(1, 400)
+        return {"path": f"src/{w}.py", "start": start, "end": start + rng.randint(10, 80)}
+    return {"selector": f"tests/test_{w}.py"}
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -118,12 +132,20 @@ class Dist:
 # ------------------------------------------------------------------------------ workload types
 @dataclass(frozen=True)
 class Turn:
-    """One request of a session: the user message appended before sending it."""
+    """One request of a session: what is appended after the previous reply, then sent.
+
+    With ``tool_name`` (agent turns after the first) the previous reply is replayed as an assistant
+    message that called ``tool_name(tool_args)``, followed by the ``tool`` message with
+    ``tool_result``; then ``user`` (when not empty) as a user message.
+    """
 
     user: str
     max_tokens: int
     exact_output: bool = False   # ask for exactly max_tokens (min_tokens = max_tokens)
     think_s: float = 0.0         # pause after the previous reply, before this turn
+    tool_name: str = ""
+    tool_args: str = ""          # JSON
+    tool_result: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,17 +153,28 @@ class Session:
     sid: str
     system: str | None
     turns: tuple[Turn, ...]
+    tools: tuple[dict, ...] = ()   # OpenAI ``tools`` sent with every request of the session
 
     def messages(self, turn: int, replies: list[str]) -> list[dict]:
-        """Chat messages of request ``turn``: the system prompt, every earlier user turn followed by
-        its reply (``replies[i]`` is the server's answer to turn i), then this turn's user text."""
+        """Chat messages of request ``turn``: the system prompt, turn 0's user text, then for each
+        later turn up to ``turn`` the previous reply (``replies[i]`` is the server's answer to
+        turn i; with the turn's tool call when it has one), the tool result, the user text."""
         if len(replies) < turn:
             raise ValueError(f"turn {turn} of {self.sid} needs {turn} earlier replies, got {len(replies)}")
         out = [{"role": "system", "content": self.system}] if self.system is not None else []
-        for i in range(turn):
-            out += [{"role": "user", "content": self.turns[i].user},
-                    {"role": "assistant", "content": replies[i]}]
-        out.append({"role": "user", "content": self.turns[turn].user})
+        out.append({"role": "user", "content": self.turns[0].user})
+        for i in range(1, turn + 1):
+            t = self.turns[i]
+            reply: dict = {"role": "assistant", "content": replies[i - 1]}
+            if t.tool_name:
+                call_id = f"call_{self.sid}_{i}"
+                reply["tool_calls"] = [{"id": call_id, "type": "function",
+                                        "function": {"name": t.tool_name, "arguments": t.tool_args}}]
+                out += [reply, {"role": "tool", "tool_call_id": call_id, "content": t.tool_result}]
+            else:
+                out.append(reply)
+            if t.user:
+                out.append({"role": "user", "content": t.user})
         return out
 
 
@@ -180,7 +213,7 @@ class AgentConfig:
 
     num_sessions: int = 4
     turns: int = 3
-    system_prompt_tokens: int = 200   # prose; the tool schemas add about 150 tokens more
+    system_prompt_tokens: int = 200   # prose; the declared tools add about 300 tokens more
     task_tokens: int = 40
     instruction_tokens: int = 12
     tool_result_tokens: Dist = Dist("uniform", 32, 96)
@@ -191,30 +224,33 @@ class AgentConfig:
 
 def agent_workload(cfg: AgentConfig) -> Workload:
     """``cfg.num_sessions`` sessions of ``cfg.turns`` turns. All sessions share the system prompt
-    and tool schemas; each has its own task. Turn 0 sends the task; turn t > 0 appends the previous
-    reply, a tool result (length drawn from ``tool_result_tokens``) and a short instruction, after a
-    think time."""
+    and declare the same tools (TOOLS); each has its own task. Turn 0 sends the task; turn t > 0
+    replays the previous reply as an assistant tool call (a tool and arguments drawn from the
+    seed), the tool's result (length drawn from ``tool_result_tokens``) and a short instruction,
+    after a think time: what an agent loop sends."""
     if cfg.num_sessions < 1 or cfg.turns < 1:
         raise ValueError(f"agent workload needs at least 1 session and 1 turn, got "
                          f"{cfg.num_sessions} sessions x {cfg.turns} turns")
     shared = random.Random(f"agent/{cfg.seed}/system")
     system = ("You are a coding agent. Think step by step and call one tool per turn. "
-              + words(shared, cfg.system_prompt_tokens)
-              + "\n\nTools:\n" + "\n".join(json.dumps(t, sort_keys=True) for t in TOOL_SCHEMAS))
+              + words(shared, cfg.system_prompt_tokens))
     sessions = []
     for i in range(cfg.num_sessions):
         rng = random.Random(f"agent/{cfg.seed}/session/{i}")
         turns = [Turn(f"Task {i}: " + words(rng, cfg.task_tokens), cfg.max_tokens)]
         for t in range(1, cfg.turns):
             tool = TOOL_SCHEMAS[rng.randrange(len(TOOL_SCHEMAS))]["name"]
+            args = json.dumps(tool_arguments(rng, tool))
             result = words(rng, cfg.tool_result_tokens.tokens(rng))
             instruction = words(rng, cfg.instruction_tokens)
-            turns.append(Turn(f"Tool {tool} returned:\n{result}\n\nNext: {instruction}", cfg.max_tokens,
-                              think_s=cfg.think_time_s.sample(rng)))
-        sessions.append(Session(f"agent-{cfg.seed}-{i:04d}", system, tuple(turns)))
+            turns.append(Turn(f"Next: {instruction}" if instruction else "", cfg.max_tokens,
+                              think_s=cfg.think_time_s.sample(rng), tool_name=tool, tool_args=args,
+                              tool_result=result))
+        sessions.append(Session(f"agent-{cfg.seed}-{i:04d}", system, tuple(turns), TOOLS))
     return Workload("agent", sessions=sessions,
                     notes=f"{cfg.num_sessions} sessions x {cfg.turns} turns, shared system prompt "
-                          f"~{cfg.system_prompt_tokens} tokens + tool schemas")
+                          f"~{cfg.system_prompt_tokens} tokens + {len(TOOLS)} declared tools, tool calls "
+                          f"and results replayed")
 
 
 # ------------------------------------------------------------------------------ vLLM multi-turn

@@ -97,8 +97,11 @@ def test_run_sessions_feeds_replies_back_and_stops_a_session_on_error():
     assert len(recs) == 3 + 2                                      # session 1 stops after its failed turn 1
     assert [r.error for r in recs if r.session == w.sessions[1].sid] == [None, "http_503"]
     last = [b for b in bodies if b["messages"][1]["content"] == w.sessions[0].turns[0].user][-1]
-    assert [m["role"] for m in last["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert last["messages"][2]["content"] == "ok2" and last["messages"][4]["content"] == "ok4"
+    assert [m["role"] for m in last["messages"]] == ["system", "user", "assistant", "tool", "user",
+                                                     "assistant", "tool", "user"]
+    assert last["messages"][2]["content"] == "ok2" and last["messages"][5]["content"] == "ok5"
+    assert last["messages"][2]["tool_calls"][0]["id"] == last["messages"][3]["tool_call_id"]
+    assert all(b["tools"] == list(w.sessions[0].tools) for b in bodies)   # declared on every turn
 
     capped = _run(handler, lambda c: run_sessions(c, w.sessions, max_requests=2, progress=False))
     assert len(capped) == 2

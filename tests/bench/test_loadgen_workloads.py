@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.bench.loadgen.workloads import (VLLM_MULTITURN_DEFAULT, VLLM_MULTITURN_FILE, WORDS, AgentConfig,
+from tandem.bench.loadgen.workloads import (TOOLS, VLLM_MULTITURN_DEFAULT, VLLM_MULTITURN_FILE, WORDS, AgentConfig,
                                             Dist, agent_workload, load_vllm_config, vllm_multiturn_workload,
                                             words)
 
@@ -38,17 +38,20 @@ def test_agent_workload_shape():
     w = agent_workload(SMALL)
     assert w.num_requests == 12 and len(w.sessions) == 3
     assert all(len(s.turns) == 4 for s in w.sessions)
-    assert len({s.system for s in w.sessions}) == 1                      # shared system prompt + tools
-    assert '"name": "read_file"' in w.sessions[0].system
+    assert len({s.system for s in w.sessions}) == 1                      # shared system prompt
+    assert all(s.tools == TOOLS for s in w.sessions)                     # the same declared tools
+    assert {t["function"]["name"] for t in TOOLS} == {"search_files", "read_file", "run_tests"}
     assert len({s.turns[0].user for s in w.sessions}) == 3               # a task per session
     assert len({s.sid for s in w.sessions}) == 3
     for s in w.sessions:
         assert s.turns[0].think_s == 0 and all(t.think_s == 0.25 for t in s.turns[1:])
         assert all(t.max_tokens == 8 and not t.exact_output for t in s.turns)
         for t in s.turns[1:]:
-            result = t.user.split("\n")[1].split()
-            assert 5 <= len(result) <= 9                                  # tool result from the distribution
-            assert t.user.startswith("Tool ") and "\n\nNext: " in t.user
+            assert 5 <= len(t.tool_result.split()) <= 9                   # tool result from the distribution
+            assert t.user.startswith("Next: ")
+            schema = next(x["function"]["parameters"] for x in TOOLS if x["function"]["name"] == t.tool_name)
+            args = json.loads(t.tool_args)
+            assert set(schema.get("required", ())) <= set(args) <= set(schema["properties"])
 
 
 def test_agent_context_grows_by_extending_the_previous_turn():
@@ -58,11 +61,16 @@ def test_agent_context_grows_by_extending_the_previous_turn():
     assert [m["role"] for m in prev] == ["system", "user"]
     for t in range(1, len(s.turns)):
         cur = s.messages(t, replies)
-        # the previous request, its reply, then the new user message: a strict prefix extension
+        # the previous request, its reply calling a tool, the tool's result, then the instruction:
+        # a strict prefix extension
         assert cur[:len(prev)] == prev
-        assert cur[len(prev)] == {"role": "assistant", "content": replies[t - 1]}
+        call = cur[len(prev)]
+        assert (call["role"], call["content"]) == ("assistant", replies[t - 1])
+        [tc] = call["tool_calls"]
+        assert tc["function"] == {"name": s.turns[t].tool_name, "arguments": s.turns[t].tool_args}
+        assert cur[len(prev) + 1] == {"role": "tool", "tool_call_id": tc["id"], "content": s.turns[t].tool_result}
         assert cur[-1] == {"role": "user", "content": s.turns[t].user}
-        assert len(cur) == len(prev) + 2
+        assert len(cur) == len(prev) + 3
         assert sum(len(m["content"]) for m in cur) > sum(len(m["content"]) for m in prev)
         prev = cur
     with pytest.raises(ValueError, match="needs 2 earlier replies"):

@@ -19,7 +19,7 @@ import uvicorn
 
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import InvalidRequest, StreamChunk
+from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
 from tandem.router.http import create_app
 
 SCRIPT = "Hello from Tandem!"
@@ -37,24 +37,35 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if any(msg["role"] == "tool" for msg in messages):
-            raise ValueError("this template has no tool role")   # like a jinja raise_exception()
+        if any("[bad-template]" in msg["content"] for msg in messages):
+            raise ValueError("this template refuses that")   # like a jinja raise_exception()
         text = "".join(f"<{msg['role']}>{msg['content']}\n" for msg in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def scripted_logprob(token_id: int, position: int, top: int) -> TokenLogprob:
+    """The canned logprob of ScriptedBackend's token at ``position``: the token itself is the most
+    likely, then ids +1, +2, ... each 1 nat less likely."""
+    lp = -0.25 * (position % 4)
+    return TokenLogprob(token_id, lp, tuple((token_id + k, lp - k) for k in range(top)))
 
 
 class ScriptedBackend:
     """Stands in for the engine in protocol-only tests. Replies with SCRIPT, one char per token,
     honouring max_tokens (finish "length") and stop strings (finish "stop"); reports
-    cached_tokens = min(4, prompt). Markers in the prompt change behaviour:
+    cached_tokens = min(4, prompt); with ``params.logprobs`` each chunk carries
+    :func:`scripted_logprob`. Markers in the prompt change behaviour:
     ``[hang]`` one token then waits until aborted, ``[error]`` one token then an error finish,
-    ``[refuse]`` raises InvalidRequest before any chunk."""
+    ``[refuse]`` raises InvalidRequest before any chunk, ``[say]TEXT[/say]`` (the last one in the
+    prompt) replies TEXT instead of SCRIPT (canned tool calls, JSON), ``[stop-str]`` reports
+    the first stop string as the one that matched."""
 
     model_name = "scripted-model"
     max_context = 256
     script = SCRIPT
 
-    def __init__(self):
+    def __init__(self, max_context: int = 256):
+        self.max_context = max_context
         self.tokenizer = CharTokenizer()
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
@@ -66,10 +77,12 @@ class ScriptedBackend:
         n_prompt, cached = len(req.prompt_ids), min(4, len(req.prompt_ids))
         if "[refuse]" in prompt:
             raise InvalidRequest("scripted refusal")
-        reply, finish = SCRIPT, "stop"
+        reply, finish, stop_str = SCRIPT, "stop", None
+        if "[say]" in prompt:
+            reply = prompt[prompt.rindex("[say]") + 5:].split("[/say]", 1)[0]
         for stop in req.params.stop:   # the engine excludes a stop string from the text
             if stop in reply:
-                reply = reply[: reply.index(stop)]
+                reply, stop_str = reply[: reply.index(stop)], stop
         if len(reply) > req.params.max_tokens:
             reply, finish = reply[: req.params.max_tokens], "length"
         if not reply:
@@ -81,7 +94,9 @@ class ScriptedBackend:
                 yield StreamChunk(req.rid, (), "", "abort", n_prompt, cached, i, error="scripted failure")
                 return
             done = i + 1 == len(reply)
-            yield StreamChunk(req.rid, (ord(ch),), ch, finish if done else None, n_prompt, cached, i + 1)
+            lps = (scripted_logprob(ord(ch), i, req.params.top_logprobs),) if req.params.logprobs else ()
+            yield StreamChunk(req.rid, (ord(ch),), ch, finish if done else None, n_prompt, cached, i + 1,
+                              logprobs=lps, stop_str=stop_str if done and finish == "stop" else None)
             if "[hang]" in prompt:
                 await asyncio.Event().wait()   # until the front door cancels us (client gone)
 
@@ -144,6 +159,12 @@ def serve():
 def live(serve):
     """Scripted backend, no API key, a 64 KiB body limit."""
     return serve(ScriptedBackend(), ServeConfig(max_body_bytes=64 * 1024))
+
+
+@pytest.fixture(scope="session")
+def live_agent(serve):
+    """Scripted backend with room for tool prompts (64k characters of context)."""
+    return serve(ScriptedBackend(max_context=1 << 16), ServeConfig())
 
 
 @pytest.fixture(scope="session")

@@ -140,3 +140,21 @@ def test_disconnect_mid_stream_frees_the_engines_kv(served, engine):
     evictable = engine.snapshot().evictable_tokens
     assert free + evictable >= free_before
     assert httpx.get(served.url + "/health").json()["status"] == "ok"
+
+
+def test_anthropic_messages_stream_over_the_engine(served, engine):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=engine.model_name, max_tokens=8, extra_body={"temperature": 0}, system="Be brief.",
+              messages=[{"role": "user", "content": "hello"}])
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert whole.usage.output_tokens == final.usage.output_tokens <= 8
+    assert whole.stop_reason in ("end_turn", "max_tokens")
+    n_prompt = len(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}])))
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == n_prompt
+    assert final.usage.cache_read_input_tokens > 0      # the second request reused the first's prefix

@@ -134,6 +134,7 @@ def test_front_door_imports_neither_torch_nor_the_engine():
     import subprocess
     import sys
 
-    code = ("import sys, tandem.router.http, tandem.router.backend; "
+    code = ("import sys, tandem.router.http, tandem.router.backend, tandem.router.routes_openai, "
+            "tandem.router.anthropic; "
             "bad = [m for m in ('torch', 'tandem.engine') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,6 +1,6 @@
 """Session ids: header, then body fields, then a fingerprint of the chat's opening."""
 
-from tandem.router.http import session_key
+from tandem.router.sessions import session_key
 
 
 def chat(*msgs):

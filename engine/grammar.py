@@ -1,0 +1,311 @@
+"""Constrained decoding: a :class:`~tandem.core.types.Constraint` becomes a token bitmask per step.
+
+The grammar engine is **llguidance** (Microsoft's Rust library behind guidance; also a vLLM and
+SGLang backend), chosen over xgrammar because, here:
+
+- it installs as one self-contained abi3 wheel with no dependencies; xgrammar 0.2 pulls in
+  transformers (a test-only dependency of ours), apache-tvm-ffi and its own torch requirement;
+- it builds its tokenizer from the ``tokenizers`` JSON we already hold (core/tokenizer.py), no HF
+  ``PreTrainedTokenizer`` needed;
+- it computes masks lazily (an Earley parser over a token trie, ~10-100 us per step on the CPU)
+  instead of precompiling per-state token masks, so "compiling" a new JSON schema costs well under a
+  millisecond for typical schemas and grammars with huge state spaces (long enums, nested objects)
+  do not blow up compile time; the cache below still saves re-parsing the schema;
+- one matcher API covers JSON Schema, regex, Lark (EBNF) grammars with embedded ``%json``, and lazy
+  "structural tags" for tool calls in running text; ``rollback`` and ``deep_copy`` are built in.
+
+Pieces, and who calls what (phase 2 wires these into the sampler and scheduler):
+
+- :class:`GrammarCompiler` (one per engine, built from the engine's tokenizer and the model's logits
+  width): ``compile(constraint) -> Future[CompiledGrammar]`` runs on a small thread pool, off the
+  step loop, cached per ``Constraint.key()`` (an LRU of compiled grammars plus the futures in flight);
+  a compile error is the future's :class:`InvalidRequest`.
+- :class:`Matcher` (one per request, from ``CompiledGrammar.matcher()``): ``fill_bitmask(bitmask,
+  row)`` before sampling, ``accept(token) -> bool`` after, ``is_terminated()`` when the grammar is
+  complete (only EOS may follow: finish the request), ``rollback(k)``.
+- :func:`allocate_bitmask` / :func:`apply_bitmask`: one int32 ``[B, W]`` bitmask per batch; rows of
+  unconstrained requests are left alone, so constrained and unconstrained requests share a batch.
+- :meth:`GrammarCompiler.matcher_from` (the disaggregated path): the prefill worker samples the first
+  token under the mask and sends only token ids; the decode worker rebuilds the matcher by replaying
+  them. Matchers hold no state that is not a function of (constraint, accepted ids).
+
+Bit layout (llguidance's, also xgrammar's): token ``t`` is allowed iff bit ``t % 32`` of
+``bitmask[row, t // 32]`` is set. The mask covers ``max(tokenizer vocab, logits width)`` ids; logits
+columns past the tokenizer's vocabulary (padding rows of the embedding) are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance as llg
+import torch
+
+from tandem.core.types import Constraint, InvalidRequest
+
+# JSON layout the grammar allows: no free whitespace (a small model left free to emit whitespace
+# may emit only that), json.dumps' separators. A schema's own "x-guidance" options override these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def grammar_text(c: Constraint) -> str:
+    """llguidance's grammar for ``c``. Raises InvalidRequest for a spec that is not even well-formed
+    (bad JSON); grammar errors proper surface when the grammar is compiled."""
+    c.validate()
+    if c.kind in ("json_schema", "json_object"):
+        if c.kind == "json_object":
+            schema: object = {"type": "object"}
+        else:
+            try:
+                schema = json.loads(c.spec)
+            except ValueError as e:
+                raise InvalidRequest(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+        return llg.LLMatcher.grammar_from_json_schema(
+            schema, defaults={**JSON_DEFAULTS, "lenient": not c.strict})
+    if c.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(c.spec)
+    if c.kind == "lark":
+        return llg.LLMatcher.grammar_from_lark(c.spec)
+    return _structural_tag(c.spec)
+
+
+def _structural_tag(spec: str) -> str:
+    """``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (xgrammar's and vLLM's
+    structural-tag format): free text, where each trigger starts one of the structures that begin
+    with it (the body is constrained by its JSON schema)."""
+    try:
+        d = json.loads(spec)
+        structures, triggers = d["structures"], d["triggers"]
+        tags = []
+        for s in structures:
+            trig = [t for t in triggers if s["begin"].startswith(t)]
+            if not trig:
+                raise InvalidRequest(f"structural tag {s['begin']!r} starts with none of the triggers {triggers}")
+            schema = s.get("schema", {})
+            tags.append(llg.StructTag(trigger=max(trig, key=len), begin=s["begin"],
+                                      grammar={**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
+                                      if isinstance(schema, dict) else schema, end=s.get("end", "")))
+    except InvalidRequest:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
+        raise InvalidRequest(f"a structural_tag spec must be {{\"structures\": [{{\"begin\", \"schema\", "
+                             f"\"end\"}}], \"triggers\": [...]}}: {e!r}"[:300]) from None
+    if not tags:
+        raise InvalidRequest("a structural_tag spec needs at least one structure")
+    return llg.StructTag.to_grammar(tags, assume_special=False)
+
+
+# ------------------------------------------------------------------------------ bitmasks
+def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """``[batch, ceil(vocab_size / 32)]`` int32, every token allowed."""
+    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t] = -inf`` for every token ``t`` that ``bitmask[r]`` forbids, for each ``r`` in
+    ``rows`` (in place; other rows are untouched). logits: [B, V] float (any device); bitmask:
+    [B, W] int32 on the CPU, rows aligned with logits. Columns past ``32 * W`` are forbidden."""
+    if not rows:
+        return
+    b, v = logits.shape
+    if bitmask.dim() != 2 or bitmask.shape[0] != b or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 [{b}, W] like logits [{b}, {v}], got "
+                         f"{bitmask.dtype} {list(bitmask.shape)}")
+    every = len(rows) == b and list(rows) == list(range(b))
+    idx = None if every else torch.tensor(rows, dtype=torch.long)
+    words = bitmask if every else bitmask.index_select(0, idx)            # [R, W]
+    allowed = ((words.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), -1)   # [R, 32 * W]
+    width = allowed.shape[1]
+    if width >= v:
+        allowed = allowed[:, :v]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), v - width)], dim=1)
+    forbid = allowed.to(logits.device) == 0
+    if every:
+        logits.masked_fill_(forbid, float("-inf"))
+        return
+    idx = idx.to(logits.device)
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(forbid, float("-inf"))
+    logits.index_copy_(0, idx, sub)
+
+
+# ------------------------------------------------------------------------------ matchers
+class Matcher:
+    """One request's grammar state. Not thread-safe: the step loop owns it.
+
+    ``accepted`` is every token consumed so far (EOS included when it ended the grammar), which is
+    all :meth:`GrammarCompiler.matcher_from` needs to rebuild the same state elsewhere.
+    """
+
+    def __init__(self, ll: "llg.LLMatcher", eos_ids: frozenset[int], constraint: Constraint):
+        self._m = ll
+        self._eos = eos_ids
+        self.constraint = constraint
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, CPU, contiguous rows)."""
+        v = bitmask[row]
+        if not v.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":
+            raise ValueError("bitmask must be a contiguous int32 CPU tensor")
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (and no change) when the grammar does not allow it."""
+        t = int(token_id)
+        if self._m.is_error() or self._m.validate_tokens([t]) != 1:
+            return False
+        if not self._m.consume_token(t):   # pragma: no cover - validate_tokens said yes
+            return False
+        self.accepted.append(t)
+        return True
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and nothing but EOS may follow (or EOS was accepted): finish."""
+        return self._m.is_stopped() and not self._m.is_error()
+
+    def is_accepting(self) -> bool:
+        """The output so far is a complete match (EOS is allowed now)."""
+        return self._m.is_accepting()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding, retries)."""
+        if not 0 <= num_tokens <= len(self.accepted):
+            raise ValueError(f"cannot roll back {num_tokens} tokens, {len(self.accepted)} accepted")
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {self._m.get_error()}")
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+
+@dataclass
+class CompiledGrammar:
+    """A compiled grammar, shared by every request with the same constraint. Never advanced itself:
+    each request gets a copy."""
+
+    constraint: Constraint
+    _pristine: "llg.LLMatcher"
+    _eos: frozenset[int]
+    compile_s: float
+
+    def matcher(self) -> Matcher:
+        return Matcher(self._pristine.deep_copy(), self._eos, self.constraint)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and logits width; caches them per constraint.
+
+    ``tokenizer``: core/tokenizer.py's Tokenizer (``backend`` is a ``tokenizers.Tokenizer``,
+    ``eos_token_ids``, ``vocab_size``). ``vocab_size``: the model's logits width when it differs
+    from the tokenizer's (the mask covers the larger of the two). ``threads``: compile workers.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, *, threads: int = 1,
+                 cache_size: int = 512):
+        self.vocab_size = max(int(tokenizer.vocab_size), int(vocab_size or 0))
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self._lltok = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                      eos_token=sorted(self.eos_ids) or None)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self._executor = llg.LLExecutor(num_threads=threads)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._inflight: dict[tuple, Future] = {}
+        self._cache_size = cache_size
+        self.hits = self.misses = 0
+
+    # -------------------------------------------------------------- compile
+    def compile(self, constraint: Constraint) -> "Future[CompiledGrammar]":
+        """A future of the compiled grammar: already done on a cache hit, else compiled on the
+        pool. Poll ``done()`` from the step loop; ``result()`` raises InvalidRequest for a
+        constraint that does not compile."""
+        key = constraint.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                f: Future = Future()
+                f.set_result(hit)
+                return f
+            f = self._inflight.get(key)
+            if f is not None:
+                self.hits += 1
+                return f
+            self.misses += 1
+            f = self._inflight[key] = self._pool.submit(self._compile, constraint)
+        return f
+
+    def compile_now(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile on the calling thread (cached like :meth:`compile`)."""
+        return self.compile(constraint).result()
+
+    def _compile(self, c: Constraint) -> CompiledGrammar:
+        key = c.key()
+        try:
+            t0 = time.perf_counter()
+            grammar = grammar_text(c)
+            ll = llg.LLMatcher(self._lltok, grammar, log_level=0)
+            if ll.is_error():
+                raise InvalidRequest(f"the {c.kind} constraint does not compile: {ll.get_error()}"[:1000])
+            out = CompiledGrammar(c, ll, self.eos_ids, time.perf_counter() - t0)
+            with self._lock:
+                self._cache[key] = out
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            return out
+        except ValueError as e:   # llguidance refuses a spec before compiling (bad schema JSON)
+            if isinstance(e, InvalidRequest):
+                raise
+            raise InvalidRequest(f"the {c.kind} constraint is invalid: {e}"[:1000]) from None
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+
+    # -------------------------------------------------------------- matchers
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh matcher (compiling synchronously on a miss)."""
+        return self.compile_now(constraint).matcher()
+
+    def matcher_from(self, constraint: Constraint, accepted_token_ids) -> Matcher:
+        """The matcher after ``accepted_token_ids`` (e.g. the first token the prefill worker sampled).
+        Raises InvalidRequest when the ids are not a prefix the grammar allows."""
+        m = self.matcher(constraint)
+        for i, t in enumerate(accepted_token_ids):
+            if not m.accept(t):
+                raise InvalidRequest(f"token {int(t)} at output position {i} is not allowed by the "
+                                     f"{constraint.kind} constraint: {m.error or 'rejected'}")
+        return m
+
+    def fill_bitmasks(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """``fill_bitmask`` for many (matcher, row) pairs in one call: llguidance computes the rows
+        on its own threads with the GIL released."""
+        if not matchers:
+            return
+        if not bitmask.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":
+            raise ValueError("bitmask must be a contiguous int32 CPU tensor")
+        b, w = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in matchers],
+                                               bitmask.data_ptr(), w * 4, b)
+
+    def allocate_bitmask(self, batch: int) -> torch.Tensor:
+        return allocate_bitmask(batch, self.vocab_size)
+
+    def cache_info(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._cache), "hits": self.hits, "misses": self.misses}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

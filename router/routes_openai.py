@@ -1,0 +1,314 @@
+"""POST /v1/chat/completions and /v1/completions: request -> GenerateRequest(s) -> JSON or SSE.
+
+What this module maps (the rest of the front door is http.py / streaming.py):
+
+- **tools** (chat): validated into a ToolPlan (router/tools/spec.py), rendered into the prompt
+  (router/tools/render.py), the output parsed into ``tool_calls`` (router/tools/formats.py; whole
+  calls per streamed delta); ``finish_reason`` becomes "tool_calls" when the reply made calls.
+  ``tool_choice`` required / a named function puts the format's call grammar in
+  ``SamplingParams.constraint``, so the engine can only write valid calls.
+- **response_format** -> ``SamplingParams.constraint`` (router/structured.py); with a forced tool
+  choice it is a 400 (one grammar per request).
+- **logprobs** / **top_logprobs** -> ``SamplingParams.logprobs`` / ``top_logprobs``; the chunks'
+  ``logprobs`` are shaped as OpenAI's chat or legacy completions logprobs (router/logprobs.py).
+- **n** (1..MAX_N): n GenerateRequests ``<id>-<i>`` sharing a SampleGroup, seeds ``seed + i``;
+  choices carry their index, streamed chunks are per choice; usage counts the prompt once and
+  the completion tokens of every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tandem.core.messages import GenerateRequest, SampleGroup
+from tandem.core.types import InvalidRequest, SamplingParams
+from tandem.router import metrics as m
+from tandem.router.http import FrontDoor, error_response, refusal, session_key
+from tandem.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorBody,
+                                           ErrorResponse, parse_json_object, parse_request)
+from tandem.router.openai_responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                            ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
+                                            FunctionCall, ToolCallOut, Usage)
+from tandem.router.streaming import (ClientGone, Collected, Running, SSEResponse, StartFailed, close_all, collect,
+                                     merge, sse, start, unless_disconnected)
+from tandem.router.structured import constraint_from_response_format
+from tandem.router.tools.formats import StreamingToolParser, parse_all
+from tandem.router.tools.render import render_prompt
+from tandem.router.tools.spec import ToolPlan, parse_openai_tools
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+_SEED_SPAN = 2 ** 64
+
+
+@dataclass
+class Prepared:
+    greqs: list[GenerateRequest]
+    plan: ToolPlan | None
+    top_logprobs: int | None
+    prompt_len: int
+
+
+def fan_out(rid: str, prompt_ids: list[int], params: SamplingParams, session: str | None,
+            n: int) -> list[GenerateRequest]:
+    """One GenerateRequest, or n of one SampleGroup (rids ``<rid>-<i>``, seeds ``seed + i``)."""
+    if n == 1:
+        return [GenerateRequest(rid, tuple(prompt_ids), params, session)]
+    out = []
+    for i in range(n):
+        seed = params.seed
+        if seed is not None:
+            seed = seed + i if seed + i < _SEED_SPAN else seed + i - _SEED_SPAN
+        out.append(GenerateRequest(f"{rid}-{i}", tuple(prompt_ids), replace(params, seed=seed), session,
+                                   SampleGroup(rid, i, n)))
+    return out
+
+
+def internal_messages(req: ChatCompletionRequest) -> list[dict]:
+    """OpenAI chat messages in router/tools/render.py's internal shape."""
+    out = []
+    for i, msg in enumerate(req.messages):
+        try:
+            d: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        if msg.tool_calls:
+            if msg.role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                               param=f"messages.{i}.tool_calls")
+            d["tool_calls"] = [(c.id, c.function.name, c.function.arguments if isinstance(c.function.arguments, str)
+                                else json.dumps(c.function.arguments, ensure_ascii=False)) for c in msg.tool_calls]
+        if msg.role == "tool":
+            if not msg.tool_call_id:
+                raise APIError(400, f"messages[{i}].tool_call_id is required for a tool message",
+                               param=f"messages.{i}.tool_call_id")
+            d["tool_call_id"] = msg.tool_call_id
+            if msg.name:
+                d["name"] = msg.name
+        out.append(d)
+    return out
+
+
+@dataclass
+class _ChoiceState:
+    parser: StreamingToolParser | None
+    calls: int = 0
+    tokens: int = 0
+    offset: int = 0
+    last: Any = None
+
+
+class OpenAIRoutes:
+    def __init__(self, door: FrontDoor):
+        self.door = door
+        self.texts = TokenTexts(door.backend.tokenizer)
+
+    # ---------------------------------------------------------------- request -> GenerateRequests
+    def prepare(self, req: ChatCompletionRequest | CompletionRequest, body: dict, headers, rid: str) -> Prepared:
+        chat = isinstance(req, ChatCompletionRequest)
+        plan = parse_openai_tools(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
+        constraint = constraint_from_response_format(req.response_format)
+        if plan is not None and plan.forced:
+            if constraint is not None:
+                raise APIError(400, f"response_format cannot be combined with tool_choice "
+                                    f"{plan.choice!r} (the call grammar already constrains the output)",
+                               param="response_format")
+            constraint = self.door.tool_format.constraint(plan)
+        if chat:
+            msgs = internal_messages(req)
+            ids = self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))
+        else:
+            ids = self._completion_ids(req)
+        room = self.door.check_prompt(len(ids), chat)
+        asked = req.requested_max_tokens()
+        max_tokens = min(asked, room) if asked is not None else (
+            room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room))
+        top = req.top_logprobs_asked()
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
+            stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            logprobs=top is not None, top_logprobs=top or 0, constraint=constraint)
+        try:
+            params.validate()
+        except InvalidRequest as e:
+            raise APIError(400, str(e)) from None
+        greqs = fan_out(rid, ids, params, session_key(headers, body, ids), req.n)
+        return Prepared(greqs, plan, top, len(ids))
+
+    def _completion_ids(self, req: CompletionRequest) -> list[int]:
+        try:
+            prompt = req.single_prompt()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        if isinstance(prompt, str):
+            return list(self.door.backend.tokenizer.encode(prompt, add_special_tokens=True))
+        vocab = getattr(self.door.backend.tokenizer, "vocab_size", None)
+        for t in prompt:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab - 1 if vocab else '?'})",
+                               param="prompt")
+        return list(prompt)
+
+    # ---------------------------------------------------------------- the route
+    async def serve(self, request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            self.door.check_auth(request)
+            body = parse_json_object(await self.door.read_body(request))
+            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+            self.door.check_model(req.model)
+            refused = req.unsupported()
+            if refused is not None:
+                raise APIError(400, refused[1], param=refused[0], code="unsupported")
+            prep = await asyncio.to_thread(self.prepare, req, body, request.headers, rid)
+        except APIError as e:
+            m.REJECTED.labels(e.reason).inc()
+            m.REQUESTS.labels("rejected").inc()
+            return refusal(e)
+        except Exception as e:   # a bug on our side (or the tokenizer's): 500, and keep serving
+            log.exception("preparing %s failed", rid)
+            m.REQUESTS.labels("error").inc()
+            return error_response(500, f"internal error: {type(e).__name__}", type="server_error")
+
+        try:   # the first chunks decide the status code: a refusal is still a 400
+            runs = await start(self.door.backend, prep.greqs, arrival, request.receive)
+        except StartFailed as e:
+            return _start_failed(e, rid)
+        headers = {"X-Request-Id": rid}
+        if req.stream:
+            return SSEResponse(self._events(req, prep, rid, runs), headers)
+        try:
+            done = await unless_disconnected(collect(runs), request.receive)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            log.exception("backend failed on %s", rid)
+            return error_response(500, f"backend error: {e!r}"[:500], type="server_error")
+        finally:
+            await close_all([r.chunks for r in runs])   # records the outcome now, not at garbage collection
+        failed = next((c.last for c in done if c.last.error), None)
+        if failed is not None:
+            return error_response(500, f"generation failed: {failed.error}", type="server_error", headers=headers)
+        if done[0].last.worker:
+            headers["X-Tandem-Worker"] = done[0].last.worker
+        return Response(self._body(req, prep, rid, done).model_dump_json(), media_type="application/json",
+                        headers=headers)
+
+    def _body(self, req, prep: Prepared, rid: str, done: list[Collected]):
+        usage = _usage(done, prep.prompt_len)
+        model, top = self.door.backend.model_name, prep.top_logprobs
+        if isinstance(req, CompletionRequest):
+            return Completion(id=rid, model=model, usage=usage, choices=[
+                CompletionChoice(index=i, text=c.text, finish_reason=c.last.finish_reason,
+                                 logprobs=completion_logprobs(self.texts, c.logprobs, top, 0)[0] if top is not None else None)
+                for i, c in enumerate(done)])
+        choices = []
+        for i, c in enumerate(done):
+            content, calls, finish = c.text, [], c.last.finish_reason
+            if prep.plan is not None and prep.plan.active:
+                content, calls = parse_all(self.door.tool_format, c.text)
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            msg = AssistantMessage(content=content if content or not calls else None, tool_calls=[
+                ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls] or None)
+            choices.append(ChatChoice(index=i, message=msg, finish_reason=finish,
+                                      logprobs=chat_logprobs(self.texts, c.logprobs, top) if top is not None else None))
+        return ChatCompletion(id=rid, model=model, usage=usage, choices=choices)
+
+    async def _events(self, req, prep: Prepared, rid: str, runs: list[Running]) -> AsyncIterator[bytes]:
+        """SSE events of the choices, ending with ``data: [DONE]``. Once the status line is sent a
+        failure can only be an error event."""
+        chat = isinstance(req, ChatCompletionRequest)
+        created, model, top = int(time.time()), self.door.backend.model_name, prep.top_logprobs
+        active = prep.plan is not None and prep.plan.active
+        states = [_ChoiceState(self.door.tool_format.parser() if active else None) for _ in runs]
+
+        def chat_event(i: int, delta: ChatDelta, finish: str | None = None, lps=None) -> bytes:
+            choice = ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lps)
+            return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump_json())
+
+        try:
+            if chat:
+                for i in range(len(runs)):
+                    yield chat_event(i, ChatDelta(role="assistant", content=""))
+            async for i, c in merge(runs):
+                st = states[i]
+                st.tokens += len(c.token_ids)
+                if c.error:
+                    yield sse(_error_json(f"generation failed: {c.error}"))
+                    break
+                if c.finish_reason is not None:
+                    st.last = c
+                if not chat:
+                    lps = None
+                    if top is not None:
+                        lps, st.offset = completion_logprobs(self.texts, c.logprobs, top, st.offset)
+                    if c.text or c.finish_reason is not None or c.logprobs:
+                        choice = CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=lps)
+                        yield sse(Completion(id=rid, created=created, model=model, choices=[choice]).model_dump_json())
+                    continue
+                text, deltas = c.text, []
+                if st.parser is not None:
+                    events = st.parser.feed(c.text) + (st.parser.finish() if c.finish_reason is not None else [])
+                    text = "".join(e.text for e in events)
+                    for e in events:
+                        if e.call is not None:
+                            deltas.append({"index": st.calls, "id": e.call.id, "type": "function",
+                                           "function": {"name": e.call.name, "arguments": e.call.arguments}})
+                            st.calls += 1
+                finish = c.finish_reason
+                if finish == "stop" and st.calls:
+                    finish = "tool_calls"
+                lps = chat_logprobs(self.texts, c.logprobs, top) if top is not None and c.logprobs else None
+                if text or deltas or finish is not None or lps is not None:
+                    yield chat_event(i, ChatDelta(content=text or None, tool_calls=deltas or None), finish, lps)
+            else:
+                if req.include_usage():
+                    done = [Collected("", s.last, s.tokens, []) for s in states]
+                    usage = _usage(done, prep.prompt_len)
+                    out = (ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage) if chat
+                           else Completion(id=rid, created=created, model=model, choices=[], usage=usage))
+                    yield sse(out.model_dump_json())
+        except Exception as e:
+            log.exception("stream %s failed", rid)
+            yield sse(_error_json(f"backend error: {e!r}"[:500]))
+        finally:
+            await close_all([r.chunks for r in runs])
+        yield sse("[DONE]")
+
+
+def _usage(done: list[Collected], prompt_len: int) -> Usage:
+    """The prompt counted once (the first choice's numbers), completion tokens summed; counts the
+    front door saw stand in for numbers a backend left at 0."""
+    first = done[0].last
+    return Usage.of(first.prompt_tokens or prompt_len, first.cached_tokens,
+                    sum(c.last.completion_tokens or c.n_tokens for c in done))
+
+
+def _error_json(message: str) -> str:
+    return ErrorResponse(error=ErrorBody(message=message, type="server_error")).model_dump_json()
+
+
+def _start_failed(e: StartFailed, rid: str) -> Response:
+    if e.kind == "gone":
+        return Response(status_code=499)   # nobody is listening; metered() already aborted
+    if e.kind == "invalid":
+        return error_response(400, e.message)
+    if e.kind == "overloaded":   # every worker is past its admission limits
+        return error_response(429, e.message, code="overloaded", type="rate_limit_error",
+                              headers={"Retry-After": str(e.retry_after_s), "X-Request-Id": rid})
+    return error_response(500, e.message, type="server_error")
