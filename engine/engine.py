@@ -244,13 +244,19 @@ class Engine:
         return EngineHandle(self)
 
     def snapshot(self, timeout: float = 30.0):
-        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI)."""
+        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI),
+        read on the engine thread (directly once that thread has stopped)."""
         from tandem.engine.handle import take_snapshot
-        return self.call(take_snapshot, self).result(timeout)
+        return self._on_thread(take_snapshot, self, timeout=timeout)
 
     def check_invariants(self, timeout: float = 30.0) -> None:
         """Blocking: the ownership recount on the engine thread (raises AssertionError)."""
-        self.call(self.scheduler.check_invariants).result(timeout)
+        self._on_thread(self.scheduler.check_invariants, timeout=timeout)
+
+    def _on_thread(self, fn, *args, timeout: float):
+        if not self._thread.is_alive() and self._error is None:
+            return fn(*args)          # stopped cleanly (a test driving step()): nobody else runs
+        return self.call(fn, *args).result(timeout)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -304,9 +310,12 @@ class Engine:
                 if c is not None:
                     self._emit([c])
 
-    def step(self) -> bool:
-        """One step: plan, forward, sample, update, stream. False when nothing could run.
-        Engine thread only (or a test driving an engine whose thread is stopped)."""
+    def step(self):
+        """Drain the inbox, then run one step: plan, forward, sample, update, stream. Returns
+        the :class:`~tandem.engine.sched_types.StepPlan` (empty when nothing could run). Engine
+        thread only -- or a test driving an engine whose thread was stopped (``shutdown()``
+        first; ``submit`` then queues for the next ``step``)."""
+        self._drain_inbox()
         s = self.scheduler
         plan = s.schedule()
         chunks = plan.finished
@@ -320,7 +329,7 @@ class Engine:
                 tokens = []
             chunks = chunks + s.update(plan, tokens)
         self._emit(chunks)
-        return bool(plan.entries or chunks)
+        return plan
 
     def _loop(self) -> None:
         try:
@@ -330,7 +339,8 @@ class Engine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                if not self.step():       # work that cannot run yet (no room): do not spin
+                plan = self.step()
+                if not (plan.entries or plan.finished):   # work that cannot run yet: do not spin
                     self._wake.wait(0.005)
                     self._wake.clear()
         except BaseException as e:  # surface to callers instead of hanging them

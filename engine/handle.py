@@ -39,7 +39,8 @@ class EngineSnapshot:
     evictable_tokens: int        # cached, unlocked
     locked_tokens: int           # cached, locked by requests
     total_tokens: int            # the device pool
-    request_tokens: int          # owned by requests beyond their locked prefix
+    request_tokens: int          # slots of the pages requests own beyond their locked prefix
+                                 # (a partly used last page counts whole)
     host_used_tokens: int        # host tier copies (0 without one)
     running: int
     waiting: int
@@ -58,6 +59,10 @@ class EngineSnapshot:
                 - self.locked_tokens - self.request_tokens)
 
 
+def _whole_pages(slots, page_size: int) -> int:
+    return int(len(set((slots // page_size).tolist()))) * page_size
+
+
 def take_snapshot(engine) -> EngineSnapshot:
     """Engine thread only."""
     s, kv = engine.scheduler, engine.kv
@@ -66,7 +71,7 @@ def take_snapshot(engine) -> EngineSnapshot:
     return EngineSnapshot(
         available_tokens=kv.alloc.available_size(), evictable_tokens=st.evictable,
         locked_tokens=st.protected, total_tokens=kv.alloc.size,
-        request_tokens=int(len(kv.owned_slots())), host_used_tokens=host,
+        request_tokens=_whole_pages(kv.owned_slots(), kv.page_size), host_used_tokens=host,
         running=len(s.running), waiting=len(s.waiting), retracted=len(s.retraction.retracted),
         detached=len(kv.holders) - len(s.running), rows_free=kv.r2t.available_size(),
         waiting_prompt_tokens=sum(len(sr.req.prompt_ids) for sr in s.waiting))

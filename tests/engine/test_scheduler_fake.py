@@ -1,0 +1,364 @@
+"""The scheduler, the KV manager, the cache and the pools, driven step by step with a stand-in model.
+
+``KVEchoModel`` (fake_model.py) replaces only the model: every other part is the real one. Its
+output is a hash of the tokens read back through each request's KV slots, so :func:`oracle`
+(pure Python) is the exact expected output of any schedule, and a misplaced slot raises. Every
+engine here runs with ``debug_invariants`` (exact slot ownership after every step), and these
+tests pin step plans, admission order, retraction victims, chunk boundaries and the
+reserve/activate/cancel sequence in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import Req, ReqStatus, SamplingParams
+from tandem.decode.inbox import DecodeInbox
+from tandem.engine.engine import Engine
+from tandem.prefill.outbox import PrefillOutbox
+
+from fake_model import fake_loaded, oracle
+
+
+def make(page_size=4, tokens=256, rows=8, chunk=16, batch=256, host=0, policy="fcfs", cache=True,
+         retract_every=0, retraction_policy="default") -> Engine:
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, cache=CacheConfig(
+        page_size=page_size, max_total_tokens=tokens, max_running_requests=rows,
+        disable_prefix_cache=not cache, host_pool_tokens=host, debug_invariants=True),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_batch_tokens=batch,
+                                  schedule_policy=policy, debug_retract_every=retract_every,
+                                  retraction_policy=retraction_policy))
+    e = Engine(cfg, loaded=fake_loaded())
+    e.shutdown()            # the test drives e.step() itself
+    return e
+
+
+class Driver:
+    """Submits requests to a stopped engine, steps it, and records chunks and step plans."""
+
+    def __init__(self, e: Engine):
+        self.e = e
+        self.chunks: dict[str, list] = defaultdict(list)
+        self.plans: list[list[tuple[str, int]]] = []
+
+    def submit(self, rid: str, prompt: list[int], n: int, session: str | None = None, **params):
+        p = SamplingParams(max_tokens=n, ignore_eos=True, **params)
+        self.e.submit(GenerateRequest(rid, tuple(prompt), p, session), self.chunks[rid].append)
+
+    def step(self) -> list[tuple[str, int]]:
+        plan = self.e.step()
+        entries = [(en.sr.rid, en.n) for en in plan.entries]
+        self.plans.append(entries)
+        return entries
+
+    def run(self, limit: int = 5000) -> None:
+        for _ in range(limit):
+            self.step()
+            if not self.e.scheduler.has_work() and self.e._inbox.empty():
+                return
+        raise AssertionError(f"not done after {limit} steps")
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for c in self.chunks[rid] for t in c.token_ids]
+
+    def text(self, rid: str) -> str:
+        return "".join(c.text for c in self.chunks[rid])
+
+    def final(self, rid: str):
+        return self.chunks[rid][-1]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7 + i * 13) % 94 for i in range(n)]
+
+
+def text_of(ids: list[int]) -> str:
+    return "".join(chr(33 + t) for t in ids)     # ids 0..93 are "!".."~"
+
+
+def idle(e: Engine) -> None:
+    """Nothing is held: no row, no request-owned or locked slot, no leak."""
+    snap = e.snapshot()
+    assert (snap.running, snap.waiting, snap.retracted, snap.detached) == (0, 0, 0, 0), snap
+    assert snap.locked_tokens == 0 and snap.request_tokens == 0 and snap.leaked_tokens == 0, snap
+    assert snap.rows_free == e.req_to_token.size
+    e.scheduler.check_invariants()
+
+
+# ---------------------------------------------------------------------------------- plans
+def test_chunked_prefill_plans_and_mixed_steps():
+    e = make(chunk=16)
+    d = Driver(e)
+    d.submit("a", prompt(1, 40), 3)
+    assert d.step() == [("a", 16)]
+    d.submit("b", prompt(2, 10), 2)
+    assert d.step() == [("a", 16)]                 # a's chunk takes the whole budget
+    assert d.step() == [("a", 8), ("b", 8)]        # a finishes its prompt, b starts in the rest
+    assert d.step() == [("a", 1), ("b", 2)]        # a decodes while b finishes its prompt
+    d.run()
+    assert d.tokens("a") == oracle(prompt(1, 40), 3) and d.tokens("b") == oracle(prompt(2, 10), 2)
+    assert d.text("a") == text_of(oracle(prompt(1, 40), 3))
+    idle(e)
+
+
+def test_batch_token_budget_counts_decodes_first():
+    e = make(chunk=64, batch=20)
+    d = Driver(e)
+    for i in range(4):
+        d.submit(f"r{i}", prompt(i, 4), 6)
+    assert d.step() == [("r0", 4), ("r1", 4), ("r2", 4), ("r3", 4)]
+    d.submit("late", prompt(9, 30), 2)
+    assert d.step() == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1), ("late", 16)]   # 20 - 4
+    d.run()
+    for i in range(4):
+        assert d.tokens(f"r{i}") == oracle(prompt(i, 4), 6)
+    idle(e)
+
+
+def test_rows_bound_admissions_and_queue_order_is_fcfs():
+    e = make(rows=2)
+    d = Driver(e)
+    for i in range(3):
+        d.submit(f"r{i}", prompt(i, 8), 2)
+    assert [rid for rid, _ in d.step()] == ["r0", "r1"]       # two rows
+    d.run()
+    assert all(d.tokens(f"r{i}") == oracle(prompt(i, 8), 2) for i in range(3))
+    idle(e)
+
+
+# ---------------------------------------------------------------------------------- the cache
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefix_reuse_equals_no_cache_and_the_oracle(page_size):
+    system = prompt(5, 21)
+    out = {}
+    for cache in (True, False):
+        e = make(page_size=page_size, cache=cache)
+        d = Driver(e)
+        d.submit("first", system + prompt(1, 5), 4)
+        d.run()
+        d.submit("second", system + prompt(2, 7), 4)
+        d.run()
+        out[cache] = (d.tokens("first"), d.tokens("second"), d.final("second").cached_tokens)
+        idle(e)
+    assert out[True][:2] == out[False][:2] == (oracle(system + prompt(1, 5), 4),
+                                              oracle(system + prompt(2, 7), 4))
+    assert out[True][2] == 21 // page_size * page_size and out[False][2] == 0
+
+
+def test_lpm_admits_the_cached_prefix_first_and_waits_for_an_in_step_sharer():
+    e = make(policy="lpm", chunk=256)
+    d = Driver(e)
+    shared = prompt(3, 48)
+    d.submit("warm", shared + [33], 1)
+    d.run()
+    d.submit("cold", prompt(8, 40), 1)
+    d.submit("hit", shared + [34, 35], 1)
+    d.submit("doc1", prompt(11, 60) + [1], 1)
+    d.submit("doc2", prompt(11, 60) + [2], 1)      # shares 60 uncached tokens with doc1
+    assert [rid for rid, _ in d.step()] == ["hit", "cold", "doc1"]
+    assert [rid for rid, _ in d.step()] == ["doc2"]
+    d.run()
+    assert d.final("doc2").cached_tokens == 60 // 4 * 4
+    idle(e)
+
+
+def test_eviction_makes_room_and_outputs_stay_exact():
+    e = make(tokens=64, chunk=64)
+    d = Driver(e)
+    for i in range(6):                             # each needs ~8 pages; the cache must evict
+        d.submit(f"r{i}", prompt(i, 26), 4)
+        d.run()
+        assert d.tokens(f"r{i}") == oracle(prompt(i, 26), 4)
+    assert e.scheduler.stats["evicted_tokens"] > 0
+    idle(e)
+
+
+# ---------------------------------------------------------------------------------- retraction
+def _pressure(e: Engine, n_req=5, plen=14, out=20):
+    d = Driver(e)
+    for i in range(n_req):
+        d.submit(f"r{i}", prompt(i, plen + i), out)
+    d.run()
+    for i in range(n_req):
+        want = oracle(prompt(i, plen + i), out)
+        assert d.tokens(f"r{i}") == want, f"r{i} tokens differ after retraction"
+        assert d.text(f"r{i}") == text_of(want), f"r{i} streamed text differs after retraction"
+        assert d.final(f"r{i}").error is None
+    return d
+
+
+@pytest.mark.parametrize("host", [0, 512])
+def test_retraction_under_pressure_restores_or_recomputes_exactly(host):
+    e = make(tokens=96, page_size=4, chunk=64, host=host)
+    _pressure(e)
+    st = e.scheduler.stats
+    assert st["retractions"] > 0
+    if host:
+        assert st["retraction_restores"] > 0 and st["retraction_recomputes"] == 0
+    else:
+        assert st["retraction_recomputes"] > 0 and st["retraction_restores"] == 0
+    idle(e)
+
+
+def test_the_victim_is_the_request_with_fewest_outputs_then_longest_prompt():
+    e = make(tokens=64, page_size=4, chunk=64)
+    d = Driver(e)
+    d.submit("old", prompt(1, 10), 30)
+    for _ in range(6):
+        d.step()                                   # old has 5 outputs
+    d.submit("long", prompt(2, 13), 30)
+    d.submit("short", prompt(3, 9), 30)
+    seen, s = [], e.scheduler
+    orig = s._retract
+
+    def spy(sr):
+        others = [o.req for o in s.running.values() if o is not sr]
+        key = (len(sr.req.output_ids), -len(sr.req.prompt_ids))
+        assert all(key <= (len(r.output_ids), -len(r.prompt_ids)) for r in others), "not the rule's victim"
+        seen.append((sr.rid, len(sr.req.output_ids)))
+        orig(sr)
+
+    s._retract = spy
+    d.run()
+    # pinned: short was admitted last (the pool was full), so it has the fewest outputs each time
+    assert seen == [("short", 8), ("long", 17), ("short", 16)]
+    for rid, p in (("old", prompt(1, 10)), ("long", prompt(2, 13)), ("short", prompt(3, 9))):
+        assert d.tokens(rid) == oracle(p, 30)
+    idle(e)
+
+
+@pytest.mark.parametrize("host", [0, 512])
+def test_forced_retraction_lever_keeps_outputs_exact(host):
+    e = make(tokens=1024, host=host, retract_every=3)
+    _pressure(e, n_req=3, out=12)
+    st = e.scheduler.stats
+    assert st["retractions"] >= 3
+    assert (st["retraction_restores"] > 0) == bool(host) and (st["retraction_recomputes"] > 0) != bool(host)
+    idle(e)
+
+
+def test_abort_while_waiting_running_and_retracted_frees_everything():
+    e = make(tokens=96, page_size=4, chunk=64, host=512, retract_every=2, rows=3)
+    d = Driver(e)
+    for i in range(3):
+        d.submit(f"r{i}", prompt(i, 12), 40)
+    d.submit("waiting", prompt(7, 12), 5)      # no row for it while the three run
+    s = e.scheduler
+    for _ in range(20):
+        d.step()
+        if s.retraction.retracted:     # just retracted by the lever: restored next step
+            break
+    retracted = [sr.rid for sr in s.retraction.retracted]
+    running = list(s.running)
+    assert retracted and running and [sr.rid for sr in s.waiting] == ["waiting"], (retracted, running)
+    for rid in {retracted[0], running[0], "waiting"}:
+        e.abort(rid)
+    d.run()
+    for rid in {retracted[0], running[0], "waiting"}:
+        assert d.final(rid).finish_reason == "abort"
+    idle(e)
+
+
+# ---------------------------------------------------------------------------------- roles
+def test_decode_reserve_activate_cancel_through_the_inbox():
+    """The decode role's sequence on a stopped engine: reserve (row + cached prefix + pages),
+    the prompt's KV written as a transfer would (by a prefill engine's held pages), activate
+    with the first token, decode; and a cancelled reservation frees its pages."""
+    pre, dec = make(), make()
+    outbox, inbox = PrefillOutbox(pre.scheduler), DecodeInbox(dec.scheduler)
+    p = prompt(4, 19)
+    # prefill: run the prompt to its first token; the outbox holds the KV
+    dp = Driver(pre)
+    dp.submit("x", p, 1)
+    dp.run()
+    first = dp.tokens("x")[0]
+    held = outbox.held_pages("x", 0)
+    # decode: reserve, copy the pages (what the NIXL WRITE does), activate
+    res = inbox.reserve(Req(list(p), SamplingParams(max_tokens=6, ignore_eos=True), rid="x"))
+    assert res.prefix_len == 0 and len(res.pages) == len(held.pages) == 5
+    assert dec.scheduler.kv.holders["x"].req.status is ReqStatus.WAITING_FOR_KV
+    ps = 4
+    src = [r for pg in held.pages for r in range(pg * ps, pg * ps + ps)]
+    dst = [r for pg in res.pages for r in range(pg * ps, pg * ps + ps)]
+    dec.kv_pool.kv_data[:, :, dst] = pre.kv_pool.kv_data[:, :, src]
+    outbox.release("x")
+    idle(pre)
+    dd = Driver(dec)
+    dec._callbacks["x"] = dd.chunks["x"].append
+    chunk = inbox.activate("x", first)
+    dd.chunks["x"].append(chunk)
+    dd.run()
+    assert dd.tokens("x") == oracle(p, 6)
+    idle(dec)
+    # a second reservation hits decode's own cache for the prompt's aligned prefix, then is cancelled
+    res2 = inbox.reserve(Req(list(p) + [40, 41], SamplingParams(max_tokens=3), rid="y"))
+    assert res2.prefix_len == 16 and len(res2.pages) == 2
+    c = inbox.cancel("y", "transfer failed")
+    assert c.finish_reason == "abort" and c.error == "transfer failed"
+    idle(dec)
+
+
+def test_snapshot_counts_every_token_class():
+    e = make(tokens=128, host=256)
+    d = Driver(e)
+    d.submit("a", prompt(1, 21), 30)
+    for _ in range(4):
+        d.step()
+    snap = e.snapshot()
+    assert snap.running == 1 and snap.request_tokens == 4 and snap.leaked_tokens == 0   # 23 = 20 + 3
+    assert snap.available_tokens + snap.evictable_tokens + snap.locked_tokens + snap.request_tokens == 128
+    d.run()
+    snap = e.snapshot()
+    assert snap.locked_tokens == snap.request_tokens == 0 and snap.host_used_tokens > 0
+
+
+# ---------------------------------------------------------------------------------- random schedules
+@pytest.mark.parametrize("seed", range(24))
+def test_random_schedules_match_the_oracle(seed):
+    """Seeded random workloads over random pool sizes, page sizes, chunk budgets, host tiers,
+    retraction levers, shared prefixes, arrivals and aborts: every request that completes
+    equals the oracle (tokens and streamed text), every aborted one ends "abort", and at the
+    end nothing is held."""
+    import random
+
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 4, 8])
+    e = make(page_size=ps, tokens=rng.choice([64, 96, 160, 400]) // ps * ps, rows=rng.choice([2, 4, 8]),
+             chunk=rng.choice([16, 32, 64]), batch=rng.choice([48, 256]),
+             host=rng.choice([0, 0, 64, 1024]), policy=rng.choice(["fcfs", "lpm"]),
+             cache=rng.random() < 0.85, retract_every=rng.choice([0, 0, 3, 7]),
+             retraction_policy=rng.choice(["default", "session"]))
+    d = Driver(e)
+    systems = [prompt(100 + i, rng.randint(8, 24)) for i in range(2)]
+    want, aborted = {}, set()
+    pending = []
+    for i in range(rng.randint(6, 14)):
+        p = rng.choice(systems) + prompt(rng.randint(0, 999), rng.randint(1, 12))
+        pending.append((rng.randint(0, 30), f"r{i}", p, rng.randint(1, 16)))
+    pending.sort()
+    step = 0
+    while pending or e.scheduler.has_work() or not e._inbox.empty():
+        while pending and pending[0][0] <= step:
+            _, rid, p, n = pending.pop(0)
+            d.submit(rid, p, n, session=f"s{rng.randint(0, 3)}")
+            want[rid] = oracle(p, n)
+        if step % 11 == 5 and want and rng.random() < 0.4:
+            rid = rng.choice(sorted(want))
+            if not d.chunks[rid] or d.chunks[rid][-1].finish_reason is None:
+                e.abort(rid)
+                aborted.add(rid)
+        d.step()
+        step += 1
+        assert step < 5000
+    for rid, toks in want.items():
+        last = d.final(rid)
+        if rid in aborted and last.finish_reason == "abort":
+            assert d.tokens(rid) == toks[:len(d.tokens(rid))]      # a prefix of the real output
+            continue
+        assert last.error is None, (rid, last.error)
+        assert d.tokens(rid) == toks and d.text(rid) == text_of(toks), rid
+    idle(e)
