@@ -269,3 +269,39 @@ def test_abort_before_the_prefill_request_arrives_is_remembered(workers, loop):
     res = run(loop, p.prefill(req.to_wire(), xfer.encode(), 0))
     assert res.status is TransferState.ABORTED and "before it reached" in res.error
     run(loop, at_baseline(p, d))
+
+
+def test_kv_digest_verifies_the_handoff_and_catches_a_corrupted_page(workers, loop):
+    """--kv-digest: prefill sends a digest of the pages it wrote; decode verifies it before
+    decoding. With the test lever that corrupts a received page, the request fails with a clear
+    error, its pages are freed, the counter moves, and the worker keeps serving."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tandem.decode.worker import DecodeWorker
+
+    p, _, col = workers
+    ref = col.generate(PROMPT, SamplingParams(max_tokens=6), chat=True)
+    good = DecodeWorker("t-decode-digest", CFG, engine=None, loaded=p.engine.loaded,
+                        transfer_timeout_s=20, kv_digest=True)
+    bad = DecodeWorker("t-decode-corrupt", CFG, loaded=p.engine.loaded, transfer_timeout_s=20,
+                       kv_digest=True, debug_corrupt_kv=True)
+    try:
+        for d in (good, bad):
+            d.add_peer(p.handshake())
+            p.add_peer(d.handshake())
+        ok = run(loop, collect(good.generate(request(col, "dg1", max_tokens=6), LocalClient(p))))
+        assert [t for c in ok for t in c.token_ids] == ref.token_ids and ok[-1].error is None
+        chunks = run(loop, collect(bad.generate(request(col, "dg2", max_tokens=6), LocalClient(p))))
+        assert chunks[-1].finish_reason == "abort" and "KV digest mismatch" in chunks[-1].error
+        run(loop, at_baseline(p, good, bad))
+        fams = {f.name: f for f in text_string_to_metric_families(bad.metrics_text().decode())}
+        assert fams["tandem_kv_digest_failures"].samples[0].value == 1
+        assert run(loop, bad.stats())["digest_failures"] == 1
+        bad.debug_corrupt_kv = False              # the same worker still serves
+        again = run(loop, collect(bad.generate(request(col, "dg3", max_tokens=6), LocalClient(p))))
+        assert [t for c in again for t in c.token_ids] == ref.token_ids
+        run(loop, at_baseline(p, good, bad))
+    finally:
+        for d in (good, bad):
+            p.remove_peer(d.name)
+            d.close()
