@@ -5,7 +5,7 @@ tokenizer and chat template, tool format, session naming, routing, metrics); onl
 differ. Served:
 
 - ``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
-  ``tool_result`` blocks (other block types are a 400), ``max_tokens`` (clamped to the context
+  ``tool_result`` blocks (other block types are a 400), ``max_tokens`` (a 400 when it does not fit the context
   left), ``stop_sequences``, ``temperature`` / ``top_p`` / ``top_k``, ``metadata.user_id`` (a
   session key), ``tools`` (``input_schema``) and ``tool_choice`` (auto / any / tool / none,
   ``disable_parallel_tool_use``): ``any`` and ``tool`` decode under the call grammar.
@@ -198,10 +198,10 @@ class AnthropicRoutes:
     def prepare(self, req: MessagesRequest, body: dict, headers, rid: str) -> tuple[GenerateRequest, ToolPlan | None]:
         plan = tool_plan(req.tools, req.tool_choice)
         ids = self._ids(req, plan)
-        room = self.door.check_prompt(len(ids), chat=True)
+        max_tokens = self.door.output_budget(len(ids), req.max_tokens, None, chat=True)
         constraint = self.door.tool_format.constraint(plan) if plan is not None and plan.forced else None
         params = SamplingParams(
-            max_tokens=min(req.max_tokens, room), temperature=1.0 if req.temperature is None else req.temperature,
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p or 1.0, top_k=req.top_k or 0, stop=tuple(req.stop_sequences or ()),
             constraint=constraint)
         try:

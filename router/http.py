@@ -9,7 +9,7 @@ clients send it).
 tokenizer and tool-call format, session naming, and :meth:`FrontDoor.start` (send the
 GenerateRequests, await their first chunks). A generation request goes: auth -> body (size limit,
 UTF-8, JSON) -> pydantic validation -> model check -> tokenize (chat template, tools) -> context
-check and max_tokens clamp -> session key -> GenerateRequest(s) -> ``backend.generate``. Every
+check and max_tokens fits -> session key -> GenerateRequest(s) -> ``backend.generate``. Every
 refusal on the way is an :class:`APIError`, answered in the route's API's error shape.
 """
 
@@ -109,6 +109,23 @@ class FrontDoor:
                            param="messages" if chat else "prompt", code="context_length_exceeded",
                            reason="context_length")
         return ctx - n
+
+    def output_budget(self, n: int, asked: int | None, default: int | None, chat: bool,
+                      param: str = "max_tokens") -> int:
+        """``max_tokens`` for an ``n``-token prompt: what was asked, when it fits (a 400 naming the
+        numbers when it does not, as vLLM and OpenAI answer: no silent clamp); when nothing was
+        asked, ``default`` within the room left (None: all of it)."""
+        room = self.check_prompt(n, chat)
+        if asked is None:
+            return room if default is None else min(default, room)
+        if asked > room:
+            ctx = self.backend.max_context
+            where = "messages" if chat else "prompt"
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you "
+                                f"requested {n + asked} tokens ({n} in the {where}, {asked} in the "
+                                f"completion). Please reduce the length of the {where} or completion.",
+                           param=param, code="context_length_exceeded", reason="context_length")
+        return asked
 
     def render(self, render_fn) -> list[int]:
         """Token ids of the chat prompt ``render_fn(tokenizer) -> text`` (400 when the template refuses)."""

@@ -131,10 +131,9 @@ class OpenAIRoutes:
             ids = self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))
         else:
             ids = self._completion_ids(req)
-        room = self.door.check_prompt(len(ids), chat)
-        asked = req.requested_max_tokens()
-        max_tokens = min(asked, room) if asked is not None else (
-            room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room))
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        max_tokens = self.door.output_budget(len(ids), req.requested_max_tokens(),
+                                             None if chat else DEFAULT_COMPLETION_MAX_TOKENS, chat, param)
         top = req.top_logprobs_asked()
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,

@@ -107,11 +107,15 @@ def test_chat_streamed_equals_non_streamed(client, engine):
     assert chunks[-1].usage.completion_tokens == 8
 
 
-def test_completion_prompt_ids_and_context_clamp(client, engine):
-    out = client.completions.create(model=engine.model_name, prompt=[i % 256 for i in range(CONTEXT - 6)], max_tokens=100,
+def test_completion_prompt_ids_and_the_context_limit(client, engine):
+    ids = [i % 256 for i in range(CONTEXT - 6)]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=engine.model_name, prompt=ids, max_tokens=100)
+    assert e.value.code == "context_length_exceeded" and f"requested {CONTEXT + 94} tokens" in e.value.message
+    out = client.completions.create(model=engine.model_name, prompt=ids, max_tokens=6,
                                     temperature=0.8, seed=3, extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
-    assert out.usage.completion_tokens == 6   # clamped to the context that is left
+    assert out.usage.completion_tokens == 6   # exactly the context that is left
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=engine.model_name, prompt=[engine.tokenizer.vocab_size])
     assert "vocabulary" in e.value.message
@@ -126,7 +130,7 @@ def test_disconnect_mid_stream_frees_the_engines_kv(served, engine):
         return REGISTRY.get_sample_value("tandem_requests_total", {"status": "aborted"}) or 0.0
 
     free_before, aborted_before = idle()[2], aborted()
-    body = {"model": engine.model_name, "prompt": "abc", "max_tokens": CONTEXT, "stream": True,
+    body = {"model": engine.model_name, "prompt": "abc", "max_tokens": CONTEXT - 8, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
         next(r.iter_raw())   # generation is under way; hang up

@@ -132,6 +132,9 @@ def test_unknown_route_and_method(http):
 
 def test_prompt_one_short_of_the_context_gets_one_token(http, live):
     r = http.post(COMP, json=comp(prompt="x" * 255, max_tokens=50))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "requested 305 tokens (255 in the prompt, 50 in the completion)" in r.json()["error"]["message"]
+    r = http.post(COMP, json=comp(prompt="x" * 255))            # omitted: the one token left
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert live.backend.requests[-1].params.max_tokens == 1
 

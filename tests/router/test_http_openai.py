@@ -96,9 +96,24 @@ def test_sampling_fields_and_session_reach_the_backend(client, live):
     assert live.backend.requests[-1].session_id == "s-1"   # session_id wins over user
 
 
-def test_huge_max_tokens_is_clamped_to_the_context(client, live):
-    client.completions.create(model="scripted-model", prompt="abcd", max_tokens=10 ** 30)
-    assert live.backend.requests[-1].params.max_tokens == live.backend.max_context - 4
+def test_max_tokens_beyond_the_context_is_a_400_with_the_numbers(client, live):
+    ctx = live.backend.max_context
+    for kw in ({"max_tokens": 10 ** 30}, {"max_tokens": ctx - 3}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="scripted-model", prompt="abcd", **kw)
+        n = kw["max_tokens"]
+        assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+        assert f"maximum context length is {ctx} tokens" in e.value.message
+        assert f"requested {4 + n} tokens (4 in the prompt, {n} in the completion)" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="scripted-model", messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=10 ** 6)
+    assert e.value.param == "max_completion_tokens" and "in the messages" in e.value.message
+    client.completions.create(model="scripted-model", prompt="abcd", max_tokens=ctx - 4)   # fits exactly
+    assert live.backend.requests[-1].params.max_tokens == ctx - 4
+    client.chat.completions.create(model="scripted-model", messages=[{"role": "user", "content": "hi"}])
+    n_prompt = len(live.backend.requests[-1].prompt_ids)
+    assert live.backend.requests[-1].params.max_tokens == ctx - n_prompt   # omitted: the room left
 
 
 def test_models_and_unknown_model(client, live):
