@@ -27,3 +27,17 @@ def test_retraction_bench_tiny(smollm2, one_torch_thread):
     assert h["itl_p99_ms"] >= h["itl_p50_ms"] > 0
 
     retraction.print_report(res)   # the table renders
+
+
+def test_recovery_bench_tiny(smollm2, one_torch_thread):
+    """bench/retraction_recovery.py: a storm retracts, nothing errs or leaks, and the decode
+    batch is as full after the storm as before (tokens per model step)."""
+    from tandem.bench import retraction_recovery as rr
+
+    for host in (4096,):      # the recompute path: tests/engine/test_scheduler_fake.py
+        r = rr.run_once(smollm2, host_pool_tokens=host, concurrency=2, storm=10, phase_s=1.5,
+                        out_tokens=24, threads=1, log=lambda *a: None)
+        assert r["retractions"] > 0 and r["errors"] == 0
+        assert r["idle_leak_tokens"] == 0 and r["idle_locked_tokens"] == 0
+        assert (r["restores"] > 0) == bool(host) and (r["recomputes"] > 0) == (not host)
+        assert r["step_recovery"] >= 0.9, r
