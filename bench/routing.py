@@ -41,7 +41,7 @@ CAPACITY = 3_000_000
 BLOCK = 512
 MOONCAKE = {"per_node_hit_rate": 0.27, "global_hit_rate": 0.63, "nodes": 10,
             "capacity_tokens_per_node": 3_000_000,
-            "source": "Mooncake, USENIX FAST'25 (see ../shared/workloads/PROVENANCE.md)"}
+            "source": "Mooncake, USENIX FAST'25 (see bench/workloads/README.md)"}
 
 
 # -- the grid ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The dependency directions of ../shared/STYLE.md, checked by walking every import statement.
+"""The dependency directions of README.md's layout, checked by walking every import statement.
 
 cluster -> {router, prefill, decode} -> engine -> {cache, transfer} -> core. Prefill and decode
 never import each other; cache and transfer never import each other; only the actor shells and

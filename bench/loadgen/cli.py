@@ -55,8 +55,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--scale", type=float, default=1.0,
                    help="multiply vllm-multiturn and Azure token counts by this (e.g. 0.1 on a CPU)")
     w.add_argument("--workload-config", default=None,
-                   help="vLLM generate_conversations JSON (default: ../shared/workloads/"
-                        "vllm_generate_multi_turn.json, else a built-in copy)")
+                   help="vLLM generate_conversations JSON (default: the vendored "
+                        "bench/workloads/vllm_generate_multi_turn.json)")
     w.add_argument("--speedup", type=float, default=1.0, help="trace replay: divide arrival times by this")
     w.add_argument("--block-size", type=int, default=16,
                    help="Mooncake replay: tokens per hash id (the trace's 512-token blocks; default 16)")

@@ -28,7 +28,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "(real radix cache, simulated) -> KV transfer -> decode worker.")
     p.add_argument("--trace", default=None,
                    help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids "
-                        "per 512-token block); default: ../shared/workloads/mooncake_synthetic_trace.jsonl")
+                        "per 512-token block); default: the vendored bench/workloads/mooncake_synthetic_trace.jsonl")
     p.add_argument("--prefill", type=int, default=8, help="prefill workers (default 8)")
     p.add_argument("--decode", type=int, default=8, help="decode workers (default 8)")
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,

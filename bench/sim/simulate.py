@@ -31,13 +31,14 @@ from typing import Iterable
 
 from tandem.bench.sim.cost_model import DEFAULT_PROFILE, get_profile
 from tandem.bench.sim.engine import DecodeWorker, PrefillWorker, SimRequest
+from tandem.bench.workloads import MOONCAKE_SYNTHETIC
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.router.policies import POLICIES, PolicyConfig, RouterState, choose
 from tandem.router.prefix_index import KVEvent
 from tandem.router.view import ClusterView, RouteRequest
 
 TRACE_BLOCK = 512          # tokens per hash id in the Mooncake traces
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_SYNTHETIC   # vendored: bench/workloads/README.md
 
 _ARRIVE, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_STEP = range(4)
 
