@@ -30,11 +30,11 @@ import random
 import time
 from pathlib import Path
 
-from tandem.bench.sim.cost_model import DEFAULT_PROFILE, get_profile
 from tandem.bench.sim.simulate import DEFAULT_TRACE, load_trace, simulate
 from tandem.router.policies import POLICIES, PolicyConfig, RouterState, choose
 from tandem.router.prefix_index import KVEvent, block_hashes
 from tandem.router.view import ClusterView, RouteRequest, WorkerView, DECODE, PREFILL
+from tandem.sim.cost_model import DEFAULT_PROFILE, get_profile
 
 OUT = Path(__file__).resolve().parent / "out" / "routing.json"
 CAPACITY = 3_000_000

@@ -17,9 +17,10 @@ def build_backend(cfg: ServeConfig):
     """The router's ServingBackend for ``cfg``: simulated workers (``engine: sim``), one in-process
     engine (``mode: colocated``), or Ray prefill/decode workers (``mode: disaggregated``)."""
     if cfg.engine == "sim":   # the real front door and router over cost-model workers: no Ray, no weights
-        from tandem.cluster.sim_backend import SimServingBackend
+        from tandem.cluster.launch import load_tokenizer
+        from tandem.sim.backend import SimServingBackend
 
-        return SimServingBackend(cfg)
+        return SimServingBackend(cfg, load_tokenizer(cfg.engine_config.model))
     if cfg.mode == "colocated":
         from tandem.engine.engine import Engine
         from tandem.engine.metrics import register_engine_metrics

@@ -19,7 +19,7 @@ import sys
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``simulate`` sub-command to an ``add_subparsers()`` object; its handler is
     ``args.func(args) -> exit status``."""
-    from tandem.bench.sim.cost_model import DEFAULT_PROFILE, PROFILES
+    from tandem.sim.cost_model import DEFAULT_PROFILE, PROFILES
     from tandem.router.policies import DEFAULT_POLICY, POLICIES
 
     p = subparsers.add_parser(
