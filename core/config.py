@@ -58,7 +58,11 @@ class SchedulerConfig(_Strict):
 class HybridConfig(_Strict):
     """Pool sizes of a hybrid model's extra pools (sliding-window and recurrent layers); None: the
     defaults engine/hybrid.py documents (SWA rows = the full pool's size, state slots =
-    ``2 * max_running_requests + 2``). Ignored for models with full attention only."""
+    ``2 * max_running_requests + 2``). Ignored for models with full attention only.
+
+    NOTE for engine/: engine/hybrid.py still defines its own ``HybridConfig`` (the same two
+    fields) and ``Engine(hybrid=...)`` takes it as an argument; it should import this one and
+    read ``EngineConfig.hybrid``, so these fields are settable from the YAML."""
 
     swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
     state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
@@ -66,7 +70,11 @@ class HybridConfig(_Strict):
 
 class TransferConfig(_Strict):
     """The NIXL agent of a disaggregated worker (transfer/agent.py ``KVTransferAgent``). How long
-    one KV transfer may take is ``ServeConfig.transfer_timeout_s`` (the cluster passes it on)."""
+    one KV transfer may take is ``ServeConfig.transfer_timeout_s`` (the cluster passes it on).
+    The field names are ``KVTransferAgent``'s keywords.
+
+    NOTE for prefill/ and decode/: the workers build their agent from ``agent_opts`` (default
+    none); they should pass ``**engine_config.transfer.model_dump()`` instead."""
 
     mode: Literal["dynamic", "prepped"] = Field(
         "dynamic", description="coalesced descriptors per write, or descriptors prepared once per peer")

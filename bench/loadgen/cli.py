@@ -3,7 +3,7 @@
     tandem bench --url http://127.0.0.1:8000 --workload agent|vllm-multiturn|trace:FILE [--out DIR] [flags]
 
 Prints a short table to stdout (progress goes to stderr) and writes ``DIR/report.json`` and four
-PNGs (see plots.py and docs/BENCH.md). cluster/cli.py adds the subcommand with :func:`register`;
+PNGs (see plots.py and docs/BENCH.md). tandem/cli.py adds the subcommand with :func:`register`;
 ``python -m tandem.bench.loadgen.cli`` runs it standalone.
 """
 

@@ -78,7 +78,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m tandem.bench.sim.cli``) until the lead wires ``register``."""
+    """Standalone entry (``python -m tandem.bench.sim.cli``); ``tandem simulate`` is tandem/cli.py's."""
     parser = argparse.ArgumentParser(prog="tandem")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
