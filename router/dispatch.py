@@ -16,13 +16,18 @@ The view a policy sees is the dispatcher's records: per worker, requests routed 
 yet done with it (prefill: until the first token; decode: until the end) and their tokens
 (prefill: prompt tokens; decode: prompt plus output so far). ``capacity_tokens`` is the worker's
 reported pool size (else the configured one). ``pending_s`` of a prefill worker is its own
-prediction when its snapshot carries one (simulated workers), else an estimate from the records:
-the uncached prompt tokens it holds (prompt minus the hit the policy expected) over its measured
-prefill rate, less the time its head request has been in service. The rate is an EWMA of tokens
-per second over its finished prefills, timed from dispatch (or the previous one's end, whichever
-is later: first come, first served) to the first token; until the first one, the policy's
-estimator's ``1 / per_token_s``. So ``AdmissionLimits.max_pending_s`` and the session policy's
-TTFT term act on the real cluster as in the simulator.
+prediction when its snapshot carries one (simulated workers), else queued tokens over its
+measured prefill rate, the larger of two counts:
+
+- the records: the uncached prompt tokens it holds (prompt minus the hit the policy expected),
+  less what its head request has done in its time in service;
+- the worker's report: the ``waiting_prompt_tokens`` of its last snapshot, plus the tokens
+  routed to it since (which also sees traffic other router replicas sent it).
+
+The rate is an EWMA of tokens per second over its finished prefills, timed from dispatch (or the
+previous one's end, whichever is later: first come, first served) to the first token; until the
+first one, the policy's estimator's ``1 / per_token_s``. So ``AdmissionLimits.max_pending_s``
+and the session policy's TTFT term act on the real cluster as in the simulator.
 
 Thread-safety: every verb takes ``lock`` (an RLock); a KV-event feed that writes ``state.kv``
 from its own thread takes it too.
@@ -253,15 +258,19 @@ class Dispatcher:
             rm.WORKER_LOAD.labels(w.name, w.role).set(w.requests)
 
     def _pending_s(self, w: _Worker, now: float) -> float:
-        if w.snapshot is not None and w.snapshot.pending_s is not None:
-            return w.snapshot.pending_s
-        if not w.queue:
-            return 0.0
+        snap = w.snapshot
+        if snap is not None and snap.pending_s is not None:
+            return snap.pending_s
         rate = w.rate or self._prior_rate
-        head = next(iter(w.queue.values()))
-        head_s = head.new_tokens / rate
-        in_service = max(now - max(head.since, w.last_done), 0.0)
-        return (w.queued_new - head.new_tokens) / rate + max(head_s - in_service, 0.0)
+        records = 0.0
+        if w.queue:
+            head = next(iter(w.queue.values()))
+            in_service = max(now - max(head.since, w.last_done), 0.0)
+            records = (w.queued_new - head.new_tokens) / rate + max(head.new_tokens / rate - in_service, 0.0)
+        if snap is None or snap.waiting_prompt_tokens is None:
+            return records
+        since = sum(q.new_tokens for q in w.queue.values() if q.since > snap.at)
+        return max(records, (snap.waiting_prompt_tokens + since) / rate)
 
     def _view(self, wid: int, w: _Worker, now: float, eligible: bool) -> WorkerView:
         snap = w.snapshot

@@ -104,20 +104,25 @@ class WorkerSnapshot:
     running: int = 0                # requests computing
     total_tokens: int = 0           # device KV tokens of its pool (0 = unknown)
     available_tokens: int = 0       # free device KV tokens
+    waiting_prompt_tokens: int | None = None   # prompt tokens queued, not yet admitted (None:
+                                    # not reported)
     pending_s: float | None = None  # the worker's own prediction of queued work (seconds), when it
                                     # makes one (simulated workers); None: the dispatcher estimates it
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any], at: float) -> "WorkerSnapshot":
         """From a prefill/decode actor's ``stats()`` dict (keys ``waiting``, ``running``,
-        ``total_tokens``, ``available_tokens``; ``pending_s`` when a worker reports one). Missing
-        keys read as 0 / None; a value of the wrong type is a ValueError naming the key."""
+        ``total_tokens``, ``available_tokens``, ``waiting_prompt_tokens``; ``pending_s`` when a
+        worker reports one). Missing keys read as 0 (counts) or None (the optional two); a value
+        of the wrong type is a ValueError naming the key."""
         def num(key: str, kind=int):
             v = stats.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"worker stats[{key!r}] = {v!r} is not a number")
             return kind(v)
 
-        pending = stats.get("pending_s")
+        def optional(key: str, kind):
+            return None if stats.get(key) is None else num(key, kind)
+
         return cls(at, num("waiting"), num("running"), num("total_tokens"), num("available_tokens"),
-                   None if pending is None else num("pending_s", float))
+                   optional("waiting_prompt_tokens", int), optional("pending_s", float))

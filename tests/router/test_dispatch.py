@@ -116,6 +116,19 @@ def test_admission_by_predicted_wait_acts_without_a_reported_pending_s():
     assert d.view().prefill[0].capacity_tokens == 800   # the reported pool, not the configured one
 
 
+def test_reported_waiting_tokens_count_traffic_the_records_never_saw():
+    """Another router replica's requests show only in the worker's report: the estimate takes the
+    larger of the records and the report plus what was routed since."""
+    d, clock = make(prefill=1, decode=1, names="replica")
+    d.update_snapshot(0, WorkerSnapshot.from_stats({"waiting_prompt_tokens": 3000}, clock()))
+    assert d.pending_s(0) == pytest.approx(3.0)       # nothing routed here yet: the report's
+    clock.t += 0.1
+    d.route(req("a", 500))
+    assert d.pending_s(0) == pytest.approx(3.5)       # the report, plus a (routed after it)
+    d.update_snapshot(0, WorkerSnapshot.from_stats({"waiting_prompt_tokens": 0}, clock()))
+    assert d.pending_s(0) == pytest.approx(0.5)       # a is computing: the records' count wins
+
+
 def test_a_reported_pending_s_wins_over_the_estimate():
     d, clock = make(prefill=2, decode=1, policy="session", names="report")
     d.update_snapshot(0, WorkerSnapshot(clock(), pending_s=9.0))
@@ -174,6 +187,8 @@ def test_snapshot_from_a_workers_stats():
     s = WorkerSnapshot.from_stats(stats, 7.0)
     assert (s.at, s.waiting, s.running, s.total_tokens, s.available_tokens, s.pending_s) == \
         (7.0, 3, 2, 4096, 4000, None)
+    assert s.waiting_prompt_tokens is None
+    assert WorkerSnapshot.from_stats({**stats, "waiting_prompt_tokens": 77}, 0.0).waiting_prompt_tokens == 77
     assert WorkerSnapshot.from_stats({"pending_s": 1}, 0.0).pending_s == 1.0
     with pytest.raises(ValueError, match="waiting"):
         WorkerSnapshot.from_stats({"waiting": "3"}, 0.0)
