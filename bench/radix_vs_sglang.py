@@ -35,8 +35,10 @@ from pathlib import Path
 
 import torch
 
+from tandem.bench.workloads import MOONCAKE_SYNTHETIC
+
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+TRACE = MOONCAKE_SYNTHETIC
 OUT = ROOT / "bench" / "out" / "radix_vs_sglang.json"
 TOKENS_PER_HASH = 16
 CAPACITY = 160_000

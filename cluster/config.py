@@ -1,6 +1,7 @@
 """Loads ServeConfig from ``--config FILE`` (YAML) and lets command-line flags override it.
 
 This is the one place configuration is read; everything downstream receives validated models.
+The flags themselves, and how a given one lands on its field, are cluster/flags.py's.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from tandem.cluster.flags import override, serve_overrides
 from tandem.core.config import ServeConfig
 from tandem.core.types import TandemError
 
@@ -32,19 +34,5 @@ def load_serve_config(path: str | None) -> ServeConfig:
 
 
 def serve_config_from_args(args) -> ServeConfig:
-    from tandem.cluster.cli import engine_config_from_args
-
-    base = load_serve_config(args.config)
-    d = base.model_dump()
-    flags = {"mode": args.mode, "engine": args.engine, "prefill": args.prefill, "decode": args.decode,
-             "host": args.host, "port": args.port, "api_key": args.api_key,
-             "ray_address": args.ray_address, "policy": args.policy,
-             "transfer_timeout_s": args.transfer_timeout,
-             "local_prefill_threshold": args.local_prefill_threshold,
-             "decode_max_total_tokens": args.decode_max_total_tokens,
-             "tool_parser": getattr(args, "tool_parser", None),
-             "sim_profile": getattr(args, "sim_profile", None),
-             "sim_speedup": getattr(args, "sim_speedup", None)}
-    d.update({k: v for k, v in flags.items() if v is not None})
-    d["engine_config"] = engine_config_from_args(args, base.engine_config).model_dump()
-    return ServeConfig.model_validate(d)
+    """``--config`` YAML (or the defaults), then every serve and engine flag that was given."""
+    return override(load_serve_config(args.config), serve_overrides(args))

@@ -1,6 +1,14 @@
 """Configuration models, validated once (pydantic) and loaded in one place (cluster/config.py).
 
-Each package reads only its own section. No environment-variable-only switches.
+Each package reads only its own section. No environment-variable-only switches. A default lives
+here and only here: the command-line flags (cluster/flags.py) are generated from these fields.
+
+    ServeConfig                    the YAML of ``tandem serve --config``
+      engine_config: EngineConfig  every worker's engine
+        cache: CacheConfig         KV pools, host tier, radix cache
+        scheduler: SchedulerConfig continuous batching
+        hybrid: HybridConfig       extra pools of sliding-window / recurrent models
+        transfer: TransferConfig   the NIXL agent of disaggregated workers
 """
 
 from __future__ import annotations
@@ -47,6 +55,36 @@ class SchedulerConfig(_Strict):
                              "without memory pressure (0 = off)")
 
 
+class HybridConfig(_Strict):
+    """Pool sizes of a hybrid model's extra pools (sliding-window and recurrent layers); None: the
+    defaults engine/hybrid.py documents (SWA rows = the full pool's size, state slots =
+    ``2 * max_running_requests + 2``). Ignored for models with full attention only.
+
+    NOTE for engine/: engine/hybrid.py still defines its own ``HybridConfig`` (the same two
+    fields) and ``Engine(hybrid=...)`` takes it as an argument; it should import this one and
+    read ``EngineConfig.hybrid``, so these fields are settable from the YAML."""
+
+    swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
+    state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
+
+
+class TransferConfig(_Strict):
+    """The NIXL agent of a disaggregated worker (transfer/agent.py ``KVTransferAgent``). How long
+    one KV transfer may take is ``ServeConfig.transfer_timeout_s`` (the cluster passes it on).
+    The field names are ``KVTransferAgent``'s keywords.
+
+    NOTE for prefill/ and decode/: the workers build their agent from ``agent_opts`` (default
+    none); they should pass ``**engine_config.transfer.model_dump()`` instead."""
+
+    mode: Literal["dynamic", "prepped"] = Field(
+        "dynamic", description="coalesced descriptors per write, or descriptors prepared once per peer")
+    parts: int = Field(1, ge=1, description="split one write into up to this many NIXL requests")
+    num_threads: int = Field(0, ge=0, description="UCX backend worker threads (0 = NIXL's default)")
+    ucx_tls: str | None = Field(None, description="UCX transports; None keeps UCX_TLS, else tcp,sm,cma,self")
+    progress_thread: bool = Field(False, description="NIXL progresses in a background thread too")
+    progress_delay_us: int = Field(100, ge=0, description="the progress thread's idle wake-up period")
+
+
 class EngineConfig(_Strict):
     """Everything one engine (model + pools + cache + scheduler) needs."""
 
@@ -60,6 +98,8 @@ class EngineConfig(_Strict):
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    hybrid: HybridConfig = HybridConfig()
+    transfer: TransferConfig = TransferConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -96,6 +136,6 @@ class ServeConfig(_Strict):
         "auto", description="tool-call output format (router/tools/formats.py): 'auto' picks it from "
                             "the model's chat template, Hermes when the template has no tool support")
     sim_profile: str = Field("llama3-8b-h100", description="engine 'sim': the cost profile "
-                             "(bench/sim/cost_model.py) the simulated workers run at")
+                             "(sim/cost_model.py) the simulated workers run at")
     sim_speedup: float = Field(1.0, gt=0, description="engine 'sim': simulated seconds per wall second")
     engine_config: EngineConfig = EngineConfig()

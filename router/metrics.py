@@ -14,7 +14,7 @@ Who records what (router/http.py):
 - ``PROMPT_TOKENS`` / ``CACHED_PROMPT_TOKENS``: from the final chunk's usage numbers
   (:func:`count_prompt`, which also sets ``CACHE_HIT_RATIO`` = cached / prompt tokens so far).
 
-Recorded by a routing backend (cluster/launch.py), not by http.py:
+Recorded by the dispatcher (router/dispatch.py) every serving backend routes through, not by http.py:
 - ``ROUTING_DECISION``: seconds one routing decision (view + policy) took.
 - ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
 """

@@ -40,7 +40,7 @@ class PrefillEstimator:
     ``overhead_s + per_token_s * new + per_pair_s * new * (cached + new / 2)``. The last term is
     causal attention (each new token attends to the cached prefix and half the new ones on
     average). Mooncake fits such a model offline; the simulator hands the router its profile's
-    coefficients (``bench/sim/cost_model.py``). Defaults: Llama-3-8B on one H100."""
+    coefficients (``sim/cost_model.py``). Defaults: Llama-3-8B on one H100."""
 
     overhead_s: float = 0.010
     per_token_s: float = 2.68e-5        # 2 * 8.03e9 FLOP / 600 TFLOP/s

@@ -1,15 +1,15 @@
 """What a routing policy sees: a snapshot of the workers, and the request being routed.
 
 Policies (``policies.py``) are functions of these values plus an explicit state object; nothing
-here talks to a worker. Whoever builds a view (the cluster's backend from worker heartbeats and
-its own dispatch records, or the simulator from its engines) fills every field; the comment beside
-each field says what it means so both builders agree.
+here talks to a worker. Whoever builds a view (``dispatch.Dispatcher`` from its dispatch records
+and the workers' :class:`WorkerSnapshot` reports, or the offline simulator from its engines) fills
+every field; the comment beside each field says what it means so all builders agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -91,3 +91,38 @@ class Decision:
     reason: str                     # short tag for logs and metrics, e.g. "sticky", "prefix", "load"
     matched_tokens: int = 0         # prompt tokens the policy expects the prefill worker to hold
     predicted_ttft_s: float = 0.0   # the policy's estimate (0 when it makes none)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """What a worker last reported about itself (the health monitor refreshes it from the actor's
+    ``stats()``; a simulated worker reports its own state). Possibly stale by up to one monitor
+    period; the dispatcher's own records stay the load a policy sees."""
+
+    at: float = 0.0                 # the dispatcher's clock when the report was taken
+    waiting: int = 0                # requests queued in the worker's scheduler
+    running: int = 0                # requests computing
+    total_tokens: int = 0           # device KV tokens of its pool (0 = unknown)
+    available_tokens: int = 0       # free device KV tokens
+    waiting_prompt_tokens: int | None = None   # prompt tokens queued, not yet admitted (None:
+                                    # not reported)
+    pending_s: float | None = None  # the worker's own prediction of queued work (seconds), when it
+                                    # makes one (simulated workers); None: the dispatcher estimates it
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, Any], at: float) -> "WorkerSnapshot":
+        """From a prefill/decode actor's ``stats()`` dict (keys ``waiting``, ``running``,
+        ``total_tokens``, ``available_tokens``, ``waiting_prompt_tokens``; ``pending_s`` when a
+        worker reports one). Missing keys read as 0 (counts) or None (the optional two); a value
+        of the wrong type is a ValueError naming the key."""
+        def num(key: str, kind=int):
+            v = stats.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"worker stats[{key!r}] = {v!r} is not a number")
+            return kind(v)
+
+        def optional(key: str, kind):
+            return None if stats.get(key) is None else num(key, kind)
+
+        return cls(at, num("waiting"), num("running"), num("total_tokens"), num("available_tokens"),
+                   optional("waiting_prompt_tokens", int), optional("pending_s", float))

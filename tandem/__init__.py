@@ -1,7 +1,7 @@
 """Tandem: a disaggregated prefill/decode LLM serving cluster.
 
-The product's packages sit at the top of the repository (core/, engine/, cache/, ...; see
-../shared/STYLE.md) and are imported as ``tandem.core``, ``tandem.engine`` and so on. In a source
+The product's packages sit at the top of the repository (core/, engine/, cache/, ...; see the
+layout in README.md) and are imported as ``tandem.core``, ``tandem.engine`` and so on. In a source
 checkout (and an editable install) the repository root is added to this package's search path so
 that ``tandem.<pkg>`` resolves to ``<root>/<pkg>``; a built wheel installs them under tandem/.
 """

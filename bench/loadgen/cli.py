@@ -3,7 +3,7 @@
     tandem bench --url http://127.0.0.1:8000 --workload agent|vllm-multiturn|trace:FILE [--out DIR] [flags]
 
 Prints a short table to stdout (progress goes to stderr) and writes ``DIR/report.json`` and four
-PNGs (see plots.py and docs/BENCH.md). cluster/cli.py adds the subcommand with :func:`register`;
+PNGs (see plots.py and docs/BENCH.md). tandem/cli.py adds the subcommand with :func:`register`;
 ``python -m tandem.bench.loadgen.cli`` runs it standalone.
 """
 
@@ -55,8 +55,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--scale", type=float, default=1.0,
                    help="multiply vllm-multiturn and Azure token counts by this (e.g. 0.1 on a CPU)")
     w.add_argument("--workload-config", default=None,
-                   help="vLLM generate_conversations JSON (default: ../shared/workloads/"
-                        "vllm_generate_multi_turn.json, else a built-in copy)")
+                   help="vLLM generate_conversations JSON (default: the vendored "
+                        "bench/workloads/vllm_generate_multi_turn.json)")
     w.add_argument("--speedup", type=float, default=1.0, help="trace replay: divide arrival times by this")
     w.add_argument("--block-size", type=int, default=16,
                    help="Mooncake replay: tokens per hash id (the trace's 512-token blocks; default 16)")

@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.bench.workloads import VLLM_MULTI_TURN
+
 # One token each (checked against SmolLM2's tokenizer: 1,000 sampled words -> 1,000 tokens).
 WORDS: tuple[str, ...] = tuple("""
 the of and to in is that for it as was with be by on not he this are or his from at which but have an
@@ -254,22 +256,8 @@ def agent_workload(cfg: AgentConfig) -> Workload:
 
 
 # ------------------------------------------------------------------------------ vLLM multi-turn
-# The parameters of vLLM's benchmarks/multi_turn/generate_multi_turn.json, used when that file is
-# not at hand (``../shared/workloads/vllm_generate_multi_turn.json`` is read when present).
-VLLM_MULTITURN_DEFAULT: dict = {
-    "filetype": "generate_conversations",
-    "num_conversations": 24,
-    "text_files": ["pg1184.txt"],
-    "print_stats": False,
-    "prompt_input": {
-        "num_turns": {"distribution": "uniform", "min": 12, "max": 18},
-        "common_prefix_num_tokens": {"distribution": "constant", "value": 500},
-        "prefix_num_tokens": {"distribution": "lognormal", "average": 1000, "max": 5000},
-        "num_tokens": {"distribution": "uniform", "min": 120, "max": 160},
-    },
-    "prompt_output": {"num_tokens": {"distribution": "uniform", "min": 80, "max": 120}},
-}
-VLLM_MULTITURN_FILE = Path(__file__).resolve().parents[3] / "shared/workloads/vllm_generate_multi_turn.json"
+# vLLM's benchmarks/multi_turn/generate_multi_turn.json, vendored unchanged (bench/workloads/README.md).
+VLLM_MULTITURN_FILE = VLLM_MULTI_TURN
 
 
 def _vllm_dist(conf: dict) -> Dist:
@@ -287,10 +275,8 @@ def _vllm_dist(conf: dict) -> Dist:
 
 
 def load_vllm_config(path: str | Path | None = None) -> dict:
-    """The generator config at ``path``; else the shared copy when present; else the built-in copy."""
+    """The generator config at ``path``, by default the vendored copy of vLLM's."""
     p = Path(path) if path else VLLM_MULTITURN_FILE
-    if path is None and not p.exists():
-        return VLLM_MULTITURN_DEFAULT
     conf = json.loads(p.read_text())
     if conf.get("filetype") != "generate_conversations":
         raise ValueError(f"{p}: filetype {conf.get('filetype')!r}, expected 'generate_conversations'")

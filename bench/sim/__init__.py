@@ -1,7 +1,6 @@
-"""A simulated prefill/decode cluster for routing experiments on one CPU.
+"""Trace replay over a simulated prefill/decode cluster, for routing experiments on one CPU.
 
-``cost_model`` (how long things take on a named GPU + model), ``engine`` (prefill and decode
-workers: queues, batching, one real ``UnifiedRadixCache`` in simulated mode per prefill worker),
-``simulate`` (discrete-event replay of a trace through a router policy; JSON summary),
-``cli`` (``tandem simulate``).
+``simulate`` (discrete-event replay of a trace through a router policy; JSON summary) and ``cli``
+(``tandem simulate``). The simulated workers and cost profiles they run are the product's, in
+sim/ (``tandem serve --engine sim`` serves with them).
 """

@@ -19,7 +19,7 @@ import sys
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``simulate`` sub-command to an ``add_subparsers()`` object; its handler is
     ``args.func(args) -> exit status``."""
-    from tandem.bench.sim.cost_model import DEFAULT_PROFILE, PROFILES
+    from tandem.sim.cost_model import DEFAULT_PROFILE, PROFILES
     from tandem.router.policies import DEFAULT_POLICY, POLICIES
 
     p = subparsers.add_parser(
@@ -28,7 +28,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "(real radix cache, simulated) -> KV transfer -> decode worker.")
     p.add_argument("--trace", default=None,
                    help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids "
-                        "per 512-token block); default: ../shared/workloads/mooncake_synthetic_trace.jsonl")
+                        "per 512-token block); default: the vendored bench/workloads/mooncake_synthetic_trace.jsonl")
     p.add_argument("--prefill", type=int, default=8, help="prefill workers (default 8)")
     p.add_argument("--decode", type=int, default=8, help="decode workers (default 8)")
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
@@ -78,7 +78,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m tandem.bench.sim.cli``) until the lead wires ``register``."""
+    """Standalone entry (``python -m tandem.bench.sim.cli``); ``tandem simulate`` is tandem/cli.py's."""
     parser = argparse.ArgumentParser(prog="tandem")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

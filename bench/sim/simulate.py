@@ -16,6 +16,10 @@ The cache capacity is ``capacity_tokens // B`` pages.
 
 TTFT is arrival -> the prompt's KV is on the decode worker (the first token, sampled by the
 prefill worker, leaves with it). The run is deterministic for a given trace, arguments and seed.
+
+The workers and the cost profiles are the product's (sim/, which ``tandem serve --engine sim``
+serves with). This replay calls the policy directly on the workers' own views, with no admission
+(a trace experiment has no 429s); the serving backends route through router/dispatch.py.
 """
 
 from __future__ import annotations
@@ -27,17 +31,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
-from tandem.bench.sim.cost_model import DEFAULT_PROFILE, get_profile
-from tandem.bench.sim.engine import DecodeWorker, PrefillWorker, SimRequest
+from tandem.bench.workloads import MOONCAKE_SYNTHETIC
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.router.policies import POLICIES, PolicyConfig, RouterState, choose
-from tandem.router.prefix_index import KVEvent
 from tandem.router.view import ClusterView, RouteRequest
+from tandem.sim.cost_model import DEFAULT_PROFILE, get_profile
+from tandem.sim.workers import DecodeWorker, EventSink, PrefillWorker, SimRequest
 
 TRACE_BLOCK = 512          # tokens per hash id in the Mooncake traces
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_SYNTHETIC   # vendored: bench/workloads/README.md
 
 _ARRIVE, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_STEP = range(4)
 
@@ -79,25 +82,6 @@ def trace_key(rec: TraceRecord, block_size: int) -> list[int]:
         raise ValueError(f"block_size={block_size} must divide {TRACE_BLOCK} or be a multiple of it")
     m = block_size // TRACE_BLOCK
     return [ids[min(i * m + m - 1, len(ids) - 1)] for i in range(n_pages)]
-
-
-class _EventSink:
-    """Stands in for the cache's ZMQ publisher: hands each stored/removed page straight to the
-    router's global index (zero event delay), as ``worker_ids`` (all prefill workers when the
-    cache is the shared global one)."""
-
-    def __init__(self, state: RouterState, worker_ids: list[int]):
-        self.state = state
-        self.worker_ids = worker_ids
-
-    def publish(self, events: Iterable) -> None:
-        for e in events:
-            wire = {"type": e.type, "block_hashes": getattr(e, "block_hashes", ()),
-                    "medium": getattr(e, "medium", "device"),
-                    "num_tokens": getattr(e, "num_tokens", 0),
-                    "parent_block_hash": getattr(e, "parent_block_hash", None)}
-            for w in self.worker_ids:
-                self.state.kv.apply(KVEvent.from_wire(w, wire))
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -146,7 +130,7 @@ def simulate(trace: list[TraceRecord], *, prefill: int = 8, decode: int = 8, pol
     use_events = policy == "kv_events"
 
     def make_cache(ids: list[int], pages: int | None):
-        sink = _EventSink(state, ids) if use_events else None
+        sink = EventSink(state, ids) if use_events else None
         return UnifiedRadixCache.simulated(page_size=1, capacity_tokens=pages, eviction="lru",
                                            events=sink)
 

@@ -61,7 +61,7 @@ def server(smollm2_gguf, tmp_path_factory):
 
 
 def _bench(argv: list[str]) -> tuple[int, str]:
-    """Run ``tandem bench ARGV`` through register() as cluster/cli.py wires it; (exit code, stdout)."""
+    """Run ``tandem bench ARGV`` through register() as tandem/cli.py wires it; (exit code, stdout)."""
     parser = argparse.ArgumentParser(prog="tandem")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", *argv, "--no-progress"])

@@ -10,8 +10,7 @@ import pytest
 
 from tandem.bench.loadgen.traces import (TOKEN_ID_HI, TOKEN_ID_LO, hash_block, load_azure, load_mooncake,
                                          load_trace, mooncake_prompt)
-
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+from tandem.bench.workloads import AZURE_CONV_2023, MOONCAKE_SYNTHETIC
 
 
 def _mooncake(tmp_path, rows) -> Path:
@@ -58,11 +57,8 @@ def test_mooncake_rejects_other_files(tmp_path):
         load_mooncake(p)
 
 
-def test_the_shared_mooncake_trace_parses():
-    path = SHARED / "mooncake_synthetic_trace.jsonl"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    w = load_trace(str(path), block_size=16, max_requests=50, speedup=1.0, scale=1.0, seed=0, max_tokens=None)
+def test_the_vendored_mooncake_trace_parses():
+    w = load_trace(str(MOONCAKE_SYNTHETIC), block_size=16, max_requests=50, speedup=1.0, scale=1.0, seed=0, max_tokens=None)
     assert len(w.requests) == 50
     assert w.requests[0].arrival_s == 0 and w.requests[-1].arrival_s > 0
     arrivals = [r.arrival_s for r in w.requests]
@@ -94,9 +90,6 @@ def test_azure_and_dispatch_errors(tmp_path):
         load_trace(str(tmp_path / "trace.txt"))
 
 
-def test_the_shared_azure_trace_parses():
-    path = SHARED / "azure_llm_2023_conv.csv"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    w = load_azure(path, scale=0.1, max_requests=20)
+def test_the_vendored_azure_trace_parses():
+    w = load_azure(AZURE_CONV_2023, scale=0.1, max_requests=20)
     assert len(w.requests) == 20 and w.requests[1].arrival_s == pytest.approx(4.314579)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.bench.loadgen.workloads import (TOOLS, VLLM_MULTITURN_DEFAULT, VLLM_MULTITURN_FILE, WORDS, AgentConfig,
+from tandem.bench.loadgen.workloads import (TOOLS, VLLM_MULTITURN_FILE, WORDS, AgentConfig,
                                             Dist, agent_workload, load_vllm_config, vllm_multiturn_workload,
                                             words)
 
@@ -93,11 +93,17 @@ def test_dist_specs():
             Dist.parse(bad)
 
 
-def test_builtin_vllm_config_matches_the_shared_file():
-    if not VLLM_MULTITURN_FILE.exists():
-        pytest.skip(f"{VLLM_MULTITURN_FILE} not present")
-    assert json.loads(VLLM_MULTITURN_FILE.read_text()) == VLLM_MULTITURN_DEFAULT
-    assert load_vllm_config() == VLLM_MULTITURN_DEFAULT
+VLLM_MULTITURN_DEFAULT = load_vllm_config()
+
+
+def test_the_default_vllm_config_is_the_vendored_file(tmp_path):
+    assert VLLM_MULTITURN_FILE.is_file()
+    assert VLLM_MULTITURN_DEFAULT == json.loads(VLLM_MULTITURN_FILE.read_text())
+    assert VLLM_MULTITURN_DEFAULT["num_conversations"] == 24
+    bad = tmp_path / "other.json"
+    bad.write_text('{"filetype": "something_else"}')
+    with pytest.raises(ValueError, match="expected 'generate_conversations'"):
+        load_vllm_config(bad)
 
 
 def test_vllm_multiturn_shape():

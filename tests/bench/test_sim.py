@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.sim.cost_model import LLAMA3_8B_H100, PROFILES, get_profile
 from tandem.bench.sim.simulate import DEFAULT_TRACE, TraceRecord, load_trace, simulate, trace_key
 from tandem.router.policies import POLICIES
-
-pytestmark = pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason=f"{DEFAULT_TRACE} not found")
+from tandem.sim.cost_model import LLAMA3_8B_H100, PROFILES, get_profile
 
 
 @pytest.fixture(scope="module")

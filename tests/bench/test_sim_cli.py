@@ -10,8 +10,6 @@ import pytest
 from tandem.bench.sim import cli
 from tandem.bench.sim.simulate import DEFAULT_TRACE
 
-pytestmark = pytest.mark.skipif(not DEFAULT_TRACE.exists(), reason=f"{DEFAULT_TRACE} not found")
-
 
 def test_simulate_prints_one_json_object(capsys):
     rc = cli.main(["simulate", "--trace", str(DEFAULT_TRACE), "--limit", "60", "--prefill", "2",

@@ -17,12 +17,13 @@ import httpx
 import pytest
 import uvicorn
 
-from tandem.bench.sim.cost_model import get_profile
-from tandem.cluster.sim_backend import SimServingBackend
+from tandem.cluster.launch import load_tokenizer
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
 from tandem.router.http import create_app
+from tandem.sim.backend import SimServingBackend
+from tandem.sim.cost_model import get_profile
 
 openai = pytest.importorskip("openai")
 
@@ -46,7 +47,7 @@ def _start(backend, cfg: ServeConfig):
 @pytest.fixture(scope="module")
 def sim(smollm2_gguf):
     cfg = ServeConfig(engine="sim", prefill=2, decode=2, policy="session")
-    backend = SimServingBackend(cfg)
+    backend = SimServingBackend(cfg, load_tokenizer(cfg.engine_config.model))
     url, server, thread = _start(backend, cfg)
     yield url, backend
     server.should_exit = True
@@ -175,3 +176,29 @@ def test_serve_flags_reach_the_config():
                                       "--sim-profile", "llama3-70b-h100x8", "--sim-speedup", "4"])
     cfg = serve_config_from_args(args)
     assert (cfg.engine, cfg.sim_profile, cfg.sim_speedup) == ("sim", "llama3-70b-h100x8", 4.0)
+
+
+def test_predicted_wait_past_the_limit_is_overloaded():
+    """admission_max_pending_s through the dispatcher: the simulated prefill worker reports its
+    queue's predicted seconds, and a request past the limit is refused until the queue drains."""
+    from tandem.core.types import Overloaded
+
+    async def main():
+        cfg = ServeConfig(engine="sim", prefill=1, decode=1, admission_max_pending_s=0.5, sim_speedup=20.0)
+        b = SimServingBackend(cfg, tokenizer=_Tok())
+        first = asyncio.get_running_loop().create_task(_drain(b.generate(_req("a", n=15000, max_tokens=2))))
+        await asyncio.sleep(0)                        # routed: ~0.53 s of prefill queued
+        assert b.prefills[0].pending_s(b.now()) > 0.5
+        with pytest.raises(Overloaded) as e:
+            await b.generate(_req("b", n=100, max_tokens=2)).__anext__()
+        assert e.value.retry_after_s == 1
+        out = await first
+        assert out[-1].finish_reason == "length"
+        assert [c async for c in b.generate(_req("b", n=100, max_tokens=2))][-1].finish_reason == "length"
+        b.close()
+
+    asyncio.run(main())
+
+
+async def _drain(gen):
+    return [c async for c in gen]

@@ -68,14 +68,14 @@ def test_kv_events_fill_the_routers_block_index(cluster):
     prefill_ids = {w.wid for w in backend.prefills}
     end = time.monotonic() + 10
     while True:
-        with backend._lock:
-            ov = backend._router.kv.overlap(hashes)
+        with backend.dispatch.lock:
+            ov = backend.dispatch.state.kv.overlap(hashes)
         held = {w: dev for w, (dev, _host) in ov.items() if w in prefill_ids}
         if held and max(held.values()) >= 5:
             break
-        assert time.monotonic() < end, f"the index never saw the prompt's blocks: {ov}, {backend._feed.counts}"
+        assert time.monotonic() < end, f"the index never saw the prompt's blocks: {ov}, {backend.feed.counts}"
         time.sleep(0.05)
-    assert backend._feed.counts["malformed"] == 0
+    assert backend.feed.counts["malformed"] == 0
     # the metrics the router adds
     assert _metric(server, "tandem_routing_decision_seconds_count") >= 1
     assert 0.0 <= _metric(server, "tandem_cache_hit_ratio") <= 1.0

@@ -1,4 +1,6 @@
 """Simulated prefill and decode workers. Time is passed in; nothing here sleeps or schedules.
+Driven in real time by sim/backend.py (``tandem serve --engine sim``) and by discrete events in
+bench/sim/simulate.py (``tandem simulate``).
 
 A prefill worker runs one request at a time, first come first served (prefill is compute-bound,
 so batching requests together would not change their summed time in this model). Its prefix
@@ -12,17 +14,25 @@ cost profile (batch size, total context). KV room is reserved before a transfer 
 SGLang's decode pre-allocation does); a request that does not fit waits.
 
 Key mapping: a request's ``key`` holds one int per cache page and ``unit`` tokens per page
-(see ``simulate.trace_key``); the cache runs with ``page_size = 1`` over those ints, and its
-capacity is ``capacity_tokens // unit`` pages.
+(see bench/sim/simulate.py ``trace_key``); the cache runs with ``page_size = 1`` over those ints,
+and its capacity is ``capacity_tokens // unit`` pages.
+
+Each worker describes itself two ways: ``view(now)`` (a router WorkerView, for a simulation that
+routes on the workers' own state) and ``snapshot(now)`` (a WorkerSnapshot, what a worker reports
+to the router's Dispatcher; the prefill worker's carries its own ``pending_s`` prediction).
+:class:`EventSink` stands in for a cache's KV-event publisher.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from tandem.bench.sim.cost_model import Profile
-from tandem.router.view import DECODE, PREFILL, WorkerView
+from tandem.router.policies import RouterState
+from tandem.router.prefix_index import KVEvent
+from tandem.router.view import DECODE, PREFILL, WorkerSnapshot, WorkerView
+from tandem.sim.cost_model import Profile
 
 
 @dataclass(slots=True)
@@ -149,6 +159,10 @@ class PrefillWorker:
         return WorkerView(self.id, PREFILL, self.alive, len(self.queue),
                           len(self.queue) + (cur is not None), running, self.pending_s(now))
 
+    def snapshot(self, now: float) -> WorkerSnapshot:
+        """Queue, running and this worker's own ``pending_s`` (its pool size is the caller's)."""
+        return WorkerSnapshot(now, len(self.queue), int(self.current is not None), pending_s=self.pending_s(now))
+
 
 class DecodeWorker:
     def __init__(self, wid: int, profile: Profile, capacity_tokens: int):
@@ -245,3 +259,26 @@ class DecodeWorker:
         return WorkerView(self.id, DECODE, self.alive, len(self.waiting),
                           len(self.running) + len(self.joining) + self.inbound + len(self.waiting),
                           self.reserved, 0.0, self.capacity)
+
+    def snapshot(self, now: float) -> WorkerSnapshot:
+        return WorkerSnapshot(now, len(self.waiting), len(self.running) + len(self.joining),
+                              self.capacity, max(self.capacity - self.reserved, 0))
+
+
+class EventSink:
+    """Stands in for the cache's ZMQ publisher: hands each stored/removed page straight to the
+    router's global index (zero event delay), as ``worker_ids`` (all prefill workers when the
+    cache is the shared global one)."""
+
+    def __init__(self, state: RouterState, worker_ids: list[int]):
+        self.state = state
+        self.worker_ids = worker_ids
+
+    def publish(self, events: Iterable) -> None:
+        for e in events:
+            wire = {"type": e.type, "block_hashes": getattr(e, "block_hashes", ()),
+                    "medium": getattr(e, "medium", "device"),
+                    "num_tokens": getattr(e, "num_tokens", 0),
+                    "parent_block_hash": getattr(e, "parent_block_hash", None)}
+            for w in self.worker_ids:
+                self.state.kv.apply(KVEvent.from_wire(w, wire))

@@ -1,15 +1,17 @@
 """``tandem serve --engine sim``: the real front door and router over simulated workers.
 
 :class:`SimServingBackend` is a ServingBackend (router/backend.py) whose prefill and decode
-workers are bench/sim's (``PrefillWorker`` with a real ``UnifiedRadixCache`` in simulated mode,
-``DecodeWorker`` with continuous batching), run in real time on the event loop: the forward pass
-and the KV bytes are replaced by ``asyncio.sleep`` of the cost profile's seconds
-(bench/sim/cost_model.py), divided by ``cfg.sim_speedup``. Everything else is the product's:
-tokenization and the HTTP API (router/http.py), the routing policy ``cfg.policy`` with its
-session table and prefix indexes (router/policies.py), admission (429 with Retry-After), and the
-front door's metrics. No Ray, no model weights: only the tokenizer is loaded.
+workers are sim/workers.py's (``PrefillWorker`` with a real ``UnifiedRadixCache`` in simulated
+mode, ``DecodeWorker`` with continuous batching), run in real time on the event loop: the forward
+pass and the KV bytes are replaced by ``asyncio.sleep`` of the cost profile's seconds
+(sim/cost_model.py), divided by ``cfg.sim_speedup``. Everything else is the product's:
+tokenization and the HTTP API (router/http.py), and the same :class:`Dispatcher`
+(router/dispatch.py) the Ray backend routes through: admission (429 with Retry-After), the
+policy ``cfg.policy`` with its session table and prefix indexes, the load records and the
+front door's metrics. Before each decision every worker's snapshot is refreshed (the prefill
+workers report their own ``pending_s``). No Ray, no model weights: only the tokenizer.
 
-Per request (times in simulated seconds, as ``bench/sim/simulate.py`` has them):
+Per request (times in simulated seconds, as bench/sim/simulate.py has them):
 
     route (policy over the workers' views) -> prefill worker queue (FCFS) -> prefill of the
     uncached tokens (cache match + lock at start, insert at end) -> KV room reserved on the decode
@@ -30,54 +32,25 @@ import asyncio
 import itertools
 import logging
 import random
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from prometheus_client import REGISTRY, Counter, Gauge, generate_latest
+from prometheus_client import REGISTRY, generate_latest
 
-from tandem.bench.sim.cost_model import get_profile
-from tandem.bench.sim.engine import DecodeWorker, PrefillWorker, SimRequest
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.tokenizer import IncrementalDetokenizer
-from tandem.core.types import Overloaded, StreamChunk, TandemError
-from tandem.router import metrics as rm
-from tandem.router.metrics import _metric
-from tandem.router.policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, retry_after_s
-from tandem.router.view import ClusterView, RouteRequest
+from tandem.core.types import StreamChunk, TandemError
+from tandem.router.dispatch import Dispatcher, Route
+from tandem.router.policies import AdmissionLimits, PolicyConfig
+from tandem.sim import metrics as sm
+from tandem.sim.cost_model import get_profile
+from tandem.sim.workers import DecodeWorker, EventSink, PrefillWorker, SimRequest
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 8192      # SmolLM2's and Llama-3-8B's context; --context-length overrides
-
-SIM_PREFILL_QUEUE = _metric(Gauge, "tandem_sim_prefill_queue",
-                            "Simulated prefill worker: requests waiting for their prefill.",
-                            labelnames=("worker",))
-SIM_PREFILL_PENDING = _metric(Gauge, "tandem_sim_prefill_pending_seconds",
-                              "Simulated prefill worker: predicted seconds of queued work (simulated time).",
-                              labelnames=("worker",))
-SIM_CACHE_TOKENS = _metric(Gauge, "tandem_sim_prefix_cache_tokens",
-                           "Simulated prefill worker: tokens held by its prefix cache.",
-                           labelnames=("worker",))
-SIM_PREFILL_TOKENS = _metric(Counter, "tandem_sim_prefill_tokens_total",
-                             "Simulated prefill worker: prompt tokens prefilled, computed or cached.",
-                             labelnames=("worker", "kind"))
-SIM_TRANSFER_BYTES = _metric(Counter, "tandem_sim_transfer_bytes_total",
-                             "Simulated KV bytes sent from a prefill worker to decode workers.",
-                             labelnames=("worker",))
-SIM_DECODE_RUNNING = _metric(Gauge, "tandem_sim_decode_running",
-                             "Simulated decode worker: requests in its running batch.",
-                             labelnames=("worker",))
-SIM_DECODE_KV = _metric(Gauge, "tandem_sim_decode_kv_tokens",
-                        "Simulated decode worker: KV tokens reserved (prompt + output of admitted requests).",
-                        labelnames=("worker",))
-SIM_DECODE_TOKENS = _metric(Counter, "tandem_sim_decode_tokens_total",
-                            "Simulated decode worker: tokens generated.", labelnames=("worker",))
-SIM_BUSY = _metric(Counter, "tandem_sim_busy_seconds_total",
-                   "Simulated seconds a worker spent computing (prefills or decode steps).",
-                   labelnames=("worker", "role"))
 
 
 @dataclass(eq=False)
@@ -86,6 +59,7 @@ class _Flight:
 
     sim: SimRequest
     req: GenerateRequest
+    route: Route                 # what the dispatcher charged for it
     prefill: PrefillWorker
     decode: DecodeWorker
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -101,8 +75,10 @@ class SimServingBackend:
     run on the front door's event loop (the workers' tasks start there on first use);
     ``metrics_text`` runs off it and only reads."""
 
-    def __init__(self, cfg: ServeConfig, profile: str | None = None, *, tokenizer=None,
+    def __init__(self, cfg: ServeConfig, tokenizer, profile: str | None = None, *,
                  speedup: float | None = None):
+        """``tokenizer``: the model's (cluster/launch.py ``load_tokenizer``), or any object with
+        ``vocab_size``, ``decode`` and the special-token ids."""
         if cfg.prefill < 1:
             raise TandemError("--engine sim needs at least one prefill worker (--prefill >= 1)")
         self.cfg = cfg
@@ -111,10 +87,6 @@ class SimServingBackend:
         if self.speedup <= 0:
             raise TandemError(f"sim speedup must be > 0, got {self.speedup}")
         ec = cfg.engine_config
-        if tokenizer is None:
-            from tandem.cluster.launch import load_tokenizer
-
-            tokenizer = load_tokenizer(ec.model)
         self.tokenizer = tokenizer
         self.vocab_size = int(tokenizer.vocab_size)
         self.model_name = ec.model   # the same id the real engines serve under (e.g. "smollm2")
@@ -130,17 +102,14 @@ class SimServingBackend:
         self.page_size = ec.cache.page_size
         prefill_cap = self.profile.decode_kv_tokens          # one GPU's KV room, in tokens
         decode_cap = cfg.decode_max_total_tokens or self.profile.decode_kv_tokens
-        self._router = RouterState(PolicyConfig(kv_block_size=self.page_size, index_capacity=prefill_cap,
-                                                estimator=self.profile.estimator(), seed=ec.seed))
-        self.limits = AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s)
+        self.dispatch = Dispatcher(
+            cfg.policy, PolicyConfig(kv_block_size=self.page_size, index_capacity=prefill_cap,
+                                     estimator=self.profile.estimator(), seed=ec.seed),
+            AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s), clock=self.now)
         use_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"
         self.prefills: list[PrefillWorker] = []
         for i in range(cfg.prefill):
-            sink = None
-            if use_events:
-                from tandem.bench.sim.simulate import _EventSink
-
-                sink = _EventSink(self._router, [i])
+            sink = EventSink(self.dispatch.state, [i]) if use_events else None
             cache = UnifiedRadixCache.simulated(page_size=self.page_size, capacity_tokens=prefill_cap,
                                                 eviction=ec.cache.eviction_policy
                                                 if ec.cache.eviction_policy in ("lru", "lfu", "fifo") else "lru",
@@ -157,13 +126,17 @@ class SimServingBackend:
         self._t0 = 0.0
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
-        for w in self.prefills + self.decodes:
-            role = "prefill" if isinstance(w, PrefillWorker) else "decode"
-            rm.WORKER_LOAD.labels(self.names[w.id], role).set(0)
+        self._by_id = {w.id: w for w in self.prefills + self.decodes}
+        for w in self.prefills:
+            self.dispatch.add_worker(w.id, "prefill", self.names[w.id], prefill_cap)
+        for w in self.decodes:
+            self.dispatch.add_worker(w.id, "decode", self.names[w.id], decode_cap)
 
     # ------------------------------------------------------------------ clock and tasks
     def now(self) -> float:
-        """Simulated seconds since the workers started."""
+        """Simulated seconds since the workers started (0 before)."""
+        if self._loop is None:
+            return 0.0
         return (self._loop.time() - self._t0) * self.speedup
 
     async def _sleep_until(self, t: float) -> None:
@@ -205,16 +178,15 @@ class SimServingBackend:
                 f = self._by_sim[pw.current.rid]
                 f.stage = "prefill"
                 r = pw.current
-                SIM_PREFILL_TOKENS.labels(name, "cached").inc(r.cached_tokens)
-                SIM_PREFILL_TOKENS.labels(name, "computed").inc(r.prompt_tokens - r.cached_tokens)
-                SIM_BUSY.labels(name, "prefill").inc(end - self.now())
+                sm.PREFILL_TOKENS.labels(name, "cached").inc(r.cached_tokens)
+                sm.PREFILL_TOKENS.labels(name, "computed").inc(r.prompt_tokens - r.cached_tokens)
+                sm.BUSY.labels(name, "prefill").inc(end - self.now())
                 await self._sleep_until(end)
                 pw.finish(self.now())
                 self._prefilled(f)
 
     def _prefilled(self, f: _Flight) -> None:
         """Prefill done: reserve KV room on the decode worker and send, or wait for room."""
-        rm.WORKER_LOAD.labels(self.names[f.prefill.id], "prefill").dec()
         if f.aborted:
             self._finish_flight(f)
             return
@@ -228,7 +200,7 @@ class SimServingBackend:
         now = self.now()
         begin = max(now, self._nic_free[p])
         self._nic_free[p] = begin + self.profile.kv_transfer_s(f.sim.prompt_tokens)
-        SIM_TRANSFER_BYTES.labels(self.names[p]).inc(f.sim.prompt_tokens * self.profile.kv_bytes_per_token)
+        sm.TRANSFER_BYTES.labels(self.names[p]).inc(f.sim.prompt_tokens * self.profile.kv_bytes_per_token)
         self._spawn(self._arrive(f, self._nic_free[p]))
 
     async def _arrive(self, f: _Flight, at: float) -> None:
@@ -242,6 +214,7 @@ class SimServingBackend:
             f.sim.remaining = 0          # leaves at the next step boundary, its KV freed
         else:
             self._emit(f)                # the first token travels with the KV
+            self.dispatch.prefill_done(f.route)
         if wake:
             self._wake[dw.id].set()
 
@@ -254,9 +227,9 @@ class SimServingBackend:
                 emitting = list(dw.running)         # the batch that ran since the last boundary
                 busy = dw.stats.busy_s
                 _, admitted, nxt = dw.step(self.now())
-                SIM_BUSY.labels(name, "decode").inc(dw.stats.busy_s - busy)
+                sm.BUSY.labels(name, "decode").inc(dw.stats.busy_s - busy)
                 if emitting:
-                    SIM_DECODE_TOKENS.labels(name).inc(len(emitting))
+                    sm.DECODE_TOKENS.labels(name).inc(len(emitting))
                 for r in emitting:
                     f = self._by_sim.get(r.rid)
                     if f is not None and not f.aborted:
@@ -278,6 +251,7 @@ class SimServingBackend:
         while tok in self._specials:
             tok = f.rng.randrange(self._out_lo, self.vocab_size)
         f.emitted += 1
+        self.dispatch.grow(f.route, 1)
         text = f.detok.add(tok)
         s = f.sim
         if f.emitted >= n:
@@ -294,40 +268,23 @@ class SimServingBackend:
         f.stage = "done"
         self._flights.pop(f.req.rid, None)
         self._by_sim.pop(f.sim.rid, None)
-        rm.WORKER_LOAD.labels(self.names[f.decode.id], "decode").dec()
+        self.dispatch.release(f.route)
 
     # ------------------------------------------------------------------ ServingBackend
-    def _views(self) -> ClusterView:
-        now = self.now()
-        return ClusterView(tuple(w.view(now) for w in self.prefills),
-                           tuple(w.view(now) for w in self.decodes), now)
-
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         self._ensure_started()
+        now = self.now()
+        for w in self.prefills + self.decodes:
+            self.dispatch.update_snapshot(w.id, w.snapshot(now))
+        route = self.dispatch.route(req)     # raises Overloaded (-> 429) before anything is charged
+        pw, dw = self._by_id[route.prefill], self._by_id[route.decode]
         n = len(req.prompt_ids)
-        t0 = time.perf_counter()
-        view = self._views()
-        if not admit(view, self.limits):
-            wait = retry_after_s(view, self.limits)
-            raise Overloaded(f"all {len(self.prefills)} simulated prefill workers are at their admission "
-                             f"limits (queue {self.limits.max_queue}, {self.limits.max_pending_s:g}s "
-                             f"predicted wait); retry in {wait}s", wait)
-        rr = RouteRequest(req.rid, req.prompt_ids, n, session_id=req.session_id,
-                          max_tokens=req.params.max_tokens)
-        dec = choose(view, rr, self._router, self.cfg.policy)
-        rm.ROUTING_DECISION.observe(time.perf_counter() - t0)
-        pw = next(w for w in self.prefills if w.id == dec.prefill_worker)
-        dw = next((w for w in self.decodes if w.id == dec.decode_worker), None)
-        if dw is None:
-            dw = min(self.decodes, key=lambda w: (w.reserved, len(w.running)))
-        sim = SimRequest(next(self._sim_ids), self.now(), n, req.params.max_tokens, list(req.prompt_ids))
-        f = _Flight(sim, req, pw, dw, rng=random.Random(req.rid),
+        sim = SimRequest(next(self._sim_ids), now, n, req.params.max_tokens, list(req.prompt_ids))
+        f = _Flight(sim, req, route, pw, dw, rng=random.Random(req.rid),
                     detok=IncrementalDetokenizer(self.tokenizer, list(req.prompt_ids[-5:])))
         self._flights[req.rid] = f
         self._by_sim[sim.rid] = f
-        rm.WORKER_LOAD.labels(self.names[pw.id], "prefill").inc()
-        rm.WORKER_LOAD.labels(self.names[dw.id], "decode").inc()
-        pw.enqueue(sim, self.now(), dec.matched_tokens)
+        pw.enqueue(sim, now, route.decision.matched_tokens)
         self._wake[pw.id].set()
         finished = False
         try:
@@ -348,7 +305,6 @@ class SimServingBackend:
         f.aborted = True
         s = f.sim
         if f.stage == "queued" and f.prefill.remove(s):
-            rm.WORKER_LOAD.labels(self.names[f.prefill.id], "prefill").dec()
             self._finish_flight(f)
         elif f.stage == "kv_wait" and s in f.decode.waiting:
             f.decode.waiting.remove(s)
@@ -380,13 +336,13 @@ class SimServingBackend:
         now = self.now() if self._loop is not None else 0.0
         for w in self.prefills:
             name = self.names[w.id]
-            SIM_PREFILL_QUEUE.labels(name).set(len(w.queue))
-            SIM_PREFILL_PENDING.labels(name).set(w.pending_s(now))
-            SIM_CACHE_TOKENS.labels(name).set(w.cache.stats().device)
+            sm.PREFILL_QUEUE.labels(name).set(len(w.queue))
+            sm.PREFILL_PENDING.labels(name).set(w.pending_s(now))
+            sm.CACHE_TOKENS.labels(name).set(w.cache.stats().device)
         for w in self.decodes:
             name = self.names[w.id]
-            SIM_DECODE_RUNNING.labels(name).set(len(w.running))
-            SIM_DECODE_KV.labels(name).set(w.reserved)
+            sm.DECODE_RUNNING.labels(name).set(len(w.running))
+            sm.DECODE_KV.labels(name).set(w.reserved)
         return generate_latest(REGISTRY)
 
     def close(self) -> None:

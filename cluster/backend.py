@@ -1,0 +1,215 @@
+"""``RayClusterBackend``: the router's ServingBackend over Ray prefill and decode actors.
+
+Per request: the :class:`Dispatcher` (router/dispatch.py) admits it (or raises
+:class:`Overloaded`, the front door's 429), picks a prefill and a decode worker with
+``cfg.policy`` and charges them; the decode actor's streaming ``generate`` drives everything else
+(it asks the prefill actor for the KV). The backend only moves the request: it streams the
+chunks, tells the dispatcher when the first token is out (``prefill_done``), how the KV grows
+(``grow``) and when it ended (``release``). No live prefill worker: decode prefills locally
+(``tandem_decode_prefill_total{path="local"}``; /health says ``degraded``). A decode worker
+found dead before its first chunk costs one re-route (``Dispatcher.reroute``); a prefill worker
+that dies before its write is replaced by another one by the decode worker itself.
+
+KV events (``cfg.kv_events``, default with the kv_events policy): prefill workers publish their
+cache's events over ZMQ; cluster/kv_feed.py applies them to the dispatcher's exact block index.
+Health and relaunches are the :class:`Supervisor`'s (cluster/supervisor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+from prometheus_client import REGISTRY, generate_latest
+
+from tandem.cluster.metrics import merge_expositions
+from tandem.cluster.supervisor import PING_TIMEOUT_S, Supervisor
+from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
+from tandem.core.config import ServeConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import InvalidRequest, StreamChunk
+from tandem.router.dispatch import Dispatcher, Route
+from tandem.router.policies import AdmissionLimits, PolicyConfig
+
+log = logging.getLogger(__name__)
+
+
+class RayClusterBackend:
+    """ServingBackend over Ray actors. ``generate``/``abort``/``health`` run on the caller's
+    asyncio loop; ``metrics_text``/``close`` block (the front door calls metrics off the loop).
+    ``launcher``: cluster/launch.py's Launcher (creates and pairs the actors)."""
+
+    def __init__(self, cfg: ServeConfig, launcher, tokenizer, *, started_ray: bool = False,
+                 restart: bool = True):
+        self.cfg = cfg
+        self.launcher = launcher
+        self.started_ray = started_ray
+        self.tokenizer = tokenizer
+        self.model_name = ""
+        self.max_context = 0
+        self.vocab_size = 0
+        self.pool = WorkerPool()
+        cc = cfg.engine_config.cache   # the approximate prefix index holds at most a cache's worth
+        self.dispatch = Dispatcher(cfg.policy, PolicyConfig(kv_block_size=cc.page_size,
+                                                            index_capacity=cc.max_total_tokens),
+                                   AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s))
+        self.feed = None      # KV events into the dispatcher's exact block index
+        if launcher.kv_events:
+            from tandem.cluster.kv_feed import KVEventFeed
+
+            self.feed = KVEventFeed(self.dispatch.state.kv, self.dispatch.lock)
+        self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed)
+        self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
+
+    @property
+    def prefills(self) -> list[WorkerRef]:
+        return self.pool.prefills
+
+    @property
+    def decodes(self) -> list[WorkerRef]:
+        return self.pool.decodes
+
+    def start(self) -> None:
+        """Launch and pair every worker, register them with the dispatcher, start the monitor."""
+        infos = self.launcher.bootstrap(self.pool)
+        info = infos[-1]
+        self.model_name, self.max_context = info["model_name"], int(info["max_context"])
+        self.vocab_size = int(info["vocab_size"])
+        for w, i in zip(self.pool.everyone(), infos):
+            self.supervisor.register(w, i)
+        self.supervisor.start()
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Route, then stream from the decode worker. A decode worker found dead before it sent
+        anything (killed, not yet noticed by the monitor) costs one re-route to another."""
+        r = self.dispatch.route(req)     # raises Overloaded (-> 429) before anything is charged
+        for attempt in range(2):
+            d = self.pool.get(r.decode)
+            if d is None:
+                self.dispatch.release(r)
+                yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error="no live decode worker")
+                return
+            died_early: list = []
+            async for c in self._attempt(req, r, d, died_early, retry=attempt == 0):
+                yield c
+            if not died_early:
+                return
+            log.warning("decode worker %s died before serving %s; re-routing", d.name, req.rid)
+            r = self.dispatch.reroute(r, d.wid)
+
+    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, died_early: list,
+                       retry: bool) -> AsyncIterator[StreamChunk]:
+        import ray
+
+        p = self.pool.get(r.prefill)
+        gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
+        self._inflight[req.rid] = d
+        finished, first = False, True
+        try:
+            try:
+                async for ref in gen:
+                    c = await ref
+                    finished = c.finish_reason is not None
+                    if first:
+                        self.dispatch.prefill_done(r)      # past its first token: prefill is done
+                    first = False
+                    self.dispatch.grow(r, len(c.token_ids))
+                    if finished and c.error and p is not None:
+                        await self._ping(p, timeout=1.0)  # a dead prefill leaves rotation now
+                    if finished:
+                        c = dataclasses.replace(c, worker=d.name)
+                    yield c
+                    if finished:
+                        return
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if first and isinstance(cause, InvalidRequest):
+                    raise cause from None
+                err = f"decode worker {d.name} failed: {type(cause or e).__name__}: {str(cause or e)[:300]}"
+            except ray.exceptions.RayActorError as e:
+                self.supervisor.mark_dead(d, f"died: {type(e).__name__}")
+                if first and retry:
+                    finished = True      # nothing to abort: the caller re-routes (the route is kept)
+                    died_early.append(d)
+                    return
+                err = f"decode worker {d.name} died during the request"
+            else:
+                err = f"decode worker {d.name} ended the stream without a finish reason"
+            finished = True
+            yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
+        finally:
+            self._inflight.pop(req.rid, None)
+            if not died_early:
+                self.dispatch.release(r)
+            if not finished:  # the caller went away: stop the request on its decode worker
+                d.handle.abort.remote(req.rid, "client went away")
+                try:
+                    ray.cancel(gen)
+                except Exception:  # already finished or the worker is gone
+                    pass
+
+    async def abort(self, rid: str) -> None:
+        d = self._inflight.get(rid)
+        if d is None or not d.alive:
+            return
+        try:
+            await d.handle.abort.remote(rid, "aborted by the client")
+        except Exception as e:  # a dead worker has nothing left to abort
+            log.info("abort of %s on %s: %s", rid, d.name, e)
+
+    # ------------------------------------------------------------------ health
+    async def health(self) -> dict:
+        everyone = self.pool.everyone()
+        results = await asyncio.gather(*(self._ping(w) for w in everyone))
+        workers = {w.name: {"role": w.role, "alive": ok, **({"error": w.error} if w.error else {})}
+                   for w, ok in zip(everyone, results)}
+        live_d = [w for w, ok in zip(everyone, results) if ok and w.role == DECODE]
+        live_p = [w for w, ok in zip(everyone, results) if ok and w.role == PREFILL]
+        degraded = len(live_d) < self.cfg.decode or len(live_p) < self.cfg.prefill
+        return {"status": "ok" if live_d else "error", "mode": "disaggregated", "model": self.model_name,
+                "degraded": degraded, "prefill_alive": len(live_p), "decode_alive": len(live_d),
+                "restarts": self.supervisor.restarts, "workers": workers}
+
+    async def _ping(self, w: WorkerRef, timeout: float = PING_TIMEOUT_S) -> bool:
+        if not w.alive:
+            return False
+        try:
+            await asyncio.wait_for(w.handle.ping.remote(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False   # busy or hung: reported, not declared dead
+        except Exception as e:
+            self.supervisor.mark_dead(w, f"ping failed: {type(e).__name__}")
+            return False
+
+    # ------------------------------------------------------------------ observability
+    def metrics_text(self) -> bytes:
+        import ray
+
+        refs = {w.name: w.handle.metrics_text.remote() for w in self.pool.everyone(alive_only=True)}
+        texts = {}
+        for name, ref in refs.items():
+            try:
+                texts[name] = ray.get(ref, timeout=PING_TIMEOUT_S)
+            except Exception as e:
+                log.info("metrics of %s unavailable: %s", name, e)
+        return merge_expositions(texts, generate_latest(REGISTRY))
+
+    async def stats(self) -> dict[str, dict]:
+        """Every live worker's ``stats()`` (pool accounting, counters), by worker name."""
+        live = self.pool.everyone(alive_only=True)
+        out = await asyncio.gather(*(w.handle.stats.remote() for w in live), return_exceptions=True)
+        return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
+
+    def close(self) -> None:
+        """Stop watching, kill every worker, stop the KV feed; shut Ray down if we started it."""
+        import ray
+
+        self.supervisor.shutdown()
+        if self.feed is not None:
+            self.feed.close()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()

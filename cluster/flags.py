@@ -1,0 +1,192 @@
+"""Command-line flags generated from the config models (core/config.py), so a default lives in one
+place: the pydantic field. Each :class:`Flag` names the field it sets; its type, choices and the
+"(default X)" of its help come from that field.
+
+    add_flags(parser_group, ENGINE_FLAGS, EngineConfig)      # every flag defaults to None
+    cfg = override(base_cfg, args, ENGINE_FLAGS)             # the flags that were given, on top
+
+A flag left out keeps the base's value (the YAML's, or the field default), which is why argparse
+defaults are always None. Fields with no flag are listed in :data:`YAML_ONLY`;
+tests/disagg/test_flags.py checks that every field of ServeConfig is one or the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tandem.core.config import EngineConfig, ServeConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    """``--name`` sets the field at ``path`` (dotted, relative to the model the flags are for).
+    ``help`` without "default" gets " (default X)" from the field, unless the default is None."""
+
+    name: str
+    path: str
+    help: str | None = None
+
+
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("--model", "model", "'smollm2' (the embedded SmolLM2-135M-Instruct GGUF, default), a .gguf file, "
+                             "or a Hugging Face directory (config.json, *.safetensors, tokenizer.json)"),
+    Flag("--page-size", "cache.page_size", "tokens per KV page"),
+    Flag("--max-total-tokens", "cache.max_total_tokens", "device KV slots (tokens) per worker"),
+    Flag("--max-running-requests", "cache.max_running_requests", "concurrent requests per worker"),
+    Flag("--chunked-prefill-size", "scheduler.chunked_prefill_size", "prompt tokens computed per step"),
+    Flag("--context-length", "context_length", "override the model's context length"),
+    Flag("--sliding-window", "sliding_window",
+         "override: make every attention layer sliding-window with this window"),
+    Flag("--disable-prefix-cache", "cache.disable_prefix_cache",
+         "every prefix match is a miss (to measure what caching buys)"),
+    Flag("--eviction-policy", "cache.eviction_policy", "radix cache eviction policy"),
+    Flag("--schedule-policy", "scheduler.schedule_policy",
+         "waiting-queue order: arrival (fcfs) or longest cached prefix (lpm)"),
+    Flag("--retraction-policy", "scheduler.retraction_policy",
+         "which request a full decode pool retracts first: fewest generated tokens "
+         "(default) or the least recently active session's (session)"),
+    Flag("--host-pool-tokens", "cache.host_pool_tokens",
+         "host-memory (L2) KV tokens per worker; 0 disables the host tier"),
+    Flag("--device", "device"),
+    Flag("--dtype", "dtype"),
+    Flag("--attention-backend", "attention_backend"),
+    Flag("--threads", "num_threads", "torch CPU threads (default: all cores)"),
+    Flag("--debug-cache-invariants", "cache.debug_invariants",
+         "run the cache's invariant check() after every operation (slow)"),
+)
+
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("--mode", "mode", "separate prefill and decode workers (disaggregated) or one worker doing "
+                           "both (colocated)"),
+    Flag("--engine", "engine", "the real model (real) or the simulated cost-model engine (sim)"),
+    Flag("--prefill", "prefill", "prefill workers"),
+    Flag("--decode", "decode", "decode workers"),
+    Flag("--host", "host", "HTTP bind address"),
+    Flag("--port", "port", "HTTP port"),
+    Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY' on /v1/*"),
+    Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one"),
+    Flag("--tool-parser", "tool_parser", "tool-call format the model writes (default auto: from its chat "
+                                         "template; Hermes <tool_call> when the template has no tool support)"),
+    Flag("--policy", "policy", "routing policy"),
+    Flag("--transfer-timeout", "transfer_timeout_s",
+         "seconds before a KV transfer fails and its pages are freed"),
+    Flag("--local-prefill-threshold", "local_prefill_threshold",
+         "decode prefills an uncached suffix shorter than this itself"),
+    Flag("--decode-max-total-tokens", "decode_max_total_tokens",
+         "device KV tokens per decode worker (default: --max-total-tokens; "
+         "--engine sim: the profile's KV room)"),
+    Flag("--sim-profile", "sim_profile", "--engine sim: cost profile, e.g. llama3-8b-h100, llama3-70b-h100x8"),
+    Flag("--sim-speedup", "sim_speedup", "--engine sim: simulated seconds per wall second"),
+)
+
+# ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers it all).
+YAML_ONLY: frozenset[str] = frozenset({
+    "admission_max_queue", "admission_max_pending_s", "kv_events", "max_body_bytes",
+    "engine_config.seed", "engine_config.cache.session_ttl_s", "engine_config.cache.host_write_policy",
+    "engine_config.scheduler.max_batch_tokens", "engine_config.scheduler.debug_retract_every",
+    "engine_config.hybrid", "engine_config.transfer",
+})
+
+
+def field_info(model: type[BaseModel], path: str):
+    """The pydantic FieldInfo at dotted ``path`` under ``model``; KeyError names a wrong path."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        info = model.model_fields.get(part)
+        if info is None:
+            raise KeyError(f"{model.__name__} has no field {part!r} (flag path {path!r})")
+        if i < len(parts) - 1:
+            model = info.annotation
+    return info
+
+
+def _base_type(annotation: Any) -> Any:
+    """``int | None`` -> int; a Literal stays as it is."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"cannot make a flag for {annotation}")
+        return args[0]
+    return annotation
+
+
+def argparse_kwargs(model: type[BaseModel], flag: Flag) -> dict:
+    """What ``add_argument(flag.name, **kw)`` needs: type/choices/action and help from the field."""
+    info = field_info(model, flag.path)
+    kind = _base_type(info.annotation)
+    kw: dict[str, Any] = {"default": None, "dest": flag.name.lstrip("-").replace("-", "_")}
+    if kind is bool:
+        kw["action"] = "store_true"
+    elif typing.get_origin(kind) is Literal:
+        kw["choices"] = list(typing.get_args(kind))
+    elif kind in (int, float, str):
+        kw["type"] = kind
+    else:
+        raise TypeError(f"flag {flag.name}: field {flag.path} is a {kind}, not a flag type")
+    help_ = flag.help
+    if info.default is not None and kind is not bool and (help_ is None or "default" not in help_):
+        shown = f"{info.default:g}" if isinstance(info.default, float) else info.default
+        help_ = f"{help_} (default {shown})" if help_ else f"default {shown}"
+    if help_ is not None:
+        kw["help"] = help_
+    return kw
+
+
+def add_flags(group, flags: tuple[Flag, ...], model: type[BaseModel]) -> None:
+    """Add ``flags`` (for fields of ``model``) to an argparse parser or argument group."""
+    for f in flags:
+        group.add_argument(f.name, **argparse_kwargs(model, f))
+
+
+def given(args: argparse.Namespace, flags: tuple[Flag, ...]) -> dict[str, Any]:
+    """``{path: value}`` of the flags that were given (not None) in ``args``."""
+    out = {}
+    for f in flags:
+        v = getattr(args, f.name.lstrip("-").replace("-", "_"), None)
+        if v is not None:
+            out[f.path] = v
+    return out
+
+
+def override(base: BaseModel, values: dict[str, Any]) -> BaseModel:
+    """``base`` with each dotted path in ``values`` replaced, validated again as a whole."""
+    d = base.model_dump()
+    for path, v in values.items():
+        *head, last = path.split(".")
+        node = d
+        for part in head:
+            node = node[part]
+        node[last] = v
+    return type(base).model_validate(d)
+
+
+def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
+    """EngineConfig from the engine flags over ``base`` (flags not given leave base's value)."""
+    return override(base or EngineConfig(), given(args, ENGINE_FLAGS))
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The serve and engine flags given in ``args``, as ServeConfig paths."""
+    values = given(args, SERVE_FLAGS)
+    values.update({f"engine_config.{k}": v for k, v in given(args, ENGINE_FLAGS).items()})
+    return values
+
+
+def serve_field_paths() -> set[str]:
+    """Every leaf field of ServeConfig as a dotted path (for the flags-vs-fields check)."""
+    def walk(model: type[BaseModel], prefix: str) -> set[str]:
+        out = set()
+        for name, info in model.model_fields.items():
+            kind = info.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                out |= walk(kind, f"{prefix}{name}.")
+            else:
+                out.add(prefix + name)
+        return out
+    return walk(ServeConfig, "")

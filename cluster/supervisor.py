@@ -1,0 +1,214 @@
+"""The health monitor: finds dead workers, takes them out of rotation, relaunches them, and keeps
+the dispatcher's snapshots of the live ones fresh.
+
+A thread wakes every ``MONITOR_PERIOD_S``: it pings every live worker (an error is a dead
+worker; a timeout is a busy one, reported but kept), then asks each for ``stats()`` and hands
+the dispatcher a :class:`WorkerSnapshot` of it (a worker too busy to answer within the period
+keeps its last one). A dead worker leaves rotation at once (:meth:`Supervisor.mark_dead`, also
+called by the backend when a Ray call fails); its peers forget its NIXL agent; with
+``restart`` a replacement with a fresh name (``<role>-<slot>-r<n>``) is launched in its own
+thread, paired with every live peer, and takes the dead one's place in the pool.
+
+:meth:`Supervisor.shutdown` ends all of it before Ray goes down: the monitor stops, actors being
+launched and every worker are killed, and the helper threads (relaunches, peers forgetting an
+agent) are joined, so no thread of ours touches Ray after ``ray.shutdown()`` (Ray exits the
+process when one does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
+from tandem.router.dispatch import Dispatcher
+from tandem.router.view import WorkerSnapshot
+
+log = logging.getLogger(__name__)
+
+MONITOR_PERIOD_S = 1.0
+PING_TIMEOUT_S = 10.0
+FORGET_TIMEOUT_S = 30.0
+HELPER_JOIN_S = 10.0
+
+
+class Supervisor:
+    """``launcher`` is cluster/launch.py's :class:`Launcher` (spawn, info, pair); ``feed`` the
+    KV-event feed or None."""
+
+    def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
+                 feed=None):
+        self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
+        self.restart = restart
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._restarting: set[tuple[str, int]] = set()
+        self._launching: dict[tuple[str, int], WorkerRef] = {}   # (role, slot) -> its new actor
+        self._helpers: set[threading.Thread] = set()
+        self._pair_lock = threading.Lock()
+        self._incarnation = itertools.count(1)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="tandem-monitor", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the monitor, kill every worker (and any being launched), join the helpers."""
+        import ray
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=PING_TIMEOUT_S + 2 * MONITOR_PERIOD_S)   # one round at most
+        with self.pool.lock:
+            doomed = self.pool.everyone() + list(self._launching.values())
+        for w in doomed:
+            try:
+                ray.kill(w.handle)
+            except Exception:  # noqa: BLE001 - already gone, or Ray is down
+                pass
+        for th in list(self._helpers):     # their Ray calls fail fast now that the actors are gone
+            th.join(timeout=HELPER_JOIN_S)
+
+    def _helper(self, target, w: WorkerRef, name: str) -> None:
+        th = threading.Thread(target=self._run_helper, args=(target, w), name=name, daemon=True)
+        with self.pool.lock:
+            self._helpers.add(th)
+        th.start()
+
+    def _run_helper(self, target, w: WorkerRef) -> None:
+        try:
+            target(w)
+        finally:
+            with self.pool.lock:
+                self._helpers.discard(threading.current_thread())
+
+    def register(self, w: WorkerRef, info: dict) -> None:
+        """``w`` joins the rotation: the dispatcher routes to it, its KV events are followed."""
+        self.dispatch.add_worker(w.wid, w.role, w.name, self.launcher.capacity[w.role])
+        if self.feed is not None and info.get("kv_events"):
+            self.feed.add(w.wid, info["kv_events"])
+
+    def mark_dead(self, w: WorkerRef, why: str) -> None:
+        """Out of rotation now; peers forget its agent (in a thread of its own, off the loop)."""
+        with self.pool.lock:
+            if not w.alive:
+                return
+            w.alive, w.error = False, why
+        self.dispatch.mark_dead(w.wid)
+        if self.feed is not None:
+            self.feed.remove(w.wid)
+        log.warning("%s worker %s is dead (%s)", w.role, w.name, why)
+        if not self._stop.is_set():
+            self._helper(self._forget, w, f"tandem-forget-{w.name}")
+
+    # ------------------------------------------------------------------ the thread
+    def _watch(self) -> None:
+        import ray
+
+        while not self._stop.wait(MONITOR_PERIOD_S):
+            live = self.pool.everyone(alive_only=True)
+            try:
+                pings = {w: w.handle.ping.remote() for w in live}
+            except BaseException:  # noqa: BLE001 - Ray shut down under us
+                return
+            for w, ref in pings.items():
+                try:
+                    ray.get(ref, timeout=PING_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError:
+                    pass
+                except Exception as e:
+                    if self._stop.is_set():
+                        return
+                    self.mark_dead(w, f"ping failed: {type(e).__name__}")
+            if self._stop.is_set():
+                return
+            self._refresh_snapshots()
+            if self.restart and not self._stop.is_set():
+                self._replace_dead()
+
+    def _refresh_snapshots(self) -> None:
+        import ray
+
+        live = self.pool.everyone(alive_only=True)
+        if not live:
+            return
+        try:
+            refs = {w.handle.stats.remote(): w for w in live}
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=MONITOR_PERIOD_S)
+        except BaseException:  # noqa: BLE001 - Ray shut down under us; the next round returns
+            return
+        for ref in ready:
+            try:
+                snap = WorkerSnapshot.from_stats(ray.get(ref), self.dispatch.clock())
+            except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
+                log.info("stats of %s unavailable: %s", refs[ref].name, e)
+                continue
+            self.dispatch.update_snapshot(refs[ref].wid, snap)
+
+    def _forget(self, w: WorkerRef) -> None:
+        import ray
+
+        peers = self.pool.alive(DECODE if w.role == PREFILL else PREFILL)
+        calls = [(p.handle.remove_prefill if w.role == PREFILL else p.handle.remove_peer).remote(w.name)
+                 for p in peers]
+        try:
+            ray.get(calls, timeout=FORGET_TIMEOUT_S)
+        except Exception as e:  # a peer died too: the monitor finds it
+            log.info("forgetting %s: %s", w.name, e)
+        if self._stop.is_set():
+            return        # shutdown() kills it
+        try:
+            ray.kill(w.handle)
+        except Exception:
+            pass
+
+    def _replace_dead(self) -> None:
+        """Relaunch each dead worker in its own thread (model loads overlap)."""
+        with self.pool.lock:
+            dead = [w for w in self.pool.everyone()
+                    if not w.alive and (w.role, w.slot) not in self._restarting]
+            self._restarting |= {(w.role, w.slot) for w in dead}
+        for w in dead:
+            self._helper(self._replace, w, f"tandem-restart-{w.name}")
+
+    def _replace(self, w: WorkerRef) -> None:
+        import ray
+
+        name = f"{w.role}-{w.slot}-r{next(self._incarnation)}"
+        new = None
+        try:
+            new = self.launcher.spawn(w.role, w.slot, name)
+            with self.pool.lock:
+                self._launching[(w.role, w.slot)] = new
+            if self._stop.is_set():          # shutdown() may have missed it: kill it here
+                raise RuntimeError("shutting down")
+            info = self.launcher.info([new])[0]                    # model loads overlap
+            with self._pair_lock:   # pair and register as one step, so two relaunches meet
+                for other in self.pool.alive(DECODE if w.role == PREFILL else PREFILL):
+                    p, d = (new, other) if w.role == PREFILL else (other, new)
+                    self.launcher.pair(p, d)
+                with self.pool.lock:
+                    stale = self._stop.is_set() or not self.pool.replace(w, new)
+                    if not stale:   # else it stays in _launching, for shutdown() to kill
+                        self.restarts += 1
+                        self.dispatch.remove_worker(w.wid)
+                        self.register(new, info)
+                        self._launching.pop((w.role, w.slot), None)
+                    self._restarting.discard((w.role, w.slot))
+        except BaseException as e:  # noqa: BLE001 - also Ray's SystemExit at shutdown; retried next round
+            with self.pool.lock:
+                self._restarting.discard((w.role, w.slot))
+                self._launching.pop((w.role, w.slot), None)
+            if not self._stop.is_set():
+                log.error("relaunching %s failed: %s", w.name, e)
+            if new is not None and ray.is_initialized():   # ray.kill would start a new Ray
+                try:
+                    ray.kill(new.handle)
+                except BaseException:  # noqa: BLE001 - it never started
+                    pass
+            return
+        if stale:   # closing meanwhile: shutdown() kills the new actor
+            return
+        log.warning("%s replaced by %s", w.name, name)

@@ -1,0 +1,88 @@
+"""The driver's workers: a :class:`WorkerRef` per Ray actor, the :class:`WorkerPool` of them by
+role, and where an actor of a role is placed.
+
+The pool is shared by the event loop (the serving backend) and the supervisor's threads; every
+read or change of its lists holds ``pool.lock``. Load (requests and tokens in flight) is not
+kept here: it is the dispatcher's (router/dispatch.py), keyed by ``WorkerRef.wid``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+_worker_ids = itertools.count()
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(eq=False)
+class WorkerRef:
+    """One actor as the driver sees it."""
+
+    name: str
+    role: str            # PREFILL | DECODE
+    slot: int            # which of cfg.prefill / cfg.decode it fills (kept across restarts)
+    handle: object       # the Ray actor handle
+    alive: bool = True
+    error: str = ""      # why it was declared dead
+    wid: int = field(default_factory=lambda: next(_worker_ids))   # the dispatcher's worker id
+
+
+class WorkerPool:
+    """``prefills`` and ``decodes`` in slot order; a replacement takes its predecessor's place."""
+
+    def __init__(self) -> None:
+        self.prefills: list[WorkerRef] = []
+        self.decodes: list[WorkerRef] = []
+        self.lock = threading.RLock()
+
+    def add(self, w: WorkerRef) -> None:
+        with self.lock:
+            self._of(w.role).append(w)
+
+    def everyone(self, alive_only: bool = False) -> list[WorkerRef]:
+        """A copy: prefill workers, then decode workers."""
+        with self.lock:
+            return [w for w in self.prefills + self.decodes if w.alive or not alive_only]
+
+    def alive(self, role: str) -> list[WorkerRef]:
+        with self.lock:
+            return [w for w in self._of(role) if w.alive]
+
+    def get(self, wid: int) -> WorkerRef | None:
+        with self.lock:
+            return next((w for w in self.prefills + self.decodes if w.wid == wid), None)
+
+    def replace(self, old: WorkerRef, new: WorkerRef) -> bool:
+        """``new`` takes ``old``'s place; False when ``old`` is no longer in the pool."""
+        with self.lock:
+            ws = self._of(old.role)
+            if old not in ws:
+                return False
+            ws[ws.index(old)] = new
+            return True
+
+    def _of(self, role: str) -> list[WorkerRef]:
+        if role not in (PREFILL, DECODE):
+            raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
+        return self.prefills if role == PREFILL else self.decodes
+
+
+def placement(n_workers: int, role: str) -> dict:
+    """Ray ``.options()`` for one actor of ``role`` among ``n_workers``: a GPU each when the
+    cluster has one per worker, else an even share of the CPUs (torch threads follow). On a
+    KubeRay cluster each worker group offers a custom resource named after its role
+    (k8s/base/raycluster.yaml): when it is there the actor asks for it, to land on its group."""
+    import ray
+
+    res = ray.cluster_resources()
+    if res.get("GPU", 0) >= n_workers:
+        opts = {"num_gpus": 1, "num_cpus": 1}
+    else:
+        share = res.get("CPU", 1.0) / max(n_workers, 1)
+        opts = {"num_gpus": 0, "num_cpus": max(0.1, min(share, 64.0))}
+    if res.get(role, 0) >= 1:
+        opts["resources"] = {role: 1}
+    return opts

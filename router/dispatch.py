@@ -1,0 +1,281 @@
+"""The one dispatcher every serving backend routes through: admission, the policy's choice, the
+load it charges, re-routing. The Ray backend (cluster/backend.py) and the simulated one
+(sim/backend.py) keep only their transport: they call these verbs and move the request.
+
+    d = Dispatcher("session", PolicyConfig(...), AdmissionLimits(...), clock=time.monotonic)
+    d.add_worker(wid, "prefill", "prefill-0", capacity_tokens)
+    d.update_snapshot(wid, snap)     # what the worker reports (health monitor; the simulator)
+    r = d.route(req)                 # Route, its workers charged; raises Overloaded
+    d.prefill_done(r)                # first token out: the prefill worker's part is over
+    d.grow(r, n)                     # n more KV tokens held on the decode worker
+    d.release(r)                     # the request ended: whatever is still charged comes back
+    r = d.reroute(r, dead_wid)       # r's decode worker died before answering
+    d.mark_dead(wid); d.remove_worker(wid)
+
+The view a policy sees is the dispatcher's records: per worker, requests routed there and not
+yet done with it (prefill: until the first token; decode: until the end) and their tokens
+(prefill: prompt tokens; decode: prompt plus output so far). ``capacity_tokens`` is the worker's
+reported pool size (else the configured one). ``pending_s`` of a prefill worker is its own
+prediction when its snapshot carries one (simulated workers), else queued tokens over its
+measured prefill rate, the larger of two counts:
+
+- the records: the uncached prompt tokens it holds (prompt minus the hit the policy expected),
+  less what its head request has done in its time in service;
+- the worker's report: the ``waiting_prompt_tokens`` of its last snapshot, plus the tokens
+  routed to it since (which also sees traffic other router replicas sent it).
+
+The rate is an EWMA of tokens per second over its finished prefills, timed from dispatch (or the
+previous one's end, whichever is later: first come, first served) to the first token; until the
+first one, the policy's estimator's ``1 / per_token_s``. So ``AdmissionLimits.max_pending_s``
+and the session policy's TTFT term act on the real cluster as in the simulator.
+
+Thread-safety: every verb takes ``lock`` (an RLock); a KV-event feed that writes ``state.kv``
+from its own thread takes it too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import Overloaded
+
+from . import metrics as rm
+from .policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, retry_after_s
+from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot, WorkerView
+
+RATE_EWMA = 0.25        # weight of the newest prefill-rate sample
+
+
+@dataclass(eq=False)
+class Route:
+    """One routed request and what it holds (the dispatcher updates the holdings)."""
+
+    request: RouteRequest
+    decision: Decision
+    decode: int                     # worker id; -1 = no live decode worker (nothing charged)
+    prefill: int                    # worker id; -1 = none: the decode worker prefills locally
+    decode_tokens: int = 0          # KV tokens charged on the decode worker
+    decode_open: bool = False       # still charged on the decode worker
+    prefill_open: bool = False      # still charged on the prefill worker
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(slots=True)
+class _Queued:
+    new_tokens: int                 # prompt tokens the prefill is expected to compute
+    since: float                    # dispatched at (the dispatcher's clock)
+
+
+@dataclass
+class _Worker:
+    """The dispatcher's records of one worker."""
+
+    name: str
+    role: str
+    capacity_tokens: int
+    alive: bool = True
+    requests: int = 0
+    tokens: int = 0
+    queue: OrderedDict = field(default_factory=OrderedDict)   # prefill: rid -> _Queued, in order
+    queued_new: int = 0             # sum of queue's new_tokens
+    rate: float | None = None       # measured prefill tokens per second
+    last_done: float = float("-inf")
+    snapshot: WorkerSnapshot | None = None
+
+
+class Dispatcher:
+    def __init__(self, policy: str, config: PolicyConfig = PolicyConfig(),
+                 limits: AdmissionLimits = AdmissionLimits(), *, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self.state = RouterState(config)
+        self.limits = limits
+        self.clock = clock
+        self.lock = threading.RLock()
+        self._workers: dict[int, _Worker] = {}
+        self._prior_rate = 1.0 / max(config.estimator.per_token_s, 1e-12)
+
+    # ------------------------------------------------------------------ workers
+    def add_worker(self, wid: int, role: str, name: str, capacity_tokens: int = 0) -> None:
+        """A worker joins the rotation (its load gauge starts at 0)."""
+        if role not in (PREFILL, DECODE):
+            raise ValueError(f"worker {name}: role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
+        with self.lock:
+            if wid in self._workers:
+                raise ValueError(f"worker id {wid} ({name}) is already known as {self._workers[wid].name}")
+            self._workers[wid] = _Worker(name, role, capacity_tokens)
+        rm.WORKER_LOAD.labels(name, role).set(0)
+
+    def mark_dead(self, wid: int) -> bool:
+        """Out of rotation at once; the router forgets what it knew about it. False when it was
+        already dead (or unknown)."""
+        with self.lock:
+            w = self._workers.get(wid)
+            if w is None or not w.alive:
+                return False
+            w.alive = False
+            self.state.forget_worker(wid)
+            return True
+
+    def remove_worker(self, wid: int) -> None:
+        """Forget a worker for good (replaced); its load gauge series goes too."""
+        with self.lock:
+            w = self._workers.pop(wid, None)
+            if w is None:
+                return
+            self.state.forget_worker(wid)
+        try:
+            rm.WORKER_LOAD.remove(w.name, w.role)
+        except KeyError:
+            pass
+
+    def update_snapshot(self, wid: int, snap: WorkerSnapshot) -> None:
+        with self.lock:
+            w = self._workers.get(wid)
+            if w is not None:
+                w.snapshot = snap
+
+    # ------------------------------------------------------------------ requests
+    def route(self, req: GenerateRequest, exclude: Collection[int] = ()) -> Route:
+        """Admission, then the policy's choice among live workers not in ``exclude``; charges the
+        chosen ones. Raises :class:`Overloaded` when every live prefill worker is past
+        ``limits`` (not checked with no live prefill worker: decode then prefills locally).
+        No decode from the policy: the live decode worker with the fewest tokens."""
+        rr = RouteRequest(req.rid, req.prompt_ids, len(req.prompt_ids), session_id=req.session_id,
+                          max_tokens=req.params.max_tokens)
+        return self._route(rr, exclude)
+
+    def reroute(self, r: Route, dead: int) -> Route:
+        """``r``'s charges back, then ``r`` routed again without ``dead`` (admission included)."""
+        self.release(r)
+        return self._route(r.request, {dead})
+
+    def prefill_done(self, r: Route) -> None:
+        """The first token is out: release ``r`` on its prefill worker and time that prefill."""
+        with self.lock:
+            if r.prefill_open:
+                self._leave_prefill(r, measure=True)
+
+    def grow(self, r: Route, tokens: int) -> None:
+        """``r`` holds ``tokens`` more KV tokens on its decode worker."""
+        with self.lock:
+            w = self._workers.get(r.decode)
+            if w is not None and r.decode_open:
+                w.tokens += tokens
+                r.decode_tokens += tokens
+
+    def release(self, r: Route) -> None:
+        """``r`` ended (finished, failed or aborted): everything it still holds comes back.
+        Idempotent."""
+        with self.lock:
+            if r.prefill_open:
+                self._leave_prefill(r, measure=False)
+            if r.decode_open:
+                r.decode_open = False
+                w = self._workers.get(r.decode)
+                if w is not None:
+                    self._charge(w, -1, -r.decode_tokens)
+
+    def view(self, exclude: Collection[int] = ()) -> ClusterView:
+        """The policies' view of every known worker, now."""
+        with self.lock:
+            now = self.clock()
+            return ClusterView.of([self._view(wid, w, now, wid not in exclude)
+                                   for wid, w in self._workers.items()], now)
+
+    def pending_s(self, wid: int) -> float:
+        """The predicted queueing seconds of prefill worker ``wid`` (module docstring)."""
+        with self.lock:
+            return self._pending_s(self._workers[wid], self.clock())
+
+    # ------------------------------------------------------------------ inside
+    def _route(self, rr: RouteRequest, exclude: Collection[int]) -> Route:
+        t0 = time.perf_counter()
+        try:
+            with self.lock:
+                view = self.view(exclude)
+                live = view.alive_prefill()
+                if live and not admit(view, self.limits):
+                    wait = retry_after_s(view, self.limits)
+                    raise Overloaded(f"all {len(live)} prefill workers are at their admission limits "
+                                     f"(queue {self.limits.max_queue}, {self.limits.max_pending_s:g}s "
+                                     f"predicted wait); retry in {wait}s", wait)
+                dec = choose(view, rr, self.state, self.policy)
+                return self._charge_route(rr, dec, view)
+        finally:
+            rm.ROUTING_DECISION.observe(time.perf_counter() - t0)
+
+    def _charge_route(self, rr: RouteRequest, dec: Decision, view: ClusterView) -> Route:
+        alive = {w.worker_id for w in view.prefill + view.decode if w.alive}
+        d = dec.decode_worker if dec.decode_worker in alive else -1
+        if d < 0 and view.alive_decode():
+            d = min(view.alive_decode(), key=lambda w: (w.running_tokens, w.in_flight)).worker_id
+        p = dec.prefill_worker if dec.prefill_worker in alive else -1
+        r = Route(rr, dec, d, p if d >= 0 else -1)
+        if d < 0:
+            return r
+        n = rr.prompt_tokens
+        self._charge(self._workers[d], 1, n)
+        r.decode_tokens, r.decode_open = n, True
+        if r.prefill >= 0:
+            w = self._workers[r.prefill]
+            new = max(n - dec.matched_tokens, 1)      # the last prompt token is always computed
+            w.queue[rr.request_id] = _Queued(new, self.clock())
+            w.queued_new += new
+            self._charge(w, 1, n)
+            r.prefill_open = True
+        return r
+
+    def _leave_prefill(self, r: Route, measure: bool) -> None:
+        r.prefill_open = False
+        w = self._workers.get(r.prefill)
+        if w is None:
+            return
+        q = w.queue.pop(r.rid, None)
+        self._charge(w, -1, -r.request.prompt_tokens)
+        if q is None:
+            return
+        w.queued_new -= q.new_tokens
+        if measure:
+            now = self.clock()
+            service = now - max(q.since, w.last_done)
+            if service > 0:
+                sample = q.new_tokens / service
+                w.rate = sample if w.rate is None else (1 - RATE_EWMA) * w.rate + RATE_EWMA * sample
+            w.last_done = now
+
+    def _charge(self, w: _Worker, requests: int, tokens: int) -> None:
+        w.requests += requests
+        w.tokens += tokens
+        if requests:
+            rm.WORKER_LOAD.labels(w.name, w.role).set(w.requests)
+
+    def _pending_s(self, w: _Worker, now: float) -> float:
+        snap = w.snapshot
+        if snap is not None and snap.pending_s is not None:
+            return snap.pending_s
+        rate = w.rate or self._prior_rate
+        records = 0.0
+        if w.queue:
+            head = next(iter(w.queue.values()))
+            in_service = max(now - max(head.since, w.last_done), 0.0)
+            records = (w.queued_new - head.new_tokens) / rate + max(head.new_tokens / rate - in_service, 0.0)
+        if snap is None or snap.waiting_prompt_tokens is None:
+            return records
+        since = sum(q.new_tokens for q in w.queue.values() if q.since > snap.at)
+        return max(records, (snap.waiting_prompt_tokens + since) / rate)
+
+    def _view(self, wid: int, w: _Worker, now: float, eligible: bool) -> WorkerView:
+        snap = w.snapshot
+        capacity = snap.total_tokens if snap is not None and snap.total_tokens else w.capacity_tokens
+        prefill = w.role == PREFILL
+        return WorkerView(wid, w.role, w.alive and eligible, queue_len=w.requests if prefill else 0,
+                          in_flight=w.requests, running_tokens=w.tokens,
+                          pending_s=self._pending_s(w, now) if prefill else 0.0, capacity_tokens=capacity)
