@@ -101,7 +101,7 @@ class UnifiedRadixCache:
             mode (no pools; values are token positions).
         components: ``(FULL,)`` plus optional :class:`SWA` / :class:`Mamba` instances that own
             their pools' allocators.
-        host: a :class:`HostTier` (see ``HostTier.from_config``), or None. It becomes
+        host: a :class:`HostTier`, or None. It becomes
             :attr:`host`, the collaborator that backs requests up and restores them.
         events: a :class:`KVEventPublisher`; stored/removed pages are published after each
             operation.

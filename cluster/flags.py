@@ -52,7 +52,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "which request a full decode pool retracts first: fewest generated tokens "
          "(default) or the least recently active session's (session)"),
     Flag("--host-pool-tokens", "cache.host_pool_tokens",
-         "host-memory (L2) KV tokens per worker; 0 disables the host tier"),
+         "host-memory (L2) KV tokens per worker; 0 disables the host tier (default: decode workers "
+         "4x their device pool, capped at a quarter of free host memory; prefill/colocated none)"),
+    Flag("--debug-retract-every", "scheduler.debug_retract_every",
+         "test lever: retract a decoding request every N decode steps, pressure or not (0 = off)"),
     Flag("--device", "device"),
     Flag("--dtype", "dtype"),
     Flag("--attention-backend", "attention_backend"),
@@ -78,6 +81,11 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "seconds before a KV transfer fails and its pages are freed"),
     Flag("--local-prefill-threshold", "local_prefill_threshold",
          "decode prefills an uncached suffix shorter than this itself"),
+    Flag("--kv-digest", "kv_digest", "verify every prefill -> decode KV handoff with a digest of its pages"),
+    Flag("--debug-corrupt-kv", "debug_corrupt_kv",
+         "test lever: decode workers corrupt each received KV page before the digest check"),
+    Flag("--debug-endpoints", "debug_endpoints",
+         "test lever: enable POST /debug/kill?worker=NAME (chaos runs); never in production"),
     Flag("--decode-max-total-tokens", "decode_max_total_tokens",
          "device KV tokens per decode worker (default: --max-total-tokens; "
          "--engine sim: the profile's KV room)"),
@@ -89,7 +97,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 YAML_ONLY: frozenset[str] = frozenset({
     "admission_max_queue", "admission_max_pending_s", "kv_events", "max_body_bytes",
     "engine_config.seed", "engine_config.cache.session_ttl_s", "engine_config.cache.host_write_policy",
-    "engine_config.scheduler.max_batch_tokens", "engine_config.scheduler.debug_retract_every",
+    "engine_config.scheduler.max_batch_tokens",
     "engine_config.hybrid", "engine_config.transfer",
 })
 

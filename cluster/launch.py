@@ -73,7 +73,7 @@ class Launcher:
         else:
             h = DecodeActor.options(**opts).remote(
                 name, decode_engine_config(cfg).model_dump(), cfg.transfer_timeout_s,
-                cfg.local_prefill_threshold, self.weights)
+                cfg.local_prefill_threshold, self.weights, cfg.kv_digest, cfg.debug_corrupt_kv)
         return WorkerRef(name, role, slot, h)
 
     def info(self, workers: list[WorkerRef]) -> list[dict]:

@@ -26,7 +26,8 @@ def build_backend(cfg: ServeConfig):
         from tandem.engine.metrics import register_engine_metrics
         from tandem.router.backend import LocalEngineBackend
 
-        engine = Engine(cfg.engine_config)
+        engine = Engine(cfg.engine_config, name="colocated-0")
+        print(f"tandem: {engine.startup_line}", flush=True)
         register_engine_metrics(engine, worker="colocated-0")
         return LocalEngineBackend(engine)
     from tandem.cluster.launch import launch_disaggregated

@@ -36,7 +36,10 @@ class CacheConfig(_Strict):
     disable_prefix_cache: bool = Field(False, description="every prefix match is a miss")
     eviction_policy: EvictionPolicy = "lru"
     session_ttl_s: float = Field(300.0, gt=0, description="a session touched within this is active")
-    host_pool_tokens: int = Field(0, ge=0, description="host (L2) KV tokens; 0 disables the host tier")
+    host_pool_tokens: int | None = Field(
+        None, ge=0, description="host (L2) KV tokens; 0 disables the host tier; unset: the role's "
+                                "default (decode workers 4x the device pool, capped at a quarter of "
+                                "free host memory; prefill and colocated engines none)")
     host_write_policy: HostWritePolicy = "write_through"
     debug_invariants: bool = Field(False, description="run the cache invariant check() after every cache operation")
 
@@ -71,10 +74,7 @@ class HybridConfig(_Strict):
 class TransferConfig(_Strict):
     """The NIXL agent of a disaggregated worker (transfer/agent.py ``KVTransferAgent``). How long
     one KV transfer may take is ``ServeConfig.transfer_timeout_s`` (the cluster passes it on).
-    The field names are ``KVTransferAgent``'s keywords.
-
-    NOTE for prefill/ and decode/: the workers build their agent from ``agent_opts`` (default
-    none); they should pass ``**engine_config.transfer.model_dump()`` instead."""
+    The field names are ``KVTransferAgent``'s keywords (engine/role_worker.py passes them on)."""
 
     mode: Literal["dynamic", "prepped"] = Field(
         "dynamic", description="coalesced descriptors per write, or descriptors prepared once per peer")
@@ -132,6 +132,12 @@ class ServeConfig(_Strict):
     kv_events: bool | None = Field(None, description="prefill workers publish KV events to the "
                                    "router's exact index (default: when policy is kv_events)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    kv_digest: bool = Field(False, description="prefill sends a digest of the KV pages it wrote; "
+                            "decode verifies it before decoding (a mismatch fails the request)")
+    debug_corrupt_kv: bool = Field(False, description="test lever: decode workers corrupt every received "
+                                   "KV page before the digest check (with kv_digest: every request fails)")
+    debug_endpoints: bool = Field(False, description="test lever: enable POST /debug/kill (stop a worker "
+                                  "by name) for chaos runs; never on in production")
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto", description="tool-call output format (router/tools/formats.py): 'auto' picks it from "
                             "the model's chat template, Hermes when the template has no tool support")

@@ -53,6 +53,7 @@ class DecodeActor(RoleActorMixin):
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                    local_prefill_threshold=local_prefill_threshold,
                                    kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv)
+        print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
         self.prefills: dict[str, _RayPrefillClient] = {}
 
     def add_prefill(self, handshake: bytes, handle) -> str:

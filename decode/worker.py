@@ -102,7 +102,7 @@ class DecodeWorker(RoleWorker):
         check (so the digest must catch it)."""
         if engine is None:
             from tandem.engine.engine import Engine
-            engine = Engine(config or EngineConfig(), loaded=loaded)
+            engine = Engine(config or EngineConfig(), loaded=loaded, role="decode", name=name)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
         self.handle: DecodeHandle

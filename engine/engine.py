@@ -38,6 +38,7 @@ from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request_kv import RequestKV
@@ -71,10 +72,14 @@ def make_attention_backend(name: str, device: torch.device):
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded=None,
-                 hybrid: HybridConfig | None = None, kv_events=None):
+                 hybrid: HybridConfig | None = None, kv_events=None, role: str = "colocated",
+                 name: str | None = None):
         """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
         pool sizes for models with sliding-window / recurrent layers (engine/hybrid.py);
-        ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to."""
+        ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to.
+        ``role`` ("colocated" | "prefill" | "decode") picks role defaults (the host pool size:
+        engine/host_sizing.py); ``name`` labels the startup line."""
+        self.role, self.name = role, name or role
         self._kv_events = kv_events
         from tandem.engine.loader import load_model
 
@@ -133,8 +138,18 @@ class Engine:
         if cc.disable_prefix_cache:
             return NullCache(self.allocator, self.hybrid.components)
         host = None
-        if cc.host_pool_tokens and not self.hybrid.active:
-            host = HostTier.from_config(self.kv_pool, cc)
+        n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size,
+                                  self.kv_pool.bytes_per_token, cc.page_size)
+        if n and self.hybrid.active:
+            n, why = 0, "off: the host tier holds FULL KV only, and this model is hybrid"
+        if n:
+            host = HostTier(self.kv_pool, n, cc.host_write_policy)
+        self.host_pool_tokens = n
+        mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
+        self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.dtype}), device KV "
+                             f"pool {self.allocator.size} tokens ({mb(self.allocator.size):.0f} MB), "
+                             f"host KV pool {n} tokens ({mb(n):.0f} MB; {why})")
+        log.info("%s", self.startup_line)
         return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, host=host,
                                  events=self._kv_events)
 

@@ -32,8 +32,10 @@ class RoleWorker:
         self.handle = handle
         self.page_size = engine.kv_pool.page_size
         self.transfer_timeout_s = transfer_timeout_s
+        if agent_opts is None:   # the config's agent options (EngineConfig.transfer)
+            agent_opts = engine.config.transfer.model_dump()
         self.agent = KVTransferAgent(name, [Region.of(REGION, engine.kv_pool.kv_data, self.page_size)],
-                                     **(agent_opts or {}))
+                                     **agent_opts)
         self.transfers = TransferRegistry()
         self.counts: dict[str, int] = {}
         self.metrics = CollectorRegistry()

@@ -32,6 +32,7 @@ class PrefillActor(RoleActorMixin):
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                     kv_events=kv_events)
+        print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
 
     def _extra_info(self) -> dict:
         return {"kv_events": self.worker.kv_events_endpoint}

@@ -86,7 +86,8 @@ class PrefillWorker(RoleWorker):
             if kv_events:
                 from tandem.cache.radix.events import KVEventPublisher
                 self.kv_publisher = KVEventPublisher("tcp://127.0.0.1:0")
-            engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=self.kv_publisher)
+            engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=self.kv_publisher,
+                            role="prefill", name=name)
         # The handle installs the outbox before any request is submitted: finished requests
         # keep their KV until it is sent.
         super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,

@@ -153,13 +153,6 @@ class HostTier:
         self.allocator = PagedAllocator(num_pages, ps)
         self.copier = KVCopier(device_pool, self.pool)
 
-    @classmethod
-    def from_config(cls, device_pool: KVPool, config) -> "HostTier | None":
-        """The host tier a :class:`CacheConfig` asks for, or None when ``host_pool_tokens == 0``."""
-        if config.host_pool_tokens == 0:
-            return None
-        return cls(device_pool, config.host_pool_tokens, config.host_write_policy)
-
     @property
     def write_through(self) -> bool:
         return self.write_policy == "write_through"

@@ -138,6 +138,13 @@ def request(engine, rid: str, **params) -> GenerateRequest:
     return engine.make_request(PROMPT, SamplingParams(**params), chat=True, rid=rid)
 
 
+def test_decode_workers_back_up_to_a_host_pool_by_default(workers):
+    p, d, col = workers
+    assert d.engine.host_pool_tokens == 4 * d.engine.allocator.size      # CFG sets none
+    assert p.engine.host_pool_tokens == 0 and col.host_pool_tokens == 0
+    assert "host KV pool" in d.engine.startup_line and d.name in d.engine.startup_line
+
+
 def test_greedy_output_equals_colocated_and_pools_return_to_baseline(workers, loop):
     p, d, col = workers
     ref = col.generate(PROMPT, SamplingParams(max_tokens=12), chat=True)
