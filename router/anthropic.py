@@ -38,7 +38,7 @@ from starlette.responses import Response
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk
 from tandem.router import metrics as m
-from tandem.router.http import FrontDoor, session_key
+from tandem.router.front_door import FrontDoor, session_key
 from tandem.router.openai_protocol import APIError, _Request, parse_json_object, parse_request
 from tandem.router.streaming import (ClientGone, Running, SSEResponse, StartFailed, close_all, collect, merge,
                                      sse, start, unless_disconnected)

@@ -5,9 +5,10 @@ Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST
 ``ServeConfig.api_key`` is set (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
 clients send it).
 
-:class:`FrontDoor` holds what every route shares: auth, the body limits, the model check, the
-tokenizer and tool-call format, session naming, and :meth:`FrontDoor.start` (send the
-GenerateRequests, await their first chunks). A generation request goes: auth -> body (size limit,
+:class:`~tandem.router.front_door.FrontDoor` (front_door.py) holds what every route shares: auth,
+the body limits, the model check, the tokenizer and tool-call format, session naming, and
+:meth:`FrontDoor.start` (send the GenerateRequests, await their first chunks). A generation
+request goes: auth -> body (size limit,
 UTF-8, JSON) -> pydantic validation -> model check -> tokenize (chat template, tools) -> context
 check and max_tokens fits -> session key -> GenerateRequest(s) -> ``backend.generate``. Every
 refusal on the way is an :class:`APIError`, answered in the route's API's error shape.
@@ -15,198 +16,23 @@ refusal on the way is an :class:`APIError`, answered in the route's API's error 
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
-import time
-from collections.abc import Mapping
-from typing import Any
 
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tandem.core.config import ServeConfig
-from tandem.core.types import TandemError
+from tandem.router.anthropic import AnthropicRoutes
 from tandem.router.backend import ServingBackend
-from tandem.router.openai_protocol import APIError, ErrorBody, ErrorResponse
-from tandem.router.openai_responses import ModelCard, ModelList
-from tandem.router.sessions import SessionIdTooLong
-from tandem.router.sessions import session_key as _session_key
-from tandem.router.tools.formats import ToolFormat, choose_format
+from tandem.router.front_door import FrontDoor, error_response
+from tandem.router.routes_openai import OpenAIRoutes
 
 log = logging.getLogger(__name__)
-
-BODY_READ_TIMEOUT_S = 30.0      # a client that stalls mid-body gets 408
-DRAIN_LIMIT_BYTES = 64 << 20    # read (and drop) this much of an oversized body so the client sees 413
-HEALTH_TIMEOUT_S = 10.0
-
-try:  # chat templates raise jinja2 errors for conversations they refuse
-    from jinja2 import TemplateError as _JinjaError
-except ImportError:  # pragma: no cover
-    _JinjaError = ValueError
-
-TEMPLATE_ERRORS = (TandemError, ValueError, TypeError, LookupError, _JinjaError)
-
-
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   type: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> Response:
-    """An OpenAI error object."""
-    body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
-    return Response(body.model_dump_json(), status_code=status, media_type="application/json",
-                    headers=dict(headers or {}))
-
-
-def refusal(e: APIError) -> Response:
-    return error_response(e.status, e.message, param=e.param, code=e.code, type=e.type,
-                          headers={"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
-
-
-def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids=()) -> str | None:
-    """router/sessions.py's session_key, with a too-long id as a 400."""
-    try:
-        return _session_key(headers, body, prompt_ids)
-    except SessionIdTooLong as e:
-        raise APIError(400, str(e), param="session_id") from None
-
-
-class FrontDoor:
-    """What the routes share, bound to one backend and config."""
-
-    def __init__(self, backend: ServingBackend, config: ServeConfig):
-        self.backend, self.config = backend, config
-        self.created = int(time.time())
-        self._key = config.api_key.encode() if config.api_key else None
-        self.tool_format: ToolFormat = choose_format(
-            config.tool_parser, getattr(backend.tokenizer, "chat_template", None))
-
-    # ---------------------------------------------------------------- checks
-    def check_auth(self, request: Request) -> None:
-        if self._key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not token or not hmac.compare_digest(token.encode(), self._key):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", reason="unauthorized")
-
-    def check_model(self, name: str) -> None:
-        if name != self.backend.model_name:
-            raise APIError(404, f"The model `{name[:256]}` does not exist (serving "
-                                f"`{self.backend.model_name}`).", param="model",
-                           code="model_not_found", reason="model_not_found")
-
-    def check_prompt(self, n: int, chat: bool) -> int:
-        """Room left for output after an ``n``-token prompt (400 when there is none)."""
-        ctx = self.backend.max_context
-        if n == 0:
-            raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
-        if n >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens, but the prompt "
-                                f"has {n} tokens (at least 1 token must be left to generate).",
-                           param="messages" if chat else "prompt", code="context_length_exceeded",
-                           reason="context_length")
-        return ctx - n
-
-    def output_budget(self, n: int, asked: int | None, default: int | None, chat: bool,
-                      param: str = "max_tokens") -> int:
-        """``max_tokens`` for an ``n``-token prompt: what was asked, when it fits (a 400 naming the
-        numbers when it does not, as vLLM and OpenAI answer: no silent clamp); when nothing was
-        asked, ``default`` within the room left (None: all of it)."""
-        room = self.check_prompt(n, chat)
-        if asked is None:
-            return room if default is None else min(default, room)
-        if asked > room:
-            ctx = self.backend.max_context
-            where = "messages" if chat else "prompt"
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you "
-                                f"requested {n + asked} tokens ({n} in the {where}, {asked} in the "
-                                f"completion). Please reduce the length of the {where} or completion.",
-                           param=param, code="context_length_exceeded", reason="context_length")
-        return asked
-
-    def render(self, render_fn) -> list[int]:
-        """Token ids of the chat prompt ``render_fn(tokenizer) -> text`` (400 when the template refuses)."""
-        tok = self.backend.tokenizer
-        try:
-            text = render_fn(tok)
-        except TEMPLATE_ERRORS as e:
-            raise APIError(400, f"the chat template refused these messages: {str(e)[:300]}",
-                           param="messages") from None
-        return list(tok.encode(text, add_special_tokens=False))
-
-    # ---------------------------------------------------------------- body
-    async def read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise APIError(400, f"invalid Content-Length header {declared[:32]!r}", reason="malformed")
-            if int(declared) > limit:
-                await _drain(request)
-                raise _too_large(int(declared), limit)
-        body = bytearray()
-        try:
-            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-                async for part in request.stream():
-                    body += part
-                    if len(body) > limit:
-                        await _drain(request)
-                        raise _too_large(len(body), limit, at_least=True)
-        except TimeoutError:
-            raise APIError(408, f"request body not received within {BODY_READ_TIMEOUT_S:.0f} s",
-                           code="timeout", reason="timeout") from None
-        except ClientDisconnect:   # nobody will read the answer; counted, not logged as a failure
-            raise APIError(499, "client disconnected while sending the body", reason="disconnected") from None
-        return bytes(body)
-
-    # ---------------------------------------------------------------- other routes
-    async def models(self, request: Request) -> Response:
-        try:
-            self.check_auth(request)
-        except APIError as e:
-            return refusal(e)
-        card = ModelCard(id=self.backend.model_name, created=self.created, max_model_len=self.backend.max_context)
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
-
-    async def health(self) -> Response:
-        try:
-            info = await asyncio.wait_for(self.backend.health(), HEALTH_TIMEOUT_S)
-        except Exception as e:
-            return JSONResponse({"status": "error", "error": repr(e)[:500]}, status_code=503)
-        if not isinstance(info, dict):
-            return JSONResponse({"status": "error", "error": f"health() returned {type(info).__name__}"}, 503)
-        return JSONResponse(info, status_code=200 if info.get("status") == "ok" else 503)
-
-    async def metrics(self) -> Response:
-        return Response(await asyncio.to_thread(self.backend.metrics_text), media_type=CONTENT_TYPE_LATEST)
-
-
-def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
-    return APIError(413, f"request body is {'over ' if at_least else ''}{size} bytes; the limit is "
-                         f"{limit} bytes", code="request_too_large", reason="too_large")
-
-
-async def _drain(request: Request) -> None:
-    """Read and drop the rest of a refused body (bounded), so a client still writing gets the 413
-    instead of a connection reset."""
-    seen = 0
-    try:
-        async with asyncio.timeout(5.0):
-            async for part in request.stream():
-                seen += len(part)
-                if seen > DRAIN_LIMIT_BYTES:
-                    return
-    except Exception:  # the client vanished or stalled: nothing to protect
-        return
 
 
 def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     """The front door over ``backend``. Safe to call more than once per process (metrics are shared)."""
-    from tandem.router.anthropic import AnthropicRoutes
-    from tandem.router.routes_openai import OpenAIRoutes
 
     app = FastAPI(title="Tandem", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     door = FrontDoor(backend, config)

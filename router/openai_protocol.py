@@ -14,7 +14,6 @@ openai_responses.py; tools are validated by router/tools/spec.py.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError

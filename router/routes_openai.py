@@ -33,7 +33,7 @@ from starlette.responses import Response
 from tandem.core.messages import GenerateRequest, SampleGroup
 from tandem.core.types import InvalidRequest, SamplingParams
 from tandem.router import metrics as m
-from tandem.router.http import FrontDoor, error_response, refusal, session_key
+from tandem.router.front_door import FrontDoor, error_response, refusal, session_key
 from tandem.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorBody,
                                            ErrorResponse, parse_json_object, parse_request)

@@ -133,7 +133,7 @@ class _Sink:
 
 
 def test_events_name_the_tier():
-    from tandem.cache.radix.events import AllCleared, BlockRemoved, BlockStored, page_hashes
+    from tandem.cache.radix.events import page_hashes
     from tandem.cache.unified import UnifiedRadixCache
     from tandem.core.config import CacheConfig
     from tandem.cache.allocator import PagedAllocator

@@ -10,7 +10,7 @@ import pytest
 from tandem.router.openai_protocol import APIError
 from tandem.router.tools.formats import FORMATS, choose_format, parse_all
 from tandem.router.tools.render import fallback_messages, render_prompt, template_supports_tools
-from tandem.router.tools.spec import Tool, ToolPlan, parse_openai_tools
+from tandem.router.tools.spec import Tool, parse_openai_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city.",
