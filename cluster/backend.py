@@ -204,6 +204,25 @@ class RayClusterBackend:
         out = await asyncio.gather(*(w.handle.stats.remote() for w in live), return_exceptions=True)
         return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
 
+    async def debug_kv(self) -> list[dict]:
+        """Every live worker's KV accounting and invariant verdict (GET /debug/kv)."""
+        live = self.pool.everyone(alive_only=True)
+        out = await asyncio.gather(*(w.handle.debug_kv.remote() for w in live), return_exceptions=True)
+        return [s if not isinstance(s, BaseException) else
+                {"worker": w.name, "role": w.role, "error": f"{type(s).__name__}: {str(s)[:300]}"}
+                for w, s in zip(live, out)]
+
+    async def debug_kill(self, name: str) -> bool:
+        """Kill worker ``name``'s actor (POST /debug/kill, with ``debug_endpoints``): the
+        supervisor finds it dead, takes it out of rotation and replaces it."""
+        import ray
+
+        w = next((w for w in self.pool.everyone(alive_only=True) if w.name == name), None)
+        if w is None:
+            return False
+        ray.kill(w.handle, no_restart=True)
+        return True
+
     def close(self) -> None:
         """Stop watching, kill every worker, stop the KV feed; shut Ray down if we started it."""
         import ray

@@ -64,6 +64,19 @@ class RoleWorker:
     def _extra_stats(self, snap) -> dict:
         return {}
 
+    async def debug_kv(self) -> dict:
+        """Where every KV slot is (the snapshot), the leak count, and the invariant recount's
+        verdict ("ok" or the violations): what a chaos run checks once the cluster is idle."""
+        snap = await self.handle.snapshot()
+        try:
+            await self.handle.check_invariants()
+            verdict = "ok"
+        except AssertionError as e:
+            verdict = str(e)[:4000]
+        return {"worker": self.name, "role": self.role, **snap.as_dict(),
+                "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
+                "live_transfers": len(self.transfers), **self.counts}
+
     def metrics_text(self) -> bytes:
         return generate_latest(self.metrics)
 
@@ -101,6 +114,9 @@ class RoleActorMixin:
 
     async def stats(self) -> dict:
         return await self.worker.stats()
+
+    async def debug_kv(self) -> dict:
+        return await self.worker.debug_kv()
 
     async def ping(self) -> str:
         self.worker.check_alive()   # a crashed engine thread counts as a dead worker

@@ -39,6 +39,9 @@ class ServingBackend(Protocol):
     - ``health()``: a JSON-able dict with ``"status": "ok"`` when serving (anything else -> 503).
     - ``metrics_text()``: Prometheus text exposition for the whole deployment (may block; the front
       door calls it off the event loop).
+    - optional ``async debug_kv() -> list[dict]``: per worker, its KV accounting (EngineSnapshot
+      fields, ``leaked_tokens``) and the invariant recount's verdict (GET /debug/kv); optional
+      ``async debug_kill(name) -> bool`` (POST /debug/kill, only with ``debug_endpoints``).
     """
 
     model_name: str
@@ -84,3 +87,19 @@ class LocalEngineBackend:
 
     def metrics_text(self) -> bytes:
         return generate_latest(REGISTRY)
+
+    async def debug_kv(self) -> list[dict]:
+        """The engine's KV accounting and invariant verdict (GET /debug/kv)."""
+        import asyncio
+
+        snapshot = getattr(self.engine, "snapshot", None)
+        if snapshot is None:
+            return []
+        snap = await asyncio.to_thread(snapshot)
+        try:
+            await asyncio.to_thread(self.engine.check_invariants)
+            verdict = "ok"
+        except AssertionError as e:
+            verdict = str(e)[:4000]
+        return [{"worker": "colocated-0", "role": "colocated", **snap.as_dict(),
+                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict}]

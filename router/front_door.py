@@ -177,6 +177,32 @@ class FrontDoor:
     async def metrics(self) -> Response:
         return Response(await asyncio.to_thread(self.backend.metrics_text), media_type=CONTENT_TYPE_LATEST)
 
+    async def debug_kv(self, request: Request) -> Response:
+        """``{"workers": [...]}``: each worker's KV accounting (free / evictable / locked /
+        request-owned / leaked tokens, host pool use, queues) and its invariant verdict."""
+        try:
+            self.check_auth(request)
+        except APIError as e:
+            return refusal(e)
+        fn = getattr(self.backend, "debug_kv", None)
+        if fn is None:
+            return error_response(404, "this backend has no KV pools to inspect", code="not_found")
+        return JSONResponse({"workers": await fn()})
+
+    async def debug_kill(self, request: Request, worker: str) -> Response:
+        """Kill worker ``worker`` (a chaos lever): 404 unless ``debug_endpoints`` is on."""
+        if not self.config.debug_endpoints:
+            return error_response(404, "debug endpoints are off (tandem serve --debug-endpoints)",
+                                  code="not_found")
+        try:
+            self.check_auth(request)
+        except APIError as e:
+            return refusal(e)
+        fn = getattr(self.backend, "debug_kill", None)
+        if fn is None or not await fn(worker):
+            return error_response(404, f"no live worker named {worker!r}", param="worker", code="not_found")
+        return JSONResponse({"killed": worker})
+
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     return APIError(413, f"request body is {'over ' if at_least else ''}{size} bytes; the limit is "

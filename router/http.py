@@ -1,7 +1,9 @@
 """The HTTP front door: ``create_app(backend, config) -> FastAPI``.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /v1/messages and
-/v1/messages/count_tokens (anthropic.py), GET /v1/models, GET /health, GET /metrics. /v1/* needs the API key when
+/v1/messages/count_tokens (anthropic.py), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
+(each worker's KV accounting and invariant verdict), POST /debug/kill (only with
+``ServeConfig.debug_endpoints``). /v1/* needs the API key when
 ``ServeConfig.api_key`` is set (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
 clients send it).
 
@@ -77,5 +79,15 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return await door.metrics()
+
+    @app.get("/debug/kv")
+    async def debug_kv(request: Request) -> Response:
+        """Each worker's KV accounting and invariant verdict (read-only; behind the API key)."""
+        return await door.debug_kv(request)
+
+    @app.post("/debug/kill")
+    async def debug_kill(request: Request, worker: str = "") -> Response:
+        """Test lever (``debug_endpoints``): kill a worker by name, as a chaos run does."""
+        return await door.debug_kill(request, worker)
 
     return app

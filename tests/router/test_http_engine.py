@@ -162,3 +162,11 @@ def test_anthropic_messages_stream_over_the_engine(served, engine):
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}])))
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == n_prompt
     assert final.usage.cache_read_input_tokens > 0      # the second request reused the first's prefix
+
+
+def test_debug_kv_reports_the_engines_accounting_and_invariants(served, engine):
+    r = httpx.get(served.url + "/debug/kv", timeout=30)
+    assert r.status_code == 200
+    (w,) = r.json()["workers"]
+    assert w["invariants"] == "ok" and w["leaked_tokens"] == 0 and w["total_tokens"] == engine.allocator.size
+    assert httpx.post(served.url + "/debug/kill", params={"worker": "colocated-0"}).status_code == 404  # off
