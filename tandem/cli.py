@@ -2,7 +2,7 @@
 
 It sits above every room: the cluster's commands (``generate``, ``serve``: cluster/cli.py, which
 also owns the parser frame and the exit statuses) and bench's (``bench``: bench/loadgen/cli.py,
-``simulate``: bench/sim/cli.py) meet only here, so cluster/ never imports bench/. Nothing of the
+``simulate``: bench/sim/cli.py, ``chaos``: bench/chaos/cli.py) meet only here, so cluster/ never imports bench/. Nothing of the
 product imports this module.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import sys
 
+from tandem.bench.chaos.cli import register as register_chaos
 from tandem.bench.loadgen.cli import register as register_bench
 from tandem.bench.sim.cli import register as register_simulate
 from tandem.cluster import cli as cluster_cli
 
-COMMANDS = (register_bench, register_simulate)
+COMMANDS = (register_bench, register_simulate, register_chaos)
 
 
 def build_parser():

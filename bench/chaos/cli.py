@@ -1,0 +1,248 @@
+"""``tandem chaos``: break a live server on purpose and prove nothing was lost.
+
+    tandem chaos --url http://127.0.0.1:8000 [--seed 0] [--sessions 8] [--turns 4] [--max-tokens 24]
+                 [--abort-mid 0.15] [--abort-early 0.1] [--kill decode@5] [--out DIR]
+
+Against a running ``tandem serve`` (start it with the levers you want to exercise:
+``--debug-retract-every N`` forces retraction, ``--host-pool-tokens 0 | small | large`` picks
+recompute, mixed or backup-only, ``--debug-endpoints`` allows ``--kill``):
+
+1. seeded random multi-turn sessions with shared system prompts (bench/chaos/plan.py), streamed,
+   greedy, some clients hanging up mid-stream or before the first token (bench/chaos/client.py);
+   ``--kill ROLE@SECONDS`` kills a live worker of that role then (POST /debug/kill);
+2. the oracle (bench/chaos/oracle.py): every completed request's text must equal the text the
+   same request gets alone on a fresh engine of ``--oracle-model`` / ``--oracle-dtype``;
+3. once idle (``--settle-s``), every worker's KV (GET /debug/kv): nothing running, waiting,
+   retracted or held, no locked or request-owned tokens, no leaked token (allocated but owned by
+   no one), and the invariant recount passes, on the device and the host pool alike.
+
+Prints one table (requests, completed, aborted by the client, failed with reasons, retractions,
+restores, recomputes, output mismatches, leaked tokens) and writes ``DIR/chaos.json``. Exit status
+1 on any mismatch, leak, invariant violation or failure without a stated reason; 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+DEFAULT_OUT = "tandem-chaos-out"
+COUNTERS = ("tandem_retractions", "tandem_retraction_restores", "tandem_retraction_recomputes",
+            "tandem_kv_digest_failures")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--seed", type=int, default=0, help="the plan's seed (same seed, same schedule)")
+    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions (default 8)")
+    p.add_argument("--turns", type=int, default=4, help="requests per session (default 4)")
+    p.add_argument("--max-tokens", type=int, default=24, help="output tokens per request, at most (default 24)")
+    p.add_argument("--abort-mid", type=float, default=0.15, help="share of requests hung up mid-stream")
+    p.add_argument("--abort-early", type=float, default=0.1, help="share hung up before the first token")
+    p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS",
+                   help="kill a live decode/prefill worker at that time (needs --debug-endpoints on the server)")
+    p.add_argument("--oracle-model", default="smollm2", help="the model the server serves (default smollm2)")
+    p.add_argument("--oracle-dtype", default="auto", help="the server's dtype (default auto, as the server's)")
+    p.add_argument("--settle-s", type=float, default=15.0, help="seconds to wait for the cluster to go idle")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default ./{DEFAULT_OUT})")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("chaos", help="seeded aborts, retraction and kills against a running server, "
+                                            "with an oracle and a leak check", description=__doc__.split("\n\n")[0])
+    add_flags(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _counters(text: str) -> dict[tuple[str, str], float]:
+    """``{(counter, worker): value}`` of :data:`COUNTERS` in a /metrics exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for f in text_string_to_metric_families(text):
+        if f.name in COUNTERS:
+            for s in f.samples:
+                if s.name.endswith("_total"):
+                    key = (f.name, s.labels.get("worker", ""))
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict[str, float]:
+    """Per counter, what every worker added during the run (a worker that was killed and
+    replaced restarts from 0: its replacement counts whole, the dead one's last value is lost)."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for (name, worker), v in after.items():
+        out[name] += max(v - before.get((name, worker), 0.0), 0.0)
+    return out
+
+
+def kv_problems(workers: list[dict]) -> list[str]:
+    """What is wrong with idle workers' KV (empty: clean)."""
+    bad = []
+    for w in workers:
+        name = w.get("worker", "?")
+        if "error" in w:
+            bad.append(f"{name}: unreachable ({w['error']})")
+            continue
+        for k in ("running", "waiting", "retracted", "detached", "locked_tokens", "request_tokens",
+                  "leaked_tokens", "live_transfers"):
+            if w.get(k, 0):
+                bad.append(f"{name}: {k}={w[k]}")
+        if w.get("invariants") != "ok":
+            bad.append(f"{name}: invariants: {w.get('invariants')}")
+    return bad
+
+
+def options(url: str, **kw) -> argparse.Namespace:
+    """The flags' defaults with ``kw`` on top: ``run_chaos(options(url, sessions=4))`` in code."""
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    args = p.parse_args(["--url", url])
+    for k, v in kw.items():
+        if not hasattr(args, k):
+            raise TypeError(f"unknown chaos option {k!r}")
+        setattr(args, k, v)
+    return args
+
+
+async def run_chaos(args, oracle=None) -> dict:
+    """The run (see the module docstring) -> the report dict. ``oracle``: an
+    :class:`~tandem.bench.chaos.oracle.Oracle` to use (else one is made from the flags)."""
+    import httpx
+
+    from tandem.bench.chaos.client import RunConfig, run_plan
+    from tandem.bench.chaos.oracle import Oracle
+    from tandem.bench.chaos.plan import make_plan
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=60) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        before = _counters((await http.get("/metrics")).text)
+        kills = []
+        for spec in args.kill:
+            role, _, at = spec.partition("@")
+            if role not in ("decode", "prefill") or not at:
+                raise ValueError(f"--kill {spec!r}: expected decode@SECONDS or prefill@SECONDS")
+            kills.append((float(at), role))
+        killed: list[str] = []
+
+        async def on_kill(role: str) -> None:
+            ws = (await http.get("/debug/kv")).json()["workers"]
+            victim = next((w["worker"] for w in ws if w.get("role") == role and "error" not in w), None)
+            if victim is None:
+                killed.append(f"(no live {role} worker)")
+                return
+            r = await http.post("/debug/kill", params={"worker": victim})
+            if r.status_code != 200:
+                raise ValueError(f"POST /debug/kill failed ({r.status_code}): {r.text[:200]} "
+                                 f"(start the server with --debug-endpoints)")
+            killed.append(victim)
+            print(f"tandem chaos: killed {victim}", file=sys.stderr)
+
+        plans = make_plan(args.seed, args.sessions, args.turns, max_tokens=args.max_tokens,
+                          p_mid=args.abort_mid, p_early=args.abort_early)
+        t0 = time.perf_counter()
+        outcomes = await run_plan(RunConfig(args.url, model, args.api_key, kill=kills), plans, on_kill)
+        wall = time.perf_counter() - t0
+        # idle: every worker back to nothing held (background cleanups may take a moment)
+        end = time.monotonic() + args.settle_s
+        await asyncio.sleep(1.0)
+        while True:
+            workers = (await http.get("/debug/kv", timeout=120)).json()["workers"]
+            problems = kv_problems(workers)
+            if not problems or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.5)
+        after = _counters((await http.get("/metrics")).text)
+    print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s; checking completed ones against "
+          f"a fresh engine ...", file=sys.stderr)
+    own = oracle is None
+    oracle = oracle or Oracle(args.oracle_model, args.oracle_dtype)
+    try:
+        mismatches = await oracle.check(outcomes)
+    finally:
+        if own:
+            oracle.close()
+    kinds = Counter(o.kind for o in outcomes)
+    reasons = Counter(o.reason for o in outcomes if o.kind == "failed")
+    delta = counter_deltas(before, after)
+    return {"seed": args.seed, "model": model, "wall_s": wall, "requests": len(outcomes),
+            "completed": kinds["completed"], "aborted_early": kinds["aborted_early"],
+            "aborted_mid": kinds["aborted_mid"], "failed": kinds["failed"],
+            "failure_reasons": dict(reasons), "killed": killed,
+            "retractions": delta["tandem_retractions"], "restores": delta["tandem_retraction_restores"],
+            "recomputes": delta["tandem_retraction_recomputes"],
+            "digest_failures": delta["tandem_kv_digest_failures"],
+            "mismatches": [asdict(m) for m in mismatches],
+            "leaked_tokens": sum(w.get("leaked_tokens", 0) for w in workers),
+            "kv_problems": problems, "workers": workers,
+            "outcomes": [asdict(o) | {"messages": len(o.messages)} for o in outcomes]}
+
+
+def verdict(rep: dict) -> list[str]:
+    """Why the run fails (empty: it passes)."""
+    why = []
+    if rep["mismatches"]:
+        why.append(f"{len(rep['mismatches'])} output mismatch(es)")
+    if rep["kv_problems"]:
+        why.append(f"KV not clean once idle: {'; '.join(rep['kv_problems'][:5])}")
+    if rep["failure_reasons"].get("no reason given"):
+        why.append(f"{rep['failure_reasons']['no reason given']} failure(s) without a stated reason")
+    return why
+
+
+def format_table(rep: dict) -> str:
+    rows = [("requests", rep["requests"]), ("completed", rep["completed"]),
+            ("aborted by the client (before the first token)", rep["aborted_early"]),
+            ("aborted by the client (mid-stream)", rep["aborted_mid"]), ("failed", rep["failed"])]
+    rows += [(f"  - {r[:70]}", n) for r, n in sorted(rep["failure_reasons"].items(), key=lambda x: -x[1])]
+    rows += [("workers killed", ", ".join(rep["killed"]) or "-"), ("retractions", int(rep["retractions"])),
+             ("restores from the host pool", int(rep["restores"])), ("recomputes", int(rep["recomputes"])),
+             ("KV digest failures", int(rep["digest_failures"])),
+             ("output mismatches (vs alone on a fresh engine)", len(rep["mismatches"])),
+             ("leaked tokens (idle)", rep["leaked_tokens"]),
+             ("idle KV check", "ok" if not rep["kv_problems"] else f"{len(rep['kv_problems'])} problem(s)")]
+    w = max(len(k) for k, _ in rows)
+    lines = [f"tandem chaos (seed {rep['seed']}, {rep['model']}, {rep['wall_s']:.1f} s)"]
+    lines += [f"  {k:<{w}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if args.sessions < 1 or args.turns < 1 or args.max_tokens < 1:
+        raise ValueError("--sessions, --turns and --max-tokens must be >= 1")
+    rep = asyncio.run(run_chaos(args))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.json").write_text(json.dumps(rep, indent=1))
+    print(format_table(rep))
+    why = verdict(rep)
+    for m in rep["mismatches"][:5]:
+        print(f"  mismatch {m['sid']} turn {m['turn']} at char {m['at']}: got {m['got']!r}, "
+              f"want {m['want']!r}")
+    print(f"report: {out / 'chaos.json'}; " + ("FAILED: " + "; ".join(why) if why else "passed"))
+    return 1 if why else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem chaos", description=__doc__.split("\n\n")[0])
+    add_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"tandem chaos: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
