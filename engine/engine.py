@@ -132,18 +132,21 @@ class Engine:
         self._thread.start()
 
     def _make_cache(self):
-        """The radix cache over this engine's pools (with a host tier when configured; FULL KV
-        only, so not for hybrid models yet), or a NullCache with ``disable_prefix_cache``."""
+        """The radix cache over this engine's pools (with a host tier when configured: a host
+        pool for the full layers' KV and, for hybrid models, one per component), or a NullCache
+        with ``disable_prefix_cache``."""
         cc = self.config.cache
         if cc.disable_prefix_cache:
             return NullCache(self.allocator, self.hybrid.components)
-        host = None
-        n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size,
-                                  self.kv_pool.bytes_per_token, cc.page_size)
-        if n and self.hybrid.active:
-            n, why = 0, "off: the host tier holds FULL KV only, and this model is hybrid"
-        if n:
-            host = HostTier(self.kv_pool, n, cc.host_write_policy)
+        host, h = None, self.hybrid
+        # a host token also carries its SWA row (hybrid models): count both against the cap
+        bpt = self.kv_pool.bytes_per_token + (h.swa_pool.bytes_per_token
+                                              if h.active and h.swa_pool is not None else 0)
+        n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
+                                  cc.page_size)
+        if n:   # FULL KV in a host pool, and for hybrid models one host pool per component
+            host = HostTier(h.full_pool if h.active else self.kv_pool, n, cc.host_write_policy,
+                            h.host_stores(n))
         self.host_pool_tokens = n
         mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
         self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.dtype}), device KV "
