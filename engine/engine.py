@@ -38,6 +38,7 @@ from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.model_runner import ModelRunner
@@ -136,14 +137,15 @@ class Engine:
         pool for the full layers' KV and, for hybrid models, one per component), or a NullCache
         with ``disable_prefix_cache``."""
         cc = self.config.cache
-        if cc.disable_prefix_cache:
-            return NullCache(self.allocator, self.hybrid.components)
         host, h = None, self.hybrid
-        # a host token also carries its SWA row (hybrid models): count both against the cap
-        bpt = self.kv_pool.bytes_per_token + (h.swa_pool.bytes_per_token
-                                              if h.active and h.swa_pool is not None else 0)
-        n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
-                                  cc.page_size)
+        if cc.disable_prefix_cache:
+            n, why = 0, "off: the prefix cache is disabled"
+        else:
+            # a host token also carries its SWA row (hybrid models): count both against the cap
+            bpt = self.kv_pool.bytes_per_token + (h.swa_pool.bytes_per_token
+                                                  if h.active and h.swa_pool is not None else 0)
+            n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
+                                      cc.page_size)
         if n:   # FULL KV in a host pool, and for hybrid models one host pool per component
             host = HostTier(h.full_pool if h.active else self.kv_pool, n, cc.host_write_policy,
                             h.host_stores(n))
@@ -151,8 +153,12 @@ class Engine:
         mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
         self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.dtype}), device KV "
                              f"pool {self.allocator.size} tokens ({mb(self.allocator.size):.0f} MB), "
-                             f"host KV pool {n} tokens ({mb(n):.0f} MB; {why})")
+                             f"host KV pool {n} tokens ({mb(n):.0f} MB; {why}); "
+                             + components_clause(h, h.full_pool if h.active else self.kv_pool,
+                                                 self.allocator.size, cc.page_size, host))
         log.info("%s", self.startup_line)
+        if cc.disable_prefix_cache:
+            return NullCache(self.allocator, self.hybrid.components)
         return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, host=host,
                                  events=self._kv_events)
 
