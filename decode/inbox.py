@@ -80,8 +80,13 @@ class DecodeInbox:
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
         return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
 
-    def corrupt(self, pages: tuple[int, ...]) -> None:
-        corrupt_page(self.sched.kv.kv_pool.kv_data, pages, self.sched.kv.page_size)
+    def corrupt(self, regions: tuple[RegionPages, ...]) -> None:
+        """Perturb the first page of the first region (``debug_corrupt_kv``)."""
+        for rp in regions:
+            if rp.pages:
+                spec = self.regions[rp.region]
+                corrupt_page(spec.tensor, rp.pages, spec.page_size)
+                return
 
 
 class DecodeHandle(EngineHandle):
@@ -114,6 +119,6 @@ class DecodeHandle(EngineHandle):
         """Digest of the received ``regions`` (a Reservation's), in their order."""
         return await self._run(self.inbox.digest, regions)
 
-    async def corrupt_page(self, pages: tuple[int, ...]) -> None:
+    async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
         """Test lever (``debug_corrupt_kv``): flip bytes of the first received page."""
-        await self._run(self.inbox.corrupt, pages)
+        await self._run(self.inbox.corrupt, regions)

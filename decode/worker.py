@@ -333,9 +333,10 @@ class DecodeWorker(RoleWorker):
         flight any more: the result arrived)."""
         if not self.kv_digest:
             return
+        regions = res.regions or (RegionPages(REGION, res.pages),)
         if self.debug_corrupt_kv:
-            await self.handle.corrupt_page(res.pages)
-        got = await self.handle.page_digest(res.regions or (RegionPages(REGION, res.pages),))
+            await self.handle.corrupt_page(regions)
+        got = await self.handle.page_digest(regions)
         if got != result.digest:
             self.counts["digest_failures"] += 1
             self._digest_failures.inc()

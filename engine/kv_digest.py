@@ -48,8 +48,12 @@ def regions_digest(regions: Mapping, named_pages: Sequence[tuple[str, Sequence[i
     return h.hexdigest()
 
 
-def corrupt_page(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> None:
-    """Test lever: perturb layer 0's K of the first page (what a bad transfer would do)."""
+def corrupt_page(data: torch.Tensor, pages: Sequence[int], page_size: int) -> None:
+    """Test lever: perturb slab 0 of the first page (layer 0's K of a ``[L, 2, rows, ...]`` pool,
+    layer 0 of a ``[L, rows, ...]`` state pool): what a bad transfer would do."""
     if len(pages):
         r = pages[0] * page_size
-        kv_data[0, 0, r:r + page_size] += 1.0
+        if data.dim() >= 4:
+            data[0, 0, r:r + page_size] += 1.0
+        else:
+            data[0, r:r + page_size] += 1.0

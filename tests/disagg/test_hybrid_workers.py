@@ -203,3 +203,26 @@ def test_corrupt_received_state_or_window_is_caught_by_the_digest(family, loop):
     finally:
         p.close()
         d.close()
+
+
+def test_every_layer_sliding_window_moves_no_full_pages(smollm2_gguf, loop):
+    """SmolLM2 with sliding_window=16: the full pool has no layers, so no "kv" region is
+    registered and a transfer moves only the SWA rows of the kept window."""
+    loaded = load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
+    ids = loaded.tokenizer.encode("Sliding windows all the way down: every layer is local here, ok?")
+    ref = _colocated(loaded, [ids], 4)[0]
+    p, d = _workers(loop, loaded, "swa-only", page_size=4, digest=True)
+    try:
+        assert sorted(p.regions) == ["swa"]
+        toks, t = run(loop, _generate(d, p, "w1", ids))
+        assert toks == ref
+        n = len(ids)
+        assert t["bytes"] == transfer_bytes(d.engine, {"swa": n - d.engine.hybrid.keep_from(n)})
+        d.debug_corrupt_kv = True                   # the digest covers the SWA rows too
+        greq = GenerateRequest("w2", tuple(ids), SamplingParams(max_tokens=2))
+        chunks = run(loop, collect(d.generate(greq, LocalClient(p))))
+        assert "digest mismatch" in chunks[-1].error
+        run(loop, _idle(p, d))
+    finally:
+        p.close()
+        d.close()
