@@ -76,7 +76,8 @@ class Engine:
                  hybrid: HybridConfig | None = None, kv_events=None, role: str = "colocated",
                  name: str | None = None):
         """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
-        pool sizes for models with sliding-window / recurrent layers (engine/hybrid.py);
+        pool sizes for models with sliding-window / recurrent layers (default
+        ``config.hybrid``; engine/hybrid.py);
         ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to.
         ``role`` ("colocated" | "prefill" | "decode") picks role defaults (the host pool size:
         engine/host_sizing.py); ``name`` labels the startup line."""
@@ -105,7 +106,8 @@ class Engine:
         # state live in engine/hybrid.py, and the KV pool is a view over the full + SWA pools.
         # FULL-only models get NO_HYBRID (no-op hooks) and the plain pool.
         self.hybrid = make_hybrid(self.loaded, cc, cfg.scheduler.chunked_prefill_size,
-                                  self.allocator, self.req_to_token, self.device, self.dtype, hybrid)
+                                  self.allocator, self.req_to_token, self.device, self.dtype,
+                                  hybrid or cfg.hybrid)
         self.kv_pool = self.hybrid.kv_pool if self.hybrid.active else KVPool(
             num_pages * cc.page_size, cc.page_size, arch.num_layers, arch.num_kv_heads,
             arch.head_dim, self.dtype, self.device)

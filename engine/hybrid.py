@@ -59,25 +59,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import HybridKVPool, KVPool
 from tandem.cache.radix.host import HostStore
 from tandem.cache.state_pool import StatePool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
+from tandem.core.config import HybridConfig   # re-exported: engine code and tests import it here
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class HybridConfig(BaseModel):
-    """Pool sizes of a hybrid model's extra pools (None: the defaults in the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
-    state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
-    host_swa_rows: int | None = Field(None, ge=1, description="host-tier SWA rows (with a host tier)")
-    host_state_slots: int | None = Field(None, ge=1, description="host-tier state checkpoints")
 
 
 class NoHybrid:
