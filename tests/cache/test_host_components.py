@@ -28,13 +28,14 @@ class Rig:
     """A cache over a full KV pool (page 2), an SWA pool + index_map and a state pool, with a
     host tier holding ``host_tokens`` FULL tokens, ``swa_rows`` SWA rows, ``state_rows`` states."""
 
-    def __init__(self, policy="write_through", host_tokens=32, swa_rows=32, state_rows=4, ps=2):
-        self.ps = ps
-        self.full = KVPool(PAGES * ps, ps, num_layers=1, num_kv_heads=1, head_dim=1)
-        self.swa_pool = KVPool(64, 1, num_layers=1, num_kv_heads=1, head_dim=1)
-        self.state = StatePool(8, [0], (3,))
+    def __init__(self, policy="write_through", host_tokens=32, swa_rows=32, state_rows=4, ps=2,
+                 device="cpu"):
+        self.ps, self.dev = ps, device
+        self.full = KVPool(PAGES * ps, ps, num_layers=1, num_kv_heads=1, head_dim=1, device=device)
+        self.swa_pool = KVPool(64, 1, num_layers=1, num_kv_heads=1, head_dim=1, device=device)
+        self.state = StatePool(8, [0], (3,), device=device)
         self.swa_alloc, self.state_alloc = PagedAllocator(64, 1), PagedAllocator(8, 1)
-        self.index_map = torch.zeros(PAGES * ps + ps, dtype=torch.int64)
+        self.index_map = torch.zeros(PAGES * ps + ps, dtype=torch.int64, device=device)
         self.swa = SWA(W, self.swa_alloc, self.index_map)
         self.mamba = Mamba(self.state_alloc)
         stores = [HostStore("swa", self.swa_pool.kv_data, swa_rows),
@@ -48,10 +49,11 @@ class Rig:
         state row holding the last token id. Returns (full slots, swa rows, state row)."""
         n = len(ids) - start
         slots, rows = self.alloc.alloc(n), self.swa_alloc.alloc(n)
-        self.index_map[slots] = rows
-        t = torch.tensor(ids[start:], dtype=torch.float32)
-        self.full.kv_data[:, :, slots] = t[:, None, None]
-        self.swa_pool.kv_data[:, :, rows] = t[:, None, None]
+        d = self.dev
+        self.index_map[slots.to(d)] = rows.to(d)
+        t = torch.tensor(ids[start:], dtype=torch.float32, device=d)
+        self.full.kv_data[:, :, slots.to(d)] = t[:, None, None]
+        self.swa_pool.kv_data[:, :, rows.to(d)] = t[:, None, None]
         s = int(self.state_alloc.alloc(1)[0])
         self.state.data[:, s] = float(ids[-1])
         return slots, rows, s
@@ -63,7 +65,8 @@ class Rig:
         return node
 
     def swa_tokens(self, slots):       # the SWA K values attention would read for these slots
-        return self.swa_pool.kv_data[0, 0, self.index_map[slots], 0, 0].to(torch.int64).tolist()
+        rows = self.index_map[slots.to(self.dev)]
+        return self.swa_pool.kv_data[0, 0, rows, 0, 0].to(torch.int64).tolist()
 
     def check(self):
         none = torch.empty(0, dtype=torch.int64)
@@ -204,3 +207,24 @@ def test_host_store_must_name_a_component():
     host = HostTier(full, 8, stores=[HostStore("swa", torch.zeros(1, 2, 9, 1, 1), 4)])
     with pytest.raises(ValueError, match="name no component"):
         make_cache(page_size=2, pages=4, host=host)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_cuda_component_round_trip(policy):
+    """The component stores' CUDA path (pinned host pools, side-stream D2H, H2D waited on by the
+    compute stream), through a state pool viewed as [L, 1, rows, ...]."""
+    g = Rig(policy, device="cuda")
+    assert g.host.stores["swa"].data.is_pinned() and g.host.stores["mamba"].data.is_pinned()
+    ids = list(range(10, 22))
+    g.cache_all(ids)
+    assert g.cache.evict(12) == 12
+    g.swa_pool.kv_data.zero_()
+    g.state.data.zero_()
+    r = g.cache.match(ids)
+    slots = g.host.restore(r.best_match_node)
+    r = g.cache.match(ids)
+    assert r.prefix_len == 12 and g.swa_tokens(slots) == ids
+    assert float(g.state.data[0, r.components["mamba"].src, 0]) == ids[-1]
+    g.check()
