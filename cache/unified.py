@@ -331,7 +331,8 @@ class UnifiedRadixCache:
         elif component == "host":
             freed = self._tree.evict_host(num_tokens)
         elif component in self._aux_index:
-            freed = self._tree.evict_aux(self._aux_index[component], num_tokens)
+            backup = self.host.copy_aux if self.host is not None else None
+            freed = self._tree.evict_aux(self._aux_index[component], num_tokens, backup=backup)
         else:
             raise ValueError(f"unknown component {component!r}")
         self._after()
@@ -347,8 +348,8 @@ class UnifiedRadixCache:
             nd = t.pop_leaf()
             if nd is None:
                 break
-            if self.host is not None and nd.host is None:
-                self.host.copy_node(nd)
+            if self.host is not None and (nd.host is None or self.host.stores):
+                self.host.copy_node(nd)   # FULL KV, then each component's data (same-name)
             freed += t.drop_device(nd)
         return freed
 
@@ -371,9 +372,11 @@ class UnifiedRadixCache:
         listing every violation. ``extra_owned``: slots held by in-flight requests (a tensor, or
         a mapping of component name -> tensor); with it, ownership must be exact."""
         if self.host is not None:
-            self.host.copier.synchronize()
+            self.host.synchronize()
         errs = check(self._tree, allocator=self.allocator, extra_owned=extra_owned,
-                     host_allocator=self.host.allocator if self.host else None)
+                     host_allocator=self.host.allocator if self.host else None,
+                     host_stores={n: st.allocator for n, st in self.host.stores.items()}
+                     if self.host else None)
         if errs:
             raise AssertionError(f"{len(errs)} cache invariant violation(s):\n" + "\n".join(errs))
 
@@ -401,30 +404,43 @@ class UnifiedRadixCache:
         if t.device_frees:
             if self.allocator is not None:
                 if self.host is not None:
-                    self.host.copier.synchronize()   # a pending D2H copy may read these slots
+                    self.host.synchronize()   # a pending D2H copy may read these slots
                 self.allocator.free(torch.cat(t.device_frees))
             t.device_frees = []
 
     def _free_host(self) -> None:
         t = self._tree
         if t.host_frees:
-            self.host.copier.synchronize()
+            self.host.synchronize()
             self.host.allocator.free(torch.cat(t.host_frees))
             t.host_frees = []
+        if t.aux_host_frees:
+            self.host.synchronize()
+            for i, v in t.aux_host_frees:
+                self.host.stores[self._aux[i].name].allocator.free(
+                    v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64))
+            t.aux_host_frees = []
+
+    def _free_aux(self) -> None:
+        t = self._tree
+        if t.aux_frees:
+            if self.host is not None and self.host.stores:
+                self.host.synchronize()   # a pending D2H copy may read these rows
+            for i, v in t.aux_frees:
+                self._aux[i].free(v)
+            t.aux_frees = []
 
     def _after(self) -> None:
         """Execute what the tree decided during the operation, then check invariants."""
         t = self._tree
         if t.device_frees:
             self._free_device()
-        if t.host_frees:
+        if t.host_frees or t.aux_host_frees:
             self._free_host()
         if t.aux_frees:
-            for i, v in t.aux_frees:
-                self._aux[i].free(v)
-            t.aux_frees = []
+            self._free_aux()
         if self.host is not None:
-            self.host.copier.poll()
+            self.host.poll()
         if t.events:
             self.publisher.publish(t.events)
             t.events = []

@@ -61,14 +61,14 @@ class SchedulerConfig(_Strict):
 class HybridConfig(_Strict):
     """Pool sizes of a hybrid model's extra pools (sliding-window and recurrent layers); None: the
     defaults engine/hybrid.py documents (SWA rows = the full pool's size, state slots =
-    ``2 * max_running_requests + 2``). Ignored for models with full attention only.
-
-    NOTE for engine/: engine/hybrid.py still defines its own ``HybridConfig`` (the same two
-    fields) and ``Engine(hybrid=...)`` takes it as an argument; it should import this one and
-    read ``EngineConfig.hybrid``, so these fields are settable from the YAML."""
+    ``2 * max_running_requests + 2``; with a host tier, host SWA rows = its FULL tokens and host
+    state slots = ``state_slots``). Ignored for models with full attention only. The engine reads
+    ``EngineConfig.hybrid`` (``Engine(hybrid=...)`` overrides it)."""
 
     swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
     state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
+    host_swa_rows: int | None = Field(None, ge=1, description="host-tier SWA rows (with a host tier)")
+    host_state_slots: int | None = Field(None, ge=1, description="host-tier state checkpoints")
 
 
 class TransferConfig(_Strict):

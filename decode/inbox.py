@@ -5,11 +5,20 @@
 worker (asyncio, another thread) reaches it, with typed methods:
 
     reserve(req) -> Reservation | None   a row + the cached prefix + pages for the rest of the
-                                          prompt (the request waits in WAITING_FOR_KV)
+                                          prompt (the request waits in WAITING_FOR_KV); hybrid
+                                          models also reserve SWA rows of the kept window and
+                                          the working state row (engine/hybrid.py)
     activate(rid, first_token, on_chunk)  the KV arrived: decode from here, chunks to on_chunk
     cancel(rid, why)                      the transfer failed or was aborted: free the pages
     reserved_tokens(rid) -> int           tokens a reservation holds (for quarantine accounting)
-    page_digest(pages) -> str             digest of the received pages (``--kv-digest``)
+    page_digest(regions) -> str           digest of the received regions' pages (``--kv-digest``)
+
+Decode-side prefix reuse goes through the cache's normal match (its component vote), so for a
+hybrid model ``prefix_len`` is where every component accepts the decode tree's hit; the rest
+comes from prefill: full pages of ``[prefix_len, n)``, SWA rows of the window decode keeps past
+``prefix_len`` (the window before the hit, if needed, is the tree's own and locked), and the
+recurrent state at ``n`` (never the checkpoint at the hit). The decode tree's checkpoint at the
+prompt's end is a device-local copy made when the received prompt is cached at activation.
 """
 
 from __future__ import annotations
@@ -20,34 +29,42 @@ from typing import Callable
 
 from tandem.core.types import InvalidRequest, Req, StreamChunk
 from tandem.engine.handle import EngineHandle
-from tandem.engine.kv_digest import corrupt_page, page_digest
+from tandem.engine.kv_digest import corrupt_page, regions_digest
+from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.sched_types import SchedReq
+from tandem.transfer.messages import RegionPages
 
 
 @dataclass(frozen=True)
 class Reservation:
     """Where a prompt's KV must land: positions ``[prefix_len, len(prompt))`` in ``pages``
-    (``prefix_len`` is page-aligned: the decode cache already held that much)."""
+    (``prefix_len`` is page-aligned: the decode cache already held that much). ``regions``: the
+    destination ids of every region the transfer fills (``"kv"``: ``pages``; hybrid models:
+    ``"swa"`` rows of the kept window, ``"state"``: the working state row), in transfer order."""
 
     prefix_len: int
     pages: tuple[int, ...]
+    regions: tuple[RegionPages, ...] = ()
 
 
 class DecodeInbox:
     """Engine thread only. ``reserved``: requests waiting for their KV."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, regions: dict | None = None):
         self.sched = scheduler
+        self.regions = regions if regions is not None else {}   # name -> RegionSpec
         self.reserved: dict[str, SchedReq] = {}
 
     def reserve(self, req: Req) -> Reservation | None:
-        if self.sched.kv.hybrid.active:   # hybrid: SWA rows / recurrent state are not transferred
-            raise InvalidRequest("KV transfer does not support hybrid (SWA / recurrent) models")
         sr = self.sched.admit_detached(req)
         if sr is None:
             return None
         self.reserved[req.rid] = sr
-        return Reservation(sr.locked_len, self.sched.kv.pages(sr, sr.locked_len, req.seq_len))
+        kv, p = self.sched.kv, sr.locked_len
+        pages = kv.pages(sr, p, req.seq_len)
+        named = {KV: pages, **kv.transfer_rows(sr, p)}
+        regions = tuple(RegionPages(n, ids) for n, ids in named.items() if n in self.regions)
+        return Reservation(p, pages, regions)
 
     def activate(self, rid: str, first_token: int) -> StreamChunk:
         return self.sched.resume(self.reserved.pop(rid), first_token)
@@ -60,17 +77,22 @@ class DecodeInbox:
         sr = self.reserved.get(rid)
         return 0 if sr is None else sr.req.seq_len - sr.locked_len
 
-    def digest(self, pages: tuple[int, ...]) -> str:
-        return page_digest(self.sched.kv.kv_pool.kv_data, pages, self.sched.kv.page_size)
+    def digest(self, regions: tuple[RegionPages, ...]) -> str:
+        return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
 
-    def corrupt(self, pages: tuple[int, ...]) -> None:
-        corrupt_page(self.sched.kv.kv_pool.kv_data, pages, self.sched.kv.page_size)
+    def corrupt(self, regions: tuple[RegionPages, ...]) -> None:
+        """Perturb the first page of the first region (``debug_corrupt_kv``)."""
+        for rp in regions:
+            if rp.pages:
+                spec = self.regions[rp.region]
+                corrupt_page(spec.tensor, rp.pages, spec.page_size)
+                return
 
 
 class DecodeHandle(EngineHandle):
     def __init__(self, engine):
         super().__init__(engine)
-        self.inbox = DecodeInbox(engine.scheduler)
+        self.inbox = DecodeInbox(engine.scheduler, kv_regions(engine))
 
     async def reserve(self, req: Req) -> Reservation | None:
         """Raises InvalidRequest for a prompt this engine can never serve."""
@@ -93,9 +115,10 @@ class DecodeHandle(EngineHandle):
     async def reserved_tokens(self, rid: str) -> int:
         return await self._run(self.inbox.reserved_tokens, rid)
 
-    async def page_digest(self, pages: tuple[int, ...]) -> str:
-        return await self._run(self.inbox.digest, pages)
+    async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
+        """Digest of the received ``regions`` (a Reservation's), in their order."""
+        return await self._run(self.inbox.digest, regions)
 
-    async def corrupt_page(self, pages: tuple[int, ...]) -> None:
+    async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
         """Test lever (``debug_corrupt_kv``): flip bytes of the first received page."""
-        await self._run(self.inbox.corrupt, pages)
+        await self._run(self.inbox.corrupt, regions)

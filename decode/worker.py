@@ -8,11 +8,15 @@ One request (``generate``)::
 
     cached = handle.cached_prefix(prompt)                  (decode-side radix hit; side-effect free)
     uncached < local_prefill_threshold, or no prefill?  -> prefill here (handle.stream)
-    handle.reserve(req) -> Reservation(p, pages)           transfer ALLOCATED -> BOOTSTRAPPED
-    client.prefill(req, KVTransferRequest(pages), p)       TRANSFERRING ... NIXL WRITE lands
+    handle.reserve(req) -> Reservation(p, pages, regions)  transfer ALLOCATED -> BOOTSTRAPPED
+    client.prefill(req, KVTransferRequest(regions), p)     TRANSFERRING ... NIXL WRITE lands
     PrefillResult (the one completion signal)              until the deadline
     [--kv-digest: the received pages' digest must equal the result's]
     handle.activate(rid, first_token) -> stream the rest   DONE
+
+A hybrid model's reservation names more regions than "kv" (the SWA rows of the kept window,
+the working state row; decode/inbox.py); they travel in the same KVTransferRequest and the same
+WRITE, under the same ownership rules.
 
 Ownership of the reserved pages: they are freed (``handle.cancel``) only when no write into them
 can still be in flight: the prefill call returned or raised (its contract), or the prefill worker
@@ -187,7 +191,8 @@ class DecodeWorker(RoleWorker):
             tid = job.transfer_id = secrets.randbits(63)
             left = max(deadline - time.monotonic(), 0.0)
             self.transfers.add(tid, left)                                          # ALLOCATED
-            xfer = KVTransferRequest(tid, self.name, (RegionPages(REGION, res.pages),),
+            regions = res.regions or (RegionPages(REGION, res.pages),)
+            xfer = KVTransferRequest(tid, self.name, regions,
                                      deadline=time.time() + left, digest=self.kv_digest)
             self.transfers.advance(tid, TransferState.BOOTSTRAPPED)
             self._ensure_pump()
@@ -328,9 +333,10 @@ class DecodeWorker(RoleWorker):
         flight any more: the result arrived)."""
         if not self.kv_digest:
             return
+        regions = res.regions or (RegionPages(REGION, res.pages),)
         if self.debug_corrupt_kv:
-            await self.handle.corrupt_page(res.pages)
-        got = await self.handle.page_digest(res.pages)
+            await self.handle.corrupt_page(regions)
+        got = await self.handle.page_digest(regions)
         if got != result.digest:
             self.counts["digest_failures"] += 1
             self._digest_failures.inc()

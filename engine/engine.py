@@ -38,6 +38,7 @@ from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.model_runner import ModelRunner
@@ -75,7 +76,8 @@ class Engine:
                  hybrid: HybridConfig | None = None, kv_events=None, role: str = "colocated",
                  name: str | None = None):
         """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
-        pool sizes for models with sliding-window / recurrent layers (engine/hybrid.py);
+        pool sizes for models with sliding-window / recurrent layers (default
+        ``config.hybrid``; engine/hybrid.py);
         ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to.
         ``role`` ("colocated" | "prefill" | "decode") picks role defaults (the host pool size:
         engine/host_sizing.py); ``name`` labels the startup line."""
@@ -104,7 +106,8 @@ class Engine:
         # state live in engine/hybrid.py, and the KV pool is a view over the full + SWA pools.
         # FULL-only models get NO_HYBRID (no-op hooks) and the plain pool.
         self.hybrid = make_hybrid(self.loaded, cc, cfg.scheduler.chunked_prefill_size,
-                                  self.allocator, self.req_to_token, self.device, self.dtype, hybrid)
+                                  self.allocator, self.req_to_token, self.device, self.dtype,
+                                  hybrid or cfg.hybrid)
         self.kv_pool = self.hybrid.kv_pool if self.hybrid.active else KVPool(
             num_pages * cc.page_size, cc.page_size, arch.num_layers, arch.num_kv_heads,
             arch.head_dim, self.dtype, self.device)
@@ -132,24 +135,32 @@ class Engine:
         self._thread.start()
 
     def _make_cache(self):
-        """The radix cache over this engine's pools (with a host tier when configured; FULL KV
-        only, so not for hybrid models yet), or a NullCache with ``disable_prefix_cache``."""
+        """The radix cache over this engine's pools (with a host tier when configured: a host
+        pool for the full layers' KV and, for hybrid models, one per component), or a NullCache
+        with ``disable_prefix_cache``."""
         cc = self.config.cache
+        host, h = None, self.hybrid
         if cc.disable_prefix_cache:
-            return NullCache(self.allocator, self.hybrid.components)
-        host = None
-        n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size,
-                                  self.kv_pool.bytes_per_token, cc.page_size)
-        if n and self.hybrid.active:
-            n, why = 0, "off: the host tier holds FULL KV only, and this model is hybrid"
-        if n:
-            host = HostTier(self.kv_pool, n, cc.host_write_policy)
+            n, why = 0, "off: the prefix cache is disabled"
+        else:
+            # a host token also carries its SWA row (hybrid models): count both against the cap
+            bpt = self.kv_pool.bytes_per_token + (h.swa_pool.bytes_per_token
+                                                  if h.active and h.swa_pool is not None else 0)
+            n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
+                                      cc.page_size)
+        if n:   # FULL KV in a host pool, and for hybrid models one host pool per component
+            host = HostTier(h.full_pool if h.active else self.kv_pool, n, cc.host_write_policy,
+                            h.host_stores(n))
         self.host_pool_tokens = n
         mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
         self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.dtype}), device KV "
                              f"pool {self.allocator.size} tokens ({mb(self.allocator.size):.0f} MB), "
-                             f"host KV pool {n} tokens ({mb(n):.0f} MB; {why})")
+                             f"host KV pool {n} tokens ({mb(n):.0f} MB; {why}); "
+                             + components_clause(h, h.full_pool if h.active else self.kv_pool,
+                                                 self.allocator.size, cc.page_size, host))
         log.info("%s", self.startup_line)
+        if cc.disable_prefix_cache:
+            return NullCache(self.allocator, self.hybrid.components)
         return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, host=host,
                                  events=self._kv_events)
 

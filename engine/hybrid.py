@@ -36,10 +36,22 @@ Memory model
   whose length is not page-aligned still leaves a checkpoint at ``floor_page(computed_len)``.
   The tree frees a duplicate checkpoint and owns every row it keeps.
 
+Disaggregation (decode/inbox.py, prefill/outbox.py): a reservation for a KV transfer
+(``alloc(..., received=True)``) binds full slots for every position but SWA rows only for the
+positions the window-release rule would keep after a forward ending at the prompt's end
+(``keep_from(n) = floor_page(floor_page(n) - window)``, so at most ``window + 2 * page_size - 2``
+rows); :meth:`HybridResources.transfer_rows` names, on either side, the SWA rows of
+``[max(start, keep_from(n)), n)`` and the working state row: exactly what moves.
+
+Host tier: :meth:`HybridResources.host_stores` gives the cache's host tier one host pool per
+component (cache/radix/host.py), sized by ``host_swa_rows`` / ``host_state_slots``.
+
 Sizing: ``swa_pool_tokens`` defaults to the full pool's size (SWA rows never run out before full
 slots do: every row is paired with a full slot of the same owner); a smaller pool saves memory and
 must hold ``max_running_requests * (window + 2 * page_size) + chunked_prefill_size`` rows to never
-stall a prefill. ``state_slots`` defaults to ``2 * max_running_requests + 2``.
+stall a prefill. ``state_slots`` defaults to ``2 * max_running_requests + 2``. With a host tier,
+``host_swa_rows`` defaults to ``host_pool_tokens`` (a host SWA row per host FULL token) and
+``host_state_slots`` to ``state_slots``.
 """
 
 from __future__ import annotations
@@ -47,22 +59,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import HybridKVPool, KVPool
+from tandem.cache.radix.host import HostStore
 from tandem.cache.state_pool import StatePool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
+from tandem.core.config import HybridConfig   # re-exported: engine code and tests import it here
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class HybridConfig(BaseModel):
-    """Pool sizes of a hybrid model's extra pools (None: the defaults in the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
-    state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
 
 
 class NoHybrid:
@@ -76,17 +81,25 @@ class NoHybrid:
     ``claim(r, components, prefix_len) -> bool``  after the match is locked: the working state
                                                  row (the matched checkpoint copied in); False:
                                                  none free, the admission is undone
-    ``alloc(r, n, alloc_full) -> slots | None``   SWA rows for ``n`` new positions, then the full
+    ``alloc(r, n, alloc_full, received)``        SWA rows for ``n`` new positions, then the full
                                                  slots from ``alloc_full()``; bound in
-                                                 ``index_map`` (or given back on None)
+                                                 ``index_map`` (or given back on None).
+                                                 ``received``: for a KV transfer (rows of the
+                                                 kept window only)
     ``state_batch(reqs) -> (indices, pool)``     each sequence's state row for the forward
     ``advanced(r, locked_len)``                  after the forward: release SWA rows behind the
                                                  window, snapshot the state at page boundaries
     ``handover(r, locked_len, aligned, final)``  the component data ``cache(ids[:aligned])``
                                                  takes: ``{"swa": rows, "mamba": row}``
+    ``drop_range(r, start, end)``                free the rows of positions ``[start, end)``
+                                                 (never computed, or a backup's partial page)
     ``release(r, locked_len)``                   free what the request still owns
+    ``transfer_rows(r, start) -> {region: ids}``  rows a KV transfer of ``[start, n)`` moves
     ``owned(held) -> {name: rows}``              rows requests own (the ownership check)
     ===========================================  ===============================================
+
+    and, outside the request path: ``host_stores(host_tokens)`` (the host tier's component
+    pools) and ``describe()`` (pool sizes for the startup line).
     """
 
     active = False
@@ -95,12 +108,16 @@ class NoHybrid:
 
     def attach(self, cache) -> None: pass
     def claim(self, r, components: Mapping[str, Any], prefix_len: int) -> bool: return True
-    def alloc(self, r, n: int, alloc_full): return alloc_full()
+    def alloc(self, r, n: int, alloc_full, received: bool = False): return alloc_full()
     def state_batch(self, reqs) -> tuple[None, None]: return None, None
     def advanced(self, r, locked_len: int) -> None: pass
     def handover(self, r, locked_len: int, aligned: int, final: bool) -> None: return None
+    def drop_range(self, r, start: int, end: int) -> None: pass
     def release(self, r, locked_len: int) -> None: pass
+    def transfer_rows(self, r, start: int) -> dict: return {}
     def owned(self, held) -> dict: return {}
+    def host_stores(self, host_tokens: int) -> list: return []
+    def describe(self) -> dict: return {}
 
 
 NO_HYBRID = NoHybrid()
@@ -129,6 +146,7 @@ class HybridResources:
         self.r2t = req_to_token_pool
         self.device = torch.device(device)
         self.cache = None
+        self.config = config
         full_layers = [i for i, t in enumerate(types) if t == "full"]
         swa_layers = [i for i, t in enumerate(types) if t == "swa"]
         mamba_layers = [i for i, t in enumerate(types) if t == "mamba"]
@@ -205,25 +223,40 @@ class HybridResources:
         self._work[row] = slot
         return True
 
-    def alloc(self, r, n: int, alloc_full):
+    def alloc(self, r, n: int, alloc_full, received: bool = False):
         """SWA rows for ``n`` new positions (evicting the cache's unlocked SWA data when short;
         rows first: they free exactly, a half-used full page could not be given back), then the
         full slots from ``alloc_full()``, bound as ``index_map[slots] = rows``. None (nothing
-        taken) when either is short."""
+        taken) when either is short. ``received``: the positions are filled by a KV transfer,
+        not a forward: only those at or past :meth:`keep_from` of the new length get rows (the
+        rest point at the padding row and the request owns no row there)."""
         if self.swa_alloc is None:
             return alloc_full()
-        short = n - self.swa_alloc.available_size()
+        row, c = r.req_pool_idx, r.computed_len
+        skip = max(0, min(n, self.keep_from(c + n) - c)) if received else 0
+        need = n - skip
+        short = need - self.swa_alloc.available_size()
         if short > 0 and self.cache is not None:
             self.stats["swa_evicted"] += self.cache.evict(short, "swa")
-        rows = self.swa_alloc.alloc(n)
+        rows = self.swa_alloc.alloc(need)
         if rows is None:
             return None
         slots = alloc_full()
         if slots is None:
             self.swa_alloc.free(rows)
-        else:
-            self.index_map[slots.to(self.device)] = rows.to(self.device)
+            return slots
+        dev = slots.to(self.device)
+        self.index_map[dev[skip:]] = rows.to(self.device)
+        if skip:
+            self.index_map[dev[:skip]] = 0
+            self._swa_from[row] = max(self._swa_from[row], c + skip)
         return slots
+
+    def keep_from(self, n: int) -> int:
+        """First position whose SWA row a request at length ``n`` keeps (the release rule)."""
+        ps = self.page_size
+        keep = n // ps * ps - self.window
+        return keep // ps * ps if keep > 0 else 0
 
     def state_batch(self, reqs) -> tuple[torch.Tensor | None, StatePool | None]:
         """``(state_indices [B], state_pool)`` for the batch (None, None without recurrent layers)."""
@@ -237,8 +270,7 @@ class HybridResources:
         snapshot the state at a page-aligned length (track row, ``page_size > 1``)."""
         row, n, ps = r.req_pool_idx, r.computed_len, self.page_size
         if self.window is not None:
-            keep = n // ps * ps - self.window
-            new_from = keep // ps * ps if keep > 0 else 0
+            new_from = self.keep_from(n)
             lo = max(self._swa_from[row], locked_len)
             if new_from > lo:
                 rows = self.index_map[self.r2t.read(row, lo, new_from).to(self.device)]
@@ -279,6 +311,60 @@ class HybridResources:
                 out["mamba"] = slot
                 self.stats["checkpoints"] += 1
         return out or None
+
+    def drop_range(self, r, start: int, end: int) -> None:
+        """Free the SWA rows the request owns among positions ``[start, end)`` (the caller then
+        sets ``computed_len = start``): a transfer's range that never became valid KV, or the
+        partial last page of a backed-up request."""
+        row = r.req_pool_idx
+        if self.window is None:
+            return
+        lo = max(self._swa_from[row], start)
+        if end > lo:
+            self.swa_alloc.free(self.index_map[self.r2t.read(row, lo, end).to(self.device)])
+            self._swa_from[row] = min(self._swa_from[row], start)
+
+    def transfer_rows(self, r, start: int) -> dict[str, tuple[int, ...]]:
+        """What a KV transfer of positions ``[start, n)`` (``n = computed_len``) moves besides the
+        full pages, by region: ``"swa"``: the SWA rows of ``[max(start, keep_from(n)), n)`` in
+        position order (the window attention reads from ``n`` on, and the window before
+        ``floor_page(n)`` that lets the decode tree's vote accept the prompt's boundary);
+        ``"state"``: the working state row (the state after position ``n - 1``). The same call
+        names the source rows on prefill and the reserved rows on decode (same ``n``, ``start``,
+        window and page size, so the same counts)."""
+        row, n = r.req_pool_idx, r.computed_len
+        out: dict[str, tuple[int, ...]] = {}
+        if self.window is not None:
+            lo = max(start, self.keep_from(n))
+            rows = self.index_map[self.r2t.read(row, lo, n).to(self.device)] if n > lo else _EMPTY
+            out["swa"] = tuple(rows.tolist())
+        if self.state_alloc is not None:
+            out["state"] = (self._work[row],)
+        return out
+
+    def host_stores(self, host_tokens: int) -> list[HostStore]:
+        """One host pool per component for a host tier of ``host_tokens`` FULL tokens."""
+        stores = []
+        if self.swa_pool is not None:
+            rows = self.config.host_swa_rows or host_tokens
+            stores.append(HostStore("swa", self.swa_pool.kv_data, rows))
+        if self.state_pool is not None:
+            slots = self.config.host_state_slots or self.state_alloc.size
+            stores.append(HostStore("mamba", self.state_pool.data.unsqueeze(1), slots))
+        return stores
+
+    def describe(self) -> dict[str, str]:
+        """Component -> its pool, for the startup line (engine/describe.py)."""
+        out = {}
+        if self.swa_pool is not None:
+            mib = self.swa_pool.kv_data.numel() * self.swa_pool.kv_data.element_size() / 2**20
+            out["swa"] = (f"window {self.window}, {self.swa_alloc.size} rows x "
+                          f"{len(self.swa_pool.layer_ids)} layers ({mib:.1f} MiB)")
+        if self.state_pool is not None:
+            mib = self.state_pool.data.numel() * self.state_pool.data.element_size() / 2**20
+            out["mamba"] = (f"{self.state_alloc.size} state slots x {len(self.state_pool.layer_ids)} "
+                            f"layers ({self.state_pool.bytes_per_slot / 2**10:.1f} KiB/slot, {mib:.1f} MiB)")
+        return out
 
     def release(self, r, locked_len: int) -> None:
         """Free what the request still owns: SWA rows of ``[max(swa_from, locked_len),

@@ -5,12 +5,16 @@ Both sides hash the same bytes in the same order: every layer's K and V of the g
 gathered in page-list order, with BLAKE2b (16-byte digest). Prefill digests the source pages it
 writes; decode digests its destination pages once the write is done and refuses to decode on a
 mismatch (SGLang and vLLM added the same check after silent-corruption reports).
+
+Hybrid models move several regions (engine/kv_regions.py): :func:`regions_digest` hashes each
+region's rows (page rows along the region's row axis) in the transfer's region order; with only
+``kv`` it equals :func:`page_digest`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -21,17 +25,35 @@ def _rows(pages: Sequence[int], page_size: int, device) -> torch.Tensor:
     return rows.to(device)
 
 
+def _update(h, data: torch.Tensor, pages: Sequence[int], page_size: int, axis: int) -> None:
+    if len(pages):
+        part = data.index_select(axis, _rows(pages, page_size, data.device)).contiguous()
+        h.update(part.view(torch.uint8).cpu().numpy().tobytes())
+
+
 def page_digest(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> str:
     """Hex digest of ``pages`` of a ``[L, 2, rows, H_kv, D]`` pool (any dtype, any device)."""
     h = hashlib.blake2b(digest_size=16)
-    if len(pages):
-        data = kv_data.index_select(2, _rows(pages, page_size, kv_data.device)).contiguous()
-        h.update(data.view(torch.uint8).cpu().numpy().tobytes())
+    _update(h, kv_data, pages, page_size, 2)
     return h.hexdigest()
 
 
-def corrupt_page(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> None:
-    """Test lever: perturb layer 0's K of the first page (what a bad transfer would do)."""
+def regions_digest(regions: Mapping, named_pages: Sequence[tuple[str, Sequence[int]]]) -> str:
+    """Hex digest of several regions' pages: ``named_pages`` is ``[(region, pages)]`` in the
+    transfer's order; ``regions`` maps a name to its ``RegionSpec`` (engine/kv_regions.py)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, pages in named_pages:
+        spec = regions[name]
+        _update(h, spec.tensor, pages, spec.page_size, spec.slab_dims)
+    return h.hexdigest()
+
+
+def corrupt_page(data: torch.Tensor, pages: Sequence[int], page_size: int) -> None:
+    """Test lever: perturb slab 0 of the first page (layer 0's K of a ``[L, 2, rows, ...]`` pool,
+    layer 0 of a ``[L, rows, ...]`` state pool): what a bad transfer would do."""
     if len(pages):
         r = pages[0] * page_size
-        kv_data[0, 0, r:r + page_size] += 1.0
+        if data.dim() >= 4:
+            data[0, 0, r:r + page_size] += 1.0
+        else:
+            data[0, r:r + page_size] += 1.0

@@ -90,10 +90,36 @@ class RequestKV:
         self._drop_row(sr)
 
     def free_range(self, sr: SchedReq, start: int, end: int) -> None:
-        """Free the request-owned slots of positions ``[start, end)`` (a range never computed,
-        e.g. a failed transfer's pages, or the partial last page of a backed-up request)."""
+        """Free the request-owned slots (and hybrid rows) of positions ``[start, end)`` (a range
+        never computed, e.g. a failed transfer's pages, or the partial last page of a backed-up
+        request); the caller then sets ``computed_len = start``."""
         if end > start:
+            self.hybrid.drop_range(sr.req, start, end)
             self.alloc.free(self.r2t.read(sr.req.req_pool_idx, start, end))
+
+    # -- retraction backup (engine/retraction.py) -----------------------------------------------
+    def back_up(self, sr: SchedReq):
+        """Hand the request's page-aligned KV (and its component data: SWA rows, the state
+        checkpoint at the aligned length) to the cache and move the nodes only it holds to the
+        host tier; free its partial last page. Returns ``(node, device tokens freed)``: the row
+        now covers ``[0, aligned)`` locked at ``node`` (``computed_len == locked_len``)."""
+        r = sr.req
+        n, locked = r.computed_len, sr.locked_len
+        aligned = n // self.page_size * self.page_size
+        node, freed = self.cache.host.backup(
+            r.all_ids[:aligned], self.r2t.read(r.req_pool_idx, 0, aligned), r.last_node,
+            extra=lambda: self.hybrid.handover(r, locked, aligned, True), session_id=r.session_id)
+        r.last_node, sr.locked_len = node, max(aligned, locked)   # the tree owns [0, aligned) now
+        self.free_range(sr, sr.locked_len, n)       # the partial last page: recomputed on restore
+        r.computed_len = sr.locked_len
+        return node, freed
+
+    def drop_backed_up(self, sr: SchedReq) -> None:
+        """Free the row of a backed-up request (its backup keeps the node locked, not the row)."""
+        r = sr.req
+        r.last_node = None
+        self.hybrid.release(r, sr.locked_len)
+        self._drop_row(sr)
 
     def _drop_row(self, sr: SchedReq) -> None:
         r = sr.req
@@ -103,16 +129,17 @@ class RequestKV:
         self.holders.pop(r.rid, None)
 
     # -- growing ---------------------------------------------------------------------------------
-    def extend(self, sr: SchedReq, n: int) -> torch.Tensor | None:
+    def extend(self, sr: SchedReq, n: int, received: bool = False) -> torch.Tensor | None:
         """Slots ``[n]`` for positions ``[computed_len, computed_len + n)`` (not yet written to
-        the row), evicting unlocked cache when short; None when there is no room."""
+        the row), evicting unlocked cache when short; None when there is no room. ``received``:
+        a KV transfer fills them (hybrid: SWA rows only for the window decode keeps)."""
         r = sr.req
         need = n + self.page_size  # a page of slack for the partial-page rounding
         if self.alloc.available_size() < need:
             self.stats["evicted_tokens"] += self.cache.evict(need - self.alloc.available_size())
         c = r.computed_len
         last_loc = int(self.r2t.req_to_token[r.req_pool_idx, c - 1]) if c else -1
-        return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n))
+        return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n), received)
 
     def cache_prefix(self, sr: SchedReq, final: bool = False) -> None:
         """Hand the page-aligned computed prefix to the cache and adopt its canonical slots (the
@@ -152,6 +179,11 @@ class RequestKV:
             raise AssertionError(f"{sr.rid}: position {start} maps to slot {int(slots[0])}, "
                                  f"not a page start (page_size {self.page_size})")
         return pages_of(slots, self.page_size)
+
+    def transfer_rows(self, sr: SchedReq, start: int) -> dict[str, tuple[int, ...]]:
+        """Hybrid rows a KV transfer of positions ``[start, computed_len)`` moves besides the full
+        pages (``{"swa": rows, "state": (row,)}``; empty for FULL-only models)."""
+        return self.hybrid.transfer_rows(sr.req, start)
 
     def room(self) -> int:
         """Tokens that could be allocated now (free + evictable cache)."""

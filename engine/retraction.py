@@ -5,11 +5,17 @@ SGLang's order of choices, with its failure modes designed out (ANCHORS.md secti
 1. **victim** (:func:`pick_victim`): fewest generated tokens, ties to the longest prompt
    (``default``), or requests of the least recently active sessions first (``session``);
 2. **backup**: with a host tier the victim's KV is handed to the cache and the nodes only it
-   holds move to the host (``cache.host.backup``); they stay locked by the retraction (never
-   evicted from the host) and the request waits in :attr:`Retraction.retracted`;
+   holds move to the host (``cache.host.backup``); hybrid models hand over their SWA rows and a
+   state checkpoint at the aligned length with it, which go to the components' host pools; they
+   stay locked by the retraction (never evicted from the host) and the request waits in
+   :attr:`Retraction.retracted`;
 3. **restore** when room frees (its whole KV plus a page of headroom, counting evictable cache):
    a normal admission whose match loads the host-only prefix back (at most the last partial page
-   is recomputed); the retraction's own host lock is dropped once the admission's lock holds;
+   is recomputed; hybrid: the match's vote needs the window's SWA rows and the checkpoint on
+   the host, and the claim copies the restored checkpoint into a working row; without a
+   checkpoint at the aligned length -- ``page_size > 1`` right after an unaligned prompt -- the
+   vote falls back to an earlier one and the rest is recomputed); the retraction's own host lock
+   is dropped once the admission's lock holds;
 4. **recompute** when there is no host tier, or the host is full even after host eviction: the
    KV goes to the device cache unlocked and the request is re-prefilled from its tokens (what
    survives in the cache is reused) -- it re-enters the waiting queue first in line;
@@ -81,22 +87,15 @@ class Retraction:
 
     def _backup(self, sr: SchedReq) -> bool:
         r, kv = sr.req, self.kv
-        n = r.computed_len
-        aligned = n // kv.page_size * kv.page_size
         t0 = time.perf_counter()
-        node, freed = kv.cache.host.backup(r.all_ids[:aligned], kv.r2t.read(r.req_pool_idx, 0, aligned),
-                                           r.last_node, session_id=r.session_id)
-        r.last_node, sr.locked_len = node, aligned   # the tree owns [0, aligned) now
-        kv.free_range(sr, aligned, n)                # the partial last page: recomputed on restore
-        r.computed_len = aligned
+        node, freed = kv.back_up(sr)
         if not kv.cache.host.host_only(node):
             # Nothing moved (the host is full even after host eviction): the KV stays as device
             # cache, unlocked, and the request will be re-prefilled.
             kv.release(sr)
             return False
         self.backups[r.rid] = node
-        r.last_node = None                           # the backup's lock, not the row's
-        kv._drop_row(sr)
+        kv.drop_backed_up(sr)                        # the backup's lock, not the row's
         self.stats["backup_tokens"] += freed
         self.stats["backup_seconds"] += time.perf_counter() - t0
         return True

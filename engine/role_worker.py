@@ -2,7 +2,8 @@
 
 Each owns an :class:`~tandem.engine.engine.Engine` reached only through its role's handle
 (``PrefillHandle`` / ``DecodeHandle``, subclasses of :class:`EngineHandle`), a NIXL
-:class:`KVTransferAgent` over the engine's KV pool (one region, ``"kv"``), a registry of live
+:class:`KVTransferAgent` over the engine's pools (engine/kv_regions.py: ``"kv"``, and for hybrid
+models ``"swa"`` and ``"state"``), a registry of live
 transfers, its own Prometheus registry, and plain counters. Methods run on one asyncio loop
 (the agent is not thread-safe). The Ray shells (``*/actor.py``) share :class:`RoleActorMixin`.
 
@@ -15,11 +16,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.engine.handle import EngineHandle
+from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
 from tandem.transfer.state import TransferRegistry
 
-REGION = "kv"
+REGION = KV
 
 
 class RoleWorker:
@@ -34,8 +36,9 @@ class RoleWorker:
         self.transfer_timeout_s = transfer_timeout_s
         if agent_opts is None:   # the config's agent options (EngineConfig.transfer)
             agent_opts = engine.config.transfer.model_dump()
-        self.agent = KVTransferAgent(name, [Region.of(REGION, engine.kv_pool.kv_data, self.page_size)],
-                                     **agent_opts)
+        self.regions = kv_regions(engine)   # name -> RegionSpec
+        self.agent = KVTransferAgent(name, [Region.of(n, r.tensor, r.page_size, r.slab_dims)
+                                            for n, r in self.regions.items()], **agent_opts)
         self.transfers = TransferRegistry()
         self.counts: dict[str, int] = {}
         self.metrics = CollectorRegistry()
@@ -101,7 +104,8 @@ class RoleActorMixin:
         w, e = self.worker, self.worker.engine
         return {"name": w.name, "role": w.role, "model_name": e.model_name,
                 "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
-                "page_size": w.page_size, "device": str(e.device), **self._extra_info()}
+                "page_size": w.page_size, "device": str(e.device),
+                "regions": sorted(w.regions), **self._extra_info()}
 
     def _extra_info(self) -> dict:
         return {}

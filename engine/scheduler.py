@@ -270,7 +270,7 @@ class Scheduler:
         if not self._admit(sr, running=False):
             return None
         n = req.seq_len - req.computed_len
-        slots = self.kv.extend(sr, n)
+        slots = self.kv.extend(sr, n, received=True)   # hybrid: SWA rows of the kept window only
         if slots is None:
             self._unadmit(sr, requeue=False)
             return None

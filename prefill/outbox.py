@@ -4,17 +4,21 @@
 request that finishes normally (its one sampled token) keeps its row and locked KV here instead
 of releasing it. :class:`PrefillHandle` is how the prefill worker reaches it:
 
-    held_pages(rid, start) -> HeldKV    page ids of positions [start, len(prompt)) and usage
+    held_pages(rid, start) -> HeldKV    page ids of positions [start, len(prompt)) and usage;
+                                        hybrid models: the SWA rows of the window decode keeps
+                                        past ``start`` and the working state row (the state at
+                                        the prompt's end), engine/hybrid.py ``transfer_rows``
     release_held(rid)                   the KV was sent (or the send failed): cache / free it
-    page_digest(pages) -> str           digest of pages about to be sent (``--kv-digest``)
+    page_digest(regions) -> str         digest of the regions' pages about to be sent
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.handle import EngineHandle
-from tandem.engine.kv_digest import page_digest
+from tandem.engine.kv_digest import regions_digest
+from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.sched_types import SchedReq
 
 
@@ -22,13 +26,19 @@ from tandem.engine.sched_types import SchedReq
 class HeldKV:
     pages: tuple[int, ...]      # source page ids of positions [start, len(prompt))
     cached_tokens: int          # prompt tokens this worker's prefix cache served
+    rows: dict[str, tuple[int, ...]] = field(default_factory=dict)   # hybrid: "swa", "state"
+
+    def source(self, region: str) -> tuple[int, ...]:
+        """Source ids of ``region`` ("kv": the pages)."""
+        return self.pages if region == KV else self.rows[region]
 
 
 class PrefillOutbox:
     """Engine thread only. ``held``: finished requests whose KV waits to be sent."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, regions: dict | None = None):
         self.sched = scheduler
+        self.regions = regions if regions is not None else {}   # name -> RegionSpec
         self.held: dict[str, SchedReq] = {}
         scheduler.on_finish = self.hold
 
@@ -37,22 +47,23 @@ class PrefillOutbox:
         return True
 
     def held_pages(self, rid: str, start: int) -> HeldKV:
-        sr = self.held[rid]
-        return HeldKV(self.sched.kv.pages(sr, start, len(sr.req.prompt_ids)), sr.req.cached_len)
+        sr, kv = self.held[rid], self.sched.kv
+        return HeldKV(kv.pages(sr, start, len(sr.req.prompt_ids)), sr.req.cached_len,
+                      kv.transfer_rows(sr, start))
 
     def release(self, rid: str) -> None:
         sr = self.held.pop(rid, None)
         if sr is not None:
             self.sched.kv.release(sr)
 
-    def digest(self, pages: tuple[int, ...]) -> str:
-        return page_digest(self.sched.kv.kv_pool.kv_data, pages, self.sched.kv.page_size)
+    def digest(self, named_pages: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
+        return regions_digest(self.regions, named_pages)
 
 
 class PrefillHandle(EngineHandle):
     def __init__(self, engine):
         super().__init__(engine)
-        self.outbox = PrefillOutbox(engine.scheduler)   # before any request is submitted
+        self.outbox = PrefillOutbox(engine.scheduler, kv_regions(engine))   # before any request
 
     async def held_pages(self, rid: str, start: int) -> HeldKV:
         return await self._run(self.outbox.held_pages, rid, start)
@@ -60,5 +71,6 @@ class PrefillHandle(EngineHandle):
     async def release_held(self, rid: str) -> None:
         await self._run(self.outbox.release, rid)
 
-    async def page_digest(self, pages: tuple[int, ...]) -> str:
-        return await self._run(self.outbox.digest, pages)
+    async def page_digest(self, named_pages: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
+        """Digest of ``[(region, source ids)]`` in the transfer's region order."""
+        return await self._run(self.outbox.digest, named_pages)

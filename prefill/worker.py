@@ -13,7 +13,10 @@ One request (``prefill``), push model as in SGLang PD::
                          <── PrefillResult ─── poll until DONE/FAILED, then release_held
 
 Positions are page-aligned identically on both sides (same page_size; ``p`` is a multiple of it),
-so source page ``i`` of the range goes to destination page ``i``.
+so source page ``i`` of the range goes to destination page ``i``. Hybrid models' requests name
+the "swa" and "state" regions too: the SWA rows of the window decode keeps past ``p`` and the
+state row at the prompt's end (prefill/outbox.py), written in the same WRITE; the counts must
+match the request's or nothing is sent.
 
 Contract of :meth:`PrefillWorker.prefill` (decode relies on it to free pages safely): it returns
 (or raises) only when no WRITE of this transfer can still be in flight. The one exception is a
@@ -169,23 +172,29 @@ class PrefillWorker(RoleWorker):
                 return out.fail(job.aborted, TransferState.ABORTED)
             held = await self.handle.held_pages(rid, start)
             out.f["cached_tokens"] = held.cached_tokens
+            bad = [f"{n}: {len(held.source(n))} held, {len(req.pages(n))} reserved"
+                   for n in req.regions if len(held.source(n)) != len(req.pages(n))]
+            if bad:   # the two workers disagree on the window / page size: send nothing
+                self.transfers.fail(tid, "region sizes differ")
+                return out.fail(f"transfer {tid}: source and destination sizes differ ({'; '.join(bad)})")
             if req.digest:
-                out.f["digest"] = await self.handle.page_digest(held.pages)
-            return await self._write(job, req, held.pages, out)
+                out.f["digest"] = await self.handle.page_digest(
+                    tuple((n, held.source(n)) for n in req.regions))
+            return await self._write(job, req, held, out)
         finally:
             await self.handle.release_held(rid)
 
-    async def _write(self, job: _Job, req: KVTransferRequest, src: tuple[int, ...],
-                     out: _Result) -> PrefillResult:
+    async def _write(self, job: _Job, req: KVTransferRequest, held, out: _Result) -> PrefillResult:
         tid = job.transfer_id
-        dst = list(req.pages(REGION))
+        pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
+        src = held.pages
         self.transfers.advance(tid, TransferState.TRANSFERRING)
         t0 = time.monotonic()
         # The agent's own deadline is far away: only a transport error or completion ends the
         # write, so "not TRANSFERRING" really means "not in flight" (see the module contract).
         limit = self.transfer_timeout_s * IN_FLIGHT_LIMIT
         try:
-            h = self.agent.write_pages(req.agent_name, REGION, list(src), dst, timeout_s=limit * 2)
+            h = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
         except (KeyError, ValueError) as e:  # unknown peer, bad pages: nothing was posted
             self.transfers.fail(tid, str(e))
             return out.fail(f"transfer {tid} not posted: {e}")
@@ -234,10 +243,11 @@ class PrefillWorker(RoleWorker):
         n, ps = len(greq.prompt_ids), self.page_size
         if not 0 <= start < n or start % ps:
             return f"dst_prefix_len={start} must be a multiple of page_size={ps} below the prompt length {n}"
-        if req.regions != (REGION,):
-            return f"transfer {req.transfer_id} names regions {list(req.regions)}, this worker sends only {REGION!r}"
+        if set(req.regions) != set(self.regions):
+            return (f"transfer {req.transfer_id} names regions {list(req.regions)}, this worker "
+                    f"sends {sorted(self.regions)}")
         need = -(-(n - start) // ps)
-        if len(req.pages(REGION)) != need:
+        if REGION in self.regions and len(req.pages(REGION)) != need:
             return (f"transfer {req.transfer_id}: positions [{start}, {n}) need {need} pages of "
                     f"{ps}, got {len(req.pages(REGION))}")
         if req.agent_name not in self.agent.peers:

@@ -5,8 +5,9 @@ path. Auxiliary components keep their own data per node (``node.aux[index]``, No
 and decide through six hooks:
 
 ======================  ======================================================================
-``validator()``          a fresh per-match vote: ``accept(node) -> bool``, fed every matched node
+``validator(host)``      a fresh per-match vote: ``accept(node) -> bool``, fed every matched node
                          in path order. The match ends at the deepest node all components accept.
+                         ``host=True``: data on the host tier counts too (the restore anchor).
 ``finalize(nodes)``      what the engine needs about the accepted device path
                          (``MatchResult.components[name]``)
 ``reconcile(...)``       an insert passes over a node: keep which data, free which
@@ -16,7 +17,12 @@ and decide through six hooks:
 ======================  ======================================================================
 
 plus one number, ``lock_span``: a request's lock covers the nodes intersecting the last
-``lock_span`` tokens of its path (SWA: the window; MAMBA: the checkpoint node only).
+``lock_span`` tokens of its path (SWA: the window; MAMBA: the checkpoint node only); the same
+span is what a load-back from the host tier brings to the device. And ``bind(node, value)``:
+device data was placed on ``node`` by a load-back (SWA rewrites ``index_map``).
+
+Host tier: a node's host copy of component data is ``node.aux_host[index]`` (same format, in the
+component's host pool; see cache/radix/host.py). It needs the node's FULL host copy.
 
 Memory model (see cache/README.md):
 - SWA data: int64 rows ``[len(key)]`` of a separate SWA KV pool with its own allocator, ``-1``
@@ -67,8 +73,19 @@ class TreeComponent:
     def __init__(self, allocator=None):
         self.allocator = allocator              # a PagedAllocator, or None (simulated mode)
 
-    def validator(self) -> Callable[[Any], bool]:
+    def validator(self, host: bool = False) -> Callable[[Any], bool]:
         raise NotImplementedError
+
+    def has(self, host: bool) -> Callable[[Any], bool]:
+        """``node -> bool``: the node has this component's data (on the device; or on either
+        tier when ``host``)."""
+        i = self.index
+        if host:
+            return lambda nd: nd.aux[i] is not None or nd.aux_host[i] is not None
+        return lambda nd: nd.aux[i] is not None
+
+    def bind(self, node, value: Any) -> None:
+        """``value`` (device data) was placed on ``node`` by a load-back from the host."""
 
     def finalize(self, nodes: list) -> Any:
         raise NotImplementedError
@@ -109,13 +126,13 @@ class SWA(TreeComponent):
         self.lock_span = window
         self.index_map = index_map              # engine's full slot -> SWA row table, or None
 
-    def validator(self):
-        i, window = self.index, self.window
+    def validator(self, host: bool = False):
+        window, has = self.window, self.has(host)
         run, from_root = 0, True                # SWA tokens contiguous up to here; all so far?
 
         def accept(node) -> bool:
             nonlocal run, from_root
-            if node.aux[i] is not None:
+            if has(node):
                 run += len(node.key)
             else:
                 run, from_root = 0, False
@@ -141,12 +158,16 @@ class SWA(TreeComponent):
                 rest = part[part >= 0]
                 return None, (rest if len(rest) else None)
             part = part.clone()
-            if self.index_map is not None and isinstance(node.value, torch.Tensor):
-                # The node's full slots now reach these rows (they may differ from the slots the
-                # caller computed them under, which the caller frees as duplicates).
-                self.index_map[node.value.to(self.index_map.device)] = part.to(self.index_map.device)
+            # The node's full slots now reach these rows (they may differ from the slots the
+            # caller computed them under, which the caller frees as duplicates).
+            self.bind(node, part)
             return part, None
         return (current if current is not None else part), None
+
+    def bind(self, node, value) -> None:
+        """Point the node's full slots at SWA rows ``value`` (``index_map[node.value] = value``)."""
+        if self.index_map is not None and isinstance(node.value, torch.Tensor):
+            self.index_map[node.value.to(self.index_map.device)] = value.to(self.index_map.device)
 
     def split(self, value, m):
         if isinstance(value, torch.Tensor):
@@ -171,9 +192,8 @@ class Mamba(TreeComponent):
     lock_span = 1                               # only the node itself
     per_token = False
 
-    def validator(self):
-        i = self.index
-        return lambda node: node.aux[i] is not None
+    def validator(self, host: bool = False):
+        return self.has(host)
 
     def finalize(self, nodes):
         return StateCopy(int(nodes[-1].aux[self.index])) if nodes else None

@@ -1,14 +1,24 @@
 """Host tier (L2): a host KV pool mirroring the device pool's layout, its allocator, a copier,
-and the cache's collaborator for moving requests' KV to the host and back.
+one :class:`HostStore` per auxiliary component (SWA rows, recurrent-state checkpoints), and the
+cache's collaborator for moving requests' KV to the host and back.
+
+Same-name transfer (HiCache): a node's component data travels with its FULL pages. Whenever a
+node's FULL KV is copied to the host, each component's device data on that node is copied into
+that component's host pool (``node.aux_host[i]``); a load-back brings FULL KV back for host-only
+nodes and, for each component, the data of the nodes its ``lock_span`` covers below the restored
+boundary (SWA: the window; MAMBA: the checkpoint), which is exactly what the component's vote
+and the request's lock need. A component whose host pool is full (after evicting unlocked host
+copies) leaves that node without a host copy of its data: the node still serves the FULL vote.
 
 The tree decides which nodes live where (device, host, both); :class:`UnifiedRadixCache`
 executes through this object: it allocates host slots, asks the copier to move bytes, frees.
 A :class:`HostTier` is bound to exactly one cache (``cache.host``); its verbs:
 
-- ``backup(ids, slots, node)``: retraction — hand the request's KV to the tree, then move the
-  nodes only that request holds to the host (device slots freed); the node stays locked;
+- ``backup(ids, slots, node, extra=)``: retraction — hand the request's KV (and its component
+  data, ``extra`` as for ``cache.cache``) to the tree, then move the nodes only that request holds
+  to the host (device slots and component rows freed); the node stays locked;
 - ``restore(node)``: bring the host-only nodes on root..node back to the device (load-back);
-- ``used()``: tokens with a host copy.
+- ``used()``: tokens with a host copy; ``usage()``: per pool ``(used, size)``.
 
 Write policies:
 - ``write_through``: a node is copied to the host when it is inserted; evicting it from the
@@ -20,7 +30,7 @@ Either way, a device eviction backs up a node that has no host copy yet if the h
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -62,7 +72,8 @@ def _copy_runs(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
         dst[:, :, d0:d0 + e - b].copy_(src[:, :, s0:s0 + e - b])
 
 class KVCopier:
-    """Moves K/V between ``device_pool`` and ``host_pool`` (same layout, all layers at once).
+    """Moves rows between ``dev_data`` and ``host_data`` (``[L, K, rows, ...]``, the same but
+    for ``rows``; all layers and kinds at once), e.g. a KV pool's ``kv_data`` ``[L, 2, rows, H, D]``.
 
     On the CPU both copies are plain indexed copies. On CUDA they run on a side stream ordered
     after the work already queued on the compute stream: a D2H copy gathers on the GPU and lands
@@ -72,22 +83,23 @@ class KVCopier:
     :meth:`synchronize` before it frees device or host slots a copy may still touch.
     """
 
-    def __init__(self, device_pool: KVPool, host_pool: KVPool):
-        self.dev = device_pool
-        self.host = host_pool
-        self.cuda = device_pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
+    def __init__(self, dev_data: torch.Tensor, host_data: torch.Tensor):
+        self.dev_data = dev_data
+        self.host_data = host_data
+        self.device = dev_data.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list = []                # (event, staging, host_slots) of D2H copies
         self._inflight: list = []               # (event, staging) of H2D copies
 
     def to_host(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         if not self.cuda:
-            _copy_runs(self.host.kv_data, host_slots, self.dev.kv_data, dev_slots)
+            _copy_runs(self.host_data, host_slots, self.dev_data, dev_slots)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # KV is written
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # KV is written
         with torch.cuda.stream(self.stream):
-            idx = dev_slots.to(self.dev.device, non_blocking=True)
-            gathered = self.dev.kv_data[:, :, idx]                  # [L, 2, n, H, D] on the GPU
+            idx = dev_slots.to(self.device, non_blocking=True)
+            gathered = self.dev_data[:, :, idx]                  # [L, 2, n, H, D] on the GPU
             staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             staging.copy_(gathered, non_blocking=True)
             event = torch.cuda.Event()
@@ -96,23 +108,23 @@ class KVCopier:
 
     def to_device(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None:
         if not self.cuda:
-            _copy_runs(self.dev.kv_data, dev_slots, self.host.kv_data, host_slots)
+            _copy_runs(self.dev_data, dev_slots, self.host_data, host_slots)
             return
         self._flush_host()                      # a load may read what a write-through wrote
-        staging = self.host.kv_data[:, :, host_slots].pin_memory()
-        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))  # slots are idle
+        staging = self.host_data[:, :, host_slots].pin_memory()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # slots are idle
         with torch.cuda.stream(self.stream):
-            data = staging.to(self.dev.device, non_blocking=True)
-            self.dev.kv_data[:, :, dev_slots.to(self.dev.device, non_blocking=True)] = data
+            data = staging.to(self.device, non_blocking=True)
+            self.dev_data[:, :, dev_slots.to(self.device, non_blocking=True)] = data
             event = torch.cuda.Event()
             event.record(self.stream)
-        torch.cuda.current_stream(self.dev.device).wait_event(event)
+        torch.cuda.current_stream(self.device).wait_event(event)
         self._inflight.append((event, staging))
 
     def _flush_host(self) -> None:
         for event, staging, host_slots, _ in self._pending:
             event.synchronize()
-            self.host.kv_data[:, :, host_slots] = staging
+            self.host_data[:, :, host_slots] = staging
         self._pending.clear()
 
     def poll(self) -> None:
@@ -121,7 +133,7 @@ class KVCopier:
             return
         while self._pending and self._pending[0][0].query():     # in issue order
             _, staging, host_slots, _ = self._pending.pop(0)
-            self.host.kv_data[:, :, host_slots] = staging
+            self.host_data[:, :, host_slots] = staging
         self._inflight = [x for x in self._inflight if not x[0].query()]
 
     def synchronize(self) -> None:
@@ -134,11 +146,43 @@ class KVCopier:
         self._inflight.clear()
 
 
+class HostStore:
+    """Host pool of one auxiliary component: ``rows`` host rows (row 0 padding) shaped like the
+    device pool's, a ``PagedAllocator(rows, 1)`` and a copier.
+
+    ``device_data``: the component's device pool as ``[L, K, rows, ...]`` (an SWA KV pool's
+    ``kv_data``; a state pool's ``data.unsqueeze(1)``: ``[L, 1, slots + 1, *state_shape]``).
+    ``name``: the component it serves (``"swa"``, ``"mamba"``)."""
+
+    def __init__(self, name: str, device_data: torch.Tensor, rows: int):
+        if rows < 1:
+            raise ValueError(f"host store {name!r}: rows={rows} must be >= 1")
+        self.name = name
+        shape = list(device_data.shape)
+        shape[2] = rows + 1
+        self.data = torch.zeros(shape, dtype=device_data.dtype, device="cpu",
+                                pin_memory=device_data.device.type == "cuda")
+        self.allocator = PagedAllocator(rows, 1)
+        self.copier = KVCopier(device_data, self.data)
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+
+def _as_rows(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.int64)
+    return torch.tensor([int(value)], dtype=torch.int64)
+
+
 class HostTier:
     """A host KV pool (``host_pool_tokens`` slots, pinned where CUDA exists), its allocator,
-    the copier and the write policy."""
+    the copier, the write policy, and a :class:`HostStore` per auxiliary component named in
+    ``stores`` (components without one never get host copies: host-only nodes fail their vote)."""
 
-    def __init__(self, device_pool: KVPool, num_tokens: int, write_policy: str = "write_through"):
+    def __init__(self, device_pool: KVPool, num_tokens: int, write_policy: str = "write_through",
+                 stores: Sequence[HostStore] = ()):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown host write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
         ps = device_pool.page_size
@@ -151,7 +195,11 @@ class HostTier:
                            device_pool.head_dim, dtype=device_pool.dtype, device="cpu",
                            layer_ids=device_pool.layer_ids, pin_memory=True)
         self.allocator = PagedAllocator(num_pages, ps)
-        self.copier = KVCopier(device_pool, self.pool)
+        self.copier = KVCopier(device_pool.kv_data, self.pool.kv_data)
+        self.stores: dict[str, HostStore] = {st.name: st for st in stores}
+        if len(self.stores) != len(stores):
+            raise ValueError(f"host stores repeat a name: {[st.name for st in stores]}")
+        self._aux: list[tuple[int, Any, HostStore]] = []   # (component index, component, store)
 
     @property
     def write_through(self) -> bool:
@@ -164,43 +212,97 @@ class HostTier:
         """Attach to the one cache whose nodes this tier holds (called by the cache)."""
         if getattr(self, "_cache", None) is not None and self._cache is not cache:
             raise ValueError("a HostTier serves one cache")
+        comps = {c.name: (i, c) for i, c in enumerate(cache._tree.components)}
+        unknown = set(self.stores) - set(comps)
+        if unknown:
+            raise ValueError(f"host stores {sorted(unknown)} name no component of the cache "
+                             f"({sorted(comps)})")
         self._cache = cache
+        self._aux = [(*comps[name], st) for name, st in self.stores.items()]
 
     def used(self) -> int:
         """Tokens with a host copy."""
         return self._cache._tree.host_size
 
-    def copy_node(self, nd) -> bool:
-        """Copy ``nd``'s device KV to new host slots (evicting unlocked host copies if short).
-        False when the host has no room."""
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """``{"full": (tokens with a host copy, host pool tokens), name: (rows used, rows)}``."""
         t = self._cache._tree
-        if self.allocator.available_size() < len(nd.key):
-            t.evict_host(len(nd.key) - self.allocator.available_size())
+        out = {"full": (t.host_size, self.allocator.size)}
+        for i, _, st in self._aux:
+            out[st.name] = (t.aux_host_size[i], st.allocator.size)
+        return out
+
+    def synchronize(self) -> None:
+        """Finish every copy issued so far (before device or host rows are freed)."""
+        self.copier.synchronize()
+        for _, _, st in self._aux:
+            st.copier.synchronize()
+
+    def poll(self) -> None:
+        self.copier.poll()
+        for _, _, st in self._aux:
+            st.copier.poll()
+
+    def copy_node(self, nd) -> bool:
+        """Copy what ``nd`` has on the device and not yet on the host to new host slots: its
+        FULL KV, then each component's data (same-name transfer), evicting unlocked host copies
+        when short. True when ``nd`` has its FULL host copy afterwards (False: no room)."""
+        t = self._cache._tree
+        if nd.host is None:
+            if self.allocator.available_size() < len(nd.key):
+                t.evict_host(len(nd.key) - self.allocator.available_size())
+                self._cache._free_host()
+            host_slots = self.allocator.alloc(len(nd.key))
+            if host_slots is None:
+                return False
+            self.copier.to_host(nd.value, host_slots)
+            t.set_host(nd, host_slots)
+        for i, c, st in self._aux:
+            if nd.aux[i] is not None and nd.aux_host[i] is None:
+                self._copy_aux(nd, i, c, st)
+        return True
+
+    def copy_aux(self, nd, i: int) -> None:
+        """Before component ``i``'s device data on ``nd`` is dropped (a component eviction):
+        copy it to the host if ``nd`` has a FULL host copy and the component a host store."""
+        if nd.host is None or nd.aux_host[i] is not None:
+            return
+        for j, c, st in self._aux:
+            if j == i:
+                self._copy_aux(nd, i, c, st)
+
+    def _copy_aux(self, nd, i: int, c, st: HostStore) -> bool:
+        t = self._cache._tree
+        v = nd.aux[i]
+        n = c.size(v)
+        if st.allocator.available_size() < n:
+            t.evict_host_aux(i, n - st.allocator.available_size())
             self._cache._free_host()
-        host_slots = self.allocator.alloc(len(nd.key))
-        if host_slots is None:
+        rows = st.allocator.alloc(n)
+        if rows is None:
             return False
-        self.copier.to_host(nd.value, host_slots)
-        t.set_host(nd, host_slots)
+        st.copier.to_host(_as_rows(v), rows)
+        t.set_aux_host(nd, i, rows if c.per_token else int(rows[0]))
         return True
 
     def backup(self, token_ids: Sequence[int], slots: torch.Tensor, last_node, *,
+               extra: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
                session_id: Hashable | None = None) -> tuple[Any, int]:
         """Retraction: move a request's KV to the host tier and free its device slots.
 
         Like ``cache.cache`` (the lock moves from ``last_node`` to the returned node), then the
-        nodes only this request holds are copied to the host and dropped from the device,
-        bottom-up. Returns ``(node, device tokens freed)``; ``node`` stays locked (host copies
+        nodes only this request holds are copied to the host (with their component data) and
+        dropped from the device, bottom-up. ``extra``: component data, as for ``cache.cache``. Returns ``(node, device tokens freed)``; ``node`` stays locked (host copies
         are not evicted) until the caller's ``cache.unlock``. Restore with ``cache.match`` +
         :meth:`restore` of its ``best_match_node``. ``freed == 0`` with ``node`` still on the
         device means nothing could move (the host is full)."""
         c = self._cache
-        _, node = c.cache(token_ids, slots, last_node, session_id=session_id)
+        _, node = c.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
         t = c._tree
         freed = 0
         nd = node
         while nd is not t.root and nd.lock_ref == 1 and nd.value is not None and nd.ndc == 0:
-            if nd.host is None and not self.copy_node(nd):
+            if not self.copy_node(nd):
                 break
             freed += t.drop_device(nd)
             nd = nd.parent
@@ -209,35 +311,72 @@ class HostTier:
 
     def restore(self, node) -> torch.Tensor | None:
         """Bring the host-only nodes on root..``node`` back to the device (evicting device cache
-        if short). Returns the device slots of the whole path, or None when the device has no
-        room. Does not lock ``node``."""
+        if short), then each component's data for the nodes its ``lock_span`` covers below
+        ``node.end`` that have it only on the host. Returns the device slots of the whole path,
+        or None when the device has no room for the FULL KV (a component without room stays
+        a tombstone there). Does not lock ``node``."""
         c = self._cache
         t = c._tree
         if node.parent is None and node is not t.root:
             raise ValueError(f"restore({node}): the node is not in the tree")
-        todo = [nd for nd in t.path(node) if nd.value is None]
-        if todo:
-            need = sum(len(nd.key) for nd in todo)
-            t.lock(node, +1)                    # keep the path while making room
-            alloc = c.allocator
-            if alloc.available_size() < need:
-                c._evict_device(need - alloc.available_size())
-                c._free_device()
-            slots = alloc.alloc(need)
+        path = t.path(node)
+        todo = [nd for nd in path if nd.value is None]
+        t.lock(node, +1)                        # keep the path while making room
+        try:
+            if todo:
+                need = sum(len(nd.key) for nd in todo)
+                alloc = c.allocator
+                if alloc.available_size() < need:
+                    c._evict_device(need - alloc.available_size())
+                    c._free_device()
+                slots = alloc.alloc(need)
+                if slots is None:
+                    return None
+                self.copier.to_device(torch.cat([nd.host for nd in todo]), slots)
+                off = 0
+                for nd in todo:
+                    t.set_device(nd, slots[off:off + len(nd.key)])
+                    off += len(nd.key)
+            for i, comp, st in self._aux:
+                self._restore_aux(path, i, comp, st)
+        finally:
             t.lock(node, -1)
-            if slots is None:
-                c._after()
-                return None
-            self.copier.to_device(torch.cat([nd.host for nd in todo]), slots)
-            off = 0
-            for nd in todo:
-                t.set_device(nd, slots[off:off + len(nd.key)])
-                off += len(nd.key)
-        indices = concat_values([nd.value for nd in t.path(node)])
-        c._after()
-        return indices
+            c._after()
+        return concat_values([nd.value for nd in path])
+
+    def _restore_aux(self, path: list, i: int, comp, st: HostStore) -> None:
+        """Component ``i``'s host data back to the device for the path's last ``lock_span``
+        tokens (device rows from the component's allocator, evicting unlocked device data)."""
+        if not path:
+            return
+        t, floor = self._cache._tree, path[-1].end - comp.lock_span
+        todo = []
+        for nd in reversed(path):
+            if nd.end <= floor:
+                break
+            if nd.aux[i] is None and nd.aux_host[i] is not None:
+                todo.append(nd)
+        if not todo:
+            return
+        todo.reverse()
+        sizes = [comp.size(nd.aux_host[i]) for nd in todo]
+        alloc = comp.allocator
+        if alloc.available_size() < sum(sizes):
+            t.evict_aux(i, sum(sizes) - alloc.available_size(), backup=self.copy_aux)
+            self._cache._free_aux()
+        rows = alloc.alloc(sum(sizes))
+        if rows is None:
+            return
+        st.copier.to_device(torch.cat([_as_rows(nd.aux_host[i]) for nd in todo]), rows)
+        off = 0
+        for nd, n in zip(todo, sizes):
+            part = rows[off:off + n]
+            off += n
+            value = part.clone() if comp.per_token else int(part[0])
+            t._set_aux(nd, i, value)
+            comp.bind(nd, value)
 
     @staticmethod
     def host_only(node) -> bool:
-        """True when ``node``'s KV is on the host and not on the device."""
+        """True when ``node``'s FULL KV is on the host and not on the device."""
         return node is not None and node.value is None

@@ -4,14 +4,16 @@
 
 1. structure: parent/child pointers agree, child keys are the first page of the edge, depths
    chain, edges are whole pages, values and host slots cover their edge;
-2. tiers: every node has device or host data; no device node under a host-only node;
+2. tiers: every node has device or host data; no device node under a host-only node; component
+   data needs FULL data on the same tier (device ``aux``, host ``aux_host``);
 3. locks: ``lock_ref >= 0``; a node's lock >= the sum of its children's; the full lock >= each
    component's lock count;
 4. sizes and sets: evictable/protected (FULL and per component), the host size, the device-child
    counts, the evictable leaf set (and its heap entries) equal their recount;
 5. ownership: every slot is owned exactly once. Tree slots are distinct and allocated; with
    ``extra_owned`` (the slots in-flight requests hold) tree + requests = the allocated pages
-   exactly, with no page owned twice. The same for each component pool and the host pool.
+   exactly, with no page owned twice. The same for each component pool, the host pool and each
+   component's host pool (``host_stores``: component name -> host allocator).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def check_ownership(name: str, allocator, tree_parts: list, extra: Any) -> list[
     return errs
 
 
-def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None) -> list[str]:
+def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None,
+          host_stores: Mapping[str, Any] | None = None) -> list[str]:
     E: list[str] = []
     ps = tree.page_size
     root = tree.root
@@ -102,6 +105,8 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None)
     evictable = protected = host_size = 0
     aux_ev, aux_pr = [0] * na, [0] * na
     aux_unlocked: list[set] = [set() for _ in range(na)]
+    aux_host_size = [0] * na
+    aux_host_nodes: list[set] = [set() for _ in range(na)]
     leaves, host_nodes = set(), set()
     for nd in nodes:
         if nd is root:
@@ -134,6 +139,14 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None)
                 E.append(f"[lock] {nd} {c.name} lock counts {locks} must be positive")
             if n_locks > nd.lock_ref:
                 E.append(f"[lock] {nd} {c.name} lock {n_locks} > full lock {nd.lock_ref}")
+            hv = nd.aux_host[i]
+            if hv is not None:
+                if nd.host is None:
+                    E.append(f"[tier] {nd} holds a {c.name} host copy without a FULL host copy")
+                if c.name == "swa" and len(hv) != L:
+                    E.append(f"[tier] {nd} swa host rows cover {len(hv)} of {L} tokens")
+                aux_host_size[i] += c.size(hv)
+                aux_host_nodes[i].add(nd)
             v = nd.aux[i]
             if v is None:
                 continue
@@ -160,6 +173,10 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None)
         if tree.aux_unlocked[i] != aux_unlocked[i]:
             E.append(f"[set] {c.name} unlocked set ({len(tree.aux_unlocked[i])}) != recount "
                      f"({len(aux_unlocked[i])})")
+        if tree.aux_host_size[i] != aux_host_size[i] or tree.aux_host_nodes[i] != aux_host_nodes[i]:
+            E.append(f"[size] {c.name} host size={tree.aux_host_size[i]} "
+                     f"({len(tree.aux_host_nodes[i])} nodes) != recount {aux_host_size[i]} "
+                     f"({len(aux_host_nodes[i])} nodes)")
     if tree.leaves != leaves:
         E.append(f"[leaf] leaf set has {sorted(n.id for n in tree.leaves - leaves)[:8]} extra, "
                  f"{sorted(n.id for n in leaves - tree.leaves)[:8]} missing")
@@ -184,4 +201,9 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None)
     if host_allocator is not None:
         parts = [nd.host for nd in host_nodes]
         E += check_ownership("host", host_allocator, parts, torch.empty(0, dtype=torch.int64))
+    for i, c in enumerate(comps):
+        store = (host_stores or {}).get(c.name)
+        if store is not None:
+            parts = [nd.aux_host[i] for nd in aux_host_nodes[i]]
+            E += check_ownership(f"host:{c.name}", store, parts, torch.empty(0, dtype=torch.int64))
     return E

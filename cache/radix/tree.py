@@ -9,6 +9,8 @@ Vocabulary (shapes in comments follow the token axis of one edge):
 - ``host``: the node's host-pool slots ``[len(key)]``, or None.
 - ``aux[i]``: data of auxiliary component ``i`` (SWA rows, a MAMBA state row) or None
   (a tombstone). FULL is the tree itself (``value``).
+- ``aux_host[i]``: the host copy of component ``i``'s data, or None (host bookkeeping:
+  :mod:`.host_nodes`).
 
 Invariants (proved by :mod:`.sanity` by recount):
 - every non-root node has device or host data; a device node's parent is a device node
@@ -19,7 +21,7 @@ Invariants (proved by :mod:`.sanity` by recount):
   each has a live heap entry ``(hk, id, node)`` with ``hk == policy.key(node)``.
 
 Nothing here frees memory or copies KV: frees are appended to ``device_frees``/``host_frees``/
-``aux_frees`` and events to ``events``; the cache (``cache/unified.py``) drains them after
+``aux_frees``/``aux_host_frees`` and events to ``events``; the cache (``cache/unified.py``) drains them after
 each public operation.
 """
 
@@ -30,14 +32,15 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from .events import DEVICE, HOST, BlockRemoved, BlockStored, page_hashes
+from .events import DEVICE, BlockRemoved, BlockStored, page_hashes
 from .eviction import EvictionPolicy, make_policy
+from .host_nodes import HostNodes
 
 
 class Node:
     __slots__ = ("id", "parent", "children", "key", "start", "value", "host", "lock_ref", "ndc",
-                 "access", "created", "hits", "priority", "session", "aux", "aux_lock", "hashes",
-                 "hk")
+                 "access", "created", "hits", "priority", "session", "aux", "aux_lock", "aux_host",
+                 "hashes", "hk")
 
     def __init__(self, nid: int, parent: "Node | None", key: list, start: int, value: Any,
                  tick: int, n_aux: int):
@@ -58,6 +61,7 @@ class Node:
         # Per auxiliary component: data (None = tombstone) and locks {lock floor depth: count}.
         self.aux = [None] * n_aux if n_aux else None
         self.aux_lock = [{} for _ in range(n_aux)] if n_aux else None
+        self.aux_host = [None] * n_aux if n_aux else None   # host copies of aux data
         self.hashes = None              # page hash chain, computed only when events are on
         self.hk = None                  # heap key while in the evictable leaf set
 
@@ -95,7 +99,7 @@ def concat_values(pieces: list) -> torch.Tensor:
                       for p in pieces])
 
 
-class RadixTree:
+class RadixTree(HostNodes):
     def __init__(self, page_size: int = 1, policy: EvictionPolicy | None = None,
                  components: Sequence[Any] = (), record_events: bool = False):
         if page_size < 1:
@@ -124,9 +128,12 @@ class RadixTree:
         self.aux_unlocked: list[set[Node]] = [set() for _ in range(n_aux)]
         self.host_nodes: set[Node] = set()
         self.host_size = 0
+        self.aux_host_size = [0] * n_aux
+        self.aux_host_nodes: list[set[Node]] = [set() for _ in range(n_aux)]
         self.device_frees: list = []
         self.host_frees: list = []
         self.aux_frees: list[tuple[int, Any]] = []
+        self.aux_host_frees: list[tuple[int, Any]] = []
         self.events: list = []
 
     # -- walking ---------------------------------------------------------------------------------
@@ -213,7 +220,8 @@ class RadixTree:
 
     def vote(self, path: list[Node]) -> tuple[int, int]:
         """``(n_dev, n_best)``: how many leading nodes of ``path`` end at the deepest boundary
-        every component accepts with device data (``n_dev``) and on any tier (``n_best``)."""
+        every component accepts with device data (``n_dev``) and with data on either tier
+        (``n_best``: host copies of component data count, so a load-back can serve it)."""
         if not self.components:
             if not self.host_nodes:
                 return len(path), len(path)
@@ -222,6 +230,8 @@ class RadixTree:
                     return i, len(path)
             return len(path), len(path)
         validators = [c.validator() for c in self.components]
+        hosted = any(self.aux_host_nodes)
+        anywhere = [c.validator(host=True) for c in self.components] if hosted else None
         n_dev = n_best = 0
         on_device = True
         for i, nd in enumerate(path, 1):
@@ -231,10 +241,15 @@ class RadixTree:
             for accept in validators:           # every validator sees every node (stateful)
                 if not accept(nd):
                     ok = False
+            if ok and on_device:
+                n_dev = i
+            if anywhere is not None:
+                ok = True
+                for accept in anywhere:
+                    if not accept(nd):
+                        ok = False
             if ok:
                 n_best = i
-                if on_device:
-                    n_dev = i
         return n_dev, n_best
 
     def path(self, node: Node) -> list[Node]:
@@ -323,6 +338,8 @@ class RadixTree:
         if child.host is not None:
             up.host, child.host = _cut(child.host, m)
             self.host_nodes.add(up)
+            if self.components:
+                self._aux_host_split(up, child, m)
         if child.hashes is not None:
             k = m // self.page_size
             up.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
@@ -483,48 +500,6 @@ class RadixTree:
         del nd.parent.children[self.child_key(nd.key)]
         nd.parent = None
 
-    # -- host tier -------------------------------------------------------------------------------
-    def set_host(self, nd: Node, host_value: Any) -> None:
-        nd.host = host_value
-        self.host_nodes.add(nd)
-        self.host_size += len(nd.key)
-        if self.record_events:
-            self._event_store(nd, HOST)
-
-    def _drop_host_value(self, nd: Node) -> None:
-        self.host_frees.append(nd.host)
-        nd.host = None
-        self.host_nodes.discard(nd)
-        self.host_size -= len(nd.key)
-        if self.record_events:
-            self._event_remove(nd, HOST)
-
-    def _host_evictable(self, nd: Node) -> bool:
-        return (nd.host is not None and nd.lock_ref == 0 and nd.parent is not None
-                and not any(c.host is not None for c in nd.children.values()))
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free host copies of unlocked nodes with no host child, policy order, cascading up.
-        A host-only victim is deleted (it has no children); a device victim keeps its device
-        data. Returns host tokens freed (queued in ``host_frees``)."""
-        self.policy.begin_pass()
-        key = self._key
-        heap = [(key(nd), nd.id, nd) for nd in self.host_nodes if self._host_evictable(nd)]
-        heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, nd = heappop(heap)
-            if not self._host_evictable(nd):
-                continue
-            parent = nd.parent
-            freed += len(nd.key)
-            self._drop_host_value(nd)
-            if nd.value is None:
-                self._delete_subtree(nd)
-            if parent is not self.root and self._host_evictable(parent):
-                heappush(heap, (key(parent), parent.id, parent))
-        return freed
-
     # -- auxiliary components --------------------------------------------------------------------
     def _aux_out(self, nd: Node, i: int) -> None:
         """Remove ``nd``'s component-``i`` data from the size counters."""
@@ -587,9 +562,10 @@ class RadixTree:
                 self._set_aux(nd, i, None)
                 self.aux_frees.append((i, v))
 
-    def evict_aux(self, i: int, num: int) -> int:
+    def evict_aux(self, i: int, num: int, backup=None) -> int:
         """Tombstone component ``i``'s data on unlocked nodes (policy order) until ``num`` units
-        are freed. The nodes stay; their FULL data is untouched."""
+        are freed. The nodes stay; their FULL data is untouched. ``backup(node, i)`` is called
+        before each victim's data is dropped (the cache copies it to the host tier)."""
         self.policy.begin_pass()
         c, key = self.components[i], self._key
         heap = [(key(nd), nd.id, nd) for nd in self.aux_unlocked[i]]
@@ -598,6 +574,8 @@ class RadixTree:
         while freed < num and heap:
             _, _, nd = heappop(heap)
             v = nd.aux[i]
+            if backup is not None:
+                backup(nd, i)
             freed += c.size(v)
             self._set_aux(nd, i, None)
             self.aux_frees.append((i, v))

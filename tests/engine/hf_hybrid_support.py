@@ -126,3 +126,54 @@ def engine_sessions(engine: Engine, n_sessions: int = 2, turns: int = 3, max_tok
             out[s].append((list(history[s]), c.token_ids, c.cached_tokens))
             history[s] = history[s] + c.token_ids
     return out
+
+
+# -- tiny HF directories of both families (shared by the cluster-half tests) ------------------------
+def tiny_gemma3_dir(path, window: int = 8):
+    """A tiny random Gemma 3 text model (layers swa, full, swa, full) saved at ``path``;
+    returns the transformers model."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=window, sliding_window_pattern=2, query_pre_attn_scalar=24,
+        final_logit_softcapping=8.0, bos_token_id=256, eos_token_id=257, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    randomize(hf, offset_norms=True)
+    save_hf(hf, path)
+    return hf
+
+
+def tiny_granite_dir(path):
+    """A tiny random Granite-4.0-H model (layers mamba, attention, mamba, mamba) at ``path``."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=32, shared_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_head=16, mamba_d_conv=4, mamba_chunk_size=8,
+        embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2,
+        logits_scaling=1.3, bos_token_id=256, eos_token_id=257, max_position_embeddings=512,
+        num_local_experts=0, position_embedding_type="rope")
+    hf = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
+    randomize(hf)
+    save_hf(hf, path)
+    return hf
+
+
+def hybrid_engine_config(*, page_size: int = 1, max_total_tokens: int = 512, chunk: int = 16,
+                         host_pool_tokens: int = 0, disable: bool = False, retract_every: int = 0,
+                         max_running_requests: int = 4) -> EngineConfig:
+    """The tests' engine config: one thread, every invariant checked after each op and step."""
+    return EngineConfig(
+        device="cpu", num_threads=1,
+        cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens,
+                          max_running_requests=max_running_requests, debug_invariants=True,
+                          disable_prefix_cache=disable, host_pool_tokens=host_pool_tokens),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk, debug_retract_every=retract_every))

@@ -1,0 +1,122 @@
+"""The radix tree's host-tier bookkeeping (a mixin of :class:`~tandem.cache.radix.tree.RadixTree`).
+
+Which nodes have host copies and how big they are; like the rest of the tree it frees nothing
+itself: released host slots go to ``host_frees`` (FULL) and ``aux_host_frees`` (``(component
+index, value)``), drained by the cache.
+
+Per node (see tree.py's vocabulary):
+- ``host``: FULL host slots ``[len(key)]`` or None;
+- ``aux_host[i]``: component ``i``'s host copy (SWA: host rows ``[len(key)]``; MAMBA: one host
+  state row) or None. A component host copy needs the FULL host copy (the node's identity on
+  the host tier), so dropping ``host`` drops every ``aux_host`` with it.
+
+Counters proved by the sanity recount: ``host_size`` / ``host_nodes`` (FULL) and, per component,
+``aux_host_size[i]`` (units of its host pool) / ``aux_host_nodes[i]``. Host copies are protected by
+locks: FULL ones by ``lock_ref``, a component's by that component's lock (``aux_lock[i]``: the
+lock span, e.g. SWA's window before a locked boundary).
+"""
+
+from __future__ import annotations
+
+from heapq import heapify, heappop, heappush
+from typing import Any
+
+from .events import HOST
+
+
+class HostNodes:
+    """Host-tier methods of the radix tree (state lives on the tree; see module docstring)."""
+
+    # -- FULL host copies ------------------------------------------------------------------------
+    def set_host(self, nd, host_value: Any) -> None:
+        nd.host = host_value
+        self.host_nodes.add(nd)
+        self.host_size += len(nd.key)
+        if self.record_events:
+            self._event_store(nd, HOST)
+
+    def _drop_host_value(self, nd) -> None:
+        """Drop ``nd``'s FULL host copy, and its components' host copies with it."""
+        if self.components:
+            for i in range(len(self.components)):
+                if nd.aux_host[i] is not None:
+                    self.drop_aux_host(nd, i)
+        self.host_frees.append(nd.host)
+        nd.host = None
+        self.host_nodes.discard(nd)
+        self.host_size -= len(nd.key)
+        if self.record_events:
+            self._event_remove(nd, HOST)
+
+    def _host_evictable(self, nd) -> bool:
+        return (nd.host is not None and nd.lock_ref == 0 and nd.parent is not None
+                and not any(c.host is not None for c in nd.children.values()))
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host copies of unlocked nodes with no host child, policy order, cascading up.
+        A host-only victim is deleted (it has no children); a device victim keeps its device
+        data. Returns host tokens freed (queued in ``host_frees``)."""
+        self.policy.begin_pass()
+        key = self._key
+        heap = [(key(nd), nd.id, nd) for nd in self.host_nodes if self._host_evictable(nd)]
+        heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, nd = heappop(heap)
+            if not self._host_evictable(nd):
+                continue
+            parent = nd.parent
+            freed += len(nd.key)
+            self._drop_host_value(nd)
+            if nd.value is None:
+                self._delete_subtree(nd)
+            if parent is not self.root and self._host_evictable(parent):
+                heappush(heap, (key(parent), parent.id, parent))
+        return freed
+
+    # -- component host copies -------------------------------------------------------------------
+    def set_aux_host(self, nd, i: int, value: Any) -> None:
+        """``nd``'s component-``i`` data now has a host copy ``value`` (needs ``nd.host``)."""
+        if nd.host is None:
+            raise ValueError(f"{nd}: a {self.components[i].name} host copy needs the FULL host copy")
+        if nd.aux_host[i] is not None:
+            self.drop_aux_host(nd, i)
+        nd.aux_host[i] = value
+        self.aux_host_size[i] += self.components[i].size(value)
+        self.aux_host_nodes[i].add(nd)
+
+    def drop_aux_host(self, nd, i: int) -> None:
+        v = nd.aux_host[i]
+        nd.aux_host[i] = None
+        self.aux_host_size[i] -= self.components[i].size(v)
+        self.aux_host_nodes[i].discard(nd)
+        self.aux_host_frees.append((i, v))
+
+    def evict_host_aux(self, i: int, num: int) -> int:
+        """Drop component ``i``'s host copies of nodes outside every component-``i`` lock, in
+        policy order, until ``num`` units are freed (the FULL host copies stay)."""
+        self.policy.begin_pass()
+        c, key = self.components[i], self._key
+        heap = [(key(nd), nd.id, nd) for nd in self.aux_host_nodes[i] if not nd.aux_lock[i]]
+        heapify(heap)
+        freed = 0
+        while freed < num and heap:
+            _, _, nd = heappop(heap)
+            freed += c.size(nd.aux_host[i])
+            self.drop_aux_host(nd, i)
+        return freed
+
+    def _aux_host_split(self, up, child, m: int) -> None:
+        """Cut the components' host copies with the edge (``_split``)."""
+        for i, c in enumerate(self.components):
+            v = child.aux_host[i]
+            if v is None:
+                continue
+            self.aux_host_size[i] -= c.size(v)
+            up.aux_host[i], child.aux_host[i] = c.split(v, m)
+            for nd in (up, child):
+                if nd.aux_host[i] is None:
+                    self.aux_host_nodes[i].discard(nd)
+                else:
+                    self.aux_host_size[i] += c.size(nd.aux_host[i])
+                    self.aux_host_nodes[i].add(nd)
