@@ -35,7 +35,7 @@ def test_recovery_bench_tiny(smollm2, one_torch_thread):
     from tandem.bench import retraction_recovery as rr
 
     for host in (4096,):      # the recompute path: tests/engine/test_scheduler_fake.py
-        r = rr.run_once(smollm2, host_pool_tokens=host, concurrency=2, storm=10, phase_s=1.5,
+        r = rr.run_once(smollm2, host_pool_tokens=host, concurrency=2, storm=10, phase_s=1.0,
                         out_tokens=24, threads=1, log=lambda *a: None)
         assert r["retractions"] > 0 and r["errors"] == 0
         assert r["idle_leak_tokens"] == 0 and r["idle_locked_tokens"] == 0

@@ -69,13 +69,6 @@ def _retraction_counters(server) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _cluster(cfg: ServeConfig, loaded):
     from tandem.cluster.launch import launch_disaggregated
 

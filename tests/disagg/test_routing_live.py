@@ -30,16 +30,14 @@ LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 120
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2):
+def cluster(smollm2, ray_local):
     from tandem.cluster.launch import launch_disaggregated
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     backend = launch_disaggregated(CFG, loaded=smollm2)
     server = _Server(backend, CFG)
     yield backend, server
     server.stop()
     backend.close()
-    ray.shutdown()
 
 
 def _chat_raw(server, messages, session=None, max_tokens=4):

@@ -56,12 +56,11 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2):
+def servers(smollm2, ray_local):
     from tandem.cluster.launch import launch_disaggregated
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     backend = launch_disaggregated(CFG, loaded=smollm2)   # one load, shared via the object store
     colocated = Engine(ENGINE, loaded=smollm2)
     disagg, coloc = _Server(backend, CFG), _Server(LocalEngineBackend(colocated), CFG)
@@ -70,7 +69,6 @@ def servers(smollm2):
     coloc.stop()
     backend.close()
     colocated.shutdown()
-    ray.shutdown()
 
 
 def _chat(server, messages, **kw):
