@@ -14,6 +14,8 @@ of releasing it. :class:`PrefillHandle` is how the prefill worker reaches it:
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass, field
 
 from tandem.engine.handle import EngineHandle
@@ -72,5 +74,8 @@ class PrefillHandle(EngineHandle):
         await self._run(self.outbox.release, rid)
 
     async def page_digest(self, named_pages: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
-        """Digest of ``[(region, source ids)]`` in the transfer's region order."""
-        return await self._run(self.outbox.digest, named_pages)
+        """Digest of ``[(region, source ids)]`` in the transfer's region order, hashed on a
+        helper thread (the step loop keeps running): held pages are locked, and locked cache
+        pages and a finished request's own pages are never written."""
+        self.check_alive()
+        return await asyncio.to_thread(self.outbox.digest, named_pages)
