@@ -100,10 +100,10 @@ class Retraction:
         self.stats["backup_seconds"] += time.perf_counter() - t0
         return True
 
-    def restorable(self, anything_running: bool) -> list[SchedReq]:
+    def restorable(self, anything_held: bool) -> list[SchedReq]:
         """Retracted requests whose KV fits now, with two pages of headroom each, oldest first.
-        When nothing else runs the oldest is tried anyway (the scheduler aborts it if it can
-        never fit)."""
+        When no request holds any KV (the whole pool is free or evictable) the oldest is tried
+        anyway: if it does not fit then, it never will (the scheduler aborts it)."""
         out, room = [], self.kv.room()
         for sr in self.retracted:
             need = sr.req.seq_len + 2 * self.kv.page_size
@@ -111,7 +111,7 @@ class Retraction:
                 break
             room -= need
             out.append(sr)
-        if not out and self.retracted and not anything_running:
+        if not out and self.retracted and not anything_held:
             out.append(self.retracted[0])
         return out
 

@@ -154,7 +154,10 @@ class Scheduler:
                 self._retract(victim)
                 slots = self.kv.extend(sr, 1)
             if slots is None:
-                if plan.entries:   # the rest of the pool is this step's other work: wait a step
+                if plan.entries or len(self.kv.holders) > 1:
+                    # The rest of the pool is this step's other work, or KV that others hold and
+                    # will give back (reservations being filled, held KV being sent, requests
+                    # not retractable this step): wait a step.
                     continue
                 plan.finished.append(self._finish(sr, "abort", "", error=(
                     f"KV pool exhausted: {self.kv.alloc.size} tokens cannot hold this request "
@@ -179,25 +182,27 @@ class Scheduler:
 
     def _plan_restores(self, plan: StepPlan, budget: int) -> int:
         """(2b) Retracted requests that fit again are admitted; their match loads the backup."""
-        for sr in self.retraction.restorable(bool(self.running)):
+        for sr in self.retraction.restorable(anything_held=bool(self.kv.holders)):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
             t0 = time.perf_counter()
             if not self._admit(sr):
                 break
-            self.retraction.restored(sr, time.perf_counter() - t0)
             r = sr.req
             n = min(r.seq_len - r.computed_len, budget)
             slots = self.kv.extend(sr, n)
             if slots is None:
-                if not plan.entries and len(self.running) == 1:   # alone, no room: never will be
+                alone = not plan.entries and len(self.kv.holders) == 1
+                self._unadmit(sr, requeue=False)    # its backup still holds the host copy
+                if alone:                           # the whole pool cannot hold it: never will
+                    self.retraction.abort(sr.rid)
                     self.stats["retraction_aborts"] += 1
-                    plan.finished.append(self._finish(sr, "abort", "", error=(
+                    plan.finished.append(self._finish_unstarted(sr, (
                         f"KV pool exhausted: {self.kv.alloc.size} tokens cannot hold this "
                         f"retracted request at {r.seq_len} tokens")))
                     continue
-                self._unadmit(sr)
                 break
+            self.retraction.restored(sr, time.perf_counter() - t0)
             plan.add(sr, n, slots)
             budget -= n
         return budget

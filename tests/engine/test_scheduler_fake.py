@@ -362,3 +362,23 @@ def test_random_schedules_match_the_oracle(seed):
         assert last.error is None, (rid, last.error)
         assert d.tokens(rid) == toks and d.text(rid) == text_of(toks), rid
     idle(e)
+
+
+def test_a_decode_waits_while_reservations_hold_the_pool_instead_of_aborting():
+    """Found by the chaos run: a decoding request found no slot because reservations (KV being
+    received, not retractable) held the rest of the pool, and was aborted as "can never fit".
+    It must wait; once the reservation goes it decodes on, and its output is exact."""
+    e = make(tokens=64, page_size=4, chunk=64)
+    inbox = DecodeInbox(e.scheduler)
+    d = Driver(e)
+    d.submit("r", prompt(1, 10), 12)
+    d.step()                                             # r is decoding (3 pages)
+    res = inbox.reserve(Req(prompt(2, 48), SamplingParams(max_tokens=4), rid="big"))
+    assert res is not None                               # 12 of the 16 pages reserved
+    for _ in range(8):
+        d.step()
+    assert d.chunks["r"][-1].finish_reason is None       # waiting, not aborted
+    inbox.cancel("big", "transfer failed")
+    d.run()
+    assert d.tokens("r") == oracle(prompt(1, 10), 12) and d.final("r").error is None
+    idle(e)
