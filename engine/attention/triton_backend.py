@@ -63,6 +63,8 @@ class TritonAttentionBackend:
     ``default_tiles``).
     """
 
+    capturable = True   # engine/cuda_graph.py may capture its decode steps (see init_forward)
+
     def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128, *,
                  num_kv_splits: int | None = None, decode_tiles: Tiles | None = None,
                  extend_tiles: Tiles | None = None):
