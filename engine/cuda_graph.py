@@ -185,26 +185,36 @@ class DecodeGraphRunner:
         rows only (slot 0, row 0), so it writes nothing but the reserved padding page."""
         r = self.runner
         t0 = time.perf_counter()
-        torch.cuda.synchronize(r.device)
+        self._sync()
         pool = None
         r2t = r.req_to_token_pool.req_to_token
         for size in reversed(self.sizes):
             self.buffers.data.copy_(self.buffers.pad)
             fb = self.buffers.batch(size, r2t, r.kv_pool, [1] * size)
-            r.backend.init_forward(fb)           # metadata of every replay of this size
-            side = torch.cuda.Stream(r.device)
-            side.wait_stream(torch.cuda.current_stream(r.device))
-            with torch.cuda.stream(side):        # warm up: triton compiles, cuBLAS handles
-                for _ in range(2):
-                    r.model.forward(fb, r.backend)
-            torch.cuda.current_stream(r.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = r.model.forward(fb, r.backend)
+            r.backend.init_forward(fb)           # the metadata of every replay of this size
+            graph, logits = self._capture_one(lambda fb=fb: r.model.forward(fb, r.backend), pool)
             pool = graph.pool()
             self._graphs[size] = (graph, logits, fb)
-        torch.cuda.synchronize(r.device)
+        self._sync()
         self.capture_seconds = time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.runner.device)
+
+    def _capture_one(self, forward, pool):
+        """Warm ``forward`` up on a side stream (triton compiles, cuBLAS picks its kernels),
+        then capture it: ``(graph, its output)``."""
+        dev = self.runner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return graph, out
 
 
 def _ranges(sizes: list[int]) -> str:

@@ -31,3 +31,15 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     assert len(rep["kernel_sweep"]["shapes"]) == 2
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Decode tok/s" in md and "## Triton kernels" in md and "status: **pass**" in md
+
+
+def test_gpu_check_imports_no_ray_nixl_or_transfer():
+    """The GPU machine has no Ray and no NIXL: the Engine and gpu_check's modules must not
+    import them (nor transfer/, which imports NIXL) at import time."""
+    code = ("import sys; import tandem.engine.engine, tandem.bench.gpu.correctness, tandem.bench.gpu.throughput, "
+            "tandem.bench.gpu.kernels, tandem.bench.gpu.models; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'nixl') "
+            "or m.startswith('tandem.transfer')); print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -141,11 +141,12 @@ PROMPTS = [[5, 9, 200, 17], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40] * 3, [88, 
 
 
 def _decode_logits(runner, prompts, steps):
-    """Greedy decode of ``prompts`` as one batch; every step's logits [B, V]."""
+    """Greedy decode of ``prompts`` as one batch; every step's logits [B, V] (cloned: a graph's
+    output is overwritten by its next replay)."""
     seqs = [runner.new_seq() for _ in prompts]
     out = [runner.extend(seqs, prompts)]
     for _ in range(steps):
-        out.append(runner.decode(seqs, out[-1].argmax(-1).tolist()))
+        out.append(runner.decode(seqs, out[-1].argmax(-1).tolist()).clone())
     for s in seqs:
         runner.release(s)
     return torch.stack(out)                          # [steps + 1, B, V]
@@ -259,3 +260,48 @@ def test_gpu_engine_graph_on_off_same_tokens():
         finally:
             eng.shutdown()
     assert toks[False] == toks[True]
+
+
+class _RecordedGraph:
+    """What a CUDA graph does, without CUDA: replay re-runs the captured call, which reads the
+    static buffers as they are at replay time, into the output tensor the capture returned."""
+
+    def __init__(self, forward, out):
+        self.forward, self.out, self.replays = forward, out, 0
+
+    def replay(self):
+        self.out.copy_(self.forward())
+        self.replays += 1
+
+    def pool(self):
+        return "pool"
+
+
+def test_capture_path_with_a_recorded_graph(tiny, monkeypatch):
+    """mode="cuda"'s control flow on the CPU: every size captured (largest first, one pool), the
+    backend's capture-time metadata reused by every replay (so a capturable backend: triton),
+    replays reading the refilled buffers, outputs sliced to the batch; equal to eager."""
+    pytest.importorskip("triton")
+    from tandem.engine.attention.triton_backend import TritonAttentionBackend
+    from tandem.engine.attention.triton_kernels import INTERPRETED
+
+    if not INTERPRETED:
+        pytest.skip("compiled triton kernels need CUDA tensors: the gpu tests cover this")
+    pools = []
+
+    def capture_one(self, forward, pool):
+        pools.append(pool)
+        g = _RecordedGraph(forward, forward().clone())
+        return g, g.out
+
+    monkeypatch.setattr(DecodeGraphRunner, "_sync", lambda self: None)
+    monkeypatch.setattr(DecodeGraphRunner, "_capture_one", capture_one)
+    eager = _decode_logits(_runner(tiny, TritonAttentionBackend(), page_size=4), PROMPTS, 5)
+    r = _runner(tiny, TritonAttentionBackend(), page_size=4)
+    r.decode_graph = DecodeGraphRunner(r, [2, 8], mode="cuda")
+    assert sorted(r.decode_graph._graphs) == [2, 8] and pools == [None, "pool"]
+    assert r.decode_graph.summary().startswith("cuda graph: captured decode batch sizes 2,8 in ")
+    got = _decode_logits(r, PROMPTS, 5)
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+    assert r.decode_graph._graphs[8][0].replays == 5 and r.decode_graph._graphs[2][0].replays == 0
+    assert r.kv_pool.kv_data.isfinite().all()

@@ -389,16 +389,20 @@ def _gpu_comparisons(dtype: torch.dtype) -> None:
 def test_gpu_split_count_depends_on_batch_size_only():
     """On CUDA the decode split count is sized for the context limit: two steps of one batch
     size split alike whatever their lengths (what lets a CUDA graph replay an eager step)."""
+    import dataclasses
+
     backend = TritonAttentionBackend()
-    a, b = Case([3, 5], [1, 1], device="cuda"), Case([300, 900], [1, 1], device="cuda", seed=1)
+    case = Case([300, 900], [1, 1], device="cuda", seed=1)
+    short = dataclasses.replace(case.fb, seq_lens=torch.tensor([4, 6], device="cuda"), seq_lens_cpu=[4, 6],
+                                prefix_lens_cpu=[3, 5], attn_meta={})
     counts = []
-    for case in (a, b):
-        backend.init_forward(case.fb)
-        meta = case.fb.attn_meta[META_KEY]
-        assert meta.kv_span == case.fb.req_to_token.shape[1] and meta.num_sms
+    for fb in (case.fb, short):
+        backend.init_forward(fb)
+        meta = fb.attn_meta[META_KEY]
+        assert meta.kv_span == fb.req_to_token.shape[1] and meta.num_sms
         counts.append(backend.num_kv_splits(meta, case.spec, 2))
-    assert counts[0] == counts[1] == min(16, -(-b.fb.req_to_token.shape[1] // 128),
-                                         -(-2 * meta.num_sms // 6))
+    width = case.fb.req_to_token.shape[1]
+    assert counts[0] == counts[1] == min(16, -(-width // 128), -(-2 * meta.num_sms // 6))
 
 
 @pytest.mark.gpu
