@@ -253,7 +253,9 @@ def test_gpu_engine_graph_on_off_same_tokens():
         assert ("cuda graph: off (--disable-cuda-graph)" if off else "cuda graph: captured decode batch sizes "
                 "1,2,4,8 in ") in eng.startup_line
         try:
-            reqs = [eng.make_request(p, params, rid=f"r{i}") for i, p in enumerate(PROMPTS)]
+            # 8 requests decoding together: a captured size, so both runs multiply the same shapes
+            eight = PROMPTS + [p[::-1] for p in PROMPTS[:3]]
+            reqs = [eng.make_request(p, params, rid=f"r{i}") for i, p in enumerate(eight)]
             toks[off] = [c.token_ids for c in eng.generate_many(reqs, timeout=120)]
             if not off:
                 assert eng.runner.decode_graph.stats["replay"] >= 14
