@@ -221,16 +221,19 @@ def _ranges(sizes: list[int]) -> str:
     return ",".join(map(str, sizes))
 
 
-def make_decode_graph(runner, config, *, hybrid: bool) -> tuple[DecodeGraphRunner | None, str | None]:
+def make_decode_graph(runner, config, *, hybrid: bool, role: str = "colocated"
+                      ) -> tuple[DecodeGraphRunner | None, str | None]:
     """The engine's graph runner (or None) and its part of the engine's startup line (None on
     the CPU): graphs need CUDA, a backend with ``capturable = True``, a model without hybrid
-    pools, and ``disable_cuda_graph`` off; the line says which sizes were captured and how long
-    it took, or why there are none."""
+    pools, an engine that decodes (not a prefill worker's) and ``disable_cuda_graph`` off; the
+    line says which sizes were captured and how long it took, or why there are none."""
     if runner.device.type != "cuda":
         return None, None
     why = None
     if config.disable_cuda_graph:
         why = "--disable-cuda-graph"
+    elif role == "prefill":
+        why = "prefill engines do not decode"
     elif not getattr(runner.backend, "capturable", False):
         why = f"{type(runner.backend).__name__} is not capturable"
     elif hybrid:

@@ -115,7 +115,8 @@ class Engine:
         self.cache = self._make_cache()
         self.runner = ModelRunner(self.loaded, self.kv_pool, self.req_to_token, self.allocator,
                                   make_attention_backend(cfg.attention_backend, self.device))
-        self.runner.decode_graph, graph_line = make_decode_graph(self.runner, cfg, hybrid=self.hybrid.active)
+        self.runner.decode_graph, graph_line = make_decode_graph(self.runner, cfg, hybrid=self.hybrid.active,
+                                                                 role=role)
         if graph_line:
             self.startup_line = f"{getattr(self, 'startup_line', self.name)}; {graph_line}"
         self.kv = RequestKV(req_to_token_pool=self.req_to_token, allocator=self.allocator,

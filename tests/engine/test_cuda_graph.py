@@ -107,6 +107,8 @@ def test_make_decode_graph_reasons():
     assert make_decode_graph(gpu, EngineConfig(disable_cuda_graph=True), hybrid=False) == \
         (None, "cuda graph: off (--disable-cuda-graph)")
     assert make_decode_graph(gpu, cfg, hybrid=True) == (None, "cuda graph: off (hybrid model (SWA / recurrent pools))")
+    assert make_decode_graph(gpu, cfg, hybrid=False, role="prefill") == \
+        (None, "cuda graph: off (prefill engines do not decode)")
     torch_backend = SimpleNamespace(device=torch.device("cuda"), backend=object())
     assert make_decode_graph(torch_backend, cfg, hybrid=False) == (None, "cuda graph: off (object is not capturable)")
 
