@@ -25,7 +25,8 @@ from tandem.core.types import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_cuda_graph.py",
-             "tests/cache/test_copier.py", "tests/cache/test_host_tier.py"]
+             "tests/cache/test_copier.py", "tests/cache/test_host_tier.py", "tests/cache/test_host_components.py",
+             "tests/cache/test_req_to_token.py"]
 
 
 def run_pytest(log_path: str, timeout_s: float) -> dict:

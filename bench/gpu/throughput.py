@@ -223,7 +223,7 @@ def host_copies(arch, device, dtype, tokens: int, page_size: int = 16) -> dict:
     host = KVPool(tokens, page_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, "cpu",
                   pin_memory=True)
     dev.kv_data.normal_()
-    cp = KVCopier(dev, host)
+    cp = KVCopier(dev.kv_data, host.kv_data)
     pages = torch.randperm(tokens // page_size, generator=torch.Generator().manual_seed(4)) + 1
     slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
     hslots = torch.arange(page_size, tokens + page_size)

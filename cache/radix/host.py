@@ -129,7 +129,7 @@ class HostTier:
         return out
 
     def synchronize(self) -> None:
-        """Finish every copy issued so far (before device or host rows are freed)."""
+        """Finish every copy issued so far (check() and tests; frees need no wait: copier.py)."""
         self.copier.synchronize()
         for _, _, st in self._aux:
             st.copier.synchronize()
