@@ -1,7 +1,9 @@
 """ReqToTokenPool: which KV slot holds position ``pos`` of in-flight request row ``r``.
 
-``req_to_token``: int32 ``[max_reqs + 1, max_context]``. Row 0 is padding (padded batches point
-there harmlessly); rows ``1 .. max_reqs`` are handed out by :meth:`alloc`.
+``req_to_token``: int32 ``[max_reqs + 1, max_context]`` on the model's device (attention reads it).
+Row 0 is padding (padded batches point there harmlessly); rows ``1 .. max_reqs`` are handed out
+by :meth:`alloc`. On a GPU a host copy mirrors it, so :meth:`read` / :meth:`slot` never wait for
+the device, and :meth:`write_many` moves a whole step's writes in one copy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         # req_to_token: [max_reqs + 1, max_context] int32
         self.req_to_token = torch.zeros((max_reqs + 1, max_context), dtype=torch.int32, device=device)
+        # the host mirror (the table itself on the CPU): every write goes to both
+        self._host = self.req_to_token if self.device.type == "cpu" else torch.zeros(
+            (max_reqs + 1, max_context), dtype=torch.int32)
         self._free_rows = list(range(max_reqs, 0, -1))  # pop() hands out 1, 2, ... first
         self._in_use = [False] * (max_reqs + 1)
 
@@ -50,8 +55,32 @@ class ReqToTokenPool:
         end = start + len(slots)
         if end > self.max_context:
             raise ValueError(f"write to positions {start}..{end} exceeds max_context={self.max_context}")
-        self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
+        self._host[row, start:end] = slots.to("cpu", torch.int32)
+        if self._host is not self.req_to_token:
+            self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
+
+    def write_many(self, rows: list[int], starts: list[int], slots: list[torch.Tensor]) -> None:
+        """``write(rows[i], starts[i], slots[i])`` for every i; on a GPU one host-to-device copy
+        and one scatter for all of them."""
+        for start, sl in zip(starts, slots, strict=True):
+            if start + len(sl) > self.max_context:
+                raise ValueError(f"write to positions {start}..{start + len(sl)} exceeds "
+                                 f"max_context={self.max_context}")
+        for row, start, sl in zip(rows, starts, slots, strict=True):
+            self._host[row, start:start + len(sl)] = sl.to("cpu", torch.int32)
+        if self._host is self.req_to_token or not rows:
+            return
+        n = [len(sl) for sl in slots]
+        r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(n))
+        c = torch.cat([torch.arange(st, st + k, dtype=torch.int64) for st, k in zip(starts, n)])
+        v = torch.cat([sl.to("cpu", torch.int64) for sl in slots])
+        rcv = torch.stack([r, c, v]).to(self.req_to_token.device)               # [3, total]: one copy
+        self.req_to_token[rcv[0], rcv[1]] = rcv[2].to(torch.int32)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Slots of positions ``start .. end-1`` as int64."""
-        return self.req_to_token[row, start:end].to(torch.int64)
+        """Slots of positions ``start .. end-1`` as int64, on the CPU (no device sync)."""
+        return self._host[row, start:end].to(torch.int64)
+
+    def slot(self, row: int, pos: int) -> int:
+        """The slot of position ``pos`` of ``row`` (no device sync)."""
+        return int(self._host[row, pos])

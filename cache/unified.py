@@ -403,19 +403,18 @@ class UnifiedRadixCache:
         t = self._tree
         if t.device_frees:
             if self.allocator is not None:
-                if self.host is not None:
-                    self.host.synchronize()   # a pending D2H copy may read these slots
+                # no copier wait: a D2H copy has read its device slots when to_host returns
                 self.allocator.free(torch.cat(t.device_frees))
             t.device_frees = []
 
     def _free_host(self) -> None:
         t = self._tree
+        # no copier wait before freeing host rows: host-pool writes land in issue order, and
+        # a load first lands the writes to what it reads (cache/radix/copier.py)
         if t.host_frees:
-            self.host.synchronize()
             self.host.allocator.free(torch.cat(t.host_frees))
             t.host_frees = []
         if t.aux_host_frees:
-            self.host.synchronize()
             for i, v in t.aux_host_frees:
                 self.host.stores[self._aux[i].name].allocator.free(
                     v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64))
@@ -424,8 +423,7 @@ class UnifiedRadixCache:
     def _free_aux(self) -> None:
         t = self._tree
         if t.aux_frees:
-            if self.host is not None and self.host.stores:
-                self.host.synchronize()   # a pending D2H copy may read these rows
+            # no copier wait: a D2H copy has read its device rows when to_host returns
             for i, v in t.aux_frees:
                 self._aux[i].free(v)
             t.aux_frees = []

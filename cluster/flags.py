@@ -62,6 +62,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--threads", "num_threads", "torch CPU threads (default: all cores)"),
     Flag("--debug-cache-invariants", "cache.debug_invariants",
          "run the cache's invariant check() after every operation (slow)"),
+    Flag("--disable-cuda-graph", "disable_cuda_graph",
+         "decode launches every kernel eagerly instead of replaying CUDA graphs (CUDA only)"),
+    Flag("--cuda-graph-max-bs", "cuda_graph_max_bs",
+         "largest decode batch captured in a CUDA graph (default: --max-running-requests)"),
 )
 
 SERVE_FLAGS: tuple[Flag, ...] = (

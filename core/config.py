@@ -96,6 +96,12 @@ class EngineConfig(_Strict):
     sliding_window: int | None = Field(None, ge=1, description="override: make layers sliding-window")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
     seed: int = 0
+    disable_cuda_graph: bool = Field(
+        False, description="decode steps launch every kernel from Python instead of replaying "
+                           "captured CUDA graphs (CUDA only; the CPU never captures)")
+    cuda_graph_max_bs: int | None = Field(
+        None, ge=1, description="largest decode batch captured in a CUDA graph; larger batches run "
+                                "eagerly (default: cache.max_running_requests)")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     hybrid: HybridConfig = HybridConfig()

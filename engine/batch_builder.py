@@ -26,6 +26,9 @@ class PlanItem:
 def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
                         device: torch.device | str = "cpu", state_indices=None,
                         state_pool=None) -> ForwardBatch:
+    """The step's ForwardBatch. Its index tensors reach the device in one host-to-device copy
+    (views of one packed tensor), and the new slots reach ``req_to_token`` in one more
+    (``write_many``): a constant number of copies per step, whatever the batch size."""
     if not items:
         raise ValueError("empty plan")
     rows, prefix, ext, ids, pos, locs = [], [], [], [], [], []
@@ -33,30 +36,27 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
         n = len(it.new_ids)
         if n == 0 or len(it.new_slots) != n:
             raise ValueError(f"plan item for row {it.row}: {n} ids but {len(it.new_slots)} slots")
-        req_to_token_pool.write(it.row, it.prefix_len, it.new_slots)
         rows.append(it.row)
         prefix.append(it.prefix_len)
         ext.append(n)
         ids.extend(it.new_ids)
         pos.append(torch.arange(it.prefix_len, it.prefix_len + n, dtype=torch.int64))
-        locs.append(it.new_slots.to(torch.int64))
+        locs.append(it.new_slots.to("cpu", torch.int64))
+    req_to_token_pool.write_many(rows, prefix, [it.new_slots for it in items])
     seq = [p + e for p, e in zip(prefix, ext)]
     starts = [0]
     for e in ext[:-1]:
         starts.append(starts[-1] + e)
-
-    def t(x):  # list -> int64 tensor on the device
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
+    T, B = len(ids), len(items)
+    # packed: ids [T] | positions [T] | out_cache_loc [T] | rows, seq, prefix, ext, starts [B] each
+    packed = torch.cat([torch.tensor(ids, dtype=torch.int64), *pos, *locs,
+                        torch.tensor(rows + seq + prefix + ext + starts, dtype=torch.int64)]).to(device)
+    tok = packed[:3 * T].view(3, T)
+    per = packed[3 * T:].view(5, B)
     return ForwardBatch(
-        input_ids=t(ids),
-        positions=torch.cat(pos).to(device),
-        out_cache_loc=torch.cat(locs).to(device),
-        req_pool_indices=t(rows),
-        seq_lens=t(seq),
-        prefix_lens=t(prefix),
-        extend_lens=t(ext),
-        extend_starts=t(starts),
+        input_ids=tok[0], positions=tok[1], out_cache_loc=tok[2],
+        req_pool_indices=per[0], seq_lens=per[1], prefix_lens=per[2], extend_lens=per[3],
+        extend_starts=per[4],
         req_to_token=req_to_token_pool.req_to_token,
         kv_pool=kv_pool,
         seq_lens_cpu=seq,

@@ -38,6 +38,7 @@ from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
@@ -114,6 +115,10 @@ class Engine:
         self.cache = self._make_cache()
         self.runner = ModelRunner(self.loaded, self.kv_pool, self.req_to_token, self.allocator,
                                   make_attention_backend(cfg.attention_backend, self.device))
+        self.runner.decode_graph, graph_line = make_decode_graph(self.runner, cfg, hybrid=self.hybrid.active,
+                                                                 role=role)
+        if graph_line:
+            self.startup_line = f"{getattr(self, 'startup_line', self.name)}; {graph_line}"
         self.kv = RequestKV(req_to_token_pool=self.req_to_token, allocator=self.allocator,
                             kv_pool=self.kv_pool, cache=self.cache, hybrid=self.hybrid,
                             device=self.device)

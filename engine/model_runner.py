@@ -2,7 +2,9 @@
 
 Thin on purpose: the scheduler decides what runs and owns every slot; the engine loop calls
 :meth:`forward` (``backend.init_forward`` then ``model.forward``) on the batch that
-engine/batch_builder.py built from the scheduler's plan.
+engine/batch_builder.py built from the scheduler's plan. With a ``decode_graph``
+(engine/cuda_graph.py; the engine attaches one on CUDA) pure-decode steps replay a captured
+CUDA graph instead.
 
 For tests and benchmarks it also has a tiny sequence API (:meth:`prefill`, :meth:`extend`,
 :meth:`decode`, :meth:`release`, :meth:`generate_greedy`) that allocates rows and slots itself.
@@ -38,6 +40,7 @@ class ModelRunner:
         self.allocator = allocator
         self.backend = backend
         self.device = kv_pool.device
+        self.decode_graph = None   # engine/cuda_graph.py DecodeGraphRunner, or None: always eager
 
     # -- the engine-facing API -----------------------------------------------------------------
     def build_forward_batch(self, seqs: list[SeqPlan]) -> ForwardBatch:
@@ -51,7 +54,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] (float32) at each sequence's last new token, or [T, V]."""
+        """Logits [B, V] (float32) at each sequence's last new token, or [T, V]. A pure-decode
+        step the decode graph takes replays it (its logits are valid until the next step)."""
+        graph = self.decode_graph
+        if graph is not None:
+            size = graph.size_for(fb, return_all_logits)
+            if size is not None:
+                return graph.run(fb, size)
         self.backend.init_forward(fb)
         return self.model.forward(fb, self.backend, return_all_logits=return_all_logits)
 

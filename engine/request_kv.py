@@ -138,7 +138,7 @@ class RequestKV:
         if self.alloc.available_size() < need:
             self.stats["evicted_tokens"] += self.cache.evict(need - self.alloc.available_size())
         c = r.computed_len
-        last_loc = int(self.r2t.req_to_token[r.req_pool_idx, c - 1]) if c else -1
+        last_loc = self.r2t.slot(r.req_pool_idx, c - 1) if c else -1
         return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n), received)
 
     def cache_prefix(self, sr: SchedReq, final: bool = False) -> None:

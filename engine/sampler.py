@@ -41,6 +41,8 @@ class Sampler:
                     logits[i, list(banned)] = float("-inf")
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1).tolist()
+        # the per-request generators are CPU ones (same draws on any device): sample on the host
+        logits = logits.cpu()
         out: list[int] = []
         for i, r in enumerate(reqs):
             row = logits[i]

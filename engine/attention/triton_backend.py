@@ -9,7 +9,12 @@ uses the torch backend). Per layer and step, :meth:`forward`:
    else the extend kernel (prefill chunks, or a mix of chunks and decodes);
 3. returns ``o: [T, H_q, D]`` in q's dtype.
 
-:meth:`init_forward` reads only host-side lists, so neither method synchronizes with the GPU.
+:meth:`init_forward` reads only host-side values, so neither method synchronizes with the GPU.
+On CUDA the per-step metadata depends on nothing but the batch size (the decode split count is
+sized for the context limit, not this step's longest sequence): a decode step captured in a
+CUDA graph (engine/cuda_graph.py) replays with exactly the launches an eager step of the same
+batch size makes, and reads everything else from the ForwardBatch's device tensors, which the
+graph runner refills in place before each replay.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import triton
 
 from tandem.engine.attention.base import AttnSpec
-from tandem.engine.attention.triton_kernels import decode_attention, extend_attention, store_kv
+from tandem.engine.attention.triton_kernels import Tiles, decode_attention, extend_attention, store_kv
 from tandem.engine.forward_batch import ForwardBatch
 
 META_KEY = "triton"
@@ -34,25 +39,52 @@ class TritonAttnMeta:
     max_seq_len: int
     max_extend_len: int
     num_sms: int | None  # streaming multiprocessors of the device; None on the CPU
+    kv_span: int         # keys the decode split count is sized for (see init_forward)
+
+
+def choose_kv_splits(span: int, batch_size: int, num_kv_heads: int, num_sms: int | None,
+                     max_kv_splits: int, min_split_tokens: int) -> int:
+    """Splits per decode sequence: no split shorter than ``min_split_tokens`` keys of ``span``,
+    at most ``max_kv_splits``, and on a GPU (``num_sms``) just enough programs for about two
+    per SM (``batch_size * num_kv_heads`` programs per split)."""
+    n = min(max_kv_splits, triton.cdiv(max(span, 1), min_split_tokens))
+    if num_sms is not None:
+        n = min(n, triton.cdiv(2 * num_sms, max(1, batch_size * num_kv_heads)))
+    return max(1, n)
 
 
 class TritonAttentionBackend:
     """Triton implementation of :class:`~tandem.engine.attention.base.AttentionBackend`.
 
     ``max_kv_splits`` caps how many ranges a decode sequence's keys are split into;
-    ``min_split_tokens`` is the fewest keys worth a split of their own. The decode kernel uses
-    just enough splits to give the GPU about two programs per SM.
+    ``min_split_tokens`` is the fewest keys worth a split of their own (:func:`choose_kv_splits`).
+    ``num_kv_splits`` fixes the split count instead (tuning). ``decode_tiles`` /
+    ``extend_tiles``: the kernels' launch tiles (default: per GPU, see the kernels'
+    ``default_tiles``).
     """
 
-    def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128):
-        if max_kv_splits < 1 or min_split_tokens < 1:
-            raise ValueError(f"max_kv_splits={max_kv_splits} and min_split_tokens={min_split_tokens} "
-                             "must be >= 1")
+    capturable = True   # engine/cuda_graph.py may capture its decode steps (see init_forward)
+
+    def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128, *,
+                 num_kv_splits: int | None = None, decode_tiles: Tiles | None = None,
+                 extend_tiles: Tiles | None = None):
+        if max_kv_splits < 1 or min_split_tokens < 1 or (num_kv_splits is not None and num_kv_splits < 1):
+            raise ValueError(f"max_kv_splits={max_kv_splits}, min_split_tokens={min_split_tokens} and "
+                             f"num_kv_splits={num_kv_splits} must be >= 1")
+        if extend_tiles is not None and not extend_tiles.block_m:
+            raise ValueError(f"extend_tiles needs block_m, got {extend_tiles}")
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
+        self.fixed_kv_splits = num_kv_splits
+        self.decode_tiles = decode_tiles
+        self.extend_tiles = extend_tiles
         self._num_sms: dict[int, int] = {}
 
     def init_forward(self, fb: ForwardBatch) -> None:
+        """``fb.attn_meta["triton"]``. The decode split count is sized for ``kv_span`` keys:
+        on CUDA the context limit (``req_to_token``'s width), so it depends on the batch size
+        only and a CUDA graph of a batch size replays what an eager step launches; in the
+        interpreter (tests) the step's longest sequence."""
         device = fb.seq_lens.device
         num_sms = None
         if device.type == "cuda":
@@ -60,11 +92,13 @@ class TritonAttentionBackend:
             if idx not in self._num_sms:
                 self._num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
             num_sms = self._num_sms[idx]
+        max_seq_len = max(fb.seq_lens_cpu, default=0)
         fb.attn_meta[META_KEY] = TritonAttnMeta(
             is_decode=fb.is_decode,
-            max_seq_len=max(fb.seq_lens_cpu, default=0),
+            max_seq_len=max_seq_len,
             max_extend_len=max(fb.extend_lens_cpu, default=0),
             num_sms=num_sms,
+            kv_span=int(fb.req_to_token.shape[1]) if num_sms is not None else max_seq_len,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
@@ -89,7 +123,7 @@ class TritonAttentionBackend:
             decode_attention(
                 q, layer.k, layer.v, o, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                 spec.scale, self.num_kv_splits(meta, spec, fb.batch_size),
-                spec.sliding_window, layer.index_map)
+                spec.sliding_window, layer.index_map, self.decode_tiles)
         else:
             # read the new tokens at the pool's precision, as later steps will read them
             if k.dtype != layer.k.dtype:
@@ -97,16 +131,16 @@ class TritonAttentionBackend:
             extend_attention(
                 q, k, v, o, layer.k, layer.v, fb.req_to_token, fb.req_pool_indices,
                 fb.prefix_lens, fb.extend_lens, fb.extend_starts, meta.max_extend_len,
-                spec.scale, spec.sliding_window, layer.index_map)
+                spec.scale, spec.sliding_window, layer.index_map, self.extend_tiles)
         return o
 
     def num_kv_splits(self, meta: TritonAttnMeta, spec: AttnSpec, batch_size: int) -> int:
-        """Splits per decode sequence: enough to fill the GPU, none shorter than min_split_tokens."""
-        span = meta.max_seq_len
+        """Splits per decode sequence of this layer (:func:`choose_kv_splits` over
+        ``meta.kv_span``, clipped to the layer's window), or the fixed count."""
+        if self.fixed_kv_splits is not None:
+            return self.fixed_kv_splits
+        span = meta.kv_span
         if spec.sliding_window is not None:
             span = min(span, spec.sliding_window)
-        n = min(self.max_kv_splits, triton.cdiv(max(span, 1), self.min_split_tokens))
-        if meta.num_sms is not None:
-            programs_per_split = max(1, batch_size * spec.num_kv_heads)
-            n = min(n, triton.cdiv(2 * meta.num_sms, programs_per_split))
-        return max(1, n)
+        return choose_kv_splits(span, batch_size, spec.num_kv_heads, meta.num_sms,
+                                self.max_kv_splits, self.min_split_tokens)

@@ -283,6 +283,88 @@ def test_matches_torch_backend():
                                    tb.forward(b.q, b.k, b.v, b.spec, b.fb), atol=1e-4, rtol=0)
 
 
+# ---------------------------------------------------------------- launch parameters (tuning)
+
+def test_choose_kv_splits_exact():
+    from tandem.engine.attention.triton_backend import choose_kv_splits
+
+    # interpreter / CPU (no SM count): the keys decide, capped by max_kv_splits
+    assert [choose_kv_splits(n, 4, 3, None, 16, 128) for n in (1, 128, 129, 1000, 9000)] == [1, 1, 2, 8, 16]
+    # an H200 (132 SMs), SmolLM2 (3 KV heads), the context limit 8192: the batch decides
+    assert [choose_kv_splits(8192, b, 3, 132, 16, 128) for b in (1, 8, 32, 88, 89, 128)] == [16, 11, 3, 1, 1, 1]
+    assert choose_kv_splits(20, 1, 3, 132, 16, 4) == 5        # a 20-token window
+
+
+@pytest.mark.parametrize("tiles", [dict(block_n=16), dict(block_n=64)], ids=["n16", "n64"])
+def test_decode_tiles(tiles):
+    from tandem.engine.attention.triton_kernels import Tiles
+
+    backend = TritonAttentionBackend(max_kv_splits=4, min_split_tokens=16,
+                                     decode_tiles=Tiles(num_warps=4, num_stages=2, **tiles))
+    _check(Case([0, 6, 32, 69], [1, 1, 1, 1], page_size=16, seed=10), backend)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_decode_fixed_kv_splits(splits):
+    backend = TritonAttentionBackend(num_kv_splits=splits)
+    case = Case([0, 6, 32, 69], [1, 1, 1, 1], page_size=1, seed=11)
+    backend.init_forward(case.fb)
+    assert backend.num_kv_splits(case.fb.attn_meta[META_KEY], case.spec, 4) == splits
+    _check(case, backend)
+
+
+@pytest.mark.parametrize("m,n", [(16, 32), (32, 16)])
+def test_extend_tiles(m, n):
+    from tandem.engine.attention.triton_kernels import Tiles
+
+    backend = TritonAttentionBackend(extend_tiles=Tiles(block_m=m, block_n=n, num_warps=4, num_stages=1))
+    _check(Case([0, 5, 20, 3], [17, 1, 9, 33], page_size=16, seed=12), backend)
+
+
+def test_tiles_validation():
+    from tandem.engine.attention.triton_kernels import Tiles
+
+    with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
+        Tiles(block_n=24, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        Tiles(block_n=32, num_warps=3, num_stages=1)
+    with pytest.raises(ValueError, match="needs block_m"):
+        TritonAttentionBackend(extend_tiles=Tiles(block_n=32, num_warps=4, num_stages=1))
+
+
+def test_decode_cuda_graph_padding_rows():
+    """Rows a CUDA graph pads with (request row 0, seq_len 1: the reserved padding slot 0 only)
+    read nothing but slot 0 and leave the real rows' outputs as they are."""
+    case = Case([6, 32], [1, 1], page_size=1, seed=13)
+    fb = case.fb
+    backend = TritonAttentionBackend(max_kv_splits=4, min_split_tokens=8)
+    want = _check(case, backend)
+    pad = 3
+    dev = fb.seq_lens.device
+
+    def grow(t, value):
+        return torch.cat([t, torch.full((pad,), value, dtype=t.dtype, device=dev)])
+
+    hq, hkv, d = case.spec.num_q_heads, case.spec.num_kv_heads, case.spec.head_dim
+    padded = ForwardBatch(
+        input_ids=grow(fb.input_ids, 0), positions=grow(fb.positions, 0),
+        out_cache_loc=grow(fb.out_cache_loc, 0), req_pool_indices=grow(fb.req_pool_indices, 0),
+        seq_lens=grow(fb.seq_lens, 1), prefix_lens=grow(fb.prefix_lens, 0),
+        extend_lens=grow(fb.extend_lens, 1), extend_starts=torch.arange(2 + pad, device=dev),
+        req_to_token=fb.req_to_token, kv_pool=fb.kv_pool, seq_lens_cpu=fb.seq_lens_cpu + [1] * pad,
+        prefix_lens_cpu=fb.prefix_lens_cpu + [0] * pad, extend_lens_cpu=[1] * (2 + pad))
+    g = torch.Generator().manual_seed(14)
+    q = torch.cat([case.q, torch.randn(pad, hq, d, generator=g).to(dev)])
+    k = torch.cat([case.k, torch.randn(pad, hkv, d, generator=g).to(dev)])
+    v = torch.cat([case.v, torch.randn(pad, hkv, d, generator=g).to(dev)])
+    backend.init_forward(padded)
+    o = backend.forward(q, k, v, case.spec, padded)
+    assert torch.equal(o[:2], want)
+    # each padding row sees one key, slot 0, which holds the last padding token's V
+    slot0_v = case.layer.v[0].repeat_interleave(hq // hkv, 0)
+    torch.testing.assert_close(o[2:], slot0_v.expand(pad, hq, d), atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- the same on a GPU, compiled
 
 def _gpu_comparisons(dtype: torch.dtype) -> None:
@@ -300,6 +382,27 @@ def _gpu_comparisons(dtype: torch.dtype) -> None:
            TritonAttentionBackend(), atol, rtol)
     _check(Case([100, 513], [1, 1], hq=32, hkv=8, d=128, page_size=16, dtype=dtype, device="cuda"),
            decode_backend, atol, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs compiled kernels on a GPU")
+def test_gpu_split_count_depends_on_batch_size_only():
+    """On CUDA the decode split count is sized for the context limit: two steps of one batch
+    size split alike whatever their lengths (what lets a CUDA graph replay an eager step)."""
+    import dataclasses
+
+    backend = TritonAttentionBackend()
+    case = Case([300, 900], [1, 1], device="cuda", seed=1)
+    short = dataclasses.replace(case.fb, seq_lens=torch.tensor([4, 6], device="cuda"), seq_lens_cpu=[4, 6],
+                                prefix_lens_cpu=[3, 5], attn_meta={})
+    counts = []
+    for fb in (case.fb, short):
+        backend.init_forward(fb)
+        meta = fb.attn_meta[META_KEY]
+        assert meta.kv_span == fb.req_to_token.shape[1] and meta.num_sms
+        counts.append(backend.num_kv_splits(meta, case.spec, 2))
+    width = case.fb.req_to_token.shape[1]
+    assert counts[0] == counts[1] == min(16, -(-width // 128), -(-2 * meta.num_sms // 6))
 
 
 @pytest.mark.gpu

@@ -1,6 +1,8 @@
-"""Small helpers shared by the triton attention kernels' launchers."""
+"""Small helpers shared by the triton attention kernels' launchers, and their tile configs."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,3 +39,24 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 def block_d(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)
 
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A kernel's launch tiles. ``block_n``: keys per inner-loop tile; ``block_m``: queries per
+    program (extend only; 0 for decode); ``num_warps`` / ``num_stages``: triton's launch options
+    (ignored by the interpreter). Blocks are powers of two >= 16 (``tl.dot`` needs 16 on GPUs)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_m: int = 0
+
+    def __post_init__(self):
+        for name in ("block_n",) + (("block_m",) if self.block_m else ()):
+            b = getattr(self, name)
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"{name}={b} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_warps={self.num_warps} must be 1/2/4/8/16 and "
+                             f"num_stages={self.num_stages} in 1..6")

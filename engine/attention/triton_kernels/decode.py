@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention.triton_kernels.common import (
-    LOG2E, block_d, check_device, cuda_capability, dot_precision)
+    LOG2E, Tiles, block_d, check_device, cuda_capability, dot_precision)
 
 
 @triton.jit
@@ -129,13 +129,14 @@ def _decode_stage2_kernel(
              out.to(O.dtype.element_ty), mask=mask_d)
 
 
-def _stage1_config(head_dim: int, device: torch.device) -> dict:
+def default_tiles(head_dim: int, device: torch.device) -> Tiles:
+    """Stage 1's tiles when the caller gives none (bench/gpu_check.py's sweep tunes them)."""
     major, _ = cuda_capability(device)
     if major >= 8:  # Ampere / Hopper: cp.async pipelining of the gathered K/V tiles
-        return dict(BLOCK_N=32 if head_dim <= 128 else 16, num_warps=4, num_stages=2)
+        return Tiles(block_n=32 if head_dim <= 128 else 16, num_warps=4, num_stages=2)
     if major > 0:
-        return dict(BLOCK_N=32 if head_dim <= 128 else 16, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=32, num_warps=1, num_stages=1)  # interpreter: ignored except BLOCK_N
+        return Tiles(block_n=32 if head_dim <= 128 else 16, num_warps=4, num_stages=1)
+    return Tiles(block_n=32, num_warps=1, num_stages=1)  # interpreter: only block_n matters
 
 
 def decode_attention(
@@ -150,12 +151,16 @@ def decode_attention(
     num_kv_splits: int,
     sliding_window: int | None = None,
     index_map: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Decode attention into ``o``.
 
     q, o: ``[B, H_q, D]`` (last dim contiguous); k_buf, v_buf: ``[rows, H_kv, D]``;
     req_to_token: int32 ``[R, max_context]``; req_pool_indices, seq_lens: ``[B]`` (seq_lens
-    counts the query token, whose K/V must already be in the pool). ``num_kv_splits`` >= 1.
+    counts the query token, whose K/V must already be in the pool; a padding row of a CUDA
+    graph has seq_len 1 on row 0, slot 0). ``num_kv_splits`` >= 1. ``tiles``: stage 1's
+    launch tiles (``block_m`` unused; default :func:`default_tiles`). Reads only device
+    tensors and the host ints given, so it can be captured in a CUDA graph.
     """
     check_device(_decode_stage1_kernel, q)
     B, H_q, D = q.shape
@@ -177,7 +182,7 @@ def decode_attention(
 
     mid_o = torch.empty((B, H_q, num_kv_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, H_q, num_kv_splits), dtype=torch.float32, device=q.device)
-    cfg = _stage1_config(D, q.device)
+    cfg = tiles or default_tiles(D, q.device)
     has_map = index_map is not None
     _decode_stage1_kernel[(B, H_kv * blocks_per_kv, num_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
@@ -190,10 +195,10 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEADS_PER_PROG=heads_per_prog, BLOCKS_PER_KV=blocks_per_kv,
-        HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=BD, BLOCK_N=cfg["BLOCK_N"],
+        HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=BD, BLOCK_N=cfg.block_n,
         HAS_WINDOW=sliding_window is not None, HAS_INDEX_MAP=has_map,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_stage2_kernel[(B, H_q)](
         mid_o, mid_lse, o,

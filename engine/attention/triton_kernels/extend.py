@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention.triton_kernels.common import (
-    LOG2E, block_d, check_device, cuda_capability, dot_precision)
+    LOG2E, Tiles, block_d, check_device, cuda_capability, dot_precision)
 
 
 @triton.jit
@@ -120,12 +120,12 @@ def _extend_kernel(
              out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _config(head_dim: int, elem_size: int, device: torch.device) -> dict:
-    """Tile sizes per GPU: shared memory holds the q tile plus num_stages K and V tiles
-    (about 49 KB for bf16 at 128/64/D=128, 164 KB for fp32 at the same tiles)."""
+def default_tiles(head_dim: int, elem_size: int, device: torch.device) -> Tiles:
+    """Tiles when the caller gives none. Shared memory holds the q tile plus num_stages K and V
+    tiles (about 49 KB for bf16 at 128/64/D=128, 164 KB for fp32 at the same tiles)."""
     major, minor = cuda_capability(device)
     if major == 0:  # interpreter: small blocks so small tests still cross block boundaries
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+        return Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
     big_smem = major >= 9 or (major, minor) == (8, 0)  # H100/H200: 227 KB, A100: 163 KB
     small_d = head_dim <= 128
     if major < 8:
@@ -141,7 +141,7 @@ def _config(head_dim: int, elem_size: int, device: torch.device) -> dict:
         else:
             m, n, stages = (32, 32, 1) if small_d else (16, 32, 1)
     warps = 4 if head_dim <= 64 or m <= 32 else 8
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+    return Tiles(block_m=m, block_n=n, num_warps=warps, num_stages=stages)
 
 
 def extend_attention(
@@ -160,6 +160,7 @@ def extend_attention(
     scale: float,
     sliding_window: int | None = None,
     index_map: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Extend attention into ``o``.
 
@@ -167,6 +168,7 @@ def extend_attention(
     ``[rows, H_kv, D]`` (the pool, holding each sequence's prefix); req_to_token: int32
     ``[R, max_context]``; req_pool_indices, prefix_lens, extend_lens, extend_starts: ``[B]``.
     ``max_extend_len`` >= max(extend_lens) (a host int, so the grid needs no device sync).
+    ``tiles``: launch tiles (``block_m`` required; default :func:`default_tiles`).
     """
     check_device(_extend_kernel, q)
     T, H_q, D = q.shape
@@ -180,9 +182,11 @@ def extend_attention(
                     ("k_buf", k_buf), ("v_buf", v_buf)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    cfg = _config(D, q.element_size(), q.device)
+    cfg = tiles or default_tiles(D, q.element_size(), q.device)
+    if not cfg.block_m:
+        raise ValueError(f"extend_attention needs tiles with block_m, got {cfg}")
     has_map = index_map is not None
-    grid = (B, H_q, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
+    grid = (B, H_q, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q, k_new, v_new, o, k_buf, v_buf,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
@@ -193,9 +197,9 @@ def extend_attention(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         GROUP=H_q // H_kv, HEAD_DIM=D,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(D),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(D),
         HAS_WINDOW=sliding_window is not None, HAS_INDEX_MAP=has_map,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o

@@ -1,0 +1,202 @@
+"""KVCopier: moves rows between a device pool's data and its host mirror: ``[L, K, rows, ...]``
+tensors, the same but for ``rows`` (a KV pool's ``kv_data`` ``[L, 2, rows, H_kv, D]``, a state
+pool's ``[L, 1, slots + 1, *state]``), all layers and kinds at once. The host tier (host.py)
+decides which rows move; this module only copies them.
+
+On the CPU both directions are plain run-by-run copies, finished when the call returns.
+
+On CUDA (device pool on a GPU, host pool pinned) the engine's step loop never waits for a PCIe
+transfer, and a forward step that needs restored KV waits for it on the GPU, not on the host:
+
+``to_host(dev_slots, host_slots)`` (retraction backup, write-through, eviction backup)::
+
+    side stream:  wait for the compute stream (the KV is written)
+                  gather dev_slots -> a contiguous device buffer [L, K, n, ...]     -> event `read`
+                  D2H copy of that buffer -> pinned staging                         -> event `done`
+    host:         waits for `read` only (the gather kernel: microseconds when called between
+                  steps, as the engine does), so ``dev_slots`` may be freed and reused by anyone
+                  (the compute stream, a NIXL write) as soon as the call returns.
+                  The host pool's rows are written once `done` has fired: by :meth:`poll`
+                  (never blocks), or before anything reads them (:meth:`to_device` of the same
+                  host slots, :meth:`synchronize`).
+
+``to_device(host_slots, dev_slots)`` (restore, load-back)::
+
+    host:         gather host_slots -> pinned staging (a memcpy on the host)
+    side stream:  wait for the compute stream (the device slots are idle)
+                  H2D copy, scatter into dev_slots                                   -> event `done`
+    compute:      waits for `done` (on the GPU), so the next forward step reads the restored KV
+
+Ordering the cache relies on (no call below needs :meth:`synchronize` first):
+
+- device slots passed to ``to_host`` may be freed as soon as it returns;
+- host slots may be freed at any time: writes into the host pool land in issue order, so a
+  later copy into a reused host slot lands after an earlier one, and ``to_device`` first
+  lands every earlier write to the slots it reads;
+- :meth:`synchronize` finishes every copy issued so far (the host pool is complete): for
+  ``check()``, benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+_MAX_RUNS = 64  # past this many runs one indexed copy beats a Python loop of slice copies
+
+
+def _copy_runs(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+               src_slots: torch.Tensor) -> None:
+    """``dst[:, :, dst_slots] = src[:, :, src_slots]`` for ``[L, K, rows, ...]`` pools.
+
+    Slots come in page-contiguous runs (the allocator hands out whole pages, usually adjacent), so
+    the copy is done run by run with ``copy_`` on slices: memcpy speed, and no gathered temporary
+    (an indexed copy materializes one, page-faulting a fresh buffer of the whole size each time).
+    """
+    n = len(src_slots)
+    if n == 0:
+        return
+    src_slots = src_slots.to(torch.int64)
+    dst_slots = dst_slots.to(torch.int64)
+    if n > 1:
+        brk = torch.nonzero((src_slots[1:] - src_slots[:-1] != 1) |
+                            (dst_slots[1:] - dst_slots[:-1] != 1)).flatten() + 1
+    else:
+        brk = torch.empty(0, dtype=torch.int64)
+    if len(brk) >= _MAX_RUNS:
+        dst[:, :, dst_slots] = src[:, :, src_slots]
+        return
+    starts = [0, *brk.tolist()]
+    ends = [*brk.tolist(), n]
+    for b, e, s0, d0 in zip(starts, ends, src_slots[starts].tolist(), dst_slots[starts].tolist()):
+        dst[:, :, d0:d0 + e - b].copy_(src[:, :, s0:s0 + e - b])
+
+
+def _pinned_index(slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` as a pinned int64 CPU tensor: its H2D copy is truly asynchronous (a pageable
+    source may make the driver wait for the stream)."""
+    out = torch.empty(len(slots), dtype=torch.int64, pin_memory=True)
+    out.copy_(slots.to(device="cpu", dtype=torch.int64))
+    return out
+
+
+@dataclass
+class _ToHost:
+    """A D2H copy in flight: ``staging`` lands in the host pool at ``host_slots`` after ``done``."""
+
+    done: "torch.cuda.Event"
+    staging: torch.Tensor      # pinned [L, K, n, ...]
+    host_slots: torch.Tensor   # [n] int64, CPU
+    gathered: torch.Tensor     # the device buffer the D2H copy reads (kept alive until done)
+
+
+class KVCopier:
+    """Moves rows between ``dev_data`` and ``host_data`` (``[L, K, rows, ...]``, the same but for
+    ``rows``). See the module docstring for what each call waits for on CUDA."""
+
+    def __init__(self, dev_data: torch.Tensor, host_data: torch.Tensor):
+        if dev_data.shape[:2] != host_data.shape[:2] or dev_data.shape[3:] != host_data.shape[3:]:
+            raise ValueError(f"device rows {tuple(dev_data.shape)} and host rows {tuple(host_data.shape)} "
+                             "differ in more than the row count")
+        self.dev_data = dev_data
+        self.host_data = host_data
+        self.device = dev_data.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pending: deque[_ToHost] = deque()   # D2H copies, in issue order
+        self._inflight: deque = deque()           # (event, staging, device data) of H2D copies
+
+    # -- the two directions ---------------------------------------------------------------------
+    def to_host(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Copy device ``dev_slots`` [n] to host ``host_slots`` [n]. On return the device slots
+        may be reused; the host rows are complete after :meth:`poll` / :meth:`synchronize`."""
+        if len(dev_slots) != len(host_slots):
+            raise ValueError(f"to_host: {len(dev_slots)} device slots but {len(host_slots)} host slots")
+        if not self.cuda:
+            _copy_runs(self.host_data, host_slots, self.dev_data, dev_slots)
+            return
+        if len(dev_slots) == 0:
+            return
+        idx = _pinned_index(dev_slots)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV is written
+        with torch.cuda.stream(self.stream):
+            gathered = self.dev_data.index_select(2, idx.to(self.device, non_blocking=True))
+            read = torch.cuda.Event()
+            read.record(self.stream)
+            staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            staging.copy_(gathered, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        read.synchronize()          # the device slots have been read: free to reuse
+        self._pending.append(_ToHost(done, staging, host_slots.to(device="cpu", dtype=torch.int64),
+                                     gathered))
+
+    def to_device(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None:
+        """Copy host ``host_slots`` [n] to device ``dev_slots`` [n]. Work queued on the current
+        (compute) stream after this call sees the copied KV."""
+        if len(dev_slots) != len(host_slots):
+            raise ValueError(f"to_device: {len(host_slots)} host slots but {len(dev_slots)} device slots")
+        if not self.cuda:
+            _copy_runs(self.dev_data, dev_slots, self.host_data, host_slots)
+            return
+        n = len(host_slots)
+        if n == 0:
+            return
+        host_slots = host_slots.to(device="cpu", dtype=torch.int64)
+        self._land_writes_to(host_slots)          # a load may read what a write-through wrote
+        shape = (*self.host_data.shape[:2], n, *self.host_data.shape[3:])
+        staging = torch.empty(shape, dtype=self.host_data.dtype, pin_memory=True)
+        torch.index_select(self.host_data, 2, host_slots, out=staging)   # host gather, pinned
+        idx = _pinned_index(dev_slots)
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)          # the device slots are idle
+        with torch.cuda.stream(self.stream):
+            data = staging.to(self.device, non_blocking=True)
+            self.dev_data.index_copy_(2, idx.to(self.device, non_blocking=True), data)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        compute.wait_event(done)                  # the GPU waits, the host does not
+        self._inflight.append((done, staging, data))
+
+    # -- retiring -------------------------------------------------------------------------------
+    def _land_one(self) -> None:
+        """Block until the oldest D2H copy is done and write its rows into the host pool."""
+        p = self._pending.popleft()
+        p.done.synchronize()
+        _copy_runs(self.host_data, p.host_slots, p.staging,
+                   torch.arange(len(p.host_slots), dtype=torch.int64))
+
+    def _land_writes_to(self, host_slots: torch.Tensor) -> None:
+        """Land pending D2H copies, oldest first, up to the last one that writes any of
+        ``host_slots`` (later ones stay in flight)."""
+        last = -1
+        for i, p in enumerate(self._pending):
+            if torch.isin(p.host_slots, host_slots).any():
+                last = i
+        for _ in range(last + 1):
+            self._land_one()
+
+    def poll(self) -> None:
+        """Retire the copies that are done, in issue order, without blocking on the GPU."""
+        if not self.cuda:
+            return
+        while self._pending and self._pending[0].done.query():
+            self._land_one()
+        while self._inflight and self._inflight[0][0].query():   # one stream: done in order
+            self._inflight.popleft()
+
+    def synchronize(self) -> None:
+        """Finish every copy issued so far (the host pool holds every row written to it)."""
+        if not self.cuda:
+            return
+        while self._pending:
+            self._land_one()
+        while self._inflight:
+            self._inflight.popleft()[0].synchronize()
+
+    @property
+    def in_flight(self) -> int:
+        """Copies issued and not yet retired (both directions)."""
+        return len(self._pending) + len(self._inflight)
