@@ -8,7 +8,9 @@ worker (asyncio, another thread) reaches it, with typed methods:
                                           prompt (the request waits in WAITING_FOR_KV); hybrid
                                           models also reserve SWA rows of the kept window and
                                           the working state row (engine/hybrid.py)
-    activate(rid, first_token, on_chunk)  the KV arrived: decode from here, chunks to on_chunk
+    activate(rid, first_token, on_chunk, first_logprob)
+                                          the KV arrived: decode from here, chunks to on_chunk
+                                          (the first one carries prefill's token and logprob)
     cancel(rid, why)                      the transfer failed or was aborted: free the pages
     reserved_tokens(rid) -> int           tokens a reservation holds (for quarantine accounting)
     page_digest(regions) -> str           digest of the received regions' pages (``--kv-digest``)
@@ -28,7 +30,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Callable
 
-from tandem.core.types import InvalidRequest, Req, StreamChunk
+from tandem.core.types import InvalidRequest, Req, StreamChunk, TokenLogprob
 from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_digest import corrupt_page, regions_digest
 from tandem.engine.kv_regions import KV, kv_regions
@@ -67,8 +69,8 @@ class DecodeInbox:
         regions = tuple(RegionPages(n, ids) for n, ids in named.items() if n in self.regions)
         return Reservation(p, pages, regions)
 
-    def activate(self, rid: str, first_token: int) -> StreamChunk:
-        return self.sched.resume(self.reserved.pop(rid), first_token)
+    def activate(self, rid: str, first_token: int, first_logprob: TokenLogprob | None = None) -> StreamChunk:
+        return self.sched.resume(self.reserved.pop(rid), first_token, first_logprob)
 
     def cancel(self, rid: str, error: str | None = None) -> StreamChunk | None:
         sr = self.reserved.pop(rid, None)
@@ -99,12 +101,15 @@ class DecodeHandle(EngineHandle):
         """Raises InvalidRequest for a prompt this engine can never serve."""
         return await self._run(self.inbox.reserve, req)
 
-    def activate(self, rid: str, first_token: int,
-                 on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future:
-        """Start decoding ``rid``; its chunks (the first token's included) go to ``on_chunk``
-        from the engine thread. The future fails if activation raised."""
+    def activate(self, rid: str, first_token: int, on_chunk: Callable[[StreamChunk], None],
+                 first_logprob: TokenLogprob | None = None) -> concurrent.futures.Future:
+        """Start decoding ``rid``; its chunks (the first token's included, with
+        ``first_logprob`` when the request asked for logprobs) go to ``on_chunk`` from the engine
+        thread. A constrained request's grammar continues from the first token. The future
+        fails if activation raised."""
         self.check_alive()
-        return self.engine.call(self.inbox.activate, rid, first_token, on_chunk=on_chunk, rid=rid)
+        return self.engine.call(self.inbox.activate, rid, first_token, first_logprob,
+                                on_chunk=on_chunk, rid=rid)
 
     async def cancel(self, rid: str, why: str) -> None:
         await self._run(self.inbox.cancel, rid, why)

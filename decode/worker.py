@@ -46,7 +46,7 @@ from prometheus_client import Counter, Histogram
 
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import InvalidRequest, Req, StreamChunk
+from tandem.core.types import InvalidRequest, Req, StreamChunk, TokenLogprob
 from tandem.decode.inbox import DecodeHandle, Reservation
 from tandem.engine.role_worker import REGION, RoleWorker
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
@@ -92,6 +92,7 @@ class _Job:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     timings: dict = field(default_factory=dict)
+    logprobs: bool = False     # the request asked for logprobs (prefill must send the first one's)
 
 
 class DecodeWorker(RoleWorker):
@@ -150,6 +151,7 @@ class DecodeWorker(RoleWorker):
         for t in greq.prompt_ids:
             if not 0 <= t < vocab:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        await self.handle.check_constraint(greq.params)   # a grammar that cannot compile: 400
         n = len(greq.prompt_ids)
         remote = prefill is not None and prefill.name in self.agent.peers
         if remote and self.local_prefill_threshold > 0:
@@ -159,7 +161,7 @@ class DecodeWorker(RoleWorker):
         self.counts[path] += 1
         self._path.labels(path).inc()
         if remote:
-            job = self._jobs[greq.rid] = _Job(greq.rid)
+            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs)
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
@@ -237,8 +239,10 @@ class DecodeWorker(RoleWorker):
             job.phase = "decode"
             q: asyncio.Queue[StreamChunk] = asyncio.Queue()
             loop = asyncio.get_running_loop()
+            first_lp = None if result.first_logprob is None else TokenLogprob(
+                result.first_token, result.first_logprob, result.first_top_logprobs)
             fut = self.handle.activate(rid, result.first_token,
-                                       lambda c: loop.call_soon_threadsafe(q.put_nowait, c))
+                                       lambda c: loop.call_soon_threadsafe(q.put_nowait, c), first_lp)
 
             def activated(f) -> None:   # activate raised: no chunk will come, say why
                 if f.exception() is not None:
@@ -330,7 +334,11 @@ class DecodeWorker(RoleWorker):
 
     async def _verify(self, job: _Job, res: Reservation, result: PrefillResult) -> None:
         """``--kv-digest``: the received pages must hash to what prefill sent (no write is in
-        flight any more: the result arrived)."""
+        flight any more: the result arrived). A request that asked for logprobs needs the first
+        token's from prefill."""
+        if job.logprobs and result.first_logprob is None:
+            raise TransferFailed(f"prefill worker {result.worker} sent no logprob for the first "
+                                 f"token of {job.rid}, which asked for logprobs")
         if not self.kv_digest:
             return
         regions = res.regions or (RegionPages(REGION, res.pages),)

@@ -9,7 +9,13 @@ API (thread-safe):
 - ``abort(rid)``: finish a request with reason "abort"; its KV is released.
 - ``handle()``: the :class:`~tandem.engine.handle.EngineHandle` workers use (typed, async).
 - ``shutdown()``: stop the thread (pending requests finish with "abort").
-Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing.
+Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing; a
+constraint that does not compile raises it from ``stream``'s first ``__anext__`` (and finishes a
+``submit``-ted request as "abort" with the compiler's message).
+
+Constrained decoding: ``grammar()`` is the engine's :class:`~tandem.engine.grammar.GrammarCompiler`,
+built on the first constrained request (an engine that never sees one never builds it). Compiles
+run on its thread pool, never on the engine thread.
 
 The engine thread runs the loop: drain the inbox, then one step --
 ``plan = scheduler.schedule()``; ``runner.forward(kv.forward_batch(plan))``; the sampler picks the
@@ -129,8 +135,10 @@ class Engine:
             # lpm orders by what the cache holds: with no cache it is fcfs
             schedule_policy=sc.schedule_policy if self.cache.retains else "fcfs",
             retraction_policy=sc.retraction_policy, debug_invariants=cc.debug_invariants,
-            debug_retract_every=sc.debug_retract_every)
-        self.sampler = Sampler(cfg.seed)
+            debug_retract_every=sc.debug_retract_every, grammar=self.grammar)
+        self.sampler = Sampler(cfg.seed, grammar=self.grammar)
+        self._grammar = None
+        self._grammar_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, Callable[[StreamChunk], None]] = {}
         self._wake = threading.Event()
@@ -170,6 +178,21 @@ class Engine:
                                  events=self._kv_events)
 
     # ------------------------------------------------------------------ public API
+    def grammar(self):
+        """The engine's GrammarCompiler (thread-safe; built on first use: llguidance's tokenizer
+        over this model's vocabulary and logits width)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from tandem.engine.grammar import GrammarCompiler
+                self._grammar = GrammarCompiler(self.tokenizer, vocab_size=self.arch.vocab_size)
+            return self._grammar
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Compile ``params.constraint`` (off the event loop and the engine thread; cached);
+        raises InvalidRequest when it does not compile. A no-op without a constraint."""
+        if params.constraint is not None:
+            await asyncio.wrap_future(self.grammar().compile(params.constraint))
+
     @property
     def error(self) -> BaseException | None:
         """The exception that stopped the engine thread, or None while it is healthy."""
@@ -196,7 +219,7 @@ class Engine:
             if not 0 <= t < self.arch.vocab_size:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
         self.scheduler.validate(req)
-        self._inbox.put(("add", req, on_chunk))
+        self._inbox.put(("add", (req, greq.group), on_chunk))
         self._wake.set()
 
     def abort(self, rid: str, error: str | None = None) -> None:
@@ -206,6 +229,7 @@ class Engine:
     async def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        await self.check_constraint(greq.params)   # a bad grammar is InvalidRequest here (400)
         self.submit(greq, lambda c: loop.call_soon_threadsafe(q.put_nowait, c))
         finished = False
         try:
@@ -293,6 +317,8 @@ class Engine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._grammar is not None:
+            self._grammar.shutdown()
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, chunks: list[StreamChunk]) -> None:
@@ -315,10 +341,10 @@ class Engine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, req, cb = msg
+                _, (req, group), cb = msg
                 self._callbacks[req.rid] = cb
                 try:
-                    self.scheduler.add(req)
+                    self.scheduler.add(req, group)
                 except InvalidRequest as e:
                     self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
             elif msg[0] == "call":
@@ -355,10 +381,11 @@ class Engine:
             rows = plan.sample_rows
             if rows:
                 sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
-                tokens = self.sampler.sample(sampled, [e.sr.req for e in plan.sampling], s.eos)
+                out = self.sampler.sample(sampled, [e.sr for e in plan.sampling], s.eos)
+                tokens, logprobs = out.tokens, out.logprobs
             else:
-                tokens = []
-            chunks = chunks + s.update(plan, tokens)
+                tokens, logprobs = [], None
+            chunks = chunks + s.update(plan, tokens, logprobs)
         self._emit(chunks)
         return plan
 

@@ -11,6 +11,7 @@ waiting forever on a dead engine thread. Role verbs live in the roles' subclasse
     handle.stream(greq)              async iterator of StreamChunk (a locally run request)
     handle.abort(rid, error)         finish a request (fire and forget)
     await handle.cached_prefix(ids)  tokens of ``ids`` the prefix cache holds (no side effect)
+    await handle.check_constraint(p) compile p.constraint (cached); InvalidRequest if it cannot
     await handle.snapshot()          EngineSnapshot: pool accounting and queue lengths
     await handle.check_invariants()  the ownership recount (raises AssertionError)
     handle.check_alive()             raises if the engine thread died
@@ -98,6 +99,11 @@ class EngineHandle:
 
     def abort(self, rid: str, error: str | None = None) -> None:
         self.engine.abort(rid, error=error)
+
+    async def check_constraint(self, params) -> None:
+        """Compile ``params.constraint`` on the engine's grammar pool (not the engine thread);
+        raises InvalidRequest when it does not compile, before anything is reserved."""
+        await self.engine.check_constraint(params)
 
     # -- reading ---------------------------------------------------------------------------------
     async def cached_prefix(self, ids: list[int]) -> int:

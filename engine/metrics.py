@@ -41,6 +41,9 @@ class EngineCollector(Collector):
         yield counter("tandem_worker_prompt_tokens", "prompt tokens admitted", st["prompt_tokens"])
         yield counter("tandem_worker_cached_prompt_tokens", "prompt tokens served from the prefix cache",
                       st["cached_tokens"])
+        yield counter("tandem_worker_prompt_tokens_computed",
+                      "prompt tokens run through the model (re-prefills and n > 1 siblings included)",
+                      st["prompt_tokens_computed"])
         yield counter("tandem_worker_generated_tokens", "tokens sampled", st["generated_tokens"])
         yield counter("tandem_worker_evicted_tokens", "tokens evicted from the prefix cache",
                       st["evicted_tokens"])

@@ -1,11 +1,12 @@
 """Per-request output tracking: finish conditions and streamed text.
 
-``OutputTracker.on_token(tok)`` is called once per sampled token after it is appended to
-``req.output_ids``; it returns the text that became safe to stream and a finish reason (or None).
+``OutputTracker.on_token(tok, grammar_done)`` is called once per sampled token after it is appended
+to ``req.output_ids``; it returns the text that became safe to stream and a finish reason (or None).
 
 Finish rules, first match wins: a stop token id or EOS (unless ``ignore_eos``) -> "stop";
-a stop string in the text -> "stop" (the returned text ends before it); ``max_tokens`` reached or
-the context full -> "length". Text is held back while it ends in an incomplete UTF-8 sequence or
+a stop string in the text -> "stop" (the returned text ends before it; ``stop_str`` names it);
+the request's grammar is complete (``grammar_done``: it wins over ``ignore_eos`` and
+``min_tokens``) -> "stop"; ``max_tokens`` reached or the context full -> "length". Text is held back while it ends in an incomplete UTF-8 sequence or
 in a prefix of a stop string, so a stream never shows text that is later retracted.
 """
 
@@ -21,6 +22,7 @@ class OutputTracker:
         self.max_context = max_context
         self.sent = 0            # characters of text already returned
         self.text = ""           # final text once finished
+        self.stop_str: str | None = None   # the stop string that finished the request
         p = req.params
         self._stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
@@ -34,17 +36,20 @@ class OutputTracker:
             ids = ids[:-1]
         return self.tok.decode(ids)
 
-    def on_token(self, tok: int) -> tuple[str, str | None]:
+    def on_token(self, tok: int, grammar_done: bool = False) -> tuple[str, str | None]:
         req = self.req
         finish: str | None = None
         if tok in self._stop_ids and len(req.output_ids) >= req.params.min_tokens:
             finish = "stop"
         text = self._decoded()
         if self._stops:
-            cut = min((i for i in (text.find(s, max(0, self.sent - self._max_hold)) for s in self._stops)
-                       if i >= 0), default=-1)
-            if cut >= 0 and len(req.output_ids) >= req.params.min_tokens:
+            start = max(0, self.sent - self._max_hold)
+            found = [(i, s) for s in self._stops if (i := text.find(s, start)) >= 0]
+            if found and len(req.output_ids) >= req.params.min_tokens:
+                cut, self.stop_str = min(found, key=lambda f: f[0])
                 text, finish = text[:cut], "stop"
+        if finish is None and grammar_done:
+            finish = "stop"
         if finish is None and (len(req.output_ids) >= req.params.max_tokens
                                or req.seq_len >= self.max_context):
             finish = "length"

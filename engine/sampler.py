@@ -1,26 +1,56 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Batched sampling: grammar bitmask, min_tokens bans, greedy / temperature / top-k / top-p,
+per-request seeds, logprobs.
 
-``sample(logits [B, V], reqs) -> list[int]``. Greedy rows take ``argmax``. Sampled rows use a
-per-request ``torch.Generator`` seeded from ``params.seed`` (so a seeded request is reproducible
-whatever it is batched with); unseeded requests draw from the engine's generator.
+``sample(logits [B, V], srs, eos_ids) -> Sampled``; row ``i`` belongs to ``srs[i]`` (a SchedReq:
+its ``req`` and, when the request is constrained, its grammar ``matcher``). Per row, in order:
+
+1. the constraint's bitmask (rows with a matcher; one ``[B, W]`` bitmask filled in one llguidance
+   call, applied to those rows only: unconstrained rows are untouched);
+2. the ``min_tokens`` bans of EOS / stop tokens, unless that would leave a constrained row with no
+   token at all (the grammar wins);
+3. logprobs, for rows that asked: engine/logprobs.py's definition (log_softmax of the logits after
+   1 and 2, before 3);
+4. greedy rows take ``argmax``; sampled rows scale by temperature, cut by top-k / top-p and draw with
+   a per-request ``torch.Generator`` seeded from ``params.seed`` (reproducible whatever the request
+   is batched with); unseeded requests draw from the engine's generator.
+
+A constrained row whose grammar allows no token gets ``None`` (the scheduler ends the request with
+an error). A batch with no constraint and no logprobs does no work beyond today's min_tokens check.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-from tandem.core.types import Req
+from tandem.core.types import TokenLogprob
+from tandem.engine.grammar import apply_bitmask
+from tandem.engine.logprobs import token_logprobs
+
+
+@dataclass
+class Sampled:
+    """``tokens[i]``: the token for row i (None: its grammar allowed nothing). ``logprobs``: None
+    when no row asked, else one entry per row (None for rows that did not ask)."""
+
+    tokens: list[int | None]
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, grammar: Callable[[], object] | None = None):
+        """``grammar``: returns the engine's GrammarCompiler (called only for batches with a
+        constrained row; it fills the bitmask)."""
         self._gen = torch.Generator().manual_seed(seed)
         self._req_gens: dict[str, torch.Generator] = {}
+        self._grammar = grammar
 
     def forget(self, rid: str) -> None:
         self._req_gens.pop(rid, None)
 
-    def _generator(self, req: Req) -> torch.Generator:
+    def _generator(self, req) -> torch.Generator:
         if req.params.seed is None:
             return self._gen
         g = self._req_gens.get(req.rid)
@@ -28,38 +58,69 @@ class Sampler:
             g = self._req_gens[req.rid] = torch.Generator().manual_seed(req.params.seed)
         return g
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: frozenset[int]) -> list[int]:
-        """logits: [B, V] float -> one token id per request (row i belongs to reqs[i])."""
+    def sample(self, logits: torch.Tensor, srs: list, eos_ids: frozenset[int]) -> Sampled:
+        """logits: [B, V] float -> Sampled (row i belongs to srs[i])."""
         logits = logits.float()
+        reqs = [sr.req for sr in srs]
+        constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         owned = False  # logits may be the model's (inference-mode) output: copy before editing
+        if constrained:
+            logits, owned = logits.clone(), True
+            bitmask = self._grammar().allocate_bitmask(len(srs))        # [B, W] int32, all allowed
+            self._grammar().fill_bitmasks(constrained, bitmask)
+            apply_bitmask(logits, bitmask, [i for _, i in constrained])
+        masked = {i for _, i in constrained}
         for i, r in enumerate(reqs):  # min_tokens: forbid finishing tokens early
             if len(r.output_ids) < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_ids))
                 if banned:
                     if not owned:
                         logits, owned = logits.clone(), True
+                    if i in masked:   # the grammar wins: never ban its only way out
+                        ban = list(banned)
+                        rest = logits[i].clone()
+                        rest[ban] = float("-inf")
+                        if not torch.isfinite(rest).any():
+                            continue
                     logits[i, list(banned)] = float("-inf")
+        dead: set[int] = set()
+        if masked:
+            rows = sorted(masked)
+            alive = torch.isfinite(logits[rows]).any(dim=1).tolist()     # [R]
+            dead = {i for i, ok in zip(rows, alive) if not ok}
+            for i in dead:   # no token allowed: draw anything (reported as None)
+                logits[i] = 0.0
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1).tolist()
-        # the per-request generators are CPU ones (same draws on any device): sample on the host
-        logits = logits.cpu()
-        out: list[int] = []
-        for i, r in enumerate(reqs):
-            row = logits[i]
-            p = r.params
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            row = row / p.temperature
-            if p.top_k > 0 and p.top_k < row.shape[-1]:
-                kth = torch.topk(row, p.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1.0:
-                sp, si = torch.sort(probs, descending=True)
-                cum = torch.cumsum(sp, dim=-1)
-                drop = (cum - sp) > p.top_p  # keep the smallest set whose mass reaches top_p
-                sp[drop] = 0.0
-                probs = torch.zeros_like(probs).scatter_(0, si, sp)
-            out.append(int(torch.multinomial(probs, 1, generator=self._generator(r))))
-        return out
+            tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+        else:   # the per-request generators are CPU ones (same draws on any device): sample on the host
+            host = logits.cpu()
+            tokens = [self._one(host[i], r) for i, r in enumerate(reqs)]
+        lps = None
+        asked = [i for i, r in enumerate(reqs) if r.params.logprobs and i not in dead]
+        if asked:
+            rows = logits if len(asked) == len(reqs) else logits[asked]
+            got = token_logprobs(rows, [tokens[i] for i in asked],
+                                 [reqs[i].params.top_logprobs for i in asked])
+            lps = [None] * len(reqs)
+            for i, lp in zip(asked, got):
+                lps[i] = lp
+        for i in dead:
+            tokens[i] = None
+        return Sampled(tokens, lps)
+
+    def _one(self, row: torch.Tensor, r) -> int:
+        p = r.params
+        if p.greedy:
+            return int(row.argmax())
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sp, dim=-1)
+            drop = (cum - sp) > p.top_p  # keep the smallest set whose mass reaches top_p
+            sp[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        return int(torch.multinomial(probs, 1, generator=self._generator(r)))

@@ -8,12 +8,18 @@ requests extend by how many tokens into which slots, plus requests finished with
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.core.messages import SampleGroup
 from tandem.core.types import Req, StreamChunk
 from tandem.engine.output import OutputTracker
+
+if TYPE_CHECKING:
+    from tandem.engine.grammar import Matcher
 
 
 @dataclass(eq=False)
@@ -32,11 +38,20 @@ class SchedReq:
     ``locked_len`` is page-aligned and ``== len(slots the cache returned)`` after every hand-over
     (0 with a null cache: the request then owns its whole row). The cache handle locked for the
     tree-owned range is ``req.last_node``.
+
+    Constrained decoding: ``grammar`` is the compile in flight (a Future of a CompiledGrammar,
+    set at ``Scheduler.add`` when the request has a constraint); ``matcher`` is the request's
+    grammar state, made once that future is done (at admission; a decode worker's ``resume``).
+    The matcher has accepted exactly ``req.output_ids``, so it survives retraction unchanged.
+    ``group``: the OpenAI ``n`` group the request samples for (core.messages.SampleGroup).
     """
 
     req: Req
     tracker: OutputTracker
     locked_len: int = 0
+    grammar: Future | None = None
+    matcher: Matcher | None = None
+    group: SampleGroup | None = None
 
     @property
     def rid(self) -> str:

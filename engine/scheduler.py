@@ -29,6 +29,20 @@ Role entry points (disaggregation; the roles' code lives in decode/ and prefill/
   :meth:`drop_detached` ends it (transfer failed or aborted);
 - prefill: :attr:`on_finish` may keep a finished request's KV (``True``: the hook now holds it and
   releases it with ``kv.release`` once sent).
+
+Constrained decoding (engine/grammar.py): ``add`` starts the constraint's compile (``grammar()``
+returns the engine's GrammarCompiler; compiles run on its thread pool, cached per constraint); a
+waiting request is not admitted until that future is done, and one that does not compile
+finishes as "abort" with the compiler's message. The step loop never waits on a compile. After
+each sampled token ``_on_token`` advances the request's matcher; a complete grammar finishes the
+request with "stop" (over ``ignore_eos`` and ``min_tokens``).
+
+OpenAI ``n`` (core.messages.SampleGroup): a group member is not admitted while a sibling here is
+still computing the prompt (``_sibling_prefilling``); once the sibling's prompt KV is cached the
+member's admission matches it, so the group computes the prompt once (all but the last, partial
+page). Whoever arrives first computes it, so a member never waits for a sibling that is not on
+this worker. ``stats["prompt_tokens_computed"]`` counts prompt positions actually run through the
+model (the n = 4 vs n = 1 figure).
 """
 
 from __future__ import annotations
@@ -38,7 +52,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk
+from tandem.core.messages import SampleGroup
+from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, TokenLogprob
 from tandem.engine.output import OutputTracker
 from tandem.engine.queue_policy import InStepPrefixes, order
 from tandem.engine.request_kv import RequestKV
@@ -54,8 +69,12 @@ class Scheduler:
     def __init__(self, *, kv: RequestKV, tokenizer, max_context: int, chunked_prefill_size: int,
                  max_batch_tokens: int, schedule_policy: str = "fcfs",
                  retraction_policy: str = "default", host_backup: bool = True,
-                 debug_invariants: bool = False, debug_retract_every: int = 0):
+                 debug_invariants: bool = False, debug_retract_every: int = 0,
+                 grammar: Callable[[], object] | None = None):
+        """``grammar``: returns the engine's GrammarCompiler (built on first use; None: this
+        scheduler refuses constrained requests)."""
         self.kv = kv
+        self.grammar = grammar
         self.tok = tokenizer
         self.max_context = max_context
         self.chunk = chunked_prefill_size
@@ -70,7 +89,9 @@ class Scheduler:
         self.on_finish: Callable[[SchedReq], bool] | None = None
         self._session_seen: dict[str, float] = {}   # session id -> when its latest request arrived
         self._decode_steps = 0
+        self._groups: dict[str, list[SchedReq]] = {}   # SampleGroup.id -> its members here
         self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "prompt_tokens_computed": 0,
                       "generated_tokens": 0, "evicted_tokens": 0, "retraction_restores": 0,
                       "retraction_recomputes": 0, "retraction_aborts": 0, "backup_tokens": 0,
                       "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0}
@@ -91,9 +112,10 @@ class Scheduler:
             raise InvalidRequest(
                 f"the prompt has {n} tokens but the KV pool holds {self.kv.alloc.size} tokens")
 
-    def add(self, req: Req) -> SchedReq:
-        """Queue ``req`` (validated first: raises InvalidRequest)."""
-        sr = self._track(req)
+    def add(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
+        """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its OpenAI ``n``
+        group, if any."""
+        sr = self._track(req, group)
         req.status = ReqStatus.WAITING
         self.waiting.append(sr)
         return sr
@@ -213,6 +235,10 @@ class Scheduler:
         for sr in self._admission_order():
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
+            if not self._grammar_ready(sr, plan):
+                continue   # compiling (off the loop), or failed (finished into plan.finished)
+            if sr.group is not None and self._sibling_prefilling(sr):
+                continue   # a sibling computes the shared prompt: hit it in the cache once cached
             if in_step is not None and in_step.should_wait(sr.req.all_ids):
                 continue   # an earlier request computes the shared prefix this step: hit it next step
             if not self._admit(sr):
@@ -227,6 +253,28 @@ class Scheduler:
             plan.add(sr, n, slots)
             budget -= n
 
+    def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:
+        """True when ``sr`` needs no grammar or its matcher is made. A failed compile finishes
+        the request (abort, the compiler's message) into ``plan.finished``."""
+        if sr.grammar is None or sr.matcher is not None:
+            return True
+        if not sr.grammar.done():
+            return False
+        try:
+            sr.matcher = sr.grammar.result().matcher()
+        except InvalidRequest as e:
+            self.waiting.remove(sr)
+            plan.finished.append(self._finish_unstarted(sr, str(e)))
+            return False
+        return True
+
+    def _sibling_prefilling(self, sr: SchedReq) -> bool:
+        """Another member of ``sr``'s group is running here and has not computed the prompt."""
+        for m in self._groups.get(sr.group.id, ()):
+            if m is not sr and m.rid in self.running and m.req.computed_len < len(m.req.prompt_ids):
+                return True
+        return False
+
     def _admission_order(self) -> list[SchedReq]:
         """``fcfs``: arrival order. ``lpm``: longest cached prefix first, and requests sharing a
         not-yet-cached prefix with an earlier one wait for it to be computed (SGLang's policy)."""
@@ -236,35 +284,49 @@ class Scheduler:
                      token_ids_fn=lambda sr: sr.req.all_ids, page_size=self.page_size)
 
     # ------------------------------------------------------------------ after the forward
-    def update(self, plan: StepPlan, tokens: list[int]) -> list[StreamChunk]:
-        """Apply a step's results: ``tokens[i]`` was sampled for ``plan.sampling[i]``."""
+    def update(self, plan: StepPlan, tokens: list[int | None],
+               logprobs: list[TokenLogprob | None] | None = None) -> list[StreamChunk]:
+        """Apply a step's results: ``tokens[i]`` was sampled for ``plan.sampling[i]`` (None: its
+        grammar allowed no token), with ``logprobs[i]`` when that request asked for them."""
         out: list[StreamChunk] = []
+        computed = 0
         for e in plan.entries:
+            r = e.sr.req
+            computed += max(0, min(r.computed_len + e.n, len(r.prompt_ids)) - r.computed_len)
             e.sr.req.computed_len += e.n
             self.kv.advanced(e.sr)
             if e.n > 1:   # a prompt chunk (not a decode step): share it with later requests now
                 self.kv.cache_prefix(e.sr)
+        self.stats["prompt_tokens_computed"] += computed
         now = time.monotonic()
-        for e, tok in zip(plan.sampling, tokens):
+        for i, (e, tok) in enumerate(zip(plan.sampling, tokens)):
             sr, r = e.sr, e.sr.req
             if r.first_token_time is None:
                 r.first_token_time = now
                 r.status = ReqStatus.RUNNING
-            out.append(self._on_token(sr, tok))
+            out.append(self._on_token(sr, tok, logprob=logprobs[i] if logprobs is not None else None))
         self.stats["steps"] += 1
         if self.debug:
             self.check_invariants()
         return out
 
-    def _on_token(self, sr: SchedReq, tok: int, sampled: bool = True) -> StreamChunk:
+    def _on_token(self, sr: SchedReq, tok: int | None, sampled: bool = True,
+                  logprob: TokenLogprob | None = None) -> StreamChunk:
         r = sr.req
+        m = sr.matcher
+        if m is not None and (tok is None or not m.accept(tok)):
+            what = "no token" if tok is None else f"token {tok}"
+            return self._finish(sr, "abort", "", error=(
+                f"the {m.constraint.kind} constraint allows {what} at output position "
+                f"{len(r.output_ids)}: {m.error or 'rejected'}"))
         r.output_ids.append(tok)
         if sampled:
             self.stats["generated_tokens"] += 1
-        text, finish = sr.tracker.on_token(tok)
+        text, finish = sr.tracker.on_token(tok, grammar_done=m is not None and m.is_terminated())
+        lps = (logprob,) if logprob is not None else ()
         if finish is not None:
-            return self._finish(sr, finish, text, last_ids=(tok,))
-        return StreamChunk(r.rid, (tok,), text)
+            return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps)
+        return StreamChunk(r.rid, (tok,), text, logprobs=lps)
 
     # ------------------------------------------------------------------ role entry points
     def admit_detached(self, req: Req) -> SchedReq | None:
@@ -284,14 +346,26 @@ class Scheduler:
         req.status = ReqStatus.WAITING_FOR_KV
         return sr
 
-    def resume(self, sr: SchedReq, first_token: int) -> StreamChunk:
-        """Decode: the detached request's KV arrived with its first token; it decodes from now."""
+    def resume(self, sr: SchedReq, first_token: int,
+               logprob: TokenLogprob | None = None) -> StreamChunk:
+        """Decode: the detached request's KV arrived with its first token (and, when the request
+        asked, that token's logprob as prefill computed it); it decodes from now. A constrained
+        request's matcher starts here and accepts the first token (``matcher_from(c, [first])``);
+        a grammar the first token completes finishes the request at once. The compile was
+        awaited before the reservation (decode/worker.py), so ``result()`` does not block unless
+        the grammar cache dropped it since (then it recompiles, sub-millisecond for typical
+        schemas)."""
         r = sr.req
         r.status = ReqStatus.RUNNING
         r.first_token_time = time.monotonic()
         self.running[r.rid] = sr
         self.kv.cache_prefix(sr)           # the received prompt is shareable now
-        return self._on_token(sr, first_token, sampled=False)   # prefill sampled it
+        if sr.grammar is not None and sr.matcher is None:
+            try:
+                sr.matcher = sr.grammar.result().matcher()
+            except InvalidRequest as e:
+                return self._finish(sr, "abort", "", error=str(e))
+        return self._on_token(sr, first_token, sampled=False, logprob=logprob)   # prefill sampled it
 
     def drop_detached(self, sr: SchedReq, error: str | None = None) -> StreamChunk:
         """Decode: the transfer failed or was aborted. The received range never became valid
@@ -302,11 +376,27 @@ class Scheduler:
         return self._finish(sr, "abort", "", error=error)
 
     # ------------------------------------------------------------------ helpers
-    def _track(self, req: Req) -> SchedReq:
+    def _track(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
         self.validate(req)
+        c = req.params.constraint
+        if c is not None and self.grammar is None:
+            raise InvalidRequest("this engine has no grammar engine: constrained decoding is off")
         if req.session_id is not None:
             self._session_seen[req.session_id] = time.monotonic()
-        return SchedReq(req, OutputTracker(req, self.tok, self.max_context))
+        sr = SchedReq(req, OutputTracker(req, self.tok, self.max_context), group=group)
+        if c is not None:
+            sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
+        if group is not None:
+            self._groups.setdefault(group.id, []).append(sr)
+        return sr
+
+    def _untrack(self, sr: SchedReq) -> None:
+        if sr.group is not None:
+            members = self._groups.get(sr.group.id)
+            if members is not None and sr in members:
+                members.remove(sr)
+                if not members:
+                    del self._groups[sr.group.id]
 
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):
@@ -340,19 +430,23 @@ class Scheduler:
         if not self.retraction.retract(sr):
             self.waiting.appendleft(sr)   # recompute: first in line
 
-    def _finish(self, sr: SchedReq, reason: str, text: str, last_ids=(), error=None) -> StreamChunk:
+    def _finish(self, sr: SchedReq, reason: str, text: str, last_ids=(), error=None,
+                logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
+        self._untrack(sr)
         held = reason != "abort" and self.on_finish is not None and self.on_finish(sr)
         if not held and r.req_pool_idx is not None:
             self.kv.release(sr)
         r.status = _STATUS.get(reason, ReqStatus.FINISHED_ABORT)
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
-                           len(r.output_ids), error)
+                           len(r.output_ids), error, logprobs=tuple(logprobs),
+                           stop_str=sr.tracker.stop_str if reason == "stop" else None)
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
         r = sr.req
+        self._untrack(sr)
         r.status, r.finish_reason, r.error = ReqStatus.FINISHED_ABORT, "abort", error
         r.finish_time = time.monotonic()
         return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,

@@ -165,6 +165,9 @@ class PrefillWorker(RoleWorker):
                 return out.fail(job.aborted, TransferState.ABORTED)
             return out.fail(f"prefill of {rid} on {self.name} failed: {last.error or 'aborted'}")
         out.f["first_token"] = last.token_ids[-1]
+        if last.logprobs:   # the request asked: the first token's logprob goes to decode with it
+            out.f["first_logprob"] = last.logprobs[-1].logprob
+            out.f["first_top_logprobs"] = last.logprobs[-1].top
         # (2) from here the request's KV is held: release it on every path below
         try:
             if job.aborted:

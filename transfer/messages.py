@@ -51,6 +51,13 @@ def _float(cls, name, v) -> float:
     return float(v)
 
 
+def _logprob(cls, name, v) -> float:
+    v = _float(cls, name, v)
+    if v > 0.0:
+        raise _fail(cls, name, "a log-probability (<= 0)", v)
+    return v
+
+
 def _list(cls, name, v) -> list:
     if not isinstance(v, (list, tuple)):
         raise _fail(cls, name, "a list", v)
@@ -224,6 +231,10 @@ class PrefillResult(_Message):
     must never reuse those pages. ``digest``: hex digest of the pages written ("" when the
     digest is off). ``cached_tokens``: prompt tokens prefill's cache served; ``prefill_s``:
     engine arrival to first token; ``transfer_s``: write posted to DONE.
+    ``first_logprob`` / ``first_top_logprobs``: when the request asked for logprobs, the first
+    token's logprob and its ``(token id, logprob)`` alternatives, most likely first, exactly as
+    the prefill engine's sampler computed them (None / () otherwise; alternatives only with a
+    logprob).
     """
 
     TYPE: ClassVar[str] = "prefill_result"
@@ -239,6 +250,8 @@ class PrefillResult(_Message):
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     digest: str = ""
+    first_logprob: float | None = None
+    first_top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -247,6 +260,7 @@ class PrefillResult(_Message):
     def _to_wire(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["status"] = self.status.value
+        d["first_top_logprobs"] = [[t, v] for t, v in self.first_top_logprobs]
         return d
 
     @classmethod
@@ -262,13 +276,27 @@ class PrefillResult(_Message):
                 raise _fail(cls, name, "a str", d[name])
         if not isinstance(d["in_flight"], bool):
             raise _fail(cls, "in_flight", "a bool", d["in_flight"])
+        lp = d["first_logprob"]
+        if lp is not None:
+            lp = _logprob(cls, "first_logprob", lp)
+        top = []
+        for i, pair in enumerate(_list(cls, "first_top_logprobs", d["first_top_logprobs"])):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise _fail(cls, f"first_top_logprobs[{i}]", "a [token id, logprob] pair", pair)
+            top.append((_int(cls, f"first_top_logprobs[{i}][0]", pair[0]),
+                        _logprob(cls, f"first_top_logprobs[{i}][1]", pair[1])))
+        if top and lp is None:
+            raise _fail(cls, "first_top_logprobs", "empty without a first_logprob", d["first_top_logprobs"])
+        if lp is not None and ft is None:
+            raise _fail(cls, "first_logprob", "None without a first_token", lp)
         return cls(transfer_id=_int(cls, "transfer_id", d["transfer_id"]), status=states[d["status"]],
                    worker=_str(cls, "worker", d["worker"]), first_token=ft, error=d["error"],
                    in_flight=d["in_flight"], bytes=_int(cls, "bytes", d["bytes"]),
                    pages=_int(cls, "pages", d["pages"]),
                    cached_tokens=_int(cls, "cached_tokens", d["cached_tokens"]),
                    prefill_s=_float(cls, "prefill_s", d["prefill_s"]),
-                   transfer_s=_float(cls, "transfer_s", d["transfer_s"]), digest=d["digest"])
+                   transfer_s=_float(cls, "transfer_s", d["transfer_s"]), digest=d["digest"],
+                   first_logprob=lp, first_top_logprobs=tuple(top))
 
 
 @dataclass(frozen=True)
