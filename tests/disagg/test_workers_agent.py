@@ -1,0 +1,193 @@
+"""Constraints, logprobs and n across the prefill -> decode hand-off (PrefillWorker + DecodeWorker
+in one process, real engines, real NIXL, SmolLM2; no Ray).
+
+The first token is sampled on the prefill worker under the grammar's mask and its logprob comes
+back in the PrefillResult; decode rebuilds the matcher from that token and continues. Greedy
+outputs, logprobs included, equal a colocated engine's, with the prefix cache on and off; a
+grammar the first token completes finishes at once; a constraint that does not compile is an
+InvalidRequest before anything is reserved; the members of an n group compute their prompt once
+on the prefill worker. Every test ends with both pools at their baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+
+from tandem.core.config import CacheConfig, EngineConfig
+from tandem.core.messages import GenerateRequest, SampleGroup
+from tandem.core.types import Constraint, InvalidRequest, SamplingParams
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PAGE = 4
+CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=1024,
+                                                                  max_running_requests=8))
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOL = 2e-3
+
+
+class LocalClient:
+    """The real prefill worker as decode's PrefillClient."""
+
+    def __init__(self, worker):
+        self.w, self.name = worker, worker.name
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
+
+    async def abort(self, rid, reason):
+        await self.w.abort(rid, reason)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2, loop):
+    from tandem.decode.worker import DecodeWorker
+    from tandem.engine.engine import Engine
+    from tandem.prefill.worker import PrefillWorker
+
+    async def make():
+        p = PrefillWorker("a-prefill", CFG, loaded=smollm2, transfer_timeout_s=20)
+        d = DecodeWorker("a-decode", CFG, loaded=smollm2, transfer_timeout_s=20)
+        p.add_peer(d.handshake())
+        d.add_peer(p.handshake())
+        return p, d
+
+    p, d = loop.run_until_complete(make())
+    coloc = Engine(CFG, loaded=smollm2)
+    nocache = Engine(CFG.model_copy(update={"cache": CFG.cache.model_copy(update={"disable_prefix_cache": True})}),
+                     loaded=smollm2)
+    yield p, d, coloc, nocache
+    for w in (p, d):
+        w.close()
+    coloc.shutdown()
+    nocache.shutdown()
+
+
+def run(loop, coro):
+    return loop.run_until_complete(asyncio.wait_for(coro, 120))
+
+
+async def collect(gen):
+    try:
+        return [c async for c in gen]
+    finally:
+        await gen.aclose()
+
+
+async def at_baseline(*ws, timeout: float = 15.0):
+    end = time.monotonic() + timeout
+    while True:
+        for w in ws:
+            if hasattr(w, "drain"):
+                await w.drain(timeout)
+        stats = [await w.stats() for w in ws]
+        if all(s["available_tokens"] + s["evictable_tokens"] == s["total_tokens"]
+               and s["live_transfers"] == 0 for s in stats):
+            return stats
+        if time.monotonic() > end:
+            raise AssertionError(f"pages still owned by requests: {stats}")
+        await asyncio.sleep(0.05)
+
+
+def chat(engine, text, rid=None, group=None, **params) -> GenerateRequest:
+    g = engine.make_request(text, SamplingParams(**params), chat=True, rid=rid or f"r-{uuid.uuid4().hex[:8]}")
+    return GenerateRequest(g.rid, g.prompt_ids, g.params, g.session_id, group)
+
+
+async def local(engine, greq):
+    return [c async for c in engine.stream(greq)]
+
+
+def ids(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def lps(chunks):
+    return [lp for c in chunks for lp in c.logprobs]
+
+
+def same_logprobs(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < TOL
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert all(abs(u - v) < TOL for (_, u), (_, v) in zip(x.top, y.top))
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_greedy_disaggregated_equals_colocated_cache_on_and_off(workers, loop, constrained):
+    p, d, coloc, nocache = workers
+    params = dict(max_tokens=30, logprobs=True, top_logprobs=3)
+    if constrained:
+        params["constraint"] = Constraint("json_schema", json.dumps(PERSON))
+    text = "Invent a person." if constrained else "What is the capital of France?"
+    out = run(loop, collect(d.generate(chat(coloc, text, **params), LocalClient(p))))
+    assert out[-1].error is None
+    if constrained:
+        assert out[-1].finish_reason == "stop"
+    assert len(out[0].logprobs) == len(out[0].token_ids) == 1     # prefill's first token, with its logprob
+    for e in (coloc, nocache):
+        ref = run(loop, local(e, chat(e, text, **params)))
+        assert ids(out) == ids(ref)
+        same_logprobs(lps(out), lps(ref))
+    if constrained:
+        jsonschema.validate(json.loads("".join(c.text for c in out)), PERSON)
+    run(loop, at_baseline(p, d))
+
+
+def test_grammar_completed_by_the_first_token_finishes_at_once(workers, loop):
+    p, d, coloc, _ = workers
+    g = chat(coloc, "Say yes.", max_tokens=20, ignore_eos=True, constraint=Constraint("regex", "(yes|no)"))
+    out = run(loop, collect(d.generate(g, LocalClient(p))))
+    assert out[-1].finish_reason == "stop" and out[-1].error is None
+    assert "".join(c.text for c in out) in ("yes", "no") and len(ids(out)) == 1
+    run(loop, at_baseline(p, d))
+
+
+def test_a_constraint_that_does_not_compile_is_refused_before_reserving(workers, loop):
+    p, d, coloc, _ = workers
+    g = chat(coloc, "x", max_tokens=4, constraint=Constraint("json_schema", '{"type": "nonsense"}'))
+    with pytest.raises(InvalidRequest, match="does not compile"):
+        run(loop, collect(d.generate(g, LocalClient(p))))
+    stats = run(loop, at_baseline(p, d))
+    assert stats[1]["jobs"] == 0
+
+
+def test_an_n_group_computes_its_prompt_once_on_the_prefill_worker(workers, loop):
+    p, d, coloc, _ = workers
+    text = f"Tell me about owls. ({uuid.uuid4().hex[:6]})"
+    st = p.engine.scheduler.stats
+
+    def group(seed):
+        gid = f"g-{uuid.uuid4().hex[:8]}"
+        return [chat(coloc, text, rid=f"{gid}-{i}", group=SampleGroup(gid, i, 3), max_tokens=8,
+                     temperature=0.9, seed=seed + i) for i in range(3)]
+
+    async def all_of(greqs):
+        return await asyncio.gather(*(collect(d.generate(g, LocalClient(p))) for g in greqs))
+
+    before = st["prompt_tokens_computed"]
+    first = run(loop, all_of(group(5)))
+    computed = st["prompt_tokens_computed"] - before
+    n = first[0][-1].prompt_tokens
+    cached = [o[-1].cached_tokens for o in first]
+    assert all(o[-1].error is None for o in first)
+    assert sorted(cached)[1:] == [(n - 1) // PAGE * PAGE] * 2      # two members reuse the prompt's pages
+    assert computed == sum(n - c for c in cached) < 2 * n
+    again = run(loop, all_of(group(5)))
+    assert [ids(o) for o in again] == [ids(o) for o in first]       # seeded: reproducible
+    run(loop, at_baseline(p, d))
