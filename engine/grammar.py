@@ -246,6 +246,7 @@ class GrammarCompiler:
         self.tokenizer_setup_s = 0.0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self._executor = llg.LLExecutor(num_threads=threads)
+        self._threads = threads
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._inflight: dict[tuple, Future] = {}
@@ -326,13 +327,19 @@ class GrammarCompiler:
         return m
 
     def fill_bitmasks(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """``fill_bitmask`` for many (matcher, row) pairs in one call: llguidance computes the rows
-        on its own threads with the GIL released."""
+        """``fill_bitmask`` for many (matcher, row) pairs in one call: with ``threads > 1``
+        llguidance computes the rows on its own threads with the GIL released; with one thread
+        (or one row) on the calling thread, which on a loaded CPU is faster than waking a worker."""
         if not matchers:
             return
         if not bitmask.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":
             raise ValueError("bitmask must be a contiguous int32 CPU tensor")
         b, w = bitmask.shape
+        if self._threads == 1 or len(matchers) == 1:   # on this thread: no hand-off to wait for
+            for m, row in matchers:
+                v = bitmask[row]
+                m._m.unsafe_compute_mask_ptr(v.data_ptr(), w * 4)
+            return
         self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in matchers],
                                                bitmask.data_ptr(), w * 4, b)
 

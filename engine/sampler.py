@@ -64,11 +64,17 @@ class Sampler:
         reqs = [sr.req for sr in srs]
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         owned = False  # logits may be the model's (inference-mode) output: copy before editing
+        dead: set[int] = set()
         if constrained:
             logits, owned = logits.clone(), True
-            bitmask = self._grammar().allocate_bitmask(len(srs))        # [B, W] int32, all allowed
-            self._grammar().fill_bitmasks(constrained, bitmask)
-            apply_bitmask(logits, bitmask, [i for _, i in constrained])
+            grammar = self._grammar()
+            bitmask = grammar.allocate_bitmask(len(srs))                  # [B, W] int32, all allowed
+            grammar.fill_bitmasks(constrained, bitmask)
+            rows = [i for _, i in constrained]
+            apply_bitmask(logits, bitmask, rows)
+            w = min(bitmask.shape[1], (logits.shape[1] + 31) // 32)
+            alive = (bitmask[rows, :w] != 0).any(dim=1).tolist()          # any token allowed
+            dead = {i for i, ok in zip(rows, alive) if not ok}
         masked = {i for _, i in constrained}
         for i, r in enumerate(reqs):  # min_tokens: forbid finishing tokens early
             if len(r.output_ids) < r.params.min_tokens:
@@ -83,13 +89,8 @@ class Sampler:
                         if not torch.isfinite(rest).any():
                             continue
                     logits[i, list(banned)] = float("-inf")
-        dead: set[int] = set()
-        if masked:
-            rows = sorted(masked)
-            alive = torch.isfinite(logits[rows]).any(dim=1).tolist()     # [R]
-            dead = {i for i, ok in zip(rows, alive) if not ok}
-            for i in dead:   # no token allowed: draw anything (reported as None)
-                logits[i] = 0.0
+        for i in dead:   # no token allowed: draw anything (reported as None)
+            logits[i] = 0.0
         if all(r.params.greedy for r in reqs):
             tokens: list[int | None] = logits.argmax(dim=-1).tolist()
         else:   # the per-request generators are CPU ones (same draws on any device): sample on the host
