@@ -33,7 +33,7 @@ from tandem.engine.logprobs import token_logprobs
 @dataclass
 class Sampled:
     """``tokens[i]``: the token for row i (None: its grammar allowed nothing). ``logprobs``: None
-    when no row asked, else one entry per row (None for rows that did not ask)."""
+    when no row that got a token asked, else one entry per row (None for rows that did not ask)."""
 
     tokens: list[int | None]
     logprobs: list[TokenLogprob | None] | None = None
