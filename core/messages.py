@@ -26,10 +26,12 @@ class SampleGroup:
 
     ``id`` names the group (the HTTP request's id); members are ``index`` 0..size-1, sent to the
     backend in index order, all with the same prompt_ids and session_id. Contract for a backend
-    that shares the prompt: member 0 (the leader) runs as usual; a member with ``index > 0`` is
-    admitted only once the leader's prompt KV is in the prefix cache (or the leader finished or
-    failed), so it reuses all of it but the last token; a disaggregated backend routes every
-    member to the leader's workers. Seeds differ per member (the front door sets seed + index).
+    that shares the prompt (engine/scheduler.py): a member is not admitted while a sibling on the
+    same worker is still computing the prompt (the leader, or whichever member arrived first),
+    then reuses that sibling's cached prompt KV (all of it but the last, partial page); a member
+    never waits for a sibling that is not on its worker, so a disaggregated backend must route
+    every member to the same prefill and decode workers for the prompt to be computed once.
+    Seeds differ per member (the front door sets seed + index).
     """
 
     id: str

@@ -319,6 +319,7 @@ class Engine:
         self._thread.join(timeout=30)
         if self._grammar is not None:
             self._grammar.shutdown()
+        self.sampler.close()
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, chunks: list[StreamChunk]) -> None:
@@ -377,11 +378,13 @@ class Engine:
         plan = s.schedule()
         chunks = plan.finished
         if plan.entries:
+            srs = [e.sr for e in plan.sampling]
+            masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
             logits = self.runner.forward(self.kv.forward_batch(plan))   # [B, V]
             rows = plan.sample_rows
             if rows:
                 sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
-                out = self.sampler.sample(sampled, [e.sr for e in plan.sampling], s.eos)
+                out = self.sampler.sample(sampled, srs, s.eos, masks)
                 tokens, logprobs = out.tokens, out.logprobs
             else:
                 tokens, logprobs = [], None

@@ -14,10 +14,11 @@ SGLang backend), chosen over xgrammar because, here:
 - one matcher API covers JSON Schema, regex, Lark (EBNF) grammars with embedded ``%json``, and lazy
   "structural tags" for tool calls in running text; ``rollback`` and ``deep_copy`` are built in.
 
-Pieces, and who calls what (phase 2 wires these into the sampler and scheduler):
+Pieces, and who calls what (the scheduler, the sampler and the decode hand-off; engine/README.md
+has the flow):
 
-- :class:`GrammarCompiler` (one per engine, built from the engine's tokenizer and the model's logits
-  width): ``compile(constraint) -> Future[CompiledGrammar]`` runs on a small thread pool, off the
+- :class:`GrammarCompiler` (one per engine, built on its first constrained request from the
+  engine's tokenizer and the model's logits width): ``compile(constraint) -> Future[CompiledGrammar]`` runs on a small thread pool, off the
   step loop, cached per ``Constraint.key()`` (an LRU of compiled grammars plus the futures in flight);
   a compile error is the future's :class:`InvalidRequest`.
 - :class:`Matcher` (one per request, from ``CompiledGrammar.matcher()``): ``fill_bitmask(bitmask,
@@ -25,6 +26,8 @@ Pieces, and who calls what (phase 2 wires these into the sampler and scheduler):
   complete (only EOS may follow: finish the request), ``rollback(k)``.
 - :func:`allocate_bitmask` / :func:`apply_bitmask`: one int32 ``[B, W]`` bitmask per batch; rows of
   unconstrained requests are left alone, so constrained and unconstrained requests share a batch.
+  The mask is added as a 0 / -inf bias gathered through a 256-entry byte table
+  (:func:`bitmask_bias`), ~4x cheaper on the CPU than unpacking bits and ``masked_fill``.
 - :meth:`GrammarCompiler.matcher_from` (the disaggregated path): the prefill worker samples the first
   token under the mask and sends only token ids; the decode worker rebuilds the matcher by replaying
   them. Matchers hold no state that is not a function of (constraint, accepted ids).
@@ -115,18 +118,22 @@ def _bias_table() -> torch.Tensor:
     return torch.where(bits == 1, 0.0, float("-inf")).float()
 
 
-_BIAS = _bias_table()
+_BIAS = {"cpu": _bias_table()}   # per device type (a CUDA copy is made on first use)
 
 
 def bitmask_bias(words: torch.Tensor) -> torch.Tensor:
-    """The additive mask of ``words`` ([R, W] int32 bitmask rows, CPU): [R, 32 * W] float32, 0 for an
-    allowed token and -inf for a forbidden one. One gather over the mask's bytes through a
-    256-entry table (4x faster on the CPU than unpacking bits with shifts and ``masked_fill``)."""
+    """The additive mask of ``words`` ([R, W] int32 bitmask rows, any device): [R, 32 * W] float32 on
+    the same device, 0 for an allowed token and -inf for a forbidden one. One gather over the
+    mask's bytes through a 256-entry table (4x faster on the CPU than unpacking bits with shifts
+    and ``masked_fill``)."""
     r = words.shape[0]
     by = words.contiguous().view(torch.uint8)                               # [R, 4W]
     if sys.byteorder != "little":   # the layout is of little-endian int32 words: byte 0 = bits 0-7
         by = by.view(r, -1, 4).flip(-1).reshape(r, -1)
-    return torch.nn.functional.embedding(by.long(), _BIAS).view(r, -1)      # [R, 32W]
+    table = _BIAS.get(str(words.device))
+    if table is None:
+        table = _BIAS[str(words.device)] = _BIAS["cpu"].to(words.device)
+    return torch.nn.functional.embedding(by.long(), table).view(r, -1)      # [R, 32W]
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -140,17 +147,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         raise ValueError(f"bitmask must be int32 [{b}, W] like logits [{b}, {v}], got "
                          f"{bitmask.dtype} {list(bitmask.shape)}")
     every = len(rows) == b and list(rows) == list(range(b))
-    idx = None if every else torch.tensor(rows, dtype=torch.long)
-    words = bitmask if every else bitmask.index_select(0, idx)            # [R, W]
-    bias = bitmask_bias(words)                                            # [R, 32W]
+    words = bitmask if every else bitmask.index_select(0, torch.tensor(rows, dtype=torch.long))   # [R, W]
+    add_bias(logits, bitmask_bias(words), rows)
+
+
+def add_bias(logits: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> None:
+    """``logits[rows[i]] += bias[i]`` in place (bias [R, 32W] from :func:`bitmask_bias`; logits
+    columns past ``32 * W`` become -inf). The other rows are untouched."""
+    b, v = logits.shape
     width = min(bias.shape[1], v)
     bias = bias[:, :width].to(device=logits.device, dtype=logits.dtype)
-    if every:
+    if len(rows) == b and list(rows) == list(range(b)):
         logits[:, :width].add_(bias)
         if width < v:
             logits[:, width:] = float("-inf")
         return
-    idx = idx.to(logits.device)
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     sub = logits.index_select(0, idx)
     sub[:, :width].add_(bias)
     if width < v:

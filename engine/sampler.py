@@ -1,11 +1,15 @@
 """Batched sampling: grammar bitmask, min_tokens bans, greedy / temperature / top-k / top-p,
 per-request seeds, logprobs.
 
-``sample(logits [B, V], srs, eos_ids) -> Sampled``; row ``i`` belongs to ``srs[i]`` (a SchedReq:
-its ``req`` and, when the request is constrained, its grammar ``matcher``). Per row, in order:
+``sample(logits [B, V], srs, eos_ids, masks) -> Sampled``; row ``i`` belongs to ``srs[i]`` (a
+SchedReq: its ``req`` and, when the request is constrained, its grammar ``matcher``). Per row, in
+order:
 
 1. the constraint's bitmask (rows with a matcher; one ``[B, W]`` bitmask filled in one llguidance
-   call, applied to those rows only: unconstrained rows are untouched);
+   call and turned into an additive 0 / -inf bias, added to those rows only: unconstrained rows are
+   untouched). ``prepare(srs)`` computes that on a helper thread while the model runs (the
+   matchers' state is final once the previous step's tokens were accepted) and returns a
+   future for ``sample``; without one, ``sample`` computes it inline;
 2. the ``min_tokens`` bans of EOS / stop tokens, unless that would leave a constrained row with no
    token at all (the grammar wins);
 3. logprobs, for rows that asked: engine/logprobs.py's definition (log_softmax of the logits after
@@ -20,13 +24,14 @@ an error). A batch with no constraint and no logprobs does no work beyond today'
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from tandem.core.types import TokenLogprob
-from tandem.engine.grammar import apply_bitmask
+from tandem.engine.grammar import add_bias, bitmask_bias
 from tandem.engine.logprobs import token_logprobs
 
 
@@ -39,6 +44,17 @@ class Sampled:
     logprobs: list[TokenLogprob | None] | None = None
 
 
+@dataclass
+class Masks:
+    """The grammar masks of one batch: ``words[i]`` ([W] int32 bitmask) and ``bias[i]`` ([32W]
+    float32, 0 / -inf; CPU) for row ``rows[i]``; ``dead``: rows whose grammar allows no token."""
+
+    rows: list[int]
+    words: torch.Tensor
+    bias: torch.Tensor
+    dead: set[int]
+
+
 class Sampler:
     def __init__(self, seed: int = 0, grammar: Callable[[], object] | None = None):
         """``grammar``: returns the engine's GrammarCompiler (called only for batches with a
@@ -46,6 +62,31 @@ class Sampler:
         self._gen = torch.Generator().manual_seed(seed)
         self._req_gens: dict[str, torch.Generator] = {}
         self._grammar = grammar
+        self._pool: ThreadPoolExecutor | None = None   # the mask helper thread, made on first use
+
+    def prepare(self, srs: list) -> "Future[Masks] | None":
+        """Start computing the grammar masks of the batch ``srs`` (the rows ``sample`` will get)
+        on the helper thread; None when no row is constrained. The matchers must not change
+        until ``sample`` took the result (the engine loop only runs the forward meanwhile)."""
+        constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
+        if not constrained:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return self._pool.submit(self._masks, constrained, len(srs))
+
+    def _masks(self, constrained: list, batch: int) -> Masks:
+        grammar = self._grammar()
+        bitmask = grammar.allocate_bitmask(batch)                      # [B, W] int32, all allowed
+        grammar.fill_bitmasks(constrained, bitmask)
+        rows = [i for _, i in constrained]
+        words = bitmask[rows]                                          # [R, W]
+        alive = (words != 0).any(dim=1).tolist()                       # any token allowed at all
+        return Masks(rows, words, bitmask_bias(words), {i for i, ok in zip(rows, alive) if not ok})
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def forget(self, rid: str) -> None:
         self._req_gens.pop(rid, None)
@@ -58,23 +99,24 @@ class Sampler:
             g = self._req_gens[req.rid] = torch.Generator().manual_seed(req.params.seed)
         return g
 
-    def sample(self, logits: torch.Tensor, srs: list, eos_ids: frozenset[int]) -> Sampled:
-        """logits: [B, V] float -> Sampled (row i belongs to srs[i])."""
+    def sample(self, logits: torch.Tensor, srs: list, eos_ids: frozenset[int],
+               masks: "Future[Masks] | None" = None) -> Sampled:
+        """logits: [B, V] float -> Sampled (row i belongs to srs[i]); ``masks``: what
+        :meth:`prepare` returned for these ``srs`` (computed here when None)."""
         logits = logits.float()
         reqs = [sr.req for sr in srs]
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         owned = False  # logits may be the model's (inference-mode) output: copy before editing
         dead: set[int] = set()
         if constrained:
+            m = masks.result() if masks is not None else self._masks(constrained, len(srs))
+            if m.rows != [i for _, i in constrained]:
+                raise ValueError(f"masks were prepared for rows {m.rows}, the batch constrains "
+                                 f"{[i for _, i in constrained]}")
             logits, owned = logits.clone(), True
-            grammar = self._grammar()
-            bitmask = grammar.allocate_bitmask(len(srs))                  # [B, W] int32, all allowed
-            grammar.fill_bitmasks(constrained, bitmask)
-            rows = [i for _, i in constrained]
-            apply_bitmask(logits, bitmask, rows)
-            w = min(bitmask.shape[1], (logits.shape[1] + 31) // 32)
-            alive = (bitmask[rows, :w] != 0).any(dim=1).tolist()          # any token allowed
-            dead = {i for i, ok in zip(rows, alive) if not ok}
+            bias = m.bias if logits.device.type == "cpu" else bitmask_bias(m.words.to(logits.device))
+            add_bias(logits, bias, m.rows)
+            dead = m.dead
         masked = {i for _, i in constrained}
         for i, r in enumerate(reqs):  # min_tokens: forbid finishing tokens early
             if len(r.output_ids) < r.params.min_tokens:

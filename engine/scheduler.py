@@ -37,12 +37,10 @@ finishes as "abort" with the compiler's message. The step loop never waits on a 
 each sampled token ``_on_token`` advances the request's matcher; a complete grammar finishes the
 request with "stop" (over ``ignore_eos`` and ``min_tokens``).
 
-OpenAI ``n`` (core.messages.SampleGroup): a group member is not admitted while a sibling here is
-still computing the prompt (``_sibling_prefilling``); once the sibling's prompt KV is cached the
-member's admission matches it, so the group computes the prompt once (all but the last, partial
-page). Whoever arrives first computes it, so a member never waits for a sibling that is not on
-this worker. ``stats["prompt_tokens_computed"]`` counts prompt positions actually run through the
-model (the n = 4 vs n = 1 figure).
+OpenAI ``n`` (core.messages.SampleGroup, engine/sample_groups.py): a group member is not admitted
+while a sibling here is still computing the prompt; then its admission matches the sibling's
+cached prompt, so the group computes the prompt once. ``stats["prompt_tokens_computed"]`` counts
+prompt positions actually run through the model (the n = 4 vs n = 1 figure).
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from tandem.engine.output import OutputTracker
 from tandem.engine.queue_policy import InStepPrefixes, order
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.retraction import Retraction
+from tandem.engine.sample_groups import SampleGroups
 from tandem.engine.sched_types import SchedReq, StepPlan
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class Scheduler:
         self.on_finish: Callable[[SchedReq], bool] | None = None
         self._session_seen: dict[str, float] = {}   # session id -> when its latest request arrived
         self._decode_steps = 0
-        self._groups: dict[str, list[SchedReq]] = {}   # SampleGroup.id -> its members here
+        self.groups = SampleGroups()
         self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "prompt_tokens_computed": 0,
                       "generated_tokens": 0, "evicted_tokens": 0, "retraction_restores": 0,
@@ -237,7 +236,7 @@ class Scheduler:
                 break
             if not self._grammar_ready(sr, plan):
                 continue   # compiling (off the loop), or failed (finished into plan.finished)
-            if sr.group is not None and self._sibling_prefilling(sr):
+            if self.groups.prefilling_sibling(sr, self.running) is not None:
                 continue   # a sibling computes the shared prompt: hit it in the cache once cached
             if in_step is not None and in_step.should_wait(sr.req.all_ids):
                 continue   # an earlier request computes the shared prefix this step: hit it next step
@@ -267,13 +266,6 @@ class Scheduler:
             plan.finished.append(self._finish_unstarted(sr, str(e)))
             return False
         return True
-
-    def _sibling_prefilling(self, sr: SchedReq) -> bool:
-        """Another member of ``sr``'s group is running here and has not computed the prompt."""
-        for m in self._groups.get(sr.group.id, ()):
-            if m is not sr and m.rid in self.running and m.req.computed_len < len(m.req.prompt_ids):
-                return True
-        return False
 
     def _admission_order(self) -> list[SchedReq]:
         """``fcfs``: arrival order. ``lpm``: longest cached prefix first, and requests sharing a
@@ -335,11 +327,13 @@ class Scheduler:
         :meth:`resume` or :meth:`drop_detached`. None when there is no room now."""
         sr = self._track(req)
         if not self._admit(sr, running=False):
+            self.groups.remove(sr)
             return None
         n = req.seq_len - req.computed_len
         slots = self.kv.extend(sr, n, received=True)   # hybrid: SWA rows of the kept window only
         if slots is None:
             self._unadmit(sr, requeue=False)
+            self.groups.remove(sr)
             return None
         self.kv.r2t.write(req.req_pool_idx, req.computed_len, slots)
         req.computed_len = req.seq_len
@@ -386,17 +380,8 @@ class Scheduler:
         sr = SchedReq(req, OutputTracker(req, self.tok, self.max_context), group=group)
         if c is not None:
             sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
-        if group is not None:
-            self._groups.setdefault(group.id, []).append(sr)
+        self.groups.add(sr)
         return sr
-
-    def _untrack(self, sr: SchedReq) -> None:
-        if sr.group is not None:
-            members = self._groups.get(sr.group.id)
-            if members is not None and sr in members:
-                members.remove(sr)
-                if not members:
-                    del self._groups[sr.group.id]
 
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):
@@ -434,7 +419,7 @@ class Scheduler:
                 logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
-        self._untrack(sr)
+        self.groups.remove(sr)
         held = reason != "abort" and self.on_finish is not None and self.on_finish(sr)
         if not held and r.req_pool_idx is not None:
             self.kv.release(sr)
@@ -446,7 +431,7 @@ class Scheduler:
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
         r = sr.req
-        self._untrack(sr)
+        self.groups.remove(sr)
         r.status, r.finish_reason, r.error = ReqStatus.FINISHED_ABORT, "abort", error
         r.finish_time = time.monotonic()
         return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,

@@ -86,3 +86,19 @@ def test_min_tokens_never_bans_the_grammars_only_way_out(allowed, want):
     logits[0, EOS] = 5.0
     sr = SR(SamplingParams(max_tokens=8, min_tokens=4), FakeMatcher(allowed))
     assert Sampler(0, grammar=FakeGrammar).sample(logits, [sr], frozenset({EOS})).tokens == [want]
+
+
+def test_masks_prepared_during_the_forward_give_what_sample_computes_inline():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    srs = [SR(SamplingParams(logprobs=True, top_logprobs=3), FakeMatcher([1, 40, 70])), SR(SamplingParams()),
+           SR(SamplingParams(logprobs=True), FakeMatcher([]))]
+    s = Sampler(0, grammar=FakeGrammar)
+    try:
+        assert s.prepare([SR(SamplingParams())]) is None          # nothing constrained: no work
+        masks = s.prepare(srs)
+        a, b = s.sample(logits, srs, frozenset({EOS}), masks), s.sample(logits, srs, frozenset({EOS}))
+        assert a == b and a.tokens[2] is None
+        with pytest.raises(ValueError, match="prepared for rows"):
+            s.sample(logits, srs[:2], frozenset({EOS}), s.prepare(srs))
+    finally:
+        s.close()

@@ -1,0 +1,49 @@
+"""OpenAI ``n`` on one worker: the members of a SampleGroup compute their shared prompt once.
+
+The scheduler registers every request that carries a :class:`~tandem.core.messages.SampleGroup`
+(``add`` at ``Scheduler.add`` / ``admit_detached``, ``remove`` at its finish). At admission a
+member is held back while :meth:`SampleGroups.prefilling_sibling` finds another member of its
+group running on this worker with the prompt not yet computed; once that sibling's prompt is
+computed its KV is in the prefix cache, and the member's ordinary admission matches all of it but
+the last, partial page. Whoever is admitted first computes the prompt (the leader when members
+arrive in order), so a member never waits for a sibling that is not on this worker. With the
+prefix cache disabled nothing is shared and each member computes the prompt itself.
+
+Engine thread only; no KV is touched here.
+"""
+
+from __future__ import annotations
+
+from tandem.engine.sched_types import SchedReq
+
+
+class SampleGroups:
+    def __init__(self) -> None:
+        self._members: dict[str, list[SchedReq]] = {}   # SampleGroup.id -> its members here
+
+    def add(self, sr: SchedReq) -> None:
+        if sr.group is not None:
+            self._members.setdefault(sr.group.id, []).append(sr)
+
+    def remove(self, sr: SchedReq) -> None:
+        """Forget ``sr`` (finished, or a reservation that got no room); a no-op when unknown."""
+        if sr.group is None:
+            return
+        members = self._members.get(sr.group.id)
+        if members is not None and sr in members:
+            members.remove(sr)
+            if not members:
+                del self._members[sr.group.id]
+
+    def prefilling_sibling(self, sr: SchedReq, running: dict[str, SchedReq]) -> SchedReq | None:
+        """Another member of ``sr``'s group that is in ``running`` and has not computed the
+        prompt yet (so ``sr`` should wait for its KV), or None."""
+        if sr.group is None:
+            return None
+        for m in self._members.get(sr.group.id, ()):
+            if m is not sr and running.get(m.rid) is m and m.req.computed_len < len(m.req.prompt_ids):
+                return m
+        return None
+
+    def __len__(self) -> int:
+        return len(self._members)
