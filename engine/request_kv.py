@@ -171,6 +171,23 @@ class RequestKV:
         """After the forward moved ``computed_len`` (hybrid: SWA rows that left the window)."""
         self.hybrid.advanced(sr.req, sr.locked_len)
 
+    def fork(self, sr: SchedReq, src: SchedReq, n: int) -> bool:
+        """Copy ``src``'s KV of positions ``[0, n)`` into fresh slots of ``sr`` (just admitted with
+        nothing computed; the same first ``n`` tokens): ``sr`` owns them and ``computed_len``
+        becomes ``n``. How n samples share a prompt when the prefix cache keeps nothing. False
+        (nothing taken) when there is no room, or for hybrid models (their recurrent state and
+        SWA rows are not forked)."""
+        r = sr.req
+        if self.hybrid.active or r.computed_len or n <= 0 or src.req.computed_len < n:
+            return False
+        slots = self.extend(sr, n)
+        if slots is None:
+            return False
+        self.kv_pool.copy_slots(self.r2t.read(src.req.req_pool_idx, 0, n), slots)
+        self.r2t.write(r.req_pool_idx, 0, slots)
+        r.computed_len = n
+        return True
+
     # -- reading ---------------------------------------------------------------------------------
     def pages(self, sr: SchedReq, start: int, end: int) -> tuple[int, ...]:
         """Page ids of positions ``[start, end)`` (``start`` page-aligned)."""

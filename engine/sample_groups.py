@@ -1,13 +1,17 @@
 """OpenAI ``n`` on one worker: the members of a SampleGroup compute their shared prompt once.
 
 The scheduler registers every request that carries a :class:`~tandem.core.messages.SampleGroup`
-(``add`` at ``Scheduler.add`` / ``admit_detached``, ``remove`` at its finish). At admission a
+(``add`` at ``Scheduler.add`` / ``admit_detached``, ``remove`` at its finish; a finished member a
+prefill worker still holds for sending stays, as a fork source, and is pruned by the next ``add``
+once it no longer holds KV). At admission a
 member is held back while :meth:`SampleGroups.prefilling_sibling` finds another member of its
 group running on this worker with the prompt not yet computed; once that sibling's prompt is
 computed its KV is in the prefix cache, and the member's ordinary admission matches all of it but
 the last, partial page. Whoever is admitted first computes the prompt (the leader when members
 arrive in order), so a member never waits for a sibling that is not on this worker. With the
-prefix cache disabled nothing is shared and each member computes the prompt itself.
+prefix cache disabled the member forks instead: :meth:`SampleGroups.computed_sibling` names a
+sibling whose prompt KV is computed and ``RequestKV.fork`` copies all of it but the last token
+into the member's own slots (a memory copy, no model compute; not for hybrid models).
 
 Engine thread only; no KV is touched here.
 """
@@ -21,9 +25,17 @@ class SampleGroups:
     def __init__(self) -> None:
         self._members: dict[str, list[SchedReq]] = {}   # SampleGroup.id -> its members here
 
-    def add(self, sr: SchedReq) -> None:
-        if sr.group is not None:
-            self._members.setdefault(sr.group.id, []).append(sr)
+    def add(self, sr: SchedReq, holders: dict[str, SchedReq]) -> None:
+        """Register ``sr``; first forget finished members that hold no KV any more."""
+        if sr.group is None:
+            return
+        for gid in list(self._members):
+            left = [m for m in self._members[gid] if not m.req.finished or holders.get(m.rid) is m]
+            if left:
+                self._members[gid] = left
+            else:
+                del self._members[gid]
+        self._members.setdefault(sr.group.id, []).append(sr)
 
     def remove(self, sr: SchedReq) -> None:
         """Forget ``sr`` (finished, or a reservation that got no room); a no-op when unknown."""
@@ -42,6 +54,19 @@ class SampleGroups:
             return None
         for m in self._members.get(sr.group.id, ()):
             if m is not sr and running.get(m.rid) is m and m.req.computed_len < len(m.req.prompt_ids):
+                return m
+        return None
+
+    def computed_sibling(self, sr: SchedReq, holders: dict[str, SchedReq]) -> SchedReq | None:
+        """Another member of ``sr``'s group holding KV here (``holders``: running, reserved or
+        held for sending) whose whole prompt is computed: the source of a fork (RequestKV.fork)
+        when the prefix cache keeps nothing. None when there is none."""
+        if sr.group is None:
+            return None
+        n = len(sr.req.prompt_ids)
+        for m in self._members.get(sr.group.id, ()):
+            if (m is not sr and holders.get(m.rid) is m and m.req.computed_len >= n
+                    and m.req.prompt_ids == sr.req.prompt_ids):
                 return m
         return None
 

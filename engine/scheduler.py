@@ -39,7 +39,8 @@ request with "stop" (over ``ignore_eos`` and ``min_tokens``).
 
 OpenAI ``n`` (core.messages.SampleGroup, engine/sample_groups.py): a group member is not admitted
 while a sibling here is still computing the prompt; then its admission matches the sibling's
-cached prompt, so the group computes the prompt once. ``stats["prompt_tokens_computed"]`` counts
+cached prompt (with the prefix cache off: forks the sibling's prompt KV), so the group computes
+the prompt once. ``stats["prompt_tokens_computed"]`` counts
 prompt positions actually run through the model (the n = 4 vs n = 1 figure).
 """
 
@@ -243,6 +244,8 @@ class Scheduler:
             if not self._admit(sr):
                 break
             self.waiting.remove(sr)
+            if sr.group is not None and not self.kv.cache.retains:
+                self._fork_prompt(sr)
             r = sr.req
             n = min(r.seq_len - r.computed_len, budget)
             slots = self.kv.extend(sr, n)
@@ -266,6 +269,15 @@ class Scheduler:
             plan.finished.append(self._finish_unstarted(sr, str(e)))
             return False
         return True
+
+    def _fork_prompt(self, sr: SchedReq) -> None:
+        """No prefix cache: copy a computed sibling's prompt KV (all but the last token) into
+        ``sr``'s row; counted as cached (it was not computed)."""
+        src = self.groups.computed_sibling(sr, self.kv.holders)
+        n = len(sr.req.prompt_ids) - 1
+        if src is not None and self.kv.fork(sr, src, n):
+            sr.req.cached_len += n
+            self.stats["cached_tokens"] += n
 
     def _admission_order(self) -> list[SchedReq]:
         """``fcfs``: arrival order. ``lpm``: longest cached prefix first, and requests sharing a
@@ -380,7 +392,7 @@ class Scheduler:
         sr = SchedReq(req, OutputTracker(req, self.tok, self.max_context), group=group)
         if c is not None:
             sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
-        self.groups.add(sr)
+        self.groups.add(sr, self.kv.holders)
         return sr
 
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
@@ -398,8 +410,11 @@ class Scheduler:
         return True
 
     def _unadmit(self, sr: SchedReq, requeue: bool = True) -> None:
-        """Undo :meth:`_admit` of a request that got no slots this step (nothing computed)."""
+        """Undo :meth:`_admit` of a request that got no slots this step (nothing computed; a
+        forked prompt's slots are freed)."""
         r = sr.req
+        if r.computed_len > sr.locked_len:
+            self.kv.free_range(sr, sr.locked_len, r.computed_len)
         r.admissions -= 1
         if r.admissions == 0:  # the first admission is undone: so is its accounting
             self.stats["prompt_tokens"] -= len(r.prompt_ids)
@@ -419,8 +434,9 @@ class Scheduler:
                 logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
-        self.groups.remove(sr)
         held = reason != "abort" and self.on_finish is not None and self.on_finish(sr)
+        if not held:   # a held member stays a fork source for its siblings (sample_groups.py)
+            self.groups.remove(sr)
         if not held and r.req_pool_idx is not None:
             self.kv.release(sr)
         r.status = _STATUS.get(reason, ReqStatus.FINISHED_ABORT)

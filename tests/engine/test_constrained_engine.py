@@ -8,8 +8,9 @@
   token is ``top[0]``.
 - the grammar wins over ``ignore_eos`` / ``min_tokens``; a constraint that does not compile is an
   InvalidRequest from ``stream`` and an error finish from ``submit``; stop strings are reported.
-- n = 3: one prompt prefill (the ``prompt_tokens_computed`` counter), seeded and reproducible,
-  each member the same as when run alone.
+- n = 3: one prompt prefill (the ``prompt_tokens_computed`` counter; with the prefix cache off
+  the members fork the first one's prompt KV), seeded and reproducible, each member the same as
+  when run alone.
 - prefix cache off and retraction (recompute) give the same tokens and logprobs.
 """
 
@@ -46,7 +47,8 @@ def engines(smollm2, one_torch_thread):
 
     base = dict(device="cpu", num_threads=1)
     made = {"cache": Engine(EngineConfig(**base, cache=CACHE), loaded=smollm2),
-            "nocache": Engine(EngineConfig(**base, cache=CACHE.model_copy(update={"disable_prefix_cache": True})),
+            "nocache": Engine(EngineConfig(**base, cache=CACHE.model_copy(update={"disable_prefix_cache": True,
+                                                                                   "debug_invariants": True})),
                               loaded=smollm2),
             "retract": Engine(EngineConfig(**base, cache=CACHE.model_copy(update={"debug_invariants": True}),
                                            scheduler=SchedulerConfig(debug_retract_every=3)), loaded=smollm2)}
@@ -223,7 +225,11 @@ def _group(engine, text, n, seed):
                  rid=f"{rid}-{i}", group=SampleGroup(rid, i, n)) for i in range(n)]
 
 
-def test_n_computes_the_prompt_once_and_is_reproducible(engine):
+@pytest.mark.parametrize("which", ["cache", "nocache"])
+def test_n_computes_the_prompt_once_and_is_reproducible(engines, which):
+    """With the prefix cache the members hit the first one's cached prompt; without it they fork
+    its KV (a copy). Either way the prompt is computed once."""
+    engine = engines[which]
     text = f"Tell me a short fact about owls. ({uuid.uuid4().hex})"   # nothing cached for it yet
     st = engine.scheduler.stats
     before = st["prompt_tokens_computed"]

@@ -17,7 +17,7 @@ def test_a_member_waits_only_for_a_running_sibling_still_computing_the_prompt():
     gs = SampleGroups()
     a, b, c, other = member(0), member(1), member(2), member(0, gid="h")
     for sr in (a, b, c, other):
-        gs.add(sr)
+        gs.add(sr, {})
     running = {}
     assert gs.prefilling_sibling(b, running) is None          # nobody computes it yet: b may go first
     running[a.rid] = a
@@ -35,14 +35,29 @@ def test_a_member_waits_only_for_a_running_sibling_still_computing_the_prompt():
 def test_remove_forgets_members_and_empty_groups():
     gs = SampleGroups()
     a, b = member(0), member(1)
-    gs.add(a)
-    gs.add(b)
+    gs.add(a, {})
+    gs.add(b, {})
     gs.remove(a)
     gs.remove(a)                                               # twice: a no-op
     assert len(gs) == 1
     gs.remove(b)
     assert len(gs) == 0
     lone = SchedReq(Req([1], SamplingParams()), tracker=None)
-    gs.add(lone)
+    gs.add(lone, {})
     gs.remove(lone)
     assert len(gs) == 0
+
+
+def test_a_finished_member_still_holding_kv_is_a_fork_source_until_it_lets_go():
+    from tandem.core.types import ReqStatus
+
+    gs = SampleGroups()
+    a, b = member(0), member(1)
+    gs.add(a, {})
+    a.req.computed_len, a.req.status = 4, ReqStatus.FINISHED_LENGTH   # held by a prefill outbox
+    holders = {a.rid: a}
+    gs.add(b, holders)
+    assert gs.computed_sibling(b, holders) is a and gs.computed_sibling(a, holders) is None
+    assert gs.computed_sibling(member(2, prompt=(9, 9, 9, 9)), holders) is None
+    gs.add(member(0, gid="next"), {})                          # a let go: pruned
+    assert gs.computed_sibling(b, holders) is None and len(gs) == 2
