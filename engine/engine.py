@@ -317,8 +317,10 @@ class Engine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
-        if self._grammar is not None:
-            self._grammar.shutdown()
+        with self._grammar_lock:   # a stopped engine driven by step() builds a new one if needed
+            if self._grammar is not None:
+                self._grammar.shutdown()
+            self._grammar = None
         self.sampler.close()
 
     # ------------------------------------------------------------------ engine thread

@@ -85,8 +85,10 @@ class Sampler:
         return Masks(rows, words, bitmask_bias(words), {i for i, ok in zip(rows, alive) if not ok})
 
     def close(self) -> None:
+        """Stop the helper thread (a later ``prepare`` starts a new one)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+            self._pool = None
 
     def forget(self, rid: str) -> None:
         self._req_gens.pop(rid, None)

@@ -71,12 +71,11 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2):
+def servers(smollm2, ray_local):
     from tandem.cluster.launch import launch_disaggregated
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     backend = launch_disaggregated(CFG, loaded=smollm2)
     engines = [Engine(ENGINE, loaded=smollm2),
                Engine(ENGINE.model_copy(update={"cache": ENGINE.cache.model_copy(
@@ -89,7 +88,6 @@ def servers(smollm2):
     backend.close()
     for e in engines:
         e.shutdown()
-    ray.shutdown()
 
 
 def same_everywhere(servers, fn):
