@@ -102,3 +102,24 @@ def test_masks_prepared_during_the_forward_give_what_sample_computes_inline():
             s.sample(logits, srs[:2], frozenset({EOS}), s.prepare(srs))
     finally:
         s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_logits_get_the_same_mask_and_logprobs():
+    """The bias is rebuilt on the logits' device from the prepared CPU bitmask words."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(3))
+    srs = [SR(SamplingParams(logprobs=True, top_logprobs=3), FakeMatcher([2, 33, 64, 95])), SR(SamplingParams()),
+           SR(SamplingParams(logprobs=True, top_logprobs=2), FakeMatcher([31, 63]))]
+    s = Sampler(0, grammar=FakeGrammar)
+    try:
+        cpu = s.sample(logits, srs, frozenset({EOS}), s.prepare(srs))
+        gpu = s.sample(logits.cuda(), srs, frozenset({EOS}), s.prepare(srs))
+    finally:
+        s.close()
+    assert gpu.tokens == cpu.tokens
+    for a, b in zip(cpu.logprobs, gpu.logprobs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
