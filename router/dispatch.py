@@ -29,6 +29,13 @@ previous one's end, whichever is later: first come, first served) to the first t
 first one, the policy's estimator's ``1 / per_token_s``. So ``AdmissionLimits.max_pending_s``
 and the session policy's TTFT term act on the real cluster as in the simulator.
 
+Sample groups (``n`` > 1: the front door sends n GenerateRequests sharing one ``group``): the
+first member routed decides for the group -- admission (all or none: later members are never
+refused once one was admitted) and the prefill and decode workers, to which every later member
+is pinned while they live, so the prompt is computed once (engine/scheduler.py's group rule).
+The prompt is charged once to the prefill worker (later members: one token each); each member
+charges its own KV on the decode worker. A pinned worker found dead re-routes that member afresh.
+
 Thread-safety: every verb takes ``lock`` (an RLock); a KV-event feed that writes ``state.kv``
 from its own thread takes it too.
 """
@@ -100,6 +107,7 @@ class Dispatcher:
         self.clock = clock
         self.lock = threading.RLock()
         self._workers: dict[int, _Worker] = {}
+        self._groups: dict[str, tuple[Decision, int]] = {}   # group id -> (decision, members left)
         self._prior_rate = 1.0 / max(config.estimator.per_token_s, 1e-12)
 
     # ------------------------------------------------------------------ workers
@@ -150,7 +158,24 @@ class Dispatcher:
         No decode from the policy: the live decode worker with the fewest tokens."""
         rr = RouteRequest(req.rid, req.prompt_ids, len(req.prompt_ids), session_id=req.session_id,
                           max_tokens=req.params.max_tokens)
-        return self._route(rr, exclude)
+        g = req.group
+        if g is None or g.size <= 1:
+            return self._route(rr, exclude)
+        with self.lock:
+            pinned = self._groups.get(g.id)
+            if pinned is not None:
+                dec, left = pinned
+                if left > 1:
+                    self._groups[g.id] = (dec, left - 1)
+                else:
+                    del self._groups[g.id]          # the group's last member
+                if self._pinned_alive(dec, exclude):
+                    return self._charge_route(rr, dec, self.view(exclude), shared_prompt=True)
+            r = self._route(rr, exclude)
+            if pinned is None and r.decode >= 0:
+                self._groups[g.id] = (Decision(r.prefill, r.decode, "group",
+                                               r.decision.matched_tokens), g.size - 1)
+            return r
 
     def reroute(self, r: Route, dead: int) -> Route:
         """``r``'s charges back, then ``r`` routed again without ``dead`` (admission included)."""
@@ -212,7 +237,16 @@ class Dispatcher:
         finally:
             rm.ROUTING_DECISION.observe(time.perf_counter() - t0)
 
-    def _charge_route(self, rr: RouteRequest, dec: Decision, view: ClusterView) -> Route:
+    def _pinned_alive(self, dec: Decision, exclude: Collection[int]) -> bool:
+        for wid in (dec.decode_worker, dec.prefill_worker):
+            if wid >= 0:
+                w = self._workers.get(wid)
+                if w is None or not w.alive or wid in exclude:
+                    return False
+        return dec.decode_worker >= 0
+
+    def _charge_route(self, rr: RouteRequest, dec: Decision, view: ClusterView,
+                      shared_prompt: bool = False) -> Route:
         alive = {w.worker_id for w in view.prefill + view.decode if w.alive}
         d = dec.decode_worker if dec.decode_worker in alive else -1
         if d < 0 and view.alive_decode():
@@ -226,7 +260,8 @@ class Dispatcher:
         r.decode_tokens, r.decode_open = n, True
         if r.prefill >= 0:
             w = self._workers[r.prefill]
-            new = max(n - dec.matched_tokens, 1)      # the last prompt token is always computed
+            # the last prompt token is always computed; a group's later members reuse the prompt
+            new = 1 if shared_prompt else max(n - dec.matched_tokens, 1)
             w.queue[rr.request_id] = _Queued(new, self.clock())
             w.queued_new += new
             self._charge(w, 1, n)

@@ -192,3 +192,28 @@ def test_snapshot_from_a_workers_stats():
     assert WorkerSnapshot.from_stats({"pending_s": 1}, 0.0).pending_s == 1.0
     with pytest.raises(ValueError, match="waiting"):
         WorkerSnapshot.from_stats({"waiting": "3"}, 0.0)
+
+
+def test_a_sample_group_is_pinned_admitted_once_and_charges_its_prompt_once():
+    from dataclasses import replace
+
+    from tandem.core.messages import SampleGroup
+
+    d, clock = make(policy="round_robin", limits=AdmissionLimits(max_queue=1), prefill=2, names="grp")
+    members = [replace(req(f"g-{i}", 100), group=SampleGroup("g", i, 4)) for i in range(4)]
+    routes = [d.route(m) for m in members]           # round robin would spread them: pinned
+    assert {(r.prefill, r.decode) for r in routes} == {(routes[0].prefill, routes[0].decode)}
+    p = routes[0].prefill
+    # the queue limit (1) would refuse the 2nd member: the group was admitted as a whole
+    assert d.view().prefill[p].in_flight == 4
+    assert d.pending_s(p) == pytest.approx((100 + 3 * 1) * 1e-3)   # the prompt once, +1 each
+    assert loads(d)[routes[0].decode] == (4, 400)   # each member's own KV on decode
+    for r in routes:
+        d.release(r)
+    assert all(v == (0, 0) for v in loads(d).values())
+    # a dead pinned worker: that member is routed afresh
+    members = [replace(req(f"h-{i}", 50), group=SampleGroup("h", i, 2)) for i in range(2)]
+    first = d.route(members[0])
+    d.mark_dead(first.decode)
+    second = d.route(members[1])
+    assert second.decode != first.decode and second.decode >= 0
