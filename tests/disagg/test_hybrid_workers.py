@@ -30,7 +30,8 @@ from tandem.engine.kv_regions import transfer_bytes  # noqa: E402
 from tandem.engine.loader import load_model  # noqa: E402
 
 from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402
-from test_workers import LocalClient, at_baseline, collect, run  # noqa: E402
+from serve_support import at_baseline, collect  # noqa: E402
+from test_workers import LocalClient, run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

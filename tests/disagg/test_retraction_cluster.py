@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 
 from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig, ServeConfig  # noqa: E402
 
-from test_serve_http import _Server  # noqa: E402
+from serve_support import Server as _Server  # noqa: E402
 
 TOPICS = ["violins", "glaciers", "bicycles", "volcanoes", "lighthouses", "bees", "chess", "tea"]
 

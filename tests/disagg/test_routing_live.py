@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
 
-from test_serve_http import _Server  # noqa: E402
+from serve_support import Server as _Server  # noqa: E402
 
 ENGINE = EngineConfig(device="cpu", num_threads=1,
                       cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))

@@ -12,11 +12,10 @@ reproducible; a constraint the grammar engine cannot compile is a 400.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import pytest
+
+from serve_support import Server
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -40,34 +39,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
                                              "additionalProperties": False}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    def __init__(self, name, backend, cfg):
-        import uvicorn
-
-        from tandem.router.http import create_app
-
-        self.name = name
-        port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(backend, cfg), host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < end, "uvicorn did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+def _Server(name, backend, cfg):
+    return Server(backend, cfg, name)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +63,12 @@ def servers(smollm2, ray_local):
         e.shutdown()
 
 
-def same_everywhere(servers, fn):
-    """``fn(server)`` on every server; the results must be equal (greedy). Returns one."""
+def same_everywhere(servers, fn, cache_off: bool = False):
+    """``fn(server)`` on 1P+1D and colocated (and, with ``cache_off``, colocated without the
+    prefix cache: the SDK flows' cache on/off equality is the engine's, pinned in
+    tests/engine/test_constrained_engine.py; two flows check it here too); the results must be
+    equal (greedy). Returns one."""
+    servers = servers if cache_off else servers[:2]
     results = [fn(s) for s in servers]
     for s, r in zip(servers[1:], results[1:]):
         assert r == results[0], f"{s.name} differs from {servers[0].name}:\n{r}\nvs\n{results[0]}"
@@ -235,11 +212,11 @@ def test_random_json_schemas_validate_on_every_server(servers):
             out.append(text)
         return out
 
-    same_everywhere(servers, fill)
+    same_everywhere(servers, fill, cache_off=True)
 
 
 def test_a_constraint_the_grammar_engine_refuses_is_a_400(servers):
-    for s in servers:
+    for s in servers[:2]:
         with pytest.raises(openai.BadRequestError, match="does not compile"):
             s.client.chat.completions.create(
                 model=M, messages=[{"role": "user", "content": "x"}], max_tokens=4,
@@ -268,11 +245,11 @@ def test_logprobs_top_entry_is_the_sampled_token(servers):
         return ([(t.token, round(t.logprob, 3), [x.token for x in t.top_logprobs]) for t in content],
                 comp.tokens, [round(v, 3) for v in comp.token_logprobs])
 
-    same_everywhere(servers, lps)
+    same_everywhere(servers, lps, cache_off=True)
 
 
 def test_n3_with_a_seed_is_reproducible(servers):
-    for s in servers:
+    for s in servers[:2]:
         def n3():
             out = s.client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Name a fruit."}],
                                                    n=3, seed=7, temperature=0.9, max_tokens=8)

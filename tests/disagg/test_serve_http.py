@@ -7,7 +7,6 @@ last; the final test waits for the monitor to have replaced both killed workers.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -18,41 +17,15 @@ openai = pytest.importorskip("openai")
 
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
 
+from serve_support import Server  # noqa: E402
+
 ENGINE = EngineConfig(device="cpu", num_threads=1,
                       cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))
 CFG = ServeConfig(prefill=1, decode=2, transfer_timeout_s=10.0, engine_config=ENGINE)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """uvicorn serving ``create_app(backend, cfg)`` in a thread."""
-
-    def __init__(self, backend, cfg):
-        import uvicorn
-
-        from tandem.router.http import create_app
-
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(backend, cfg), host="127.0.0.1",
-                                                    port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < end, "uvicorn did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+_Server = Server
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from serve_support import at_baseline, collect
+
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
@@ -105,32 +107,6 @@ def run(loop, coro):
     return loop.run_until_complete(asyncio.wait_for(coro, 120))
 
 
-async def collect(gen, stop_after: int | None = None):
-    out = []
-    try:
-        async for c in gen:
-            out.append(c)
-            if stop_after is not None and len(out) >= stop_after:
-                break
-    finally:
-        await gen.aclose()
-    return out
-
-
-async def at_baseline(*ws, timeout: float = 15.0) -> list[dict]:
-    """Wait until no page on any worker is owned by a request; return the last stats."""
-    end = time.monotonic() + timeout
-    while True:
-        for w in ws:
-            if hasattr(w, "drain"):
-                await w.drain(timeout)
-        stats = [await w.stats() for w in ws]
-        if all(s["available_tokens"] + s["evictable_tokens"] == s["total_tokens"]
-               and s["live_transfers"] == 0 for s in stats):
-            return stats
-        if time.monotonic() > end:
-            raise AssertionError(f"pages still owned by requests: {stats}")
-        await asyncio.sleep(0.05)
 
 
 def request(engine, rid: str, **params) -> GenerateRequest:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 
 import pytest
+
+from serve_support import at_baseline, collect
 
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.messages import GenerateRequest, SampleGroup
@@ -84,26 +85,6 @@ def run(loop, coro):
     return loop.run_until_complete(asyncio.wait_for(coro, 120))
 
 
-async def collect(gen):
-    try:
-        return [c async for c in gen]
-    finally:
-        await gen.aclose()
-
-
-async def at_baseline(*ws, timeout: float = 15.0):
-    end = time.monotonic() + timeout
-    while True:
-        for w in ws:
-            if hasattr(w, "drain"):
-                await w.drain(timeout)
-        stats = [await w.stats() for w in ws]
-        if all(s["available_tokens"] + s["evictable_tokens"] == s["total_tokens"]
-               and s["live_transfers"] == 0 for s in stats):
-            return stats
-        if time.monotonic() > end:
-            raise AssertionError(f"pages still owned by requests: {stats}")
-        await asyncio.sleep(0.05)
 
 
 def chat(engine, text, rid=None, group=None, **params) -> GenerateRequest:

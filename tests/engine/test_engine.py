@@ -12,7 +12,6 @@ import pytest
 from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.types import InvalidRequest, SamplingParams
 from tandem.engine.engine import Engine
-from tandem.engine.loader import load_model
 
 PROMPTS = [
     "The capital of France is",
@@ -23,20 +22,14 @@ PROMPTS = [
     "List three fruits:",
     "In 1969, the first humans",
     "The quick brown fox",
-    "Photosynthesis is the process by which plants",
-    "A haiku about autumn:",
-    "import numpy as np\n",
-    "The largest planet in our solar system is",
-    "To make a cup of tea, first",
-    "Machine learning is",
-    "The opposite of hot is",
     "Q: What is 12 times 12?\nA:",
+    "import numpy as np\n",
 ]
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2", device="cpu", dtype=__import__("torch").float32)
+def loaded(smollm2):
+    return smollm2
 
 
 def make_engine(loaded, **cache_kw) -> Engine:

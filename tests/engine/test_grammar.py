@@ -114,7 +114,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "required": [n for n in names if rng.random() < 0.7]}
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(20))   # 52 more through the engine: test_constrained_engine.py
 def test_random_schema_outputs_validate(tok, compiler, closers, seed):
     rng = random.Random(seed)
     schema = random_schema(rng)

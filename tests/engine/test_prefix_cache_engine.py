@@ -5,20 +5,18 @@ reported, and the cache's invariants hold after every step."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.types import SamplingParams
 from tandem.engine.engine import Engine
-from tandem.engine.loader import load_model
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 TURNS = ["Name a color.", "Name an animal.", "Name a country."]
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2", device="cpu", dtype=torch.float32)
+def loaded(smollm2):
+    return smollm2
 
 
 def run_sessions(engine: Engine, n_sessions: int = 3) -> list[list[tuple[list[int], int]]]:

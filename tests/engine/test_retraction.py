@@ -10,12 +10,10 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.types import SamplingParams
 from tandem.engine.engine import Engine
-from tandem.engine.loader import load_model
 
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -26,8 +24,8 @@ N = [20, 24, 16, 28, 22, 18, 26, 20]
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2", device="cpu", dtype=torch.float32)
+def loaded(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module")

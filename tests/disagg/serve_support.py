@@ -1,0 +1,71 @@
+"""Test support for tests/disagg: the front door over a backend, served by uvicorn in a thread,
+and the helpers the in-process worker tests share."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn serving ``create_app(backend, cfg)`` in a thread; ``client`` is an openai client."""
+
+    def __init__(self, backend, cfg, name: str = ""):
+        import openai
+        import uvicorn
+
+        from tandem.router.http import create_app
+
+        self.name = name
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(backend, cfg), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < end, "uvicorn did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+async def collect(gen, stop_after: int | None = None) -> list:
+    """Every chunk of an async generator (or the first ``stop_after``), closing it."""
+    out = []
+    try:
+        async for c in gen:
+            out.append(c)
+            if stop_after is not None and len(out) >= stop_after:
+                break
+    finally:
+        await gen.aclose()
+    return out
+
+
+async def at_baseline(*ws, timeout: float = 15.0) -> list[dict]:
+    """Wait until no page on any worker is owned by a request; return the last stats."""
+    end = time.monotonic() + timeout
+    while True:
+        for w in ws:
+            if hasattr(w, "drain"):
+                await w.drain(timeout)
+        stats = [await w.stats() for w in ws]
+        if all(s["available_tokens"] + s["evictable_tokens"] == s["total_tokens"]
+               and s["live_transfers"] == 0 for s in stats):
+            return stats
+        if time.monotonic() > end:
+            raise AssertionError(f"pages still owned by requests: {stats}")
+        await asyncio.sleep(0.05)
