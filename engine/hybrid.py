@@ -46,7 +46,8 @@ rows); :meth:`HybridResources.transfer_rows` names, on either side, the SWA rows
 Host tier: :meth:`HybridResources.host_stores` gives the cache's host tier one host pool per
 component (cache/radix/host.py), sized by ``host_swa_rows`` / ``host_state_slots``.
 
-Sizing: ``swa_pool_tokens`` defaults to the full pool's size (SWA rows never run out before full
+Sizing: ``swa_pool_tokens`` defaults to the full pool's size (at least one prefill chunk and a
+window: a small decode pool with the default chunk size still starts) (SWA rows never run out before full
 slots do: every row is paired with a full slot of the same owner); a smaller pool saves memory and
 must hold ``max_running_requests * (window + 2 * page_size) + chunked_prefill_size`` rows to never
 stall a prefill. ``state_slots`` defaults to ``2 * max_running_requests + 2``. With a host tier,
@@ -157,8 +158,9 @@ class HybridResources:
         self.window = arch.sliding_window if swa_layers else None
         self.swa_alloc = self.swa_pool = self.index_map = None
         if swa_layers:
-            rows = config.swa_pool_tokens or n_slots
             need = chunked_prefill_size + self.window + 2 * ps
+            # default: as many rows as full slots, but never fewer than one chunk and a window
+            rows = config.swa_pool_tokens or max(n_slots, need)
             if rows < need:
                 raise ValueError(f"swa_pool_tokens={rows} cannot hold one prefill chunk and a window "
                                  f"(chunked_prefill_size={chunked_prefill_size} + window={self.window}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -125,7 +126,12 @@ async def run_chaos(args, oracle=None) -> dict:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=60) as http:
-        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        try:
+            r = await http.get("/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise ValueError(f"no server answers at {args.url}/v1/models: {type(e).__name__}: {e}") from None
+        model = r.json()["data"][0]["id"]
         before = _counters((await http.get("/metrics")).text)
         kills = []
         for spec in args.kill:
@@ -204,7 +210,10 @@ def format_table(rep: dict) -> str:
     rows = [("requests", rep["requests"]), ("completed", rep["completed"]),
             ("aborted by the client (before the first token)", rep["aborted_early"]),
             ("aborted by the client (mid-stream)", rep["aborted_mid"]), ("failed", rep["failed"])]
-    rows += [(f"  - {r[:70]}", n) for r, n in sorted(rep["failure_reasons"].items(), key=lambda x: -x[1])]
+    grouped = Counter()             # the same reason with other numbers counts as one line
+    for r, n in rep["failure_reasons"].items():
+        grouped[re.sub(r"\d+", "N", r)[:90]] += n
+    rows += [(f"  - {r}", n) for r, n in grouped.most_common()]
     rows += [("workers killed", ", ".join(rep["killed"]) or "-"), ("retractions", int(rep["retractions"])),
              ("restores from the host pool", int(rep["restores"])), ("recomputes", int(rep["recomputes"])),
              ("KV digest failures", int(rep["digest_failures"])),
