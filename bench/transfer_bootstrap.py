@@ -1,6 +1,9 @@
-"""ZMQ side channel: the small control messages that travel beside the NIXL data path.
+"""ZMQ side channel for the transfer benchmark and the two-process transfer tests: the small
+control messages that travel beside the NIXL data path when no Ray calls carry them. (The product
+exchanges handshakes and transfer requests through its Ray actors; this lives in bench/ because
+only bench/transfer.py and tests use it.)
 
-The prefill worker runs a :class:`BootstrapServer` (ZMQ ROUTER) bound to ``host`` on an
+The writer runs a :class:`BootstrapServer` (ZMQ ROUTER) bound to ``host`` on an
 ephemeral port and advertises :attr:`BootstrapServer.endpoint`. Each decode worker connects a
 :class:`BootstrapClient` (ZMQ DEALER), sends its :class:`~tandem.transfer.messages.Handshake`
 (the server answers with its own), then one ``KVTransferRequest`` per request. Frames hold only
