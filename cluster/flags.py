@@ -57,7 +57,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--debug-retract-every", "scheduler.debug_retract_every",
          "test lever: retract a decoding request every N decode steps, pressure or not (0 = off)"),
     Flag("--device", "device"),
-    Flag("--dtype", "dtype"),
+    Flag("--dtype", "dtype", "compute, weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with native "
+                             "bf16 (AVX512-BF16/AMX), else float32 (exact)"),
+    Flag("--weights", "weights", "a GGUF's quantized projections: native (keep the file's Q4_0/Q4_1/Q8_0 "
+                                 "blocks, int4 kernels; CPU + bfloat16), dequant (expand to --dtype); "
+                                 "auto: native where it can run"),
     Flag("--attention-backend", "attention_backend"),
     Flag("--threads", "num_threads", "torch CPU threads (default: all cores)"),
     Flag("--debug-cache-invariants", "cache.debug_invariants",

@@ -144,7 +144,7 @@ def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded=None,
 
         ec = cfg.engine_config
         loaded = load_model(ec.model, device="cpu", dtype=ec.dtype, sliding_window=ec.sliding_window,
-                            context_length=ec.context_length)
+                            context_length=ec.context_length, weights=ec.weights)
     weights = ray.put(loaded) if loaded is not None else None
     del loaded
     kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"

@@ -63,9 +63,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16, else float32 (engine/loader.py)."""
+    from tandem.engine.loader import resolve_dtype as _resolve
+
+    return _resolve(name, device)
 
 
 def make_attention_backend(name: str, device: torch.device):
@@ -99,7 +100,9 @@ class Engine:
             torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=self.dtype,
                                            sliding_window=cfg.sliding_window,
-                                           context_length=cfg.context_length)
+                                           context_length=cfg.context_length, weights=cfg.weights)
+        self.dtype = self.loaded.dtype   # the KV pool holds the model's dtype (a given model wins)
+        log.info("engine: %s on %s, %s", self.loaded.name, self.device, self.loaded.precision)
         arch = self.loaded.arch
         self.arch = arch
         self.tokenizer = self.loaded.tokenizer

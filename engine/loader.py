@@ -8,10 +8,18 @@ Specs:
   ``model.safetensors.index.json``, ``tokenizer.json``): the Llama family, or a family of
   ``engine/models/families.py`` (Gemma 3, Granite-4.0-H).
 
-GGUF tensors are dequantized to float32 with ``gguf.quants.dequantize``, renamed to HF names and,
-for llama/mistral files, have llama.cpp's q/k row permutation undone (rotary pairs are stored
-interleaved; transformers' ``reverse_permute``). Nothing is cached on disk. User mistakes raise
+GGUF tensors are renamed to HF names and, for llama/mistral files, have llama.cpp's q/k row
+permutation undone (rotary pairs are stored interleaved; transformers' ``reverse_permute``). With
+``weights="dequant"`` every tensor is dequantized to float32 (``gguf.quants.dequantize``), then cast
+to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q8_0 blocks reach the model as
+:class:`QuantWeight` and run on int4 kernels (engine/quant/), other types are dequantized and named
+in ``LoadedModel.precision``. Nothing is cached on disk. User mistakes raise
 :class:`ModelLoadError` (a :class:`TandemError`) naming the path, file or architecture.
+
+Numerics (``dtype`` / ``weights`` ``"auto"``, see :func:`resolve_dtype`, :func:`resolve_weights`):
+on a CPU with native bf16 (AVX512-BF16 / AMX) bfloat16 activations, weights and KV with the GGUF's
+own quantized projections; on other CPUs float32 and dequantized weights (exact, today's path);
+on CUDA bfloat16, dequantized.
 """
 
 from __future__ import annotations
@@ -30,9 +38,14 @@ from tandem.core.tokenizer import Tokenizer, TokenizerError
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
 from tandem.engine.models.families import hf_family
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.quant.blocks import KINDS as QUANT_KINDS
+from tandem.engine.quant.blocks import from_gguf_blocks
+from tandem.engine.quant.cpu import native_bf16
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
-           "smollm2_path"]
+__all__ = ["LoadedModel", "ModelLoadError", "describe_dtype", "load_model", "resolve_device",
+           "resolve_dtype", "resolve_weights", "smollm2_path"]
+
+WEIGHTS_MODES = ("auto", "native", "dequant")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -52,6 +65,12 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @property
+    def precision(self) -> str:
+        """One line for the startup log: dtype, then how the projections' weights are held, e.g.
+        ``bfloat16; weights native: 120 int4 (Q4_1), 1 bf16-packed (lm_head)``."""
+        return f"{str(self.dtype).removeprefix('torch.')}; weights {describe_weights(self.model)}"
+
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
@@ -63,15 +82,71 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' -> float32 on CPU, bfloat16 on CUDA."""
+    """'auto' -> bfloat16 on CUDA and on a CPU with native bf16 GEMMs (engine/quant/cpu.py),
+    float32 on other CPUs."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dev = torch.device(device)
+        return torch.bfloat16 if dev.type == "cuda" or native_bf16() else torch.float32
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in table:
         raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(table)})")
     return table[dtype]
+
+
+def describe_dtype(requested: str | torch.dtype, device: torch.device) -> str:
+    """Why ``resolve_dtype(requested, device)`` chose what it did, for the startup line."""
+    got = str(resolve_dtype(requested, device)).removeprefix("torch.")
+    if requested != "auto":
+        return got
+    if torch.device(device).type == "cuda":
+        return f"{got} (auto: CUDA)"
+    flag = native_bf16()
+    return f"{got} (auto: the CPU has {flag})" if flag else f"{got} (auto: no native bf16 on this CPU)"
+
+
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether quantized GGUF projections run natively. 'auto': on the CPU with bf16/fp16
+    activations (torch's int4 CPU kernel wants them); 'native' elsewhere is a user error."""
+    if weights not in WEIGHTS_MODES:
+        raise ModelLoadError(f"weights {weights!r} is not supported (supported: {', '.join(WEIGHTS_MODES)})")
+    fits = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if weights == "native" and not fits:
+        raise ModelLoadError(
+            f"weights 'native' runs on the CPU with dtype bfloat16 (got {torch.device(device).type}, "
+            f"{str(dtype).removeprefix('torch.')}): torch's int4 CPU kernel is ~40x slower with "
+            "float32 activations; use --weights dequant or --dtype bfloat16")
+    return weights == "native" or (weights == "auto" and fits)
+
+
+def describe_weights(model) -> str:
+    """How ``model``'s projections hold their weights, e.g. ``native: 120 int4 (Q4_1),
+    1 bf16-packed (lm_head: tied Q8_0 embedding)`` or ``dequant: 121 float32-packed``."""
+    from tandem.engine.quant.linear import DenseLinear, Int4Linear, PackedLinear
+
+    kernels = model.kernels() if hasattr(model, "kernels") else []
+    if not kernels:
+        return "dense"
+    counts: dict[str, int] = {}
+    for k in kernels:
+        if isinstance(k, Int4Linear):
+            label = f"int4 ({k.kind})"
+        elif isinstance(k, PackedLinear):
+            label = f"{str(k.weight.dtype).removeprefix('torch.')}-packed"
+        elif isinstance(k, DenseLinear):
+            label = f"{str(k.weight.dtype).removeprefix('torch.')}-dense"
+        else:
+            label = type(k).__name__
+        counts[label] = counts.get(label, 0) + 1
+    native = any(isinstance(k, Int4Linear) for k in kernels)
+    text = ("native: " if native else "dequant: ") + ", ".join(f"{n} {label}" for label, n in counts.items())
+    fell_back = getattr(model, "dequantized", [])
+    if fell_back:
+        shown = "; ".join(f"{name}: {why}" for name, why in fell_back[:3])
+        more = f" (+{len(fell_back) - 3} more)" if len(fell_back) > 3 else ""
+        text += f"; dequantized {len(fell_back)}: {shown}{more}"
+    return text
 
 
 def smollm2_path() -> str:
@@ -87,11 +162,14 @@ def smollm2_path() -> str:
 
 
 def load_model(spec: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-               sliding_window: int | None = None, context_length: int | None = None) -> LoadedModel:
+               sliding_window: int | None = None, context_length: int | None = None,
+               weights: str = "auto") -> LoadedModel:
     """Load ``spec`` (see module docstring). ``sliding_window`` makes every layer sliding-window;
-    ``context_length`` overrides the model's maximum position."""
+    ``context_length`` overrides the model's maximum position; ``weights`` ("auto" | "native" |
+    "dequant") says whether a GGUF's quantized projections stay quantized."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    native = resolve_weights(weights, dt, dev)
     if spec == "smollm2":
         path = smollm2_path()
     else:
@@ -103,7 +181,7 @@ def load_model(spec: str, device: str | torch.device = "auto", dtype: str | torc
         if os.path.isdir(path):
             return _load_hf_dir(path, dev, dt, sliding_window, context_length)
         if path.endswith(".gguf"):
-            return _load_gguf(path, dev, dt, sliding_window, context_length)
+            return _load_gguf(path, dev, dt, sliding_window, context_length, native)
     except TokenizerError as e:
         raise ModelLoadError(str(e)) from None
     raise ModelLoadError(f"model path {str(spec)!r} is neither a .gguf file nor a directory")
@@ -141,7 +219,7 @@ def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _load_gguf(path: str, dev, dt, sliding_window, context_length) -> LoadedModel:
+def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool = False) -> LoadedModel:
     import gguf
 
     try:
@@ -164,10 +242,19 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length) -> LoadedMode
     permute = meta["general.architecture"] in ("llama", "mistral")
     by_hf = {hf: t for name, t in tensors.items() if (hf := _gguf_to_hf(name)) is not None}
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str):
         t = by_hf.get(name)
         if t is None:
             raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
+        kind = t.tensor_type.name
+        if native and kind in QUANT_KINDS and (name.endswith("_proj.weight") or name == "lm_head.weight"):
+            k, n = (int(x) for x in t.shape[:2])                     # GGUF ne = [K, N]
+            qw = from_gguf_blocks(kind, t.data, n, k)
+            if permute and name.endswith("q_proj.weight"):
+                qw = qw.rows(_reverse_permute(np.arange(n), arch.num_q_heads))
+            elif permute and name.endswith("k_proj.weight"):
+                qw = qw.rows(_reverse_permute(np.arange(n), arch.num_kv_heads))
+            return qw
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _reverse_permute(w, arch.num_q_heads)
@@ -179,7 +266,12 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length) -> LoadedMode
     freq = tensors.get("rope_freqs.weight")
     factors = torch.from_numpy(gguf.quants.dequantize(freq.data, freq.tensor_type).astype(np.float32)) \
         if freq is not None else None
-    model = LlamaForCausalLM(arch, get, dev, dt, rope_freq_factors=factors)
+    model = LlamaForCausalLM(arch, get, dev, dt, rope_freq_factors=factors, native=native)
+    unsupported = sorted({t.tensor_type.name for hf, t in by_hf.items() if native
+                          and hf.endswith("_proj.weight") and t.tensor_type.name not in QUANT_KINDS
+                          and t.tensor_type.name not in ("F32", "F16", "BF16")})
+    if unsupported:  # dequantized like any other tensor; say so in the startup line
+        model.dequantized.append(("projections", f"{', '.join(unsupported)} has no native kernel"))
     tokenizer = Tokenizer.from_gguf(reader)
     name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
         os.path.splitext(os.path.basename(path))[0]
