@@ -2,21 +2,33 @@
 
 A step's sequences are split once, in :meth:`init_forward`, into
 - *decode rows* (exactly one new token): batched. Per attention window (None = full) one padded
-  slot table ``[Bd, L]`` (padding -> slot 0) and a validity mask (None when every row has all
-  L keys) are built once per step; each layer then does one
-  ``index_select`` gather ``k_buf -> [Bd, L, Hkv, D]`` (a row-wise memcpy; advanced indexing
-  ``k_buf[rows]`` is ~4x slower on CPU) and one 4-D SDPA call with a ``[Bd, 1, 1, L]`` mask and
-  grouped-query heads (``enable_gqa``; q head h reads kv head h // (Hq // Hkv)), so no Python loop
+  slot table ``[Bd, L]`` (padding -> slot 0) and a validity mask ``[Bd, 1, 1, Lp]`` over the keys
+  padded to ``Lp``, the next multiple of ``KEY_BLOCK``, are built once per step; each layer then
+  does one ``index_select`` gather ``k_buf -> [Bd, Lp, Hkv, D]`` (a row-wise memcpy; advanced
+  indexing ``k_buf[rows]`` is ~4x slower on CPU) and one 4-D SDPA call, the query heads of a kv
+  head as rows (``[Bd, Hkv, max(G, 4), D]``, G = Hq / Hkv, padded with copies), so no Python loop
   over requests per layer. A sliding window W gathers only the last ``min(L, W)`` positions.
   Full-attention layers of the plain pool skip the gather while the decode batch is unchanged:
   the backend keeps a per-layer mirror ``[Bd, Hkv, cap, D]`` of the batch's K/V (see
   :class:`_DecodeMirror`), rebuilt by one gather when the batch changes and otherwise only
   appended to (each row's new token), so a steady decode step reads each layer's KV once, in
-  place. SDPA's output does not depend on the K/V memory layout (checked bitwise), so both paths
-  give identical results.
-- *extend rows* (a prompt chunk): one SDPA call per sequence over its gathered prefix + new keys,
-  with a causal mask offset by the prefix length (and the window, if any); a sequence without a
-  prefix attends to the new K/V directly (no gather) with ``is_causal``. Prefill is matmul-bound.
+  place.
+- *extend rows* (a prompt chunk): full-attention layers split the queries at absolute positions
+  that are multiples of ``QUERY_BLOCK`` and run one SDPA call per block (at least 4 rows, padded
+  with copies) over the keys ``[0, Lp)`` with an explicit causal mask; windowed layers run one
+  SDPA call per sequence over its window with a mask. Prefill is matmul-bound.
+
+**Exactness.** A query's attention output is bitwise the same whether it is computed in a prefill,
+in a chunk after a cached prefix, or as a decode row in any batch (checked in bf16 and fp32, 1 and
+2 threads, lengths 1..2048; ``tests/engine/test_torch_attention.py``), because every SDPA call
+torch's CPU flash kernel sees has the same shape class: at most ``QUERY_BLOCK`` (32) query rows
+and at least 4 (below 4 its GEMMs take another code path), query blocks that never straddle a
+64-position boundary, and a key count that is a multiple of its key split (512), masked past
+the row's keys. Without this a row's output moved by an ulp with its batch, its chunking or its
+key count (the softmax sums' reduction tree follows the padded length) -- in fp32 rarely
+visible, in bf16 enough to flip a near-tie, so the prefix cache on/off and prefill/decode
+disaggregation oracles did not hold. Windowed layers keep their per-row key offsets and are not
+covered.
 
 The layer's K/V are written first (``fb.kv_pool.layer(id)``; rows = ``index_map[slots]`` when the
 layer's pool has an index map), then read back, so new tokens attend to themselves.
@@ -67,6 +79,15 @@ class _StepMeta:
 
 
 _MIRROR_MAX_BYTES = 512 * 2**20  # the decode mirror never holds more than this (else: gather)
+KEY_BLOCK = 512     # keys are padded (and masked) to a multiple of this: torch's CPU flash kernel's
+                    # key split, so the padding changes no reduction (see the module docstring)
+QUERY_BLOCK = 32    # extend queries per SDPA call, blocks aligned at multiples of this
+_MIN_ROWS = 4       # SDPA calls get at least this many query rows per (batch, head)
+
+
+def _padded(n: int) -> int:
+    """n keys rounded up to a multiple of KEY_BLOCK."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
 
 
 @dataclass
@@ -142,22 +163,24 @@ class TorchAttentionBackend:
 
     # -- decode rows ---------------------------------------------------------------------------
     def _decode_table(self, fb: ForwardBatch, meta: _StepMeta, window: int | None):
-        """(slots [Bd, L], mask [Bd, 1, 1, L] or None) for this window; row i's keys are at
-        positions ``start_i .. start_i+L-1`` (padding past its length -> slot 0, masked out)."""
+        """(slots [Bd, L], mask [Bd, 1, 1, Lp]) for this window; row i's keys are at positions
+        ``start_i .. start_i+L-1`` (padding past its length -> slot 0, masked out); ``Lp`` is L
+        rounded up to a multiple of KEY_BLOCK, the keys SDPA sees (the rest masked)."""
         tab = meta.decode_tables.get(window)
         if tab is None:
             lens, dev = meta.decode_lens, meta.decode_lens.device
             length = meta.decode_max_len if window is None else min(meta.decode_max_len, window)
-            pos = torch.arange(length, device=dev)[None, :]                  # [1, L]
+            padded = _padded(length)
+            pos = torch.arange(padded, device=dev)[None, :]                  # [1, Lp]
             if window is not None:
-                pos = pos + (lens - window).clamp_(min=0)[:, None]            # [Bd, L]
-            valid = pos < lens[:, None]                                      # [Bd, L]
-            slots = fb.req_to_token[meta.decode_rows[:, None], pos.expand(len(lens), length)]
-            mask = None
+                pos = pos + (lens - window).clamp_(min=0)[:, None]            # [Bd, Lp]
+            valid = pos < lens[:, None]                                      # [Bd, Lp]
+            pos = pos[:, :length].expand(len(lens), length)
+            slots = fb.req_to_token[meta.decode_rows[:, None], pos]          # [Bd, L]
             if meta.decode_min_len < length:   # some row has fewer than L keys
-                slots = torch.where(valid, slots, 0)
-                mask = valid[:, None, None, :]
-            tab = meta.decode_tables[window] = (slots.to(torch.int64).contiguous(), mask)
+                slots = torch.where(valid[:, :length], slots, 0)
+            tab = meta.decode_tables[window] = (slots.to(torch.int64).contiguous(),
+                                                valid[:, None, None, :])
         return tab
 
     def _decode(self, q, k_new, v_new, spec, fb, meta, lkv):
@@ -167,14 +190,18 @@ class TorchAttentionBackend:
         if spec.sliding_window is None and lkv.index_map is None:
             kv = self._mirrored(q, k_new, v_new, spec, fb, meta, lkv, slots)
         if kv is None:
-            rows = self._mapped(meta, ("d", spec.sliding_window), slots.view(-1), lkv.index_map)
-            shape = tuple(slots.shape) + tuple(lkv.k.shape[1:])
+            padded = F.pad(slots, (0, mask.shape[-1] - slots.shape[1]))     # [Bd, Lp], pad -> slot 0
+            rows = self._mapped(meta, ("d", spec.sliding_window), padded.view(-1), lkv.index_map)
+            shape = tuple(padded.shape) + tuple(lkv.k.shape[1:])
             kv = (lkv.k.index_select(0, rows).view(shape).to(q.dtype).transpose(1, 2),
                   lkv.v.index_select(0, rows).view(shape).to(q.dtype).transpose(1, 2))
-        o = F.scaled_dot_product_attention(
-            q[:, :, None], kv[0], kv[1], attn_mask=mask, scale=spec.scale,
-            enable_gqa=spec.num_q_heads != spec.num_kv_heads)                # [Bd, Hq, 1, D]
-        return o[:, :, 0]
+        bd, hkv, d = q.shape[0], spec.num_kv_heads, q.shape[-1]
+        g = spec.num_q_heads // hkv
+        qg = q.reshape(bd, hkv, g, d)                                        # [Bd, Hkv, G, D]
+        if g < _MIN_ROWS:
+            qg = torch.cat([qg, qg[:, :, :1].expand(bd, hkv, _MIN_ROWS - g, d)], 2)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=spec.scale)
+        return o[:, :, :g].reshape(bd, spec.num_q_heads, d)                 # [Bd, Hq, D]
 
     def _mirror_plan(self, fb: ForwardBatch, meta: _StepMeta, slots: torch.Tensor, lkv,
                      dtype: torch.dtype) -> None:
@@ -183,7 +210,7 @@ class TorchAttentionBackend:
         bd, length = slots.shape
         layers = len(getattr(fb.kv_pool, "layer_ids", ()))
         per_pos = 2 * lkv.k[0].numel() * torch.empty(0, dtype=dtype).element_size()
-        cap = m.cap if m is not None and m.cap >= length else -(-(length + 64) // 64) * 64
+        cap = m.cap if m is not None and m.cap >= length else _padded(length + 1)
         if not layers or bd * cap * per_pos * layers > _MIRROR_MAX_BYTES:
             self._mirror, meta.mirror = None, "off"
             return
@@ -208,8 +235,9 @@ class TorchAttentionBackend:
         self._mirror, meta.mirror = m, "rebuild"
 
     def _mirrored(self, q, k_new, v_new, spec, fb, meta, lkv, slots):
-        """(k, v) ``[Bd, Hkv, L, D]`` views of the decode mirror for this layer, updated for this
-        step; None when the mirror is off."""
+        """(k, v) ``[Bd, Hkv, Lp, D]`` views of the decode mirror for this layer, updated for this
+        step (positions past a row's length hold finite values the mask hides); None when the
+        mirror is off."""
         if meta.mirror is None:
             self._mirror_plan(fb, meta, slots, lkv, q.dtype)
         m = self._mirror
@@ -235,7 +263,8 @@ class TorchAttentionBackend:
             kb[:, :, :length] = lkv.k.index_select(0, rows).view(shape).transpose(1, 2)
             vb[:, :, :length] = lkv.v.index_select(0, rows).view(shape).transpose(1, 2)
         m.filled.add(lid)
-        return kb[:, :, :length], vb[:, :, :length]
+        padded = _padded(length)   # <= cap (a multiple of KEY_BLOCK); the rest is masked
+        return kb[:, :, :padded], vb[:, :, :padded]
 
     # -- extend rows ---------------------------------------------------------------------------
     def _extend_table(self, fb, meta, i: int, e: _Extend, window: int | None):
@@ -257,14 +286,12 @@ class TorchAttentionBackend:
 
     def _extend(self, q, k_new, v_new, spec, fb, meta, lkv, i, e):
         # q: [n, Hq, D]; k_new, v_new: [n, Hkv, D] (this sequence's new K/V) -> o: [n, Hq, D]
+        if spec.sliding_window is None:
+            return self._extend_blocks(q, spec, fb, meta, lkv, i, e)
         slots, mask = self._extend_table(fb, meta, i, e, spec.sliding_window)
-        if e.prefix == 0 and lkv.k.dtype == q.dtype:
-            # No prefix: the keys are exactly the new tokens' K/V (just written to the pool).
-            k, v = k_new, v_new                                               # [n, Hkv, D]
-        else:
-            rows = self._mapped(meta, ("e", i, spec.sliding_window), slots, lkv.index_map)
-            k = lkv.k.index_select(0, rows).to(q.dtype)                      # [Lk, Hkv, D]
-            v = lkv.v.index_select(0, rows).to(q.dtype)
+        rows = self._mapped(meta, ("e", i, spec.sliding_window), slots, lkv.index_map)
+        k = lkv.k.index_select(0, rows).to(q.dtype)                          # [Lk, Hkv, D]
+        v = lkv.v.index_select(0, rows).to(q.dtype)
         # 4-D inputs: torch's fused CPU (flash) kernel only takes [B, H, L, D]; 3-D falls back to
         # the unfused math path (measured ~10x slower on a 2048-token prefill).
         o = F.scaled_dot_product_attention(
@@ -272,6 +299,46 @@ class TorchAttentionBackend:
             attn_mask=mask, is_causal=mask is None, scale=spec.scale,
             enable_gqa=spec.num_q_heads != spec.num_kv_heads)                 # [1, Hq, n, D]
         return o[0].transpose(0, 1)
+
+    def _extend_plan(self, fb, meta, i: int, e: _Extend):
+        """Full attention: (pool slots [Lp] of keys 0..Lp-1 (padding -> slot 0), blocks) with one
+        block per QUERY_BLOCK-aligned run of the new queries: (start, end) in the chunk, rows (>=
+        _MIN_ROWS: the last query repeated), key count Lp_b and the causal mask [1, 1, rows, Lp_b]."""
+        tab = meta.extend_tables.get((i, "blocks"))
+        if tab is None:
+            dev = fb.req_to_token.device
+            lp = _padded(e.seq_len)
+            slots = F.pad(fb.req_to_token[e.row, : e.seq_len].to(torch.int64), (0, lp - e.seq_len))
+            cuts = [e.prefix, *range((e.prefix // QUERY_BLOCK + 1) * QUERY_BLOCK, e.seq_len, QUERY_BLOCK),
+                    e.seq_len]
+            kpos = torch.arange(lp, device=dev)
+            blocks = []
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                rows = max(b - a, _MIN_ROWS)
+                qpos = torch.arange(a, a + rows, device=dev).clamp_(max=b - 1)
+                kl = _padded(b)
+                blocks.append((a - e.prefix, b - e.prefix, rows, kl,
+                               (kpos[None, :kl] <= qpos[:, None])[None, None]))
+            tab = meta.extend_tables[(i, "blocks")] = (slots, blocks)
+        return tab
+
+    def _extend_blocks(self, q, spec, fb, meta, lkv, i, e):
+        """Full attention in canonical blocks (see the module docstring). q: [n, Hq, D] -> [n, Hq, D]."""
+        slots, blocks = self._extend_plan(fb, meta, i, e)
+        rows = self._mapped(meta, ("e", i, None), slots, lkv.index_map)
+        k = lkv.k.index_select(0, rows).to(q.dtype).transpose(0, 1)[None]     # [1, Hkv, Lp, D]
+        v = lkv.v.index_select(0, rows).to(q.dtype).transpose(0, 1)[None]
+        gqa = spec.num_q_heads != spec.num_kv_heads
+        qt = q.transpose(0, 1)                                               # [Hq, n, D]
+        out = torch.empty_like(q)
+        for a, b, nrows, kl, mask in blocks:
+            qb = qt[:, a:b]
+            if nrows > b - a:
+                qb = torch.cat([qb, qb[:, -1:].expand(-1, nrows - (b - a), -1)], 1)
+            o = F.scaled_dot_product_attention(qb[None], k[:, :, :kl], v[:, :, :kl], attn_mask=mask,
+                                               scale=spec.scale, enable_gqa=gqa)   # [1, Hq, rows, D]
+            out[a:b] = o[0, :, : b - a].transpose(0, 1)
+        return out
 
     @staticmethod
     def _mapped(meta: _StepMeta, key, slots: torch.Tensor, index_map: torch.Tensor | None):

@@ -28,8 +28,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2):
-    return smollm2
+def loaded(smollm2_default):
+    return smollm2_default   # the default numerics (bf16 + native weights here)
 
 
 def make_engine(loaded, **cache_kw) -> Engine:
