@@ -15,8 +15,8 @@ TURNS = ["Name a color.", "Name an animal.", "Name a country."]
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2):
-    return smollm2
+def loaded(smollm2_default):
+    return smollm2_default   # the default numerics (bf16 + native weights here)
 
 
 def run_sessions(engine: Engine, n_sessions: int = 3) -> list[list[tuple[list[int], int]]]:

@@ -24,8 +24,8 @@ N = [20, 24, 16, 28, 22, 18, 26, 20]
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2):
-    return smollm2
+def loaded(smollm2_default):
+    return smollm2_default   # the default numerics (bf16 + native weights here)
 
 
 @pytest.fixture(scope="module")
