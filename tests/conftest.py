@@ -48,6 +48,16 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_default(smollm2_gguf):
+    """Tandem's LoadedModel of SmolLM2 in the default numerics (``dtype``/``weights`` "auto": on a
+    CPU with native bf16, bfloat16 with the GGUF's own Q4_1 weights; elsewhere float32). For
+    oracles that compare Tandem with itself (prefix cache on/off, disaggregated vs colocated)."""
+    from tandem.engine.loader import load_model
+
+    return load_model("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_dir, smollm2_gguf):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=os.path.basename(smollm2_gguf))

@@ -29,13 +29,13 @@ _Server = Server
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2, ray_local):
+def servers(smollm2_default, ray_local):
     from tandem.cluster.launch import launch_disaggregated
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
-    backend = launch_disaggregated(CFG, loaded=smollm2)   # one load, shared via the object store
-    colocated = Engine(ENGINE, loaded=smollm2)
+    backend = launch_disaggregated(CFG, loaded=smollm2_default)   # one load, shared via the object store
+    colocated = Engine(ENGINE, loaded=smollm2_default)
     disagg, coloc = _Server(backend, CFG), _Server(LocalEngineBackend(colocated), CFG)
     yield backend, disagg, coloc
     disagg.stop()

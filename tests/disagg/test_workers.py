@@ -83,20 +83,20 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def workers(smollm2, loop):
+def workers(smollm2_default, loop):
     from tandem.decode.worker import DecodeWorker
     from tandem.engine.engine import Engine
     from tandem.prefill.worker import PrefillWorker
 
     async def make():
-        p = PrefillWorker("t-prefill", CFG, loaded=smollm2, transfer_timeout_s=20)
-        d = DecodeWorker("t-decode", CFG, loaded=smollm2, transfer_timeout_s=20)
+        p = PrefillWorker("t-prefill", CFG, loaded=smollm2_default, transfer_timeout_s=20)
+        d = DecodeWorker("t-decode", CFG, loaded=smollm2_default, transfer_timeout_s=20)
         p.add_peer(d.handshake())
         d.add_peer(p.handshake())
         return p, d
 
     p, d = loop.run_until_complete(make())
-    colocated = Engine(CFG, loaded=smollm2)
+    colocated = Engine(CFG, loaded=smollm2_default)
     yield p, d, colocated
     for w in (p, d):
         w.close()
@@ -176,11 +176,11 @@ def test_abort_during_transfer_reaches_prefill_and_frees_both_sides(workers, loo
     assert run(loop, d.stats())["aborted"] >= 1
 
 
-def test_transfer_timeout_fails_fast_but_frees_pages_only_after_prefill_answers(workers, smollm2, loop):
+def test_transfer_timeout_fails_fast_but_frees_pages_only_after_prefill_answers(workers, smollm2_default, loop):
     from tandem.decode.worker import DecodeWorker
 
     p = workers[0]
-    d = DecodeWorker("t-decode-timeout", CFG, loaded=smollm2, transfer_timeout_s=1.0)
+    d = DecodeWorker("t-decode-timeout", CFG, loaded=smollm2_default, transfer_timeout_s=1.0)
     d.add_peer(p.handshake())
     try:
         hang = HangingClient(p.name, answer_abort=False)   # a known agent that never writes
