@@ -1,0 +1,126 @@
+"""SmolLM2 in the CPU's fast numerics: bfloat16 (dequantized weights) against Hugging Face
+transformers in bfloat16, and bfloat16 with the GGUF's own Q4_1 weights (``weights="native"``)
+against the dequantized float32 model. Skipped where the CPU has no native bf16 (``dtype="auto"``
+picks float32 there, and test_model_smollm2.py covers it).
+
+Bounds (teacher-forced on Tandem's greedy tokens, 5 prompts x 32 tokens; measured here in
+brackets):
+- bf16 and native vs HF bf16: wherever HF's argmax differs from Tandem's token, HF's logit gap
+  between the two is at most NEAR_TIE_ULPS = 2 bf16 ulps of HF's top logit (0.25 at |logit| in
+  [16, 32); measured: 4 such tokens of 160 per mode, gaps 0, 0 / 0.125 and 0.25 / 0.125), and the
+  mean |log p(token)| difference over each run is below 0.06 [0.009-0.044].
+- native vs the dequantized fp32 model, every position of the 5 prompts, the whole vocabulary:
+  max |logit diff| below 2.5 [0.59-1.76], mean below 0.3 [0.14-0.23], the mean at most 1.5x the
+  bf16-dequantized model's own [0.17-0.23]: the int4 kernels add little to bf16's rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.quant.cpu import native_bf16
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(native_bf16() is None, reason="no native bf16 on this CPU")]
+
+PROMPTS = [
+    ("chat", "What is the capital of France?"),
+    ("raw", "def fibonacci(n):"),
+    ("chat", "Write a haiku about the sea."),
+    ("raw", "The three primary colors are"),
+    ("chat", "Explain gravity in one sentence, then list 3 planets."),
+]
+NEW_TOKENS = 32
+NEAR_TIE_ULPS = 2
+MEAN_LOGPROB_DIFF = 0.06
+NATIVE_MAX_LOGIT_DIFF = 2.5
+NATIVE_MEAN_LOGIT_DIFF = 0.3
+
+
+def _load(weights: str):
+    from tandem.engine.loader import load_model
+
+    return load_model("smollm2", device="cpu", dtype="bfloat16", weights=weights)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return _load("dequant")
+
+
+@pytest.fixture(scope="module")
+def native():
+    return _load("native")
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(smollm2_dir, smollm2_gguf):
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.bfloat16)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    tok = smollm2.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]) if kind == "chat" else p)
+            for kind, p in PROMPTS]
+
+
+def _runner(loaded) -> ModelRunner:
+    return ModelRunner.create(loaded, max_total_tokens=2048, page_size=4, max_reqs=8, max_context=1024)
+
+
+def _all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    s = runner.new_seq()
+    try:
+        return runner.extend([s], [ids], return_all_logits=True)            # [T, V] float32
+    finally:
+        runner.release(s)
+
+
+def test_startup_line_says_dtype_and_weights(bf16, native):
+    assert bf16.precision == "bfloat16; weights dequant: 121 bfloat16-packed"
+    assert native.precision.startswith("bfloat16; weights native: 120 int4 (Q4_1), 1 bfloat16-packed")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "native"])
+def test_greedy_matches_hf_bf16_up_to_near_ties(mode, bf16, native, hf_bf16, prompt_ids, smollm2):
+    runner = _runner(bf16 if mode == "bf16" else native)
+    outs = runner.generate_greedy(prompt_ids, NEW_TOKENS, stop_ids=smollm2.tokenizer.eos_token_ids)
+    for ids, out in zip(prompt_ids, outs):
+        with torch.no_grad():
+            ref = hf_bf16(torch.tensor([ids + out])).logits[0].float()
+        span = slice(len(ids) - 1, len(ids) - 1 + len(out))
+        ref, mine, toks = ref[span], _all_logits(runner, ids + out)[span], torch.tensor(out)
+        for j in (ref.argmax(-1) != toks).nonzero().flatten().tolist():
+            top = ref[j].max().item()
+            gap, ulp = top - ref[j, out[j]].item(), 2.0 ** (math.floor(math.log2(abs(top))) - 7)
+            assert gap <= NEAR_TIE_ULPS * ulp, \
+                f"token {j}: HF prefers another token by {gap:.3f} ({gap / ulp:.0f} bf16 ulps; not a near-tie)"
+        lp_ref = ref.log_softmax(-1).gather(1, toks[:, None])
+        lp_mine = mine.log_softmax(-1).gather(1, toks[:, None])
+        assert (lp_ref - lp_mine).abs().mean().item() < MEAN_LOGPROB_DIFF
+
+
+def test_native_logits_close_to_the_dequantized_fp32_model(native, bf16, smollm2, prompt_ids):
+    r32, rn, rb = _runner(smollm2), _runner(native), _runner(bf16)
+    for ids in prompt_ids:
+        ref = _all_logits(r32, ids)
+        d_native, d_bf16 = (_all_logits(rn, ids) - ref).abs(), (_all_logits(rb, ids) - ref).abs()
+        assert d_native.max().item() < NATIVE_MAX_LOGIT_DIFF
+        assert d_native.mean().item() < NATIVE_MEAN_LOGIT_DIFF
+        assert d_native.mean().item() <= 1.5 * d_bf16.mean().item()
+        assert (_all_logits(rn, ids).argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_native_greedy_text(native, prompt_ids):
+    out = _runner(native).generate_greedy(prompt_ids[:1], 12)[0]
+    assert "Paris" in native.tokenizer.decode(out)
