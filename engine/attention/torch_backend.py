@@ -2,17 +2,16 @@
 
 A step's sequences are split once, in :meth:`init_forward`, into
 - *decode rows* (exactly one new token): batched. Per attention window (None = full) one padded
-  slot table ``[Bd, L]`` (padding -> slot 0) and a validity mask ``[Bd, 1, 1, Lp]`` over the keys
-  padded to ``Lp``, the next multiple of ``KEY_BLOCK``, are built once per step; each layer then
-  does one ``index_select`` gather ``k_buf -> [Bd, Lp, Hkv, D]`` (a row-wise memcpy; advanced
-  indexing ``k_buf[rows]`` is ~4x slower on CPU) and one 4-D SDPA call, the query heads of a kv
-  head as rows (``[Bd, Hkv, max(G, 4), D]``, G = Hq / Hkv, padded with copies), so no Python loop
-  over requests per layer. A sliding window W gathers only the last ``min(L, W)`` positions.
-  Full-attention layers of the plain pool skip the gather while the decode batch is unchanged:
-  the backend keeps a per-layer mirror ``[Bd, Hkv, cap, D]`` of the batch's K/V (see
-  :class:`_DecodeMirror`), rebuilt by one gather when the batch changes and otherwise only
-  appended to (each row's new token), so a steady decode step reads each layer's KV once, in
-  place.
+  slot table ``[Bd, L]`` (padding -> slot 0) and a validity mask ``[Bd, 1, 1, Lp]`` are built once
+  per step; each layer then does one ``index_select`` gather ``k_buf -> [Bd, Lp, Hkv, D]`` (a
+  row-wise memcpy; advanced indexing ``k_buf[rows]`` is ~4x slower on CPU) and one 4-D SDPA call
+  per key width (below), the query heads of a kv head as rows (``[Bd, Hkv, max(G, 4), D]``,
+  G = Hq / Hkv, padded with copies), so no Python loop over requests per layer. A sliding window
+  W gathers only the last ``min(L, W)`` positions. Full-attention layers of the plain pool skip
+  the gather while the decode batch is unchanged: the backend keeps a per-layer mirror
+  ``[Bd, Hkv, cap, D]`` of the batch's K/V (see :class:`_DecodeMirror`), rebuilt by one gather
+  when the batch changes and otherwise only appended to (each row's new token), so a steady
+  decode step reads each layer's KV once, in place.
 - *extend rows* (a prompt chunk): full-attention layers split the queries at absolute positions
   that are multiples of ``QUERY_BLOCK`` and run one SDPA call per block (at least 4 rows, padded
   with copies) over the keys ``[0, Lp)`` with an explicit causal mask; windowed layers run one
@@ -20,15 +19,16 @@ A step's sequences are split once, in :meth:`init_forward`, into
 
 **Exactness.** A query's attention output is bitwise the same whether it is computed in a prefill,
 in a chunk after a cached prefix, or as a decode row in any batch (checked in bf16 and fp32, 1 and
-2 threads, lengths 1..2048; ``tests/engine/test_torch_attention.py``), because every SDPA call
-torch's CPU flash kernel sees has the same shape class: at most ``QUERY_BLOCK`` (32) query rows
-and at least 4 (below 4 its GEMMs take another code path), query blocks that never straddle a
-64-position boundary, and a key count that is a multiple of its key split (512), masked past
-the row's keys. Without this a row's output moved by an ulp with its batch, its chunking or its
-key count (the softmax sums' reduction tree follows the padded length) -- in fp32 rarely
-visible, in bf16 enough to flip a near-tie, so the prefix cache on/off and prefill/decode
-disaggregation oracles did not hold. Windowed layers keep their per-row key offsets and are not
-covered.
+2 threads; ``tests/engine/test_batch_invariance.py``), because every SDPA call torch's CPU flash
+kernel sees for it has the same shape: the query at position i sees exactly ``_padded(i + 1)``
+keys (its own, rounded up to a multiple of KEY_BLOCK = 64, the rest masked), in a call with at
+most QUERY_BLOCK (32) and at least 4 query rows (below 4 its GEMMs take another code path), and
+query blocks never straddle a 64-position boundary. Hence decode rows are grouped by that width
+(one call when the batch's lengths share a 64-bucket, the common case). Without this a row's
+output moved by an ulp with its batch, its chunking or the padded key count (the kernel's
+softmax sums follow the padded length) -- in fp32 rarely visible, in bf16 enough to flip a
+near-tie, so the prefix cache on/off and prefill/decode disaggregation oracles did not hold.
+Windowed layers keep their per-row key offsets and are not covered.
 
 The layer's K/V are written first (``fb.kv_pool.layer(id)``; rows = ``index_map[slots]`` when the
 layer's pool has an index map), then read back, so new tokens attend to themselves.
@@ -64,9 +64,10 @@ class _StepMeta:
     decode_lens: torch.Tensor                # [Bd] seq lens (device)
     decode_max_len: int
     decode_min_len: int
+    decode_lens_cpu: list                    # [Bd] seq lens (host), for the width groups
     extends: list[_Extend]
-    # window -> (slots [Bd, L] int64, valid [Bd, 1, 1, L] bool | None when every key is valid);
-    # built lazily, once per step
+    # window -> (slots [Bd, L] int64, valid [Bd, 1, 1, Lp] bool, groups); built lazily, once per
+    # step. groups: [(rows: slice | index tensor, key width)], the rows whose keys pad to that width
     decode_tables: dict = field(default_factory=dict)
     # (i, window) -> (slots [Lk] int64, mask [n, Lk] bool | None for plain causal)
     extend_tables: dict = field(default_factory=dict)
@@ -79,8 +80,7 @@ class _StepMeta:
 
 
 _MIRROR_MAX_BYTES = 512 * 2**20  # the decode mirror never holds more than this (else: gather)
-KEY_BLOCK = 512     # keys are padded (and masked) to a multiple of this: torch's CPU flash kernel's
-                    # key split, so the padding changes no reduction (see the module docstring)
+KEY_BLOCK = 64      # a query at position i sees exactly _padded(i + 1) keys (the rest masked)
 QUERY_BLOCK = 32    # extend queries per SDPA call, blocks aligned at multiples of this
 _MIN_ROWS = 4       # SDPA calls get at least this many query rows per (batch, head)
 
@@ -88,6 +88,23 @@ _MIN_ROWS = 4       # SDPA calls get at least this many query rows per (batch, h
 def _padded(n: int) -> int:
     """n keys rounded up to a multiple of KEY_BLOCK."""
     return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
+def _width_groups(widths: list[int], device) -> list[tuple[slice | torch.Tensor, int]]:
+    """Decode rows grouped by key width: runs of equal widths as slices, scattered ones as index
+    tensors. One group (one SDPA call) when the batch's lengths share a KEY_BLOCK bucket."""
+    if len(set(widths)) == 1:
+        return [(slice(None), widths[0])]
+    runs: list[tuple[int, int, int]] = []                 # (start, end, width)
+    for i, w in enumerate(widths):
+        if runs and runs[-1][2] == w:
+            runs[-1] = (runs[-1][0], i + 1, w)
+        else:
+            runs.append((i, i + 1, w))
+    if len(runs) == len(set(widths)):                      # each width one contiguous run
+        return [(slice(a, b), w) for a, b, w in runs]
+    return [(torch.tensor([i for i, x in enumerate(widths) if x == w], device=device), w)
+            for w in sorted(set(widths))]
 
 
 @dataclass
@@ -135,7 +152,8 @@ class TorchAttentionBackend:
                    for i in range(fb.batch_size) if i not in dec_set]
         dec_lens = fb.seq_lens_cpu if fb.is_decode else [fb.seq_lens_cpu[i] for i in dec]
         max_len, min_len = max(dec_lens, default=0), min(dec_lens, default=0)
-        fb.attn_meta[_META_KEY] = _StepMeta(decode_tok, rows, lens, max_len, min_len, extends)
+        fb.attn_meta[_META_KEY] = _StepMeta(decode_tok, rows, lens, max_len, min_len, list(dec_lens),
+                                            extends)
         if not dec:
             self._mirror = None   # no decode batch left to mirror: free it
 
@@ -179,13 +197,14 @@ class TorchAttentionBackend:
             slots = fb.req_to_token[meta.decode_rows[:, None], pos]          # [Bd, L]
             if meta.decode_min_len < length:   # some row has fewer than L keys
                 slots = torch.where(valid[:, :length], slots, 0)
+            widths = [_padded(n if window is None else min(n, window)) for n in meta.decode_lens_cpu]
             tab = meta.decode_tables[window] = (slots.to(torch.int64).contiguous(),
-                                                valid[:, None, None, :])
+                                                valid[:, None, None, :], _width_groups(widths, dev))
         return tab
 
     def _decode(self, q, k_new, v_new, spec, fb, meta, lkv):
         # q: [Bd, Hq, D]; k_new, v_new: [Bd, Hkv, D] (written to the pool already) -> o: [Bd, Hq, D]
-        slots, mask = self._decode_table(fb, meta, spec.sliding_window)
+        slots, mask, groups = self._decode_table(fb, meta, spec.sliding_window)
         kv = None
         if spec.sliding_window is None and lkv.index_map is None:
             kv = self._mirrored(q, k_new, v_new, spec, fb, meta, lkv, slots)
@@ -200,7 +219,16 @@ class TorchAttentionBackend:
         qg = q.reshape(bd, hkv, g, d)                                        # [Bd, Hkv, G, D]
         if g < _MIN_ROWS:
             qg = torch.cat([qg, qg[:, :, :1].expand(bd, hkv, _MIN_ROWS - g, d)], 2)
-        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=spec.scale)
+        if len(groups) == 1:   # every row's keys pad to one width: one call, no copies
+            w = groups[0][1]
+            o = F.scaled_dot_product_attention(qg, kv[0][:, :, :w], kv[1][:, :, :w],
+                                               attn_mask=mask[..., :w], scale=spec.scale)
+        else:                  # one call per width (a slice of the batch, or its gathered rows)
+            o = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
+            for rows, w in groups:
+                o[rows] = F.scaled_dot_product_attention(
+                    qg[rows], kv[0][rows, :, :w], kv[1][rows, :, :w], attn_mask=mask[rows, ..., :w],
+                    scale=spec.scale)
         return o[:, :, :g].reshape(bd, spec.num_q_heads, d)                 # [Bd, Hq, D]
 
     def _mirror_plan(self, fb: ForwardBatch, meta: _StepMeta, slots: torch.Tensor, lkv,

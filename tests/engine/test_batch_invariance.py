@@ -1,0 +1,67 @@
+"""A request's logits do not depend on what it is batched with, how its prompt is chunked, or
+whether its prefix came from the cache: bitwise, on the real SmolLM2, in the default numerics
+(bf16 + native Q4_1 weights on a CPU with native bf16) and in float32, at 1 and 2 threads.
+
+This is what the engine-level oracles (batched == alone, prefix cache on == off, disaggregated ==
+colocated) rest on; see engine/attention/torch_backend.py ("Exactness") for how attention keeps it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module", params=["default", "float32"])
+def loaded(request, smollm2, smollm2_default):
+    return smollm2_default if request.param == "default" else smollm2
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _alone(r: ModelRunner, ids: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    s, logits = r.prefill(ids)
+    out, toks = [logits], [int(logits.argmax())]
+    for _ in range(steps):
+        logits = r.decode([s], [toks[-1]])[0]
+        out.append(logits)
+        toks.append(int(logits.argmax()))
+    r.release(s)
+    return out, toks
+
+
+def test_logits_are_independent_of_batch_chunking_and_prefix(loaded, threads):
+    r = ModelRunner.create(loaded, max_total_tokens=8192, max_reqs=8, max_context=2048)
+    tok = loaded.tokenizer
+    a = tok.encode("The largest planet in our solar system is")          # ~9 tokens
+    long = tok.encode(" ".join(f"item{i}" for i in range(40)))           # ~120 tokens: crosses 64
+    ref, toks = _alone(r, a, 6)
+
+    # 1) a's prompt chunked (3 + rest), prefilled next to a long prompt and a decoding row
+    sl, ll = r.prefill(long)
+    sa = r.new_seq()
+    r.extend([sa], [a[:3]])
+    out = r.extend([sl, sa], [[int(ll.argmax())], a[3:]])
+    assert torch.equal(out[1], ref[0])
+    # 2) decode steps in a batch whose other row has a different key width (> 64 keys)
+    tl = int(out[0].argmax())
+    for i in range(6):
+        out = r.decode([sl, sa], [tl, toks[i]])
+        assert torch.equal(out[1], ref[i + 1]), f"decode step {i} differs in a batch"
+        tl = int(out[0].argmax())
+    r.release(sa)
+    r.release(sl)
+
+    # 3) a prefix-cache hit: the prompt's KV minus its last token reused, that token "decoded"
+    sa = r.new_seq()
+    r.extend([sa], [a[:-1]])
+    assert torch.equal(r.extend([sa], [a[-1:]])[0], ref[0])
+    r.release(sa)
