@@ -102,7 +102,10 @@ class Engine:
                                            sliding_window=cfg.sliding_window,
                                            context_length=cfg.context_length, weights=cfg.weights)
         self.dtype = self.loaded.dtype   # the KV pool holds the model's dtype (a given model wins)
-        log.info("engine: %s on %s, %s", self.loaded.name, self.device, self.loaded.precision)
+        from tandem.engine.loader import describe_dtype, describe_weights
+        log.info("engine: %s on %s, dtype %s; weights %s", self.loaded.name, self.device,
+                 describe_dtype(cfg.dtype, self.device) if loaded is None else
+                 str(self.dtype).removeprefix("torch."), describe_weights(self.loaded.model))
         arch = self.loaded.arch
         self.arch = arch
         self.tokenizer = self.loaded.tokenizer

@@ -272,6 +272,10 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
                           and t.tensor_type.name not in ("F32", "F16", "BF16")})
     if unsupported:  # dequantized like any other tensor; say so in the startup line
         model.dequantized.append(("projections", f"{', '.join(unsupported)} has no native kernel"))
+    embd = tensors.get("token_embd.weight")
+    if native and arch.tie_word_embeddings and embd is not None and embd.tensor_type.name in QUANT_KINDS:
+        model.dequantized.append(("lm_head", f"the tied {embd.tensor_type.name} embedding: dense "
+                                             "bf16-packed beats int4 planes past 1 row"))
     tokenizer = Tokenizer.from_gguf(reader)
     name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
         os.path.splitext(os.path.basename(path))[0]
