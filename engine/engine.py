@@ -103,9 +103,9 @@ class Engine:
                                            context_length=cfg.context_length, weights=cfg.weights)
         self.dtype = self.loaded.dtype   # the KV pool holds the model's dtype (a given model wins)
         from tandem.engine.loader import describe_dtype, describe_weights
-        log.info("engine: %s on %s, dtype %s; weights %s", self.loaded.name, self.device,
-                 describe_dtype(cfg.dtype, self.device) if loaded is None else
-                 str(self.dtype).removeprefix("torch."), describe_weights(self.loaded.model))
+        dtype_why = describe_dtype(cfg.dtype, self.device) if loaded is None else \
+            str(self.dtype).removeprefix("torch.")
+        self.numerics = f"dtype {dtype_why}; weights {describe_weights(self.loaded.model)}"  # startup line
         arch = self.loaded.arch
         self.arch = arch
         self.tokenizer = self.loaded.tokenizer
@@ -172,7 +172,7 @@ class Engine:
                             h.host_stores(n))
         self.host_pool_tokens = n
         mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
-        self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.dtype}), device KV "
+        self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.numerics}), device KV "
                              f"pool {self.allocator.size} tokens ({mb(self.allocator.size):.0f} MB), "
                              f"host KV pool {n} tokens ({mb(n):.0f} MB; {why}); "
                              + components_clause(h, h.full_pool if h.active else self.kv_pool,
