@@ -31,7 +31,8 @@ from tandem.engine.loader import load_model  # noqa: E402
 from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402
 
 FLAGS = ["--threads", "1", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "1024",
-         "--max-running-requests", "4", "--chunked-prefill-size", "16", "--host-pool-tokens", "512"]
+         "--max-running-requests", "4", "--chunked-prefill-size", "16", "--host-pool-tokens", "512",
+         "--dtype", "float32"]   # the oracle below is an in-process float32 engine
 TURN1 = list(b"A user asks the hybrid model a question that is longer than its window: ")
 MAX_TOKENS = 8
 
