@@ -5,11 +5,11 @@ from __future__ import annotations
 from tandem.bench import retraction
 
 
-def test_retraction_bench_tiny(smollm2, one_torch_thread):
+def test_retraction_bench_tiny(smollm2_default, one_torch_thread):
     args = retraction.parse_args(["--sizes", "32", "--repeats", "2", "--recompute-repeats", "1",
                                   "--no-profile", "--requests", "3", "--prompt-tokens", "8",
                                   "--output-tokens", "12", "--load-repeats", "1"])
-    res = retraction.run(args, loaded=smollm2, log=lambda *a: None)
+    res = retraction.run(args, loaded=smollm2_default, log=lambda *a: None)
 
     d = res["restore_vs_recompute"]["sizes"]["32"]
     assert d["tokens"] == d["restored_tokens"] == 32 and d["backup_copy_tokens"] == 32
@@ -29,13 +29,13 @@ def test_retraction_bench_tiny(smollm2, one_torch_thread):
     retraction.print_report(res)   # the table renders
 
 
-def test_recovery_bench_tiny(smollm2, one_torch_thread):
+def test_recovery_bench_tiny(smollm2_default, one_torch_thread):
     """bench/retraction_recovery.py: a storm retracts, nothing errs or leaks, and the decode
     batch is as full after the storm as before (tokens per model step)."""
     from tandem.bench import retraction_recovery as rr
 
     for host in (4096,):      # the recompute path: tests/engine/test_scheduler_fake.py
-        r = rr.run_once(smollm2, host_pool_tokens=host, concurrency=2, storm=10, phase_s=1.0,
+        r = rr.run_once(smollm2_default, host_pool_tokens=host, concurrency=2, storm=10, phase_s=1.0,
                         out_tokens=24, threads=1, log=lambda *a: None)
         assert r["retractions"] > 0 and r["errors"] == 0
         assert r["idle_leak_tokens"] == 0 and r["idle_locked_tokens"] == 0

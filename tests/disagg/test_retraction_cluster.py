@@ -77,13 +77,13 @@ def _cluster(cfg: ServeConfig, loaded):
 
 
 @pytest.fixture(scope="module")
-def uncontended(smollm2):
+def uncontended(smollm2_default):
     """The 8 requests' texts on a colocated engine that holds them all at once (no retraction)."""
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
     cfg = _cfg(None)
-    e = Engine(cfg.engine_config, loaded=smollm2)
+    e = Engine(cfg.engine_config, loaded=smollm2_default)
     server = _Server(LocalEngineBackend(e), cfg)
     try:
         with ThreadPoolExecutor(len(TOPICS)) as pool:
@@ -106,8 +106,8 @@ def _the_case(server, uncontended) -> dict[str, float]:
     return c
 
 
-def test_retraction_restores_from_the_default_host_pool(ray_local, smollm2, uncontended):
-    backend, server = _cluster(_cfg(None), smollm2)
+def test_retraction_restores_from_the_default_host_pool(ray_local, smollm2_default, uncontended):
+    backend, server = _cluster(_cfg(None), smollm2_default)
     try:
         c = _the_case(server, uncontended)
         assert c["tandem_retraction_restores"] > 0 and c["tandem_retraction_recomputes"] == 0, c
@@ -116,14 +116,14 @@ def test_retraction_restores_from_the_default_host_pool(ray_local, smollm2, unco
         backend.close()
 
 
-def test_retraction_recomputes_without_a_host_pool_and_a_chaos_run_loses_nothing(ray_local, smollm2,
+def test_retraction_recomputes_without_a_host_pool_and_a_chaos_run_loses_nothing(ray_local, smollm2_default,
                                                                                 uncontended):
     from tandem.bench.chaos.cli import options, run_chaos, verdict
     from tandem.bench.chaos.oracle import Oracle
     from tandem.bench.chaos.plan import make_plan
 
-    backend, server = _cluster(_cfg(0, retract_every=5), smollm2)
-    oracle = Oracle("smollm2", "float32", threads=1, loaded=smollm2)
+    backend, server = _cluster(_cfg(0, retract_every=5), smollm2_default)
+    oracle = Oracle("smollm2", "float32", threads=1, loaded=smollm2_default)
     try:
         c = _the_case(server, uncontended)
         assert c["tandem_retraction_recomputes"] > 0 and c["tandem_retraction_restores"] == 0, c

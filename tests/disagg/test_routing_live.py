@@ -30,10 +30,10 @@ LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 120
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2, ray_local):
+def cluster(smollm2_default, ray_local):
     from tandem.cluster.launch import launch_disaggregated
 
-    backend = launch_disaggregated(CFG, loaded=smollm2)
+    backend = launch_disaggregated(CFG, loaded=smollm2_default)
     server = _Server(backend, CFG)
     yield backend, server
     server.stop()

@@ -1,6 +1,6 @@
 """A request's logits do not depend on what it is batched with, how its prompt is chunked, or
 whether its prefix came from the cache: bitwise, on the real SmolLM2, in the default numerics
-(bf16 + native Q4_1 weights on a CPU with native bf16) and in float32, at 1 and 2 threads.
+(bf16 + native Q4_1 weights on a CPU with native bf16; 1 and 2 threads) and in float32.
 
 This is what the engine-level oracles (batched == alone, prefix cache on == off, disaggregated ==
 colocated) rest on; see engine/attention/torch_backend.py ("Exactness") for how attention keeps it.
@@ -14,16 +14,12 @@ import torch
 from tandem.engine.model_runner import ModelRunner
 
 
-@pytest.fixture(scope="module", params=["default", "float32"])
+@pytest.fixture(params=[("default", 1), ("default", 2), ("float32", 1)], ids=lambda p: f"{p[0]}-{p[1]}")
 def loaded(request, smollm2, smollm2_default):
-    return smollm2_default if request.param == "default" else smollm2
-
-
-@pytest.fixture(params=[1, 2])
-def threads(request):
+    """(model, with this many torch threads)."""
     old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
+    torch.set_num_threads(request.param[1])
+    yield smollm2_default if request.param[0] == "default" else smollm2
     torch.set_num_threads(old)
 
 
@@ -38,7 +34,7 @@ def _alone(r: ModelRunner, ids: list[int], steps: int) -> tuple[list[torch.Tenso
     return out, toks
 
 
-def test_logits_are_independent_of_batch_chunking_and_prefix(loaded, threads):
+def test_logits_are_independent_of_batch_chunking_and_prefix(loaded):
     r = ModelRunner.create(loaded, max_total_tokens=8192, max_reqs=8, max_context=2048)
     tok = loaded.tokenizer
     a = tok.encode("The largest planet in our solar system is")          # ~9 tokens
