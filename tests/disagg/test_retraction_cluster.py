@@ -123,7 +123,7 @@ def test_retraction_recomputes_without_a_host_pool_and_a_chaos_run_loses_nothing
     from tandem.bench.chaos.plan import make_plan
 
     backend, server = _cluster(_cfg(0, retract_every=5), smollm2_default)
-    oracle = Oracle("smollm2", "float32", threads=1, loaded=smollm2_default)
+    oracle = Oracle("smollm2", "auto", threads=1, loaded=smollm2_default)
     try:
         c = _the_case(server, uncontended)
         assert c["tandem_retraction_recomputes"] > 0 and c["tandem_retraction_restores"] == 0, c
