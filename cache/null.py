@@ -22,7 +22,7 @@ from tandem.cache.radix.sanity import check_ownership
 from tandem.cache.unified import CacheStats, MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_MISS = MatchResult(0, _EMPTY, None, None, None)
+_MISS = MatchResult(0, [])
 
 
 class NullCache:

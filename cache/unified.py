@@ -27,9 +27,8 @@ Handles (nodes) are opaque; one stays valid while it is locked.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -45,8 +44,7 @@ from tandem.core.config import CacheConfig
 _NO_COMPONENTS: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
-class MatchResult:
+class MatchResult(NamedTuple):
     """What a match found. Node handles:
 
     - ``last_device_node``: deepest node every component accepts whose KV is on the device;
@@ -63,27 +61,33 @@ class MatchResult:
     """
 
     prefix_len: int
-    device_indices: torch.Tensor
-    last_device_node: Node | None
-    last_host_node: Node | None
-    best_match_node: Node | None
+    pieces: list                    # the path's slot values (device_indices concatenates them)
+    last_device_node: Node | None = None
+    last_host_node: Node | None = None
+    best_match_node: Node | None = None
     host_hit_length: int = 0
-    components: Mapping[str, Any] = field(default_factory=lambda: _NO_COMPONENTS)
+    components: Mapping[str, Any] = _NO_COMPONENTS
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each time
+        it is read (a match used only for its length -- queue order, routing -- never builds
+        it). Immutable, and cheap to make: one is made per admission and per routing probe."""
+        return _concat(self.pieces)
 
     def __repr__(self) -> str:
         return (f"MatchResult(prefix_len={self.prefix_len}, host_hit_length={self.host_hit_length}, "
                 f"last_device_node={self.last_device_node})")
 
 
-@dataclass(frozen=True)
-class CacheStats:
+class CacheStats(NamedTuple):
     """Sizes, O(1) (proven by :meth:`UnifiedRadixCache.check`). Tokens for FULL; for an
     auxiliary component, units of its pool (``components[name] = (evictable, protected)``)."""
 
     evictable: int = 0          # unlocked device tokens
     protected: int = 0          # locked device tokens
     host: int = 0               # tokens with a host copy (0 without a host tier)
-    components: Mapping[str, tuple[int, int]] = field(default_factory=lambda: _NO_COMPONENTS)
+    components: Mapping[str, tuple[int, int]] = _NO_COMPONENTS
 
     @property
     def device(self) -> int:
@@ -178,7 +182,7 @@ class UnifiedRadixCache:
         else:
             last_host = next((nd for nd in reversed(path[:n_best]) if nd.host is not None), root)
         comps = ({c.name: c.finalize(dev_path) for c in self._aux} if self._aux else _NO_COMPONENTS)
-        result = MatchResult(last_dev.end, _concat([nd.value for nd in dev_path]), last_dev,
+        result = MatchResult(last_dev.end, [nd.value for nd in dev_path], last_dev,
                              last_host, best, best.end - last_dev.end, comps)
         if self._debug:
             self._after()
