@@ -34,7 +34,7 @@ import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.radix.components import FULL, TreeComponent
-from tandem.cache.radix.events import AllCleared, KVEventPublisher
+from tandem.cache.radix.events import AllBlocksCleared, KVEventPublisher
 from tandem.cache.radix.eviction import make_policy
 from tandem.cache.radix.host import HostTier
 from tandem.cache.radix.sanity import check
@@ -146,7 +146,7 @@ class UnifiedRadixCache:
         if host is not None:
             host.bind(self)
         if events is not None:
-            events.publish([AllCleared()])
+            events.publish([AllBlocksCleared()])
 
     @classmethod
     def simulated(cls, page_size: int = 1, capacity_tokens: int | None = None, eviction: str = "lru",

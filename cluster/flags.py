@@ -82,6 +82,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--port", "port", "HTTP port"),
     Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY' on /v1/*"),
     Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one"),
+    Flag("--ray-namespace", "ray_namespace", "Ray namespace of the workers' named actors"),
+    Flag("--worker-lifetime", "worker_lifetime",
+         "cluster: workers outlive the router and a restarted router adopts them; router: stopped "
+         "with it; auto: cluster when joining a Ray cluster with --ray-address"),
     Flag("--tool-parser", "tool_parser", "tool-call format the model writes (default auto: from its chat "
                                          "template; Hermes <tool_call> when the template has no tool support)"),
     Flag("--policy", "policy", "routing policy"),
@@ -99,6 +103,17 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "--engine sim: the profile's KV room)"),
     Flag("--sim-profile", "sim_profile", "--engine sim: cost profile, e.g. llama3-8b-h100, llama3-70b-h100x8"),
     Flag("--sim-speedup", "sim_speedup", "--engine sim: simulated seconds per wall second"),
+    Flag("--dispatch-queue-size", "dispatch_queue_size",
+         "requests that may wait for an admissible worker before 429s (0: refuse at once)"),
+    Flag("--dispatch-queue-ttl", "dispatch_queue_ttl_s", "seconds a request may wait in that queue"),
+    Flag("--planner", "planner.enabled",
+         "autoscale prefill and decode workers from TTFT / inter-token latency against their targets"),
+    Flag("--ttft-slo", "planner.ttft_slo_s", "the planner's time-to-first-token target (seconds)"),
+    Flag("--itl-slo", "planner.itl_slo_s", "the planner's inter-token latency target (seconds)"),
+    Flag("--min-prefill", "planner.min_prefill", "the planner's fewest prefill workers"),
+    Flag("--max-prefill", "planner.max_prefill", "the planner's most prefill workers"),
+    Flag("--min-decode", "planner.min_decode", "the planner's fewest decode workers"),
+    Flag("--max-decode", "planner.max_decode", "the planner's most decode workers"),
 )
 
 # ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers it all).
@@ -107,6 +122,8 @@ YAML_ONLY: frozenset[str] = frozenset({
     "engine_config.seed", "engine_config.cache.session_ttl_s", "engine_config.cache.host_write_policy",
     "engine_config.scheduler.max_batch_tokens",
     "engine_config.hybrid", "engine_config.transfer",
+    "planner.percentile", "planner.window_s", "planner.period_s", "planner.queue_per_prefill",
+    "planner.scale_down_fraction", "planner.scale_down_after_s", "planner.drain_timeout_s",
 })
 
 

@@ -1,12 +1,26 @@
-"""The driver's KV-event feed: ZMQ SUB sockets to every prefill worker's KVEventPublisher, one
-background thread, events applied to the router's exact :class:`GlobalBlockIndex`.
+"""The router's KV-event feed: ZMQ SUB sockets to every worker's KV-event publisher (prefill and
+decode), one background thread, events applied to the dispatcher's exact :class:`GlobalBlockIndex`.
 
-Each worker's publisher binds ``tcp://127.0.0.1:<ephemeral>`` and reports the endpoint in its
-``info()``; the backend calls :meth:`KVEventFeed.add` with the worker's policy id. Messages are
-multipart ``[topic, seq (8 bytes big-endian), msgpack payload]`` (cache/radix/events.py); each
-payload is unpacked with msgpack (never pickle) and every event validated by
-``KVEvent.from_wire``; anything malformed is dropped and counted. A sequence gap (PUB drops for
-slow subscribers) is counted too. The sockets belong to the thread; add/remove go through a queue.
+Each worker's publisher binds ``tcp://<its node's IP>:<ephemeral>`` and names its PUB and replay
+endpoints in ``info()``; the supervisor calls :meth:`KVEventFeed.add` with the worker's policy id.
+Messages are vLLM's (``[topic, seq, msgpack batch]``, router/kv_wire.py reads them; never pickle).
+
+Per worker, a :class:`SequenceCheck` says what each message is:
+
+- on ``add`` (a worker found by a router that just started, or a new worker) the feed first asks
+  the replay socket for everything from sequence 0: the buffered history, or a snapshot of every
+  block held now when the buffer no longer reaches back that far; so a restarted router rebuilds
+  the index of workers that have been running for hours;
+- a **gap** (PUB drops messages for slow subscribers) is fetched from the replay socket before the
+  message that revealed it is applied;
+- a **restarted publisher** (sequence numbers back at 0) has its old entries dropped and is
+  synchronised again from 0;
+- when the replay socket does not answer, that worker's entries are dropped (the index then only
+  under-reports: never a route to a block that is not there) and it is tried again at its next
+  message.
+
+Anything malformed is dropped and counted. The sockets belong to the thread; add/remove go through
+a queue.
 """
 
 from __future__ import annotations
@@ -14,38 +28,59 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from dataclasses import dataclass, field
 
-import msgpack
-
-from tandem.router.prefix_index import GlobalBlockIndex, KVEvent
+from tandem.router.kv_wire import APPLY, GAP, RESTART, SequenceCheck, decode_payload
+from tandem.router.prefix_index import GlobalBlockIndex
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
+REPLAY_TIMEOUT_MS = 2000
+RESYNC_INTERVAL_S = 1.0
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass
+class _Source:
+    endpoint: str
+    replay: str | None
+    sock: object = None
+    seq: SequenceCheck = field(default_factory=SequenceCheck)
+    synced: bool = False
+    last_try: float = float("-inf")
 
 
 class KVEventFeed:
-    def __init__(self, index: GlobalBlockIndex, lock, topic: bytes = b"kv"):
+    def __init__(self, index: GlobalBlockIndex, lock, replay_timeout_ms: int = REPLAY_TIMEOUT_MS):
         import zmq
 
         self._zmq = zmq
-        self.index, self.lock, self.topic = index, lock, topic
+        self.index, self.lock = index, lock
+        self.replay_timeout_ms = replay_timeout_ms
         self._ctx = zmq.Context.instance()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._socks: dict[int, object] = {}        # worker id -> SUB socket
-        self._next_seq: dict[int, int] = {}
-        self.counts = {"batches": 0, "events": 0, "malformed": 0, "gaps": 0}
+        self._sources: dict[int, _Source] = {}
+        self.counts = {"batches": 0, "events": 0, "malformed": 0, "gaps": 0, "replays": 0,
+                       "restarts": 0, "dropped": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-kv-events", daemon=True)
         self._thread.start()
 
-    def add(self, worker_id: int, endpoint: str) -> None:
-        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-            raise ValueError(f"bad KV event endpoint {endpoint!r} for worker {worker_id}")
-        self._cmds.put(("add", worker_id, endpoint))
+    def add(self, worker_id: int, endpoint: str, replay_endpoint: str | None = None) -> None:
+        for e in (endpoint, replay_endpoint):
+            if e is not None and (not isinstance(e, str) or not e.startswith("tcp://")):
+                raise ValueError(f"bad KV event endpoint {e!r} for worker {worker_id}")
+        self._cmds.put(("add", worker_id, (endpoint, replay_endpoint)))
 
     def remove(self, worker_id: int) -> None:
         self._cmds.put(("remove", worker_id, None))
+
+    def synced(self, worker_id: int) -> bool:
+        """Whether ``worker_id``'s history has been replayed into the index (tests, /health)."""
+        s = self._sources.get(worker_id)
+        return s is not None and s.synced
 
     def close(self) -> None:
         self._stop.set()
@@ -56,24 +91,24 @@ class KVEventFeed:
         zmq = self._zmq
         while True:
             try:
-                op, wid, endpoint = self._cmds.get_nowait()
+                op, wid, arg = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            old = self._socks.pop(wid, None)
+            old = self._sources.pop(wid, None)
             if old is not None:
-                poller.unregister(old)
-                old.close(0)
-            self._next_seq.pop(wid, None)
+                poller.unregister(old.sock)
+                old.sock.close(0)
+            with self.lock:        # a new subscription starts from the replayed history
+                self.index.remove_worker(wid)
             if op == "add":
-                sock = self._ctx.socket(zmq.SUB)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-                sock.connect(endpoint)
-                self._socks[wid] = sock
-                poller.register(sock, zmq.POLLIN)
-            else:
-                with self.lock:   # events that arrived after the worker left
-                    self.index.remove_worker(wid)
+                src = _Source(*arg)
+                src.sock = self._ctx.socket(zmq.SUB)
+                src.sock.setsockopt(zmq.LINGER, 0)
+                src.sock.setsockopt(zmq.SUBSCRIBE, b"")
+                src.sock.connect(src.endpoint)
+                self._sources[wid] = src
+                poller.register(src.sock, zmq.POLLIN)
+                self._sync(wid, src, 0)
 
     def _run(self) -> None:
         zmq = self._zmq
@@ -81,55 +116,110 @@ class KVEventFeed:
         try:
             while not self._stop.is_set():
                 self._commands(poller)
-                if not self._socks:
+                if not self._sources:
                     self._stop.wait(POLL_MS / 1000)
                     continue
                 ready = dict(poller.poll(POLL_MS))
-                for wid, sock in list(self._socks.items()):
-                    if sock in ready:
-                        self._drain(wid, sock)
+                for wid, src in list(self._sources.items()):
+                    if src.sock in ready:
+                        self._drain(wid, src)
         except Exception:  # noqa: BLE001 - the feed is advisory; routing goes on without it
             log.exception("KV event feed stopped")
         finally:
-            for sock in self._socks.values():
-                sock.close(0)
+            for src in self._sources.values():
+                src.sock.close(0)
 
-    def _drain(self, wid: int, sock) -> None:
+    def _drain(self, wid: int, src: _Source) -> None:
         zmq = self._zmq
         while True:
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                parts = src.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            events = self._parse(wid, parts)
-            if events:
-                with self.lock:
-                    if wid in self._socks:
-                        self.index.apply_all(events)
-                self.counts["events"] += len(events)
+            msg = self._parse(wid, parts)
+            if msg is None:
+                continue
+            seq, events = msg
+            if not src.synced and time.monotonic() - src.last_try >= RESYNC_INTERVAL_S:
+                self._sync(wid, src, 0 if src.seq.expected is None else src.seq.expected)
+            action = src.seq.check(seq, events)
+            if action == RESTART:
+                self.counts["restarts"] += 1
+                log.warning("worker %d's KV event publisher restarted (seq %d, expected %s): resyncing",
+                            wid, seq, src.seq.expected)
+                src.seq.expected = None
+                self._drop(wid)
+                self._sync(wid, src, 0)
+                action = src.seq.check(seq, events)
+            elif action == GAP:
+                self.counts["gaps"] += 1
+                self._sync(wid, src, src.seq.expected)
+                action = src.seq.check(seq, events)
+            if action == APPLY:
+                self._apply(wid, src, seq, events)
 
-    def _parse(self, wid: int, parts: list[bytes]) -> list[KVEvent]:
+    def _apply(self, wid: int, src: _Source, seq: int, events) -> None:
+        with self.lock:
+            if self._sources.get(wid) is src:
+                self.index.apply_all(events)
+        src.seq.applied(seq)
+        self.counts["batches"] += 1
+        self.counts["events"] += len(events)
+
+    def _drop(self, wid: int) -> None:
+        with self.lock:
+            self.index.remove_worker(wid)
+
+    def _sync(self, wid: int, src: _Source, start: int) -> None:
+        """Replay from ``start`` into the index; on no answer drop the worker's entries."""
+        src.last_try = time.monotonic()
+        if src.replay is None:
+            src.synced = start == 0 and src.seq.expected is None
+            return
+        self.counts["replays"] += 1
         try:
-            topic, seq_b, payload = parts
-            seq = int.from_bytes(seq_b, "big")
-            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-            if not isinstance(obj, dict) or not isinstance(obj.get("events"), list):
-                raise ValueError("payload is not {'events': [...]}")
-            events = []
-            for e in obj["events"]:
-                if not isinstance(e, dict):
-                    raise ValueError(f"event is a {type(e).__name__}")
-                ev = KVEvent.from_wire(wid, e)
-                if not all(isinstance(h, int) for h in ev.block_hashes):
-                    raise ValueError("block hashes must be ints")
-                events.append(ev)
+            batches = self._replay(wid, src.replay, start)
+        except (TimeoutError, ValueError) as e:
+            self.counts["dropped"] += 1
+            log.warning("KV event replay from worker %d failed (%s): its index entries are dropped", wid, e)
+            self._drop(wid)
+            src.seq.expected, src.synced = None, False
+            return
+        for seq, events in batches:
+            snapshot = bool(events) and events[0].kind == "cleared"
+            if src.seq.expected is None or seq >= src.seq.expected or snapshot:
+                self._apply(wid, src, seq, events)
+        src.synced = True
+
+    def _replay(self, wid: int, endpoint: str, start: int) -> list[tuple[int, list]]:
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            out = []
+            while True:
+                if not sock.poll(self.replay_timeout_ms, zmq.POLLIN):
+                    raise TimeoutError(f"no replay answer from {endpoint}")
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    raise ValueError(f"a replay answer of {len(frames)} frames")
+                _, seq_b, payload = frames
+                if seq_b == END_SEQ:
+                    return out
+                out.append((int.from_bytes(seq_b, "big"), decode_payload(wid, payload)))
+        finally:
+            sock.close(0)
+
+    def _parse(self, wid: int, parts: list[bytes]):
+        try:
+            _topic, seq_b, payload = parts
+            if len(seq_b) != 8:
+                raise ValueError(f"sequence frame of {len(seq_b)} bytes")
+            events = decode_payload(wid, payload)
         except Exception as ex:  # noqa: BLE001 - anything a peer sends that we cannot read
             self.counts["malformed"] += 1
             log.warning("dropped a malformed KV event message from worker %d: %s", wid, ex)
-            return []
-        expect = self._next_seq.get(wid)
-        if expect is not None and seq != expect:
-            self.counts["gaps"] += 1
-        self._next_seq[wid] = seq + 1
-        self.counts["batches"] += 1
-        return events
+            return None
+        return int.from_bytes(seq_b, "big"), events

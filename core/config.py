@@ -9,6 +9,7 @@ here and only here: the command-line flags (cluster/flags.py) are generated from
         scheduler: SchedulerConfig continuous batching
         hybrid: HybridConfig       extra pools of sliding-window / recurrent models
         transfer: TransferConfig   the NIXL agent of disaggregated workers
+      planner: PlannerConfig       SLO-driven prefill:decode autoscaling
 """
 
 from __future__ import annotations
@@ -122,6 +123,40 @@ class EngineConfig(_Strict):
         return self
 
 
+class PlannerConfig(_Strict):
+    """The router's SLO planner (router/planner.py; cluster/autoscaler.py applies its plans): it
+    turns measured TTFT and inter-token latency against these targets, and the prefill queue
+    depth, into a desired number of prefill and decode workers within the bounds, asks Ray for
+    their resources and drains idle workers. One router acts at a time (a Ray lease)."""
+
+    enabled: bool = Field(False, description="run the planner (needs a Ray cluster whose worker "
+                          "groups offer the 'prefill' / 'decode' resources and autoscale)")
+    ttft_slo_s: float = Field(2.0, gt=0, description="target time to first token (seconds)")
+    itl_slo_s: float = Field(0.1, gt=0, description="target inter-token latency (seconds)")
+    percentile: float = Field(0.9, gt=0, le=1, description="the latency percentile held to the targets")
+    window_s: float = Field(20.0, gt=0, description="latency samples older than this are forgotten")
+    period_s: float = Field(2.0, gt=0, description="seconds between two plans")
+    min_prefill: int = Field(1, ge=0)
+    max_prefill: int = Field(4, ge=1)
+    min_decode: int = Field(1, ge=1)
+    max_decode: int = Field(4, ge=1)
+    queue_per_prefill: int = Field(4, ge=1, description="prefill queue depth (waiting requests per "
+                                   "worker) that asks for one more prefill worker, whatever the TTFT")
+    scale_down_fraction: float = Field(0.3, gt=0, lt=1, description="a role whose latency stays under "
+                                       "this fraction of its target (and whose queue is empty) can lose a worker")
+    scale_down_after_s: float = Field(30.0, ge=0, description="how long a role must stay that idle "
+                                      "before one of its workers is drained")
+    drain_timeout_s: float = Field(300.0, gt=0, description="a drained worker is stopped once idle, "
+                                   "or after this long whatever it still runs")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PlannerConfig":
+        if self.min_prefill > self.max_prefill or self.min_decode > self.max_decode:
+            raise ValueError(f"planner bounds: prefill {self.min_prefill}..{self.max_prefill}, "
+                             f"decode {self.min_decode}..{self.max_decode} (min must be <= max)")
+        return self
+
+
 class ServeConfig(_Strict):
     """``tandem serve``: the whole cluster. The YAML of ``--config`` has exactly these keys;
     command-line flags override it (cluster/config.py merges them)."""
@@ -134,6 +169,14 @@ class ServeConfig(_Strict):
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = None
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting one")
+    ray_namespace: str = Field("tandem", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                               description="the Ray namespace of the workers' named actors (every "
+                               "router of one worker set uses the same)")
+    worker_lifetime: Literal["auto", "router", "cluster"] = Field(
+        "auto", description="'cluster': workers are detached named actors that outlive the router; "
+                            "a router that starts adopts the running ones. 'router': this router's "
+                            "own private workers, stopped when it stops. 'auto': 'cluster' when "
+                            "joining a Ray cluster (ray_address), else 'router'")
     policy: Literal["round_robin", "random", "least_load", "cache_aware", "kv_events", "session"] = "session"
     transfer_timeout_s: float = Field(30.0, gt=0)
     local_prefill_threshold: int = Field(0, ge=0, description="decode prefills suffixes shorter than this")
@@ -141,8 +184,13 @@ class ServeConfig(_Strict):
     admission_max_queue: int = Field(64, ge=0, description="a prefill worker with this many requests "
                                      "waiting takes no new ones; all of them past it -> 429")
     admission_max_pending_s: float = Field(30.0, gt=0, description="likewise, predicted queueing seconds")
-    kv_events: bool | None = Field(None, description="prefill workers publish KV events to the "
-                                   "router's exact index (default: when policy is kv_events)")
+    dispatch_queue_size: int = Field(256, ge=0, description="requests that wait in the router for a "
+                                     "worker under its admission limits before any 429 (0: refuse at once)")
+    dispatch_queue_ttl_s: float = Field(5.0, gt=0, description="a queued request still not admitted "
+                                        "after this long is refused (429 with Retry-After)")
+    kv_events: bool | None = Field(None, description="workers (prefill and decode) publish KV events "
+                                   "in vLLM's format to the router's exact index (default: with the "
+                                   "kv_events and session policies on Ray workers)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     kv_digest: bool = Field(False, description="prefill sends a digest of the KV pages it wrote; "
                             "decode verifies it before decoding (a mismatch fails the request)")
@@ -157,3 +205,11 @@ class ServeConfig(_Strict):
                              "(sim/cost_model.py) the simulated workers run at")
     sim_speedup: float = Field(1.0, gt=0, description="engine 'sim': simulated seconds per wall second")
     engine_config: EngineConfig = EngineConfig()
+    planner: PlannerConfig = PlannerConfig()
+
+    @property
+    def detached_workers(self) -> bool:
+        """Whether the workers outlive this router (``worker_lifetime``, 'auto' resolved)."""
+        if self.worker_lifetime == "auto":
+            return self.ray_address is not None
+        return self.worker_lifetime == "cluster"

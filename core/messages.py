@@ -55,13 +55,15 @@ class SampleGroup:
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation, already tokenized. ``rid`` is unique per request; ``session_id`` groups turns;
-    ``group`` ties the n samples of one prompt (None for n = 1)."""
+    ``group`` ties the n samples of one prompt (None for n = 1); ``priority`` orders requests that
+    wait in the router's deferred-dispatch queue (lower first, vLLM's convention; 0 by default)."""
 
     rid: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None
     group: SampleGroup | None = None
+    priority: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -73,7 +75,7 @@ class GenerateRequest:
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "GenerateRequest":
         names = {f.name for f in fields(cls)}
-        # "group" may be absent: a message from a sender that predates it
+        # "group" and "priority" may be absent: a message from a sender that predates them
         if not isinstance(d, dict) or not ({"rid", "prompt_ids", "params", "session_id"} <= set(d) <= names):
             raise InvalidRequest(f"GenerateRequest fields mismatch: {sorted(d) if isinstance(d, dict) else type(d)}")
         if not isinstance(d["rid"], str):
@@ -84,8 +86,11 @@ class GenerateRequest:
         sid = d["session_id"]
         if sid is not None and not isinstance(sid, str):
             raise InvalidRequest("GenerateRequest.session_id must be a string or null")
+        prio = d.get("priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int):
+            raise InvalidRequest("GenerateRequest.priority must be an int")
         return cls(rid=d["rid"], prompt_ids=tuple(ids), params=_params_from_wire(d["params"]),
-                   session_id=sid, group=_group_from_wire(d.get("group")))
+                   session_id=sid, group=_group_from_wire(d.get("group")), priority=prio)
 
 
 def _params_from_wire(p: Any) -> SamplingParams:

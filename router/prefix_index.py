@@ -5,9 +5,10 @@
   records which workers hold its edge. The router inserts a request's pages for the chosen
   worker as it routes and evicts per worker, least recently routed leaf first, beyond a token
   budget. It never hears from the workers, so it is approximate.
-- :class:`GlobalBlockIndex` (``kv_events``): what the workers *say* they hold. Block hash ->
-  {worker: tier}, fed by the workers' KV events (``apply``); exact up to event delay (Dynamo's
-  indexer). Blocks are named by the same hash chain the cache publishes (:func:`block_hashes`).
+- :class:`GlobalBlockIndex` (``kv_events``, and ``session`` for requests its table has not seen):
+  what the workers *say* they hold. Block hash -> {worker: tier}, fed by the workers' KV events
+  (``apply``; router/kv_wire.py reads them off vLLM's wire format); exact up to event delay
+  (Dynamo's indexer). Blocks are named by the same hash chain the cache publishes (:func:`block_hashes`).
 
 Key elements are token ids (or, in the simulator, one id per trace block); ``page_size`` is in
 key elements. Neither class imports the cache: the hash chain is re-implemented from the
@@ -278,19 +279,6 @@ class KVEvent:
     num_tokens: int = 0                 # tokens these blocks cover
     tier: str = DEVICE                  # DEVICE or HOST
     parent_hash: int | None = None      # the block before the first one (stored only)
-
-    @classmethod
-    def from_wire(cls, worker_id: int, e: Mapping[str, Any]) -> "KVEvent":
-        """From one decoded wire event (the dicts of the cache's event batches: ``type``,
-        ``block_hashes``, ``medium``, ``token_ids``/``num_tokens``, ``parent_block_hash``)."""
-        kind = e["type"]
-        if kind not in ("stored", "removed", "cleared"):
-            raise ValueError(f"unknown KV event type {kind!r} from worker {worker_id}")
-        n = e.get("num_tokens")
-        if n is None:
-            n = len(e.get("token_ids") or ())
-        return cls(worker_id, kind, tuple(e.get("block_hashes") or ()), int(n),
-                   e.get("medium", DEVICE), e.get("parent_block_hash"))
 
 
 def _bits(mask: int):

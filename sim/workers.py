@@ -276,9 +276,10 @@ class EventSink:
 
     def publish(self, events: Iterable) -> None:
         for e in events:
-            wire = {"type": e.type, "block_hashes": getattr(e, "block_hashes", ()),
-                    "medium": getattr(e, "medium", "device"),
-                    "num_tokens": getattr(e, "num_tokens", 0),
-                    "parent_block_hash": getattr(e, "parent_block_hash", None)}
+            hashes = tuple(getattr(e, "block_hashes", ()))
+            kind = "cleared" if not hasattr(e, "block_hashes") else (
+                "stored" if hasattr(e, "token_ids") else "removed")
             for w in self.worker_ids:
-                self.state.kv.apply(KVEvent.from_wire(w, wire))
+                self.state.kv.apply(KVEvent(w, kind, hashes, getattr(e, "num_tokens", 0),
+                                            getattr(e, "medium", "device"),
+                                            getattr(e, "parent_block_hash", None)))

@@ -1,27 +1,50 @@
-"""KV events: which pages a worker stored or removed, for a router's prefix index.
+"""KV events: which pages a worker stored or removed, published in vLLM's wire format.
 
 A page (block) is named by a hash chain: ``h_i = H(h_{i-1}, tokens of page i)`` with
 ``h_{-1}`` empty, ``H`` = the first 8 bytes of BLAKE2b as an unsigned int. The chain makes a
 page's hash name its whole prefix, so a router can rebuild it from token ids alone
 (:func:`page_hashes`) and never needs the worker's slot ids.
 
-Events travel over ZMQ PUB as multipart ``[topic, seq (8 bytes big-endian), payload]``; the
-payload is msgpack (or JSON) of ``{"ts", "seq", "events": [...]}``. Never pickle.
+The wire is vLLM's (``vllm/distributed/kv_events.py``), which llm-d's kv-cache indexer, Dynamo,
+AIBrix and Mooncake read. A ZMQ PUB message is three frames::
+
+    [topic, seq (8 bytes, big-endian), payload]      topic: "kv@<worker>@<model>" (llm-d's form)
+    payload = msgpack [ts, [event, ...]]             (vLLM's EventBatch, array_like)
+    event   = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+               lora_id, medium, lora_name]
+            | ["BlockRemoved", block_hashes, medium]
+            | ["AllBlocksCleared"]
+
+``medium`` is ``"GPU"`` for the device tier and ``"CPU"`` for the host tier; ``lora_id`` and
+``lora_name`` are always nil (no adapters here). Hashes are msgpack uint64. Never pickle.
+
+Replay (vLLM's protocol): a ROUTER socket at ``replay_endpoint``; a client sends
+``[b"", start_seq (8 bytes)]`` from a DEALER (or REQ) socket and gets ``[b"", seq, payload]`` for
+every buffered batch with ``seq >= start_seq``, then ``[b"", -1 (8 bytes, signed), b""]``. When
+``start_seq`` is older than the buffer (a late subscriber, a long gap), the answer is instead one
+**snapshot** batch tagged with the newest sequence number: ``AllBlocksCleared`` followed by a
+``BlockStored`` for every block held now, so the client's index equals the worker's cache as of that
+sequence number (any vLLM consumer applies it correctly: it is an ordinary batch).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import threading
 import time
 from array import array
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import msgpack
 
 DEVICE = "device"
 HOST = "host"
+MEDIUM = {DEVICE: "GPU", HOST: "CPU"}          # Tandem's tier -> vLLM's medium
+TIER = {v: k for k, v in MEDIUM.items()}
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_BUFFER = 10_000                          # batches kept for replay (vLLM's buffer_steps)
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, parent: int | None = None) -> list[int]:
@@ -40,14 +63,13 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int | None = None
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Pages now held on ``medium``. ``token_ids`` covers exactly these pages."""
+    """Pages now held on ``medium`` (DEVICE or HOST). ``token_ids`` covers exactly these pages."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     medium: str = DEVICE
-    type: str = "stored"
 
     @property
     def num_tokens(self) -> int:
@@ -57,18 +79,15 @@ class BlockStored:
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
-    num_tokens: int
     medium: str = DEVICE
-    type: str = "removed"
 
 
 @dataclass(frozen=True)
-class AllCleared:
-    type: str = "cleared"
+class AllBlocksCleared:
+    pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllCleared
-_TYPES = {"stored": BlockStored, "removed": BlockRemoved, "cleared": AllCleared}
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True)
@@ -78,76 +97,205 @@ class EventBatch:
     events: list[KVEvent]
 
 
-def encode(batch: EventBatch, fmt: str = "msgpack") -> bytes:
-    obj = {"seq": batch.seq, "ts": batch.ts, "events": [asdict(e) for e in batch.events]}
-    if fmt == "msgpack":
-        return msgpack.packb(obj, use_bin_type=True)
-    if fmt == "json":
-        return json.dumps(obj, separators=(",", ":")).encode()
-    raise ValueError(f"unknown event encoding {fmt!r} (msgpack or json)")
+# -- the wire ------------------------------------------------------------------------------------
+def _event_to_wire(e: KVEvent) -> list:
+    if isinstance(e, BlockStored):
+        return ["BlockStored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids),
+                e.block_size, None, MEDIUM[e.medium], None]
+    if isinstance(e, BlockRemoved):
+        return ["BlockRemoved", list(e.block_hashes), MEDIUM[e.medium]]
+    if isinstance(e, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {e!r}")
 
 
-def decode(payload: bytes, fmt: str = "msgpack") -> EventBatch:
-    obj = msgpack.unpackb(payload, raw=False) if fmt == "msgpack" else json.loads(payload)
-    events = [_TYPES[e["type"]](**{k: v for k, v in e.items() if k != "type"}) for e in obj["events"]]
-    return EventBatch(obj["seq"], obj["ts"], events)
+def encode(ts: float, events: Sequence[KVEvent]) -> bytes:
+    """One payload: msgpack ``[ts, [event, ...]]`` (module docstring)."""
+    return msgpack.packb([ts, [_event_to_wire(e) for e in events]], use_bin_type=True)
+
+
+def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
+    """The inverse of :func:`encode` (this module's own reader; the router has its own,
+    router/kv_wire.py, and tests pin them together). Raises ValueError on anything else."""
+    obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
+        raise ValueError("payload is not [ts, [events]]")
+    out: list[KVEvent] = []
+    for w in obj[1]:
+        tag = w[0] if isinstance(w, list) and w else None
+        if tag == "BlockStored":
+            out.append(BlockStored(list(w[1]), w[2], list(w[3]), int(w[4]), TIER.get(w[6] or "GPU", DEVICE)))
+        elif tag == "BlockRemoved":
+            out.append(BlockRemoved(list(w[1]), TIER.get((w[2] if len(w) > 2 else None) or "GPU", DEVICE)))
+        elif tag == "AllBlocksCleared":
+            out.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV event {w!r}"[:200])
+    return float(obj[0]), out
+
+
+def topic_for(worker: str, model: str) -> str:
+    """llm-d's topic form ``kv@<pod>@<model>`` (its indexer takes the pod and model from it)."""
+    return f"kv@{worker}@{model}"
+
+
+class _Held:
+    """The blocks a publisher's cache holds now, per tier, in the order they were stored (a
+    parent before its children): what a snapshot replays."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[int, str], tuple[int | None, list[int], int]] = {}
+
+    def apply(self, e: KVEvent) -> None:
+        if isinstance(e, BlockStored):
+            bs = e.block_size
+            for i, h in enumerate(e.block_hashes):
+                parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
+                self.blocks[(h, e.medium)] = (parent, list(e.token_ids[i * bs:(i + 1) * bs]), bs)
+        elif isinstance(e, BlockRemoved):
+            for h in e.block_hashes:
+                self.blocks.pop((h, e.medium), None)
+        else:
+            self.blocks.clear()
+
+    def snapshot(self) -> list[KVEvent]:
+        return [AllBlocksCleared()] + [BlockStored([h], parent, tokens, bs, medium)
+                                       for (h, medium), (parent, tokens, bs) in self.blocks.items()]
 
 
 class KVEventPublisher:
-    """ZMQ PUB socket bound to ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port;
-    :attr:`endpoint` then names the real one). ``publish`` never blocks: PUB drops messages for
-    slow subscribers, and the sequence number lets a subscriber notice the gap."""
+    """ZMQ PUB socket bound to ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port; :attr:`endpoint`
+    names the real one), plus the replay ROUTER at ``replay_endpoint`` (None: no replay).
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", topic: bytes = b"kv",
-                 fmt: str = "msgpack"):
+    ``publish`` is thread-safe and never blocks: PUB drops messages for slow subscribers, and the
+    sequence number lets a subscriber notice the gap and ask the replay socket for it. A thread of
+    its own serves replay requests; :meth:`close` stops it."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", topic: str = "kv",
+                 replay_endpoint: str | None = "tcp://127.0.0.1:0", buffer_steps: int = REPLAY_BUFFER):
         import zmq
 
-        if fmt not in ("msgpack", "json"):
-            raise ValueError(f"unknown event encoding {fmt!r} (msgpack or json)")
+        self._zmq = zmq
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.endpoint = self._bind(self._sock, endpoint)
+        self.topic = topic
+        self.seq = 0                                   # the next batch's sequence number
+        self._lock = threading.Lock()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._held = _Held()
+        self.replay_endpoint: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = self._bind(self._router, replay_endpoint)
+            self._thread = threading.Thread(target=self._serve_replay, name="tandem-kv-replay", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _bind(sock, endpoint: str) -> str:
         base, _, port = endpoint.rpartition(":")
         if port == "0":
-            port = str(self._sock.bind_to_random_port(base))
-        else:
-            self._sock.bind(endpoint)
-        self.endpoint = f"{base}:{port}"
-        self.topic = topic
-        self.fmt = fmt
-        self.seq = 0
+            return f"{base}:{sock.bind_to_random_port(base)}"
+        sock.bind(endpoint)
+        return endpoint
 
     def publish(self, events: Iterable[KVEvent]) -> None:
         events = list(events)
         if not events:
             return
-        batch = EventBatch(self.seq, time.time(), events)
-        self._sock.send_multipart([self.topic, self.seq.to_bytes(8, "big"), encode(batch, self.fmt)])
-        self.seq += 1
+        with self._lock:
+            payload = encode(time.time(), events)
+            seq = self.seq
+            self.seq += 1
+            for e in events:
+                self._held.apply(e)
+            self._buffer.append((seq, payload))
+            self._sock.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload])
+
+    def _replies(self, start: int) -> list[tuple[int, bytes]]:
+        """What a replay from ``start`` sends (module docstring), taken under the lock."""
+        with self._lock:
+            if self.seq == 0:
+                return []
+            if start >= self.seq:
+                return []
+            if self._buffer and self._buffer[0][0] <= start:
+                return [(s, p) for s, p in self._buffer if s >= start]
+            return [(self.seq - 1, encode(time.time(), self._held.snapshot()))]
+
+    def _serve_replay(self) -> None:
+        zmq = self._zmq
+        try:
+            while not self._stop.is_set():
+                if not self._router.poll(100, zmq.POLLIN):
+                    continue
+                frames = self._router.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    continue                            # not a replay request: ignored, as vLLM does
+                ident, start = frames[0], int.from_bytes(frames[2], "big")
+                for s, p in self._replies(start):
+                    self._router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
+                self._router.send_multipart([ident, b"", END_SEQ, b""])
+        except zmq.ZMQError:
+            pass                                        # closed under us
+        finally:
+            self._router.close(0)
 
     def close(self) -> None:
-        self._sock.close(0)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        with self._lock:
+            self._sock.close(0)
 
 
 class KVEventSubscriber:
-    """Connects a ZMQ SUB socket to a publisher's endpoint. ``recv`` returns one batch or None."""
+    """A ZMQ SUB socket connected to a publisher. ``recv`` returns one batch or None (timeout)."""
 
-    def __init__(self, endpoint: str, topic: bytes = b"kv", fmt: str = "msgpack"):
+    def __init__(self, endpoint: str, topic: str = ""):
         import zmq
 
         self._zmq = zmq
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sock.connect(endpoint)
-        self.fmt = fmt
 
     def recv(self, timeout_ms: int = 1000) -> EventBatch | None:
         if not self._sock.poll(timeout_ms, self._zmq.POLLIN):
             return None
-        _topic, _seq, payload = self._sock.recv_multipart()
-        return decode(payload, self.fmt)
+        _topic, seq, payload = self._sock.recv_multipart()
+        ts, events = decode(payload)
+        return EventBatch(int.from_bytes(seq, "big"), ts, events)
 
     def close(self) -> None:
         self._sock.close(0)
+
+
+def replay(endpoint: str, start_seq: int, timeout_ms: int = 2000) -> list[EventBatch]:
+    """Ask a publisher's replay socket for every batch from ``start_seq`` (a snapshot when that is
+    older than its buffer). Returns them in order; raises TimeoutError when the end marker does
+    not come within ``timeout_ms`` of the last frame."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        out = []
+        while True:
+            if not sock.poll(timeout_ms, zmq.POLLIN):
+                raise TimeoutError(f"no replay answer from {endpoint} within {timeout_ms} ms")
+            _empty, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            ts, events = decode(payload)
+            out.append(EventBatch(int.from_bytes(seq, "big"), ts, events))
+    finally:
+        sock.close(0)

@@ -602,4 +602,4 @@ class RadixTree(HostNodes):
                                        self.page_size, medium))
 
     def _event_remove(self, nd: Node, medium: str) -> None:
-        self.events.append(BlockRemoved(list(self.hashes(nd)), len(nd.key), medium))
+        self.events.append(BlockRemoved(list(self.hashes(nd)), medium))

@@ -1,15 +1,56 @@
-"""KV events: page hash chains, encodings, and a real ZMQ PUB/SUB round trip."""
+"""KV events: page hash chains, vLLM's wire format (checked with vLLM's own msgspec schema, as
+llm-d's indexer reads it), a real ZMQ PUB/SUB round trip, and replay (buffered and snapshot)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
-from tandem.cache.radix.events import (AllCleared, BlockRemoved, BlockStored, EventBatch,
-                                       KVEventPublisher, KVEventSubscriber, decode, encode,
-                                       page_hashes)
+from tandem.cache.radix.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher,
+                                       KVEventSubscriber, decode, encode, page_hashes, replay, topic_for)
 from tandem.cache.unified import UnifiedRadixCache
+
+msgspec = pytest.importorskip("msgspec")
+
+
+# vLLM's event schema (vllm/distributed/kv_events.py, the array_like form its publisher and
+# llm-d's kv-cache indexer use), written out here so the test decodes Tandem's bytes as they do.
+class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VBlockStored(VKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+
+
+VLLM_DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
 
 
 def test_page_hash_chain_names_the_whole_prefix():
@@ -19,11 +60,26 @@ def test_page_hash_chain_names_the_whole_prefix():
     assert page_hashes([9, 9, 3, 4], 2)[1] != h[1]          # same page, different prefix
 
 
-@pytest.mark.parametrize("fmt", ["msgpack", "json"])
-def test_encoding_round_trip(fmt):
-    batch = EventBatch(7, 1.5, [BlockStored([1, 2], None, [5, 6, 7, 8], 2), BlockRemoved([2], 2, "host"),
-                                AllCleared()])
-    assert decode(encode(batch, fmt), fmt) == batch
+def test_payload_is_vllms_event_batch():
+    events = [BlockStored([1, 2], None, [5, 6, 7, 8], 2), BlockRemoved([2], "host"), AllBlocksCleared(),
+              BlockStored([2**64 - 1], 1, [9, 9], 2, "host")]
+    payload = encode(1.5, events)
+    assert decode(payload) == (1.5, events)
+    v = VLLM_DECODER.decode(payload)
+    assert v.ts == 1.5 and v.data_parallel_rank is None
+    s, r, c, s2 = v.events
+    assert isinstance(s, VBlockStored) and (s.block_hashes, s.parent_block_hash, s.token_ids, s.block_size,
+                                            s.lora_id, s.medium) == ([1, 2], None, [5, 6, 7, 8], 2, None, "GPU")
+    assert isinstance(r, VBlockRemoved) and (r.block_hashes, r.medium) == ([2], "CPU")
+    assert isinstance(c, VAllBlocksCleared)
+    assert s2.block_hashes == [2**64 - 1] and s2.medium == "CPU"      # uint64 hashes survive
+    # and Tandem's router reads vLLM's own encoding of the same batch
+    from tandem.router.kv_wire import decode_payload
+
+    vllm_bytes = msgspec.msgpack.encode(v)
+    assert [(e.kind, e.block_hashes, e.tier) for e in decode_payload(3, vllm_bytes)] == [
+        ("stored", (1, 2), "device"), ("removed", (2,), "host"), ("cleared", (), "device"),
+        ("stored", (2**64 - 1,), "host")]
 
 
 def _connect(pub: KVEventPublisher) -> KVEventSubscriber:
@@ -31,7 +87,7 @@ def _connect(pub: KVEventPublisher) -> KVEventSubscriber:
     sub = KVEventSubscriber(pub.endpoint)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        pub.publish([AllCleared()])
+        pub.publish([AllBlocksCleared()])
         if sub.recv(50) is not None:
             while sub.recv(50) is not None:                 # drain the probes
                 pass
@@ -39,13 +95,14 @@ def _connect(pub: KVEventPublisher) -> KVEventSubscriber:
     raise AssertionError("subscriber never connected")
 
 
-def test_events_over_zmq():
-    pub = KVEventPublisher("tcp://127.0.0.1:0")
+def test_events_over_zmq_in_llm_d_topic_form():
+    pub = KVEventPublisher("tcp://127.0.0.1:0", topic=topic_for("prefill-0", "smollm2"))
     assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
+    assert pub.replay_endpoint.startswith("tcp://127.0.0.1:")
     sub = _connect(pub)
     try:
         cache = UnifiedRadixCache.simulated(page_size=2, events=pub, debug_invariants=True)
-        assert sub.recv(1000).events == [AllCleared()]
+        assert sub.recv(1000).events == [AllBlocksCleared()]
         cache.insert([1, 2, 3, 4])
         (stored,) = sub.recv(1000).events
         assert stored == BlockStored(page_hashes([1, 2, 3, 4], 2), None, [1, 2, 3, 4], 2, "device")
@@ -62,4 +119,41 @@ def test_events_over_zmq():
         assert sub.recv(100) is None
     finally:
         sub.close()
+        pub.close()
+
+
+def _held(batches) -> set[int]:
+    held: set[int] = set()
+    for b in batches:
+        for e in b.events:
+            if isinstance(e, AllBlocksCleared):
+                held.clear()
+            elif isinstance(e, BlockStored):
+                held |= set(e.block_hashes)
+            else:
+                held -= set(e.block_hashes)
+    return held
+
+
+def test_replay_from_the_buffer_and_a_snapshot_past_it():
+    pub = KVEventPublisher(buffer_steps=4)
+    try:
+        cache = UnifiedRadixCache.simulated(page_size=2, events=pub)      # seq 0: AllBlocksCleared
+        cache.insert([1, 2, 3, 4])                                        # 1
+        cache.insert([1, 2, 5, 6])                                        # 2
+        cache.insert([7, 8])                                              # 3
+        got = replay(pub.replay_endpoint, 2)
+        assert [b.seq for b in got] == [2, 3]                             # buffered batches
+        assert replay(pub.replay_endpoint, 4) == []                       # nothing newer
+        cache.evict(2)                                                    # 4 (0 leaves the buffer)
+        cache.insert([9, 10, 11, 12])                                     # 5
+        snap = replay(pub.replay_endpoint, 0)                             # older than the buffer
+        assert len(snap) == 1 and snap[0].seq == 5
+        assert isinstance(snap[0].events[0], AllBlocksCleared)
+        held = set(page_hashes([1, 2, 3, 4], 2) + page_hashes([1, 2, 5, 6], 2) + page_hashes([7, 8], 2)
+                   + page_hashes([9, 10, 11, 12], 2))
+        held -= set(page_hashes([1, 2, 3, 4], 2)[1:])                     # lru: the oldest leaf went
+        assert _held(snap) == held
+        VLLM_DECODER.decode(encode(0.0, snap[0].events))                  # an ordinary vLLM batch
+    finally:
         pub.close()

@@ -199,15 +199,18 @@ def test_cleared_and_remove_worker():
     assert g.overlap([1, 2]) == {} and g.num_blocks() == 0
 
 
-def test_from_wire_and_errors():
-    e = KVEvent.from_wire(4, {"type": "stored", "block_hashes": [7, 8], "parent_block_hash": 6,
-                              "token_ids": [0] * 32, "block_size": 16, "medium": "host"})
+def test_vllm_wire_events_and_errors():
+    from tandem.router.kv_wire import parse_event
+
+    e = parse_event(4, ["BlockStored", [7, 8], 6, [0] * 32, 16, None, "CPU", None])
     assert e == KVEvent(4, "stored", (7, 8), 32, HOST, 6)
-    assert KVEvent.from_wire(1, {"type": "removed", "block_hashes": [7], "num_tokens": 16,
-                                 "medium": "device"}).num_tokens == 16
-    assert KVEvent.from_wire(1, {"type": "cleared"}).kind == "cleared"
-    with pytest.raises(ValueError):
-        KVEvent.from_wire(1, {"type": "moved"})
+    assert parse_event(1, ["BlockRemoved", [7], "GPU"]) == KVEvent(1, "removed", (7,), 0, DEVICE)
+    assert parse_event(1, ["BlockRemoved", [b"\x00" * 24 + (7).to_bytes(8, "big")], None]).block_hashes == (7,)
+    assert parse_event(1, ["AllBlocksCleared"]).kind == "cleared"
+    for bad in (["BlockMoved"], {"type": "stored"}, ["BlockStored", [1], None, [0], 1, None, "disk"],
+                ["BlockRemoved", [True]]):
+        with pytest.raises(ValueError):
+            parse_event(1, bad)
     g = GlobalBlockIndex()
     with pytest.raises(ValueError):
         g.apply(KVEvent(0, "stored", (1,), 16, "disk"))
@@ -216,18 +219,17 @@ def test_from_wire_and_errors():
 
 
 def test_overlap_matches_the_cache_events_end_to_end():
-    """A simulated cache publishing to the index: overlap equals what the cache matches."""
+    """A simulated cache publishing to the index through the wire format (the cache's encoder,
+    the router's decoder): overlap equals what the cache matches."""
+    from tandem.cache.radix.events import encode
     from tandem.cache.unified import UnifiedRadixCache
+    from tandem.router.kv_wire import decode_payload
 
     g = GlobalBlockIndex()
 
     class Sink:
         def publish(self, events):
-            for ev in events:
-                wire = {"type": ev.type, "block_hashes": getattr(ev, "block_hashes", ()),
-                        "medium": getattr(ev, "medium", DEVICE),
-                        "num_tokens": getattr(ev, "num_tokens", 0)}
-                g.apply(KVEvent.from_wire(0, wire))
+            g.apply_all(decode_payload(0, encode(0.0, events)))
 
     cache = UnifiedRadixCache.simulated(page_size=2, capacity_tokens=8, events=Sink())
     cache.insert([1, 2, 3, 4, 5, 6])
