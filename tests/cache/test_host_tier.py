@@ -150,7 +150,7 @@ def test_events_name_the_tier():
     cache.host.restore(node)
     h = page_hashes(ids, 2)
     assert [(type(e).__name__, getattr(e, "medium", None)) for e in sink.events] == [
-        ("AllCleared", None), ("BlockStored", "device"), ("BlockStored", "host"),
+        ("AllBlocksCleared", None), ("BlockStored", "device"), ("BlockStored", "host"),
         ("BlockRemoved", "device"), ("BlockStored", "device")]
     assert all(e.block_hashes == h for e in sink.events[1:])
 
