@@ -10,9 +10,17 @@ chunks, tells the dispatcher when the first token is out (``prefill_done``), how
 found dead before its first chunk costs one re-route (``Dispatcher.reroute``); a prefill worker
 that dies before its write is replaced by another one by the decode worker itself.
 
-KV events (``cfg.kv_events``, default with the kv_events policy): prefill workers publish their
-cache's events over ZMQ; cluster/kv_feed.py applies them to the dispatcher's exact block index.
-Health and relaunches are the :class:`Supervisor`'s (cluster/supervisor.py).
+Admission goes through the deferred-dispatch queue (router/deferred.py): a burst waits up to
+``cfg.dispatch_queue_ttl_s`` in priority order before a 429.
+
+KV events (``cfg.kv_events``, default with the kv_events and session policies): prefill and
+decode workers publish their caches' events in vLLM's format; cluster/kv_feed.py replays and
+applies them to the dispatcher's exact block index. Health, relaunches and adopting workers other
+routers started are the :class:`Supervisor`'s (cluster/supervisor.py); with ``cfg.planner.enabled``
+the :class:`Autoscaler` (cluster/autoscaler.py) sizes the worker groups.
+
+Workers outlive this router when they are detached (``cfg.detached_workers``): ``close`` then
+leaves them running, and the next router (or the other replicas) keeps serving from them.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk
+from tandem.router.deferred import DeferredDispatch
 from tandem.router.dispatch import Dispatcher, Route
 from tandem.router.policies import AdmissionLimits, PolicyConfig
 
@@ -53,14 +62,19 @@ class RayClusterBackend:
         self.pool = WorkerPool()
         cc = cfg.engine_config.cache   # the approximate prefix index holds at most a cache's worth
         self.dispatch = Dispatcher(cfg.policy, PolicyConfig(kv_block_size=cc.page_size,
-                                                            index_capacity=cc.max_total_tokens),
+                                                            index_capacity=cc.max_total_tokens,
+                                                            rendezvous=launcher.detached),
                                    AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s))
+        self.dispatch.latency.window_s = cfg.planner.window_s
+        self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s)
+        self.autoscaler = None     # cluster/autoscaler.py, with cfg.planner.enabled
         self.feed = None      # KV events into the dispatcher's exact block index
         if launcher.kv_events:
             from tandem.cluster.kv_feed import KVEventFeed
 
             self.feed = KVEventFeed(self.dispatch.state.kv, self.dispatch.lock)
-        self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed)
+        self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
+                                     discover=launcher.detached or cfg.planner.enabled)
         self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
 
     @property
@@ -80,12 +94,18 @@ class RayClusterBackend:
         for w, i in zip(self.pool.everyone(), infos):
             self.supervisor.register(w, i)
         self.supervisor.start()
+        if self.cfg.planner.enabled:
+            from tandem.cluster.autoscaler import Autoscaler
+
+            self.autoscaler = Autoscaler(self.cfg.planner, self.pool, self.dispatch, self.launcher,
+                                         self.supervisor)
+            self.autoscaler.start()
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         """Route, then stream from the decode worker. A decode worker found dead before it sent
         anything (killed, not yet noticed by the monitor) costs one re-route to another."""
-        r = self.dispatch.route(req)     # raises Overloaded (-> 429) before anything is charged
+        r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
         for attempt in range(2):
             d = self.pool.get(r.decode)
             if d is None:
@@ -164,14 +184,20 @@ class RayClusterBackend:
     async def health(self) -> dict:
         everyone = self.pool.everyone()
         results = await asyncio.gather(*(self._ping(w) for w in everyone))
-        workers = {w.name: {"role": w.role, "alive": ok, **({"error": w.error} if w.error else {})}
+        snaps = self.dispatch.snapshots()
+        workers = {w.name: {"role": w.role, "alive": ok, "node_id": w.node_id,
+                            "draining": bool(snaps.get(w.wid) and snaps[w.wid].draining),
+                            **({"error": w.error} if w.error else {})}
                    for w, ok in zip(everyone, results)}
         live_d = [w for w, ok in zip(everyone, results) if ok and w.role == DECODE]
         live_p = [w for w, ok in zip(everyone, results) if ok and w.role == PREFILL]
         degraded = len(live_d) < self.cfg.decode or len(live_p) < self.cfg.prefill
         return {"status": "ok" if live_d else "error", "mode": "disaggregated", "model": self.model_name,
                 "degraded": degraded, "prefill_alive": len(live_p), "decode_alive": len(live_d),
-                "restarts": self.supervisor.restarts, "workers": workers}
+                "restarts": self.supervisor.restarts, "namespace": self.launcher.namespace,
+                "dispatch_queue": len(self.queue), "workers": workers,
+                **({"kv_events": dict(self.feed.counts)} if self.feed is not None else {}),
+                **({"planner": self.autoscaler.status()} if self.autoscaler is not None else {})}
 
     async def _ping(self, w: WorkerRef, timeout: float = PING_TIMEOUT_S) -> bool:
         if not w.alive:
@@ -224,10 +250,13 @@ class RayClusterBackend:
         return True
 
     def close(self) -> None:
-        """Stop watching, kill every worker, stop the KV feed; shut Ray down if we started it."""
+        """Stop watching and the KV feed; kill every worker unless they outlive this router
+        (detached workers: a router that starts later adopts them); shut Ray down if we started it."""
         import ray
 
-        self.supervisor.shutdown()
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        self.supervisor.shutdown(kill=not self.launcher.detached or self.started_ray)
         if self.feed is not None:
             self.feed.close()
         if self.started_ray and ray.is_initialized():

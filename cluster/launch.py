@@ -9,8 +9,18 @@ their NIXL agents. ``launch_disaggregated(cfg) -> RayClusterBackend`` (the route
 3. Bootstrap: every pair exchanges :class:`Handshake` bytes through Ray calls (NIXL metadata and
    the KV region's layout); each decode actor also gets the prefill actor's handle.
 
+Workers are named actors in a Ray namespace (``prefill-0``, ``decode-1``, a relaunch
+``prefill-0-r1``). With ``cfg.detached_workers`` (joining a Ray cluster, or ``worker_lifetime:
+cluster``) they are detached actors of ``cfg.ray_namespace``: they outlive the router, and a
+router that starts **discovers** the running ones (:meth:`Launcher.discover`), pairs any pair
+that is not yet paired and rebuilds its view from their snapshots and KV events; only a namespace
+with no worker at all gets ``cfg.prefill`` + ``cfg.decode`` new ones. Creation uses
+``get_if_exists``, so two routers that start (or relaunch a dead worker) at once converge on the
+same actor. Otherwise (a router's private workers) they live in a namespace of their own and die
+with the router.
+
 The :class:`Launcher` does steps 2 and 3 for one actor or pair at a time; the supervisor uses
-the same one to relaunch a dead worker. Routing, admission and re-routing are the dispatcher's
+the same one to relaunch a dead worker and to adopt workers another router started. Routing, admission and re-routing are the dispatcher's
 (router/dispatch.py); the backend (cluster/backend.py) streams; the supervisor
 (cluster/supervisor.py) watches health.
 """
@@ -18,14 +28,16 @@ the same one to relaunch a dead worker. Routing, admission and re-routing are th
 from __future__ import annotations
 
 import os
+import uuid
 
 from tandem.cluster.backend import RayClusterBackend
-from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef, placement
+from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerPool, WorkerRef, placement
 from tandem.core.config import EngineConfig, ServeConfig
 from tandem.core.types import TandemError
 
 STARTUP_TIMEOUT_S = 600.0
 PAIR_TIMEOUT_S = 60.0
+ADOPT_TIMEOUT_S = 5.0        # a discovered worker that does not answer info() yet is still starting
 
 
 def load_tokenizer(model: str):
@@ -53,61 +65,142 @@ class Launcher:
     """Creates and wires actors for one cluster. ``weights``: an ObjectRef of a shared
     LoadedModel, or None (each actor loads the model itself)."""
 
-    def __init__(self, cfg: ServeConfig, weights=None, kv_events: bool = False):
+    def __init__(self, cfg: ServeConfig, weights=None, kv_events: bool = False, tokenizer=None):
         self.cfg = cfg
         self.weights = weights
         self.kv_events = kv_events
+        self.tokenizer = tokenizer          # the simulated decode workers' (engine: sim)
+        self.detached = cfg.detached_workers
+        self.namespace = cfg.ray_namespace if self.detached else f"tandem-{uuid.uuid4().hex[:12]}"
         self.capacity = {PREFILL: cfg.engine_config.cache.max_total_tokens,
                          DECODE: decode_engine_config(cfg).cache.max_total_tokens}
 
+    def _options(self, role: str, name: str) -> dict:
+        opts = placement(self.cfg.prefill + self.cfg.decode, role, sim=self.cfg.engine == "sim",
+                         role_resource=self.cfg.planner.enabled)
+        opts.update(name=name, namespace=self.namespace, max_restarts=0)
+        if self.detached:
+            opts.update(lifetime="detached", get_if_exists=True)
+        return opts
+
     def spawn(self, role: str, slot: int, name: str) -> WorkerRef:
-        """A new actor of ``role`` named ``name`` (its model loads in the background)."""
+        """The actor of ``role`` named ``name``: a new one (its model loads in the background),
+        or, for detached workers, the running one of that name (``get_if_exists``)."""
+        cfg = self.cfg
+        opts = self._options(role, name)
+        if cfg.engine == "sim":
+            from tandem.sim.actor import SimDecodeActor, SimPrefillActor
+
+            cls = SimPrefillActor if role == PREFILL else SimDecodeActor
+            h = cls.options(**opts).remote(name, cfg.model_dump(), self.kv_events,
+                                           self.tokenizer if role == DECODE else None)
+            return WorkerRef(name, role, slot, h)
         from tandem.decode.actor import DecodeActor
         from tandem.prefill.actor import PrefillActor
 
-        cfg = self.cfg
-        opts = placement(cfg.prefill + cfg.decode, role)
         if role == PREFILL:
             h = PrefillActor.options(**opts).remote(
                 name, cfg.engine_config.model_dump(), cfg.transfer_timeout_s, self.weights, self.kv_events)
         else:
             h = DecodeActor.options(**opts).remote(
                 name, decode_engine_config(cfg).model_dump(), cfg.transfer_timeout_s,
-                cfg.local_prefill_threshold, self.weights, cfg.kv_digest, cfg.debug_corrupt_kv)
+                cfg.local_prefill_threshold, self.weights, cfg.kv_digest, cfg.debug_corrupt_kv,
+                self.kv_events)
         return WorkerRef(name, role, slot, h)
 
-    def info(self, workers: list[WorkerRef]) -> list[dict]:
+    def discover(self) -> list[WorkerRef]:
+        """The running workers of this launcher's namespace (named actors called like workers),
+        by role and slot; handles only: their ``info()`` may still be loading."""
+        import ray
+
+        found = []
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a.get("namespace") != self.namespace:
+                continue
+            m = WORKER_NAME.match(a.get("name", ""))
+            if m is None:
+                continue
+            try:
+                h = ray.get_actor(a["name"], namespace=self.namespace)
+            except ValueError:            # gone since the listing
+                continue
+            found.append(WorkerRef(a["name"], m[1], int(m[2]), h))
+        return sorted(found, key=lambda w: (w.role != PREFILL, w.slot, w.name))
+
+    def info(self, workers: list[WorkerRef], timeout: float = STARTUP_TIMEOUT_S) -> list[dict]:
         """Each worker's ``info()``, waiting for its model to load; a worker that failed to
         start is a TandemError."""
         import ray
 
         try:
-            return ray.get([w.handle.info.remote() for w in workers], timeout=STARTUP_TIMEOUT_S)
+            infos = ray.get([w.handle.info.remote() for w in workers], timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             raise TandemError(f"a worker failed to start: {e.cause if hasattr(e, 'cause') else e}") from None
+        for w, i in zip(workers, infos):
+            w.node_id = i.get("node_id", "")
+        return infos
+
+    def answering(self, workers: list[WorkerRef], timeout: float = ADOPT_TIMEOUT_S) -> list[tuple[WorkerRef, dict]]:
+        """The ``(worker, info)`` of those of ``workers`` that answer within ``timeout`` (the
+        others are still loading, or dead)."""
+        import ray
+
+        refs = {w.handle.info.remote(): w for w in workers}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        out = []
+        for r in ready:
+            try:
+                info = ray.get(r)
+            except Exception:  # noqa: BLE001 - a worker that failed: the monitor finds it
+                continue
+            refs[r].node_id = info.get("node_id", "")
+            out.append((refs[r], info))
+        return out
 
     def pair(self, p: WorkerRef, d: WorkerRef) -> None:
-        """Exchange handshakes: prefill learns where to WRITE, decode whom to expect (and ask)."""
+        """Exchange handshakes: prefill learns where to WRITE, decode whom to expect (and ask).
+        Idempotent: a worker keeps a peer it already knows."""
         import ray
 
         hp, hd = ray.get([p.handle.handshake.remote(), d.handle.handshake.remote()], timeout=PAIR_TIMEOUT_S)
         ray.get([p.handle.add_peer.remote(hd), d.handle.add_prefill.remote(hp, p.handle)],
                 timeout=PAIR_TIMEOUT_S)
 
+    def pair_missing(self, prefills: list[tuple[WorkerRef, dict]], decodes: list[tuple[WorkerRef, dict]]) -> int:
+        """Pair every prefill worker with every decode worker that does not know it yet (from
+        their ``info()["peers"]``); returns how many pairs were made."""
+        n = 0
+        for p, pi in prefills:
+            for d, di in decodes:
+                if p.name not in di.get("peers", ()) or d.name not in pi.get("peers", ()):
+                    self.pair(p, d)
+                    n += 1
+        return n
+
     def bootstrap(self, pool: WorkerPool) -> list[dict]:
-        """Spawn ``cfg.prefill`` + ``cfg.decode`` workers into ``pool``, wait for them, pair every
-        prefill worker with every decode worker. Returns their ``info()`` in pool order."""
-        for i in range(self.cfg.prefill):
-            pool.add(self.spawn(PREFILL, i, f"prefill-{i}"))
-        for i in range(self.cfg.decode):
-            pool.add(self.spawn(DECODE, i, f"decode-{i}"))
-        infos = self.info(pool.everyone())
+        """Fill ``pool``: the running workers of the namespace when there are any (a router that
+        restarted, or a second router), else ``cfg.prefill`` + ``cfg.decode`` new ones; wait for
+        them and pair what is not paired yet. Returns their ``info()`` in pool order."""
+        found = self.discover() if self.detached else []
+        if not found:
+            found = [self.spawn(PREFILL, i, f"prefill-{i}") for i in range(self.cfg.prefill)]
+            found += [self.spawn(DECODE, i, f"decode-{i}") for i in range(self.cfg.decode)]
+            infos = self.info(found)
+        else:
+            got = dict((w.name, (w, i)) for w, i in self.answering(found, STARTUP_TIMEOUT_S))
+            found = [w for w in found if w.name in got]
+            infos = [got[w.name][1] for w in found]
+            if not any(w.role == DECODE for w in found):
+                raise TandemError(f"namespace {self.namespace!r} has workers but no live decode worker")
+        by_name = {w.name: i for w, i in zip(found, infos)}
+        for w in found:
+            pool.add(w)
+        infos = [by_name[w.name] for w in pool.everyone()]
         pages = {i["page_size"] for i in infos}
         if len(pages) != 1:
             raise TandemError(f"workers disagree on page_size: {sorted(pages)}")
-        for p in pool.prefills:
-            for d in pool.decodes:
-                self.pair(p, d)
+        pairs = list(zip(pool.everyone(), infos))
+        self.pair_missing([x for x in pairs if x[0].role == PREFILL], [x for x in pairs if x[0].role == DECODE])
         return infos
 
 
@@ -137,9 +230,9 @@ def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded=None,
 
     started = start_ray(cfg)
     if loaded is None and share_weights is None:
-        share_weights = (started and cfg.prefill + cfg.decode > 1 and cfg.engine_config.device != "cuda"
+        share_weights = (started and cfg.engine != "sim" and cfg.prefill + cfg.decode > 1 and cfg.engine_config.device != "cuda"
                          and not ray.cluster_resources().get("GPU", 0))
-    if loaded is None and share_weights:
+    if loaded is None and share_weights and cfg.engine != "sim":
         from tandem.engine.loader import load_model
 
         ec = cfg.engine_config
@@ -147,9 +240,10 @@ def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded=None,
                             context_length=ec.context_length, weights=ec.weights)
     weights = ray.put(loaded) if loaded is not None else None
     del loaded
-    kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"
-    backend = RayClusterBackend(cfg, Launcher(cfg, weights, kv_events), load_tokenizer(cfg.engine_config.model),
-                                started_ray=started, restart=restart)
+    kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy in ("kv_events", "session")
+    tokenizer = load_tokenizer(cfg.engine_config.model)
+    launcher = Launcher(cfg, weights, kv_events, tokenizer if cfg.engine == "sim" else None)
+    backend = RayClusterBackend(cfg, launcher, tokenizer, started_ray=started, restart=restart)
     try:
         backend.start()
     except BaseException:

@@ -14,8 +14,13 @@ log = logging.getLogger(__name__)
 
 
 def build_backend(cfg: ServeConfig):
-    """The router's ServingBackend for ``cfg``: simulated workers (``engine: sim``), one in-process
-    engine (``mode: colocated``), or Ray prefill/decode workers (``mode: disaggregated``)."""
+    """The router's ServingBackend for ``cfg``: simulated workers (``engine: sim``: in this process,
+    or as Ray actors when joining a Ray cluster or planning), one in-process engine (``mode:
+    colocated``), or Ray prefill/decode workers (``mode: disaggregated``)."""
+    if cfg.engine == "sim" and (cfg.ray_address or cfg.planner.enabled):
+        from tandem.cluster.launch import launch_disaggregated   # simulated workers as Ray actors
+
+        return launch_disaggregated(cfg)
     if cfg.engine == "sim":   # the real front door and router over cost-model workers: no Ray, no weights
         from tandem.cluster.launch import load_tokenizer
         from tandem.sim.backend import SimServingBackend
@@ -29,6 +34,9 @@ def build_backend(cfg: ServeConfig):
         engine = Engine(cfg.engine_config, name="colocated-0")
         print(f"tandem: {engine.startup_line}", flush=True)
         register_engine_metrics(engine, worker="colocated-0")
+        from tandem.engine.gie_metrics import register_gie_metrics
+
+        register_gie_metrics(engine, worker="colocated-0")
         return LocalEngineBackend(engine)
     from tandem.cluster.launch import launch_disaggregated
 

@@ -6,8 +6,14 @@ worker; a timeout is a busy one, reported but kept), then asks each for ``stats(
 the dispatcher a :class:`WorkerSnapshot` of it (a worker too busy to answer within the period
 keeps its last one). A dead worker leaves rotation at once (:meth:`Supervisor.mark_dead`, also
 called by the backend when a Ray call fails); its peers forget its NIXL agent; with
-``restart`` a replacement with a fresh name (``<role>-<slot>-r<n>``) is launched in its own
-thread, paired with every live peer, and takes the dead one's place in the pool.
+``restart`` a replacement named after it (``prefill-0`` -> ``prefill-0-r1``, the same name in
+every router, so routers that relaunch it at once create one actor) is launched in its own
+thread, paired with every live peer, and takes the dead one's place in the pool. A worker seen
+draining (the planner's scale-down) is *retiring*: when it goes, it is not relaunched.
+
+With detached workers the thread also **discovers** workers it does not know every
+``DISCOVER_EVERY`` rounds (started by another router, the planner's new ones) and adopts them:
+paired with every live peer (idempotent), registered with the dispatcher and the KV-event feed.
 
 :meth:`Supervisor.shutdown` ends all of it before Ray goes down: the monitor stops, actors being
 launched and every worker are killed, and the helper threads (relaunches, peers forgetting an
@@ -21,7 +27,7 @@ import itertools
 import logging
 import threading
 
-from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
+from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef, replacement_name
 from tandem.router.dispatch import Dispatcher
 from tandem.router.view import WorkerSnapshot
 
@@ -31,6 +37,7 @@ MONITOR_PERIOD_S = 1.0
 PING_TIMEOUT_S = 10.0
 FORGET_TIMEOUT_S = 30.0
 HELPER_JOIN_S = 10.0
+DISCOVER_EVERY = 2           # monitor rounds between two discoveries (detached workers)
 
 
 class Supervisor:
@@ -38,9 +45,11 @@ class Supervisor:
     KV-event feed or None."""
 
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
-                 feed=None):
+                 feed=None, discover: bool | None = None):
+        """``discover``: adopt workers this router did not start (default: with detached workers)."""
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
         self.restart = restart
+        self.discover = launcher.detached if discover is None else discover
         self.restarts = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -48,21 +57,23 @@ class Supervisor:
         self._launching: dict[tuple[str, int], WorkerRef] = {}   # (role, slot) -> its new actor
         self._helpers: set[threading.Thread] = set()
         self._pair_lock = threading.Lock()
-        self._incarnation = itertools.count(1)
+        self._adopting: set[str] = set()
+        self._rounds = itertools.count()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="tandem-monitor", daemon=True)
         self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the monitor, kill every worker (and any being launched), join the helpers."""
+    def shutdown(self, kill: bool = True) -> None:
+        """Stop the monitor, kill every worker (and any being launched) unless ``kill`` is
+        False (detached workers outlive this router), join the helpers."""
         import ray
 
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=PING_TIMEOUT_S + 2 * MONITOR_PERIOD_S)   # one round at most
         with self.pool.lock:
-            doomed = self.pool.everyone() + list(self._launching.values())
+            doomed = self.pool.everyone() + list(self._launching.values()) if kill else []
         for w in doomed:
             try:
                 ray.kill(w.handle)
@@ -88,7 +99,15 @@ class Supervisor:
         """``w`` joins the rotation: the dispatcher routes to it, its KV events are followed."""
         self.dispatch.add_worker(w.wid, w.role, w.name, self.launcher.capacity[w.role])
         if self.feed is not None and info.get("kv_events"):
-            self.feed.add(w.wid, info["kv_events"])
+            self.feed.add(w.wid, info["kv_events"], info.get("kv_replay"))
+
+    def retire(self, w: WorkerRef) -> None:
+        """``w`` (drained, now stopped) leaves for good: out of the pool, the dispatcher, the feed."""
+        with self.pool.lock:
+            self.pool.remove(w)
+        self.dispatch.remove_worker(w.wid)
+        if self.feed is not None:
+            self.feed.remove(w.wid)
 
     def mark_dead(self, w: WorkerRef, why: str) -> None:
         """Out of rotation now; peers forget its agent (in a thread of its own, off the loop)."""
@@ -127,6 +146,8 @@ class Supervisor:
             self._refresh_snapshots()
             if self.restart and not self._stop.is_set():
                 self._replace_dead()
+            if self.discover and next(self._rounds) % DISCOVER_EVERY == 0 and not self._stop.is_set():
+                self._discover()
 
     def _refresh_snapshots(self) -> None:
         import ray
@@ -145,7 +166,49 @@ class Supervisor:
             except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
                 log.info("stats of %s unavailable: %s", refs[ref].name, e)
                 continue
+            if snap.draining:
+                refs[ref].retiring = True
             self.dispatch.update_snapshot(refs[ref].wid, snap)
+
+    # ------------------------------------------------------------------ adoption
+    def _discover(self) -> None:
+        """Adopt the namespace's workers this router does not know (each in a helper thread)."""
+        try:
+            found = self.launcher.discover()
+        except BaseException as e:  # noqa: BLE001 - Ray shut down under us, or the GCS is away
+            log.info("discovery failed: %s", e)
+            return
+        with self.pool.lock:
+            known = {w.name for w in self.pool.everyone()} | {w.name for w in self._launching.values()}
+            new = [w for w in found if w.name not in known and w.name not in self._adopting]
+            self._adopting |= {w.name for w in new}
+        for w in new:
+            self._helper(self._adopt, w, f"tandem-adopt-{w.name}")
+
+    def _adopt(self, w: WorkerRef) -> None:
+        try:
+            got = self.launcher.answering([w])
+            if not got or self._stop.is_set():
+                return                                   # still loading: the next round retries
+            info = got[0][1]
+            if info.get("draining"):
+                return
+            with self._pair_lock:
+                for other in self.pool.alive(DECODE if w.role == PREFILL else PREFILL):
+                    p, d = (w, other) if w.role == PREFILL else (other, w)
+                    self.launcher.pair(p, d)
+                with self.pool.lock:
+                    if self._stop.is_set() or self.pool.named(w.name) is not None:
+                        return
+                    self.pool.add(w)
+                    self.register(w, info)
+            log.warning("adopted %s worker %s", w.role, w.name)
+        except BaseException as e:  # noqa: BLE001 - it died meanwhile; the next discovery retries
+            if not self._stop.is_set():
+                log.info("adopting %s failed: %s", w.name, e)
+        finally:
+            with self.pool.lock:
+                self._adopting.discard(w.name)
 
     def _forget(self, w: WorkerRef) -> None:
         import ray
@@ -167,16 +230,20 @@ class Supervisor:
     def _replace_dead(self) -> None:
         """Relaunch each dead worker in its own thread (model loads overlap)."""
         with self.pool.lock:
+            gone = [w for w in self.pool.everyone() if not w.alive and w.retiring]
             dead = [w for w in self.pool.everyone()
-                    if not w.alive and (w.role, w.slot) not in self._restarting]
+                    if not w.alive and not w.retiring and (w.role, w.slot) not in self._restarting]
             self._restarting |= {(w.role, w.slot) for w in dead}
+        for w in gone:
+            log.warning("%s worker %s retired", w.role, w.name)
+            self.retire(w)
         for w in dead:
             self._helper(self._replace, w, f"tandem-restart-{w.name}")
 
     def _replace(self, w: WorkerRef) -> None:
         import ray
 
-        name = f"{w.role}-{w.slot}-r{next(self._incarnation)}"
+        name = replacement_name(w.name)
         new = None
         try:
             new = self.launcher.spawn(w.role, w.slot, name)
@@ -190,6 +257,13 @@ class Supervisor:
                     p, d = (new, other) if w.role == PREFILL else (other, new)
                     self.launcher.pair(p, d)
                 with self.pool.lock:
+                    adopted = self.pool.named(name)   # discovery found it first (another router's)
+                    if adopted is not None and not self._stop.is_set():
+                        self.pool.remove(w)
+                        self.dispatch.remove_worker(w.wid)
+                        self._launching.pop((w.role, w.slot), None)
+                        self._restarting.discard((w.role, w.slot))
+                        return
                     stale = self._stop.is_set() or not self.pool.replace(w, new)
                     if not stale:   # else it stays in _launching, for shutdown() to kill
                         self.restarts += 1

@@ -9,12 +9,23 @@ kept here: it is the dispatcher's (router/dispatch.py), keyed by ``WorkerRef.wid
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from dataclasses import dataclass, field
 
 _worker_ids = itertools.count()
 
 PREFILL, DECODE = "prefill", "decode"
+WORKER_NAME = re.compile(r"^(prefill|decode)-(\d+)(?:-r(\d+))?$")
+
+
+def replacement_name(name: str) -> str:
+    """The name a relaunch of worker ``name`` takes: ``prefill-0`` -> ``prefill-0-r1`` -> ``-r2``.
+    Deterministic, so routers that relaunch the same dead worker create one actor."""
+    m = WORKER_NAME.match(name)
+    if m is None:
+        raise ValueError(f"not a worker name: {name!r}")
+    return f"{m[1]}-{m[2]}-r{int(m[3] or 0) + 1}"
 
 
 @dataclass(eq=False)
@@ -27,6 +38,8 @@ class WorkerRef:
     handle: object       # the Ray actor handle
     alive: bool = True
     error: str = ""      # why it was declared dead
+    node_id: str = ""    # the Ray node it runs on (from its info())
+    retiring: bool = False   # seen draining: when it dies it is not relaunched
     wid: int = field(default_factory=lambda: next(_worker_ids))   # the dispatcher's worker id
 
 
@@ -55,6 +68,19 @@ class WorkerPool:
         with self.lock:
             return next((w for w in self.prefills + self.decodes if w.wid == wid), None)
 
+    def named(self, name: str) -> WorkerRef | None:
+        with self.lock:
+            return next((w for w in self.prefills + self.decodes if w.name == name), None)
+
+    def remove(self, w: WorkerRef) -> bool:
+        """``w`` leaves the pool (retired, or a duplicate); False when it was not in it."""
+        with self.lock:
+            ws = self._of(w.role)
+            if w not in ws:
+                return False
+            ws.remove(w)
+            return True
+
     def replace(self, old: WorkerRef, new: WorkerRef) -> bool:
         """``new`` takes ``old``'s place; False when ``old`` is no longer in the pool."""
         with self.lock:
@@ -70,15 +96,22 @@ class WorkerPool:
         return self.prefills if role == PREFILL else self.decodes
 
 
-def placement(n_workers: int, role: str) -> dict:
+def placement(n_workers: int, role: str, *, sim: bool = False, role_resource: bool = False) -> dict:
     """Ray ``.options()`` for one actor of ``role`` among ``n_workers``: a GPU each when the
     cluster has one per worker, else an even share of the CPUs (torch threads follow). On a
     KubeRay cluster each worker group offers a custom resource named after its role
-    (k8s/base/raycluster.yaml): when it is there the actor asks for it, to land on its group."""
+    (k8s/base/raycluster.yaml): when it is there the actor asks for it, to land on its group.
+    ``role_resource`` (the planner's autoscaling): always ask for it, and one CPU, so a missing
+    node is a resource demand the Ray autoscaler answers. ``sim``: a simulated worker, which
+    computes nothing (a tenth of a CPU)."""
     import ray
 
     res = ray.cluster_resources()
-    if res.get("GPU", 0) >= n_workers:
+    if role_resource:
+        return {"num_gpus": 0, "num_cpus": 0.1 if sim else 1, "resources": {role: 1}}
+    if sim:
+        opts = {"num_gpus": 0, "num_cpus": 0.1}
+    elif res.get("GPU", 0) >= n_workers:
         opts = {"num_gpus": 1, "num_cpus": 1}
     else:
         share = res.get("CPU", 1.0) / max(n_workers, 1)

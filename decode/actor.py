@@ -45,20 +45,25 @@ class _RayPrefillClient:
 class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
                  local_prefill_threshold: int, loaded=None, kv_digest: bool = False,
-                 debug_corrupt_kv: bool = False):
+                 debug_corrupt_kv: bool = False, kv_events: bool = False):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         cfg = EngineConfig.model_validate(engine_config)
         if cfg.num_threads is None:
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                    local_prefill_threshold=local_prefill_threshold,
-                                   kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv)
+                                   kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv,
+                                   kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address())
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
         self.prefills: dict[str, _RayPrefillClient] = {}
 
+    def _extra_info(self) -> dict:
+        return {"node_id": ray.get_runtime_context().get_node_id()}
+
     def add_prefill(self, handshake: bytes, handle) -> str:
         name = self.worker.add_peer(handshake)
-        self.prefills[name] = _RayPrefillClient(name, handle)
+        if name not in self.prefills or self.prefills[name].dead:
+            self.prefills[name] = _RayPrefillClient(name, handle)
         return name
 
     def remove_prefill(self, name: str) -> None:

@@ -101,13 +101,20 @@ class DecodeWorker(RoleWorker):
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
                  transfer_timeout_s: float = 30.0, local_prefill_threshold: int = 0,
                  agent_opts: dict | None = None, kv_digest: bool = False,
-                 debug_corrupt_kv: bool = False):
+                 debug_corrupt_kv: bool = False, kv_events: bool = False,
+                 kv_events_host: str = "127.0.0.1"):
         """``kv_digest``: ask prefill for a digest of the pages it writes and verify it before
         decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
-        check (so the digest must catch it)."""
+        check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
+        events too (as prefill's, engine/role_worker.py ``kv_publisher``)."""
+        self.kv_publisher = None
         if engine is None:
             from tandem.engine.engine import Engine
-            engine = Engine(config or EngineConfig(), loaded=loaded, role="decode", name=name)
+            if kv_events:
+                from tandem.engine.role_worker import kv_publisher
+                self.kv_publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
+            engine = Engine(config or EngineConfig(), loaded=loaded, role="decode", name=name,
+                            kv_events=self.kv_publisher)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
         self.handle: DecodeHandle
@@ -419,4 +426,8 @@ class DecodeWorker(RoleWorker):
     def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
-        super().close()
+        try:
+            super().close()
+        finally:
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()

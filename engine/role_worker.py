@@ -8,20 +8,40 @@ transfers, its own Prometheus registry, and plain counters. Methods run on one a
 (the agent is not thread-safe). The Ray shells (``*/actor.py``) share :class:`RoleActorMixin`.
 
 Bootstrap: ``handshake()`` returns this worker's :class:`Handshake` bytes; ``add_peer(bytes)``
-loads a peer's; ``remove_peer(name)`` forgets a dead one.
+loads a peer's (a peer already known is kept as it is: several routers may pair the same two
+workers); ``remove_peer(name)`` forgets a dead one.
+
+KV events: :func:`kv_publisher` is the cache's publisher in vLLM's format (topic
+``kv@<worker>@<model>``, PUB and replay sockets on the given host), for either role. A drained
+worker (``drain()``, the planner's) takes no new requests from any router: its ``stats()`` say
+``draining`` and every router's dispatcher leaves it out; what it runs finishes.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tandem.engine.gie_metrics import register_gie_metrics
 from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
+from tandem.transfer.messages import Handshake
 from tandem.transfer.state import TransferRegistry
 
 REGION = KV
+
+
+def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
+    """The cache's KV-event publisher for worker ``name``: vLLM's format and replay socket, both
+    bound to ephemeral ports on ``host`` (the worker's node address, so routers on other nodes
+    reach it)."""
+    import os
+
+    from tandem.cache.radix.events import KVEventPublisher, topic_for
+
+    return KVEventPublisher(f"tcp://{host}:0", topic=topic_for(name, os.path.basename(model)),
+                            replay_endpoint=f"tcp://{host}:0")
 
 
 class RoleWorker:
@@ -41,8 +61,10 @@ class RoleWorker:
                                             for n, r in self.regions.items()], **agent_opts)
         self.transfers = TransferRegistry()
         self.counts: dict[str, int] = {}
+        self.draining = False
         self.metrics = CollectorRegistry()
         register_engine_metrics(engine, worker=name, role=self.role, registry=self.metrics)
+        register_gie_metrics(engine, worker=name, role=self.role, registry=self.metrics)
 
     # -- bootstrap -------------------------------------------------------------------------------
     def handshake(self) -> bytes:
@@ -50,7 +72,11 @@ class RoleWorker:
         return self.agent.handshake_bytes()
 
     def add_peer(self, handshake: bytes) -> str:
-        """Load a peer worker's handshake; returns its agent name."""
+        """Load a peer worker's handshake; returns its agent name. A peer already known stays
+        as it is (re-adding it would cut its transfers in flight)."""
+        name = Handshake.decode(handshake).agent_name
+        if name in self.agent.peers:
+            return name
         return self.agent.connect(handshake)
 
     def remove_peer(self, name: str) -> None:
@@ -61,7 +87,7 @@ class RoleWorker:
     async def stats(self) -> dict:
         """Pool accounting (:class:`EngineSnapshot` fields), live transfers and counters."""
         snap = await self.handle.snapshot()
-        return {"worker": self.name, "role": self.role, **snap.as_dict(),
+        return {"worker": self.name, "role": self.role, **snap.as_dict(), "draining": self.draining,
                 "live_transfers": len(self.transfers), **self.counts, **self._extra_stats(snap)}
 
     def _extra_stats(self, snap) -> dict:
@@ -102,10 +128,14 @@ class RoleActorMixin:
 
     def info(self) -> dict:
         w, e = self.worker, self.worker.engine
+        pub = getattr(w, "kv_publisher", None)
         return {"name": w.name, "role": w.role, "model_name": e.model_name,
                 "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
                 "page_size": w.page_size, "device": str(e.device),
-                "regions": sorted(w.regions), **self._extra_info()}
+                "regions": sorted(w.regions), "peers": sorted(w.agent.peers),
+                "kv_events": pub.endpoint if pub is not None else None,
+                "kv_replay": pub.replay_endpoint if pub is not None else None,
+                "draining": w.draining, **self._extra_info()}
 
     def _extra_info(self) -> dict:
         return {}
@@ -121,6 +151,11 @@ class RoleActorMixin:
 
     async def debug_kv(self) -> dict:
         return await self.worker.debug_kv()
+
+    def drain(self) -> bool:
+        """Take no new requests (every router reads ``draining`` from ``stats()``); True."""
+        self.worker.draining = True
+        return True
 
     async def ping(self) -> str:
         self.worker.check_alive()   # a crashed engine thread counts as a dead worker

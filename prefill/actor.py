@@ -31,11 +31,11 @@ class PrefillActor(RoleActorMixin):
         if cfg.num_threads is None:
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
-                                    kv_events=kv_events)
+                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address())
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
 
     def _extra_info(self) -> dict:
-        return {"kv_events": self.worker.kv_events_endpoint}
+        return {"node_id": ray.get_runtime_context().get_node_id()}
 
     def add_peer(self, handshake: bytes) -> str:
         return self.worker.add_peer(handshake)

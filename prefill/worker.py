@@ -80,15 +80,15 @@ class PrefillWorker(RoleWorker):
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
                  transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
-                 kv_events: bool = False):
-        """``kv_events``: publish the prefix cache's KV events on a ZMQ PUB socket bound to
-        127.0.0.1 (an ephemeral port, named by :attr:`kv_events_endpoint`) for the router."""
+                 kv_events: bool = False, kv_events_host: str = "127.0.0.1"):
+        """``kv_events``: publish the prefix cache's KV events (vLLM's format, engine/role_worker.py
+        ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers."""
         self.kv_publisher = None
         if engine is None:
             from tandem.engine.engine import Engine
             if kv_events:
-                from tandem.cache.radix.events import KVEventPublisher
-                self.kv_publisher = KVEventPublisher("tcp://127.0.0.1:0")
+                from tandem.engine.role_worker import kv_publisher
+                self.kv_publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
             engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=self.kv_publisher,
                             role="prefill", name=name)
         # The handle installs the outbox before any request is submitted: finished requests

@@ -36,6 +36,17 @@ is pinned while they live, so the prompt is computed once (engine/scheduler.py's
 The prompt is charged once to the prefill worker (later members: one token each); each member
 charges its own KV on the decode worker. A pinned worker found dead re-routes that member afresh.
 
+Several routers over one worker set: each dispatcher's records are its own traffic only, so
+what admission and the policies see of a worker is the larger of its records and its report:
+``queue_len`` is ``max(records, snapshot.waiting + requests routed here since the snapshot)``,
+``pending_s`` as above; a worker whose snapshot says ``draining`` is not eligible, whichever router
+drained it. ``WorkerView.key`` is the worker's name, the same in every router (the session
+policy's rendezvous hashing ranks it).
+
+Latency (``latency``, a :class:`LatencyWindow`): time to first token (route to
+``prefill_done``) and inter-token latency (between ``grow`` calls, per token) of the requests
+this dispatcher routed, for the planner (router/planner.py).
+
 Thread-safety: every verb takes ``lock`` (an RLock); a KV-event feed that writes ``state.kv``
 from its own thread takes it too.
 """
@@ -52,6 +63,7 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import Overloaded
 
 from . import metrics as rm
+from .planner import LatencyWindow
 from .policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, retry_after_s
 from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot, WorkerView
 
@@ -69,6 +81,8 @@ class Route:
     decode_tokens: int = 0          # KV tokens charged on the decode worker
     decode_open: bool = False       # still charged on the decode worker
     prefill_open: bool = False      # still charged on the prefill worker
+    routed_at: float = 0.0          # the dispatcher's clock at routing (TTFT)
+    last_token_at: float | None = None   # the last ``grow`` (inter-token latency)
 
     @property
     def rid(self) -> str:
@@ -109,6 +123,8 @@ class Dispatcher:
         self._workers: dict[int, _Worker] = {}
         self._groups: dict[str, tuple[Decision, int]] = {}   # group id -> (decision, members left)
         self._prior_rate = 1.0 / max(config.estimator.per_token_s, 1e-12)
+        self.latency = LatencyWindow(clock=clock)
+        self.on_capacity: Callable[[], None] | None = None   # called when load is released
 
     # ------------------------------------------------------------------ workers
     def add_worker(self, wid: int, role: str, name: str, capacity_tokens: int = 0) -> None:
@@ -143,6 +159,20 @@ class Dispatcher:
             rm.WORKER_LOAD.remove(w.name, w.role)
         except KeyError:
             pass
+
+    def snapshots(self) -> dict[int, WorkerSnapshot]:
+        """Each worker's last report (workers that reported one)."""
+        with self.lock:
+            return {wid: w.snapshot for wid, w in self._workers.items() if w.snapshot is not None}
+
+    def counts(self) -> dict[str, int]:
+        """Workers in rotation per role: alive and not draining (the planner's current counts)."""
+        with self.lock:
+            out = {PREFILL: 0, DECODE: 0}
+            for w in self._workers.values():
+                if w.alive and not (w.snapshot is not None and w.snapshot.draining):
+                    out[w.role] += 1
+            return out
 
     def update_snapshot(self, wid: int, snap: WorkerSnapshot) -> None:
         with self.lock:
@@ -185,8 +215,13 @@ class Dispatcher:
     def prefill_done(self, r: Route) -> None:
         """The first token is out: release ``r`` on its prefill worker and time that prefill."""
         with self.lock:
+            if r.last_token_at is None and r.decode_open:
+                now = self.clock()
+                self.latency.ttft(now - r.routed_at)
+                r.last_token_at = now
             if r.prefill_open:
                 self._leave_prefill(r, measure=True)
+        self._released()
 
     def grow(self, r: Route, tokens: int) -> None:
         """``r`` holds ``tokens`` more KV tokens on its decode worker."""
@@ -195,6 +230,10 @@ class Dispatcher:
             if w is not None and r.decode_open:
                 w.tokens += tokens
                 r.decode_tokens += tokens
+                now = self.clock()
+                if r.last_token_at is not None and tokens > 0 and r.decode_tokens > r.request.prompt_tokens + tokens:
+                    self.latency.itl((now - r.last_token_at) / tokens)
+                r.last_token_at = now
 
     def release(self, r: Route) -> None:
         """``r`` ended (finished, failed or aborted): everything it still holds comes back.
@@ -207,6 +246,11 @@ class Dispatcher:
                 w = self._workers.get(r.decode)
                 if w is not None:
                     self._charge(w, -1, -r.decode_tokens)
+        self._released()
+
+    def _released(self) -> None:
+        if self.on_capacity is not None:
+            self.on_capacity()
 
     def view(self, exclude: Collection[int] = ()) -> ClusterView:
         """The policies' view of every known worker, now."""
@@ -252,7 +296,7 @@ class Dispatcher:
         if d < 0 and view.alive_decode():
             d = min(view.alive_decode(), key=lambda w: (w.running_tokens, w.in_flight)).worker_id
         p = dec.prefill_worker if dec.prefill_worker in alive else -1
-        r = Route(rr, dec, d, p if d >= 0 else -1)
+        r = Route(rr, dec, d, p if d >= 0 else -1, routed_at=self.clock())
         if d < 0:
             return r
         n = rr.prompt_tokens
@@ -307,10 +351,22 @@ class Dispatcher:
         since = sum(q.new_tokens for q in w.queue.values() if q.since > snap.at)
         return max(records, (snap.waiting_prompt_tokens + since) / rate)
 
+    def _queue_len(self, w: _Worker) -> int:
+        """Requests waiting on prefill worker ``w``: its records, or its own report plus what was
+        routed to it since, whichever is larger (the report counts every router's traffic)."""
+        snap = w.snapshot
+        if snap is None:
+            return w.requests
+        since = sum(1 for q in w.queue.values() if q.since > snap.at)
+        return max(w.requests, snap.waiting + since)
+
     def _view(self, wid: int, w: _Worker, now: float, eligible: bool) -> WorkerView:
         snap = w.snapshot
         capacity = snap.total_tokens if snap is not None and snap.total_tokens else w.capacity_tokens
         prefill = w.role == PREFILL
-        return WorkerView(wid, w.role, w.alive and eligible, queue_len=w.requests if prefill else 0,
+        draining = snap is not None and snap.draining
+        return WorkerView(wid, w.role, w.alive and eligible and not draining,
+                          queue_len=self._queue_len(w) if prefill else 0,
                           in_flight=w.requests, running_tokens=w.tokens,
-                          pending_s=self._pending_s(w, now) if prefill else 0.0, capacity_tokens=capacity)
+                          pending_s=self._pending_s(w, now) if prefill else 0.0, capacity_tokens=capacity,
+                          key=w.name)

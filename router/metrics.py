@@ -17,6 +17,8 @@ Who records what (router/http.py):
 Recorded by the dispatcher (router/dispatch.py) every serving backend routes through, not by http.py:
 - ``ROUTING_DECISION``: seconds one routing decision (view + policy) took.
 - ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
+- ``QUEUE_DEPTH`` / ``QUEUE_WAIT``: the deferred-dispatch queue (router/deferred.py): requests
+  waiting for an admissible worker, and how long each waited (admitted or not).
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ ROUTING_DECISION = _metric(Histogram, "tandem_routing_decision_seconds",
 WORKER_LOAD = _metric(Gauge, "tandem_worker_load",
                       "Requests in flight per worker, as the router's dispatch records see them.",
                       labelnames=("worker", "role"))
+
+QUEUE_DEPTH = _metric(Gauge, "tandem_dispatch_queue_depth",
+                      "Requests waiting in the router for a worker under its admission limits.")
+QUEUE_WAIT = _metric(Histogram, "tandem_dispatch_queue_wait_seconds",
+                     "Time a request waited in the deferred-dispatch queue, by outcome.",
+                     labelnames=("outcome",), buckets=_LATENCY_BUCKETS)
 
 _totals = {"prompt": 0, "cached": 0}
 _totals_lock = threading.Lock()

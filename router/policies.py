@@ -13,7 +13,12 @@ The view's ``now`` is the only time they see.
 | least_load | fewest in flight (ties in turn) | fewest KV tokens (ties in turn) |
 | cache_aware | SGLang: min load if imbalanced, else best prefix match over threshold, else smallest tree | fewest KV tokens |
 | kv_events | Dynamo: argmin ``w * prefill_blocks + decode_blocks`` over the exact KV-event index | fewest KV tokens |
-| session (default) | the session's worker unless overloaded or dead; else argmin of Mooncake Conductor's predicted TTFT (queue + prefill(uncached, cached)) plus the prefill it costs later requests (duplicated and evicted prefix tokens) | the session's decode worker, else fewest KV tokens |
+| session (default) | the session's worker unless overloaded or dead; else argmin of Mooncake Conductor's predicted TTFT (queue + prefill(uncached, cached)) plus the prefill it costs later requests (duplicated and evicted prefix tokens); matches from both indexes (the exact one when KV events feed it); a cold session with ``rendezvous`` on: the highest rendezvous hash of (session, worker name) | the session's decode worker, else the decode worker the exact index says holds the prefix, else (``rendezvous``) the rendezvous winner, else fewest KV tokens |
+
+Several routers agree on a session's workers without sharing a table: a later turn finds the
+worker that cached the earlier ones through the exact index (every router hears every worker's KV
+events), and a session no worker holds yet goes to the same rendezvous winner from any router
+(``PolicyConfig.rendezvous``, on for Ray workers that outlive their router).
 
 Admission (``admit``, ``retry_after_s``) is separate: the front door asks before routing and
 answers 429 with Retry-After when every prefill worker is past its limits.
@@ -21,6 +26,7 @@ answers 429 with Retry-After when every prefill worker is past its limits.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import dataclass, field
@@ -79,6 +85,7 @@ class PolicyConfig:
     estimator: PrefillEstimator = PrefillEstimator()
     duplicate_penalty: float = 1.0     # session: prefill tokens charged per duplicated token
     evict_penalty: float = 1.0         # session: prefill tokens charged per token it makes evict
+    rendezvous: bool = False           # session: a cold session goes to its rendezvous winner
     # approximate index (cache_aware, session)
     index_page_size: int = 1            # key elements per page
     index_capacity: int | None = None   # key elements per worker; None = unbounded
@@ -143,6 +150,25 @@ def _least_prefill(ws: list[WorkerView], state: "RouterState") -> WorkerView:
 
 def _over(w: WorkerView, limits: AdmissionLimits) -> bool:
     return w.queue_len >= limits.max_queue or w.pending_s >= limits.max_pending_s
+
+
+def rendezvous_score(session: str | int, worker: str) -> int:
+    """Highest-random-weight hash of (session, worker): every router ranks workers alike."""
+    return int.from_bytes(hashlib.blake2b(f"{session}\x00{worker}".encode(), digest_size=8).digest(), "big")
+
+
+def _rendezvous(ws: list[WorkerView], session: str | int) -> WorkerView:
+    return max(ws, key=lambda w: (rendezvous_score(session, w.key or str(w.worker_id)), -w.worker_id))
+
+
+def _exact(state: "RouterState", req: RouteRequest) -> dict[int, int]:
+    """``{worker: key elements}`` each worker holds of the request per the exact KV-event index
+    (device and host blocks); empty when no event has fed it."""
+    if not state.kv.num_blocks():
+        return {}
+    c = state.config
+    hashes = req.block_hashes if req.block_hashes is not None else block_hashes(req.key, c.kv_block_size)
+    return {w: (dev + host) * c.kv_block_size for w, (dev, host) in state.kv.overlap(hashes).items()}
 
 
 # -- policies ------------------------------------------------------------------------------------
@@ -246,10 +272,18 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
     chosen = None
     reason = ""
     m = state.approx.match(req.key)
+    exact = _exact(state, req) if entry is None else {}
+    if exact:
+        m = dict(m)
+        for w, n in exact.items():
+            m[w] = max(m.get(w, 0), n)
     if entry is not None:
         w = next((w for w in ps if w.worker_id == entry.prefill_worker), None)
         if w is not None and not _over(w, c.spill):
             chosen, reason = w, "sticky"
+    live_hit = any(m.get(w.worker_id, 0) for w in ps)
+    if chosen is None and c.rendezvous and key is not None and not live_hit:
+        chosen, reason = _rendezvous([w for w in ps if not _over(w, c.spill)] or ps, key), "rendezvous"
     if chosen is None:
         best = None
         top = _matched_tokens(req, max(m.values(), default=0))
@@ -270,6 +304,13 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
         dw = next((w for w in ds if w.worker_id == entry.decode_worker), None)
         if dw is not None and not _decode_overloaded(dw, ds):
             d = dw.worker_id
+    elif ds:
+        ok = [w for w in ds if not _decode_overloaded(w, ds)]
+        held = [w for w in ok if exact.get(w.worker_id, 0)]
+        if held:
+            d = max(held, key=lambda w: (exact[w.worker_id], -w.running_tokens, -w.worker_id)).worker_id
+        elif c.rendezvous and key is not None and ok:
+            d = _rendezvous(ok, key).worker_id
     if d < 0:
         d = _least_decode(ds, state)
     state.sessions.bind(key, chosen.worker_id, d, view.now)

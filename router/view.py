@@ -29,6 +29,8 @@ class WorkerView:
     pending_s: float = 0.0          # predicted seconds of work ahead of a new request (queue + rest
                                     # of the current batch): the queueing part of a predicted TTFT
     capacity_tokens: int = 0        # KV tokens the worker can hold (0 = unknown)
+    key: str = ""                   # a name every router knows it by (the actor's name): what
+                                    # rendezvous hashing of sessions ranks, so routers agree
 
     @property
     def load(self) -> int:
@@ -108,12 +110,13 @@ class WorkerSnapshot:
                                     # not reported)
     pending_s: float | None = None  # the worker's own prediction of queued work (seconds), when it
                                     # makes one (simulated workers); None: the dispatcher estimates it
+    draining: bool = False          # the planner drains it: no new requests (from any router)
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any], at: float) -> "WorkerSnapshot":
         """From a prefill/decode actor's ``stats()`` dict (keys ``waiting``, ``running``,
         ``total_tokens``, ``available_tokens``, ``waiting_prompt_tokens``; ``pending_s`` when a
-        worker reports one). Missing keys read as 0 (counts) or None (the optional two); a value
+        worker reports one; ``draining``). Missing keys read as 0 (counts) or None (the optional two); a value
         of the wrong type is a ValueError naming the key."""
         def num(key: str, kind=int):
             v = stats.get(key, 0)
@@ -125,4 +128,5 @@ class WorkerSnapshot:
             return None if stats.get(key) is None else num(key, kind)
 
         return cls(at, num("waiting"), num("running"), num("total_tokens"), num("available_tokens"),
-                   optional("waiting_prompt_tokens", int), optional("pending_s", float))
+                   optional("waiting_prompt_tokens", int), optional("pending_s", float),
+                   bool(stats.get("draining", False)))

@@ -6,7 +6,8 @@ mode, ``DecodeWorker`` with continuous batching), run in real time on the event 
 pass and the KV bytes are replaced by ``asyncio.sleep`` of the cost profile's seconds
 (sim/cost_model.py), divided by ``cfg.sim_speedup``. Everything else is the product's:
 tokenization and the HTTP API (router/http.py), and the same :class:`Dispatcher`
-(router/dispatch.py) the Ray backend routes through: admission (429 with Retry-After), the
+(router/dispatch.py) the Ray backend routes through: admission (the deferred-dispatch queue of
+router/deferred.py, then 429 with Retry-After), the
 policy ``cfg.policy`` with its session table and prefix indexes, the load records and the
 front door's metrics. Before each decision every worker's snapshot is refreshed (the prefill
 workers report their own ``pending_s``). No Ray, no model weights: only the tokenizer.
@@ -42,6 +43,7 @@ from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.tokenizer import IncrementalDetokenizer
 from tandem.core.types import StreamChunk, TandemError
+from tandem.router.deferred import DeferredDispatch
 from tandem.router.dispatch import Dispatcher, Route
 from tandem.router.policies import AdmissionLimits, PolicyConfig
 from tandem.sim import metrics as sm
@@ -106,6 +108,8 @@ class SimServingBackend:
             cfg.policy, PolicyConfig(kv_block_size=self.page_size, index_capacity=prefill_cap,
                                      estimator=self.profile.estimator(), seed=ec.seed),
             AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s), clock=self.now)
+        self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s,
+                                      poll_s=0.05, refresh=self._refresh_snapshots)
         use_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"
         self.prefills: list[PrefillWorker] = []
         for i in range(cfg.prefill):
@@ -271,12 +275,15 @@ class SimServingBackend:
         self.dispatch.release(f.route)
 
     # ------------------------------------------------------------------ ServingBackend
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        self._ensure_started()
+    def _refresh_snapshots(self) -> None:
         now = self.now()
         for w in self.prefills + self.decodes:
             self.dispatch.update_snapshot(w.id, w.snapshot(now))
-        route = self.dispatch.route(req)     # raises Overloaded (-> 429) before anything is charged
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        self._ensure_started()
+        route = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
+        now = self.now()
         pw, dw = self._by_id[route.prefill], self._by_id[route.decode]
         n = len(req.prompt_ids)
         sim = SimRequest(next(self._sim_ids), now, n, req.params.max_tokens, list(req.prompt_ids))

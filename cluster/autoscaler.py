@@ -1,0 +1,199 @@
+"""The planner's hands: sizes the prefill and decode worker groups from router/planner.py's plans.
+
+A thread wakes every ``PlannerConfig.period_s``:
+
+1. **Lease.** Only one router plans at a time: a detached named actor (``tandem-planner-lease``
+   in the workers' namespace) grants a lease of three periods to whoever asks while it is free
+   or theirs; a router that dies loses it when it expires.
+2. **Observe.** Workers in rotation per role (the dispatcher's: alive, not draining), the
+   TTFT and inter-token latency percentiles of this router's latency window (a sample of all
+   traffic when a load balancer spreads it over the routers), and the prefill queue depth the
+   workers themselves report (every router's traffic).
+3. **Plan** (router/planner.py), then **ask Ray**: ``ray.autoscaler.sdk.request_resources`` with
+   one ``{"prefill": 1}`` / ``{"decode": 1}`` bundle per wanted worker (KubeRay's worker groups,
+   or the fake multi-node provider, add or keep nodes for them; a lower request lets idle nodes go).
+4. **Scale up**: new workers (next free slot names) that ask for their role's resource, so they
+   wait for a node; the supervisor's discovery adopts each once it answers (paired, registered,
+   KV events followed): new workers join routing when healthy.
+5. **Scale down**: the worker of the role with the least in flight is drained (``drain()``: every
+   router stops sending it requests); once it runs nothing (or after ``drain_timeout_s``) it is
+   stopped and retired. Requests it held finish first.
+
+While workers are being added or drained the planner waits (``Observation.pending``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+
+from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerRef
+from tandem.core.config import PlannerConfig
+from tandem.router.planner import Observation, Plan, Planner
+
+log = logging.getLogger(__name__)
+
+LEASE_NAME = "tandem-planner-lease"
+SPAWN_TIMEOUT_S = 300.0          # a new worker that never gets a node is given up
+MIN_DRAIN_S = 2.5                # every router sees ``draining`` (one monitor period) before the stop
+
+
+def _lease_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class PlannerLease:
+        def __init__(self):
+            self.holder, self.until = None, 0.0
+
+        def acquire(self, who: str, ttl_s: float) -> bool:
+            now = time.monotonic()
+            if self.holder in (None, who) or now >= self.until:
+                self.holder, self.until = who, now + ttl_s
+                return True
+            return False
+
+        def release(self, who: str) -> None:
+            if self.holder == who:
+                self.holder = None
+
+    return PlannerLease
+
+
+class Autoscaler:
+    def __init__(self, cfg: PlannerConfig, pool, dispatch, launcher, supervisor):
+        self.cfg, self.pool, self.dispatch, self.launcher, self.supervisor = cfg, pool, dispatch, launcher, supervisor
+        self.planner = Planner(cfg)
+        self.me = uuid.uuid4().hex[:8]
+        self.leader = False
+        self.last: Plan | None = None
+        self.history: deque = deque(maxlen=64)        # (time, prefill, decode, reason)
+        self._spawning: dict[str, tuple[WorkerRef, float]] = {}
+        self._draining: dict[int, tuple[WorkerRef, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lease = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tandem-planner", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.cfg.period_s + 5)
+        if self._lease is not None and self.leader:
+            try:
+                self._lease.release.remote(self.me)
+            except Exception:  # noqa: BLE001 - Ray is going down
+                pass
+
+    def status(self) -> dict:
+        return {"leader": self.leader, "plan": None if self.last is None else
+                {"prefill": self.last.prefill, "decode": self.last.decode, "reason": self.last.reason},
+                "spawning": sorted(self._spawning), "draining": sorted(w.name for w, _ in self._draining.values()),
+                "history": [list(h) for h in self.history]}
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.period_s):
+            try:
+                self._round()
+            except BaseException as e:  # noqa: BLE001 - Ray shut down under us, or a transient error
+                if self._stop.is_set():
+                    return
+                log.warning("planner round failed: %s", e)
+
+    def _acquire(self) -> bool:
+        import ray
+
+        if self._lease is None:
+            self._lease = _lease_class().options(name=LEASE_NAME, namespace=self.launcher.namespace,
+                                                 lifetime="detached", get_if_exists=True).remote()
+        return bool(ray.get(self._lease.acquire.remote(self.me, 3 * self.cfg.period_s), timeout=10))
+
+    def _round(self) -> None:
+        self.leader = self._acquire()
+        if not self.leader:
+            return
+        self._settle()
+        counts = self.dispatch.counts()
+        c = self.cfg
+        snaps = self.dispatch.snapshots()
+        queue = sum(s.waiting for wid, s in snaps.items()
+                    if (w := self.pool.get(wid)) is not None and w.role == PREFILL and w.alive)
+        obs = Observation(counts[PREFILL], counts[DECODE], len(self._spawning) + len(self._draining),
+                          self.dispatch.latency.percentile("ttft", c.percentile),
+                          self.dispatch.latency.percentile("itl", c.percentile), queue)
+        plan = self.planner.plan(obs, time.monotonic())
+        self.last = plan
+        self._request(plan)
+        if (plan.prefill, plan.decode) == (obs.prefill, obs.decode):
+            return
+        self.history.append((round(time.time(), 3), plan.prefill, plan.decode, plan.reason))
+        log.warning("planner: %s -> prefill %d, decode %d", plan.reason, plan.prefill, plan.decode)
+        for role, want, have in ((PREFILL, plan.prefill, obs.prefill), (DECODE, plan.decode, obs.decode)):
+            for _ in range(want - have):
+                self._spawn(role)
+            for _ in range(have - want):
+                self._drain_one(role)
+
+    def _request(self, plan: Plan) -> None:
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[{PREFILL: 1}] * plan.prefill + [{DECODE: 1}] * plan.decode)
+        except Exception as e:  # noqa: BLE001 - no autoscaler on this cluster: nodes are fixed
+            log.info("request_resources: %s", e)
+
+    def _spawn(self, role: str) -> None:
+        taken = {w.name for w in self.launcher.discover()} | {w.name for w in self.pool.everyone()}
+        slots = [int(m[2]) for n in taken if (m := WORKER_NAME.match(n)) and m[1] == role]
+        slot = max(slots, default=-1) + 1
+        w = self.launcher.spawn(role, slot, f"{role}-{slot}")
+        self._spawning[w.name] = (w, time.monotonic())
+
+    def _drain_one(self, role: str) -> None:
+        view = self.dispatch.view()
+        ws = view.prefill if role == PREFILL else view.decode
+        draining = {wid for wid in self._draining}
+        live = [v for v in ws if v.alive and v.worker_id not in draining]
+        if len(live) <= 1:
+            return
+        v = min(live, key=lambda v: (v.in_flight, v.running_tokens, -v.worker_id))
+        w = self.pool.get(v.worker_id)
+        if w is None:
+            return
+        w.handle.drain.remote()
+        w.retiring = True
+        self._draining[w.wid] = (w, time.monotonic())
+
+    def _settle(self) -> None:
+        """New workers that joined rotation leave ``_spawning``; drained ones that are idle stop."""
+        import ray
+
+        now = time.monotonic()
+        for name, (w, t0) in list(self._spawning.items()):
+            if self.pool.named(name) is not None:
+                del self._spawning[name]
+            elif now - t0 > SPAWN_TIMEOUT_S:
+                log.warning("planner: %s never started; given up", name)
+                ray.kill(w.handle)
+                del self._spawning[name]
+        snaps = self.dispatch.snapshots()
+        view = {v.worker_id: v for v in self.dispatch.view().prefill + self.dispatch.view().decode}
+        for wid, (w, t0) in list(self._draining.items()):
+            s, v = snaps.get(wid), view.get(wid)
+            idle = (s is not None and s.draining and s.running == 0 and s.waiting == 0
+                    and (v is None or v.in_flight == 0))
+            if (idle and now - t0 >= MIN_DRAIN_S) or now - t0 > self.cfg.drain_timeout_s or not w.alive:
+                try:
+                    ray.kill(w.handle, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+                self.supervisor.mark_dead(w, "drained by the planner")
+                del self._draining[wid]
+                log.warning("planner: %s drained and stopped", w.name)

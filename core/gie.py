@@ -1,0 +1,68 @@
+"""The Gateway API Inference Extension's model-server metrics, under vLLM's names (what the
+reference endpoint picker scrapes by default), for every worker, real or simulated.
+
+The protocol (gateway-api-inference-extension, docs/proposals/003-model-server-protocol) asks a
+model server for gauges of its queue and KV-cache utilisation; the EPP's defaults read them under
+vLLM's names, and the cache-info metric for the page size and pool:
+
+    vllm:num_requests_waiting       gauge   requests queued (TotalQueuedRequests)
+    vllm:num_requests_running       gauge   requests running (TotalRunningRequests)
+    vllm:kv_cache_usage_perc        gauge   device KV in use, 0..1 (KVCacheUtilization)
+    vllm:gpu_cache_usage_perc       gauge   the same, the older name some EPP versions read
+    vllm:cache_config_info          gauge 1 labels block_size, num_gpu_blocks, num_cpu_blocks,
+                                            enable_prefix_caching (the EPP's cache info)
+
+Every family carries ``model_name`` (vLLM's label), ``worker`` and ``role`` (Tandem's, so a
+router's merged exposition keeps one series per worker). :class:`GIECollector` reads a
+:class:`GIESample` at scrape time from a callable (no work on the hot path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+NAMES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+         "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+
+
+@dataclass(frozen=True)
+class GIESample:
+    waiting: int
+    running: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    block_size: int
+    host_blocks: int = 0
+    prefix_caching: bool = True
+
+    @property
+    def usage(self) -> float:
+        return min(self.kv_used_tokens / self.kv_total_tokens, 1.0) if self.kv_total_tokens else 0.0
+
+
+class GIECollector(Collector):
+    """The five families above for one worker; ``read()`` is called at every scrape."""
+
+    def __init__(self, read: Callable[[], GIESample], model: str, worker: str, role: str):
+        self.read, self.labels = read, {"model_name": model, "worker": worker, "role": role}
+
+    def collect(self):
+        s = self.read()
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, v: float, extra: dict | None = None) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names + list(extra or {}))
+            g.add_metric(values + list((extra or {}).values()), float(v))
+            return g
+
+        yield gauge(NAMES[0], "Number of requests waiting to be processed.", s.waiting)
+        yield gauge(NAMES[1], "Number of requests currently running.", s.running)
+        yield gauge(NAMES[2], "KV-cache usage. 1 means 100 percent usage.", s.usage)
+        yield gauge(NAMES[3], "KV-cache usage (older name). 1 means 100 percent usage.", s.usage)
+        yield gauge(NAMES[4], "Information of the KV cache configuration.", 1, {
+            "block_size": str(s.block_size), "num_gpu_blocks": str(s.kv_total_tokens // max(s.block_size, 1)),
+            "num_cpu_blocks": str(s.host_blocks), "enable_prefix_caching": str(s.prefix_caching)})

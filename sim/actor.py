@@ -1,0 +1,101 @@
+"""Thin Ray shells around the simulated workers (sim/remote.py), speaking the real workers'
+actor protocol (prefill/actor.py, decode/actor.py): info, handshake, add_peer / add_prefill,
+remove_peer / remove_prefill, prefill / generate, abort, stats, debug_kv, ping, drain,
+metrics_text, shutdown. Created by cluster/launch.py for ``engine: sim`` on Ray."""
+
+from __future__ import annotations
+
+import ray
+
+from tandem.core.config import ServeConfig
+from tandem.core.messages import GenerateRequest
+from tandem.sim.remote import SimDecodeRole, SimPrefillRole
+
+
+class _Shell:
+    def handshake(self) -> bytes:
+        return self.role.name.encode()
+
+    def add_peer(self, handshake: bytes) -> str:
+        return handshake.decode()
+
+    def remove_peer(self, name: str) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return self.role.stats()
+
+    def debug_kv(self) -> dict:
+        return self.role.debug_kv()
+
+    def ping(self) -> str:
+        return self.role.name
+
+    def drain(self) -> bool:
+        self.role.draining = True
+        return True
+
+    async def abort(self, rid: str, reason: str = "") -> bool:
+        return False                      # a simulated request runs to its end
+
+    def metrics_text(self) -> bytes:
+        return self.role.metrics_text()
+
+    def shutdown(self) -> None:
+        self.role.close()
+
+
+@ray.remote
+class SimPrefillActor(_Shell):
+    def __init__(self, name: str, serve_config: dict, kv_events: bool = False, _tokenizer=None):
+        cfg = ServeConfig.model_validate(serve_config)
+        pub = None
+        if kv_events:
+            from tandem.cache.radix.events import KVEventPublisher, topic_for
+
+            host = ray.util.get_node_ip_address()
+            pub = KVEventPublisher(f"tcp://{host}:0", topic=topic_for(name, cfg.engine_config.model),
+                                   replay_endpoint=f"tcp://{host}:0")
+        self.role = SimPrefillRole(name, cfg, pub)
+
+    def info(self) -> dict:
+        pub = self.role.publisher
+        return self.role.info(kv_events=pub.endpoint if pub else None,
+                              kv_replay=pub.replay_endpoint if pub else None,
+                              node_id=ray.get_runtime_context().get_node_id(), vocab_size=0)
+
+    async def prefill(self, req_wire: dict, *_ignored) -> dict:
+        return await self.role.prefill(req_wire)
+
+
+class _RemotePrefill:
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def prefill(self, req_wire: dict) -> dict:
+        return await self.handle.prefill.remote(req_wire)
+
+
+@ray.remote
+class SimDecodeActor(_Shell):
+    def __init__(self, name: str, serve_config: dict, kv_events: bool = False, tokenizer=None):
+        self.role = SimDecodeRole(name, ServeConfig.model_validate(serve_config), tokenizer)
+        self.prefills: dict[str, _RemotePrefill] = {}
+
+    def info(self) -> dict:
+        return self.role.info(kv_events=None, kv_replay=None, peers=sorted(self.prefills),
+                              node_id=ray.get_runtime_context().get_node_id(),
+                              vocab_size=int(self.role.tokenizer.vocab_size))
+
+    def add_prefill(self, handshake: bytes, handle) -> str:
+        name = handshake.decode()
+        self.prefills.setdefault(name, _RemotePrefill(handle))
+        return name
+
+    def remove_prefill(self, name: str) -> None:
+        self.prefills.pop(name, None)
+
+    async def generate(self, req_wire: dict, prefill_name: str | None):
+        client = self.prefills.get(prefill_name) if prefill_name else None
+        async for c in self.role.generate(GenerateRequest.from_wire(req_wire), client):
+            yield c
