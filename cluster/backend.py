@@ -185,7 +185,9 @@ class RayClusterBackend:
         everyone = self.pool.everyone()
         results = await asyncio.gather(*(self._ping(w) for w in everyone))
         snaps = self.dispatch.snapshots()
+        nodes = self._node_resources({w.node_id for w in everyone})
         workers = {w.name: {"role": w.role, "alive": ok, "node_id": w.node_id,
+                            "node_resources": nodes.get(w.node_id, {}),
                             "draining": bool(snaps.get(w.wid) and snaps[w.wid].draining),
                             **({"error": w.error} if w.error else {})}
                    for w, ok in zip(everyone, results)}
@@ -198,6 +200,20 @@ class RayClusterBackend:
                 "dispatch_queue": len(self.queue), "workers": workers,
                 **({"kv_events": dict(self.feed.counts)} if self.feed is not None else {}),
                 **({"planner": self.autoscaler.status()} if self.autoscaler is not None else {})}
+
+    def _node_resources(self, ids: set[str]) -> dict[str, dict]:
+        """The custom resources (``prefill``, ``decode``, ...) of the Ray nodes ``ids``, cached."""
+        cache = self.__dict__.setdefault("_nodes", {})
+        if not ids <= set(cache):
+            import ray
+
+            try:
+                for n in ray.nodes():
+                    cache[n["NodeID"]] = {k: v for k, v in n.get("Resources", {}).items()
+                                          if k in ("prefill", "decode", "CPU", "GPU")}
+            except Exception:  # noqa: BLE001 - placement is informative only
+                pass
+        return cache
 
     async def _ping(self, w: WorkerRef, timeout: float = PING_TIMEOUT_S) -> bool:
         if not w.alive:

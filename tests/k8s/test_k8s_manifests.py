@@ -139,9 +139,12 @@ def test_crd_validator_rejects_what_the_api_server_would():
     bad["spec"]["workerGroupSpecs"][1]["replica"] = 2                 # unknown field (typo)
     bad["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0    # must be a string
     bad["spec"]["workerGroupSpecs"][1]["maxReplicas"] = 2**31         # int32
+    bad["spec"]["authOptions"]["mode"] = "tokens"                     # KubeRay 1.5.1's enum
+    bad["spec"]["autoscalerOptions"]["upscalingMode"] = "Fast"
     paths = {".".join(map(str, e.path)) for e in v.iter_errors(bad)}
     assert paths == {"spec.workerGroupSpecs.0", "spec.workerGroupSpecs.1",
-                     "spec.headGroupSpec.rayStartParams.num-cpus", "spec.workerGroupSpecs.1.maxReplicas"}
+                     "spec.headGroupSpec.rayStartParams.num-cpus", "spec.workerGroupSpecs.1.maxReplicas",
+                     "spec.authOptions.mode", "spec.autoscalerOptions.upscalingMode"}
 
 
 # --- the serve config --------------------------------------------------------------------------
@@ -154,13 +157,54 @@ def test_serve_config_loads_through_serveconfig(resources, config):
 
 
 def test_serve_config_asks_for_one_actor_per_worker_pod(resources, config):
+    """A fresh cluster starts one worker per pod of each group; the planner's bounds are the
+    groups' autoscaling bounds (one worker per pod, so every worker it asks for has a pod)."""
     cluster = _cluster(resources)
-    for role, wanted in (("prefill", config.prefill), ("decode", config.decode)):
+    p = config.planner
+    for role, wanted, lo, hi in (("prefill", config.prefill, p.min_prefill, p.max_prefill),
+                                 ("decode", config.decode, p.min_decode, p.max_decode)):
         g = worker_group(cluster, role)
-        assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == wanted, (
-            f"{role}: serve.yaml asks for {wanted} actors but the group has replicas={g['replicas']}, "
-            f"min={g['minReplicas']}, max={g['maxReplicas']}")
+        assert g["replicas"] == wanted, f"{role}: serve.yaml starts {wanted} workers, the group {g['replicas']} pods"
+        assert p.enabled and (g["minReplicas"], g["maxReplicas"]) == (lo, hi), (
+            f"{role}: planner bounds {lo}..{hi} != group min/max {g['minReplicas']}..{g['maxReplicas']}")
+        assert lo <= wanted <= hi
         assert g.get("numOfHosts", 1) == 1
+    assert cluster["spec"]["enableInTreeAutoscaling"] is True, "the planner needs the Ray autoscaler"
+    assert config.detached_workers, "workers must outlive the router replicas"
+
+
+def test_ray_token_auth_is_on_and_the_router_carries_the_token(resources):
+    cluster = _cluster(resources)
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    env = {e["name"]: e for e in _router_container(resources)["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    # KubeRay (>= 1.5.1) names the Secret after the RayCluster, with the key auth_token
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": cluster["metadata"]["name"],
+                                                                  "key": "auth_token"}
+
+
+def test_no_dashboard_or_client_port_on_any_service(resources):
+    """KubeRay's head Service carries the head container's ports (plus metrics): keep the dashboard
+    (8265) and the Ray Client (10001) off it, and off every Service we define."""
+    head = _cluster(resources)["spec"]["headGroupSpec"]
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert set(ports) == {"gcs-server", "metrics"}, ports
+    assert "headService" not in head
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for svc in (r for r in resources if r["kind"] == "Service"):
+        for p in svc["spec"]["ports"]:
+            assert p["port"] not in (8265, 10001) and p.get("targetPort") not in (8265, 10001, "dashboard", "client")
+
+
+def test_routers_are_replicas_rolled_one_at_a_time(resources):
+    d = _router(resources)["spec"]
+    assert d["replicas"] >= 2
+    assert d["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pdb = _pdb(resources, "tandem-router")["spec"]
+    assert pdb["minAvailable"] == d["replicas"] - 1 >= 1, "a drain may take one router, never all"
+    anti = d["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
+        "kubernetes.io/hostname"
 
 
 def test_router_port_probes_service_and_config_agree(resources, config):
@@ -422,7 +466,7 @@ def test_disruption_budgets_match_the_groups(resources):
         "ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}}}
     router = _pdb(resources, "tandem-router")["spec"]
     labels = _router(resources)["spec"]["template"]["metadata"]["labels"]
-    assert router["minAvailable"] == 1 and router["selector"]["matchLabels"].items() <= labels.items()
+    assert router["minAvailable"] >= 1 and router["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_servicemonitor_scrapes_the_router_metrics(resources):

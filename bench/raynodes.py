@@ -1,0 +1,209 @@
+"""A real multi-node Ray cluster on one machine, for tests and benchmarks: a head and worker nodes
+started with ``ray start`` (each its own raylet, object store and process group), every node on
+127.0.0.1, Ray token authentication on, nothing else on the machine touched.
+
+    with RayNodes(token_auth=True) as c:
+        c.add_node({"prefill": 1}, num_cpus=1)
+        n = c.add_node({"decode": 2}, num_cpus=2)
+        env = c.client_env()            # for a driver (`tandem serve --ray-address c.address`)
+        ...
+        c.stop_node(n)                  # SIGKILL to that node's process group: a node failure
+
+Why the bootstrap line: Ray maps 127.0.0.1 to the machine's routable address when it resolves a
+node's IP (``resolve_ip_for_localhost``), so worker nodes would bind another address than the
+head. The head runs with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray then keeps the loopback
+address); ``ray start`` for a worker node refuses that switch, so worker nodes run Ray's own CLI
+(``ray.scripts.scripts.main``) with its node-IP lookup pinned to 127.0.0.1. Drivers get the switch
+in :meth:`client_env`. Nodes start one after another (two raylets starting at once in one session
+directory race for the same socket names). :meth:`close` kills every process group it started;
+it never runs ``ray stop`` (which would stop every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+BOOT = ("import sys, ray._private.services as s; s.get_node_ip_address = lambda address=None: '127.0.0.1'; "
+        "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())")
+STARTED = "Ray runtime started"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    proc: subprocess.Popen
+    log: str
+    resources: dict
+    manager_port: int = 0           # unique per node: its processes name it on their command line
+
+
+class RayNodes:
+    def __init__(self, token_auth: bool = True, env: dict | None = None, head_cpus: int = 0,
+                 autoscaling_config: dict | None = None, startup_timeout_s: float = 60.0):
+        self.dir = tempfile.mkdtemp(prefix="tandem-ray-")
+        self.token = secrets.token_hex(16) if token_auth else None
+        self.timeout = startup_timeout_s
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **(env or {}))
+        if token_auth:
+            self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        else:
+            self.env["RAY_AUTH_MODE"] = "disabled"
+        self.nodes: list[Node] = []
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        head = ["--head", f"--port={self.port}", f"--num-cpus={head_cpus}", "--include-dashboard=false",
+                f"--temp-dir={self.dir}/t"]
+        extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        if autoscaling_config is not None:
+            cfg = dict(autoscaling_config)
+            cfg.setdefault("provider", {}).update(type="fake_multinode", gcs_address=self.address)
+            path = os.path.join(self.dir, "autoscaling.json")
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+            head.append(f"--autoscaling-config={path}")
+            extra.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+        self._start(head, extra, {})
+
+    def _ports(self, manager: int) -> list[str]:
+        return [f"--node-manager-port={manager}", f"--object-manager-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+
+    def _start(self, args: list[str], extra: dict, resources: dict) -> Node:
+        log = os.path.join(self.dir, f"node-{len(self.nodes)}.log")
+        manager = free_port()
+        cmd = [sys.executable, "-c", BOOT, "start", "--block", "--disable-usage-stats",
+               "--object-store-memory=80000000", *self._ports(manager), *args]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env={**self.env, **extra}, start_new_session=True,
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        node = Node(proc, log, resources, manager)
+        self.nodes.append(node)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            text = open(log).read()
+            if STARTED in text:
+                return node
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"ray node did not start ({log}):\n{open(log).read()[-3000:]}")
+
+    def add_node(self, resources: dict, num_cpus: int = 1, env: dict | None = None) -> Node:
+        """A worker node offering ``resources`` (KubeRay's groups: ``{"prefill": 1}``)."""
+        return self._start([f"--address={self.address}", f"--num-cpus={num_cpus}",
+                            f"--resources={json.dumps(resources)}"], env or {}, resources)
+
+    def client_env(self, **extra) -> dict:
+        """The environment of a driver of this cluster (its token, loopback addressing)."""
+        return {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **extra}
+
+    def stop_node(self, node: Node) -> None:
+        """A node failure: SIGKILL to its whole process group (raylet, agents) and to its worker
+        processes (the raylet starts them in sessions of their own)."""
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node.proc.wait(timeout=30)
+        self._reap((f"--node-manager-port={node.manager_port}", f"--node_manager_port={node.manager_port}"))
+
+    def close(self) -> None:
+        for node in reversed(self.nodes):
+            self.stop_node(node)
+        self.nodes.clear()
+        self._reap()
+
+    def _reap(self, marks: tuple[str, ...] | None = None) -> None:
+        """Processes left behind outside a node's group (workers in their own sessions, the fake
+        provider's nodes): those whose command line names this cluster's directory (or ``marks``)."""
+        try:
+            import psutil
+        except ImportError:
+            return
+        marks = marks or (self.dir,)
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                line = " ".join(p.info["cmdline"] or ())
+                if any(m in line for m in marks):
+                    p.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+
+    def __enter__(self) -> "RayNodes":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class Router:
+    """A ``tandem serve`` process (a router: the HTTP front door and a Ray driver)."""
+
+    proc: subprocess.Popen
+    url: str
+    log: str
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no shutdown path at all."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+def start_router(config: dict, env: dict, workdir: str, timeout_s: float = 300.0,
+                 extra_args: tuple[str, ...] = ()) -> Router:
+    """``tandem serve --config <config as YAML>`` on a free port of 127.0.0.1; returns once its
+    /health answers 200 (every worker up), or raises with the log's tail."""
+    import httpx
+    import yaml
+
+    port = free_port()
+    cfg = {**config, "host": "127.0.0.1", "port": port}
+    path = os.path.join(workdir, f"serve-{port}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    log = os.path.join(workdir, f"router-{port}.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "serve",
+                                 "--config", path, *extra_args], env=env, start_new_session=True,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    r = Router(proc, url, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    r.kill()
+    raise RuntimeError(f"router did not come up ({log}):\n{open(log).read()[-4000:]}")
