@@ -113,14 +113,24 @@ class RayNodes:
         return {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **extra}
 
     def stop_node(self, node: Node) -> None:
-        """A node failure: SIGKILL to its whole process group (raylet, agents) and to its worker
-        processes (the raylet starts them in sessions of their own)."""
+        """A node failure: SIGKILL to its whole process group (raylet, agents) and to every
+        process under it (the raylet starts its workers in process groups of their own)."""
+        try:
+            import psutil
+
+            tree = psutil.Process(node.proc.pid).children(recursive=True)
+        except Exception:  # noqa: BLE001 - psutil missing, or the node is already gone
+            tree = []
         try:
             os.killpg(node.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for p in tree:
+            try:
+                p.kill()
+            except Exception:  # noqa: BLE001 - gone already
+                pass
         node.proc.wait(timeout=30)
-        self._reap((f"--node-manager-port={node.manager_port}", f"--node_manager_port={node.manager_port}"))
 
     def close(self) -> None:
         for node in reversed(self.nodes):
