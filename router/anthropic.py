@@ -38,7 +38,7 @@ from starlette.responses import Response
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk
 from tandem.router import metrics as m
-from tandem.router.front_door import FrontDoor, session_key
+from tandem.router.front_door import FrontDoor, request_priority, session_key
 from tandem.router.openai_protocol import APIError, _Request, parse_json_object, parse_request
 from tandem.router.streaming import (ClientGone, Running, SSEResponse, StartFailed, close_all, collect, merge,
                                      sse, start, unless_disconnected)
@@ -208,7 +208,8 @@ class AnthropicRoutes:
             params.validate()
         except InvalidRequest as e:
             raise APIError(400, str(e)) from None
-        return GenerateRequest(rid, tuple(ids), params, session_key(headers, body, ids)), plan
+        return GenerateRequest(rid, tuple(ids), params, session_key(headers, body, ids),
+                               priority=request_priority(headers, body)), plan
 
     async def _parse(self, request: Request, model):
         self.door.check_auth(request)

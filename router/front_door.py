@@ -66,6 +66,28 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids=
         raise APIError(400, str(e), param="session_id") from None
 
 
+MAX_PRIORITY = 1_000_000
+
+
+def request_priority(headers: Mapping[str, str], body: Mapping[str, Any]) -> int:
+    """The request's priority in the deferred-dispatch queue (router/deferred.py): body ``priority``
+    (vLLM's field), else header ``X-Request-Priority``; an int, lower first, default 0. Anything
+    else is a 400 naming the field."""
+    raw, param = body.get("priority"), "priority"
+    if raw is None:
+        raw, param = headers.get("x-request-priority"), "X-Request-Priority"
+        if raw is None:
+            return 0
+        try:
+            raw = int(str(raw).strip())
+        except ValueError:
+            raise APIError(400, f"{param} must be an integer, got {raw!r}"[:200], param=param) from None
+    if isinstance(raw, bool) or not isinstance(raw, int) or abs(raw) > MAX_PRIORITY:
+        raise APIError(400, f"{param} must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {raw!r}"[:200],
+                       param=param)
+    return raw
+
+
 class FrontDoor:
     """What the routes share, bound to one backend and config."""
 

@@ -33,7 +33,7 @@ from starlette.responses import Response
 from tandem.core.messages import GenerateRequest, SampleGroup
 from tandem.core.types import InvalidRequest, SamplingParams
 from tandem.router import metrics as m
-from tandem.router.front_door import FrontDoor, error_response, refusal, session_key
+from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key
 from tandem.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorBody,
                                            ErrorResponse, parse_json_object, parse_request)
@@ -144,7 +144,9 @@ class OpenAIRoutes:
             params.validate()
         except InvalidRequest as e:
             raise APIError(400, str(e)) from None
-        greqs = fan_out(rid, ids, params, session_key(headers, body, ids), req.n)
+        prio = request_priority(headers, body)
+        greqs = [replace(g, priority=prio) if prio else g
+                 for g in fan_out(rid, ids, params, session_key(headers, body, ids), req.n)]
         return Prepared(greqs, plan, top, len(ids))
 
     def _completion_ids(self, req: CompletionRequest) -> list[int]:

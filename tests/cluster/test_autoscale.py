@@ -51,12 +51,12 @@ def _nodes_with(env, address: str, resource: str) -> int:
 
 
 async def _load(url: str, rate: float, seconds: float, results: list, tag: str):
-    """Open-loop arrivals at ``rate``/s: distinct 6,000-token prompts (no cache hits)."""
+    """Open-loop arrivals at ``rate``/s: distinct 10,000-token prompts (no cache hits)."""
     async with httpx.AsyncClient(timeout=120) as client:
         async def one(i: int):
             t0 = time.monotonic()
             r = await client.post(f"{url}/v1/completions", json={
-                "model": "smollm2", "prompt": [1000 + (i * 7919 + j) % 40000 for j in range(6000)],
+                "model": "smollm2", "prompt": [1000 + (i * 7919 + j) % 40000 for j in range(10000)],
                 "max_tokens": 8, "stream": True}, headers={"X-Session-Id": f"{tag}-{i}"})
             ttft = None
             async for line in r.aiter_lines():
@@ -79,7 +79,7 @@ def test_the_planner_scales_the_role_that_misses_its_slo_and_back(tmp_path):
                "worker_lifetime": "cluster", "ray_namespace": "tandem-as", "sim_speedup": 1.0,
                "dispatch_queue_size": 512, "dispatch_queue_ttl_s": 60.0, "admission_max_queue": 1000,
                "admission_max_pending_s": 600.0,
-               "engine_config": {"cache": {"page_size": 16}},
+               "engine_config": {"cache": {"page_size": 16}, "context_length": 32768},
                "planner": {"enabled": True, "ttft_slo_s": TTFT_SLO_S, "itl_slo_s": 0.2, "period_s": 1.0,
                            "window_s": 4.0, "min_prefill": 1, "max_prefill": 3, "min_decode": 1,
                            "max_decode": 2, "scale_down_after_s": 4.0, "percentile": 0.9}}
@@ -88,13 +88,13 @@ def test_the_planner_scales_the_role_that_misses_its_slo_and_back(tmp_path):
             results: list = []
 
             async def scenario():
-                await _load(r.url, 1.0, 4.0, results, "base")      # ~0.2 s prefills: 20% busy
-                await _load(r.url, 4.0, 14.0, results, "step")     # 4x: one prefill worker saturates
+                await _load(r.url, 1.0, 4.0, results, "base")      # ~0.33 s prefills: a third busy
+                await _load(r.url, 4.0, 16.0, results, "step")     # 4x: one prefill worker saturates
 
             asyncio.run(scenario())
             h = httpx.get(f"{r.url}/health", timeout=30).json()
             hist = h["planner"]["history"]
-            assert any(p > 1 for _, p, _, _ in hist), hist            # prefill was added...
+            assert any(p > 1 for _, p, _, _ in hist), (h["planner"], results[-5:])   # prefill was added...
             assert all(d == 1 for _, _, d, _ in hist), hist           # ...and decode, meeting its SLO, was not
             assert all(code == 200 for _, code, _ in results), [x for x in results if x[1] != 200]
             prefills = [n for n, w in h["workers"].items() if w["role"] == "prefill" and w["alive"]]
