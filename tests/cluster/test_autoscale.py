@@ -97,10 +97,21 @@ def test_the_planner_scales_the_role_that_misses_its_slo_and_back(tmp_path):
             assert any(p > 1 for _, p, _, _ in hist), (h["planner"], results[-5:])   # prefill was added...
             assert all(d == 1 for _, _, d, _ in hist), hist           # ...and decode, meeting its SLO, was not
             assert all(code == 200 for _, code, _ in results), [x for x in results if x[1] != 200]
-            prefills = [n for n, w in h["workers"].items() if w["role"] == "prefill" and w["alive"]]
-            assert len(prefills) >= 2, h["workers"]                  # the new worker joined routing
-            late = [t for tag, _, t in results[-10:]]
-            print(f"\nplanner history: {hist}\nstep TTFTs (last 10): {[round(x, 2) for x in late]}")
+            deadline = time.monotonic() + 90                          # the new worker joins routing
+            while time.monotonic() < deadline:
+                h = httpx.get(f"{r.url}/health", timeout=30).json()
+                joined = [n for n, w in h["workers"].items() if w["role"] == "prefill" and w["alive"]]
+                if len(joined) >= 2:
+                    break
+                time.sleep(1)
+            assert len(joined) >= 2, h["workers"]
+            assert all(h["workers"][n]["node_resources"].get("prefill") for n in joined)   # on new nodes
+            after: list = []
+            asyncio.run(_load(r.url, 2.0, 3.0, after, "after"))        # served by the bigger group
+            assert all(code == 200 for _, code, _ in after)
+            step = [t for tag, _, t in results if tag == "step"]
+            print(f"\nplanner history: {hist}\nstep TTFT p90 {sorted(step)[int(0.9 * len(step)) - 1]:.2f}s, "
+                  f"after the scale-up p90 {sorted(t for _, _, t in after)[int(0.9 * len(after)) - 1]:.2f}s")
             deadline = time.monotonic() + 60                          # after the load: back down
             while time.monotonic() < deadline:
                 h = httpx.get(f"{r.url}/health", timeout=30).json()
