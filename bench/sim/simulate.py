@@ -111,8 +111,14 @@ def simulate(trace: list[TraceRecord], *, prefill: int = 8, decode: int = 8, pol
              block_size: int = TRACE_BLOCK, capacity_tokens: int | None = 3_000_000,
              speedup: float = 1.0, profile: str = DEFAULT_PROFILE, global_cache: bool = False,
              decode_capacity_tokens: int | None = None, seed: int = 0,
-             policy_config: PolicyConfig | None = None) -> dict:
-    """Replay ``trace``; returns the JSON-able summary (see ``summarize``)."""
+             policy_config: PolicyConfig | None = None, routers: int = 1,
+             kv_events: bool | None = None) -> dict:
+    """Replay ``trace``; returns the JSON-able summary (see ``summarize``).
+
+    ``routers``: that many independent routers (each its own RouterState: session table,
+    approximate index), request ``i`` through router ``i % routers``, as behind a load balancer;
+    ``kv_events`` (default: with the kv_events policy, or several routers): every cache's KV events
+    reach every router's exact index, as every router subscribes to every worker."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if prefill < 1 or decode < 1:
@@ -123,14 +129,29 @@ def simulate(trace: list[TraceRecord], *, prefill: int = 8, decode: int = 8, pol
     cap_pages = None if capacity_tokens is None else max(capacity_tokens // block_size, 1)
     cfg = policy_config or PolicyConfig(seed=seed, kv_block_size=1, estimator=prof.estimator(),
                                         index_capacity=cap_pages)
-    state = RouterState(cfg)
+    if routers > 1 and policy_config is None:
+        cfg = PolicyConfig(seed=seed, kv_block_size=1, estimator=prof.estimator(), index_capacity=cap_pages,
+                           rendezvous=True)
+    states = [RouterState(cfg) for _ in range(max(routers, 1))]
+    state = states[0]
     t_wall = time.perf_counter()
 
     p_ids = list(range(prefill))
-    use_events = policy == "kv_events"
+    use_events = (policy == "kv_events" or routers > 1) if kv_events is None else kv_events
+
+    class _Everyone:
+        """One cache's events to every router's index."""
+
+        def __init__(self, ids):
+            self.sinks = [EventSink(st, ids) for st in states]
+
+        def publish(self, events):
+            events = list(events)
+            for sk in self.sinks:
+                sk.publish(events)
 
     def make_cache(ids: list[int], pages: int | None):
-        sink = EventSink(state, ids) if use_events else None
+        sink = _Everyone(ids) if use_events else None
         return UnifiedRadixCache.simulated(page_size=1, capacity_tokens=pages, eviction="lru",
                                            events=sink)
 
@@ -181,7 +202,7 @@ def simulate(trace: list[TraceRecord], *, prefill: int = 8, decode: int = 8, pol
             view = ClusterView(tuple(w.view(now) for w in pws), tuple(d.view(now) for d in dws), now)
             rq = RouteRequest(str(r.rid), r.key, r.prompt_tokens, block_size, max_tokens=r.output_tokens)
             t = time.perf_counter_ns()
-            dec = choose(view, rq, state, policy)
+            dec = choose(view, rq, states[r.rid % len(states)], policy)
             decision_ns.append(time.perf_counter_ns() - t)
             r.prefill_worker, r.decode_worker, r.reason = dec.prefill_worker, dec.decode_worker, dec.reason
             reasons[dec.reason] += 1
@@ -212,7 +233,8 @@ def simulate(trace: list[TraceRecord], *, prefill: int = 8, decode: int = 8, pol
     summary["config"] = {"policy": policy, "prefill": prefill, "decode": decode,
                          "block_size": block_size, "capacity_tokens": capacity_tokens,
                          "global_cache": global_cache, "speedup": speedup, "profile": prof.name,
-                         "decode_capacity_tokens": dcap, "seed": seed}
+                         "decode_capacity_tokens": dcap, "seed": seed, "routers": len(states),
+                         "kv_events": use_events}
     summary["decisions"] = dict(sorted(reasons.items()))
     summary["decision_us"] = {"p50": _pct(decision_ns, 0.5) / 1e3, "p99": _pct(decision_ns, 0.99) / 1e3}
     summary["wall_s"] = time.perf_counter() - t_wall
