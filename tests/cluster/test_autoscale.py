@@ -27,7 +27,7 @@ def _fake_cluster_config() -> dict:
     node = {"node_config": {}}
     return {
         "cluster_name": "tandem-fake", "max_workers": 5, "upscaling_speed": 10.0,
-        "idle_timeout_minutes": 0.1, "docker": {}, "auth": {}, "file_mounts": {},
+        "idle_timeout_minutes": 0.1, "docker": {}, "auth": {"ssh_user": "ubuntu"}, "file_mounts": {},
         "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
         "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
