@@ -70,7 +70,8 @@ class RayNodes:
         extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         if autoscaling_config is not None:
             cfg = dict(autoscaling_config)
-            cfg.setdefault("provider", {}).update(type="fake_multinode", gcs_address=self.address)
+            cfg.setdefault("provider", {}).update(type="fake_multinode", gcs_address=self.address,
+                                                disable_node_updaters=True, disable_launch_config_check=True)
             path = os.path.join(self.dir, "autoscaling.json")
             with open(path, "w") as f:
                 json.dump(cfg, f)
