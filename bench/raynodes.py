@@ -70,13 +70,20 @@ class RayNodes:
         extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         if autoscaling_config is not None:
             cfg = dict(autoscaling_config)
+            # use_node_id_as_ip: every node here is 127.0.0.1, so the autoscaler's load metrics
+            # must key nodes by id (the provider names them by id) or no node ever counts as
+            # running, hence none as idle; the head takes the provider's fixed head id.
             cfg.setdefault("provider", {}).update(type="fake_multinode", gcs_address=self.address,
-                                                disable_node_updaters=True, disable_launch_config_check=True)
+                                                use_node_id_as_ip=True, disable_node_updaters=True,
+                                                disable_launch_config_check=True)
             path = os.path.join(self.dir, "autoscaling.json")
             with open(path, "w") as f:
                 json.dump(cfg, f)
             head.append(f"--autoscaling-config={path}")
-            extra.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+            from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
+
+            extra.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
+                         RAY_OVERRIDE_NODE_ID_FOR_TESTING=FAKE_HEAD_NODE_ID)
         self._start(head, extra, {})
 
     def _ports(self, manager: int) -> list[str]:
