@@ -29,7 +29,8 @@ def test_simulate_prints_one_json_object(capsys):
     assert out["config"] == {"policy": "session", "prefill": 2, "decode": 2, "block_size": 512,
                              "capacity_tokens": 1000000, "global_cache": False, "speedup": 2.0,
                              "profile": "llama3-8b-h100", "decode_capacity_tokens": 427000,
-                             "seed": 0, "trace": str(DEFAULT_TRACE)}
+                             "seed": 0, "trace": str(DEFAULT_TRACE),
+                             "routers": 1, "kv_events": False}
 
 
 def test_global_cache_flag(capsys):

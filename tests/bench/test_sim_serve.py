@@ -184,7 +184,8 @@ def test_predicted_wait_past_the_limit_is_overloaded():
     from tandem.core.types import Overloaded
 
     async def main():
-        cfg = ServeConfig(engine="sim", prefill=1, decode=1, admission_max_pending_s=0.5, sim_speedup=20.0)
+        cfg = ServeConfig(engine="sim", prefill=1, decode=1, admission_max_pending_s=0.5, sim_speedup=20.0,
+                          dispatch_queue_size=0)      # refused at once, not deferred
         b = SimServingBackend(cfg, tokenizer=_Tok())
         first = asyncio.get_running_loop().create_task(_drain(b.generate(_req("a", n=15000, max_tokens=2))))
         await asyncio.sleep(0)                        # routed: ~0.53 s of prefill queued

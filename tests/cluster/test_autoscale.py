@@ -16,28 +16,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
+from tandem.bench.autoscale import fake_cluster_config, open_loop, serve_config  # noqa: E402
 from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TTFT_SLO_S = 0.8
-
-
-def _fake_cluster_config() -> dict:
-    node = {"node_config": {}}
-    return {
-        "cluster_name": "tandem-fake", "max_workers": 5, "upscaling_speed": 10.0,
-        "idle_timeout_minutes": 0.1, "docker": {}, "auth": {"ssh_user": "ubuntu"}, "file_mounts": {},
-        "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
-        "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-        "head_node_type": "ray.head.default",
-        "available_node_types": {
-            "ray.head.default": {**node, "resources": {}, "max_workers": 0},
-            "prefill": {**node, "resources": {"CPU": 1, "prefill": 1}, "min_workers": 1, "max_workers": 3},
-            "decode": {**node, "resources": {"CPU": 1, "decode": 1}, "min_workers": 1, "max_workers": 2},
-        },
-    }
 
 
 def _nodes_with(env, address: str, resource: str) -> int:
@@ -50,46 +34,19 @@ def _nodes_with(env, address: str, resource: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-async def _load(url: str, rate: float, seconds: float, results: list, tag: str):
-    """Open-loop arrivals at ``rate``/s: distinct 10,000-token prompts (no cache hits)."""
-    async with httpx.AsyncClient(timeout=120) as client:
-        async def one(i: int):
-            t0 = time.monotonic()
-            r = await client.post(f"{url}/v1/completions", json={
-                "model": "smollm2", "prompt": [1000 + (i * 7919 + j) % 40000 for j in range(10000)],
-                "max_tokens": 8, "stream": True}, headers={"X-Session-Id": f"{tag}-{i}"})
-            ttft = None
-            async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {"):
-                    ttft = time.monotonic() - t0
-            results.append((tag, r.status_code, ttft))
-
-        tasks, n, t0 = [], 0, time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            tasks.append(asyncio.create_task(one(hash(tag) % 1000 * 10000 + n)))
-            n += 1
-            await asyncio.sleep(1.0 / rate)
-        await asyncio.gather(*tasks)
-
-
 def test_the_planner_scales_the_role_that_misses_its_slo_and_back(tmp_path):
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with RayNodes(token_auth=True, env=env, autoscaling_config=_fake_cluster_config()) as c:
-        cfg = {"engine": "sim", "prefill": 1, "decode": 1, "ray_address": c.address,
-               "worker_lifetime": "cluster", "ray_namespace": "tandem-as", "sim_speedup": 1.0,
-               "dispatch_queue_size": 512, "dispatch_queue_ttl_s": 60.0, "admission_max_queue": 1000,
-               "admission_max_pending_s": 600.0,
-               "engine_config": {"cache": {"page_size": 16}, "context_length": 32768},
-               "planner": {"enabled": True, "ttft_slo_s": TTFT_SLO_S, "itl_slo_s": 0.2, "period_s": 1.0,
-                           "window_s": 4.0, "min_prefill": 1, "max_prefill": 3, "min_decode": 1,
-                           "max_decode": 2, "scale_down_after_s": 4.0, "percentile": 0.9}}
+    with RayNodes(token_auth=True, env=env, autoscaling_config=fake_cluster_config()) as c:
+        cfg = serve_config(c.address, "tandem-as", {
+            "ttft_slo_s": TTFT_SLO_S, "itl_slo_s": 0.2, "period_s": 1.0, "window_s": 4.0, "min_prefill": 1,
+            "max_prefill": 3, "min_decode": 1, "max_decode": 2, "scale_down_after_s": 4.0, "percentile": 0.9})
         r = start_router(cfg, c.client_env(), str(tmp_path), timeout_s=240)
         try:
             results: list = []
 
             async def scenario():
-                await _load(r.url, 1.0, 4.0, results, "base")      # ~0.33 s prefills: a third busy
-                await _load(r.url, 4.0, 16.0, results, "step")     # 4x: one prefill worker saturates
+                await open_loop(r.url, 1.0, 4.0, results, "base")      # ~0.33 s prefills: a third busy
+                await open_loop(r.url, 4.0, 16.0, results, "step")     # 4x: one prefill worker saturates
 
             asyncio.run(scenario())
             h = httpx.get(f"{r.url}/health", timeout=30).json()
@@ -107,7 +64,7 @@ def test_the_planner_scales_the_role_that_misses_its_slo_and_back(tmp_path):
             assert len(joined) >= 2, h["workers"]
             assert all(h["workers"][n]["node_resources"].get("prefill") for n in joined)   # on new nodes
             after: list = []
-            asyncio.run(_load(r.url, 2.0, 3.0, after, "after"))        # served by the bigger group
+            asyncio.run(open_loop(r.url, 2.0, 3.0, after, "after"))        # served by the bigger group
             assert all(code == 200 for _, code, _ in after)
             step = [t for tag, _, t in results if tag == "step"]
             print(f"\nplanner history: {hist}\nstep TTFT p90 {sorted(step)[int(0.9 * len(step)) - 1]:.2f}s, "

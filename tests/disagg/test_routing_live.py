@@ -24,7 +24,8 @@ from serve_support import Server as _Server  # noqa: E402
 ENGINE = EngineConfig(device="cpu", num_threads=1,
                       cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))
 CFG = ServeConfig(prefill=2, decode=2, transfer_timeout_s=30.0, engine_config=ENGINE, policy="session",
-                  kv_events=True, admission_max_queue=1)
+                  kv_events=True, admission_max_queue=1,
+                  dispatch_queue_size=0)   # the 429 path itself (the deferred queue: tests/router)
 LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 120
 
 

@@ -1,0 +1,172 @@
+"""Autoscaling through a load step: SLO attainment with the planner vs fixed replicas.
+
+Each scenario gets a fresh Ray cluster on this machine (bench/raynodes.py: a head started with
+Ray's fake multi-node autoscaler, node types ``prefill`` and ``decode`` as KubeRay's groups, token
+auth on) and ``tandem serve --engine sim`` workers (simulated Llama-3-8B on an H100, run at wall
+speed, so prefill time is real waiting). The load is open-loop: ``base_rate`` requests/s, then a
+step to ``step_factor`` x that, each a distinct 10,000-token prompt (no cache hits) and 8 output
+tokens. Scenarios:
+
+- ``fixed``: 1 prefill + 1 decode worker, no planner (what a fixed-replica deployment does);
+- ``planner``: the same start, the planner on (TTFT target ``--ttft-slo``), prefill 1..3.
+
+Reported per scenario, over the step's requests: SLO attainment (share with TTFT <= the target),
+TTFT p50/p90/p99, failures, and the planner's history. The load functions are shared with
+tests/cluster/test_autoscale.py (which asserts; this measures).
+
+    .venv/bin/python -m tandem.bench.autoscale --out bench/out/autoscale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from tandem.bench.raynodes import RayNodes, start_router
+
+PROMPT_TOKENS = 10_000
+
+
+def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict:
+    """The fake multi-node provider's cluster: one ``prefill`` and one ``decode`` node at least
+    (each 1 CPU and its role's resource), idle nodes let go after 6 s."""
+    node = {"node_config": {}}
+    return {
+        "cluster_name": "tandem-fake", "max_workers": max_prefill + max_decode, "upscaling_speed": 10.0,
+        "idle_timeout_minutes": 0.1, "docker": {}, "auth": {"ssh_user": "ubuntu"}, "file_mounts": {},
+        "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+        "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "head_node_type": "ray.head.default",
+        "available_node_types": {
+            "ray.head.default": {**node, "resources": {}, "max_workers": 0},
+            "prefill": {**node, "resources": {"CPU": 1, "prefill": 1}, "min_workers": 1, "max_workers": max_prefill},
+            "decode": {**node, "resources": {"CPU": 1, "decode": 1}, "min_workers": 1, "max_workers": max_decode},
+        },
+    }
+
+
+def serve_config(address: str, namespace: str, planner: dict | None) -> dict:
+    """``tandem serve`` on the Ray cluster at ``address``: sim workers 1P+1D, a deep deferred queue
+    (the step waits rather than meets a 429), the planner if given."""
+    cfg = {"engine": "sim", "prefill": 1, "decode": 1, "ray_address": address,
+           "worker_lifetime": "cluster", "ray_namespace": namespace, "sim_speedup": 1.0,
+           "dispatch_queue_size": 512, "dispatch_queue_ttl_s": 60.0, "admission_max_queue": 1000,
+           "admission_max_pending_s": 600.0,
+           "engine_config": {"cache": {"page_size": 16}, "context_length": 32768}}
+    if planner is not None:
+        cfg["planner"] = {"enabled": True, **planner}
+    return cfg
+
+
+async def open_loop(url: str, rate: float, seconds: float, results: list, tag: str) -> None:
+    """Arrivals at ``rate``/s for ``seconds``, each streamed; appends ``(tag, status, ttft_s)``
+    (ttft None when no token came) to ``results``."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(i: int):
+            t0 = time.monotonic()
+            try:
+                r = await client.post(f"{url}/v1/completions", json={
+                    "model": "smollm2", "prompt": [1000 + (i * 7919 + j) % 40000 for j in range(PROMPT_TOKENS)],
+                    "max_tokens": 8, "stream": True}, headers={"X-Session-Id": f"{tag}-{i}"})
+                ttft = None
+                async for line in r.aiter_lines():
+                    if ttft is None and line.startswith("data: {"):
+                        ttft = time.monotonic() - t0
+                results.append((tag, r.status_code, ttft))
+            except httpx.HTTPError:
+                results.append((tag, 0, None))
+
+        tasks, n, t0 = [], 0, time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            tasks.append(asyncio.create_task(one(sum(map(ord, tag)) % 1000 * 10000 + n)))
+            n += 1
+            await asyncio.sleep(1.0 / rate)
+        await asyncio.gather(*tasks)
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(int(p * len(xs)), len(xs) - 1)] if xs else None
+
+
+def run_scenario(name: str, args, workdir: str) -> dict:
+    planner = None
+    if name == "planner":
+        planner = {"ttft_slo_s": args.ttft_slo, "itl_slo_s": 0.2, "period_s": 1.0, "window_s": 4.0,
+                   "min_prefill": 1, "max_prefill": 3, "min_decode": 1, "max_decode": 2,
+                   "scale_down_after_s": 4.0, "percentile": 0.9}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with RayNodes(token_auth=True, env=env, autoscaling_config=fake_cluster_config()) as c:
+        r = start_router(serve_config(c.address, f"tandem-as-{name}", planner), c.client_env(), workdir,
+                         timeout_s=240)
+        try:
+            results: list = []
+
+            async def load():
+                await open_loop(r.url, args.base_rate, args.base_seconds, results, "base")
+                await open_loop(r.url, args.base_rate * args.step_factor, args.step_seconds, results, "step")
+
+            t0 = time.monotonic()
+            asyncio.run(load())
+            wall = time.monotonic() - t0
+            import httpx
+
+            health = httpx.get(f"{r.url}/health", timeout=30).json()
+        finally:
+            r.kill()
+    step = [t for tag, code, t in results if tag == "step" and code == 200 and t is not None]
+    n_step = sum(1 for tag, *_ in results if tag == "step")
+    return {
+        "scenario": name, "requests": len(results), "failed": sum(1 for _, code, _ in results if code != 200),
+        "step_requests": n_step, "wall_s": round(wall, 1),
+        "slo_attainment": round(sum(1 for t in step if t <= args.ttft_slo) / max(n_step, 1), 3),
+        "ttft_p50_s": _pct(step, 0.5), "ttft_p90_s": _pct(step, 0.9), "ttft_p99_s": _pct(step, 0.99),
+        "ttft_median_all_s": statistics.median([t for _, c, t in results if t is not None] or [0.0]),
+        "planner_history": (health.get("planner") or {}).get("history", []),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ttft-slo", type=float, default=0.8, help="TTFT target, seconds (default 0.8)")
+    ap.add_argument("--base-rate", type=float, default=1.0, help="requests/s before the step (default 1)")
+    ap.add_argument("--step-factor", type=float, default=4.0, help="the step's rate over the base (default 4)")
+    ap.add_argument("--base-seconds", type=float, default=4.0)
+    ap.add_argument("--step-seconds", type=float, default=20.0)
+    ap.add_argument("--scenarios", default="fixed,planner", help="comma-separated: fixed, planner")
+    ap.add_argument("--out", default="bench/out/autoscale.json")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-autoscale-") as workdir:
+        for name in args.scenarios.split(","):
+            print(f"scenario {name}: {args.base_seconds:g} s at {args.base_rate:g}/s, then "
+                  f"{args.step_seconds:g} s at {args.base_rate * args.step_factor:g}/s ...", file=sys.stderr)
+            rows.append(run_scenario(name.strip(), args, workdir))
+    print(f"\nTTFT target {args.ttft_slo:g} s, step {args.step_factor:g}x; over the step's requests:\n")
+    print("| scenario | step requests | failed | SLO attainment | TTFT p50 / p90 / p99 (s) | planner changes |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {r['scenario']} | {r['step_requests']} | {r['failed']} | {r['slo_attainment']:.0%} | "
+              f"{f(r['ttft_p50_s'])} / {f(r['ttft_p90_s'])} / {f(r['ttft_p99_s'])} | "
+              f"{'; '.join(f'{p}P+{d}D ({why})' for _, p, d, why in r['planner_history']) or '-'} |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
