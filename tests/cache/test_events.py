@@ -4,7 +4,6 @@ llm-d's indexer reads it), a real ZMQ PUB/SUB round trip, and replay (buffered a
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
@@ -15,42 +14,11 @@ from tandem.cache.unified import UnifiedRadixCache
 msgspec = pytest.importorskip("msgspec")
 
 
-# vLLM's event schema (vllm/distributed/kv_events.py, the array_like form its publisher and
-# llm-d's kv-cache indexer use), written out here so the test decodes Tandem's bytes as they do.
-class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VBlockStored(VKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-
-
-class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VKVEventBatch(VEventBatch):
-    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
-
-
-VLLM_DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+# vLLM's event schema, as llm-d's indexer decodes it (tests/vllm_kv_schema.py)
+from vllm_kv_schema import DECODER as VLLM_DECODER  # noqa: E402
+from vllm_kv_schema import AllBlocksCleared as VAllBlocksCleared  # noqa: E402
+from vllm_kv_schema import BlockRemoved as VBlockRemoved  # noqa: E402
+from vllm_kv_schema import BlockStored as VBlockStored  # noqa: E402
 
 
 def test_page_hash_chain_names_the_whole_prefix():

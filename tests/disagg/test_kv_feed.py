@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 
@@ -111,37 +110,7 @@ def test_feed_resyncs_a_publisher_that_restarted_in_place():
 
 
 # -- an llm-d-style consumer, from vLLM's published schema -----------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+from vllm_kv_schema import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 
 class LlmdStyleConsumer:
@@ -203,9 +172,18 @@ def test_an_llm_d_style_consumer_reads_tandem_events_and_repairs_a_dropped_range
     consumer = LlmdStyleConsumer(pub.endpoint, pub.replay_endpoint)
     try:
         cache = UnifiedRadixCache.simulated(page_size=2, capacity_tokens=12, events=pub)   # seq 0
-        assert _wait(lambda: (cache.insert([0, 0]), consumer.poll(timeout_ms=50))[1])       # joined
+        joins: list[list[int]] = []
+
+        def join() -> bool:                               # PUB/SUB drops what precedes the join:
+            joins.append([0, len(joins)])                 # publish until one event arrives
+            cache.insert(joins[-1])
+            return consumer.poll(timeout_ms=50)
+
+        assert _wait(join)
         while consumer.poll(timeout_ms=100):
             pass
+        consumer.blocks.clear()                           # a late joiner replays the history
+        consumer.replay(0)
         start = pub.seq
         inputs = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9, 10], [11, 12], [1, 2, 3, 4, 13, 14]]
         for k in inputs:                                  # capacity forces removals too
@@ -215,7 +193,7 @@ def test_an_llm_d_style_consumer_reads_tandem_events_and_repairs_a_dropped_range
             pass
         assert consumer.gaps == [(start + 1, start + 3)]
         held = set()
-        for k in inputs + [[0, 0]]:
+        for k in inputs + joins:
             m = cache.match(k)
             held |= set(page_hashes(k[:len(m.device_indices)], 2))
         assert consumer.blocks == held and consumer.pods == {"prefill-0"}
