@@ -117,10 +117,10 @@ class Planner:
         for role, busy in (("prefill", busy_p), ("decode", busy_d)):
             if busy:
                 self._busy_at[role] = now
-        if p == o.prefill and not busy_p and now - self._busy_at["prefill"] >= c.scale_down_after_s:
+        if p == o.prefill and p > c.min_prefill and not busy_p and now - self._busy_at["prefill"] >= c.scale_down_after_s:
             p, why = p - 1, why + ["prefill idle"]
             self._busy_at["prefill"] = now
-        if d == o.decode and not busy_d and now - self._busy_at["decode"] >= c.scale_down_after_s:
+        if d == o.decode and d > c.min_decode and not busy_d and now - self._busy_at["decode"] >= c.scale_down_after_s:
             d, why = d - 1, why + ["decode idle"]
             self._busy_at["decode"] = now
         p = min(max(p, c.min_prefill), c.max_prefill)
