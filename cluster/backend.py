@@ -104,7 +104,9 @@ class RayClusterBackend:
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         """Route, then stream from the decode worker. A decode worker found dead before it sent
-        anything (killed, not yet noticed by the monitor) costs one re-route to another."""
+        anything (killed, not yet noticed by the monitor), or a prefill worker found dead when the
+        request failed before its first token, costs one re-route without that worker (with no
+        prefill worker left, the decode worker prefills locally)."""
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
         for attempt in range(2):
             d = self.pool.get(r.decode)
@@ -117,8 +119,9 @@ class RayClusterBackend:
                 yield c
             if not died_early:
                 return
-            log.warning("decode worker %s died before serving %s; re-routing", d.name, req.rid)
-            r = self.dispatch.reroute(r, d.wid)
+            dead = died_early[0]
+            log.warning("%s worker %s died before serving %s; re-routing", dead.role, dead.name, req.rid)
+            r = self.dispatch.reroute(r, dead.wid)
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, died_early: list,
                        retry: bool) -> AsyncIterator[StreamChunk]:
@@ -132,13 +135,16 @@ class RayClusterBackend:
             try:
                 async for ref in gen:
                     c = await ref
-                    finished = c.finish_reason is not None
+                    finished, lead = c.finish_reason is not None, first
                     if first:
                         self.dispatch.prefill_done(r)      # past its first token: prefill is done
                     first = False
                     self.dispatch.grow(r, len(c.token_ids))
                     if finished and c.error and p is not None:
-                        await self._ping(p, timeout=1.0)  # a dead prefill leaves rotation now
+                        await self._ping(p, timeout=1.0)   # a dead prefill leaves rotation now
+                        if lead and retry and not p.alive and not c.token_ids:
+                            died_early.append(p)   # nothing reached the client: route again without it
+                            return
                     if finished:
                         c = dataclasses.replace(c, worker=d.name)
                     yield c

@@ -24,8 +24,7 @@ from serve_support import Server as _Server  # noqa: E402
 ENGINE = EngineConfig(device="cpu", num_threads=1,
                       cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))
 CFG = ServeConfig(prefill=2, decode=2, transfer_timeout_s=30.0, engine_config=ENGINE, policy="session",
-                  kv_events=True, admission_max_queue=1,
-                  dispatch_queue_size=0)   # the 429 path itself (the deferred queue: tests/router)
+                  kv_events=True, admission_max_queue=1)
 LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 120
 
 
@@ -82,9 +81,10 @@ def test_kv_events_fill_the_routers_block_index(cluster):
     assert 'tandem_worker_load{role="prefill",worker="prefill-0"}' in text
 
 
-def test_overload_is_a_429_with_retry_after_and_load_drains(cluster):
+def test_overload_is_a_429_with_retry_after_and_load_drains(cluster, monkeypatch):
     backend, server = cluster
     before = _metric(server, "tandem_rejected_requests_total", reason="overloaded")
+    monkeypatch.setattr(backend.queue, "max_size", 0)   # the 429 path itself (the deferred queue: tests/router)
     results: list = [None] * 6
 
     def send(i):
