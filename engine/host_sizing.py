@@ -10,7 +10,9 @@ role's default:
 - **prefill** and **colocated** engines get none (their host tier is opt-in: a prefill worker
   holds KV only until it is sent; a colocated engine's users size it themselves).
 
-The engine prints the result in its startup line.
+The engine prints the result in its startup line. A hybrid model's host SWA rows ride on the
+host tokens (their bytes count in ``bytes_per_token``); its host state checkpoints default to the
+device's slot count, capped by :func:`capped_rows` at the same share of free host memory.
 """
 
 from __future__ import annotations
@@ -48,3 +50,10 @@ def host_pool_tokens(configured: int | None, role: str, device_tokens: int, byte
     why = (f"decode default: {DECODE_FACTOR}x the device pool ({want} tokens)"
            + (f", capped at {HOST_MEMORY_SHARE:.0%} of free host memory ({cap} tokens)" if cap < want else ""))
     return n, why
+
+
+def capped_rows(want: int, bytes_per_row: int, available_bytes: int | None = None) -> int:
+    """``want`` host rows of ``bytes_per_row`` each, at most ``HOST_MEMORY_SHARE`` of the host
+    memory available now (at least 1: a host tier with a component has a row for it)."""
+    avail = available_host_bytes() if available_bytes is None else available_bytes
+    return max(1, min(want, int(avail * HOST_MEMORY_SHARE) // max(bytes_per_row, 1)))

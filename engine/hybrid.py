@@ -52,7 +52,8 @@ slots do: every row is paired with a full slot of the same owner); a smaller poo
 must hold ``max_running_requests * (window + 2 * page_size) + chunked_prefill_size`` rows to never
 stall a prefill. ``state_slots`` defaults to ``2 * max_running_requests + 2``. With a host tier,
 ``host_swa_rows`` defaults to ``host_pool_tokens`` (a host SWA row per host FULL token) and
-``host_state_slots`` to ``state_slots``.
+``host_state_slots`` to ``state_slots``, capped at a quarter of the free host memory
+(engine/host_sizing.py's ``capped_rows``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from tandem.cache.radix.host import HostStore
 from tandem.cache.state_pool import StatePool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
 from tandem.core.config import HybridConfig   # re-exported: engine code and tests import it here
+from tandem.engine.host_sizing import capped_rows
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -351,7 +353,8 @@ class HybridResources:
             rows = self.config.host_swa_rows or host_tokens
             stores.append(HostStore("swa", self.swa_pool.kv_data, rows))
         if self.state_pool is not None:
-            slots = self.config.host_state_slots or self.state_alloc.size
+            slots = self.config.host_state_slots or capped_rows(self.state_alloc.size,
+                                                                self.state_pool.bytes_per_slot)
             stores.append(HostStore("mamba", self.state_pool.data.unsqueeze(1), slots))
         return stores
 

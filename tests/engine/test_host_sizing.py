@@ -18,3 +18,11 @@ def test_other_roles_get_none_and_a_configured_size_wins():
         assert n == 0 and "--host-pool-tokens" in why
     assert host_pool_tokens(0, "decode", 1000, 1024, 16)[0] == 0          # --host-pool-tokens 0: off
     assert host_pool_tokens(100, "prefill", 1000, 1024, 16) == (96, "as configured")
+
+
+def test_host_state_checkpoints_are_capped_by_free_host_memory():
+    from tandem.engine.host_sizing import HOST_MEMORY_SHARE, capped_rows
+
+    assert capped_rows(64, 1 << 20, available_bytes=1 << 40) == 64                 # room: as many as the device
+    assert capped_rows(64, 1 << 20, available_bytes=40 << 20) == int(40 * HOST_MEMORY_SHARE)   # 10 of 1 MiB
+    assert capped_rows(64, 1 << 30, available_bytes=1 << 20) == 1                  # never zero
