@@ -30,6 +30,12 @@ progressing (writes over UCX tcp move only when the target progresses).
 ``async prefill(req_wire, xfer_bytes, dst_prefix_len) -> PrefillResult`` and
 ``async abort(rid, reason)``. :class:`PrefillUnavailable` from ``prefill`` means the worker is
 dead: no write of it can land any more.
+
+Sample groups (``n`` > 1, ``GenerateRequest.group``; the router sends every member here): the
+first member to arrive transfers the prompt's KV; the others wait (until that member is
+activated, fails, or their own deadline) before reserving, so their reservation finds the prompt
+in this worker's tree and only what lies past its whole pages (the last partial page, with the
+first token) moves again. Without the wait every member moved the whole prompt.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ class _Job:
     reason: str = ""
     timings: dict = field(default_factory=dict)
     logprobs: bool = False     # the request asked for logprobs (prefill must send the first one's)
+    gate: asyncio.Event | None = None   # a sample group's first member here: opened once it is activated
 
 
 class DecodeWorker(RoleWorker):
@@ -125,7 +132,9 @@ class DecodeWorker(RoleWorker):
         self._pump: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
-                       "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0}
+                       "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
+                       "kv_bytes_received": 0}
+        self._group_gates: dict[str, asyncio.Event] = {}   # sample group id -> its first member's gate
         self.last_timings: dict = {}
         m = self.metrics
         self._path = Counter("tandem_decode_prefill_total",
@@ -180,10 +189,38 @@ class DecodeWorker(RoleWorker):
             if remote:
                 self._jobs.pop(greq.rid, None)
                 self.last_timings = job.timings
+                self._open_gate(greq, job)
+
+    async def _after_sibling(self, greq: GenerateRequest, job: _Job) -> asyncio.Event | None:
+        """A sample group's first member here gets the gate it must open (returned); a later
+        member waits for that gate (or its own abort, or the transfer timeout) and gets None."""
+        g = greq.group
+        if g is None:
+            return None
+        gate = self._group_gates.get(g.id)
+        if gate is None:
+            gate = self._group_gates[g.id] = asyncio.Event()
+            return gate
+        opened, aborted = asyncio.ensure_future(gate.wait()), asyncio.ensure_future(job.aborted.wait())
+        try:
+            await asyncio.wait([opened, aborted], timeout=self.transfer_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            opened.cancel()
+            aborted.cancel()
+        return None
+
+    def _open_gate(self, greq: GenerateRequest, job: _Job) -> None:
+        """The group's later members may reserve now (idempotent; event-loop thread only)."""
+        if job.gate is not None and not job.gate.is_set():
+            job.gate.set()
+            if greq.group is not None and self._group_gates.get(greq.group.id) is job.gate:
+                del self._group_gates[greq.group.id]
 
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient,
                                alternate=None) -> AsyncIterator[StreamChunk]:
         rid, n = greq.rid, len(greq.prompt_ids)
+        job.gate = await self._after_sibling(greq, job)   # a sample group's later member waits here
         t0 = time.monotonic()
         deadline = t0 + self.transfer_timeout_s
         req = Req(list(greq.prompt_ids), greq.params, rid=rid, session_id=greq.session_id)
@@ -257,7 +294,10 @@ class DecodeWorker(RoleWorker):
                     loop.call_soon_threadsafe(q.put_nowait, err)
 
             fut.add_done_callback(activated)
+            if job.gate is not None:   # the prompt is in the tree once activation ran (engine order)
+                fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._open_gate, greq, job))
             self.counts["ok"] += 1
+            self.counts["kv_bytes_received"] += result.bytes
             first = True
             while not finished:
                 c = await q.get()

@@ -183,3 +183,37 @@ def test_an_n_group_computes_its_prompt_once_on_the_prefill_worker(workers, loop
     again = run(loop, all_of(group(5)))
     assert [ids(o) for o in again] == [ids(o) for o in first]       # seeded: reproducible
     run(loop, at_baseline(p, d))
+
+
+def test_an_n_group_moves_its_prompt_to_the_decode_worker_once(workers, loop):
+    """The later members wait for the first one's KV to land in the decode tree, then reserve
+    past it: the group moves the prompt once plus a partial page per later member (it moved the
+    whole prompt per member before), and every member still gets its own sample."""
+    p, d, coloc, _, _ = workers
+    tag = uuid.uuid4().hex[:6]
+    got = d.counts
+
+    def sent(greqs):
+        before = got["kv_bytes_received"]
+        async def all_of():
+            return await asyncio.gather(*(collect(d.generate(g, LocalClient(p))) for g in greqs))
+
+        out = run(loop, all_of())
+        assert all(o[-1].error is None for o in out), [o[-1].error for o in out]
+        return got["kv_bytes_received"] - before, out
+
+    def plain(text, rid=None, group=None, **params):    # no chat template: nothing shared with other tests
+        g = coloc.make_request(text, SamplingParams(**params), chat=False, rid=rid or f"r-{uuid.uuid4().hex[:8]}")
+        return GenerateRequest(g.rid, g.prompt_ids, g.params, g.session_id, group)
+
+    solo_bytes, (solo,) = sent([plain(f"{tag} Tell me all about the red foxes of the north.", max_tokens=4)])
+    per_token = solo_bytes / solo[-1].prompt_tokens
+    gid = f"g-{uuid.uuid4().hex[:8]}"
+    group_bytes, out = sent([plain(f"{tag[::-1]} Tell me all about the brown bears of the south.", rid=f"{gid}-{i}",
+                                  group=SampleGroup(gid, i, 3), max_tokens=6, temperature=0.9, seed=11 + i)
+                             for i in range(3)])
+    n = out[0][-1].prompt_tokens
+    assert group_bytes <= per_token * (n + 2 * PAGE) * 1.01, (group_bytes, per_token, n)   # 3n before
+    assert sorted(o[-1].cached_tokens for o in out)[1:] == [(n - 1) // PAGE * PAGE] * 2
+    assert len({tuple(ids(o)) for o in out}) > 1                      # three samples, not one copy
+    run(loop, at_baseline(p, d))
