@@ -15,8 +15,11 @@ order:
 3. logprobs, for rows that asked: engine/logprobs.py's definition (log_softmax of the logits after
    1 and 2, before 3);
 4. greedy rows take ``argmax``; sampled rows scale by temperature, cut by top-k / top-p and draw with
-   a per-request ``torch.Generator`` seeded from ``params.seed`` (reproducible whatever the request
-   is batched with); unseeded requests draw from the engine's generator.
+   a generator seeded from ``(params.seed, len(output_ids))`` at every draw: the k-th output
+   token's draw depends only on the seed and k, so a seeded request samples the same tokens
+   whatever it is batched with, and wherever its tokens are drawn (the first on a prefill worker,
+   the rest on a decode worker; again after a retraction and recompute). Unseeded requests draw
+   from the engine's generator.
 
 A constrained row whose grammar allows no token gets ``None`` (the scheduler ends the request with
 an error). A batch with no constraint and no logprobs does no work beyond today's min_tokens check.
@@ -55,12 +58,29 @@ class Masks:
     dead: set[int]
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that scatters nearby inputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request's ``step``-th output token (0-based), in
+    [0, 2**63): distinct (seed, step) pairs do not collide in practice (seed + 1 at step k is not
+    seed at step k + 1, which n > 1 groups' per-member seeds would otherwise hit)."""
+    return _mix64(_mix64(seed & _M64) ^ (step + 1)) >> 1
+
+
 class Sampler:
     def __init__(self, seed: int = 0, grammar: Callable[[], object] | None = None):
         """``grammar``: returns the engine's GrammarCompiler (called only for batches with a
         constrained row; it fills the bitmask)."""
         self._gen = torch.Generator().manual_seed(seed)
-        self._req_gens: dict[str, torch.Generator] = {}
+        self._seeded = torch.Generator()                 # re-seeded per draw (see _generator)
         self._grammar = grammar
         self._pool: ThreadPoolExecutor | None = None   # the mask helper thread, made on first use
 
@@ -91,15 +111,12 @@ class Sampler:
             self._pool = None
 
     def forget(self, rid: str) -> None:
-        self._req_gens.pop(rid, None)
+        """``rid`` finished (nothing is kept per request: a seeded draw is keyed by position)."""
 
     def _generator(self, req) -> torch.Generator:
         if req.params.seed is None:
             return self._gen
-        g = self._req_gens.get(req.rid)
-        if g is None:
-            g = self._req_gens[req.rid] = torch.Generator().manual_seed(req.params.seed)
-        return g
+        return self._seeded.manual_seed(draw_seed(req.params.seed, len(req.output_ids)))
 
     def sample(self, logits: torch.Tensor, srs: list, eos_ids: frozenset[int],
                masks: "Future[Masks] | None" = None) -> Sampled:

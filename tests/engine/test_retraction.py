@@ -69,3 +69,26 @@ def test_host_backup_restores_without_recompute(loaded, alone):
         assert _idle(e) == (e.allocator.size, 0, 0, e.req_to_token.size)
     finally:
         e.shutdown()
+
+
+def test_seeded_sampling_after_recompute_equals_uncontended(loaded):
+    """A seeded draw is keyed by (seed, position) (engine/sampler.py): a retracted request that
+    is recomputed from its prompt and outputs samples on as if it had never been retracted."""
+    def run(e):
+        reqs = [e.make_request(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=100 + i))
+                for i, (p, n) in enumerate(zip(PROMPTS, N))]
+        return e.generate_many(reqs, timeout=300)
+
+    ref_engine = Engine(EngineConfig(cache=CacheConfig(max_total_tokens=4096)), loaded=loaded)
+    try:
+        ref = run(ref_engine)
+    finally:
+        ref_engine.shutdown()
+    e = contended(loaded, host_pool_tokens=0)
+    try:
+        outs = run(e)
+        assert e.scheduler.stats["retraction_recomputes"] > 0
+        assert [c.token_ids for c in outs] == [c.token_ids for c in ref]
+        assert len({tuple(c.token_ids) for c in outs}) == len(outs)
+    finally:
+        e.shutdown()
