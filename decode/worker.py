@@ -31,11 +31,7 @@ progressing (writes over UCX tcp move only when the target progresses).
 ``async abort(rid, reason)``. :class:`PrefillUnavailable` from ``prefill`` means the worker is
 dead: no write of it can land any more.
 
-Sample groups (``n`` > 1, ``GenerateRequest.group``; the router sends every member here): the
-first member to arrive transfers the prompt's KV; the others wait (until that member is
-activated, fails, or their own deadline) before reserving, so their reservation finds the prompt
-in this worker's tree and only what lies past its whole pages (the last partial page, with the
-first token) moves again. Without the wait every member moved the whole prompt.
+Sample groups (``n`` > 1): the prompt's KV moves once per group (decode/groups.py).
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ from prometheus_client import Counter, Histogram
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, Req, StreamChunk, TokenLogprob
+from tandem.decode.groups import GroupGates
 from tandem.decode.inbox import DecodeHandle, Reservation
 from tandem.engine.role_worker import REGION, RoleWorker
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
@@ -134,7 +131,7 @@ class DecodeWorker(RoleWorker):
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
                        "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
                        "kv_bytes_received": 0}
-        self._group_gates: dict[str, asyncio.Event] = {}   # sample group id -> its first member's gate
+        self._groups = GroupGates()   # n > 1: the prompt's KV moves once per group (decode/groups.py)
         self.last_timings: dict = {}
         m = self.metrics
         self._path = Counter("tandem_decode_prefill_total",
@@ -189,38 +186,12 @@ class DecodeWorker(RoleWorker):
             if remote:
                 self._jobs.pop(greq.rid, None)
                 self.last_timings = job.timings
-                self._open_gate(greq, job)
-
-    async def _after_sibling(self, greq: GenerateRequest, job: _Job) -> asyncio.Event | None:
-        """A sample group's first member here gets the gate it must open (returned); a later
-        member waits for that gate (or its own abort, or the transfer timeout) and gets None."""
-        g = greq.group
-        if g is None:
-            return None
-        gate = self._group_gates.get(g.id)
-        if gate is None:
-            gate = self._group_gates[g.id] = asyncio.Event()
-            return gate
-        opened, aborted = asyncio.ensure_future(gate.wait()), asyncio.ensure_future(job.aborted.wait())
-        try:
-            await asyncio.wait([opened, aborted], timeout=self.transfer_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            opened.cancel()
-            aborted.cancel()
-        return None
-
-    def _open_gate(self, greq: GenerateRequest, job: _Job) -> None:
-        """The group's later members may reserve now (idempotent; event-loop thread only)."""
-        if job.gate is not None and not job.gate.is_set():
-            job.gate.set()
-            if greq.group is not None and self._group_gates.get(greq.group.id) is job.gate:
-                del self._group_gates[greq.group.id]
+                self._groups.open(greq, job.gate)
 
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient,
                                alternate=None) -> AsyncIterator[StreamChunk]:
         rid, n = greq.rid, len(greq.prompt_ids)
-        job.gate = await self._after_sibling(greq, job)   # a sample group's later member waits here
+        job.gate = await self._groups.enter(greq, job.aborted, self.transfer_timeout_s)   # later members wait
         t0 = time.monotonic()
         deadline = t0 + self.transfer_timeout_s
         req = Req(list(greq.prompt_ids), greq.params, rid=rid, session_id=greq.session_id)
@@ -295,7 +266,7 @@ class DecodeWorker(RoleWorker):
 
             fut.add_done_callback(activated)
             if job.gate is not None:   # the prompt is in the tree once activation ran (engine order)
-                fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._open_gate, greq, job))
+                fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._groups.open, greq, job.gate))
             self.counts["ok"] += 1
             self.counts["kv_bytes_received"] += result.bytes
             first = True
