@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tandem.cache.radix.events import replay_frames
 from tandem.router.kv_wire import APPLY, GAP, RESTART, SequenceCheck, decode_payload
 from tandem.router.prefix_index import GlobalBlockIndex
 
@@ -192,25 +193,8 @@ class KVEventFeed:
         src.synced = True
 
     def _replay(self, wid: int, endpoint: str, start: int) -> list[tuple[int, list]]:
-        zmq = self._zmq
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
-            out = []
-            while True:
-                if not sock.poll(self.replay_timeout_ms, zmq.POLLIN):
-                    raise TimeoutError(f"no replay answer from {endpoint}")
-                frames = sock.recv_multipart()
-                if len(frames) != 3:
-                    raise ValueError(f"a replay answer of {len(frames)} frames")
-                _, seq_b, payload = frames
-                if seq_b == END_SEQ:
-                    return out
-                out.append((int.from_bytes(seq_b, "big"), decode_payload(wid, payload)))
-        finally:
-            sock.close(0)
+        frames = replay_frames(endpoint, start, self.replay_timeout_ms, ctx=self._ctx)
+        return [(seq, decode_payload(wid, payload)) for seq, payload in frames]
 
     def _parse(self, wid: int, parts: list[bytes]):
         try:

@@ -277,13 +277,15 @@ class KVEventSubscriber:
         self._sock.close(0)
 
 
-def replay(endpoint: str, start_seq: int, timeout_ms: int = 2000) -> list[EventBatch]:
-    """Ask a publisher's replay socket for every batch from ``start_seq`` (a snapshot when that is
-    older than its buffer). Returns them in order; raises TimeoutError when the end marker does
-    not come within ``timeout_ms`` of the last frame."""
+def replay_frames(endpoint: str, start_seq: int, timeout_ms: int = 2000,
+                  ctx=None) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol as a client: ask a publisher's replay socket (a ROUTER) for every
+    batch from ``start_seq`` (a snapshot when that is older than its buffer). Returns
+    ``(seq, payload)`` in order, payloads undecoded; raises TimeoutError when the end marker does
+    not come within ``timeout_ms`` of the last frame, ValueError on a malformed answer."""
     import zmq
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
@@ -292,10 +294,17 @@ def replay(endpoint: str, start_seq: int, timeout_ms: int = 2000) -> list[EventB
         while True:
             if not sock.poll(timeout_ms, zmq.POLLIN):
                 raise TimeoutError(f"no replay answer from {endpoint} within {timeout_ms} ms")
-            _empty, seq, payload = sock.recv_multipart()
+            frames = sock.recv_multipart()
+            if len(frames) != 3:
+                raise ValueError(f"a replay answer of {len(frames)} frames")
+            _empty, seq, payload = frames
             if seq == END_SEQ:
                 return out
-            ts, events = decode(payload)
-            out.append(EventBatch(int.from_bytes(seq, "big"), ts, events))
+            out.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close(0)
+
+
+def replay(endpoint: str, start_seq: int, timeout_ms: int = 2000) -> list[EventBatch]:
+    """:func:`replay_frames`, decoded into :class:`EventBatch` es."""
+    return [EventBatch(seq, *decode(payload)) for seq, payload in replay_frames(endpoint, start_seq, timeout_ms)]
