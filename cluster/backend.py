@@ -141,7 +141,10 @@ class RayClusterBackend:
                     first = False
                     self.dispatch.grow(r, len(c.token_ids))
                     if finished and c.error and p is not None:
-                        await self._ping(p, timeout=1.0)   # a dead prefill leaves rotation now
+                        if lead and c.prefill_died:       # the decode worker saw it die: believe it
+                            self.supervisor.mark_dead(p, "died (its decode peer's call failed)")
+                        else:
+                            await self._ping(p, timeout=1.0)   # a dead prefill leaves rotation now
                         if lead and retry and not p.alive and not c.token_ids:
                             died_early.append(p)   # nothing reached the client: route again without it
                             return

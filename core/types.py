@@ -225,6 +225,9 @@ class StreamChunk:
     worker: str = ""        # final chunk, disaggregated: the decode worker that served it
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_str: str | None = None
+    # a failure's final chunk, before any token, because the prefill worker died (the decode
+    # worker's Ray client saw it): the router may route the request again without that worker
+    prefill_died: bool = False
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ class DecodeWorker(RoleWorker):
                         alt = alternate(prefill.name)
                     if alt is None:
                         self._fail_transfer(job, call, prefill, str(e), e.reason)
-                        yield StreamChunk(rid, (), "", "abort", n, error=str(e))
+                        yield StreamChunk(rid, (), "", "abort", n, error=str(e), prefill_died=e.redispatch)
                         finished = True
                         return
                     # the dead worker wrote nothing that can still land: same pages, another worker

@@ -164,15 +164,18 @@ def test_a_stopped_prefill_node_loses_no_request_and_new_ones_are_served(cluster
         time.sleep(0.3)
         t0 = time.monotonic()
         cluster.stop_node(cluster.prefill)
-        outcomes = []
+        outcomes, why = [], []
         for f in inflight:
             try:
-                outcomes.append(f.result().status_code)
+                resp = f.result()
+                outcomes.append(resp.status_code)
+                why.append(resp.text[:400] if resp.status_code != 200 else "")
             except httpx.HTTPError as e:
                 outcomes.append(type(e).__name__)
+                why.append(str(e))
         settled_s = time.monotonic() - t0
     assert settled_s < TRANSFER_TIMEOUT_S + 20, (settled_s, outcomes)     # nothing hangs
-    assert outcomes == [200] * len(inflight), outcomes                   # re-routed, not failed
+    assert outcomes == [200] * len(inflight), (outcomes, why)            # re-routed, not failed
     r = _chat(b.url, "s-after", ["Hello?"])                              # decode prefills locally
     assert r.status_code == 200, r.text
     h = httpx.get(f"{b.url}/health", timeout=30).json()
