@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.models.hybrid import save_byte_tokenizer
+
 WINDOW = 64
 PAGE = 16
 
@@ -58,17 +60,9 @@ def _randomize(model, seed: int = 0) -> None:
 
 
 def _save(model, path: Path) -> str:
-    """``save_pretrained`` + a byte-level tokenizer (256 byte tokens, <s> / </s> = 256 / 257)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
+    """``save_pretrained`` + the tiny models' byte-level tokenizer."""
     model.save_pretrained(path)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    save_byte_tokenizer(path)
     return str(path)
 
 

@@ -17,12 +17,13 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from tandem.engine.models.hybrid import save_byte_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAGED_DIR = "/tmp/tandem_gguf"
@@ -60,21 +61,6 @@ def find_smollm2() -> str | None:
     return next((p for p in cands if p and os.path.isfile(p)), None)
 
 
-def write_byte_tokenizer(path: str) -> None:
-    """tokenizer.json + tokenizer_config.json: 256 byte tokens, <s> = 256, </s> = 257."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>",
-                   "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"}, f)
-
-
 def random_hf_dir(geometry: dict, seed: int = 0, path: str | None = None):
     """A seeded random Llama of ``geometry`` saved as a HF directory; (path, the HF model fp32).
     2-D weights ~ N(0, 1/fan_in) (unit gain per projection), the tied embedding ~ N(0, 0.15^2)
@@ -94,7 +80,7 @@ def random_hf_dir(geometry: dict, seed: int = 0, path: str | None = None):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
     path = path or tempfile.mkdtemp(prefix="tandem-random-")
     model.save_pretrained(path)
-    write_byte_tokenizer(path)
+    save_byte_tokenizer(path)
     return path, model
 
 

@@ -127,21 +127,38 @@ TINY_LAYOUTS: dict[str, list[str]] = {
 TINY_VOCAB = 258                       # 256 bytes, <s> = 256, </s> = 257
 
 
-def byte_tokenizer():
-    """A byte-level tokenizer built in memory: ids 0..255 are bytes, 256 = <s>, 257 = </s>."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
+BYTE_CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
-    from tandem.core.tokenizer import Tokenizer
+
+def _byte_bpe():
+    """The HF ``tokenizers`` object of the tiny models: ids 0..255 are bytes, 256 = <s>, 257 = </s>."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    return Tokenizer(tok, name="bytes", bos_token_id=256, eos_token_ids={257},
-                     chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
-                     special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    return tok
+
+
+def byte_tokenizer():
+    """That byte-level tokenizer built in memory, as Tandem's Tokenizer (with a chat template)."""
+    from tandem.core.tokenizer import Tokenizer
+
+    return Tokenizer(_byte_bpe(), name="bytes", bos_token_id=256, eos_token_ids={257},
+                     chat_template=BYTE_CHAT_TEMPLATE, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def save_byte_tokenizer(path) -> None:
+    """The same tokenizer as a HF directory's tokenizer.json + tokenizer_config.json (for tiny
+    models saved with ``save_pretrained``)."""
+    import json
+    import os
+
+    _byte_bpe().save(os.path.join(str(path), "tokenizer.json"))
+    with open(os.path.join(str(path), "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": BYTE_CHAT_TEMPLATE}, f)
 
 
 def tiny_hybrid(layout: str | list[str], *, seed: int = 0, sliding_window: int = 8,

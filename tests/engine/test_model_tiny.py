@@ -7,7 +7,6 @@ load to the same logits."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from tandem.engine.loader import load_model  # noqa: E402
 from tandem.engine.model_runner import ModelRunner  # noqa: E402
+from tandem.engine.models.hybrid import save_byte_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,18 +38,8 @@ PROMPT = [(7 * i + 3) % 256 for i in range(21)]
 
 
 def write_tokenizer(path) -> None:
-    """A byte-level tokenizer: 256 byte tokens plus <s>, </s> (ids 256, 257), and a chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"}))
+    """The tiny models' byte-level tokenizer: 256 byte tokens plus <s>, </s> (ids 256, 257), and a chat template."""
+    save_byte_tokenizer(path)
 
 
 def make_hf(kind: str, seed: int = 0):
