@@ -9,6 +9,23 @@ import threading
 import time
 
 
+class LocalClient:
+    """The real prefill worker as decode's PrefillClient, with optional fault injection."""
+
+    def __init__(self, worker, delay_s: float = 0.0):
+        self.w, self.name, self.delay_s = worker, worker.name, delay_s
+        self.aborts: list[str] = []
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
+
+    async def abort(self, rid, reason):
+        self.aborts.append(rid)
+        await self.w.abort(rid, reason)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

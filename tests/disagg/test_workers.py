@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serve_support import at_baseline, collect
+from serve_support import LocalClient, at_baseline, collect
 
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.messages import GenerateRequest
@@ -23,23 +23,6 @@ PAGE = 4
 CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=768,
                                                                   max_running_requests=6))
 PROMPT = "What is the capital of France?"
-
-
-class LocalClient:
-    """The real prefill worker as decode's PrefillClient, with optional fault injection."""
-
-    def __init__(self, worker, delay_s: float = 0.0):
-        self.w, self.name, self.delay_s = worker, worker.name, delay_s
-        self.aborts: list[str] = []
-
-    async def prefill(self, req_wire, xfer, dst_prefix_len):
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
-
-    async def abort(self, rid, reason):
-        self.aborts.append(rid)
-        await self.w.abort(rid, reason)
 
 
 class HangingClient:

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from serve_support import at_baseline, collect
+from serve_support import LocalClient, at_baseline, collect
 
 from tandem.core.config import CacheConfig, EngineConfig
 from tandem.core.messages import GenerateRequest, SampleGroup
@@ -32,19 +32,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 TOL = 2e-3
-
-
-class LocalClient:
-    """The real prefill worker as decode's PrefillClient."""
-
-    def __init__(self, worker):
-        self.w, self.name = worker, worker.name
-
-    async def prefill(self, req_wire, xfer, dst_prefix_len):
-        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
-
-    async def abort(self, rid, reason):
-        await self.w.abort(rid, reason)
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,12 @@ import pytest
 import torch
 
 from tandem.engine.model_runner import ModelRunner
+from smollm2_prompts import encode  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = [
-    ("chat", "What is the capital of France?"),
-    ("raw", "def fibonacci(n):"),
-    ("chat", "Write a haiku about the sea."),
-    ("raw", "The three primary colors are"),
-    ("chat", "Explain gravity in one sentence, then list 3 planets."),
-]
 LOGIT_ATOL = 1e-3
 NEW_TOKENS = 32
 
@@ -38,9 +32,7 @@ def hf_model(smollm2_dir, smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2):
-    tok = smollm2.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]) if kind == "chat" else p)
-            for kind, p in PROMPTS]
+    return encode(smollm2.tokenizer)
 
 
 @pytest.fixture(scope="module")

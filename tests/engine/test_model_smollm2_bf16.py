@@ -24,19 +24,13 @@ import torch
 
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.quant.cpu import native_bf16
+from smollm2_prompts import encode  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(native_bf16() is None, reason="no native bf16 on this CPU")]
 
-PROMPTS = [
-    ("chat", "What is the capital of France?"),
-    ("raw", "def fibonacci(n):"),
-    ("chat", "Write a haiku about the sea."),
-    ("raw", "The three primary colors are"),
-    ("chat", "Explain gravity in one sentence, then list 3 planets."),
-]
 NEW_TOKENS = 32
 NEAR_TIE_ULPS = 2
 MEAN_LOGPROB_DIFF = 0.06
@@ -69,9 +63,7 @@ def hf_bf16(smollm2_dir, smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2):
-    tok = smollm2.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]) if kind == "chat" else p)
-            for kind, p in PROMPTS]
+    return encode(smollm2.tokenizer)
 
 
 def _runner(loaded) -> ModelRunner:
