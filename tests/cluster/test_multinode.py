@@ -27,27 +27,15 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
 from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
+from tandem.bench.router_restart import CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRANSFER_TIMEOUT_S = 8.0
-CONFIG = {
-    "mode": "disaggregated", "prefill": 1, "decode": 2, "worker_lifetime": "cluster",
-    "ray_namespace": "tandem-mn", "policy": "session", "transfer_timeout_s": TRANSFER_TIMEOUT_S,
-    "debug_endpoints": True,
-    "engine_config": {"device": "cpu", "dtype": "float32", "num_threads": 1,
-                      "cache": {"page_size": 16, "max_total_tokens": 4096, "max_running_requests": 8,
-                                "host_pool_tokens": 0},
-                      "scheduler": {"chunked_prefill_size": 256, "max_batch_tokens": 1024},
-                      "transfer": {"ucx_tls": "tcp"}},
-}
-SYSTEM = "You are a terse assistant. " * 12          # a long shared opening: many cached pages
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "UCX_TLS": "tcp",
-           "UCX_NET_DEVICES": "lo"}
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **UCX_ENV}
     c = RayNodes(token_auth=True, env=env)
     try:
         c.prefill = c.add_node({"prefill": 1}, num_cpus=1)
@@ -66,21 +54,6 @@ def _router(c):
     r = start_router(c.config, c.client_env(), c.work)
     c.routers.append(r)
     return r
-
-
-def _chat(url: str, session: str, turns: list[str], max_tokens: int = 4, timeout: float = 120.0):
-    msgs = [{"role": "system", "content": SYSTEM}]
-    for i, t in enumerate(turns):
-        msgs.append({"role": "user", "content": t})
-        if i < len(turns) - 1:
-            msgs.append({"role": "assistant", "content": "ok"})
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=timeout, headers={"X-Session-Id": session},
-                   json={"model": "smollm2", "messages": msgs, "max_tokens": max_tokens, "temperature": 0})
-    return r
-
-
-def _cached(r) -> int:
-    return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _idle_and_clean(url: str, timeout: float = 60.0) -> list[dict]:
@@ -103,7 +76,7 @@ def test_roles_land_on_their_nodes_kv_moves_over_tcp_and_auth_is_required(cluste
     for name, w in workers.items():
         assert w["node_resources"].get(w["role"], 0) >= 1, (name, w)      # on its role's node
     assert workers["decode-0"]["node_id"] == workers["decode-1"]["node_id"] != workers["prefill-0"]["node_id"]
-    r = _chat(a.url, "s-kv", ["Say hi."])
+    r = chat(a.url, "s-kv", ["Say hi."])
     assert r.status_code == 200, r.text
     rows = {w["worker"]: w for w in _idle_and_clean(a.url)}
     assert rows["prefill-0"]["bytes"] > 0 and rows["prefill-0"]["ok"] >= 1        # KV left the prefill node
@@ -119,11 +92,11 @@ def test_roles_land_on_their_nodes_kv_moves_over_tcp_and_auth_is_required(cluste
 
 def test_a_killed_router_loses_no_worker_and_its_successor_keeps_the_sessions(cluster):
     a = cluster.routers[-1]
-    first = _chat(a.url, "s-restart", ["Name a colour."])
+    first = chat(a.url, "s-restart", ["Name a colour."])
     assert first.status_code == 200
     worker = first.headers["X-Tandem-Worker"]
     with cf.ThreadPoolExecutor(4) as pool:                  # load in flight through router A
-        inflight = [pool.submit(_chat, a.url, f"s-load-{i}", [f"Count to {i}."], 24, 30) for i in range(4)]
+        inflight = [pool.submit(chat, a.url, f"s-load-{i}", [f"Count to {i}."], 24, 30) for i in range(4)]
         time.sleep(1.0)
         t_kill = time.monotonic()
         a.kill()
@@ -136,11 +109,11 @@ def test_a_killed_router_loses_no_worker_and_its_successor_keeps_the_sessions(cl
     restart_s = time.monotonic() - t_kill
     health = httpx.get(f"{b.url}/health", timeout=30).json()
     assert sorted(health["workers"]) == ["decode-0", "decode-1", "prefill-0"] and health["restarts"] == 0
-    nxt = _chat(b.url, "s-restart", ["Name a colour.", "Another one."])
+    nxt = chat(b.url, "s-restart", ["Name a colour.", "Another one."])
     assert nxt.status_code == 200, nxt.text
-    assert nxt.headers["X-Tandem-Worker"] == worker and _cached(nxt) > 0
+    assert nxt.headers["X-Tandem-Worker"] == worker and cached(nxt) > 0
     print(f"\nrouter restart: first request served again {restart_s:.1f}s after the kill, "
-          f"cached {_cached(nxt)} of {nxt.json()['usage']['prompt_tokens']} prompt tokens")
+          f"cached {cached(nxt)} of {nxt.json()['usage']['prompt_tokens']} prompt tokens")
     rows = _idle_and_clean(b.url)
     assert all(w.get("leaked_tokens") == 0 and w.get("invariants") == "ok" for w in rows), rows
 
@@ -148,18 +121,18 @@ def test_a_killed_router_loses_no_worker_and_its_successor_keeps_the_sessions(cl
 def test_two_routers_one_worker_set_agree_on_the_session(cluster):
     b = cluster.routers[-1]
     c = _router(cluster)
-    first = _chat(b.url, "s-two", ["Pick a number."])
+    first = chat(b.url, "s-two", ["Pick a number."])
     assert first.status_code == 200
     time.sleep(0.5)                                          # its KV events reach router C
-    nxt = _chat(c.url, "s-two", ["Pick a number.", "And another."])
+    nxt = chat(c.url, "s-two", ["Pick a number.", "And another."])
     assert nxt.status_code == 200
-    assert nxt.headers["X-Tandem-Worker"] == first.headers["X-Tandem-Worker"] and _cached(nxt) > 0
+    assert nxt.headers["X-Tandem-Worker"] == first.headers["X-Tandem-Worker"] and cached(nxt) > 0
 
 
 def test_a_stopped_prefill_node_loses_no_request_and_new_ones_are_served(cluster):
     b = cluster.routers[-1]
     with cf.ThreadPoolExecutor(3) as pool:
-        inflight = [pool.submit(_chat, b.url, f"s-node-{i}", ["Write a long story. " * 30], 8, 120)
+        inflight = [pool.submit(chat, b.url, f"s-node-{i}", ["Write a long story. " * 30], 8, 120)
                     for i in range(3)]
         time.sleep(0.3)
         t0 = time.monotonic()
@@ -176,7 +149,7 @@ def test_a_stopped_prefill_node_loses_no_request_and_new_ones_are_served(cluster
         settled_s = time.monotonic() - t0
     assert settled_s < TRANSFER_TIMEOUT_S + 20, (settled_s, outcomes)     # nothing hangs
     assert outcomes == [200] * len(inflight), (outcomes, why)            # re-routed, not failed
-    r = _chat(b.url, "s-after", ["Hello?"])                              # decode prefills locally
+    r = chat(b.url, "s-after", ["Hello?"])                              # decode prefills locally
     assert r.status_code == 200, r.text
     h = httpx.get(f"{b.url}/health", timeout=30).json()
     assert h["workers"]["prefill-0"]["alive"] is False and h["decode_alive"] == 2, h
