@@ -47,6 +47,14 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="KV tokens per decode worker (default: the profile's)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first K requests")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy (default 0)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="independent routers, request i through router i mod N (default 1)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-events", dest="kv_events", action="store_true", default=None,
+                    help="every cache's KV events reach every router's exact index (default: with "
+                         "--policy kv_events or several routers)")
+    kv.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                    help="routers see only their own traffic (approximate index)")
     p.set_defaults(func=run)
     return p
 
@@ -59,6 +67,8 @@ def run(args) -> int:
         raise ValueError(f"trace file {path!r} not found")
     if args.capacity_tokens < 0:
         raise ValueError(f"--capacity-tokens={args.capacity_tokens} must be >= 0 (0 = unbounded)")
+    if args.routers < 1:
+        raise ValueError(f"--routers={args.routers} must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit={args.limit} must be >= 1")
     try:
@@ -70,7 +80,8 @@ def run(args) -> int:
     summary = simulate(trace, prefill=args.prefill, decode=args.decode, policy=args.policy,
                        block_size=args.block_size, capacity_tokens=args.capacity_tokens or None,
                        speedup=args.speedup, profile=args.profile, global_cache=args.global_cache,
-                       decode_capacity_tokens=args.decode_capacity_tokens, seed=args.seed)
+                       decode_capacity_tokens=args.decode_capacity_tokens, seed=args.seed,
+                       routers=args.routers, kv_events=args.kv_events)
     summary["config"]["trace"] = path
     json.dump(summary, sys.stdout, indent=2)
     sys.stdout.write("\n")

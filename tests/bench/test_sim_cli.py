@@ -11,6 +11,14 @@ from tandem.bench.sim import cli
 from tandem.bench.sim.simulate import DEFAULT_TRACE
 
 
+def test_simulate_several_routers_with_and_without_kv_events(capsys):
+    cfgs = []
+    for flag in ("--kv-events", "--no-kv-events"):
+        assert cli.main(["simulate", "--limit", "40", "--prefill", "2", "--decode", "2", "--routers", "2", flag]) == 0
+        cfgs.append(json.loads(capsys.readouterr().out)["config"])
+    assert [(c["routers"], c["kv_events"]) for c in cfgs] == [(2, True), (2, False)]
+
+
 def test_simulate_prints_one_json_object(capsys):
     rc = cli.main(["simulate", "--trace", str(DEFAULT_TRACE), "--limit", "60", "--prefill", "2",
                    "--decode", "2", "--policy", "session", "--block-size", "512",
