@@ -337,7 +337,6 @@ class Engine:
                 continue
             if c.finish_reason is not None:
                 del self._callbacks[c.rid]
-                self.sampler.forget(c.rid)
             try:
                 cb(c)
             except Exception:  # a consumer's bug must not kill the engine

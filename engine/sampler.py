@@ -110,9 +110,6 @@ class Sampler:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    def forget(self, rid: str) -> None:
-        """``rid`` finished (nothing is kept per request: a seeded draw is keyed by position)."""
-
     def _generator(self, req) -> torch.Generator:
         if req.params.seed is None:
             return self._gen
