@@ -94,10 +94,12 @@ class EngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute, weight and KV dtype; 'auto': bfloat16 on CUDA and on CPUs with "
                             "native bf16 (AVX512-BF16/AMX), else float32 (exact)")
-    weights: Literal["auto", "native", "dequant"] = Field(
+    weights: Literal["auto", "native", "int4", "dequant"] = Field(
         "auto", description="a GGUF's quantized projections: 'native' keeps their Q4_0/Q4_1/Q8_0 "
-                            "blocks and runs int4 kernels (CPU, bfloat16), 'dequant' expands them to "
-                            "the dtype; 'auto': native where it can run")
+                            "blocks and computes on them (CPU: llama.cpp-style AVX512-VNNI kernels "
+                            "with int8 activation blocks where they build, else torch's int4 kernel "
+                            "in bfloat16), 'int4' forces torch's int4 kernel, 'dequant' expands them "
+                            "to the dtype; 'auto': native on a CPU computing in bfloat16")
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     context_length: int | None = Field(None, ge=16, description="override the model's context length")
     sliding_window: int | None = Field(None, ge=1, description="override: make layers sliding-window")

@@ -12,7 +12,8 @@ GGUF tensors are renamed to HF names and, for llama/mistral files, have llama.cp
 permutation undone (rotary pairs are stored interleaved; transformers' ``reverse_permute``). With
 ``weights="dequant"`` every tensor is dequantized to float32 (``gguf.quants.dequantize``), then cast
 to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q8_0 blocks reach the model as
-:class:`QuantWeight` and run on int4 kernels (engine/quant/), other types are dequantized and named
+:class:`QuantWeight` and run on their own blocks (engine/quant/: the AVX512 kernels where they
+build, else torch's int4 kernel; ``"int4"`` forces the latter), other types are dequantized and named
 in ``LoadedModel.precision``. Nothing is cached on disk. User mistakes raise
 :class:`ModelLoadError` (a :class:`TandemError`) naming the path, file or architecture.
 
@@ -45,7 +46,7 @@ from tandem.engine.quant.cpu import native_bf16
 __all__ = ["LoadedModel", "ModelLoadError", "describe_dtype", "load_model", "resolve_device",
            "resolve_dtype", "resolve_weights", "smollm2_path"]
 
-WEIGHTS_MODES = ("auto", "native", "dequant")
+WEIGHTS_MODES = ("auto", "native", "int4", "dequant")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -106,31 +107,38 @@ def describe_dtype(requested: str | torch.dtype, device: torch.device) -> str:
     return f"{got} (auto: the CPU has {flag})" if flag else f"{got} (auto: no native bf16 on this CPU)"
 
 
-def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether quantized GGUF projections run natively. 'auto': on the CPU with bf16/fp16
-    activations (torch's int4 CPU kernel wants them); 'native' elsewhere is a user error."""
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> bool | str:
+    """How quantized GGUF projections run: False (dequantized), True (natively, on the best kernel
+    here: the AVX512 kernels, else torch's int4) or "int4" (natively, torch's int4 kernel only; for
+    comparisons). 'auto': natively on the CPU with bf16/fp16 activations; 'native' or 'int4'
+    elsewhere is a user error."""
     if weights not in WEIGHTS_MODES:
         raise ModelLoadError(f"weights {weights!r} is not supported (supported: {', '.join(WEIGHTS_MODES)})")
     fits = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-    if weights == "native" and not fits:
+    if weights in ("native", "int4") and not fits:
         raise ModelLoadError(
-            f"weights 'native' runs on the CPU with dtype bfloat16 (got {torch.device(device).type}, "
-            f"{str(dtype).removeprefix('torch.')}): torch's int4 CPU kernel is ~40x slower with "
-            "float32 activations; use --weights dequant or --dtype bfloat16")
+            f"weights {weights!r} runs on the CPU with dtype bfloat16 (got {torch.device(device).type}, "
+            f"{str(dtype).removeprefix('torch.')}): the native kernels compute with bf16 activations "
+            "(torch's int4 CPU kernel is ~40x slower with float32 ones); use --weights dequant or "
+            "--dtype bfloat16")
+    if weights == "int4":
+        return "int4"
     return weights == "native" or (weights == "auto" and fits)
 
 
 def describe_weights(model) -> str:
     """How ``model``'s projections hold their weights, e.g. ``native: 120 int4 (Q4_1),
     1 bf16-packed (lm_head: tied Q8_0 embedding)`` or ``dequant: 121 float32-packed``."""
-    from tandem.engine.quant.linear import DenseLinear, Int4Linear, PackedLinear
+    from tandem.engine.quant.linear import Avx512Linear, DenseLinear, Int4Linear, PackedLinear
 
     kernels = model.kernels() if hasattr(model, "kernels") else []
     if not kernels:
         return "dense"
     counts: dict[str, int] = {}
     for k in kernels:
-        if isinstance(k, Int4Linear):
+        if isinstance(k, Avx512Linear):
+            label = f"avx512 ({k.kind})"
+        elif isinstance(k, Int4Linear):
             label = f"int4 ({k.kind})"
         elif isinstance(k, PackedLinear):
             label = f"{str(k.weight.dtype).removeprefix('torch.')}-packed"
@@ -139,7 +147,7 @@ def describe_weights(model) -> str:
         else:
             label = type(k).__name__
         counts[label] = counts.get(label, 0) + 1
-    native = any(isinstance(k, Int4Linear) for k in kernels)
+    native = any(isinstance(k, (Int4Linear, Avx512Linear)) for k in kernels)
     text = ("native: " if native else "dequant: ") + ", ".join(f"{n} {label}" for label, n in counts.items())
     fell_back = getattr(model, "dequantized", [])
     if fell_back:
@@ -244,6 +252,8 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
 
     def get(name: str):
         t = by_hf.get(name)
+        if t is None and native and name == "lm_head.weight" and arch.tie_word_embeddings:
+            t = by_hf.get("model.embed_tokens.weight")     # a tied head: the embedding's own blocks
         if t is None:
             raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
         kind = t.tensor_type.name
@@ -272,10 +282,6 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
                           and t.tensor_type.name not in ("F32", "F16", "BF16")})
     if unsupported:  # dequantized like any other tensor; say so in the startup line
         model.dequantized.append(("projections", f"{', '.join(unsupported)} has no native kernel"))
-    embd = tensors.get("token_embd.weight")
-    if native and arch.tie_word_embeddings and embd is not None and embd.tensor_type.name in QUANT_KINDS:
-        model.dequantized.append(("lm_head", f"the tied {embd.tensor_type.name} embedding: dense "
-                                             "bf16-packed beats int4 planes past 1 row"))
     tokenizer = Tokenizer.from_gguf(reader)
     name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
         os.path.splitext(os.path.basename(path))[0]

@@ -25,6 +25,8 @@ from tandem.engine.layers import Rotary, rms_norm, rope_inv_freq
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
 from tandem.engine.quant.blocks import QuantWeight
 from tandem.engine.quant.linear import DenseLinear, collapse_to_hugepages, make_linear, onednn_packable
+from tandem.engine.quant.preop import PreOp
+from tandem.engine.quant.avx512 import avx512_reason
 
 # HF tensor name -> tensor, or a GGUF projection's QuantWeight (raises ModelLoadError if absent)
 GetTensor = Callable[[str], "torch.Tensor | QuantWeight"]
@@ -78,8 +80,7 @@ class LlamaLayer(nn.Module):
                 fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         # x: [T, H] residual stream
         T = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
-        qkv = self.qkv(h, self.qkv_bias)                              # [T, (Hq + 2Hkv) * D]
+        qkv = self.qkv(x, self.qkv_bias, pre=PreOp.rmsnorm(self.input_norm, self.eps))  # [T, (Hq + 2Hkv) * D]
         n_qk = self.n_q + self.n_kv
         qk = qkv[:, : n_qk * self.d].view(T, n_qk, self.d)           # [T, Hq + Hkv, D]
         v = qkv[:, n_qk * self.d:].view(T, self.n_kv, self.d)        # [T, Hkv, D]
@@ -89,11 +90,8 @@ class LlamaLayer(nn.Module):
         q, k = qk[:, : self.n_q], qk[:, self.n_q:]
         o = backend.forward(q, k, v, self.spec, fb)                   # [T, Hq, D]
         x = self.o_proj(o.reshape(T, self.n_q * self.d), residual=x)
-        h = rms_norm(x, self.post_norm, self.eps)
-        gu = self.gate_up(h)                                          # [T, 2I]
-        act = F.silu(gu[:, : self.inter], inplace=True)               # [T, I] view of gu
-        act.mul_(gu[:, self.inter:])                                  # silu(gate) * up, in place
-        return self.down(act, residual=x)
+        gu = self.gate_up(x, pre=PreOp.rmsnorm(self.post_norm, self.eps))  # [T, 2I]
+        return self.down(gu, residual=x, pre=PreOp.silu_mul())        # silu(gate) * up -> down
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,19 +122,25 @@ class LlamaForCausalLM(nn.Module):
         # copy is worth its memory: an oneDNN-packed kernel (``head``, fp32 or bf16); with other
         # dtypes a transposed lm_head_t [H, V]: for a few rows (decode of a small batch) the vocab
         # GEMV runs ~2x faster as x @ W; from ~8 rows on F.linear over [V, H] is ~1.5x faster.
-        # A quantized head runs natively unless it is Q8_0 (SmolLM2's tied embedding): there
-        # bf16-packed is as fast as two int4 planes at 1 row and 2-4x faster at 32 rows.
+        # A quantized head (with ``native``, the loader gives a tied embedding's own blocks as
+        # "lm_head.weight") runs natively, but a Q8_0 one (SmolLM2's) only on Avx512Linear: as two
+        # int4 planes bf16-packed is as fast at 1 row and 2-4x faster at 32 rows.
         self.dequantized: list[tuple[str, str]] = []
-        head_src = None if arch.tie_word_embeddings else get("lm_head.weight")
-        head_native = native and isinstance(head_src, QuantWeight) and head_src.kind != "Q8_0"
+        tied = arch.tie_word_embeddings
+        head_src = get("lm_head.weight") if (native or not tied) else None
+        head_native = native and isinstance(head_src, QuantWeight)
+        if head_native and head_src.kind == "Q8_0" and (
+                native == "int4" or avx512_reason(head_src, dtype, self.device) is not None):
+            head_native = False
+            self.dequantized.append(("lm_head", f"the {'tied ' if tied else ''}Q8_0 head: dense "
+                                                "bf16-packed beats int4 planes past 1 row"))
         self.lm_head = None
         if not head_native:
-            self.lm_head = self.embed if head_src is None else _param(
-                head_src.to(device=self.device, dtype=dtype))
+            self.lm_head = self.embed if tied else _param(head_src.to(device=self.device, dtype=dtype))
         self.head = None
         if head_native or onednn_packable(dtype, self.device):
             self.head, why = make_linear(head_src if head_native else self.lm_head, dtype,
-                                         self.device, native)
+                                         self.device, native, out_dtype=torch.float32)
             if why is not None and why != "dequant":
                 self.dequantized.append(("lm_head", why))
         self.lm_head_t = None if (self.head is not None or (
@@ -178,10 +182,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, fb, backend)
         if not return_all_logits and x.shape[0] != fb.batch_size:    # T == B: one token each
             x = x[fb.last_token_indices]                              # [B, H]
-        x = rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        # final norm -> vocab head (fused into the head's kernel when it has one)
         if self.head is not None:
-            logits = self.head(x)
-        elif self.lm_head_t is not None and x.shape[0] < _HEAD_GEMM_ROWS:
+            return self.head(x, pre=PreOp.rmsnorm(self.norm, self.arch.rms_norm_eps)).float()
+        x = rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        if self.lm_head_t is not None and x.shape[0] < _HEAD_GEMM_ROWS:
             logits = x @ self.lm_head_t
         else:
             logits = F.linear(x, self.lm_head)

@@ -4,5 +4,11 @@
   scales, unpacked but not dequantized (row reorder and stacking for fused projections).
 - ``linear.py``: the linear kernels (oneDNN-packed fp32/bf16, torch's int4 weight-only GEMM on the
   file's blocks, plain) and :func:`make_linear`, which picks one per weight.
+- ``avx512.py`` + ``avx512_kernels.c``: ``Avx512Linear``, the file's Q4_0/Q4_1 blocks times bf16
+  activations (AVX512-BF16) and Q8_0 blocks times int8 activation blocks (AVX512-VNNI), with a
+  fused pre-op; the fastest CPU kernel here. ``native_lib.py`` builds the C file with gcc once per
+  source hash (``~/.cache/tandem/kernels``) and says why not where it cannot.
+- ``preop.py``: ``PreOp``, the RMSNorm / silu-mul a projection applies to its input first (fused
+  by Avx512Linear, applied in torch by the others).
 - ``cpu.py``: whether this CPU has native bf16 (what ``dtype="auto"`` asks).
 """

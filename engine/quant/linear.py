@@ -4,6 +4,7 @@ the device, the compute dtype and the weight's own format allow. :func:`make_lin
 | kernel | weight held as | where | why |
 |---|---|---|---|
 | :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | fastest CPU GEMM at every row count (below) |
+| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); fastest at every row count |
 | :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight: decode is bandwidth-bound |
 | :class:`DenseLinear` | a plain tensor, ``[K, N]`` ("x @ W") or ``[N, K]`` | anywhere else (CUDA, no oneDNN) | |
 
@@ -16,6 +17,10 @@ Every kernel computes each output row from its own input row only, bitwise (oneD
 than ``PACKED_MIN_ROWS`` rows is padded to that many; int4 checked at 1..17 rows), so a request's
 logits do not depend on what it is batched with (the prefix cache on/off and prefill/decode
 disaggregation oracles rely on it).
+
+``native`` picks Avx512Linear where it runs, else Int4Linear (``"int4"`` forces the latter, to compare).
+Every kernel takes an optional :class:`~tandem.engine.quant.preop.PreOp` (RMSNorm or silu-mul of
+its input): Avx512Linear fuses it, the others apply it in torch first.
 
 Q8_0 weights use :class:`Int4Linear` too, exactly: with ``u = q + 128 = 16 * hi + lo``,
 ``d * q = 16d * (hi - 8) + d * (lo - 8) + 8d``, two int4 planes over the same bytes.
@@ -32,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.quant.blocks import GROUP, QuantWeight
+from tandem.engine.quant.preop import PreOp
+from tandem.engine.quant.avx512 import Avx512Linear, avx512_reason
 
 PACKED_MIN_ROWS = 4     # oneDNN's 1-2 row (GEMV) path is slower than its 4-row GEMM path
 _PACK_HINT_ROWS = 32    # batch-size hint for the reorder (measured: any hint 4..2048 is as fast)
@@ -88,8 +95,10 @@ class PackedLinear(nn.Module):
         self._parameters["weight"] = nn.Parameter(_pack(self._parameters["weight"]), requires_grad=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, K] (+ bias [N]) (+ residual [T, N]) -> [T, N]."""
+                residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
+        """pre(x): [T, K] (+ bias [N]) (+ residual [T, N]) -> [T, N]."""
+        if pre is not None:
+            x = pre.apply(x)
         w, T = self.weight, x.shape[0]
         if T >= PACKED_MIN_ROWS:
             if residual is None:
@@ -128,8 +137,10 @@ class DenseLinear(nn.Module):
         self.weight = nn.Parameter((w.t() if input_major else w).contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, K] (+ bias [N]) (+ residual [T, N]) -> [T, N]."""
+                residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
+        """pre(x): [T, K] (+ bias [N]) (+ residual [T, N]) -> [T, N]."""
+        if pre is not None:
+            x = pre.apply(x)
         w = self.weight if self.input_major else self.weight.t()
         if residual is not None:
             y = torch.addmm(residual, x, w)
@@ -174,8 +185,10 @@ class Int4Linear(nn.Module):
         self.scale_zero = nn.ParameterList([nn.Parameter(s, requires_grad=False) for s in sz])
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, K] (bf16) (+ bias [N]) (+ residual [T, N]) -> [T, N] in x's dtype."""
+                residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
+        """pre(x): [T, K] (bf16) (+ bias [N]) (+ residual [T, N]) -> [T, N] in x's dtype."""
+        if pre is not None:
+            x = pre.apply(x)
         x = x.contiguous()                                           # the kernel needs it
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed[0], GROUP, self.scale_zero[0])
         if len(self.packed) > 1:
@@ -192,18 +205,26 @@ class Int4Linear(nn.Module):
         return sum(p.numel() * p.element_size() for p in (*self.packed, *self.scale_zero))
 
 
-Linear = PackedLinear | DenseLinear | Int4Linear
+Linear = PackedLinear | DenseLinear | Int4Linear | Avx512Linear
+NATIVE_KERNELS = ("best", "int4")   # what ``native`` may name besides True (= "best")
 
 
 def make_linear(w: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch.device,
-                native: bool = False, input_major: bool = True) -> tuple[Linear, str | None]:
+                native: bool | str = False, input_major: bool = True,
+                out_dtype: torch.dtype | None = None) -> tuple[Linear, str | None]:
     """The kernel for weight ``w`` ([N, K]; dense or the file's quantized blocks) computing in
-    ``dtype`` on ``device``. ``native``: run a QuantWeight on its own blocks where
-    :func:`int4_reason` allows. Returns (kernel, why a QuantWeight was dequantized or None).
-    ``input_major`` picks DenseLinear's layout (see there)."""
+    ``dtype`` on ``device``. ``native`` (True / "best", or "int4"): run a QuantWeight on its own
+    blocks, on :class:`Avx512Linear` where :func:`avx512_reason` allows (not with "int4"), else on
+    :class:`Int4Linear` where :func:`int4_reason` allows. Returns (kernel, why a QuantWeight was
+    dequantized or None). ``input_major`` picks DenseLinear's layout (see there); ``out_dtype``
+    is Avx512Linear's output dtype (the others return ``dtype``)."""
     why = None
     if isinstance(w, QuantWeight):
-        why = int4_reason(w, dtype, device) if native else "dequant"
+        why = "dequant"
+        if native:
+            if native != "int4" and avx512_reason(w, dtype, device) is None:
+                return Avx512Linear(w, dtype, out_dtype), None
+            why = int4_reason(w, dtype, device)
         if why is None:
             return Int4Linear(w, dtype), None
         w = w.dequantize()

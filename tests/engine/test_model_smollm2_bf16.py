@@ -80,7 +80,7 @@ def _all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 def test_startup_line_says_dtype_and_weights(bf16, native):
     assert bf16.precision == "bfloat16; weights dequant: 121 bfloat16-packed"
-    assert native.precision.startswith("bfloat16; weights native: 120 int4 (Q4_1), 1 bfloat16-packed")
+    assert native.precision == "bfloat16; weights native: 120 avx512 (Q4_1), 1 avx512 (Q8_0)"
 
 
 @pytest.mark.parametrize("mode", ["bf16", "native"])

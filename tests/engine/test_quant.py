@@ -66,7 +66,7 @@ needs_int4 = pytest.mark.skipif(
 @pytest.mark.parametrize("kind", KINDS)
 def test_int4_kernel_matches_the_dequantized_weight(kind):
     raw, ref = _quantized(kind)
-    lin, why = make_linear(from_gguf_blocks(kind, raw, N, K), torch.bfloat16, torch.device("cpu"), native=True)
+    lin, why = make_linear(from_gguf_blocks(kind, raw, N, K), torch.bfloat16, torch.device("cpu"), native="int4")
     assert isinstance(lin, Int4Linear) and why is None
     x = torch.randn(7, K).bfloat16()
     w = torch.from_numpy(ref)
@@ -87,7 +87,7 @@ def test_each_output_row_is_independent_of_the_batch(threads):
     torch.set_num_threads(threads)
     try:
         qw = from_gguf_blocks("Q4_1", _quantized("Q4_1", 256, 576)[0], 256, 576)
-        kernels = [make_linear(qw, torch.bfloat16, torch.device("cpu"), native=True)[0]]
+        kernels = [make_linear(qw, torch.bfloat16, torch.device("cpu"), native=n)[0] for n in ("int4", True)]
         if onednn_packable(torch.bfloat16, torch.device("cpu")):
             kernels.append(make_linear(qw, torch.bfloat16, torch.device("cpu"), native=False)[0])
         x = torch.randn(70, 576).bfloat16()
@@ -117,7 +117,7 @@ def test_kernel_choice_and_fallback_reasons():
 def test_kernels_pickle_and_compute_the_same_after():
     qw = from_gguf_blocks("Q8_0", _quantized("Q8_0")[0], N, K)
     x = torch.randn(5, K).bfloat16()
-    for native in (True, False):
+    for native in ("int4", True, False):
         lin, _ = make_linear(qw, torch.bfloat16, torch.device("cpu"), native=native)
         again = pickle.loads(pickle.dumps(lin))
         assert torch.equal(again(x), lin(x))
@@ -136,7 +136,9 @@ def test_auto_dtype_and_weights_follow_the_cpu(monkeypatch):
     assert loader.resolve_dtype("auto", cpu) == torch.float32
     assert loader.resolve_weights("auto", torch.float32, cpu) is False
     assert loader.resolve_dtype("float32", cpu) == torch.float32
-    with pytest.raises(ModelLoadError, match="weights 'native' runs on the CPU with dtype bfloat16"):
-        loader.resolve_weights("native", torch.float32, cpu)
-    with pytest.raises(ModelLoadError, match="supported: auto, native, dequant"):
-        loader.resolve_weights("int4", torch.bfloat16, cpu)
+    for mode in ("native", "int4"):
+        with pytest.raises(ModelLoadError, match=f"weights '{mode}' runs on the CPU with dtype bfloat16"):
+            loader.resolve_weights(mode, torch.float32, cpu)
+    assert loader.resolve_weights("int4", torch.bfloat16, cpu) == "int4"
+    with pytest.raises(ModelLoadError, match="supported: auto, native, int4, dequant"):
+        loader.resolve_weights("int8", torch.bfloat16, cpu)

@@ -1,0 +1,383 @@
+/* Weight-only GGUF kernels for x86 CPUs with AVX512 (BF16 and VNNI): y = pre(x) @ W^T computed on
+ * the file's own blocks. Built and loaded by engine/quant/native_lib.py (gcc, cached per source
+ * hash); engine/quant/avx512.py is the Python side.
+ *
+ * Q4_0 / Q4_1 (bf16 activations, VDPBF16PS): a nibble q becomes the bfloat16 value 128 + q by
+ * OR-ing it into 0x4300 (exact: [128, 256) has ulp 1 in bf16), so one block's dot product is
+ *   acc = sum (128 + q) x   (float32, in VDPBF16PS order)     y += d acc + m' sum x
+ * with m' = m - 128 d (Q4_1: w = d q + m) or -136 d (Q4_0: w = d (q - 8)) and sum x the block's
+ * sum of the bf16 activations, in float32. The weights are exact; the activations are x rounded
+ * to bf16 once (after the pre-op): the numerics of a bf16 model with the file's exact weights.
+ * Q8_0 (int8 activations, VPDPBUSD, llama.cpp's way): each activation row is quantized per 32-wide
+ * block to int8 (d_x = max|x| / 127, round to nearest even); a block's dot product with u = q + 128
+ * (stored as u8) is exact in int32: y += d d_x (sum u xq - 128 sum xq).
+ *
+ * Every output element (row r, column n) is computed by the same instruction sequence whatever the
+ * number of rows, the row tile it falls in and the thread count (threads split columns), so each
+ * output row depends on its own input row only, bitwise.
+ *
+ * Packed weight layout (avx512.py's pack builds it): 16-column panels; per panel, per K block of
+ * 32, one record: codes, then d (16 x fp16), then (Q4_1) m (16 x fp16).
+ *   Q4_*: 256 code bytes = 4 chunks x 16 columns x 4 bytes. Column j's 32-bit lane of chunk i holds
+ *         k = 8 i + 2 s in bits 4 s .. 4 s + 3 and k = 8 i + 2 s + 1 in bits 16 + 4 s .. (s = 0..3),
+ *         so ((lane >> 4 s) & 0x000f000f) | 0x43004300 is the bf16 pair (k, k + 1) VDPBF16PS wants.
+ *         Record 288 (Q4_0) / 320 (Q4_1) bytes.
+ *   Q8_0: 512 code bytes = 8 chunks x 16 columns x 4 bytes: u = q + 128 of column j, k = 4 c + t.
+ *         Record 544 bytes.
+ *
+ * Activations: rows of float32 or bfloat16, with an optional fused pre-op (RMSNorm with a weight,
+ * or silu(x[:, :K]) * x[:, K:2K]) applied in float32 first.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2 };
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
+
+static inline int record_bytes(int kind) {
+    return kind == KIND_Q8_0 ? 544 : (kind == KIND_Q4_1 ? 320 : 288);
+}
+
+int tq_record_bytes(int kind) { return record_bytes(kind); }
+
+/* -- float helpers ------------------------------------------------------------------------- */
+static inline __m512 load16(const void *p, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* float32 -> bf16 bits (round to nearest even), 16 lanes */
+static inline __m256i to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline void store16(void *p, __m512 v, int bf16) {
+    if (!bf16) {
+        _mm512_storeu_ps((float *)p, v);
+        return;
+    }
+    _mm256_storeu_si256((__m256i *)p, to_bf16(v));
+}
+
+/* exp(x) for x in [-87, 87]: 2^n * P(f), |f| <= ln2 / 2, degree-6 Taylor (~2e-7 relative) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(87.0f)), _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* -- activations: the pre-op, then bf16 rows (Q4_*) or int8 blocks (Q8_0) -------------------- */
+typedef struct {
+    const void *x;      /* this row */
+    int bf16;
+    int64_t K;
+    int pre;
+    const void *nw;
+    float scale;        /* PRE_RMSNORM: 1 / rms of the row */
+} Row;
+
+static inline Row row_begin(const void *x, int bf16, int64_t K, int pre, const void *nw, float eps) {
+    Row r = {x, bf16, K, pre, nw, 1.0f};
+    if (pre == PRE_RMSNORM) {
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 v = load16((const char *)x + k * (bf16 ? 2 : 4), bf16);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        r.scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps);
+    }
+    return r;
+}
+
+/* 16 values of pre(x) at k (float32) */
+static inline __m512 row_at(const Row *r, int64_t k) {
+    const int es = r->bf16 ? 2 : 4;
+    __m512 a = load16((const char *)r->x + k * es, r->bf16);
+    if (r->pre == PRE_RMSNORM) {
+        a = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(r->scale)),
+                          load16((const char *)r->nw + k * es, r->bf16));
+    } else if (r->pre == PRE_SILU_MUL) {
+        __m512 up = load16((const char *)r->x + (r->K + k) * es, r->bf16);
+        __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                 exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        a = _mm512_mul_ps(_mm512_mul_ps(a, sig), up);
+    }
+    return a;
+}
+
+/* Q8_0 activations of one row: xq [K] int8, dx / isum [K/32] */
+static void row_int8(const Row *r, int8_t *xq, float *dx, int32_t *isum) {
+    for (int64_t b = 0; b < r->K / 32; b++) {
+        __m512 v0 = row_at(r, 32 * b), v1 = row_at(r, 32 * b + 16);
+        float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float id = m > 0.0f ? 127.0f / m : 0.0f;
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b + 16), _mm512_cvtsepi32_epi8(q1));
+        dx[b] = m / 127.0f;
+        isum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* Q4_* activations of one row: xb [K] bf16, xs [K/32] (sum of each block's bf16 values) */
+static void row_bf16(const Row *r, uint16_t *xb, float *xs) {
+    for (int64_t b = 0; b < r->K / 32; b++) {
+        __m256i h0 = to_bf16(row_at(r, 32 * b)), h1 = to_bf16(row_at(r, 32 * b + 16));
+        _mm256_storeu_si256((__m256i *)(xb + 32 * b), h0);
+        _mm256_storeu_si256((__m256i *)(xb + 32 * b + 16), h1);
+        __m512 f0 = load16(xb + 32 * b, 1), f1 = load16(xb + 32 * b + 16, 1);
+        xs[b] = _mm512_reduce_add_ps(_mm512_add_ps(f0, f1));
+    }
+}
+
+/* -- the GEMMs ----------------------------------------------------------------------------- */
+typedef struct {
+    const int8_t *xq;       /* Q8_0: [T, K] int8, dx / isum [T, nb] */
+    const float *dx;
+    const int32_t *isum;
+    const uint16_t *xb;     /* Q4_*: [T, K] bf16, xs [T, nb] */
+    const float *xs;
+    int64_t K, nb;
+} Acts;
+
+/* One 16-column panel over rows r0 .. r0 + R - 1 (Q8_0): y[r] = 16 float32 outputs. */
+static inline __attribute__((always_inline)) void tile_q8(const int R, const uint8_t *wp,
+                                                          const Acts *a, int64_t r0, __m512 *y) {
+    const int rec = record_bytes(KIND_Q8_0);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = wp + b * rec;
+        __m512i w[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(blk + 64 * c));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int64_t row = r0 + r;
+            const int8_t *xr = a->xq + row * a->K + 32 * b;
+            __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                int32_t x4;
+                memcpy(&x4, xr + 4 * c, 4);
+                acc = _mm512_dpbusd_epi32(acc, w[c], _mm512_set1_epi32(x4));
+            }
+            acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * a->isum[row * a->nb + b]));
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[row * a->nb + b]));
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, y[r]);
+        }
+    }
+}
+
+/* One 16-column panel over rows r0 .. r0 + R - 1 (Q4_0 / Q4_1, bf16 activations). */
+static inline __attribute__((always_inline)) void tile_q4(const int kind, const int R,
+                                                          const uint8_t *wp, const Acts *a,
+                                                          int64_t r0, __m512 *y) {
+    const int rec = record_bytes(kind);
+    const __m512i low = _mm512_set1_epi32(0x000f000f), magic = _mm512_set1_epi32(0x43004300);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = wp + b * rec;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+        __m512 mw;   /* m' = m - 128 d (Q4_1) or -136 d (Q4_0) */
+        if (kind == KIND_Q4_1)
+            mw = _mm512_fnmadd_ps(dw, _mm512_set1_ps(128.0f),
+                                  _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288))));
+        else
+            mw = _mm512_mul_ps(dw, _mm512_set1_ps(-136.0f));
+        __m512 acc0[8], acc1[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * i));
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                /* the bf16 pairs (k, k + 1), k = 8 i + 2 t, of 16 columns */
+                const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(
+                    _mm512_srli_epi32(p, 4 * t), low, magic, 0xEA);   /* (a & b) | c */
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int32_t x2;
+                    memcpy(&x2, a->xb + (r0 + r) * a->K + 32 * b + 8 * i + 2 * t, 4);
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(x2);
+                    if (t & 1) acc1[r] = _mm512_dpbf16_ps(acc1[r], w, xv);
+                    else acc0[r] = _mm512_dpbf16_ps(acc0[r], w, xv);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512 acc = _mm512_add_ps(acc0[r], acc1[r]);
+            y[r] = _mm512_fmadd_ps(acc, dw, y[r]);
+            y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->xs[(r0 + r) * a->nb + b]), y[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const int kind, const int R,
+                                                       const uint8_t *wp, const Acts *a,
+                                                       int64_t r0, __m512 *y) {
+    if (kind == KIND_Q8_0) tile_q8(R, wp, a, r0, y);
+    else tile_q4(kind, R, wp, a, r0, y);
+}
+
+typedef struct {
+    void *out;
+    int64_t out_stride;
+    int out_bf16;
+    const void *res;
+    int64_t res_stride;
+    int res_bf16;
+    const void *bias;
+    int bias_bf16;
+} Epilogue;
+
+static inline __attribute__((always_inline)) void store_tile(const int R, const __m512 *y,
+                                                             int64_t r0, int64_t n0,
+                                                             const Epilogue *e) {
+    __m512 bias = _mm512_setzero_ps();
+    if (e->bias) bias = load16((const char *)e->bias + n0 * (e->bias_bf16 ? 2 : 4), e->bias_bf16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        __m512 v = y[r];
+        if (e->bias) v = _mm512_add_ps(v, bias);
+        if (e->res) {
+            const int64_t off = (r0 + r) * e->res_stride + n0;
+            v = _mm512_add_ps(v, load16((const char *)e->res + off * (e->res_bf16 ? 2 : 4), e->res_bf16));
+        }
+        const int64_t off = (r0 + r) * e->out_stride + n0;
+        store16((char *)e->out + off * (e->out_bf16 ? 2 : 4), v, e->out_bf16);
+    }
+}
+
+#define TILE_ROWS 4
+
+static inline __attribute__((always_inline)) void run_panel(const int kind, const uint8_t *wp,
+                                                            const Acts *a, int64_t T, int64_t n0,
+                                                            const Epilogue *e) {
+    __m512 y[TILE_ROWS];
+    int64_t r0 = 0;
+    for (; r0 + TILE_ROWS <= T; r0 += TILE_ROWS) {
+        tile(kind, TILE_ROWS, wp, a, r0, y);
+        store_tile(TILE_ROWS, y, r0, n0, e);
+    }
+    switch (T - r0) {
+    case 3: tile(kind, 3, wp, a, r0, y); store_tile(3, y, r0, n0, e); break;
+    case 2: tile(kind, 2, wp, a, r0, y); store_tile(2, y, r0, n0, e); break;
+    case 1: tile(kind, 1, wp, a, r0, y); store_tile(1, y, r0, n0, e); break;
+    default: break;
+    }
+}
+
+#define PANELS(KIND)                                                                          \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)")      \
+    for (int64_t p = 0; p < np; p++)                                                          \
+        run_panel(KIND, wpack + p * np_bytes, a, T, 16 * p, e);
+
+static int gemm(int kind, const uint8_t *wpack, int64_t N, int64_t K, const Acts *a, int64_t T,
+                const Epilogue *e, int nthreads) {
+    const int64_t np = N / 16, np_bytes = (K / 32) * record_bytes(kind);
+    switch (kind) {
+    case KIND_Q4_0: PANELS(KIND_Q4_0) return 0;
+    case KIND_Q4_1: PANELS(KIND_Q4_1) return 0;
+    case KIND_Q8_0: PANELS(KIND_Q8_0) return 0;
+    default: return -1;
+    }
+}
+
+/* -- entry points -------------------------------------------------------------------------- */
+static __thread uint8_t *scratch = NULL;
+static __thread size_t scratch_bytes = 0;
+
+static int ensure_scratch(size_t need) {
+    if (need <= scratch_bytes) return 0;
+    free(scratch);
+    scratch_bytes = need > 2 * scratch_bytes ? need : 2 * scratch_bytes;
+    scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
+    if (!scratch) { scratch_bytes = 0; return -2; }
+    return 0;
+}
+
+/* The activations of x for a ``kind`` weight, in this thread's scratch. */
+static int prepare(int kind, const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
+                   int pre, const void *nw, float eps, Acts *a, int nthreads) {
+    const int64_t nb = K / 32, es = x_bf16 ? 2 : 4;
+    if (ensure_scratch((size_t)T * (size_t)(2 * K + 8 * nb) + 64)) return -2;
+    float *f = (float *)scratch;
+    Acts z = {0};
+    z.K = K, z.nb = nb;
+    if (kind == KIND_Q8_0) {
+        z.dx = f, z.isum = (const int32_t *)(f + T * nb), z.xq = (const int8_t *)(f + 2 * T * nb);
+    } else {
+        z.xs = f, z.xb = (const uint16_t *)(f + T * nb);
+    }
+    *a = z;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
+    for (int64_t r = 0; r < T; r++) {
+        const Row row = row_begin((const char *)x + r * x_stride * es, x_bf16, K, pre, nw, eps);
+        if (kind == KIND_Q8_0)
+            row_int8(&row, (int8_t *)z.xq + r * K, (float *)z.dx + r * nb, (int32_t *)z.isum + r * nb);
+        else
+            row_bf16(&row, (uint16_t *)z.xb + r * K, (float *)z.xs + r * nb);
+    }
+    return 0;
+}
+
+/* out[T, N] = pre(x)[T, K] @ W^T (+ bias[N]) (+ res[T, N]); N % 16 == 0, K % 32 == 0.
+ * x: [T, K] ([T, 2K] for PRE_SILU_MUL); strides in elements; *_bf16: bf16 (1) or float32 (0).
+ * Returns 0, -1 for an unknown kind, -2 when the scratch cannot be allocated. */
+int tq_linear(int kind, const uint8_t *wpack, int64_t N, int64_t K, const void *x, int64_t x_stride,
+              int x_bf16, int pre, const void *nw, float eps, int64_t T, void *out,
+              int64_t out_stride, int out_bf16, const void *res, int64_t res_stride, int res_bf16,
+              const void *bias, int bias_bf16, int nthreads) {
+    if (kind < KIND_Q4_0 || kind > KIND_Q8_0) return -1;
+    Acts a;
+    int rc = prepare(kind, x, x_stride, x_bf16, T, K, pre, nw, eps, &a, nthreads);
+    if (rc) return rc;
+    const Epilogue e = {out, out_stride, out_bf16, res, res_stride, res_bf16, bias, bias_bf16};
+    return gemm(kind, wpack, N, K, &a, T, &e, nthreads);
+}
+
+/* The activations tq_linear computes for x (tests): Q8_0 -> xq [T, K] int8 + dx [T, K/32];
+ * Q4_* -> xb [T, K] bf16 (in xq's buffer, 2 bytes each) + xs [T, K/32] in dx. Returns as tq_linear. */
+int tq_activations(int kind, const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
+                   int pre, const void *nw, float eps, void *xq, float *dx, int nthreads) {
+    if (kind < KIND_Q4_0 || kind > KIND_Q8_0) return -1;
+    Acts a;
+    int rc = prepare(kind, x, x_stride, x_bf16, T, K, pre, nw, eps, &a, nthreads);
+    if (rc) return rc;
+    const int64_t nb = K / 32;
+    if (kind == KIND_Q8_0) {
+        memcpy(xq, a.xq, (size_t)(T * K));
+        memcpy(dx, a.dx, (size_t)(T * nb) * 4);
+    } else {
+        memcpy(xq, a.xb, (size_t)(T * K) * 2);
+        memcpy(dx, a.xs, (size_t)(T * nb) * 4);
+    }
+    return 0;
+}
