@@ -100,7 +100,10 @@ class EngineConfig(_Strict):
                             "with int8 activation blocks where they build, else torch's int4 kernel "
                             "in bfloat16), 'int4' forces torch's int4 kernel, 'dequant' expands them "
                             "to the dtype; 'auto': native on a CPU computing in bfloat16")
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu_kernel", "torch", "triton"] = Field(
+        "auto", description="paged attention: 'cpu_kernel' (one C call per layer, AVX512 CPUs), "
+                            "'torch' (plain torch ops), 'triton' (GPU); 'auto': triton on CUDA, "
+                            "cpu_kernel where it builds, else torch")
     context_length: int | None = Field(None, ge=16, description="override the model's context length")
     sliding_window: int | None = Field(None, ge=1, description="override: make layers sliding-window")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")

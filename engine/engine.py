@@ -44,6 +44,7 @@ from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.engine.attention import make_attention_backend
 from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
@@ -67,16 +68,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     from tandem.engine.loader import resolve_dtype as _resolve
 
     return _resolve(name, device)
-
-
-def make_attention_backend(name: str, device: torch.device):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from tandem.engine.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
-    from tandem.engine.attention.torch_backend import TorchAttentionBackend
-    return TorchAttentionBackend()
 
 
 class Engine:

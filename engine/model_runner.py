@@ -138,11 +138,11 @@ class ModelRunner:
         from tandem.cache.allocator import PagedAllocator
         from tandem.cache.kv_pool import KVPool
         from tandem.cache.req_to_token import ReqToTokenPool
-        from tandem.engine.attention.torch_backend import TorchAttentionBackend
+        from tandem.engine.attention import make_attention_backend
 
         a = loaded.arch
         pool = KVPool(max_total_tokens, page_size, a.num_layers, a.num_kv_heads, a.head_dim,
                       dtype=loaded.model.dtype, device=loaded.model.device)
         r2t = ReqToTokenPool(max_reqs, max_context or a.max_position, device=loaded.model.device)
         alloc = PagedAllocator(max_total_tokens // page_size, page_size)
-        return cls(loaded, pool, r2t, alloc, backend or TorchAttentionBackend())
+        return cls(loaded, pool, r2t, alloc, backend or make_attention_backend("auto", loaded.model.device))

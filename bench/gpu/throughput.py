@@ -93,7 +93,7 @@ def prefill_flops(arch, T: int) -> float:
 # -- Tandem, the runner alone ---------------------------------------------------------------------
 def _runner(pair, batch: int, ctx: int, graph_mode: str | None):
     from tandem.engine.cuda_graph import DecodeGraphRunner
-    from tandem.engine.engine import make_attention_backend
+    from tandem.engine.attention import make_attention_backend
     from tandem.engine.model_runner import ModelRunner
 
     dev = pair.loaded.model.device

@@ -26,7 +26,7 @@ from tandem.engine.model_config import ModelArchConfig, ModelLoadError
 from tandem.engine.quant.blocks import QuantWeight
 from tandem.engine.quant.linear import DenseLinear, collapse_to_hugepages, make_linear, onednn_packable
 from tandem.engine.quant.preop import PreOp
-from tandem.engine.quant.avx512 import avx512_reason
+from tandem.engine.quant.avx512 import avx512_reason, rope_
 
 # HF tensor name -> tensor, or a GGUF projection's QuantWeight (raises ModelLoadError if absent)
 GetTensor = Callable[[str], "torch.Tensor | QuantWeight"]
@@ -86,7 +86,8 @@ class LlamaLayer(nn.Module):
         v = qkv[:, n_qk * self.d:].view(T, self.n_kv, self.d)        # [T, Hkv, D]
         if self.qk_norm is not None:
             qk = rms_norm(qk, None, self.eps) * self.qk_norm         # per-head norm over D
-        qk = Rotary.apply(qk, cos, sin)
+        if not rope_(qk, cos, sin):                                   # in place where it can
+            qk = Rotary.apply(qk, cos, sin)
         q, k = qk[:, : self.n_q], qk[:, self.n_q:]
         o = backend.forward(q, k, v, self.spec, fb)                   # [T, Hq, D]
         x = self.o_proj(o.reshape(T, self.n_q * self.d), residual=x)

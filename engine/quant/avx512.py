@@ -141,3 +141,18 @@ class Avx512Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotary embedding in place, bitwise what ``layers.Rotary.apply`` returns (each bf16 product
+    and sum rounded as torch's separate ops round them). x: [T, H, D] (unit stride in D, heads
+    D apart; rows at any stride); cos, sin: [T, 1, D/2] in x's dtype. Returns False, touching
+    nothing, where the kernel does not apply (no library, another dtype or layout, D/2 % 16)."""
+    t, h, d = x.shape
+    if (x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype or x.stride(2) != 1
+            or x.stride(1) != d or (d // 2) % 16 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
+            or x.device.type != "cpu" or (lib := kernel_lib()) is None):
+        return False
+    lib.tq_rope(x.data_ptr(), t, x.stride(0), h, d, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                x.dtype == torch.bfloat16)
+    return True

@@ -381,3 +381,205 @@ int tq_activations(int kind, const void *x, int64_t x_stride, int x_bf16, int64_
     }
     return 0;
 }
+
+/* -- rotary embedding ("rotate_half" layout), in place -------------------------------------- */
+/* v rounded to bf16 and back (round to nearest even; finite values) */
+static inline __m512 round_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* x: [T, H, D] at row stride x_stride (elements), halves x1 = [:D/2], x2 = [D/2:];
+ * cos, sin: [T, D/2] at row stride cs_stride. x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each
+ * product and sum rounded to the dtype as torch's separate bf16 ops round them (Rotary.apply),
+ * so the result is bitwise torch's. D / 2 % 16 == 0. */
+void tq_rope(void *x, int64_t T, int64_t x_stride, int64_t H, int64_t D, const void *cos,
+             const void *sin, int64_t cs_stride, int bf16) {
+    const int64_t half = D / 2, es = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 c = load16((const char *)cos + (t * cs_stride + i) * es, bf16);
+            const __m512 s = load16((const char *)sin + (t * cs_stride + i) * es, bf16);
+            for (int64_t h = 0; h < H; h++) {
+                char *p1 = (char *)x + (t * x_stride + h * D + i) * es, *p2 = p1 + half * es;
+                const __m512 a = load16(p1, bf16), b = load16(p2, bf16);
+                __m512 o1, o2;
+                if (bf16) {
+                    o1 = round_bf16(_mm512_sub_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(b, s))));
+                    o2 = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(b, c)), round_bf16(_mm512_mul_ps(a, s))));
+                } else {
+                    o1 = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s));
+                    o2 = _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s));
+                }
+                store16(p1, o1, bf16);
+                store16(p2, o2, bf16);
+            }
+        }
+    }
+}
+
+/* -- paged attention ------------------------------------------------------------------------ */
+/* Every query row is attended by the same instruction sequence whatever else is in the call:
+ * its keys are visited in blocks of 16 absolute positions (block b = positions 16 b .. 16 b + 15),
+ * in order, with an online softmax (running max m, sum l, output o, float32); inside a block the
+ * scores are s_j = scale * sum_d q_d k_jd (float32 FMAs in four interleaved d-strided partial
+ * sums), lanes outside the query's [lo, hi) are masked, p_j = exp(s_j - m) (exp16), and
+ * o = o * exp(m_old - m) + sum_j p_j v_j in key order. So a query's output is bitwise the same in a
+ * prompt chunk, after a cached prefix, or as a decode row in any batch (the prefix cache on/off and
+ * disaggregation oracles rely on it), and independent of the thread count. */
+#define ATT_KEYS 16
+#define ATT_QCHUNK 32
+#define ATT_MAX_D 256
+
+static inline __m512 exp_scalar_v(float x) { return exp16(_mm512_set1_ps(x)); }
+
+typedef struct {
+    const void *q;            /* [T, Hq, D], row stride q_stride */
+    int64_t q_stride;
+    void *out;                /* [T, Hq, D] contiguous */
+    int64_t Hq, Hkv, D;
+    const void *kpool, *vpool; /* [rows, Hkv, D] */
+    const int32_t *r2t;       /* req_to_token [R, r2t_stride] */
+    int64_t r2t_stride;
+    const int64_t *seq_row, *lo, *hi;   /* per query: its req_to_token row, key positions [lo, hi) */
+    const int64_t *imap;      /* full slot -> pool row, or NULL */
+    float scale;
+    int bf16;
+} Att;
+
+static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *state) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, nq = t1 - t0, es = a->bf16 ? 2 : 4;
+    const int64_t nd = D / 16, row = a->seq_row[t0];
+    /* state per (query, head i): qf [D], o [D], m, l */
+    float *qf = state, *o = qf + nq * G * D, *ml = o + nq * G * D;
+    int64_t blo = INT64_MAX, bhi = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        if (a->lo[t] < blo) blo = a->lo[t];
+        if (a->hi[t] > bhi) bhi = a->hi[t];
+        for (int64_t i = 0; i < G; i++) {
+            const char *qp = (const char *)a->q + (t * a->q_stride + (g * G + i) * D) * es;
+            float *dst = qf + ((t - t0) * G + i) * D;
+            for (int64_t c = 0; c < nd; c++) _mm512_storeu_ps(dst + 16 * c, load16(qp + 16 * c * es, a->bf16));
+            memset(o + ((t - t0) * G + i) * D, 0, (size_t)D * 4);
+            ml[2 * ((t - t0) * G + i)] = -INFINITY;
+            ml[2 * ((t - t0) * G + i) + 1] = 0.0f;
+        }
+    }
+    float kt[ATT_MAX_D * ATT_KEYS] __attribute__((aligned(64)));   /* [D][16] */
+    float vb[ATT_KEYS * ATT_MAX_D] __attribute__((aligned(64)));   /* [16][D] */
+    const int64_t hstride = a->Hkv * D;
+    for (int64_t b = blo / ATT_KEYS; b * ATT_KEYS < bhi; b++) {
+        const int64_t p0 = b * ATT_KEYS;
+        for (int64_t j = 0; j < ATT_KEYS; j++) {
+            const int64_t pos = p0 + j;
+            if (pos < blo || pos >= bhi) {
+                for (int64_t d = 0; d < D; d++) kt[d * ATT_KEYS + j] = 0.0f;
+                memset(vb + j * D, 0, (size_t)D * 4);
+                continue;
+            }
+            int64_t slot = a->r2t[row * a->r2t_stride + pos];
+            if (a->imap) slot = a->imap[slot];
+            const char *kp = (const char *)a->kpool + (slot * hstride + g * D) * es;
+            const char *vp = (const char *)a->vpool + (slot * hstride + g * D) * es;
+            for (int64_t c = 0; c < nd; c++) {
+                float tmp[16] __attribute__((aligned(64)));
+                _mm512_store_ps(tmp, load16(kp + 16 * c * es, a->bf16));
+                for (int e = 0; e < 16; e++) kt[(16 * c + e) * ATT_KEYS + j] = tmp[e];
+                _mm512_storeu_ps(vb + j * D + 16 * c, load16(vp + 16 * c * es, a->bf16));
+            }
+        }
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t lo = a->lo[t], hi = a->hi[t];
+            if (p0 + ATT_KEYS <= lo || p0 >= hi) continue;
+            const int64_t jlo = lo > p0 ? lo - p0 : 0, jhi = hi < p0 + ATT_KEYS ? hi - p0 : ATT_KEYS;
+            const __mmask16 valid = (__mmask16)(((1u << jhi) - 1u) & ~((1u << jlo) - 1u));
+            for (int64_t i = 0; i < G; i++) {
+                const int64_t si = (t - t0) * G + i;
+                const float *qv = qf + si * D;
+                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+                for (int64_t d = 0; d < D; d += 4) {
+                    s0 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d]), _mm512_load_ps(kt + d * ATT_KEYS), s0);
+                    s1 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 1]), _mm512_load_ps(kt + (d + 1) * ATT_KEYS), s1);
+                    s2 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 2]), _mm512_load_ps(kt + (d + 2) * ATT_KEYS), s2);
+                    s3 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 3]), _mm512_load_ps(kt + (d + 3) * ATT_KEYS), s3);
+                }
+                __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)),
+                                         _mm512_set1_ps(a->scale));
+                s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+                float *m = ml + 2 * si, *l = m + 1;
+                const float bm = _mm512_reduce_max_ps(s);
+                const float mn = bm > *m ? bm : *m;
+                const float alpha = _mm_cvtss_f32(_mm512_castps512_ps128(exp_scalar_v(*m - mn)));
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+                *l = *l * alpha + _mm512_reduce_add_ps(p);
+                *m = mn;
+                float pj[16] __attribute__((aligned(64)));
+                _mm512_store_ps(pj, p);
+                float *ov = o + si * D;
+                for (int64_t c = 0; c < nd; c++) {
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(ov + 16 * c), _mm512_set1_ps(alpha));
+                    for (int64_t j = jlo; j < jhi; j++)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_load_ps(vb + j * D + 16 * c), acc);
+                    _mm512_storeu_ps(ov + 16 * c, acc);
+                }
+            }
+        }
+    }
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t i = 0; i < G; i++) {
+            const int64_t si = (t - t0) * G + i;
+            const __m512 inv = _mm512_set1_ps(1.0f / ml[2 * si + 1]);
+            char *op = (char *)a->out + ((t * a->Hq) + g * G + i) * D * es;
+            for (int64_t c = 0; c < nd; c++)
+                store16(op + 16 * c * es, _mm512_mul_ps(_mm512_loadu_ps(o + si * D + 16 * c), inv), a->bf16);
+        }
+}
+
+/* Write the new tokens' K/V (knew/vnew [T, Hkv, D] at row stride new_stride, to pool rows wrow[t]),
+ * then attend every query t over keys at positions [lo[t], hi[t]) of req_to_token row seq_row[t]
+ * (pool row = imap[slot] when imap is given). Queries of one sequence must be consecutive. Query
+ * head h reads KV head h / (Hq / Hkv). D % 16 == 0, D <= 256. Returns 0, -1 for a bad shape, -2
+ * when memory runs out. */
+int tq_attention(const void *q, int64_t q_stride, void *out, int64_t T, int64_t Hq, int64_t Hkv,
+                 int64_t D, void *kpool, void *vpool, const void *knew, const void *vnew,
+                 int64_t new_stride, const int64_t *wrow, const int32_t *r2t, int64_t r2t_stride,
+                 const int64_t *seq_row, const int64_t *lo, const int64_t *hi, const int64_t *imap,
+                 float scale, int bf16, int nthreads) {
+    if (D % 16 || D > ATT_MAX_D || Hkv <= 0 || Hq % Hkv) return -1;
+    const int64_t es = bf16 ? 2 : 4, rowb = Hkv * D * es;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy((char *)kpool + wrow[t] * rowb, (const char *)knew + t * new_stride * es, (size_t)rowb);
+        memcpy((char *)vpool + wrow[t] * rowb, (const char *)vnew + t * new_stride * es, (size_t)rowb);
+    }
+    /* tasks: (a run of <= ATT_QCHUNK consecutive queries of one sequence, kv head) */
+    int64_t ntask = 0;
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(T + 1));
+    if (!starts) return -2;
+    for (int64_t t = 0; t < T;) {
+        int64_t e = t + 1;
+        while (e < T && e - t < ATT_QCHUNK && seq_row[e] == seq_row[t]) e++;
+        starts[ntask++] = t;
+        t = e;
+    }
+    starts[ntask] = T;
+    const Att a = {q, q_stride, out, Hq, Hkv, D, kpool, vpool, r2t, r2t_stride, seq_row, lo, hi,
+                   imap, scale, bf16};
+    const int64_t G = Hq / Hkv, state_floats = ATT_QCHUNK * G * (2 * D + 2);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && ntask * Hkv > 1)
+    {
+        float *state = malloc(sizeof(float) * (size_t)state_floats);
+        if (!state) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < ntask * Hkv; w++)
+            if (state) attend_task(&a, starts[w / Hkv], starts[w / Hkv + 1], w % Hkv, state);
+        free(state);
+    }
+    free(starts);
+    return failed ? -2 : 0;
+}

@@ -39,6 +39,9 @@ _SIGNATURES = {
     "tq_linear": ([_I32, _P, _I64, _I64, _P, _I64, _I32, _I32, _P, _F32, _I64, _P, _I64, _I32,
                    _P, _I64, _I32, _P, _I32, _I32], _I32),
     "tq_activations": ([_I32, _P, _I64, _I32, _I64, _I64, _I32, _P, _F32, _P, _P, _I32], _I32),
+    "tq_rope": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I32], None),
+    "tq_attention": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64,
+                      _P, _P, _P, _P, _F32, _I32, _I32], _I32),
 }
 
 

@@ -140,3 +140,20 @@ def test_a_failed_build_is_a_reason_not_a_crash(fresh_load, monkeypatch, tmp_pat
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert native_lib.kernel_lib() is None
     assert native_lib.kernel_unavailable().startswith("building the AVX512 kernels failed")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_is_bitwise_the_torch_rotary(dtype):
+    from tandem.engine.layers import Rotary
+    from tandem.engine.quant.avx512 import rope_
+
+    for t in (1, 6):
+        qkv = (torch.randn(t, 15 * 64) * 3).to(dtype)
+        qk = qkv[:, :12 * 64].view(t, 12, 64)               # rows at the qkv stride, as the model has them
+        cos, sin = torch.randn(t, 1, 32).to(dtype), torch.randn(t, 1, 32).to(dtype)
+        ref = Rotary.apply(qk, cos, sin)
+        rest = qkv[:, 12 * 64:].clone()
+        assert rope_(qk, cos, sin)
+        assert torch.equal(qk, ref) and torch.equal(qkv[:, 12 * 64:], rest)
+    odd = torch.randn(2, 3, 8)                               # D / 2 = 4: not the kernel's
+    assert not rope_(odd, torch.randn(2, 1, 4), torch.randn(2, 1, 4))

@@ -3,7 +3,8 @@ whether its prefix came from the cache: bitwise, on the real SmolLM2, in the def
 (bf16 + native Q4_1 weights on a CPU with native bf16; 1 and 2 threads) and in float32.
 
 This is what the engine-level oracles (batched == alone, prefix cache on == off, disaggregated ==
-colocated) rest on; see engine/attention/torch_backend.py ("Exactness") for how attention keeps it.
+colocated) rest on; for both CPU attention backends (engine/attention/torch_backend.py, "Exactness",
+and engine/attention/cpu_backend.py say how each keeps it).
 """
 
 from __future__ import annotations
@@ -11,15 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.engine.attention import make_attention_backend
 from tandem.engine.model_runner import ModelRunner
 
 
-@pytest.fixture(params=[("default", 1), ("default", 2), ("float32", 1)], ids=lambda p: f"{p[0]}-{p[1]}")
+def _backends() -> list[str]:
+    from tandem.engine.attention.cpu_backend import cpu_kernel_unavailable
+    return ["torch"] + (["cpu_kernel"] if cpu_kernel_unavailable() is None else [])
+
+
+@pytest.fixture(params=[(m, n, b) for b in _backends() for m, n in [("default", 1), ("default", 2), ("float32", 1)]],
+                ids=lambda p: f"{p[2]}-{p[0]}-{p[1]}")
 def loaded(request, smollm2, smollm2_default):
-    """(model, with this many torch threads)."""
+    """(model, attention backend name), with this many torch threads."""
     old = torch.get_num_threads()
     torch.set_num_threads(request.param[1])
-    yield smollm2_default if request.param[0] == "default" else smollm2
+    yield (smollm2_default if request.param[0] == "default" else smollm2), request.param[2]
     torch.set_num_threads(old)
 
 
@@ -35,7 +43,9 @@ def _alone(r: ModelRunner, ids: list[int], steps: int) -> tuple[list[torch.Tenso
 
 
 def test_logits_are_independent_of_batch_chunking_and_prefix(loaded):
-    r = ModelRunner.create(loaded, max_total_tokens=8192, max_reqs=8, max_context=2048)
+    loaded, backend = loaded
+    r = ModelRunner.create(loaded, max_total_tokens=8192, max_reqs=8, max_context=2048,
+                           backend=make_attention_backend(backend, torch.device("cpu")))
     tok = loaded.tokenizer
     a = tok.encode("The largest planet in our solar system is")          # ~9 tokens
     long = tok.encode(" ".join(f"item{i}" for i in range(40)))           # ~120 tokens: crosses 64

@@ -1,4 +1,5 @@
-"""TorchAttentionBackend against a dense reference written here.
+"""The CPU attention backends (TorchAttentionBackend, and CpuKernelAttentionBackend where the AVX512
+kernels build) against a dense reference written here.
 
 Every case scatters pages (shuffled) and request rows, fills every pool row no query may read
 with NaN (free rows, and positions that fall outside every query's sliding window), and keeps
@@ -15,6 +16,7 @@ import torch
 from tandem.cache.kv_pool import KVPool, LayerKV
 from tandem.cache.req_to_token import ReqToTokenPool
 from tandem.engine.attention.base import AttnSpec
+from tandem.engine.attention.cpu_backend import CpuKernelAttentionBackend, cpu_kernel_unavailable
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
 
@@ -42,7 +44,7 @@ def make_case(seqs, *, hq=9, hkv=3, d=16, page_size=1, window=None, index_map=Fa
     pool = KVPool(num_slots, page_size, 2, hkv, d)
     pool.kv_data.fill_(float("nan"))
     pool.kv_data[:, :, :page_size] = 0.0                     # padding page stays zero
-    r2t = ReqToTokenPool(8, 64)
+    r2t = ReqToTokenPool(8, 128)
     pages = (torch.randperm(num_pages, generator=g) + 1).tolist()
     rows = (torch.randperm(8, generator=g) + 1).tolist()
     k_all, v_all, q_new, k_new, v_new, locs = [], [], [], [], [], []
@@ -107,9 +109,15 @@ def reference(q, seqs, dense, spec):
     return torch.cat(out)
 
 
-def run(seqs, **kw):
+BACKENDS = {"torch": TorchAttentionBackend, "cpu_kernel": CpuKernelAttentionBackend}
+backends = pytest.mark.parametrize("backend", [
+    "torch", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
+        cpu_kernel_unavailable() is not None, reason=f"cpu_kernel: {cpu_kernel_unavailable()}"))])
+
+
+def run(seqs, backend="torch", **kw):
     fb, q, k, v, dense, spec = make_case(seqs, **kw)
-    be = TorchAttentionBackend()
+    be = BACKENDS[backend]()
     be.init_forward(fb)
     o = be.forward(q, k, v, spec, fb)
     ref = reference(q, seqs, dense, spec)
@@ -132,21 +140,32 @@ MIXED = [(0, 7), (5, 1), (12, 1), (4, 6), (0, 1), (9, 4)]
 @pytest.mark.parametrize("window", [None, 1, 5])
 @pytest.mark.parametrize("index_map", [False, True])
 @pytest.mark.parametrize("seqs", [DECODE, PREFILL, MIXED], ids=["decode", "prefill", "mixed"])
-def test_matches_dense_reference(seqs, page_size, window, index_map):
-    fb = run(seqs, page_size=page_size, window=window, index_map=index_map, seed=len(seqs) + page_size)
+@backends
+def test_matches_dense_reference(seqs, page_size, window, index_map, backend):
+    fb = run(seqs, backend, page_size=page_size, window=window, index_map=index_map, seed=len(seqs) + page_size)
     if seqs is DECODE:
         assert fb.is_decode
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
-def test_head_layouts(hq, hkv):
-    run(MIXED, hq=hq, hkv=hkv, d=8, page_size=2, window=3, seed=hq)
+@pytest.mark.parametrize("d", [8, 32])
+@backends
+def test_head_layouts(hq, hkv, d, backend):
+    run(MIXED, backend, hq=hq, hkv=hkv, d=d, page_size=2, window=3, seed=hq)
 
 
-def test_other_layer_untouched():
+@backends
+def test_long_sequences_cross_key_blocks(backend):
+    """Keys past the kernel's 16-position blocks and the torch backend's 64-key padding."""
+    run([(0, 70), (40, 1), (100, 3), (17, 1)], backend, d=16, page_size=4, window=None, seed=5)
+    run([(0, 70), (40, 1), (100, 3)], backend, d=16, page_size=1, window=21, index_map=True, seed=6)
+
+
+@backends
+def test_other_layer_untouched(backend):
     fb, q, k, v, _, spec = make_case(MIXED, page_size=2)
     before = fb.kv_pool.kv_data[0].clone()
-    be = TorchAttentionBackend()
+    be = BACKENDS[backend]()
     be.init_forward(fb)
     be.forward(q, k, v, spec, fb)
     torch.testing.assert_close(fb.kv_pool.kv_data[0], before, equal_nan=True)

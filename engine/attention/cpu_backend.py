@@ -1,0 +1,121 @@
+"""CpuKernelAttentionBackend: paged attention in one C call per layer (``tq_attention`` in
+engine/quant/avx512_kernels.c), the CPU default where the AVX512 kernels build.
+
+One call writes the step's new K/V into the layer's pool and attends every query over its keys,
+read in place through ``req_to_token`` (and ``LayerKV.index_map``): no gather, no padding, no
+per-width groups. Each query row is computed by the same instruction sequence whatever else is in
+the step (keys in blocks of 16 absolute positions, online softmax in float32; the C file says the
+exact order), so a query's output is bitwise the same in a prompt chunk, after a cached prefix, or
+as a decode row in any batch, at any thread count, for full and sliding-window layers alike: the
+prefix cache on/off, retraction-recompute and disaggregated-vs-colocated oracles hold exactly.
+
+Per step (``init_forward``): for every new token t, its sequence's ``req_to_token`` row and the
+end of its key range ``hi[t] = position + 1`` (``[T]`` int64 each); a window W makes the range
+``[max(0, hi - W), hi)``. Layers whose shapes or dtypes the kernel does not take (pool dtype other
+than q's, head_dim not a multiple of 16 or above 256) go to :class:`TorchAttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.attention.base import AttnSpec
+from tandem.engine.attention.torch_backend import _META_KEY as _TORCH_META
+from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.quant.native_lib import kernel_lib, kernel_unavailable
+
+_META_KEY = "cpu_kernel"
+
+
+def cpu_kernel_unavailable() -> str | None:
+    """None when this backend can run here, else why not."""
+    return kernel_unavailable()
+
+
+class _Step:
+    """A step's per-token key ranges; per-window lows and per-index-map write rows, lazily."""
+
+    def __init__(self, fb: ForwardBatch):
+        if fb.is_decode:                                     # T == B, one token each
+            self.rows, self.hi = fb.req_pool_indices, fb.seq_lens
+        else:
+            ext = fb.extend_lens
+            self.rows = torch.repeat_interleave(fb.req_pool_indices, ext)
+            # hi of sequence i's new tokens: prefix_i + 1 .. seq_len_i
+            offs = torch.arange(fb.num_tokens, device=ext.device) - torch.repeat_interleave(fb.extend_starts, ext)
+            self.hi = torch.repeat_interleave(fb.prefix_lens, ext) + offs + 1
+        self.rows = self.rows.to(torch.int64).contiguous()
+        self.hi = self.hi.to(torch.int64).contiguous()
+        self.lo: dict[int | None, torch.Tensor] = {None: torch.zeros_like(self.hi)}
+        self.wrows: dict[int, torch.Tensor] = {}
+
+    def low(self, window: int | None) -> torch.Tensor:
+        lo = self.lo.get(window)
+        if lo is None:
+            lo = self.lo[window] = (self.hi - window).clamp_(min=0).contiguous()
+        return lo
+
+    def write_rows(self, out_cache_loc: torch.Tensor, index_map: torch.Tensor | None) -> torch.Tensor:
+        if index_map is None:
+            return out_cache_loc
+        key = index_map.data_ptr()
+        rows = self.wrows.get(key)
+        if rows is None:
+            rows = self.wrows[key] = index_map[out_cache_loc].to(torch.int64).contiguous()
+        return rows
+
+
+class CpuKernelAttentionBackend:
+    """Implements :class:`tandem.engine.attention.base.AttentionBackend` with ``tq_attention``."""
+
+    def __init__(self) -> None:
+        if (why := kernel_unavailable()) is not None:
+            raise RuntimeError(f"the CPU attention kernel cannot run here: {why}")
+        self._lib = kernel_lib()
+        self._torch = TorchAttentionBackend()       # for layers the kernel does not take
+
+    def init_forward(self, fb: ForwardBatch) -> None:
+        fb.attn_meta[_META_KEY] = _Step(fb)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> o: [T, Hq, D]."""
+        lkv = fb.kv_pool.layer(spec.layer_id)
+        t, hq, d = q.shape
+        if not self._takes(q, lkv, d):
+            return self._fallback(q, k, v, spec, fb)
+        step: _Step = fb.attn_meta[_META_KEY]
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        if k.stride(0) != v.stride(0) or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        wrow = step.write_rows(fb.out_cache_loc, lkv.index_map)
+        lo = step.low(spec.sliding_window)
+        r2t = fb.req_to_token
+        if r2t.dtype != torch.int32 or r2t.stride(1) != 1:
+            raise ValueError(f"req_to_token must be int32 with unit stride, got {r2t.dtype} {tuple(r2t.stride())}")
+        imap = lkv.index_map
+        if imap is not None and (imap.dtype != torch.int64 or not imap.is_contiguous()):
+            imap = imap.to(torch.int64).contiguous()
+        out = torch.empty(t, hq, d, dtype=q.dtype)
+        rc = self._lib.tq_attention(
+            q.data_ptr(), q.stride(0), out.data_ptr(), t, hq, spec.num_kv_heads, d,
+            lkv.k.data_ptr(), lkv.v.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+            wrow.data_ptr(), r2t.data_ptr(), r2t.stride(0), step.rows.data_ptr(), lo.data_ptr(),
+            step.hi.data_ptr(), imap.data_ptr() if imap is not None else None, spec.scale,
+            q.dtype == torch.bfloat16, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"tq_attention failed ({rc}) on layer {spec.layer_id}")
+        return out
+
+    @staticmethod
+    def _takes(q: torch.Tensor, lkv, d: int) -> bool:
+        return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+                and lkv.k.dtype == q.dtype and lkv.v.dtype == q.dtype and d % 16 == 0 and d <= 256
+                and lkv.k.is_contiguous() and lkv.v.is_contiguous())
+
+    def _fallback(self, q, k, v, spec, fb):
+        if _TORCH_META not in fb.attn_meta:               # the first such layer this step
+            self._torch.init_forward(fb)
+        return self._torch.forward(q, k, v, spec, fb)
