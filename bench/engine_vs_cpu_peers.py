@@ -3,8 +3,9 @@
 The same prompts, the same GGUF file (the embedded SmolLM2-135M-Instruct Q4_1), the same thread
 count, in one run:
   * Tandem in each numerics mode: float32 (dequantized, exact), bfloat16 (dequantized),
-    bfloat16 + the GGUF's own Q4_1 weights on int4 kernels ("native", the default on a CPU with
-    native bf16);
+    bfloat16 + the GGUF's own Q4_1 weights on Tandem's AVX512 kernels ("native", the default on a
+    CPU with native bf16: engine/quant/avx512.py, with the cpu_kernel attention backend and each
+    layer fused into one C call), and on torch's int4 kernel ("int4", the previous default);
   * HF transformers in the same dtypes (transformers >= 5 keeps GGUF weights quantized and
     computes in float32; in bfloat16 it casts around every matmul);
   * llama.cpp through llama-cpp-python on the same file (``n_threads`` = ``n_threads_batch`` =
@@ -29,7 +30,7 @@ Build it once (~10-20 minutes on 2 cores) with AMX off (its AMX path faults on t
 Without it the llama.cpp rows are skipped.
 
 Usage: python bench/engine_vs_cpu_peers.py [--threads N] [--repeats R]
-       [--modes float32,bfloat16,native] [--cases prefill,decode,batch] [--no-hf] [--no-llama]
+       [--modes float32,bfloat16,native,int4] [--cases prefill,decode,batch] [--no-hf] [--no-llama]
        [--out bench/out/engine_vs_cpu_peers.json]
 """
 
@@ -46,8 +47,9 @@ import numpy as np
 import torch
 
 MODES = {"float32": ("float32", "dequant"), "bfloat16": ("bfloat16", "dequant"),
-         "native": ("bfloat16", "native")}
-HF_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "native": torch.bfloat16}
+         "native": ("bfloat16", "native"), "int4": ("bfloat16", "int4")}
+HF_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "native": torch.bfloat16,
+            "int4": torch.bfloat16}
 
 
 def _timed(fn) -> float:

@@ -48,13 +48,23 @@ class _Step:
         self.rows = self.rows.to(torch.int64).contiguous()
         self.hi = self.hi.to(torch.int64).contiguous()
         self.lo: dict[int | None, torch.Tensor] = {None: torch.zeros_like(self.hi)}
-        self.wrows: dict[int, torch.Tensor] = {}
+        self.wrows: dict = {}    # index map address -> write rows; ("imap", address) -> int64 map
 
     def low(self, window: int | None) -> torch.Tensor:
         lo = self.lo.get(window)
         if lo is None:
             lo = self.lo[window] = (self.hi - window).clamp_(min=0).contiguous()
         return lo
+
+    def index_map(self, index_map: torch.Tensor | None) -> torch.Tensor | None:
+        """The layer's index map as the kernel reads it (int64, contiguous)."""
+        if index_map is None or (index_map.dtype == torch.int64 and index_map.is_contiguous()):
+            return index_map
+        key = ("imap", index_map.data_ptr())
+        m = self.wrows.get(key)
+        if m is None:
+            m = self.wrows[key] = index_map.to(torch.int64).contiguous()
+        return m
 
     def write_rows(self, out_cache_loc: torch.Tensor, index_map: torch.Tensor | None) -> torch.Tensor:
         if index_map is None:
@@ -81,38 +91,45 @@ class CpuKernelAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> o: [T, Hq, D]."""
-        lkv = fb.kv_pool.layer(spec.layer_id)
         t, hq, d = q.shape
-        if not self._takes(q, lkv, d):
+        args = self.kernel_args(spec, fb, q.dtype)
+        if args is None:
             return self._fallback(q, k, v, spec, fb)
-        step: _Step = fb.attn_meta[_META_KEY]
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         if k.stride(0) != v.stride(0) or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1:
             k, v = k.contiguous(), v.contiguous()
-        wrow = step.write_rows(fb.out_cache_loc, lkv.index_map)
-        lo = step.low(spec.sliding_window)
-        r2t = fb.req_to_token
-        if r2t.dtype != torch.int32 or r2t.stride(1) != 1:
-            raise ValueError(f"req_to_token must be int32 with unit stride, got {r2t.dtype} {tuple(r2t.stride())}")
-        imap = lkv.index_map
-        if imap is not None and (imap.dtype != torch.int64 or not imap.is_contiguous()):
-            imap = imap.to(torch.int64).contiguous()
+        kpool, vpool, wrow, r2t, r2t_stride, rows, lo, hi, imap = args
         out = torch.empty(t, hq, d, dtype=q.dtype)
         rc = self._lib.tq_attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), t, hq, spec.num_kv_heads, d,
-            lkv.k.data_ptr(), lkv.v.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
-            wrow.data_ptr(), r2t.data_ptr(), r2t.stride(0), step.rows.data_ptr(), lo.data_ptr(),
-            step.hi.data_ptr(), imap.data_ptr() if imap is not None else None, spec.scale,
-            q.dtype == torch.bfloat16, torch.get_num_threads())
+            q.data_ptr(), q.stride(0), out.data_ptr(), t, hq, spec.num_kv_heads, d, kpool, vpool,
+            k.data_ptr(), v.data_ptr(), k.stride(0), wrow, r2t, r2t_stride, rows, lo, hi, imap,
+            spec.scale, q.dtype == torch.bfloat16, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"tq_attention failed ({rc}) on layer {spec.layer_id}")
         return out
 
+    def kernel_args(self, spec: AttnSpec, fb: ForwardBatch, dtype: torch.dtype) -> tuple | None:
+        """tq_attention's pool and key-range arguments for this layer this step, as addresses:
+        (kpool, vpool, write rows, req_to_token, its row stride, rows, lo, hi, index map or None);
+        None when the kernel does not take the layer (its pool's dtype or layout, the head dim).
+        The tensors behind them live in ``fb`` for the step."""
+        lkv = fb.kv_pool.layer(spec.layer_id)
+        if not self._takes(lkv, dtype, spec.head_dim):
+            return None
+        step: _Step = fb.attn_meta[_META_KEY]
+        r2t = fb.req_to_token
+        if r2t.dtype != torch.int32 or r2t.stride(1) != 1:
+            raise ValueError(f"req_to_token must be int32 with unit stride, got {r2t.dtype} {tuple(r2t.stride())}")
+        imap = step.index_map(lkv.index_map)
+        return (lkv.k.data_ptr(), lkv.v.data_ptr(), step.write_rows(fb.out_cache_loc, lkv.index_map).data_ptr(),
+                r2t.data_ptr(), r2t.stride(0), step.rows.data_ptr(), step.low(spec.sliding_window).data_ptr(),
+                step.hi.data_ptr(), imap.data_ptr() if imap is not None else None)
+
     @staticmethod
-    def _takes(q: torch.Tensor, lkv, d: int) -> bool:
-        return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-                and lkv.k.dtype == q.dtype and lkv.v.dtype == q.dtype and d % 16 == 0 and d <= 256
+    def _takes(lkv, dtype: torch.dtype, d: int) -> bool:
+        return (lkv.k.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and lkv.k.dtype == dtype and lkv.v.dtype == dtype and d % 16 == 0 and d <= 256
                 and lkv.k.is_contiguous() and lkv.v.is_contiguous())
 
     def _fallback(self, q, k, v, spec, fb):

@@ -22,6 +22,7 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend, AttnSpec
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.layers import Rotary, rms_norm, rope_inv_freq
+from tandem.engine.models.llama_cpu import FusedLlamaLayer
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
 from tandem.engine.quant.blocks import QuantWeight
 from tandem.engine.quant.linear import DenseLinear, collapse_to_hugepages, make_linear, onednn_packable
@@ -41,6 +42,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 # Q4_0 / Q4_1 / Q8_0 blocks; elsewhere plain tensors. Every kernel's output row depends on its
 # own input row only (bitwise), so a request's logits do not depend on its batch.
 WeightOrQuant = torch.Tensor | QuantWeight
+_UNBUILT = object()   # LlamaLayer.fused before its first forward
 
 
 class LlamaLayer(nn.Module):
@@ -72,13 +74,25 @@ class LlamaLayer(nn.Module):
         # qk_norm: [Hq + Hkv, D] -- q's weight repeated per q head, then k's per kv head, so q and k
         # are normalized in one call on their [T, Hq + Hkv, D] view.
         self.qk_norm = _param(tensors["qk_norm"]) if tensors.get("qk_norm") is not None else None
+        # the whole layer in one C call where its kernels allow (engine/models/llama_cpu.py);
+        # built on the first forward, None where it does not apply
+        self.fused: FusedLlamaLayer | None | object = _UNBUILT
 
     def kernels(self) -> list[nn.Module]:
         return [getattr(self, n) for n in self._PROJ]
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["fused"] = _UNBUILT              # holds raw addresses: rebuilt where it lands
+        return state
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         # x: [T, H] residual stream
+        if self.fused is _UNBUILT:
+            self.fused = FusedLlamaLayer.build(self)
+        if self.fused is not None and (y := self.fused(x, cos, sin, fb, backend)) is not None:
+            return y                                                  # bitwise the code below
         T = x.shape[0]
         qkv = self.qkv(x, self.qkv_bias, pre=PreOp.rmsnorm(self.input_norm, self.eps))  # [T, (Hq + 2Hkv) * D]
         n_qk = self.n_q + self.n_kv

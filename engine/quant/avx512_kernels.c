@@ -583,3 +583,58 @@ int tq_attention(const void *q, int64_t q_stride, void *out, int64_t T, int64_t 
     free(starts);
     return failed ? -2 : 0;
 }
+
+/* -- one Llama decoder layer ---------------------------------------------------------------- */
+/* The static half of a layer (built once by engine/models/llama_cpu.py): the four projections'
+ * packed weights ([0] qkv, [1] o, [2] gate_up, [3] down), the two RMSNorm weights, the shapes. */
+typedef struct {
+    int64_t kind[4];
+    const uint8_t *w[4];
+    int64_t n[4], k[4];
+    const void *in_norm, *post_norm;
+    double eps, scale;
+    int64_t n_q, n_kv, d;
+} LayerDesc;
+
+static __thread uint8_t *layer_scratch = NULL;
+static __thread size_t layer_scratch_bytes = 0;
+
+/* out[T, H] = the layer applied to x[T, H] (bf16, contiguous), exactly the composition
+ * engine/models/llama.py runs with these kernels (same calls, same roundings):
+ *   qkv = rmsnorm(x) @ Wqkv; rope(q, k); o = attention(q, k, v) (the K/V written first);
+ *   x2 = o @ Wo + x; gu = rmsnorm(x2) @ Wgu; out = silu(g) * u @ Wd + x2.
+ * cos, sin: [T, D/2] rows at cs_stride; the attention arguments are tq_attention's.
+ * Returns 0, or tq_linear's / tq_attention's error. */
+int tq_llama_layer(const LayerDesc *L, const void *x, void *out, int64_t T, const void *cos,
+                   const void *sin, int64_t cs_stride, void *kpool, void *vpool,
+                   const int64_t *wrow, const int32_t *r2t, int64_t r2t_stride,
+                   const int64_t *rows, const int64_t *lo, const int64_t *hi, const int64_t *imap,
+                   int nthreads) {
+    const int64_t H = L->n[1], nqkv = L->n[0], nqd = L->n_q * L->d, n2i = L->n[2];
+    const size_t need = (size_t)T * (size_t)(nqkv + nqd + H + n2i) * 2 + 256;
+    if (need > layer_scratch_bytes) {
+        free(layer_scratch);
+        layer_scratch_bytes = need > 2 * layer_scratch_bytes ? need : 2 * layer_scratch_bytes;
+        layer_scratch = aligned_alloc(64, (layer_scratch_bytes + 63) / 64 * 64);
+        if (!layer_scratch) { layer_scratch_bytes = 0; return -2; }
+    }
+    uint16_t *qkv = (uint16_t *)layer_scratch, *att = qkv + T * nqkv, *x2 = att + T * nqd,
+             *gu = x2 + T * H;
+    const float eps = (float)L->eps;
+    int rc = tq_linear((int)L->kind[0], L->w[0], nqkv, L->k[0], x, H, 1, PRE_RMSNORM, L->in_norm, eps,
+                       T, qkv, nqkv, 1, NULL, 0, 0, NULL, 0, nthreads);
+    if (rc) return rc;
+    tq_rope(qkv, T, nqkv, L->n_q + L->n_kv, L->d, cos, sin, cs_stride, 1);
+    rc = tq_attention(qkv, nqkv, att, T, L->n_q, L->n_kv, L->d, kpool, vpool, qkv + nqd,
+                      qkv + nqd + L->n_kv * L->d, nqkv, wrow, r2t, r2t_stride, rows, lo, hi, imap,
+                      (float)L->scale, 1, nthreads);
+    if (rc) return rc;
+    rc = tq_linear((int)L->kind[1], L->w[1], H, L->k[1], att, nqd, 1, PRE_NONE, NULL, 0.0f, T, x2, H,
+                   1, x, H, 1, NULL, 0, nthreads);
+    if (rc) return rc;
+    rc = tq_linear((int)L->kind[2], L->w[2], n2i, L->k[2], x2, H, 1, PRE_RMSNORM, L->post_norm, eps,
+                   T, gu, n2i, 1, NULL, 0, 0, NULL, 0, nthreads);
+    if (rc) return rc;
+    return tq_linear((int)L->kind[3], L->w[3], H, L->k[3], gu, n2i, 1, PRE_SILU_MUL, NULL, 0.0f, T,
+                     out, H, 1, x2, H, 1, NULL, 0, nthreads);
+}

@@ -33,7 +33,6 @@ import sys
 import threading
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.quant.blocks import GROUP, QuantWeight

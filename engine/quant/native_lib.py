@@ -42,6 +42,8 @@ _SIGNATURES = {
     "tq_rope": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I32], None),
     "tq_attention": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64,
                       _P, _P, _P, _P, _F32, _I32, _I32], _I32),
+    "tq_llama_layer": ([_P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P,
+                        _I32], _I32),
 }
 
 
