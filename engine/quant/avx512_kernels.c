@@ -162,6 +162,8 @@ typedef struct {
     int64_t K, nb;
 } Acts;
 
+#define TILE_ROWS 4   /* rows per tile (the rest: one smaller tile) */
+
 /* One 16-column panel over rows r0 .. r0 + R - 1 (Q8_0): y[r] = 16 float32 outputs. */
 static inline __attribute__((always_inline)) void tile_q8(const int R, const uint8_t *wp,
                                                           const Acts *a, int64_t r0, __m512 *y) {
@@ -209,9 +211,11 @@ static inline __attribute__((always_inline)) void tile_q4(const int kind, const 
                                   _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288))));
         else
             mw = _mm512_mul_ps(dw, _mm512_set1_ps(-136.0f));
-        __m512 acc0[8], acc1[8];
+        __m512 acc[4][TILE_ROWS];   /* one float32 chain per pair slot t: 4 R independent chains */
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++)
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * i));
@@ -225,15 +229,15 @@ static inline __attribute__((always_inline)) void tile_q4(const int kind, const 
                     int32_t x2;
                     memcpy(&x2, a->xb + (r0 + r) * a->K + 32 * b + 8 * i + 2 * t, 4);
                     const __m512bh xv = (__m512bh)_mm512_set1_epi32(x2);
-                    if (t & 1) acc1[r] = _mm512_dpbf16_ps(acc1[r], w, xv);
-                    else acc0[r] = _mm512_dpbf16_ps(acc0[r], w, xv);
+                    acc[t][r] = _mm512_dpbf16_ps(acc[t][r], w, xv);
                 }
             }
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m512 acc = _mm512_add_ps(acc0[r], acc1[r]);
-            y[r] = _mm512_fmadd_ps(acc, dw, y[r]);
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]),
+                                             _mm512_add_ps(acc[2][r], acc[3][r]));
+            y[r] = _mm512_fmadd_ps(sum, dw, y[r]);
             y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->xs[(r0 + r) * a->nb + b]), y[r]);
         }
     }
@@ -275,8 +279,6 @@ static inline __attribute__((always_inline)) void store_tile(const int R, const 
     }
 }
 
-#define TILE_ROWS 4
-
 static inline __attribute__((always_inline)) void run_panel(const int kind, const uint8_t *wp,
                                                             const Acts *a, int64_t T, int64_t n0,
                                                             const Epilogue *e) {
@@ -286,7 +288,7 @@ static inline __attribute__((always_inline)) void run_panel(const int kind, cons
         tile(kind, TILE_ROWS, wp, a, r0, y);
         store_tile(TILE_ROWS, y, r0, n0, e);
     }
-    switch (T - r0) {
+    switch (T - r0) {   /* the rest, as one smaller tile: each row's arithmetic is the same */
     case 3: tile(kind, 3, wp, a, r0, y); store_tile(3, y, r0, n0, e); break;
     case 2: tile(kind, 2, wp, a, r0, y); store_tile(2, y, r0, n0, e); break;
     case 1: tile(kind, 1, wp, a, r0, y); store_tile(1, y, r0, n0, e); break;
@@ -424,8 +426,8 @@ void tq_rope(void *x, int64_t T, int64_t x_stride, int64_t H, int64_t D, const v
 /* Every query row is attended by the same instruction sequence whatever else is in the call:
  * its keys are visited in blocks of 16 absolute positions (block b = positions 16 b .. 16 b + 15),
  * in order, with an online softmax (running max m, sum l, output o, float32); inside a block the
- * scores are s_j = scale * sum_d q_d k_jd (float32 FMAs in four interleaved d-strided partial
- * sums), lanes outside the query's [lo, hi) are masked, p_j = exp(s_j - m) (exp16), and
+ * scores are s_j = scale * sum_d q_d k_jd (float32: per key, FMAs over the 16-wide chunks of d in
+ * order, then hsum16's fixed tree over the 16 lanes), lanes outside the query's [lo, hi) are masked, p_j = exp(s_j - m) (exp16), and
  * o = o * exp(m_old - m) + sum_j p_j v_j in key order. So a query's output is bitwise the same in a
  * prompt chunk, after a cached prefix, or as a decode row in any batch (the prefix cache on/off and
  * disaggregation oracles rely on it), and independent of the thread count. */
@@ -449,6 +451,27 @@ typedef struct {
     int bf16;
 } Att;
 
+/* s[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once (a fixed tree of adds: lanes summed
+ * in 128-bit halves, then chunks, then pairs, then neighbours; the same tree for every key). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)      /* [a0+a2, a1+a3 | b0+b2, b1+b3] (128-bit chunks) */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)      /* chunk q of d[i]: 4 partial sums of key 4 i + q */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)      /* per chunk q: [x, y, x, y] partials of keys (8 i + q, 8 i + 4 + q) */
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
+                             _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    /* lane 4 q + m: key 4 m + q */
+    const __m512 r = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(e[0]), _mm512_castps_pd(e[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(e[0]), _mm512_castps_pd(e[1]))));
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(perm, r);
+}
+
 static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *state) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nq = t1 - t0, es = a->bf16 ? 2 : 4;
     const int64_t nd = D / 16, row = a->seq_row[t0];
@@ -467,7 +490,7 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
             ml[2 * ((t - t0) * G + i) + 1] = 0.0f;
         }
     }
-    float kt[ATT_MAX_D * ATT_KEYS] __attribute__((aligned(64)));   /* [D][16] */
+    float kb[ATT_KEYS * ATT_MAX_D] __attribute__((aligned(64)));   /* [16][D] */
     float vb[ATT_KEYS * ATT_MAX_D] __attribute__((aligned(64)));   /* [16][D] */
     const int64_t hstride = a->Hkv * D;
     for (int64_t b = blo / ATT_KEYS; b * ATT_KEYS < bhi; b++) {
@@ -475,7 +498,7 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
         for (int64_t j = 0; j < ATT_KEYS; j++) {
             const int64_t pos = p0 + j;
             if (pos < blo || pos >= bhi) {
-                for (int64_t d = 0; d < D; d++) kt[d * ATT_KEYS + j] = 0.0f;
+                memset(kb + j * D, 0, (size_t)D * 4);
                 memset(vb + j * D, 0, (size_t)D * 4);
                 continue;
             }
@@ -484,10 +507,8 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
             const char *kp = (const char *)a->kpool + (slot * hstride + g * D) * es;
             const char *vp = (const char *)a->vpool + (slot * hstride + g * D) * es;
             for (int64_t c = 0; c < nd; c++) {
-                float tmp[16] __attribute__((aligned(64)));
-                _mm512_store_ps(tmp, load16(kp + 16 * c * es, a->bf16));
-                for (int e = 0; e < 16; e++) kt[(16 * c + e) * ATT_KEYS + j] = tmp[e];
-                _mm512_storeu_ps(vb + j * D + 16 * c, load16(vp + 16 * c * es, a->bf16));
+                _mm512_store_ps(kb + j * D + 16 * c, load16(kp + 16 * c * es, a->bf16));
+                _mm512_store_ps(vb + j * D + 16 * c, load16(vp + 16 * c * es, a->bf16));
             }
         }
         for (int64_t t = t0; t < t1; t++) {
@@ -498,15 +519,15 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
             for (int64_t i = 0; i < G; i++) {
                 const int64_t si = (t - t0) * G + i;
                 const float *qv = qf + si * D;
-                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-                for (int64_t d = 0; d < D; d += 4) {
-                    s0 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d]), _mm512_load_ps(kt + d * ATT_KEYS), s0);
-                    s1 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 1]), _mm512_load_ps(kt + (d + 1) * ATT_KEYS), s1);
-                    s2 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 2]), _mm512_load_ps(kt + (d + 2) * ATT_KEYS), s2);
-                    s3 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 3]), _mm512_load_ps(kt + (d + 3) * ATT_KEYS), s3);
+                __m512 vj[ATT_KEYS];   /* per key: q * k summed over d mod 16 (d in 16-chunks, in order) */
+                for (int j = 0; j < ATT_KEYS; j++) {
+                    const float *kr = kb + j * D;
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv), _mm512_load_ps(kr));
+                    for (int64_t c = 1; c < nd; c++)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * c), _mm512_load_ps(kr + 16 * c), acc);
+                    vj[j] = acc;
                 }
-                __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)),
-                                         _mm512_set1_ps(a->scale));
+                __m512 s = _mm512_mul_ps(hsum16(vj), _mm512_set1_ps(a->scale));
                 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
                 float *m = ml + 2 * si, *l = m + 1;
                 const float bm = _mm512_reduce_max_ps(s);
