@@ -60,9 +60,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "dtype", "compute, weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with native "
                              "bf16 (AVX512-BF16/AMX), else float32 (exact)"),
     Flag("--weights", "weights", "a GGUF's quantized projections: native (keep the file's Q4_0/Q4_1/Q8_0 "
-                                 "blocks, int4 kernels; CPU + bfloat16), dequant (expand to --dtype); "
-                                 "auto: native where it can run"),
-    Flag("--attention-backend", "attention_backend"),
+                                 "blocks: Tandem's AVX512 kernels, gcc-built on first use, else torch's "
+                                 "int4 kernel; CPU + bfloat16), int4 (torch's int4 kernel), dequant "
+                                 "(expand to --dtype); auto: native where it can run"),
+    Flag("--attention-backend", "attention_backend",
+         "paged attention: cpu_kernel (one C call per layer; AVX512 CPUs), torch, triton (GPU); "
+         "auto: triton on CUDA, cpu_kernel where it builds, else torch"),
     Flag("--threads", "num_threads", "torch CPU threads (default: all cores)"),
     Flag("--debug-cache-invariants", "cache.debug_invariants",
          "run the cache's invariant check() after every operation (slow)"),

@@ -96,10 +96,10 @@ class EngineConfig(_Strict):
                             "native bf16 (AVX512-BF16/AMX), else float32 (exact)")
     weights: Literal["auto", "native", "int4", "dequant"] = Field(
         "auto", description="a GGUF's quantized projections: 'native' keeps their Q4_0/Q4_1/Q8_0 "
-                            "blocks and computes on them (CPU: llama.cpp-style AVX512-VNNI kernels "
-                            "with int8 activation blocks where they build, else torch's int4 kernel "
-                            "in bfloat16), 'int4' forces torch's int4 kernel, 'dequant' expands them "
-                            "to the dtype; 'auto': native on a CPU computing in bfloat16")
+                            "blocks and computes on them (CPU, bfloat16: Tandem's AVX512 kernels, "
+                            "exact 4-bit codes times bf16 activations, where they build, else "
+                            "torch's int4 kernel), 'int4' forces torch's int4 kernel, 'dequant' "
+                            "expands them to the dtype; 'auto': native on a CPU computing in bfloat16")
     attention_backend: Literal["auto", "cpu_kernel", "torch", "triton"] = Field(
         "auto", description="paged attention: 'cpu_kernel' (one C call per layer, AVX512 CPUs), "
                             "'torch' (plain torch ops), 'triton' (GPU); 'auto': triton on CUDA, "

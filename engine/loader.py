@@ -69,7 +69,7 @@ class LoadedModel:
     @property
     def precision(self) -> str:
         """One line for the startup log: dtype, then how the projections' weights are held, e.g.
-        ``bfloat16; weights native: 120 int4 (Q4_1), 1 bf16-packed (lm_head)``."""
+        ``bfloat16; weights native: 120 avx512 (Q4_1), 1 avx512 (Q8_0)``."""
         return f"{str(self.dtype).removeprefix('torch.')}; weights {describe_weights(self.model)}"
 
 
@@ -127,8 +127,9 @@ def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> b
 
 
 def describe_weights(model) -> str:
-    """How ``model``'s projections hold their weights, e.g. ``native: 120 int4 (Q4_1),
-    1 bf16-packed (lm_head: tied Q8_0 embedding)`` or ``dequant: 121 float32-packed``."""
+    """How ``model``'s projections hold their weights, e.g. ``native: 120 avx512 (Q4_1),
+    1 avx512 (Q8_0)``, ``native: 120 int4 (Q4_1), 1 bfloat16-packed; dequantized 1: lm_head: ...``
+    or ``dequant: 121 float32-packed``."""
     from tandem.engine.quant.linear import Avx512Linear, DenseLinear, Int4Linear, PackedLinear
 
     kernels = model.kernels() if hasattr(model, "kernels") else []

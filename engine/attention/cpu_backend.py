@@ -79,6 +79,8 @@ class _Step:
 class CpuKernelAttentionBackend:
     """Implements :class:`tandem.engine.attention.base.AttentionBackend` with ``tq_attention``."""
 
+    name = "cpu_kernel"   # what the startup line calls it
+
     def __init__(self) -> None:
         if (why := kernel_unavailable()) is not None:
             raise RuntimeError(f"the CPU attention kernel cannot run here: {why}")

@@ -131,6 +131,8 @@ class _DecodeMirror:
 class TorchAttentionBackend:
     """Implements :class:`tandem.engine.attention.base.AttentionBackend` with torch ops."""
 
+    name = "torch"   # what the startup line calls it
+
     def __init__(self) -> None:
         self._mirror: _DecodeMirror | None = None
 

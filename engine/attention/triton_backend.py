@@ -63,6 +63,8 @@ class TritonAttentionBackend:
     ``default_tiles``).
     """
 
+    name = "triton"   # what the startup line calls it
+
     capturable = True   # engine/cuda_graph.py may capture its decode steps (see init_forward)
 
     def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128, *,

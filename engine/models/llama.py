@@ -42,7 +42,6 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 # Q4_0 / Q4_1 / Q8_0 blocks; elsewhere plain tensors. Every kernel's output row depends on its
 # own input row only (bitwise), so a request's logits do not depend on its batch.
 WeightOrQuant = torch.Tensor | QuantWeight
-_UNBUILT = object()   # LlamaLayer.fused before its first forward
 
 
 class LlamaLayer(nn.Module):
@@ -75,22 +74,23 @@ class LlamaLayer(nn.Module):
         # are normalized in one call on their [T, Hq + Hkv, D] view.
         self.qk_norm = _param(tensors["qk_norm"]) if tensors.get("qk_norm") is not None else None
         # the whole layer in one C call where its kernels allow (engine/models/llama_cpu.py);
-        # built on the first forward, None where it does not apply
-        self.fused: FusedLlamaLayer | None | object = _UNBUILT
+        # built on the first forward (and again after unpickling), None where it does not apply
+        self.fused: FusedLlamaLayer | None = None
+        self.fused_built = False
 
     def kernels(self) -> list[nn.Module]:
         return [getattr(self, n) for n in self._PROJ]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["fused"] = _UNBUILT              # holds raw addresses: rebuilt where it lands
+        state["fused"], state["fused_built"] = None, False   # raw addresses: rebuilt where it lands
         return state
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         # x: [T, H] residual stream
-        if self.fused is _UNBUILT:
-            self.fused = FusedLlamaLayer.build(self)
+        if not self.fused_built:
+            self.fused, self.fused_built = FusedLlamaLayer.build(self), True
         if self.fused is not None and (y := self.fused(x, cos, sin, fb, backend)) is not None:
             return y                                                  # bitwise the code below
         T = x.shape[0]

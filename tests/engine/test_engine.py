@@ -164,3 +164,10 @@ def test_bad_input_is_rejected_clearly(engine):
         engine.generate([10**9], SamplingParams(max_tokens=4))
     # and the engine keeps serving
     assert engine.generate("Hello", SamplingParams(max_tokens=2)).finish_reason in ("length", "stop")
+
+
+def test_startup_line_names_the_attention_backend(engine):
+    from tandem.engine.attention.cpu_backend import cpu_kernel_unavailable
+
+    want = "cpu_kernel" if cpu_kernel_unavailable() is None else "torch"
+    assert f"; attention {want})" in engine.startup_line and engine.runner.backend.name == want

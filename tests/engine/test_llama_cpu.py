@@ -8,6 +8,7 @@ threads. Skipped where the fused path does not apply here (no AVX512 kernels).
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -21,10 +22,12 @@ from tandem.engine.quant.native_lib import kernel_unavailable
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"AVX512 kernels: {kernel_unavailable()}")
 
 
-def _trace(loaded, fused: bool) -> list[torch.Tensor]:
-    layers = loaded.model.layers
+def _trace(loaded, fused: bool | None) -> list[torch.Tensor]:
+    """Logits of a fixed little workload; ``fused`` True/False forces every layer's form, None
+    leaves the layers as they are."""
+    layers = loaded.model.layers if fused is not None else []
     for layer in layers:
-        layer.fused = FusedLlamaLayer.build(layer) if fused else None
+        layer.fused, layer.fused_built = (FusedLlamaLayer.build(layer) if fused else None), True
     r = ModelRunner.create(loaded, max_total_tokens=2048, max_reqs=4, max_context=1024,
                            backend=make_attention_backend("cpu_kernel", torch.device("cpu")))
     tok = loaded.tokenizer
@@ -42,28 +45,37 @@ def _trace(loaded, fused: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_layer_is_bitwise_the_unfused_one(smollm2_default, threads):
+def test_fused_layer_is_bitwise_the_unfused_one(smollm2_default, threads, monkeypatch):
     if FusedLlamaLayer.build(smollm2_default.model.layers[0]) is None:
         pytest.skip("the default model's layers are not fusable here")
+    ran, call = [], FusedLlamaLayer.__call__
+    monkeypatch.setattr(FusedLlamaLayer, "__call__", lambda self, *a: ran.append(1) or call(self, *a))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused, plain = _trace(smollm2_default, True), _trace(smollm2_default, False)
+        fused = _trace(smollm2_default, True)
+        assert len(ran) == 7 * len(smollm2_default.model.layers)   # every layer of every step fused
+        plain = _trace(smollm2_default, False)
+        assert len(ran) == 7 * len(smollm2_default.model.layers)   # ... and none here
     finally:
         for layer in smollm2_default.model.layers:
-            layer.fused = FusedLlamaLayer.build(layer)
+            layer.fused, layer.fused_built = FusedLlamaLayer.build(layer), True
         torch.set_num_threads(old)
     assert len(fused) == len(plain)
     for i, (f, p) in enumerate(zip(fused, plain)):
         assert torch.equal(f, p), f"step {i} differs"
 
 
-def test_a_pickled_layer_rebuilds_its_fused_form(smollm2_default):
-    layer = smollm2_default.model.layers[0]
-    again = pickle.loads(pickle.dumps(layer))
-    assert again.fused is not None and not isinstance(again.fused, FusedLlamaLayer)   # unbuilt
-    built = FusedLlamaLayer.build(again)
-    assert built is not None and built.desc.w[0] == again.qkv.packed.data_ptr()
+def test_a_pickled_model_rebuilds_its_fused_layers_and_computes_the_same(smollm2_default):
+    """Ray ships models to workers pickled: the fused form (raw addresses) is rebuilt there."""
+    model = smollm2_default.model
+    again = pickle.loads(pickle.dumps(model))
+    assert all(layer.fused is None and not layer.fused_built for layer in again.layers)
+    b = _trace(dataclasses.replace(smollm2_default, model=again), None)   # None: as unpickled
+    a = _trace(smollm2_default, True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    built = again.layers[0].fused
+    assert built is not None and built.desc.w[0] == again.layers[0].qkv.packed.data_ptr()
 
 
 def test_the_torch_backend_runs_the_layer_unfused(smollm2_default):
