@@ -459,6 +459,7 @@ void tq_rope(void *x, int64_t T, int64_t x_stride, int64_t H, int64_t D, const v
 #define ATT_KEYS 16
 #define ATT_QCHUNK 32
 #define ATT_MAX_D 256
+#define ATT_PV_HEADS 8    /* heads whose P.V chains run interleaved */
 
 static inline __m512 exp_scalar_v(float x) { return exp16(_mm512_set1_ps(x)); }
 
@@ -515,6 +516,8 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
             ml[2 * ((t - t0) * G + i) + 1] = 0.0f;
         }
     }
+    float *pj = ml + 2 * nq * G;          /* [G][16] this block's p of each head */
+    float *alphas = pj + 16 * G;          /* [G] */
     float kb[ATT_KEYS * ATT_MAX_D] __attribute__((aligned(64)));   /* [16][D] */
     float vb[ATT_KEYS * ATT_MAX_D] __attribute__((aligned(64)));   /* [16][D] */
     const int64_t hstride = a->Hkv * D;
@@ -541,7 +544,7 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
             if (p0 + ATT_KEYS <= lo || p0 >= hi) continue;
             const int64_t jlo = lo > p0 ? lo - p0 : 0, jhi = hi < p0 + ATT_KEYS ? hi - p0 : ATT_KEYS;
             const __mmask16 valid = (__mmask16)(((1u << jhi) - 1u) & ~((1u << jlo) - 1u));
-            for (int64_t i = 0; i < G; i++) {
+            for (int64_t i = 0; i < G; i++) {   /* scores and the softmax update, head by head */
                 const int64_t si = (t - t0) * G + i;
                 const float *qv = qf + si * D;
                 __m512 vj[ATT_KEYS];   /* per key: q * k summed over d mod 16 (d in 16-chunks, in order) */
@@ -561,14 +564,25 @@ static void attend_task(const Att *a, int64_t t0, int64_t t1, int64_t g, float *
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
                 *l = *l * alpha + _mm512_reduce_add_ps(p);
                 *m = mn;
-                float pj[16] __attribute__((aligned(64)));
-                _mm512_store_ps(pj, p);
-                float *ov = o + si * D;
+                _mm512_storeu_ps(pj + 16 * i, p);
+                alphas[i] = alpha;
+            }
+            /* o = o * alpha + sum_j p_j v_j, per head in key order; up to ATT_PV_HEADS heads'
+             * chains interleaved (each head's arithmetic is the same as alone) */
+            for (int64_t i0 = 0; i0 < G; i0 += ATT_PV_HEADS) {
+                const int nh = G - i0 < ATT_PV_HEADS ? (int)(G - i0) : ATT_PV_HEADS;
                 for (int64_t c = 0; c < nd; c++) {
-                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(ov + 16 * c), _mm512_set1_ps(alpha));
-                    for (int64_t j = jlo; j < jhi; j++)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_load_ps(vb + j * D + 16 * c), acc);
-                    _mm512_storeu_ps(ov + 16 * c, acc);
+                    __m512 acc[ATT_PV_HEADS];
+                    for (int h = 0; h < nh; h++)
+                        acc[h] = _mm512_mul_ps(_mm512_loadu_ps(o + ((t - t0) * G + i0 + h) * D + 16 * c),
+                                               _mm512_set1_ps(alphas[i0 + h]));
+                    for (int64_t j = jlo; j < jhi; j++) {
+                        const __m512 vc = _mm512_load_ps(vb + j * D + 16 * c);
+                        for (int h = 0; h < nh; h++)
+                            acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(pj[16 * (i0 + h) + j]), vc, acc[h]);
+                    }
+                    for (int h = 0; h < nh; h++)
+                        _mm512_storeu_ps(o + ((t - t0) * G + i0 + h) * D + 16 * c, acc[h]);
                 }
             }
         }
@@ -612,7 +626,7 @@ int tq_attention(const void *q, int64_t q_stride, void *out, int64_t T, int64_t 
     starts[ntask] = T;
     const Att a = {q, q_stride, out, Hq, Hkv, D, kpool, vpool, r2t, r2t_stride, seq_row, lo, hi,
                    imap, scale, bf16};
-    const int64_t G = Hq / Hkv, state_floats = ATT_QCHUNK * G * (2 * D + 2);
+    const int64_t G = Hq / Hkv, state_floats = ATT_QCHUNK * G * (2 * D + 2) + 17 * G + 16;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && ntask * Hkv > 1)
     {
