@@ -1,6 +1,13 @@
-/* Weight-only GGUF kernels for x86 CPUs with AVX512 (BF16 and VNNI): y = pre(x) @ W^T computed on
- * the file's own blocks. Built and loaded by engine/quant/native_lib.py (gcc, cached per source
- * hash); engine/quant/avx512.py is the Python side.
+/* Tandem's CPU kernels for x86 with AVX512 (BF16 and VNNI). Built and loaded by
+ * engine/quant/native_lib.py (gcc, cached per source hash). In this file, top to bottom:
+ *   tq_linear       y = pre(x) @ W^T on a GGUF weight's own blocks   (engine/quant/avx512.py)
+ *   tq_rope         rotary embedding in place, bitwise torch's        (engine/quant/avx512.py)
+ *   tq_attention    paged attention: write K/V, attend in place       (engine/attention/cpu_backend.py)
+ *   tq_llama_layer  a whole Llama layer: the above, composed          (engine/models/llama_cpu.py)
+ * Threads (OpenMP, torch's runtime) split only independent work -- columns, rows of activations,
+ * (query run, kv head) pairs -- so no result depends on the thread count.
+ *
+ * The linear layers:
  *
  * Q4_0 / Q4_1 (bf16 activations, VDPBF16PS): a nibble q becomes the bfloat16 value 128 + q by
  * OR-ing it into 0x4300 (exact: [128, 256) has ulp 1 in bf16), so one block's dot product is
