@@ -48,7 +48,8 @@ class _Step:
         self.rows = self.rows.to(torch.int64).contiguous()
         self.hi = self.hi.to(torch.int64).contiguous()
         self.lo: dict[int | None, torch.Tensor] = {None: torch.zeros_like(self.hi)}
-        self.wrows: dict = {}    # index map address -> write rows; ("imap", address) -> int64 map
+        self.wrows: dict[int, torch.Tensor] = {}   # index map address -> this step's write rows
+        self.imaps: dict[int, torch.Tensor] = {}   # index map address -> it as int64, contiguous
 
     def low(self, window: int | None) -> torch.Tensor:
         lo = self.lo.get(window)
@@ -60,10 +61,9 @@ class _Step:
         """The layer's index map as the kernel reads it (int64, contiguous)."""
         if index_map is None or (index_map.dtype == torch.int64 and index_map.is_contiguous()):
             return index_map
-        key = ("imap", index_map.data_ptr())
-        m = self.wrows.get(key)
+        m = self.imaps.get(index_map.data_ptr())
         if m is None:
-            m = self.wrows[key] = index_map.to(torch.int64).contiguous()
+            m = self.imaps[index_map.data_ptr()] = index_map.to(torch.int64).contiguous()
         return m
 
     def write_rows(self, out_cache_loc: torch.Tensor, index_map: torch.Tensor | None) -> torch.Tensor:

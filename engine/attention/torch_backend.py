@@ -1,4 +1,5 @@
-"""TorchAttentionBackend: paged attention in plain torch (the CPU hot path).
+"""TorchAttentionBackend: paged attention in plain torch (the CPU fallback where the cpu_kernel
+backend's C file cannot build, and the reference it is tested beside).
 
 A step's sequences are split once, in :meth:`init_forward`, into
 - *decode rows* (exactly one new token): batched. Per attention window (None = full) one padded

@@ -48,8 +48,6 @@ static inline int record_bytes(int kind) {
     return kind == KIND_Q8_0 ? 544 : (kind == KIND_Q4_1 ? 320 : 288);
 }
 
-int tq_record_bytes(int kind) { return record_bytes(kind); }
-
 /* -- float helpers ------------------------------------------------------------------------- */
 static inline __m512 load16(const void *p, int bf16) {
     if (bf16)
@@ -58,11 +56,18 @@ static inline __m512 load16(const void *p, int bf16) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* float32 -> bf16 bits (round to nearest even), 16 lanes */
+/* float32 bits + the rounding increment: the top 16 bits are v rounded to bf16 (nearest even;
+ * finite values) */
+static inline __m512i rne_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+
+/* float32 -> bf16 bits (round to nearest even; a NaN stays a quiet NaN), 16 lanes */
 static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = rne_bits(v);
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
@@ -419,10 +424,7 @@ int tq_activations(int kind, const void *x, int64_t x_stride, int x_bf16, int64_
 /* -- rotary embedding ("rotate_half" layout), in place -------------------------------------- */
 /* v rounded to bf16 and back (round to nearest even; finite values) */
 static inline __m512 round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_castsi512_ps(_mm512_and_si512(rne_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 /* x: [T, H, D] at row stride x_stride (elements), halves x1 = [:D/2], x2 = [D/2:];

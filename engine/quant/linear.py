@@ -4,7 +4,7 @@ the device, the compute dtype and the weight's own format allow. :func:`make_lin
 | kernel | weight held as | where | why |
 |---|---|---|---|
 | :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | fastest CPU GEMM at every row count (below) |
-| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); fastest at every row count |
+| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); reads 5 bits per weight: ~1.6x int4 at 1 row, ~1.7x at 32; at 2,048 rows ~0.65x bf16-packed's FLOP rate |
 | :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight: decode is bandwidth-bound |
 | :class:`DenseLinear` | a plain tensor, ``[K, N]`` ("x @ W") or ``[N, K]`` | anywhere else (CUDA, no oneDNN) | |
 
@@ -205,14 +205,13 @@ class Int4Linear(nn.Module):
 
 
 Linear = PackedLinear | DenseLinear | Int4Linear | Avx512Linear
-NATIVE_KERNELS = ("best", "int4")   # what ``native`` may name besides True (= "best")
 
 
 def make_linear(w: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch.device,
                 native: bool | str = False, input_major: bool = True,
                 out_dtype: torch.dtype | None = None) -> tuple[Linear, str | None]:
     """The kernel for weight ``w`` ([N, K]; dense or the file's quantized blocks) computing in
-    ``dtype`` on ``device``. ``native`` (True / "best", or "int4"): run a QuantWeight on its own
+    ``dtype`` on ``device``. ``native`` (True, or "int4"): run a QuantWeight on its own
     blocks, on :class:`Avx512Linear` where :func:`avx512_reason` allows (not with "int4"), else on
     :class:`Int4Linear` where :func:`int4_reason` allows. Returns (kernel, why a QuantWeight was
     dequantized or None). ``input_major`` picks DenseLinear's layout (see there); ``out_dtype``

@@ -35,7 +35,6 @@ CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "tq_record_bytes": ([_I32], _I32),
     "tq_linear": ([_I32, _P, _I64, _I64, _P, _I64, _I32, _I32, _P, _F32, _I64, _P, _I64, _I32,
                    _P, _I64, _I32, _P, _I32, _I32], _I32),
     "tq_activations": ([_I32, _P, _I64, _I32, _I64, _I64, _I32, _P, _F32, _P, _P, _I32], _I32),
