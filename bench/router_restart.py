@@ -59,6 +59,25 @@ def chat(url: str, session: str, turns: list[str], max_tokens: int = 4, timeout:
                       json={"model": "smollm2", "messages": msgs, "max_tokens": max_tokens, "temperature": 0})
 
 
+def kill_under_load(router, session_prefix: str, requests: int = 4) -> float:
+    """SIGKILL ``router`` while ``requests`` longer chats run through it (they may fail: they ran
+    through the dead router); returns the kill's ``time.monotonic()``."""
+    import httpx
+
+    with cf.ThreadPoolExecutor(requests) as pool:
+        inflight = [pool.submit(chat, router.url, f"{session_prefix}-{k}", [f"Count to {k}."], 24, 30)
+                    for k in range(requests)]
+        time.sleep(1.0)
+        t_kill = time.monotonic()
+        router.kill()
+        for f in inflight:
+            try:
+                f.result()
+            except httpx.HTTPError:
+                pass
+    return t_kill
+
+
 def cached(r) -> int:
     return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
@@ -73,16 +92,7 @@ def _round(c: RayNodes, cfg: dict, work: str, router, i: int) -> tuple[dict, obj
     base1 = chat(router.url, f"base-{i}", ["Name a colour."])
     base2 = chat(router.url, f"base-{i}", ["Name a colour.", "Another one."])
     first = chat(router.url, f"restart-{i}", ["Name a colour."])
-    with cf.ThreadPoolExecutor(4) as pool:                   # load in flight through the router
-        inflight = [pool.submit(chat, router.url, f"load-{i}-{k}", [f"Count to {k}."], 24, 30) for k in range(4)]
-        time.sleep(1.0)
-        t_kill = time.monotonic()
-        router.kill()
-        for f in inflight:
-            try:
-                f.result()
-            except httpx.HTTPError:
-                pass                                         # they ran through the dead router
+    t_kill = kill_under_load(router, f"load-{i}")
     new = start_router(cfg, c.client_env(), work)
     nxt = chat(new.url, f"restart-{i}", ["Name a colour.", "Another one."])
     restart_s = time.monotonic() - t_kill

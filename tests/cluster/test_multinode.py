@@ -27,7 +27,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
 from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
-from tandem.bench.router_restart import CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat  # noqa: E402
+from tandem.bench.router_restart import (  # noqa: E402
+    CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load)
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,16 +96,7 @@ def test_a_killed_router_loses_no_worker_and_its_successor_keeps_the_sessions(cl
     first = chat(a.url, "s-restart", ["Name a colour."])
     assert first.status_code == 200
     worker = first.headers["X-Tandem-Worker"]
-    with cf.ThreadPoolExecutor(4) as pool:                  # load in flight through router A
-        inflight = [pool.submit(chat, a.url, f"s-load-{i}", [f"Count to {i}."], 24, 30) for i in range(4)]
-        time.sleep(1.0)
-        t_kill = time.monotonic()
-        a.kill()
-        for f in inflight:
-            try:
-                f.result()
-            except httpx.HTTPError:
-                pass                                        # those ran through the dead router
+    t_kill = kill_under_load(a, "s-load")                   # load in flight through router A
     b = _router(cluster)
     restart_s = time.monotonic() - t_kill
     health = httpx.get(f"{b.url}/health", timeout=30).json()

@@ -1,15 +1,12 @@
 """The prompts the SmolLM2-vs-HF tests share (fp32 in test_model_smollm2.py, bf16 and native
-weights in test_model_smollm2_bf16.py; bench/gpu/models.py runs the same five on a GPU)."""
+weights in test_model_smollm2_bf16.py): bench/gpu/models.py's five, which the GPU check runs too
+(bench/ never imports tests/, so they live there)."""
 
 from __future__ import annotations
 
-PROMPTS = [
-    ("chat", "What is the capital of France?"),
-    ("raw", "def fibonacci(n):"),
-    ("chat", "Write a haiku about the sea."),
-    ("raw", "The three primary colors are"),
-    ("chat", "Explain gravity in one sentence, then list 3 planets."),
-]
+from tandem.bench.gpu.models import PROMPTS
+
+__all__ = ["PROMPTS", "encode"]
 
 
 def encode(tok) -> list[list[int]]:
