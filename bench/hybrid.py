@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.bench.retraction import retract_and_restore
 from tandem.engine.models.hybrid import save_byte_tokenizer
 
 WINDOW = 64
@@ -199,22 +200,10 @@ def _cycle(e, ids: list[int], rid: str) -> dict:
     sr = s.add(req)
     while not req.output_ids:
         e.step()
-    t = time.perf_counter()
-    s._retract(sr)
-    backup_s = time.perf_counter() - t
-    if rid not in s.retraction.backups:
-        raise RuntimeError(f"{rid} was not backed up")
+    cyc = retract_and_restore(e, sr)
+    backup_s, restore_s, resume_s = cyc["backup_s"], cyc["restore_s"], cyc["resume_s"]
     usage = e.cache.host.usage()
-    t = time.perf_counter()
-    if not s._admit(sr):
-        raise RuntimeError(f"{rid} could not be restored")
-    restore_s = time.perf_counter() - t
-    s.retraction.restored(sr, restore_s)
-    restored = req.computed_len
-    t = time.perf_counter()
-    while len(req.output_ids) < 2:
-        e.step()
-    resume_s = time.perf_counter() - t
+    restored = cyc["restored_tokens"]
     while rid in s.running:
         e.step()
     e.cache.evict(10**9, "host")
@@ -241,13 +230,14 @@ def restore_vs_recompute(paths: dict[str, str], threads: int, sizes: list[int], 
         loaded = load_model(paths[fam], device="cpu", dtype="float32")
         top = max(sizes) + 8 * PAGE
         host_e = Engine(_config(threads, tokens=2 * top, host=2 * top), loaded=loaded)
+        host_e.shutdown()   # driven step by step on this thread
         plain = Engine(_config(threads, tokens=2 * top, disable=True), loaded=loaded)
         try:
             for n in sizes:
                 ids = _prompt(n, 7)
                 cyc, rec = [], []
                 for r in range(repeats):
-                    cyc.append(host_e.call(_cycle, host_e, ids, f"{fam}-{n}-{r}").result(600))
+                    cyc.append(_cycle(host_e, ids, f"{fam}-{n}-{r}"))
                     dt, tok = _recompute(plain, ids, cyc[-1]["tokens"][0])
                     if tok != cyc[-1]["tokens"][1]:
                         raise AssertionError(f"{fam} N={n}: restored next token {cyc[-1]['tokens'][1]} "

@@ -2,12 +2,14 @@
 
 Measured in one run (medians; repeats interleaved so load drifts hit both sides alike):
 
-1. Restore vs recompute of a retracted request of N tokens (default 512, 1024, 2048). On the
-   engine thread (``Engine.call``) of an engine with a host tier (write_back, so every repeat
-   copies all N tokens at retraction), a request of N prompt tokens is prefilled, then retracted
-   with the scheduler's own ``_retract`` (its KV is backed up to the host pool as host-only nodes)
-   and restored by a re-admission (prefix match + ``cache.host.restore``); one more step computes the one
-   token without KV and samples the next token ("resume"). The baseline is a re-prefill of the
+1. Restore vs recompute of a retracted request of N tokens (default 512, 1024, 2048). On a
+   stopped engine driven step by step (``Engine.step``) with a host tier (write_back, so every
+   repeat copies all N tokens at retraction), a request of N prompt tokens is prefilled; then one
+   step with the scheduler's retraction lever set (``debug_retract_every``) retracts it (its KV is
+   backed up to the host pool as host-only nodes), restores it by a re-admission (prefix match +
+   ``cache.host.restore``), computes the one token without KV and samples the next ("resume");
+   backup and restore seconds are the scheduler's own stats, a ``SchedulerObserver`` checks the
+   sequence. The baseline is a re-prefill of the
    same N + 1 tokens to that next token on an engine with the prefix cache disabled (what a
    retraction without host backup costs). Both must sample the same token. Between repeats the
    host copies are evicted and the request is re-admitted from the device cache (a 4-token tail).
@@ -42,6 +44,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tandem.engine.sched_types import SchedulerObserver
 
 PAGE_SIZE = 4
 
@@ -120,9 +124,75 @@ class _CopyTimer:
         del self.copier.to_host, self.copier.to_device
 
 
+class _Restored(SchedulerObserver):
+    """Where ``rid``'s restore admission started (its reused prefix) and that it was retracted."""
+
+    def __init__(self, rid: str):
+        self.rid, self.seen, self.restored_at = rid, False, None
+
+    def retracted(self, sr) -> None:
+        self.seen = self.seen or sr.rid == self.rid
+
+    def admitted(self, sr) -> None:
+        if sr.rid == self.rid and self.seen and self.restored_at is None:
+            self.restored_at = sr.req.computed_len
+
+
+class _RetractionTrace(SchedulerObserver):
+    """Who is retracted after how many generated tokens, and which new requests were admitted
+    while a retracted one still waited (an undone admission does not count)."""
+
+    def __init__(self, s):
+        self.s, self.events, self.overtakes = s, [], set()
+
+    def retracted(self, sr) -> None:
+        self.events.append((sr.rid, len(sr.req.output_ids)))
+
+    def admitted(self, sr) -> None:
+        r, s = sr.req, self.s
+        if r.admissions == 1 and not r.output_ids and (
+                s.retraction.retracted or any(w.req.output_ids for w in s.waiting)):
+            self.overtakes.add(r.rid)
+
+    def unadmitted(self, sr) -> None:
+        if sr.req.admissions == 0:
+            self.overtakes.discard(sr.rid)
+
+
+def retract_and_restore(e, sr, profile=None) -> dict:
+    """On a stopped engine (this thread drives ``e.step()``), ``sr`` its only decoding request:
+    one step with the scheduler's retraction lever (``debug_retract_every``) set, so ``sr`` is
+    retracted (its KV backed up to the host), restored (re-admitted; its match loads the backup)
+    and its recompute tail runs, sampling its next token. The backup and restore seconds are the
+    scheduler's own (its stats); ``resume_s`` is the rest of that step."""
+    s = e.scheduler
+    stats0 = dict(s.stats)
+    watch = _Restored(sr.rid)
+    s.observers.append(watch)
+    s.debug_retract_every = 1
+    try:
+        if profile:
+            profile.enable()
+        t = time.perf_counter()
+        e.step()
+        step_s = time.perf_counter() - t
+        if profile:
+            profile.disable()
+    finally:
+        s.debug_retract_every = 0
+        s.observers.remove(watch)
+    d = {k: s.stats[k] - stats0[k] for k in ("backup_seconds", "restore_seconds", "retraction_restores",
+                                             "retraction_recomputes")}
+    if d["retraction_recomputes"] or not d["retraction_restores"] or watch.restored_at is None:
+        raise RuntimeError(f"{sr.rid} was not backed up to the host and restored ({d})")
+    return {"backup_s": d["backup_seconds"], "restore_s": d["restore_seconds"],
+            "resume_s": step_s - d["backup_seconds"] - d["restore_seconds"],
+            "restored_tokens": watch.restored_at}
+
+
 def _host_cycle(e, ids: list[int], rid: str, mem_reps: int, profile: bool = False) -> dict:
-    """On the engine thread of the host-tier engine ``e``: prefill, retract (backup), restore,
-    resume (driving the scheduler's retraction steps directly)."""
+    """On the stopped host-tier engine ``e``: prefill, then retract (backup), restore and resume
+    in one step (:func:`retract_and_restore`)."""
     from tandem.core.types import Req, SamplingParams
 
     s, cache = e.scheduler, e.kv.cache
@@ -137,37 +207,16 @@ def _host_cycle(e, ids: list[int], rid: str, mem_reps: int, profile: bool = Fals
         prefill_copy_tokens = timer.to_host_tokens
         cached = req.cached_len
         n = req.computed_len
-        stats0 = dict(s.stats)
         timer.reset()   # count only the copies of this backup + restore
         prof = cProfile.Profile() if profile else None
-        if prof:
-            prof.enable()
-        t = time.perf_counter()
-        s._retract(sr)
-        backup_s = time.perf_counter() - t
-        if rid not in s.retraction.backups:
-            raise RuntimeError(f"{rid} was not backed up to the host (host pool too small?)")
-        t = time.perf_counter()
-        restored_ok = s._admit(sr)
-        restore_s = time.perf_counter() - t
-        if restored_ok:
-            s.retraction.restored(sr, restore_s)
-        if prof:
-            prof.disable()
-        if not restored_ok:
-            raise RuntimeError(f"{rid} could not be restored")
-        restored, resume_tokens = req.computed_len, req.seq_len - req.computed_len
+        cyc = retract_and_restore(e, sr, prof)
+        backup_s, restore_s, resume_s = cyc["backup_s"], cyc["restore_s"], cyc["resume_s"]
+        restored, resume_tokens = cyc["restored_tokens"], n + 1 - cyc["restored_tokens"]
         copies = timer.snapshot()
-        t = time.perf_counter()
-        while len(req.output_ids) < 2:
-            e.step()
-        resume_s = time.perf_counter() - t
         res = {"tokens": n, "prefill_cached_tokens": cached, "prefill_s": prefill_s,
                "backup_s": backup_s, "restore_s": restore_s, "resume_s": resume_s,
                "restored_tokens": restored, "resume_tokens": resume_tokens,
                **copies, "prefill_copy_tokens": prefill_copy_tokens,
-               "stats_backup_s": s.stats["backup_seconds"] - stats0["backup_seconds"],
-               "stats_restore_s": s.stats["restore_seconds"] - stats0["restore_seconds"],
                "first_token": req.output_ids[0], "next_token": req.output_ids[1]}
         if prof:
             buf = io.StringIO()
@@ -246,6 +295,8 @@ def restore_vs_recompute(loaded, sizes: list[int], repeats: int, recompute_repea
     rec_eng = Engine(EngineConfig(device="cpu", dtype="float32", num_threads=threads, scheduler=sched,
                                   cache=CacheConfig(max_total_tokens=pool, page_size=PAGE_SIZE,
                                                     disable_prefix_cache=True)), loaded=loaded)
+    host_eng.shutdown()   # both are driven step by step on this thread
+    rec_eng.shutdown()
     g = torch.Generator().manual_seed(0)
     vocab = loaded.arch.vocab_size
     prompts = {n: torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in sizes}
@@ -255,20 +306,20 @@ def restore_vs_recompute(loaded, sizes: list[int], repeats: int, recompute_repea
         for r in range(repeats):
             order = sizes if r % 2 == 0 else sizes[::-1]
             for n in order:
-                h = host_eng.call(_host_cycle, host_eng, prompts[n], f"h{n}-{r}", mem_reps).result()
+                h = _host_cycle(host_eng, prompts[n], f"h{n}-{r}", mem_reps)
                 msg = ""
                 if r < recompute_repeats:   # the costly side: fewer repeats, interleaved all the same
                     ids = prompts[n] + [h["first_token"]]
-                    c = rec_eng.call(_recompute_cycle, rec_eng, ids, f"c{n}-{r}").result()
+                    c = _recompute_cycle(rec_eng, ids, f"c{n}-{r}")
                     h.update(recompute_s=c["recompute_s"], recompute_token=c["next_token"])
                     msg = f", recompute {c['recompute_s']:.2f} s"
                 samples[n].append(h)
                 log(f"  N={n} repeat {r}: backup {h['backup_s'] * 1e3:.1f} ms, restore "
                     f"{h['restore_s'] * 1e3:.1f} ms, resume {h['resume_s'] * 1e3:.0f} ms{msg}")
         if profile:
-            h = host_eng.call(_host_cycle, host_eng, prompts[top], f"p{top}", 1, True).result()
+            h = _host_cycle(host_eng, prompts[top], f"p{top}", 1, True)
             profile_text = h["profile"]
-        stats = host_eng.call(lambda: dict(host_eng.scheduler.stats)).result()
+        stats = host_eng.stats()
     finally:
         host_eng.shutdown()
         rec_eng.shutdown()
@@ -313,30 +364,10 @@ def _load_run(loaded, prompts: list[list[int]], out_tokens: int, pool: int, host
                                               host_pool_tokens=host_tokens,
                                               max_running_requests=max(64, len(prompts)))),
                loaded=loaded)
-    def trace_retractions(s):
-        events, overtakes, retract, admit, unadmit = [], set(), s._retract, s._admit, s._unadmit
-
-        def _retract(sr):   # who is retracted, after how many generated tokens
-            events.append((sr.rid, len(sr.req.output_ids)))
-            retract(sr)
-
-        def _admit(sr, *a, **kw):      # a new request admitted while a retracted one still waits
-            ok = admit(sr, *a, **kw)
-            r = sr.req
-            if ok and r.admissions == 1 and not r.output_ids and (
-                    s.retraction.retracted or any(w.req.output_ids for w in s.waiting)):
-                overtakes.add(r.rid)
-            return ok
-
-        def _unadmit(sr, *a, **kw):   # (no slots this step after all: not admitted)
-            if sr.req.admissions == 1:
-                overtakes.discard(sr.rid)
-            unadmit(sr, *a, **kw)
-        s._retract, s._admit, s._unadmit = _retract, _admit, _unadmit
-        return events, overtakes
-
+    trace = _RetractionTrace(e.scheduler)
+    e.scheduler.observers.append(trace)   # before any request: the engine thread is idle
+    events, overtakes = trace.events, trace.overtakes
     try:
-        events, overtakes = e.call(trace_retractions, e.scheduler).result(30)
         params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
         greqs = [e.make_request(p, params, rid=f"r{i}") for i, p in enumerate(prompts)]
         stamps: dict[str, list[float]] = {g.rid: [] for g in greqs}
@@ -362,7 +393,7 @@ def _load_run(loaded, prompts: list[list[int]], out_tokens: int, pool: int, host
         if not done.wait(timeout):
             raise RuntimeError(f"load run timed out after {timeout} s ({len(finals)}/{len(greqs)} done)")
         wall = time.perf_counter() - t0
-        stats = e.call(lambda: dict(e.scheduler.stats)).result(30)
+        stats = e.stats()
         snap = e.snapshot()
         idle = (snap.available_tokens + snap.evictable_tokens == snap.total_tokens,
                 len(e.scheduler.retraction.backups), snap.retracted)

@@ -84,7 +84,7 @@ def run_once(loaded, *, host_pool_tokens: int, concurrency: int, storm: int, pha
 
     try:
         def counters() -> tuple[int, int]:
-            st = e.call(lambda: dict(e.scheduler.stats)).result(30)
+            st = e.stats()
             return st["generated_tokens"], st["steps"]
 
         t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def run_once(loaded, *, host_pool_tokens: int, concurrency: int, storm: int, pha
                 if live["steady"] == 0:
                     break
             time.sleep(0.05)
-        stats = e.call(lambda: dict(e.scheduler.stats)).result(30)
+        stats = e.stats()
         snap = e.snapshot()
     finally:
         e.shutdown()

@@ -45,6 +45,14 @@ from tandem.router.policies import AdmissionLimits, PolicyConfig
 log = logging.getLogger(__name__)
 
 
+class _DiedBeforeServing(Exception):
+    """A worker of the route was found dead before anything reached the client."""
+
+    def __init__(self, worker: WorkerRef):
+        super().__init__(f"{worker.role} worker {worker.name} died before serving")
+        self.worker = worker
+
+
 class RayClusterBackend:
     """ServingBackend over Ray actors. ``generate``/``abort``/``health`` run on the caller's
     asyncio loop; ``metrics_text``/``close`` block (the front door calls metrics off the loop).
@@ -114,23 +122,26 @@ class RayClusterBackend:
                 self.dispatch.release(r)
                 yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error="no live decode worker")
                 return
-            died_early: list = []
-            async for c in self._attempt(req, r, d, died_early, retry=attempt == 0):
-                yield c
-            if not died_early:
+            try:
+                async for c in self._attempt(req, r, d, retry=attempt == 0):
+                    yield c
                 return
-            dead = died_early[0]
+            except _DiedBeforeServing as e:
+                dead = e.worker
             log.warning("%s worker %s died before serving %s; re-routing", dead.role, dead.name, req.rid)
             r = self.dispatch.reroute(r, dead.wid)
 
-    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, died_early: list,
+    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
                        retry: bool) -> AsyncIterator[StreamChunk]:
+        """Stream ``req`` from decode worker ``d``. With ``retry``, a worker found dead before
+        anything reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
+        ``generate`` to re-route without that worker)."""
         import ray
 
         p = self.pool.get(r.prefill)
         gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
         self._inflight[req.rid] = d
-        finished, first = False, True
+        finished, first, rerouted = False, True, False
         try:
             try:
                 async for ref in gen:
@@ -146,8 +157,8 @@ class RayClusterBackend:
                         else:
                             await self._ping(p, timeout=1.0)   # a dead prefill leaves rotation now
                         if lead and retry and not p.alive and not c.token_ids:
-                            died_early.append(p)   # nothing reached the client: route again without it
-                            return
+                            rerouted = True   # nothing reached the client: route again without it
+                            raise _DiedBeforeServing(p)
                     if finished:
                         c = dataclasses.replace(c, worker=d.name)
                     yield c
@@ -161,9 +172,8 @@ class RayClusterBackend:
             except ray.exceptions.RayActorError as e:
                 self.supervisor.mark_dead(d, f"died: {type(e).__name__}")
                 if first and retry:
-                    finished = True      # nothing to abort: the caller re-routes (the route is kept)
-                    died_early.append(d)
-                    return
+                    finished = rerouted = True   # nothing to abort: the caller re-routes
+                    raise _DiedBeforeServing(d) from None
                 err = f"decode worker {d.name} died during the request"
             else:
                 err = f"decode worker {d.name} ended the stream without a finish reason"
@@ -171,7 +181,7 @@ class RayClusterBackend:
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             self._inflight.pop(req.rid, None)
-            if not died_early:
+            if not rerouted:
                 self.dispatch.release(r)
             if not finished:  # the caller went away: stop the request on its decode worker
                 d.handle.abort.remote(req.rid, "client went away")

@@ -1,37 +1,28 @@
 """DecodeWorker: reserve pages, have a prefill worker WRITE the prompt's KV into them, decode.
 
-Plain Python (no Ray; decode/actor.py is the Ray shell). An :class:`Engine` reached through a
-:class:`DecodeHandle` (decode/inbox.py) and a NIXL agent over its KV pool (engine/role_worker.py).
-Decode never imports prefill: it reaches a prefill worker through a :class:`PrefillClient`.
+Plain Python (no Ray; decode/actor.py is the Ray shell). An :class:`Engine` built with the
+:class:`DecodeConnector`, reached through a :class:`DecodeHandle` (decode/connector.py), and a NIXL
+agent over its KV pool (engine/role_worker.py). Decode never imports prefill: it reaches a prefill
+worker through a :class:`PrefillClient`.
 
-One request (``generate``)::
+One remote request, as named steps (``_generate_remote``)::
 
-    cached = handle.cached_prefix(prompt)                  (decode-side radix hit; side-effect free)
-    uncached < local_prefill_threshold, or no prefill?  -> prefill here (handle.stream)
-    handle.reserve(req) -> Reservation(p, pages, regions)  transfer ALLOCATED -> BOOTSTRAPPED
-    client.prefill(req, KVTransferRequest(regions), p)     TRANSFERRING ... NIXL WRITE lands
-    PrefillResult (the one completion signal)              until the deadline
-    [--kv-digest: the received pages' digest must equal the result's]
-    handle.activate(rid, first_token) -> stream the rest   DONE
+    _reserve   handle.receive(req): the scheduler reserves the cached prefix + pages   ALLOCATED
+    _receive   client.prefill(req, KVTransferRequest(regions), prefix_len)           BOOTSTRAPPED,
+               the PrefillResult (the one completion signal), [--kv-digest verify]  TRANSFERRING, DONE
+    activate   handle.activate(rid, first_token): the engine decodes from here
+    _stream    the engine's chunks to the caller
 
-A hybrid model's reservation names more regions than "kv" (the SWA rows of the kept window,
-the working state row; decode/inbox.py); they travel in the same KVTransferRequest and the same
-WRITE, under the same ownership rules.
+Every failure is a final chunk with ``error``; the pages follow the handoff's rule
+(transfer/handoff.py ``pages_free``): freed at once when no write was posted, else after the
+prefill call ended (a background task aborts it and waits), never when its answer says a write
+may still be in flight (quarantined: ``stats()["quarantined_tokens"]``). A prefill worker that died
+before writing (:class:`PrefillUnavailable`) is replaced once by ``alternate`` (same pages). While
+handoffs are live a pump keeps the agent progressing (UCX tcp writes move only when the target
+progresses). Sample groups (``n`` > 1) move the prompt's KV once per group (decode/groups.py).
 
-Ownership of the reserved pages: they are freed (``handle.cancel``) only when no write into them
-can still be in flight: the prefill call returned or raised (its contract), or the prefill worker
-is dead. On a client abort or a timeout the request fails at once (the caller gets a final chunk
-with ``error``), while a background task tells prefill to abort, waits for its answer and only
-then frees the pages. A result with ``in_flight=True`` quarantines the pages (never freed;
-counted in ``stats()["quarantined_tokens"]``). While transfers are live a pump keeps the agent
-progressing (writes over UCX tcp move only when the target progresses).
-
-``PrefillClient`` (what the shell passes in): ``name`` (the prefill worker's agent name),
-``async prefill(req_wire, xfer_bytes, dst_prefix_len) -> PrefillResult`` and
-``async abort(rid, reason)``. :class:`PrefillUnavailable` from ``prefill`` means the worker is
-dead: no write of it can land any more.
-
-Sample groups (``n`` > 1): the prompt's KV moves once per group (decode/groups.py).
+``PrefillClient``: ``name``, ``async prefill(req_wire, xfer_bytes, dst_prefix_len) ->
+PrefillResult`` and ``async abort(rid, reason)``.
 """
 
 from __future__ import annotations
@@ -48,17 +39,17 @@ from prometheus_client import Counter, Histogram
 
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import InvalidRequest, Req, StreamChunk, TokenLogprob
+from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
+from tandem.decode.connector import DecodeConnector, DecodeHandle, Reservation
 from tandem.decode.groups import GroupGates
-from tandem.decode.inbox import DecodeHandle, Reservation
 from tandem.engine.role_worker import REGION, RoleWorker
+from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.0005
-_RESERVE_RETRY_S = 0.01
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -85,18 +76,27 @@ class PrefillUnavailable(Exception):
     no write of it can land any more)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
-    """A request in this worker. ``phase``: "transfer" until activated, then "decode"."""
+    """A request whose prompt a prefill worker writes. ``handoff``: None until its pages are
+    reserved; ``call``/``peer``: the prefill call of the current transfer."""
 
     rid: str
-    transfer_id: int = 0
-    phase: str = "transfer"
+    logprobs: bool = False     # the request asked for logprobs (prefill must send the first one's)
+    handoff: Handoff | None = None
+    call: asyncio.Future | None = None
+    peer: PrefillClient | None = None
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
+    ended: bool = False        # a final chunk went to the caller
+    reserved_tokens: int = 0   # positions the reservation holds (what a quarantine keeps)
     timings: dict = field(default_factory=dict)
-    logprobs: bool = False     # the request asked for logprobs (prefill must send the first one's)
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)   # the engine's, for this request
     gate: asyncio.Event | None = None   # a sample group's first member here: opened once it is activated
+
+    @property
+    def decoding(self) -> bool:
+        return self.handoff is not None and self.handoff.state is TransferState.DONE
 
 
 class DecodeWorker(RoleWorker):
@@ -118,7 +118,7 @@ class DecodeWorker(RoleWorker):
                 from tandem.engine.role_worker import kv_publisher
                 self.kv_publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
             engine = Engine(config or EngineConfig(), loaded=loaded, role="decode", name=name,
-                            kv_events=self.kv_publisher)
+                            kv_events=self.kv_publisher, connector=DecodeConnector)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
         self.handle: DecodeHandle
@@ -194,137 +194,141 @@ class DecodeWorker(RoleWorker):
         job.gate = await self._groups.enter(greq, job.aborted, self.transfer_timeout_s)   # later members wait
         t0 = time.monotonic()
         deadline = t0 + self.transfer_timeout_s
-        req = Req(list(greq.prompt_ids), greq.params, rid=rid, session_id=greq.session_id)
-        res = await self._reserve(req, job, deadline)   # raises InvalidRequest on a bad prompt
-        if res is None:
-            why = job.reason or (f"no KV room on {self.name} for {n} prompt tokens within "
-                                 f"{self.transfer_timeout_s:.1f}s")
-            self._count_failure("aborted" if job.reason else "no_room")
-            yield StreamChunk(rid, (), "", "abort", n, error=why)
-            return
-
-        def start(client: PrefillClient) -> asyncio.Future:
-            """A fresh transfer into the same reserved pages, and the prefill call for it."""
-            tid = job.transfer_id = secrets.randbits(63)
-            left = max(deadline - time.monotonic(), 0.0)
-            self.transfers.add(tid, left)                                          # ALLOCATED
-            regions = res.regions or (RegionPages(REGION, res.pages),)
-            xfer = KVTransferRequest(tid, self.name, regions,
-                                     deadline=time.time() + left, digest=self.kv_digest)
-            self.transfers.advance(tid, TransferState.BOOTSTRAPPED)
-            self._ensure_pump()
-            call = asyncio.ensure_future(client.prefill(greq.to_wire(), xfer.encode(), res.prefix_len))
-            self.transfers.advance(tid, TransferState.TRANSFERRING)   # a write may land from now on
-            return call
-
-        t1 = time.monotonic()
-        call = start(prefill)
-        redispatched = finished = False
         try:
-            while True:
-                try:
-                    result = await self._wait_result(job, call, deadline, prefill.name)
-                    await self._verify(job, res, result)
-                    break
-                except TransferFailed as e:
-                    alt = None
-                    if e.redispatch and not redispatched and alternate is not None and not job.aborted.is_set():
-                        alt = alternate(prefill.name)
-                    if alt is None:
-                        self._fail_transfer(job, call, prefill, str(e), e.reason)
-                        yield StreamChunk(rid, (), "", "abort", n, error=str(e), prefill_died=e.redispatch)
-                        finished = True
-                        return
-                    # the dead worker wrote nothing that can still land: same pages, another worker
-                    log.warning("%s; re-dispatching %s to %s", e, rid, alt.name)
-                    self.transfers.fail(job.transfer_id, str(e))
-                    self.transfers.remove(job.transfer_id)
-                    self.counts["redispatched"] += 1
-                    self._redispatch.inc()
-                    redispatched, prefill = True, alt
-                    call = start(prefill)
-            self.transfers.advance(job.transfer_id, TransferState.DONE)
-            self.transfers.remove(job.transfer_id)
-            t2 = time.monotonic()
-            self._wait.observe(t2 - t1)
-            job.timings.update(reserve_s=t1 - t0, prefill_s=result.prefill_s,
-                               transfer_s=result.transfer_s, receive_s=t2 - t1,
-                               bytes=result.bytes, prefix_len=res.prefix_len)
-            # activate and decode; from now on an abort goes to the engine
-            job.phase = "decode"
-            q: asyncio.Queue[StreamChunk] = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-            first_lp = None if result.first_logprob is None else TokenLogprob(
-                result.first_token, result.first_logprob, result.first_top_logprobs)
-            fut = self.handle.activate(rid, result.first_token,
-                                       lambda c: loop.call_soon_threadsafe(q.put_nowait, c), first_lp)
-
-            def activated(f) -> None:   # activate raised: no chunk will come, say why
-                if f.exception() is not None:
-                    err = StreamChunk(rid, (), "", "abort", n, error=f"activate failed: {f.exception()!r}")
-                    loop.call_soon_threadsafe(q.put_nowait, err)
-
-            fut.add_done_callback(activated)
-            if job.gate is not None:   # the prompt is in the tree once activation ran (engine order)
-                fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._groups.open, greq, job.gate))
-            self.counts["ok"] += 1
-            self.counts["kv_bytes_received"] += result.bytes
-            first = True
-            while not finished:
-                c = await q.get()
-                if first:
-                    job.timings["activate_s"] = time.monotonic() - t2
-                    first = False
-                elif "first_decode_step_s" not in job.timings:
-                    job.timings["first_decode_step_s"] = time.monotonic() - t2 - job.timings["activate_s"]
-                if c.finish_reason is not None:
-                    finished = True
-                    c = replace(c, cached_tokens=result.cached_tokens)
+            res = await self._reserve(job, greq, deadline)       # raises InvalidRequest on a bad prompt
+            if isinstance(res, StreamChunk):
+                job.ended = True
+                yield res
+                return
+            t1 = time.monotonic()
+            try:
+                result = await self._receive(job, greq, res, prefill, alternate, deadline)
+            except TransferFailed as e:
+                self._fail(job, str(e), e.reason)
+                job.ended = True
+                yield StreamChunk(rid, (), "", "abort", n, error=str(e), prefill_died=e.redispatch)
+                return
+            self._received(job, res, result, t0, t1)
+            self.handle.activate(rid, result.first_token, None if result.first_logprob is None else
+                                 TokenLogprob(result.first_token, result.first_logprob,
+                                              result.first_top_logprobs))
+            async for c in self._stream(job, greq, result):
                 yield c
         finally:
-            if not finished:   # the consumer went away (or was cancelled) mid-request
-                if job.phase == "decode":
+            if not job.ended:   # the consumer went away (or was cancelled) mid-request
+                if job.decoding:
                     self.handle.abort(rid)
                 else:
-                    self._fail_transfer(job, call, prefill, f"request {rid} aborted during KV transfer",
-                                        "aborted")
+                    self._fail(job, f"request {rid} aborted during KV transfer", "aborted")
 
     async def abort(self, rid: str, reason: str = "") -> bool:
         """Abort ``rid`` here; a transfer in progress is failed and prefill is told to abort."""
         job = self._jobs.get(rid)
-        if job is None:
-            self.handle.abort(rid, error=reason or None)   # a locally prefilled request, if any
-            return False
-        if job.phase == "decode":
-            self.handle.abort(rid, error=reason or None)
-        else:
-            job.reason = reason or f"request {rid} aborted"
-            job.aborted.set()
+        if job is None or job.decoding:
+            self.handle.abort(rid, error=reason or None)   # decoding, or a locally prefilled request
+            return job is not None
+        job.reason = reason or f"request {rid} aborted"
+        job.aborted.set()
         return True
 
-    # ------------------------------------------------------------------ transfer steps
-    async def _reserve(self, req: Req, job: _Job, deadline: float) -> Reservation | None:
-        """Row + pages for the prompt beyond the cached prefix; retried until the deadline."""
-        while True:
-            task = asyncio.ensure_future(self.handle.reserve(req))
-            try:
-                res = await asyncio.shield(task)
-            except asyncio.CancelledError:  # the caller left while reserving: undo it when it lands
-                task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
-                                       or t.result() is None or self.handle.cancel_later(req.rid))
-                raise
-            if res is not None:
+    # ------------------------------------------------------------------ the named steps
+    async def _reserve(self, job: _Job, greq: GenerateRequest, deadline: float) -> Reservation | StreamChunk:
+        """Queue the request for a peer to fill; its Reservation once the scheduler reserved
+        its pages, or the final chunk to send (no room by the deadline, aborted, refused)."""
+        loop = asyncio.get_running_loop()
+        fut = self.handle.receive(greq, lambda c: loop.call_soon_threadsafe(job.chunks.put_nowait, c))
+        reserved = asyncio.wrap_future(fut)
+        ended = asyncio.ensure_future(job.chunks.get())   # a final chunk before any reservation
+        aborted = asyncio.ensure_future(job.aborted.wait())
+        try:
+            await asyncio.wait([reserved, ended, aborted], timeout=max(deadline - time.monotonic(), 0),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if reserved.done() and reserved.result() is not None and not aborted.done():
+                res = reserved.result()
+                job.handoff = self.handoffs[job.rid] = Handoff(job.rid, deadline=deadline)
+                job.reserved_tokens = len(greq.prompt_ids) - res.prefix_len
                 return res
-            if job.aborted.is_set() or time.monotonic() + _RESERVE_RETRY_S > deadline:
-                return None
-            try:
-                await asyncio.wait_for(job.aborted.wait(), _RESERVE_RETRY_S)
-            except asyncio.TimeoutError:
-                pass
+            if ended.done() or (reserved.done() and not aborted.done()):
+                c = await asyncio.wait_for(ended, 5.0)
+                self._count_failure("refused")
+                return replace(c, error=c.error or f"request {job.rid} ended before its KV was reserved")
+        finally:
+            for f in (ended, aborted):
+                f.cancel()
+        self.handle.cancel(job.rid, None)   # queued or reserved, no write posted: free at once
+        self._count_failure("aborted" if job.reason else "no_room")
+        why = job.reason or (f"no KV room on {self.name} for {len(greq.prompt_ids)} prompt tokens "
+                             f"within {self.transfer_timeout_s:.1f}s")
+        return StreamChunk(job.rid, (), "", "abort", len(greq.prompt_ids), error=why)
 
-    async def _wait_result(self, job: _Job, call: asyncio.Future, deadline: float,
-                           peer: str) -> PrefillResult:
-        """The prefill call's result (DONE), or TransferFailed."""
+    async def _receive(self, job: _Job, greq: GenerateRequest, res: Reservation, prefill: PrefillClient,
+                       alternate, deadline: float) -> PrefillResult:
+        """Have ``prefill`` write the prompt's KV into ``res``; the verified result (the handoff
+        DONE), or TransferFailed. A prefill worker that died before writing is replaced once."""
+        self._send(job, greq, res, prefill, deadline)
+        redispatched = False
+        while True:
+            try:
+                result = await self._wait_result(job, deadline)
+                await self._verify(job, res, result)
+                job.handoff.land()
+                del self.handoffs[job.rid]
+                return result
+            except TransferFailed as e:
+                alt = None
+                if e.redispatch and not redispatched and alternate is not None and not job.aborted.is_set():
+                    alt = alternate(job.peer.name)
+                if alt is None:
+                    raise
+                log.warning("%s; re-dispatching %s to %s", e, job.rid, alt.name)
+                self.counts["redispatched"] += 1
+                self._redispatch.inc()
+                redispatched = True
+                self._send(job, greq, res, alt, deadline, redispatch=True)
+
+    def _send(self, job: _Job, greq: GenerateRequest, res: Reservation, client: PrefillClient,
+              deadline: float, redispatch: bool = False) -> None:
+        """A transfer into the reserved pages and the prefill call for it."""
+        tid = secrets.randbits(63)
+        if redispatch:
+            job.handoff.redispatch(tid)                                           # BOOTSTRAPPED
+        else:
+            job.handoff.bootstrap(tid)
+        left = max(deadline - time.monotonic(), 0.0)
+        xfer = KVTransferRequest(tid, self.name, res.regions or (RegionPages(REGION, res.pages),),
+                                 deadline=time.time() + left, digest=self.kv_digest)
+        self._ensure_pump()
+        job.peer = client
+        job.call = asyncio.ensure_future(client.prefill(greq.to_wire(), xfer.encode(), res.prefix_len))
+        job.handoff.send()                                     # TRANSFERRING: a write may land from now on
+
+    def _received(self, job: _Job, res: Reservation, result: PrefillResult, t0: float, t1: float) -> None:
+        t2 = time.monotonic()
+        self._wait.observe(t2 - t1)
+        job.timings.update(reserve_s=t1 - t0, prefill_s=result.prefill_s, transfer_s=result.transfer_s,
+                           receive_s=t2 - t1, bytes=result.bytes, prefix_len=res.prefix_len, t2=t2)
+        self.counts["ok"] += 1
+        self.counts["kv_bytes_received"] += result.bytes
+
+    async def _stream(self, job: _Job, greq: GenerateRequest, result: PrefillResult) -> AsyncIterator[StreamChunk]:
+        """The engine's chunks, from the first token (prefill's) to the final one."""
+        t2 = job.timings.pop("t2")
+        while True:
+            c = await job.chunks.get()
+            if "activate_s" not in job.timings:
+                job.timings["activate_s"] = time.monotonic() - t2
+                self._groups.open(greq, job.gate)   # the prompt is in the tree once activation ran
+            elif "first_decode_step_s" not in job.timings:
+                job.timings["first_decode_step_s"] = time.monotonic() - t2 - job.timings["activate_s"]
+            if c.finish_reason is not None:
+                job.ended = True
+                yield replace(c, cached_tokens=result.cached_tokens)
+                return
+            yield c
+
+    async def _wait_result(self, job: _Job, deadline: float) -> PrefillResult:
+        """The prefill call's result, or TransferFailed."""
+        call, peer, tid = job.call, job.peer.name, job.handoff.transfer_id
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
             left = deadline - time.monotonic()
@@ -341,9 +345,8 @@ class DecodeWorker(RoleWorker):
                                      f"{type(e).__name__}: {str(e)[:300]}",
                                      redispatch=isinstance(e, PrefillUnavailable))
             res = call.result()
-            if res.transfer_id != job.transfer_id:
-                raise TransferFailed(f"prefill worker {peer} answered transfer {res.transfer_id}, "
-                                     f"not {job.transfer_id}")
+            if res.transfer_id != tid:
+                raise TransferFailed(f"prefill worker {peer} answered transfer {res.transfer_id}, not {tid}")
             if not res.ok:
                 raise TransferFailed(f"prefill worker {peer} failed for {job.rid}: {res.error}")
             return res
@@ -366,44 +369,48 @@ class DecodeWorker(RoleWorker):
         if got != result.digest:
             self.counts["digest_failures"] += 1
             self._digest_failures.inc()
-            raise TransferFailed(f"KV digest mismatch for {job.rid} (transfer {job.transfer_id}): "
+            raise TransferFailed(f"KV digest mismatch for {job.rid} (transfer {job.handoff.transfer_id}): "
                                  f"prefill sent {result.digest or 'none'}, decode received {got}; "
                                  f"the request is failed rather than decoded from corrupt KV",
                                  reason="digest")
 
-    def _fail_transfer(self, job: _Job, call: asyncio.Future, prefill: PrefillClient, why: str,
-                       reason: str) -> None:
-        """The request failed before activation: fail the transfer now, free its pages once no
-        write into them can be in flight (in the background)."""
-        if job.phase != "transfer":
+    def _fail(self, job: _Job, why: str, reason: str) -> None:
+        """The request failed before activation: its pages are freed now when no write was
+        posted, else once the prefill call ended (in the background; never if it may still write)."""
+        h = job.handoff
+        if h is None:      # queued, or reserved with no write posted: the engine frees it now
+            self.handle.cancel(job.rid, why)
             return
-        job.phase = "failed"
-        self.transfers.fail(job.transfer_id, why)
+        if not h.live:
+            return
         self._count_failure(reason)
-        task = asyncio.ensure_future(self._cleanup(job, call, prefill, why))
+        if h.fail(why, aborted=reason == "aborted"):
+            del self.handoffs[job.rid]
+            self.handle.cancel(job.rid, why)
+            return
+        task = asyncio.ensure_future(self._settle(job, why))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cleanup(self, job: _Job, call: asyncio.Future, prefill: PrefillClient, why: str) -> None:
-        rid, tid = job.rid, job.transfer_id
-        in_flight = False
-        if not call.done():
+    async def _settle(self, job: _Job, why: str) -> None:
+        rid, h = job.rid, job.handoff
+        if not job.call.done():
             try:
-                await prefill.abort(rid, why)
+                await job.peer.abort(rid, why)
             except Exception as e:  # dead or unreachable: its write cannot land either way
-                log.info("abort of %s on %s failed: %s", rid, prefill.name, e)
+                log.info("abort of %s on %s failed: %s", rid, job.peer.name, e)
+        in_flight = False
         try:
-            in_flight = (await asyncio.shield(call)).in_flight
+            in_flight = (await asyncio.shield(job.call)).in_flight
         except BaseException as e:  # noqa: BLE001 - the prefill call raised: nothing in flight
             log.info("prefill call for %s ended with %s", rid, type(e).__name__)
-        if tid in self.transfers:
-            self.transfers.remove(tid)
-        if in_flight:  # never free pages a write may still land in: leave them reserved
-            n = await self.handle.reserved_tokens(rid)
-            self.counts["quarantined_tokens"] += n
-            log.error("transfer %d of %s may still be writing: %d tokens quarantined", tid, rid, n)
+        self.handoffs.pop(rid, None)
+        if h.settle(in_flight):
+            self.handle.cancel(rid, why)
             return
-        await self.handle.cancel(rid, why)
+        n = job.reserved_tokens
+        self.counts["quarantined_tokens"] += n
+        log.error("transfer %d of %s may still be writing: %d tokens quarantined", h.transfer_id, rid, n)
 
     # ------------------------------------------------------------------ progress
     def _ensure_pump(self) -> None:
@@ -412,7 +419,7 @@ class DecodeWorker(RoleWorker):
 
     async def _progress(self) -> None:
         """Keep the agent progressing while any transfer into this worker is live."""
-        while len(self.transfers):
+        while any(h.live for h in self.handoffs.values()):
             try:
                 self.agent.progress()
             except Exception:  # keep pumping: a transfer times out rather than hangs

@@ -7,6 +7,8 @@ API (thread-safe):
 - ``stream(req)``: async iterator of StreamChunk (for asyncio servers).
 - ``generate(prompt, params, chat=False)``: blocking, returns a Completion.
 - ``abort(rid)``: finish a request with reason "abort"; its KV is released.
+- ``send(command)``: post a typed command (engine/commands.py: Activate, Release: the worker
+  side of a KV handoff); ``inspect(fn, *args)``: a Future of a read-only ``fn(*args)`` on the engine thread.
 - ``handle()``: the :class:`~tandem.engine.handle.EngineHandle` workers use (typed, async).
 - ``shutdown()``: stop the thread (pending requests finish with "abort").
 Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing; a
@@ -17,9 +19,10 @@ Constrained decoding: ``grammar()`` is the engine's :class:`~tandem.engine.gramm
 built on the first constrained request (an engine that never sees one never builds it). Compiles
 run on its thread pool, never on the engine thread.
 
-The engine thread runs the loop: drain the inbox, then one step --
-``plan = scheduler.schedule()``; ``runner.forward(kv.forward_batch(plan))``; the sampler picks the
-tokens of ``plan.sample_rows``; ``scheduler.update(plan, tokens)``; stream the chunks.
+The engine thread runs the loop: drain the inbox (typed commands, dispatched with ``match``; an
+unknown one raises), then one step -- ``plan = scheduler.schedule()``;
+``runner.forward(kv.forward_batch(plan))``; the sampler picks the tokens of ``plan.sample_rows``;
+``scheduler.update(plan, tokens)``; stream the chunks.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
 from tandem.engine.attention import make_attention_backend
+from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Release, Submit
+from tandem.engine.connector import KVConnector
 from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
@@ -73,13 +78,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, loaded=None,
                  hybrid: HybridConfig | None = None, kv_events=None, role: str = "colocated",
-                 name: str | None = None):
+                 name: str | None = None, connector: Callable[["Engine"], KVConnector] | None = None):
         """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
         pool sizes for models with sliding-window / recurrent layers (default
         ``config.hybrid``; engine/hybrid.py);
         ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to.
         ``role`` ("colocated" | "prefill" | "decode") picks role defaults (the host pool size:
-        engine/host_sizing.py); ``name`` labels the startup line."""
+        engine/host_sizing.py); ``name`` labels the startup line; ``connector(engine)`` makes the
+        role's KV connector (engine/connector.py; default: nothing crosses workers)."""
         self.role, self.name = role, name or role
         self._kv_events = kv_events
         from tandem.engine.loader import load_model
@@ -133,7 +139,9 @@ class Engine:
             # lpm orders by what the cache holds: with no cache it is fcfs
             schedule_policy=sc.schedule_policy if self.cache.retains else "fcfs",
             retraction_policy=sc.retraction_policy, debug_invariants=cc.debug_invariants,
-            debug_retract_every=sc.debug_retract_every, grammar=self.grammar)
+            debug_retract_every=sc.debug_retract_every, grammar=self.grammar,
+            connector=connector(self) if connector is not None else None)
+        self.connector = self.scheduler.connector
         self.sampler = Sampler(cfg.seed, grammar=self.grammar)
         self._grammar = None
         self._grammar_lock = threading.Lock()
@@ -217,11 +225,14 @@ class Engine:
             if not 0 <= t < self.arch.vocab_size:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
         self.scheduler.validate(req)
-        self._inbox.put(("add", (req, greq.group), on_chunk))
-        self._wake.set()
+        self.send(Submit(req, on_chunk, greq.group))
 
     def abort(self, rid: str, error: str | None = None) -> None:
-        self._inbox.put(("abort", rid, error))
+        self.send(Abort(rid, error))
+
+    def send(self, command: Command) -> None:
+        """Queue ``command`` for the engine thread (the next drain, before the next step)."""
+        self._inbox.put(command)
         self._wake.set()
 
     async def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
@@ -274,22 +285,22 @@ class Engine:
                                   last.cached_tokens, last.finish_reason, last.error))
         return out
 
-    def call(self, fn: Callable, *args, on_chunk: Callable[[StreamChunk], None] | None = None,
-             rid: str | None = None) -> concurrent.futures.Future:
-        """Run ``fn(*args)`` on the engine thread (the scheduler is not thread-safe) and return
-        a Future of its result. Workers pass bound methods of their role's engine-thread object
-        (see engine/handle.py), never closures over scheduler internals. If ``on_chunk`` is
-        given it becomes ``rid``'s stream callback first; a StreamChunk (or a list of them)
-        that ``fn`` returns is emitted as usual."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    def inspect(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """A Future of ``fn(*args)`` run on the engine thread between steps. ``fn`` only reads
+        (a named read-only method of a handle or a test): it never changes requests or KV, and
+        nothing it returns is streamed. Fails at once if the engine thread is not running."""
+        cmd = Inspect(fn, args)
         if self._error is not None or not self._thread.is_alive():
-            fut.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
-            return fut
-        if on_chunk is not None:
-            self._callbacks[rid] = on_chunk
-        self._inbox.put(("call", (fn, args), fut))
-        self._wake.set()
-        return fut
+            cmd.future.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
+            return cmd.future
+        self.send(cmd)
+        return cmd.future
+
+    def evict(self, tokens: int) -> concurrent.futures.Future:
+        """A Future of the device tokens evicted from unlocked cache (up to ``tokens``)."""
+        cmd = Evict(tokens)
+        self.send(cmd)
+        return cmd.future
 
     def handle(self):
         """The typed, async way a worker reaches this engine (engine/handle.py)."""
@@ -302,6 +313,10 @@ class Engine:
         from tandem.engine.handle import take_snapshot
         return self._on_thread(take_snapshot, self, timeout=timeout)
 
+    def stats(self, timeout: float = 30.0) -> dict:
+        """Blocking: a copy of the scheduler's counters, read on the engine thread."""
+        return self._on_thread(dict, self.scheduler.stats, timeout=timeout)
+
     def check_invariants(self, timeout: float = 30.0) -> None:
         """Blocking: the ownership recount on the engine thread (raises AssertionError)."""
         self._on_thread(self.scheduler.check_invariants, timeout=timeout)
@@ -309,7 +324,7 @@ class Engine:
     def _on_thread(self, fn, *args, timeout: float):
         if not self._thread.is_alive() and self._error is None:
             return fn(*args)          # stopped cleanly (a test driving step()): nobody else runs
-        return self.call(fn, *args).result(timeout)
+        return self.inspect(fn, *args).result(timeout)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -337,35 +352,42 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                self._apply(self._inbox.get_nowait())
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, (req, group), cb = msg
+
+    def _apply(self, cmd: Command) -> None:
+        match cmd:
+            case Submit(req=req, on_chunk=cb, group=group):
                 self._callbacks[req.rid] = cb
                 try:
                     self.scheduler.add(req, group)
                 except InvalidRequest as e:
                     self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
-            elif msg[0] == "call":
-                _, (fn, args), fut = msg
-                if not fut.set_running_or_notify_cancel():
-                    continue   # the caller gave up on it
-                try:
-                    res = fn(*args)
-                except Exception as e:
-                    fut.set_exception(e)
-                    continue
-                if isinstance(res, StreamChunk):
-                    self._emit([res])
-                elif isinstance(res, list) and res and isinstance(res[0], StreamChunk):
-                    self._emit(res)
-                fut.set_result(res)
-            else:
-                _, rid, error = msg
+            case Abort(rid=rid, error=error):
                 c = self.scheduler.abort(rid, error)
                 if c is not None:
                     self._emit([c])
+            case Activate() | Release():
+                try:
+                    c = self.scheduler.handoff(cmd)
+                except ValueError as e:   # a worker's bug: fail that request, keep the engine
+                    log.error("%s", e)
+                    c = StreamChunk(cmd.rid, (), "", "abort", error=f"handoff failed: {e}")
+                if c is not None:
+                    self._emit([c])
+            case Evict(tokens=n, future=fut):
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(self.cache.evict(n))
+            case Inspect(fn=fn, args=args, future=fut):
+                if not fut.set_running_or_notify_cancel():
+                    return   # the caller gave up on it
+                try:
+                    fut.set_result(fn(*args))
+                except Exception as e:
+                    fut.set_exception(e)
+            case _:
+                raise TypeError(f"unknown engine command {cmd!r}")
 
     def step(self):
         """Drain the inbox, then run one step: plan, forward, sample, update, stream. Returns
@@ -375,7 +397,7 @@ class Engine:
         self._drain_inbox()
         s = self.scheduler
         plan = s.schedule()
-        chunks = plan.finished
+        chunks = plan.chunks
         if plan.entries:
             srs = [e.sr for e in plan.sampling]
             masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
@@ -400,7 +422,7 @@ class Engine:
                     self._wake.clear()
                     continue
                 plan = self.step()
-                if not (plan.entries or plan.finished):   # work that cannot run yet: do not spin
+                if not (plan.entries or plan.chunks):   # work that cannot run yet: do not spin
                     self._wake.wait(0.005)
                     self._wake.clear()
         except BaseException as e:  # surface to callers instead of hanging them
@@ -418,12 +440,12 @@ class Engine:
                     c = StreamChunk(rid, (), "", "abort", error=error)
                 if c is not None:
                     self._emit([c])
-            while True:   # calls queued behind the crash fail instead of hanging their callers
+            while True:   # reads queued behind the crash fail instead of hanging their callers
                 try:
-                    msg = self._inbox.get_nowait()
+                    cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if msg[0] == "call" and msg[2].set_running_or_notify_cancel():
-                    msg[2].set_exception(RuntimeError(error))
+                if isinstance(cmd, Inspect | Evict) and cmd.future.set_running_or_notify_cancel():
+                    cmd.future.set_exception(RuntimeError(error))
             # anyone still waiting (reserved, held, or lost in a crash) gets a final chunk too
             self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

@@ -2,11 +2,10 @@
 
 A worker (prefill/, decode/) runs on an asyncio loop; its engine runs on its own thread and is
 not thread-safe. Every cross-thread call goes through a handle method that names what it does
-and returns a typed value; each runs one bound method on the engine thread
-(``Engine.call(fn, *args)``), never a closure over scheduler internals, and raises instead of
-waiting forever on a dead engine thread. Role verbs live in the roles' subclasses:
-``DecodeHandle`` (decode/inbox.py: reserve, activate, cancel) and ``PrefillHandle``
-(prefill/outbox.py: held_pages, release_held).
+and returns a typed value: changes are typed engine commands (engine/commands.py), reads run a
+named read-only method on the engine thread (``Engine.inspect``); none waits forever on a dead
+engine thread. Role verbs live in the roles' subclasses: ``DecodeHandle`` (decode/connector.py:
+receive, activate, cancel) and ``PrefillHandle`` (prefill/connector.py: held_pages, release_held).
 
     handle.stream(greq)              async iterator of StreamChunk (a locally run request)
     handle.abort(rid, error)         finish a request (fire and forget)
@@ -83,11 +82,11 @@ class EngineHandle:
         self.engine = engine
         self.timeout_s = timeout_s
 
-    async def _run(self, fn: Callable, *args):
-        """``fn(*args)`` on the engine thread. The engine's future is shielded: cancelling the
-        caller must not cancel it (the engine thread would then fail to set it)."""
+    async def _read(self, fn: Callable, *args):
+        """Read-only ``fn(*args)`` on the engine thread. The engine's future is shielded:
+        cancelling the caller must not cancel it (the engine thread would then fail to set it)."""
         self.check_alive()
-        fut = self.engine.call(fn, *args)
+        fut = self.engine.inspect(fn, *args)
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
 
     # -- requests the engine runs by itself -------------------------------------------------------
@@ -109,7 +108,7 @@ class EngineHandle:
     async def cached_prefix(self, ids: list[int]) -> int:
         """Tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the prefix cache holds on
         the device. Side-effect free: no split, no LRU touch, no load-back, nothing locked."""
-        return await self._run(self._cached_prefix, list(ids))
+        return await self._read(self._cached_prefix, list(ids))
 
     def _cached_prefix(self, ids: list[int]) -> int:
         ps = self.engine.kv.page_size
@@ -117,10 +116,10 @@ class EngineHandle:
         return min(self.engine.kv.cache.peek(ids[:usable]), usable)
 
     async def snapshot(self) -> EngineSnapshot:
-        return await self._run(take_snapshot, self.engine)
+        return await self._read(take_snapshot, self.engine)
 
     async def check_invariants(self) -> None:
-        await self._run(self.engine.scheduler.check_invariants)
+        await self._read(self.engine.scheduler.check_invariants)
 
     def check_alive(self) -> None:
         """Raise if the engine thread died."""

@@ -3,8 +3,8 @@
 Each owns an :class:`~tandem.engine.engine.Engine` reached only through its role's handle
 (``PrefillHandle`` / ``DecodeHandle``, subclasses of :class:`EngineHandle`), a NIXL
 :class:`KVTransferAgent` over the engine's pools (engine/kv_regions.py: ``"kv"``, and for hybrid
-models ``"swa"`` and ``"state"``), a registry of live
-transfers, its own Prometheus registry, and plain counters. Methods run on one asyncio loop
+models ``"swa"`` and ``"state"``), the live KV handoffs by request (transfer/handoff.py), its own
+Prometheus registry, and plain counters. Methods run on one asyncio loop
 (the agent is not thread-safe). The Ray shells (``*/actor.py``) share :class:`RoleActorMixin`.
 
 Bootstrap: ``handshake()`` returns this worker's :class:`Handshake` bytes; ``add_peer(bytes)``
@@ -27,7 +27,7 @@ from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
 from tandem.transfer.messages import Handshake
-from tandem.transfer.state import TransferRegistry
+from tandem.transfer.handoff import Handoff
 
 REGION = KV
 
@@ -59,7 +59,7 @@ class RoleWorker:
         self.regions = kv_regions(engine)   # name -> RegionSpec
         self.agent = KVTransferAgent(name, [Region.of(n, r.tensor, r.page_size, r.slab_dims)
                                             for n, r in self.regions.items()], **agent_opts)
-        self.transfers = TransferRegistry()
+        self.handoffs: dict[str, Handoff] = {}   # rid -> its live KV handoff (transfer/handoff.py)
         self.counts: dict[str, int] = {}
         self.draining = False
         self.metrics = CollectorRegistry()
@@ -88,7 +88,7 @@ class RoleWorker:
         """Pool accounting (:class:`EngineSnapshot` fields), live transfers and counters."""
         snap = await self.handle.snapshot()
         return {"worker": self.name, "role": self.role, **snap.as_dict(), "draining": self.draining,
-                "live_transfers": len(self.transfers), **self.counts, **self._extra_stats(snap)}
+                "live_transfers": sum(h.live for h in self.handoffs.values()), **self.counts, **self._extra_stats(snap)}
 
     def _extra_stats(self, snap) -> dict:
         return {}
@@ -104,7 +104,7 @@ class RoleWorker:
             verdict = str(e)[:4000]
         return {"worker": self.name, "role": self.role, **snap.as_dict(),
                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
-                "live_transfers": len(self.transfers), **self.counts}
+                "live_transfers": sum(h.live for h in self.handoffs.values()), **self.counts}
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.metrics)

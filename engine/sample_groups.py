@@ -1,7 +1,7 @@
 """OpenAI ``n`` on one worker: the members of a SampleGroup compute their shared prompt once.
 
 The scheduler registers every request that carries a :class:`~tandem.core.messages.SampleGroup`
-(``add`` at ``Scheduler.add`` / ``admit_detached``, ``remove`` at its finish; a finished member a
+(``add`` at ``Scheduler.add``, ``remove`` at its finish; a finished member a
 prefill worker still holds for sending stays, as a fork source, and is pruned by the next ``add``
 once it no longer holds KV). At admission a
 member is held back while :meth:`SampleGroups.prefilling_sibling` finds another member of its

@@ -44,6 +44,7 @@ class SchedReq:
     grammar state, made once that future is done (at admission; a decode worker's ``resume``).
     The matcher has accepted exactly ``req.output_ids``, so it survives retraction unchanged.
     ``group``: the OpenAI ``n`` group the request samples for (core.messages.SampleGroup).
+    ``receive``: a peer writes its prompt's KV (the role's KVConnector said so at ``add``).
     """
 
     req: Req
@@ -52,6 +53,7 @@ class SchedReq:
     grammar: Future | None = None
     matcher: Matcher | None = None
     group: SampleGroup | None = None
+    receive: bool = False
 
     @property
     def rid(self) -> str:
@@ -72,11 +74,12 @@ class PlanEntry:
 @dataclass
 class StepPlan:
     """One step: ``entries`` run in one forward (mixed prefill chunks and decodes);
-    ``finished`` are chunks of requests the scheduler ended without running them this step
-    (e.g. no KV room ever). Entries that sample are ``sampling`` (in entry order)."""
+    ``chunks`` are what planning itself streams, before the forward: requests the scheduler
+    ended without running them (e.g. no KV room ever, a grammar that failed to compile).
+    Entries that sample are ``sampling`` (in entry order)."""
 
     entries: list[PlanEntry] = field(default_factory=list)
-    finished: list[StreamChunk] = field(default_factory=list)
+    chunks: list[StreamChunk] = field(default_factory=list)
 
     def add(self, sr: SchedReq, n: int, slots: torch.Tensor) -> None:
         r = sr.req
@@ -93,3 +96,26 @@ class StepPlan:
     def sample_rows(self) -> list[int]:
         """Indices into the forward's ``[B, V]`` logits of the sampling entries."""
         return [i for i, e in enumerate(self.entries) if e.samples]
+
+
+def new_stats() -> dict:
+    """The scheduler's counters (shared with RequestKV and Retraction), all zero."""
+    return {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
+            "prompt_tokens_computed": 0, "generated_tokens": 0, "evicted_tokens": 0,
+            "retraction_restores": 0, "retraction_recomputes": 0, "retraction_aborts": 0,
+            "backup_tokens": 0, "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0}
+
+
+class SchedulerObserver:
+    """A test- and bench-facing view of scheduler decisions: append one to
+    ``Scheduler.observers`` (empty by default, so nothing is called in serving). Called on the
+    engine thread, before the decision takes effect; must not change the scheduler."""
+
+    def admitted(self, sr: SchedReq) -> None:
+        """``sr`` took a row (a first admission, a restore after retraction, or a reservation)."""
+
+    def unadmitted(self, sr: SchedReq) -> None:
+        """The admission of ``sr`` this step was undone (no slots after all)."""
+
+    def retracted(self, sr: SchedReq) -> None:
+        """``sr`` is about to be retracted (backed up to the host, or dropped to recompute)."""

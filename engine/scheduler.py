@@ -2,46 +2,26 @@
 
 One rule drives every request: each step a scheduled request extends its KV from
 ``computed_len`` by ``n <= seq_len - computed_len`` tokens; when that reaches ``seq_len`` the
-logits of its last position sample the next token. A decode step is an extend of 1 (the last
-sampled token has no KV yet); a prompt chunk is an extend of up to the chunk budget; a request
-re-prefilled after retraction simply starts again from its cached prefix.
+logits of its last position sample the next token. A decode step is an extend of 1; a prompt
+chunk an extend of up to the chunk budget; a request restored after retraction starts again from
+its cached prefix. Per step the engine runs ``plan = schedule()``, the forward of
+``kv.forward_batch(plan)``, samples ``plan.sample_rows`` and calls ``update(plan, tokens)``.
 
-The loop (engine/engine.py) per step::
+``schedule`` order: (1) decodes get one slot each, evicting cache and then
+retracting victims when short (engine/retraction.py); (2) waiting requests whose KV a peer writes
+get their slots reserved; (3) unfinished prefills continue, retracted requests are restored when
+they fit, then waiting requests are admitted, within the step's prompt-token budget.
 
-    plan = scheduler.schedule()                 # StepPlan: who extends by how much, into which slots
-    logits = runner.forward(kv.forward_batch(plan))
-    tokens = sampler.sample(logits[plan.sample_rows], ...)
-    chunks = plan.finished + scheduler.update(plan, tokens)
+Invariants: every slot is owned once (free list, cache, or one request's ``[locked_len,
+computed_len)``), proved by :meth:`check_invariants` (engine/request_kv.py). A request holding KV
+outside the step loop is in :attr:`detached`: received (``WAITING_FOR_KV``, until the worker's
+Activate or an Abort) or held (finished; the role's KVConnector kept it until a Release), both
+applied by :meth:`handoff`.
 
-``schedule`` order: (1) decodes get one slot each, evicting cache and then retracting victims
-when short (engine/retraction.py); (2) unfinished prefills continue, retracted requests are
-restored when they fit, then waiting requests are admitted (prefix match, lock, row), within the
-step's prompt-token budget. ``update`` advances ``computed_len``, caches finished prompt chunks,
-appends sampled tokens, checks stops and streams; finished requests hand their KV to the cache.
-
-Row, slot and cache operations are :class:`RequestKV`'s (engine/request_kv.py); memory ownership
-(each slot owned once: free list, cache, or one request's ``[locked_len, computed_len)``) is
-proved by :meth:`check_invariants`.
-
-Role entry points (disaggregation; the roles' code lives in decode/ and prefill/):
-- decode: :meth:`admit_detached` takes a row and slots for a prompt whose KV another worker
-  writes (status ``WAITING_FOR_KV``), :meth:`resume` starts decoding it once the KV arrived,
-  :meth:`drop_detached` ends it (transfer failed or aborted);
-- prefill: :attr:`on_finish` may keep a finished request's KV (``True``: the hook now holds it and
-  releases it with ``kv.release`` once sent).
-
-Constrained decoding (engine/grammar.py): ``add`` starts the constraint's compile (``grammar()``
-returns the engine's GrammarCompiler; compiles run on its thread pool, cached per constraint); a
-waiting request is not admitted until that future is done, and one that does not compile
-finishes as "abort" with the compiler's message. The step loop never waits on a compile. After
-each sampled token ``_on_token`` advances the request's matcher; a complete grammar finishes the
-request with "stop" (over ``ignore_eos`` and ``min_tokens``).
-
-OpenAI ``n`` (core.messages.SampleGroup, engine/sample_groups.py): a group member is not admitted
-while a sibling here is still computing the prompt; then its admission matches the sibling's
-cached prompt (with the prefix cache off: forks the sibling's prompt KV), so the group computes
-the prompt once. ``stats["prompt_tokens_computed"]`` counts
-prompt positions actually run through the model (the n = 4 vs n = 1 figure).
+Constrained decoding: a waiting request is admitted only once its grammar compile (engine/grammar.py,
+off the loop) is done; one that does not compile finishes "abort". OpenAI ``n``
+(engine/sample_groups.py): a member waits while a sibling here computes the shared prompt, then
+hits it in the cache (no cache: forks the sibling's KV).
 """
 
 from __future__ import annotations
@@ -53,12 +33,14 @@ from typing import Callable
 
 from tandem.core.messages import SampleGroup
 from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, TokenLogprob
-from tandem.engine.output import OutputTracker
-from tandem.engine.queue_policy import InStepPrefixes, order
+from tandem.engine.admission import Admission
+from tandem.engine.commands import Activate, Release
+from tandem.engine.connector import KVConnector
+from tandem.engine.queue_policy import InStepPrefixes
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.retraction import Retraction
 from tandem.engine.sample_groups import SampleGroups
-from tandem.engine.sched_types import SchedReq, StepPlan
+from tandem.engine.sched_types import SchedReq, SchedulerObserver, StepPlan, new_stats
 
 log = logging.getLogger(__name__)
 
@@ -70,59 +52,51 @@ class Scheduler:
                  max_batch_tokens: int, schedule_policy: str = "fcfs",
                  retraction_policy: str = "default", host_backup: bool = True,
                  debug_invariants: bool = False, debug_retract_every: int = 0,
-                 grammar: Callable[[], object] | None = None):
+                 grammar: Callable[[], object] | None = None, connector: KVConnector | None = None):
         """``grammar``: returns the engine's GrammarCompiler (built on first use; None: this
-        scheduler refuses constrained requests)."""
+        scheduler refuses constrained requests). ``connector``: the role's KV connector
+        (engine/connector.py; default: nothing crosses workers)."""
         self.kv = kv
-        self.grammar = grammar
-        self.tok = tokenizer
-        self.max_context = max_context
         self.chunk = chunked_prefill_size
-        self.max_batch_tokens = max_batch_tokens
-        self.policy = schedule_policy
-        self.debug = debug_invariants
-        self.debug_retract_every = debug_retract_every
-        self.page_size = kv.page_size
+        self.max_batch_tokens, self.policy = max_batch_tokens, schedule_policy
+        self.debug, self.debug_retract_every = debug_invariants, debug_retract_every
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.waiting: deque[SchedReq] = deque()
         self.running: dict[str, SchedReq] = {}
-        self.on_finish: Callable[[SchedReq], bool] | None = None
-        self._session_seen: dict[str, float] = {}   # session id -> when its latest request arrived
+        self.connector = connector or KVConnector()
+        self.detached: dict[str, SchedReq] = {}      # holding KV outside the step loop (module doc)
+        self.observers: list[SchedulerObserver] = []   # test-facing, empty by default (sched_types.py)
         self._decode_steps = 0
         self.groups = SampleGroups()
-        self.stats = {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "prompt_tokens_computed": 0,
-                      "generated_tokens": 0, "evicted_tokens": 0, "retraction_restores": 0,
-                      "retraction_recomputes": 0, "retraction_aborts": 0, "backup_tokens": 0,
-                      "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0}
-        kv.stats = self.stats
+        self.stats = kv.stats = new_stats()
         self.retraction = Retraction(kv, self.stats, policy=retraction_policy, host_backup=host_backup)
+        self.admission = Admission(kv, tokenizer, max_context, schedule_policy, grammar,
+                                   self.connector, self.groups, self.stats)
 
     # ------------------------------------------------------------------ requests in and out
     def validate(self, req: Req) -> None:
-        req.params.validate()
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty")
-        if n >= self.max_context:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens but the context holds {self.max_context} "
-                f"(prompt + at least 1 generated token must fit)")
-        if n + 1 > self.kv.alloc.size:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens but the KV pool holds {self.kv.alloc.size} tokens")
+        """Raises InvalidRequest for a request this engine can never serve (any thread)."""
+        self.admission.validate(req)
 
     def add(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
-        """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its OpenAI ``n``
-        group, if any."""
-        sr = self._track(req, group)
+        """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its ``n`` group."""
+        sr = self.admission.track(req, group)
         req.status = ReqStatus.WAITING
         self.waiting.append(sr)
         return sr
 
     def abort(self, rid: str, error: str | None = None) -> StreamChunk | None:
-        """Finish ``rid`` with reason "abort" wherever it waits or runs (its KV is released);
-        None if it is not here (detached requests are their role's to end)."""
+        """Finish ``rid`` with reason "abort" wherever it waits, runs or receives (its KV is
+        released; a received range is freed, never cached: the caller guarantees no write into it
+        is in flight). None if it is not here, or held (a Release ends it)."""
+        sr = self.detached.get(rid)
+        if sr is not None:
+            if sr.req.status is not ReqStatus.WAITING_FOR_KV:
+                return None
+            del self.detached[rid]
+            self.kv.free_range(sr, sr.locked_len, sr.req.seq_len)
+            sr.req.computed_len = sr.locked_len
+            return self._finish(sr, "abort", "", error=error)
         for sr in self.waiting:
             if sr.rid == rid:
                 self.waiting.remove(sr)
@@ -136,11 +110,34 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.retraction.retracted)
 
+    def handoff(self, event: Activate | Release) -> StreamChunk | None:
+        """Apply the worker side of a KV handoff. Activate: a received request decodes from
+        prefill's first token (returned as its first chunk; the matcher made at reservation takes
+        it). Release: a held request's KV goes to the cache. None for a request that ended
+        meanwhile (aborted); ValueError for an event its state cannot take."""
+        sr = self.detached.get(event.rid)
+        if sr is None:
+            return None
+        r = sr.req
+        match event:
+            case Activate(first_token=tok, logprob=lp) if r.status is ReqStatus.WAITING_FOR_KV:
+                del self.detached[r.rid]
+                r.status, r.first_token_time = ReqStatus.RUNNING, time.monotonic()
+                self.running[r.rid] = sr
+                self.kv.cache_prefix(sr)             # the received prompt is shareable now
+                return self._on_token(sr, tok, sampled=False, logprob=lp)
+            case Release() if r.finished:
+                del self.detached[r.rid]
+                self.kv.release(sr)
+                return None
+        raise ValueError(f"{type(event).__name__} for {event.rid}, which is {r.status.name}")
+
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
         """Decide the next step (allocating its slots, retracting or aborting as needed)."""
         plan = StepPlan()
         self._plan_decodes(plan)
+        self._plan_receives(plan)
         budget = min(self.chunk, self.max_batch_tokens - len(plan.entries))
         budget = self._plan_prefills(plan, budget)
         budget = self._plan_restores(plan, budget)
@@ -158,7 +155,7 @@ class Scheduler:
             self._decode_steps += 1
             n = self.debug_retract_every
             if n and self._decode_steps % n == 0:   # test lever: retract without pressure
-                victim = self.retraction.choose(decodes, self._session_seen)
+                victim = self.retraction.choose(decodes, self.admission.session_seen)
                 decodes.remove(victim)
                 self._retract(victim)
         while decodes:
@@ -168,7 +165,7 @@ class Scheduler:
             slots = self.kv.extend(sr, 1)
             while slots is None:
                 cands = [s for s in self.running.values() if s is not sr and not plan.holds(s)]
-                victim = self.retraction.choose(cands, self._session_seen)
+                victim = self.retraction.choose(cands, self.admission.session_seen)
                 if victim is None:
                     break
                 if victim in decodes:
@@ -181,14 +178,33 @@ class Scheduler:
                     # will give back (reservations being filled, held KV being sent, requests
                     # not retractable this step): wait a step.
                     continue
-                plan.finished.append(self._finish(sr, "abort", "", error=(
+                plan.chunks.append(self._finish(sr, "abort", "", error=(
                     f"KV pool exhausted: {self.kv.alloc.size} tokens cannot hold this request "
                     f"at {sr.req.seq_len} tokens")))
                 continue
             plan.add(sr, 1, slots)
 
+    def _plan_receives(self, plan: StepPlan) -> None:
+        """(2) A request a peer fills gets a row, its cached prefix and slots for the rest
+        (memory only: no budget; one that does not fit waits), then waits in :attr:`detached`."""
+        for sr in [s for s in self.waiting if s.receive]:
+            if self.kv.r2t.available_size() == 0:
+                return
+            if not self._grammar_ready(sr, plan) or not self._admit(sr, running=False):
+                continue
+            r = sr.req
+            slots = self.kv.extend(sr, r.seq_len - r.computed_len, received=True)  # hybrid: kept window
+            if slots is None:
+                self._unadmit(sr, requeue=False)
+                continue
+            self.waiting.remove(sr)
+            self.kv.r2t.write(r.req_pool_idx, r.computed_len, slots)
+            r.computed_len, r.status = r.seq_len, ReqStatus.WAITING_FOR_KV
+            self.detached[r.rid] = sr
+            self.connector.reserved(sr)
+
     def _plan_prefills(self, plan: StepPlan, budget: int) -> int:
-        """(2a) Running requests with prompt left (chunked prefill) continue."""
+        """(3a) Running requests with prompt left (chunked prefill) continue."""
         for sr in list(self.running.values()):
             if budget <= 0:
                 break
@@ -203,7 +219,7 @@ class Scheduler:
         return budget
 
     def _plan_restores(self, plan: StepPlan, budget: int) -> int:
-        """(2b) Retracted requests that fit again are admitted; their match loads the backup."""
+        """(3b) Retracted requests that fit again are admitted; their match loads the backup."""
         for sr in self.retraction.restorable(anything_held=bool(self.kv.holders)):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
@@ -219,7 +235,7 @@ class Scheduler:
                 if alone:                           # the whole pool cannot hold it: never will
                     self.retraction.abort(sr.rid)
                     self.stats["retraction_aborts"] += 1
-                    plan.finished.append(self._finish_unstarted(sr, (
+                    plan.chunks.append(self._finish_unstarted(sr, (
                         f"KV pool exhausted: {self.kv.alloc.size} tokens cannot hold this "
                         f"retracted request at {r.seq_len} tokens")))
                     continue
@@ -230,13 +246,15 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: StepPlan, budget: int) -> None:
-        """(2c) Waiting requests, in the queue policy's order, while budget and rows last."""
-        in_step = InStepPrefixes(self.kv.cache.peek, self.page_size) if self.policy == "lpm" else None
-        for sr in self._admission_order():
+        """(3c) Waiting requests, in the queue policy's order, while budget and rows last."""
+        in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size) if self.policy == "lpm" else None
+        for sr in self.admission.order(self.waiting):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
+            if sr.receive:
+                continue   # a peer writes its prompt: (2) reserves it
             if not self._grammar_ready(sr, plan):
-                continue   # compiling (off the loop), or failed (finished into plan.finished)
+                continue   # compiling (off the loop), or failed (finished into plan.chunks)
             if self.groups.prefilling_sibling(sr, self.running) is not None:
                 continue   # a sibling computes the shared prompt: hit it in the cache once cached
             if in_step is not None and in_step.should_wait(sr.req.all_ids):
@@ -245,7 +263,7 @@ class Scheduler:
                 break
             self.waiting.remove(sr)
             if sr.group is not None and not self.kv.cache.retains:
-                self._fork_prompt(sr)
+                self.admission.fork_prompt(sr)
             r = sr.req
             n = min(r.seq_len - r.computed_len, budget)
             slots = self.kv.extend(sr, n)
@@ -256,36 +274,13 @@ class Scheduler:
             budget -= n
 
     def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:
-        """True when ``sr`` needs no grammar or its matcher is made. A failed compile finishes
-        the request (abort, the compiler's message) into ``plan.finished``."""
-        if sr.grammar is None or sr.matcher is not None:
-            return True
-        if not sr.grammar.done():
-            return False
+        """A failed compile finishes the request (abort, the compiler's message) into ``plan.chunks``."""
         try:
-            sr.matcher = sr.grammar.result().matcher()
+            return self.admission.grammar_ready(sr)
         except InvalidRequest as e:
             self.waiting.remove(sr)
-            plan.finished.append(self._finish_unstarted(sr, str(e)))
+            plan.chunks.append(self._finish_unstarted(sr, str(e)))
             return False
-        return True
-
-    def _fork_prompt(self, sr: SchedReq) -> None:
-        """No prefix cache: copy a computed sibling's prompt KV (all but the last token) into
-        ``sr``'s row; counted as cached (it was not computed)."""
-        src = self.groups.computed_sibling(sr, self.kv.holders)
-        n = len(sr.req.prompt_ids) - 1
-        if src is not None and self.kv.fork(sr, src, n):
-            sr.req.cached_len += n
-            self.stats["cached_tokens"] += n
-
-    def _admission_order(self) -> list[SchedReq]:
-        """``fcfs``: arrival order. ``lpm``: longest cached prefix first, and requests sharing a
-        not-yet-cached prefix with an earlier one wait for it to be computed (SGLang's policy)."""
-        if self.policy != "lpm" or len(self.waiting) < 2:
-            return list(self.waiting)
-        return order(self.waiting, lambda sr: self.kv.cache.peek(sr.req.all_ids), "lpm",
-                     token_ids_fn=lambda sr: sr.req.all_ids, page_size=self.page_size)
 
     # ------------------------------------------------------------------ after the forward
     def update(self, plan: StepPlan, tokens: list[int | None],
@@ -306,8 +301,7 @@ class Scheduler:
         for i, (e, tok) in enumerate(zip(plan.sampling, tokens)):
             sr, r = e.sr, e.sr.req
             if r.first_token_time is None:
-                r.first_token_time = now
-                r.status = ReqStatus.RUNNING
+                r.first_token_time, r.status = now, ReqStatus.RUNNING
             out.append(self._on_token(sr, tok, logprob=logprobs[i] if logprobs is not None else None))
         self.stats["steps"] += 1
         if self.debug:
@@ -316,8 +310,7 @@ class Scheduler:
 
     def _on_token(self, sr: SchedReq, tok: int | None, sampled: bool = True,
                   logprob: TokenLogprob | None = None) -> StreamChunk:
-        r = sr.req
-        m = sr.matcher
+        r, m = sr.req, sr.matcher
         if m is not None and (tok is None or not m.accept(tok)):
             what = "no token" if tok is None else f"token {tok}"
             return self._finish(sr, "abort", "", error=(
@@ -332,69 +325,7 @@ class Scheduler:
             return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps)
         return StreamChunk(r.rid, (tok,), text, logprobs=lps)
 
-    # ------------------------------------------------------------------ role entry points
-    def admit_detached(self, req: Req) -> SchedReq | None:
-        """Decode: a row holding the cached prefix plus slots for the rest of the prompt, for a
-        KV transfer to fill. The request waits (``WAITING_FOR_KV``) outside the step loop until
-        :meth:`resume` or :meth:`drop_detached`. None when there is no room now."""
-        sr = self._track(req)
-        if not self._admit(sr, running=False):
-            self.groups.remove(sr)
-            return None
-        n = req.seq_len - req.computed_len
-        slots = self.kv.extend(sr, n, received=True)   # hybrid: SWA rows of the kept window only
-        if slots is None:
-            self._unadmit(sr, requeue=False)
-            self.groups.remove(sr)
-            return None
-        self.kv.r2t.write(req.req_pool_idx, req.computed_len, slots)
-        req.computed_len = req.seq_len
-        req.status = ReqStatus.WAITING_FOR_KV
-        return sr
-
-    def resume(self, sr: SchedReq, first_token: int,
-               logprob: TokenLogprob | None = None) -> StreamChunk:
-        """Decode: the detached request's KV arrived with its first token (and, when the request
-        asked, that token's logprob as prefill computed it); it decodes from now. A constrained
-        request's matcher starts here and accepts the first token (``matcher_from(c, [first])``);
-        a grammar the first token completes finishes the request at once. The compile was
-        awaited before the reservation (decode/worker.py), so ``result()`` does not block unless
-        the grammar cache dropped it since (then it recompiles, sub-millisecond for typical
-        schemas)."""
-        r = sr.req
-        r.status = ReqStatus.RUNNING
-        r.first_token_time = time.monotonic()
-        self.running[r.rid] = sr
-        self.kv.cache_prefix(sr)           # the received prompt is shareable now
-        if sr.grammar is not None and sr.matcher is None:
-            try:
-                sr.matcher = sr.grammar.result().matcher()
-            except InvalidRequest as e:
-                return self._finish(sr, "abort", "", error=str(e))
-        return self._on_token(sr, first_token, sampled=False, logprob=logprob)   # prefill sampled it
-
-    def drop_detached(self, sr: SchedReq, error: str | None = None) -> StreamChunk:
-        """Decode: the transfer failed or was aborted. The received range never became valid
-        KV: it is freed rather than cached."""
-        r = sr.req
-        self.kv.free_range(sr, sr.locked_len, r.seq_len)
-        r.computed_len = sr.locked_len
-        return self._finish(sr, "abort", "", error=error)
-
     # ------------------------------------------------------------------ helpers
-    def _track(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
-        self.validate(req)
-        c = req.params.constraint
-        if c is not None and self.grammar is None:
-            raise InvalidRequest("this engine has no grammar engine: constrained decoding is off")
-        if req.session_id is not None:
-            self._session_seen[req.session_id] = time.monotonic()
-        sr = SchedReq(req, OutputTracker(req, self.tok, self.max_context), group=group)
-        if c is not None:
-            sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
-        self.groups.add(sr, self.kv.holders)
-        return sr
-
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):
             return False
@@ -407,6 +338,8 @@ class Scheduler:
         r.status = ReqStatus.PREFILLING
         if running:
             self.running[r.rid] = sr
+        for o in self.observers:
+            o.admitted(sr)
         return True
 
     def _unadmit(self, sr: SchedReq, requeue: bool = True) -> None:
@@ -424,8 +357,12 @@ class Scheduler:
         self.running.pop(r.rid, None)
         if requeue:
             self.waiting.appendleft(sr)
+        for o in self.observers:
+            o.unadmitted(sr)
 
     def _retract(self, sr: SchedReq) -> None:
+        for o in self.observers:
+            o.retracted(sr)
         del self.running[sr.rid]
         if not self.retraction.retract(sr):
             self.waiting.appendleft(sr)   # recompute: first in line
@@ -434,11 +371,12 @@ class Scheduler:
                 logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
-        held = reason != "abort" and self.on_finish is not None and self.on_finish(sr)
-        if not held:   # a held member stays a fork source for its siblings (sample_groups.py)
+        if self.connector.finished(sr, reason):   # held: a Release lets it go
+            self.detached[r.rid] = sr           # (and it stays a fork source for its siblings)
+        else:
             self.groups.remove(sr)
-        if not held and r.req_pool_idx is not None:
-            self.kv.release(sr)
+            if r.req_pool_idx is not None:
+                self.kv.release(sr)
         r.status = _STATUS.get(reason, ReqStatus.FINISHED_ABORT)
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
@@ -447,6 +385,7 @@ class Scheduler:
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
         r = sr.req
+        self.connector.finished(sr, "abort")
         self.groups.remove(sr)
         r.status, r.finish_reason, r.error = ReqStatus.FINISHED_ABORT, "abort", error
         r.finish_time = time.monotonic()
@@ -456,5 +395,5 @@ class Scheduler:
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Every allocated page is owned exactly once: by the cache or by one request (running,
-        detached or held); raises AssertionError listing violations."""
+        received or held); raises AssertionError listing violations."""
         self.kv.check()

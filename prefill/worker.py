@@ -1,7 +1,8 @@
 """PrefillWorker: run a prompt, then WRITE its KV pages into a decode worker's reserved pages.
 
-Plain Python (no Ray; prefill/actor.py is the Ray shell). An :class:`Engine` reached through a
-:class:`PrefillHandle` (prefill/outbox.py: finished requests' KV is held until sent) and a NIXL
+Plain Python (no Ray; prefill/actor.py is the Ray shell). An :class:`Engine` built with the
+:class:`PrefillConnector` and reached through a :class:`PrefillHandle` (prefill/connector.py:
+finished requests' KV is held until released) and a NIXL
 agent over its KV pool (engine/role_worker.py; ``kv_data: [L, 2, rows, H_kv, D]``, region "kv").
 
 One request (``prefill``), push model as in SGLang PD::
@@ -15,14 +16,16 @@ One request (``prefill``), push model as in SGLang PD::
 Positions are page-aligned identically on both sides (same page_size; ``p`` is a multiple of it),
 so source page ``i`` of the range goes to destination page ``i``. Hybrid models' requests name
 the "swa" and "state" regions too: the SWA rows of the window decode keeps past ``p`` and the
-state row at the prompt's end (prefill/outbox.py), written in the same WRITE; the counts must
+state row at the prompt's end (prefill/connector.py), written in the same WRITE; the counts must
 match the request's or nothing is sent.
 
 Contract of :meth:`PrefillWorker.prefill` (decode relies on it to free pages safely): it returns
 (or raises) only when no WRITE of this transfer can still be in flight. The one exception is a
 result with ``in_flight=True`` (a write that neither finished nor failed within
-``IN_FLIGHT_LIMIT`` transfer timeouts); decode must then never reuse those pages.
-The source KV stays held (locked) until the write is out of flight, on success and on failure.
+``IN_FLIGHT_LIMIT`` transfer timeouts); decode must then never reuse those pages (the handoff
+is QUARANTINED on both sides). The source KV stays held (locked) until the write has ended; a
+quarantined write's source is released all the same (a stuck write that still reads it can only
+spoil pages decode never reuses).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
 from tandem.engine.role_worker import REGION, RoleWorker
-from tandem.prefill.outbox import PrefillHandle
+from tandem.prefill.connector import PrefillConnector, PrefillHandle
+from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
 
@@ -58,7 +62,7 @@ class _Job:
     """One prefill request in this worker. ``aborted`` is set by :meth:`PrefillWorker.abort`."""
 
     rid: str
-    transfer_id: int
+    handoff: Handoff
     aborted: str = ""
 
 
@@ -90,9 +94,7 @@ class PrefillWorker(RoleWorker):
                 from tandem.engine.role_worker import kv_publisher
                 self.kv_publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
             engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=self.kv_publisher,
-                            role="prefill", name=name)
-        # The handle installs the outbox before any request is submitted: finished requests
-        # keep their KV until it is sent.
+                            role="prefill", name=name, connector=PrefillConnector)
         super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
         self.handle: PrefillHandle
@@ -125,8 +127,9 @@ class PrefillWorker(RoleWorker):
         err = self._check(greq, req, dst_prefix_len)
         if err:
             return self._count(out.fail(err))
-        job = self._jobs[rid] = _Job(rid, tid)
-        self.transfers.add(tid, self.transfer_timeout_s, TransferState.BOOTSTRAPPED)
+        h = self.handoffs[rid] = Handoff(rid, tid, TransferState.BOOTSTRAPPED,
+                                         deadline=time.monotonic() + self.transfer_timeout_s)
+        job = self._jobs[rid] = _Job(rid, h)
         # Shielded: if this call is cancelled the job still runs to its end (held KV released,
         # no write left in flight); it only stops early.
         task = asyncio.ensure_future(self._run_job(job, greq, req, dst_prefix_len, out))
@@ -143,12 +146,11 @@ class PrefillWorker(RoleWorker):
             return self._count(await self._run(job, greq, req, start, out))
         finally:
             del self._jobs[job.rid]
-            if job.transfer_id in self.transfers:
-                self.transfers.remove(job.transfer_id)
+            self.handoffs.pop(job.rid, None)
 
     async def _run(self, job: _Job, greq: GenerateRequest, req: KVTransferRequest, start: int,
                    out: _Result) -> PrefillResult:
-        rid, tid = job.rid, job.transfer_id
+        rid, h = job.rid, job.handoff
         # (1) the prompt, one sampled token (its params: temperature, seed, min_tokens)
         p = greq.params
         params = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
@@ -156,11 +158,11 @@ class PrefillWorker(RoleWorker):
         try:
             last = await self._run_prompt(dataclasses.replace(greq, params=params))
         except TandemError as e:  # InvalidRequest or a dead engine: nothing is held
-            self.transfers.fail(tid, str(e))
+            h.fail(str(e))
             return out.fail(f"prefill of {rid} on {self.name} refused: {e}")
         out.f["prefill_s"] = time.monotonic() - t0
         if last.finish_reason == "abort":  # aborted or failed inside the engine: KV already freed
-            self.transfers.fail(tid, last.error or "aborted")
+            h.fail(last.error or "aborted", aborted=bool(job.aborted))
             if job.aborted:
                 return out.fail(job.aborted, TransferState.ABORTED)
             return out.fail(f"prefill of {rid} on {self.name} failed: {last.error or 'aborted'}")
@@ -171,59 +173,61 @@ class PrefillWorker(RoleWorker):
         # (2) from here the request's KV is held: release it on every path below
         try:
             if job.aborted:
-                self.transfers.fail(tid, job.aborted)
+                h.fail(job.aborted, aborted=True)
                 return out.fail(job.aborted, TransferState.ABORTED)
             held = await self.handle.held_pages(rid, start)
             out.f["cached_tokens"] = held.cached_tokens
             bad = [f"{n}: {len(held.source(n))} held, {len(req.pages(n))} reserved"
                    for n in req.regions if len(held.source(n)) != len(req.pages(n))]
             if bad:   # the two workers disagree on the window / page size: send nothing
-                self.transfers.fail(tid, "region sizes differ")
-                return out.fail(f"transfer {tid}: source and destination sizes differ ({'; '.join(bad)})")
+                h.fail("region sizes differ")
+                return out.fail(f"transfer {h.transfer_id}: source and destination sizes differ ({'; '.join(bad)})")
             if req.digest:
                 out.f["digest"] = await self.handle.page_digest(
                     tuple((n, held.source(n)) for n in req.regions))
             return await self._write(job, req, held, out)
         finally:
-            await self.handle.release_held(rid)
+            self.handle.release_held(rid)   # the write has ended (or was never posted)
 
     async def _write(self, job: _Job, req: KVTransferRequest, held, out: _Result) -> PrefillResult:
-        tid = job.transfer_id
+        h, tid = job.handoff, job.handoff.transfer_id
         pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
         src = held.pages
-        self.transfers.advance(tid, TransferState.TRANSFERRING)
         t0 = time.monotonic()
         # The agent's own deadline is far away: only a transport error or completion ends the
         # write, so "not TRANSFERRING" really means "not in flight" (see the module contract).
         limit = self.transfer_timeout_s * IN_FLIGHT_LIMIT
         try:
-            h = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
+            w = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
         except (KeyError, ValueError) as e:  # unknown peer, bad pages: nothing was posted
-            self.transfers.fail(tid, str(e))
+            h.fail(str(e))
             return out.fail(f"transfer {tid} not posted: {e}")
-        state = self.agent.poll(h)
+        h.send()
+        state = self.agent.poll(w)
         while state is TransferState.TRANSFERRING:
             if time.monotonic() - t0 > limit:
                 out.f["in_flight"] = True
-                self.transfers.fail(tid, "write still in flight")
-                log.error("transfer %d to %s still in flight after %.0fs; its pages stay held",
+                h.fail("write still in flight")
+                h.settle(in_flight=True)                                 # QUARANTINED
+                log.error("transfer %d to %s still in flight after %.0fs; quarantined",
                           tid, req.agent_name, limit)
-                self.agent.release(h)  # the agent keeps an in-flight request and retries later
+                self.agent.release(w)  # the agent keeps an in-flight request and retries later
                 return out.fail(f"transfer {tid} to {req.agent_name} still in flight after {limit:.0f}s")
             await asyncio.sleep(_POLL_S)
-            state = self.agent.poll(h)
+            state = self.agent.poll(w)
         seconds = time.monotonic() - t0
-        self.agent.release(h)
+        self.agent.release(w)
         out.f["transfer_s"] = seconds
         if state is not TransferState.DONE:
-            self.transfers.fail(tid, h.error)
-            return out.fail(f"transfer {tid} to {req.agent_name} failed: {h.error}")
-        self.transfers.advance(tid, TransferState.DONE)
-        self._bytes.inc(h.nbytes)
+            h.fail(w.error or f"write ended {state.name}")
+            h.settle(in_flight=False)
+            return out.fail(f"transfer {tid} to {req.agent_name} failed: {w.error}")
+        h.land()
+        self._bytes.inc(w.nbytes)
         self._seconds.observe(seconds)
-        self.counts["bytes"] += h.nbytes
+        self.counts["bytes"] += w.nbytes
         self.counts["pages"] += len(src)
-        out.f.update(bytes=h.nbytes, pages=len(src))
+        out.f.update(bytes=w.nbytes, pages=len(src))
         if job.aborted:  # aborted while writing: the bytes landed but decode no longer wants them
             return out.fail(job.aborted, TransferState.ABORTED)
         return out.done()

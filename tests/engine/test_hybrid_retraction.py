@@ -92,7 +92,7 @@ def test_host_tier_round_trip_serves_the_same_tokens(family, policy):
     e = Engine(cfg, loaded=loaded, hybrid=HybridConfig(state_slots=24, host_state_slots=48))
     try:
         first = _run(e)
-        evicted = e.call(lambda: e.cache.evict(10**9)).result(30)
+        evicted = e.evict(10**9).result(30)
         assert evicted > 0 and e.snapshot().evictable_tokens == 0
         second = _run(e)
         _assert_idle(e)

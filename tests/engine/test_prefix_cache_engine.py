@@ -68,8 +68,7 @@ def test_lpm_lets_the_first_of_a_shared_prefix_compute_it(loaded, policy):
     try:
         shared = " ".join(f"word{i}" for i in range(60))
         reqs = [e.make_request(f"{shared} question {i}:", SamplingParams(max_tokens=2)) for i in range(4)]
-        # submit all before the engine thread can run a step in between
-        e.call(lambda: None).result(10)
+        e.snapshot()   # the engine thread is up and idle before the four arrive together
         outs = e.generate_many(reqs, timeout=120)
     finally:
         e.shutdown()

@@ -5,7 +5,7 @@ output is a hash of the tokens read back through each request's KV slots, so :fu
 (pure Python) is the exact expected output of any schedule, and a misplaced slot raises. Every
 engine here runs with ``debug_invariants`` (exact slot ownership after every step), and these
 tests pin step plans, admission order, retraction victims, chunk boundaries and the
-reserve/activate/cancel sequence in milliseconds.
+receive/activate/cancel sequence of the roles' KV connectors in milliseconds.
 """
 
 from __future__ import annotations
@@ -17,22 +17,24 @@ import pytest
 from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Req, ReqStatus, SamplingParams
-from tandem.decode.inbox import DecodeInbox
+from tandem.decode.connector import DecodeConnector
+from tandem.engine.commands import Activate, Release
 from tandem.engine.engine import Engine
-from tandem.prefill.outbox import PrefillOutbox
+from tandem.engine.sched_types import SchedulerObserver
+from tandem.prefill.connector import PrefillConnector
 
 from fake_model import fake_loaded, oracle
 
 
 def make(page_size=4, tokens=256, rows=8, chunk=16, batch=256, host=0, policy="fcfs", cache=True,
-         retract_every=0, retraction_policy="default") -> Engine:
+         retract_every=0, retraction_policy="default", connector=None) -> Engine:
     cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, cache=CacheConfig(
         page_size=page_size, max_total_tokens=tokens, max_running_requests=rows,
         disable_prefix_cache=not cache, host_pool_tokens=host, debug_invariants=True),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_batch_tokens=batch,
                                   schedule_policy=policy, debug_retract_every=retract_every,
                                   retraction_policy=retraction_policy))
-    e = Engine(cfg, loaded=fake_loaded())
+    e = Engine(cfg, loaded=fake_loaded(), connector=connector)
     e.shutdown()            # the test drives e.step() itself
     return e
 
@@ -213,16 +215,15 @@ def test_the_victim_is_the_request_with_fewest_outputs_then_longest_prompt():
     d.submit("long", prompt(2, 13), 30)
     d.submit("short", prompt(3, 9), 30)
     seen, s = [], e.scheduler
-    orig = s._retract
 
-    def spy(sr):
-        others = [o.req for o in s.running.values() if o is not sr]
-        key = (len(sr.req.output_ids), -len(sr.req.prompt_ids))
-        assert all(key <= (len(r.output_ids), -len(r.prompt_ids)) for r in others), "not the rule's victim"
-        seen.append((sr.rid, len(sr.req.output_ids)))
-        orig(sr)
+    class Spy(SchedulerObserver):
+        def retracted(self, sr):
+            others = [o.req for o in s.running.values() if o is not sr]
+            key = (len(sr.req.output_ids), -len(sr.req.prompt_ids))
+            assert all(key <= (len(r.output_ids), -len(r.prompt_ids)) for r in others), "not the rule's victim"
+            seen.append((sr.rid, len(sr.req.output_ids)))
 
-    s._retract = spy
+    s.observers.append(Spy())
     d.run()
     # pinned: short was admitted last (the pool was full), so it has the fewest outputs each time
     assert seen == [("short", 8), ("long", 17), ("short", 16)]
@@ -264,42 +265,65 @@ def test_abort_while_waiting_running_and_retracted_frees_everything():
 
 
 # ---------------------------------------------------------------------------------- roles
-def test_decode_reserve_activate_cancel_through_the_inbox():
-    """The decode role's sequence on a stopped engine: reserve (row + cached prefix + pages),
-    the prompt's KV written as a transfer would (by a prefill engine's held pages), activate
-    with the first token, decode; and a cancelled reservation frees its pages."""
-    pre, dec = make(), make()
-    outbox, inbox = PrefillOutbox(pre.scheduler), DecodeInbox(dec.scheduler)
+def test_decode_receive_activate_cancel_through_the_connectors():
+    """The roles' sequence on stopped engines: prefill holds a finished prompt's KV (its
+    connector), decode reserves a row + cached prefix + pages for a request it expects, the
+    prompt's KV is copied as the NIXL WRITE would, Release frees prefill's copy, Activate decodes
+    from the first token; a cancelled (aborted) reservation frees its pages."""
+    pre, dec = make(connector=PrefillConnector), make(connector=DecodeConnector)
     p = prompt(4, 19)
-    # prefill: run the prompt to its first token; the outbox holds the KV
+    # prefill: run the prompt to its first token; the connector holds the KV
     dp = Driver(pre)
     dp.submit("x", p, 1)
     dp.run()
     first = dp.tokens("x")[0]
-    held = outbox.held_pages("x", 0)
-    # decode: reserve, copy the pages (what the NIXL WRITE does), activate
-    res = inbox.reserve(Req(list(p), SamplingParams(max_tokens=6, ignore_eos=True), rid="x"))
+    held = pre.connector.held_kv("x", 0)
+    assert pre.scheduler.detached["x"].req.finished
+    # decode: expect, submit, one step reserves
+    dd = Driver(dec)
+    fut = dec.connector.expect("x")
+    dd.submit("x", p, 6)
+    assert dd.step() == [] and fut.done()
+    res = fut.result()
     assert res.prefix_len == 0 and len(res.pages) == len(held.pages) == 5
-    assert dec.scheduler.kv.holders["x"].req.status is ReqStatus.WAITING_FOR_KV
+    assert dec.scheduler.detached["x"].req.status is ReqStatus.WAITING_FOR_KV
     ps = 4
     src = [r for pg in held.pages for r in range(pg * ps, pg * ps + ps)]
     dst = [r for pg in res.pages for r in range(pg * ps, pg * ps + ps)]
     dec.kv_pool.kv_data[:, :, dst] = pre.kv_pool.kv_data[:, :, src]
-    outbox.release("x")
+    pre.send(Release("x"))
+    dp.step()
+    assert "x" not in pre.scheduler.detached
     idle(pre)
-    dd = Driver(dec)
-    dec._callbacks["x"] = dd.chunks["x"].append
-    chunk = inbox.activate("x", first)
-    dd.chunks["x"].append(chunk)
+    dec.send(Activate("x", first))
     dd.run()
     assert dd.tokens("x") == oracle(p, 6)
     idle(dec)
     # a second reservation hits decode's own cache for the prompt's aligned prefix, then is cancelled
-    res2 = inbox.reserve(Req(list(p) + [40, 41], SamplingParams(max_tokens=3), rid="y"))
+    fut2 = dec.connector.expect("y")
+    dd.submit("y", list(p) + [40, 41], 3)
+    dd.step()
+    res2 = fut2.result()
     assert res2.prefix_len == 16 and len(res2.pages) == 2
-    c = inbox.cancel("y", "transfer failed")
+    dec.abort("y", "transfer failed")
+    dd.step()
+    c = dd.final("y")
     assert c.finish_reason == "abort" and c.error == "transfer failed"
     idle(dec)
+
+
+def test_handoff_events_are_checked_and_late_ones_ignored():
+    """An Activate for a request that is not receiving (held, or already gone) is refused with
+    the states named; one for a request that ended meanwhile has nothing left to apply."""
+    pre = make(connector=PrefillConnector)
+    d = Driver(pre)
+    d.submit("x", prompt(1, 9), 1)
+    d.run()
+    with pytest.raises(ValueError, match="Activate for x, which is FINISHED_LENGTH"):
+        pre.scheduler.handoff(Activate("x", 3))
+    assert pre.scheduler.handoff(Release("x")) is None and "x" not in pre.scheduler.detached
+    assert pre.scheduler.handoff(Release("x")) is None     # late: nothing left
+    idle(pre)
 
 
 def test_snapshot_counts_every_token_class():
@@ -368,17 +392,18 @@ def test_a_decode_waits_while_reservations_hold_the_pool_instead_of_aborting():
     """Found by the chaos run: a decoding request found no slot because reservations (KV being
     received, not retractable) held the rest of the pool, and was aborted as "can never fit".
     It must wait; once the reservation goes it decodes on, and its output is exact."""
-    e = make(tokens=64, page_size=4, chunk=64)
-    inbox = DecodeInbox(e.scheduler)
+    e = make(tokens=64, page_size=4, chunk=64, connector=DecodeConnector)
     d = Driver(e)
     d.submit("r", prompt(1, 10), 12)
     d.step()                                             # r is decoding (3 pages)
-    res = inbox.reserve(Req(prompt(2, 48), SamplingParams(max_tokens=4), rid="big"))
-    assert res is not None                               # 12 of the 16 pages reserved
+    fut = e.connector.expect("big")
+    d.submit("big", prompt(2, 48), 4)
+    d.step()
+    assert fut.result() is not None                      # 12 of the 16 pages reserved
     for _ in range(8):
         d.step()
     assert d.chunks["r"][-1].finish_reason is None       # waiting, not aborted
-    inbox.cancel("big", "transfer failed")
+    e.abort("big", "transfer failed")
     d.run()
     assert d.tokens("r") == oracle(prompt(1, 10), 12) and d.final("r").error is None
     idle(e)

@@ -1,23 +1,25 @@
 """The prefill role's side of the engine: finished prompts whose KV is held until it is sent.
 
-:class:`PrefillOutbox` runs on the engine thread: it is the scheduler's ``on_finish`` hook, so a
-request that finishes normally (its one sampled token) keeps its row and locked KV here instead
-of releasing it. :class:`PrefillHandle` is how the prefill worker reaches it:
+:class:`PrefillConnector` is the scheduler's KVConnector on a prefill worker (engine/connector.py):
+a request that finishes normally (its one sampled token) keeps its row and locked KV, in the
+scheduler's ``detached``, until a ``Release``. :class:`PrefillHandle` is how the prefill worker
+reaches it:
 
     held_pages(rid, start) -> HeldKV    page ids of positions [start, len(prompt)) and usage;
                                         hybrid models: the SWA rows of the window decode keeps
                                         past ``start`` and the working state row (the state at
                                         the prompt's end), engine/hybrid.py ``transfer_rows``
-    release_held(rid)                   the KV was sent (or the send failed): cache / free it
+    release_held(rid)                   the write ended (or never started): cache / free the KV
     page_digest(regions) -> str         digest of the regions' pages about to be sent
 """
 
 from __future__ import annotations
 
 import asyncio
-
 from dataclasses import dataclass, field
 
+from tandem.engine.commands import Release
+from tandem.engine.connector import KVConnector
 from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_digest import regions_digest
 from tandem.engine.kv_regions import KV, kv_regions
@@ -35,47 +37,42 @@ class HeldKV:
         return self.pages if region == KV else self.rows[region]
 
 
-class PrefillOutbox:
-    """Engine thread only. ``held``: finished requests whose KV waits to be sent."""
+class PrefillConnector(KVConnector):
+    """Engine thread only: every normal finish is held for sending."""
 
-    def __init__(self, scheduler, regions: dict | None = None):
-        self.sched = scheduler
-        self.regions = regions if regions is not None else {}   # name -> RegionSpec
-        self.held: dict[str, SchedReq] = {}
-        scheduler.on_finish = self.hold
+    def __init__(self, engine):
+        self.engine = engine
 
-    def hold(self, sr: SchedReq) -> bool:
-        self.held[sr.rid] = sr
-        return True
+    def finished(self, sr: SchedReq, reason: str) -> bool:
+        return reason != "abort"
 
-    def held_pages(self, rid: str, start: int) -> HeldKV:
-        sr, kv = self.held[rid], self.sched.kv
+    def held_kv(self, rid: str, start: int) -> HeldKV:
+        """Source ids of held ``rid``'s positions ``[start, len(prompt))``; KeyError if not held."""
+        sr, kv = self.engine.scheduler.detached[rid], self.engine.kv
         return HeldKV(kv.pages(sr, start, len(sr.req.prompt_ids)), sr.req.cached_len,
                       kv.transfer_rows(sr, start))
-
-    def release(self, rid: str) -> None:
-        sr = self.held.pop(rid, None)
-        if sr is not None:
-            self.sched.kv.release(sr)
-
-    def digest(self, named_pages: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
-        return regions_digest(self.regions, named_pages)
 
 
 class PrefillHandle(EngineHandle):
     def __init__(self, engine):
         super().__init__(engine)
-        self.outbox = PrefillOutbox(engine.scheduler, kv_regions(engine))   # before any request
+        if not isinstance(engine.connector, PrefillConnector):
+            raise ValueError(f"a prefill worker's engine needs connector=PrefillConnector, "
+                             f"not {type(engine.connector).__name__}")
+        self.connector: PrefillConnector = engine.connector
+        self.regions = kv_regions(engine)
 
     async def held_pages(self, rid: str, start: int) -> HeldKV:
-        return await self._run(self.outbox.held_pages, rid, start)
+        """Raises KeyError when ``rid`` is not held here."""
+        return await self._read(self.connector.held_kv, rid, start)
 
-    async def release_held(self, rid: str) -> None:
-        await self._run(self.outbox.release, rid)
+    def release_held(self, rid: str) -> None:
+        """Queued: the next step caches / frees ``rid``'s held KV (a no-op if it holds none)."""
+        self.engine.send(Release(rid))
 
     async def page_digest(self, named_pages: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
         """Digest of ``[(region, source ids)]`` in the transfer's region order, hashed on a
         helper thread (the step loop keeps running): held pages are locked, and locked cache
         pages and a finished request's own pages are never written."""
         self.check_alive()
-        return await asyncio.to_thread(self.outbox.digest, named_pages)
+        return await asyncio.to_thread(regions_digest, self.regions, named_pages)

@@ -1,0 +1,149 @@
+"""The decode role's side of the engine: requests whose prompt KV a prefill worker writes.
+
+:class:`DecodeConnector` is the scheduler's KVConnector on a decode worker (engine/connector.py):
+a request the worker :meth:`~DecodeConnector.expect`-ed is not computed here; the scheduler
+reserves a row, the decode tree's cached prefix (its normal match and component vote) and slots
+for the rest, and the connector turns them into a :class:`Reservation`. :class:`DecodeHandle` is
+how the decode worker (asyncio, another thread) reaches it:
+
+    receive(greq, on_chunk) -> Future[Reservation | None]
+                                queue the request; its Reservation once reserved (None: it
+                                ended first, its final chunk says why)
+    activate(rid, first_token, first_logprob)
+                                the KV landed: decode from here (chunks go to on_chunk)
+    cancel(rid, why)            free the reserved pages: only once no write into them is in flight
+    page_digest(regions)        digest of the received regions' pages (``--kv-digest``)
+
+For a hybrid model the reservation also names the SWA rows of the window decode keeps past
+``prefix_len`` (the window before it is the tree's own, locked) and the working state row (the
+recurrent state at the prompt's end, never the checkpoint at the hit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import StreamChunk, TokenLogprob
+from tandem.engine.commands import Activate
+from tandem.engine.connector import KVConnector
+from tandem.engine.handle import EngineHandle
+from tandem.engine.kv_digest import corrupt_page, regions_digest
+from tandem.engine.kv_regions import KV, kv_regions
+from tandem.engine.sched_types import SchedReq
+from tandem.transfer.messages import RegionPages
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a prompt's KV must land: positions ``[prefix_len, len(prompt))`` in ``pages``
+    (``prefix_len`` is page-aligned: the decode cache already held that much). ``regions``: the
+    destination ids of every region the transfer fills (``"kv"``: ``pages``; hybrid models:
+    ``"swa"`` rows of the kept window, ``"state"``: the working state row), in transfer order."""
+
+    prefix_len: int
+    pages: tuple[int, ...]
+    regions: tuple[RegionPages, ...] = ()
+
+
+class DecodeConnector(KVConnector):
+    """Engine thread, except :meth:`expect` and :meth:`forget` (any thread)."""
+
+    def __init__(self, engine):
+        self.kv = engine.kv
+        self.regions = kv_regions(engine)   # name -> RegionSpec
+        self._expected: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, rid: str) -> concurrent.futures.Future:
+        """Before ``rid`` is submitted: a peer writes its prompt. The future gets its Reservation."""
+        with self._lock:
+            fut = self._expected[rid] = concurrent.futures.Future()
+        return fut
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            fut = self._expected.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # -- scheduler-side hooks ---------------------------------------------------------------------
+    def receives(self, sr: SchedReq) -> bool:
+        with self._lock:
+            return sr.rid in self._expected
+
+    def reserved(self, sr: SchedReq) -> None:
+        kv, p = self.kv, sr.locked_len
+        pages = kv.pages(sr, p, sr.req.seq_len)
+        named = {KV: pages, **kv.transfer_rows(sr, p)}
+        regions = tuple(RegionPages(n, ids) for n, ids in named.items() if n in self.regions)
+        with self._lock:
+            fut = self._expected.get(sr.rid)
+        if fut is not None and not fut.done():
+            fut.set_result(Reservation(p, pages, regions))
+
+    def finished(self, sr: SchedReq, reason: str) -> bool:
+        self.forget(sr.rid)
+        return False
+
+    # -- helpers (any thread: the reserved pages are the request's alone) -------------------------
+    def digest(self, regions: tuple[RegionPages, ...]) -> str:
+        return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
+
+    def corrupt(self, regions: tuple[RegionPages, ...]) -> None:
+        """Perturb the first page of the first region (``debug_corrupt_kv``)."""
+        for rp in regions:
+            if rp.pages:
+                spec = self.regions[rp.region]
+                corrupt_page(spec.tensor, rp.pages, spec.page_size)
+                return
+
+
+class DecodeHandle(EngineHandle):
+    def __init__(self, engine):
+        super().__init__(engine)
+        if not isinstance(engine.connector, DecodeConnector):
+            raise ValueError(f"a decode worker's engine needs connector=DecodeConnector, "
+                             f"not {type(engine.connector).__name__}")
+        self.connector: DecodeConnector = engine.connector
+
+    def receive(self, greq: GenerateRequest,
+                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future:
+        """Queue ``greq`` to be filled by a peer; raises InvalidRequest for a prompt this engine
+        can never serve. Chunks (from the first token on) go to ``on_chunk``."""
+        self.check_alive()
+        fut = self.connector.expect(greq.rid)
+        try:
+            self.engine.submit(greq, on_chunk)
+        except BaseException:
+            self.connector.forget(greq.rid)
+            raise
+        return fut
+
+    def activate(self, rid: str, first_token: int, first_logprob: TokenLogprob | None = None) -> None:
+        """Start decoding ``rid`` from prefill's first token (and its logprob when asked). A
+        constrained request's grammar continues from it."""
+        self.check_alive()
+        self.engine.send(Activate(rid, first_token, first_logprob))
+
+    def cancel(self, rid: str, why: str | None) -> None:
+        """End ``rid`` and free its reserved pages (queued or reserved alike). The caller
+        guarantees that no write into them is in flight (transfer/handoff.py)."""
+        self.connector.forget(rid)
+        self.engine.abort(rid, error=why)
+
+    async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
+        """Digest of the received ``regions`` (a Reservation's), in their order, hashed on a
+        helper thread (the step loop keeps decoding): the reserved pages are this request's
+        alone and no write into them is in flight once its PrefillResult arrived."""
+        self.check_alive()
+        return await asyncio.to_thread(self.connector.digest, regions)
+
+    async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
+        """Test lever (``debug_corrupt_kv``): flip bytes of the first received page."""
+        self.check_alive()
+        await asyncio.to_thread(self.connector.corrupt, regions)

@@ -1,0 +1,86 @@
+"""Admission: which waiting request may take a row, in what order, and with what it starts.
+
+The scheduler (engine/scheduler.py) asks; this decides. Engine thread only, except
+:meth:`Admission.validate` (pure: it reads limits, safe from any thread).
+
+- ``validate(req)``: raises InvalidRequest for a request this engine can never serve.
+- ``track(req, group)``: the request's :class:`SchedReq` (its grammar compile started, its session
+  stamped, its sample group registered, and whether the connector receives its KV).
+- ``order(waiting)``: ``fcfs`` (arrival) or ``lpm`` (longest cached prefix first, SGLang's
+  policy; engine/queue_policy.py).
+- ``grammar_ready(sr)``: the matcher is made once the compile is done (raises InvalidRequest when
+  it failed); False while it compiles.
+- ``fork_prompt(sr)``: no prefix cache, an ``n`` group: copy a computed sibling's prompt KV.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from tandem.core.messages import SampleGroup
+from tandem.core.types import InvalidRequest, Req
+from tandem.engine.connector import KVConnector
+from tandem.engine.output import OutputTracker
+from tandem.engine.queue_policy import order
+from tandem.engine.request_kv import RequestKV
+from tandem.engine.sample_groups import SampleGroups
+from tandem.engine.sched_types import SchedReq
+
+
+class Admission:
+    def __init__(self, kv: RequestKV, tokenizer, max_context: int, policy: str,
+                 grammar: Callable[[], object] | None, connector: KVConnector,
+                 groups: SampleGroups, stats: dict):
+        self.kv, self.tok, self.max_context, self.policy = kv, tokenizer, max_context, policy
+        self.grammar, self.connector, self.groups, self.stats = grammar, connector, groups, stats
+        self.session_seen: dict[str, float] = {}   # session id -> when its latest request arrived
+
+    def validate(self, req: Req) -> None:
+        req.params.validate()
+        n, pool = len(req.prompt_ids), self.kv.alloc.size
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if n >= self.max_context:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the context holds {self.max_context} "
+                f"(prompt + at least 1 generated token must fit)")
+        if n + 1 > pool:
+            raise InvalidRequest(f"the prompt has {n} tokens but the KV pool holds {pool} tokens")
+
+    def track(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
+        self.validate(req)
+        c = req.params.constraint
+        if c is not None and self.grammar is None:
+            raise InvalidRequest("this engine has no grammar engine: constrained decoding is off")
+        if req.session_id is not None:
+            self.session_seen[req.session_id] = time.monotonic()
+        sr = SchedReq(req, OutputTracker(req, self.tok, self.max_context), group=group)
+        sr.receive = self.connector.receives(sr)
+        if c is not None:
+            sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
+        self.groups.add(sr, self.kv.holders)
+        return sr
+
+    def order(self, waiting) -> list[SchedReq]:
+        if self.policy != "lpm" or len(waiting) < 2:
+            return list(waiting)
+        return order(waiting, lambda sr: self.kv.cache.peek(sr.req.all_ids), "lpm",
+                     token_ids_fn=lambda sr: sr.req.all_ids, page_size=self.kv.page_size)
+
+    @staticmethod
+    def grammar_ready(sr: SchedReq) -> bool:
+        if sr.grammar is None or sr.matcher is not None:
+            return True
+        if not sr.grammar.done():
+            return False
+        sr.matcher = sr.grammar.result().matcher()   # raises InvalidRequest for a failed compile
+        return True
+
+    def fork_prompt(self, sr: SchedReq) -> None:
+        """All but the last prompt token, copied from a computed sibling; counted as cached."""
+        src = self.groups.computed_sibling(sr, self.kv.holders)
+        n = len(sr.req.prompt_ids) - 1
+        if src is not None and self.kv.fork(sr, src, n):
+            sr.req.cached_len += n
+            self.stats["cached_tokens"] += n
