@@ -1,6 +1,6 @@
 """Retraction: what a decode batch gives up when the device KV pool runs out, and how it comes back.
 
-SGLang's order of choices, with its failure modes designed out (ANCHORS.md section 3):
+SGLang's order of choices (its scheduler's decode retraction), with its failure modes designed out:
 
 1. **victim** (:func:`pick_victim`): fewest generated tokens, ties to the longest prompt
    (``default``), or requests of the least recently active sessions first (``session``);
