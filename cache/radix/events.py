@@ -1,10 +1,7 @@
 """KV events: which pages a worker stored or removed, published in vLLM's wire format.
 
-A page (block) is named by a hash chain: ``h_i = H(h_{i-1}, tokens of page i)`` with
-``h_{-1}`` empty, ``H`` = the first 8 bytes of BLAKE2b as an unsigned int. The chain makes a
-page's hash name its whole prefix, so a router can rebuild it from token ids alone
-(:func:`page_hashes`, defined once in core/page_hash.py for the cache and the router) and never
-needs the worker's slot ids.
+A page (block) is named by the hash chain of core/page_hash.py (:func:`page_hashes`, the one the
+router matches): a page's hash names its whole prefix, so a router rebuilds it from token ids.
 
 The wire is vLLM's (``vllm/distributed/kv_events.py``), which llm-d's kv-cache indexer, Dynamo,
 AIBrix and Mooncake read. A ZMQ PUB message is three frames::
