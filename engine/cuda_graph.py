@@ -1,6 +1,5 @@
 """CUDA-graph decode: a pure-decode step replays a captured graph instead of launching every
-kernel of every layer from Python (SmolLM2: ~30 layers x ~12 launches per step, which on a GPU
-take longer than the step's HBM traffic).
+kernel of every layer from Python (one replay per step, not one launch per kernel).
 
 Graphs are captured once per batch size in :func:`capture_sizes` over static input buffers; a
 step of B sequences replays the smallest captured size S >= B::

@@ -1,18 +1,5 @@
-"""Constrained decoding: a :class:`~tandem.core.types.Constraint` becomes a token bitmask per step.
-
-The grammar engine is **llguidance** (Microsoft's Rust library behind guidance; also a vLLM and
-SGLang backend), chosen over xgrammar because, here:
-
-- it installs as one self-contained abi3 wheel with no dependencies; xgrammar 0.2 pulls in
-  transformers (a test-only dependency of ours), apache-tvm-ffi and its own torch requirement;
-- it builds its tokenizer from the ``tokenizers`` JSON we already hold (core/tokenizer.py), no HF
-  ``PreTrainedTokenizer`` needed;
-- it computes masks lazily (an Earley parser over a token trie, ~10-100 us per step on the CPU)
-  instead of precompiling per-state token masks, so "compiling" a new JSON schema costs well under a
-  millisecond for typical schemas and grammars with huge state spaces (long enums, nested objects)
-  do not blow up compile time; the cache below still saves re-parsing the schema;
-- one matcher API covers JSON Schema, regex, Lark (EBNF) grammars with embedded ``%json``, and lazy
-  "structural tags" for tool calls in running text; ``rollback`` and ``deep_copy`` are built in.
+"""Constrained decoding: a :class:`~tandem.core.types.Constraint` becomes a token bitmask per step,
+computed by llguidance (why llguidance and not xgrammar: engine/README.md).
 
 Pieces, and who calls what (the scheduler, the sampler and the decode hand-off; engine/README.md
 has the flow):
@@ -27,7 +14,7 @@ has the flow):
 - :func:`allocate_bitmask` / :func:`apply_bitmask`: one int32 ``[B, W]`` bitmask per batch; rows of
   unconstrained requests are left alone, so constrained and unconstrained requests share a batch.
   The mask is added as a 0 / -inf bias gathered through a 256-entry byte table
-  (:func:`bitmask_bias`), ~4x cheaper on the CPU than unpacking bits and ``masked_fill``.
+  (:func:`bitmask_bias`).
 - :meth:`GrammarCompiler.matcher_from` (the disaggregated path): the prefill worker samples the first
   token under the mask and sends only token ids; the decode worker rebuilds the matcher by replaying
   them. Matchers hold no state that is not a function of (constraint, accepted ids).
@@ -124,8 +111,7 @@ _BIAS = {"cpu": _bias_table()}   # per device type (a CUDA copy is made on first
 def bitmask_bias(words: torch.Tensor) -> torch.Tensor:
     """The additive mask of ``words`` ([R, W] int32 bitmask rows, any device): [R, 32 * W] float32 on
     the same device, 0 for an allowed token and -inf for a forbidden one. One gather over the
-    mask's bytes through a 256-entry table (4x faster on the CPU than unpacking bits with shifts
-    and ``masked_fill``)."""
+    mask's bytes through a 256-entry table (no unpacking of bits with shifts and ``masked_fill``)."""
     r = words.shape[0]
     by = words.contiguous().view(torch.uint8)                               # [R, 4W]
     if sys.byteorder != "little":   # the layout is of little-endian int32 words: byte 0 = bits 0-7
@@ -243,9 +229,9 @@ class GrammarCompiler:
     ``eos_token_ids``, ``vocab_size``). ``vocab_size``: the model's logits width when it differs
     from the tokenizer's (the mask covers the larger of the two). ``threads``: compile workers.
 
-    Construction is cheap: llguidance's tokenizer (~0.3 s for a 49k vocabulary) is built by the
-    first compile, on the compile pool, so neither an event loop nor the engine's step loop ever
-    waits for it.
+    Construction does no tokenizer work: llguidance's tokenizer is built once, by the first
+    compile, on the compile pool, so neither an event loop nor the engine's step loop ever waits
+    for it.
     """
 
     def __init__(self, tokenizer, vocab_size: int | None = None, *, threads: int = 1,
@@ -341,7 +327,7 @@ class GrammarCompiler:
     def fill_bitmasks(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` for many (matcher, row) pairs in one call: with ``threads > 1``
         llguidance computes the rows on its own threads with the GIL released; with one thread
-        (or one row) on the calling thread, which on a loaded CPU is faster than waking a worker."""
+        (or one row) on the calling thread, waking no worker."""
         if not matchers:
             return
         if not bitmask.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":

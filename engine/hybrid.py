@@ -1,64 +1,32 @@
 """Per-engine resources of hybrid models: sliding-window (SWA) layers and recurrent ("mamba") layers.
 
-engine/request_kv.py calls one object at fixed hook points (the table in :class:`NoHybrid`); for
-FULL-only models that object is :data:`NO_HYBRID`, whose hooks do nothing, so the FULL path is
-unchanged. The pools themselves (``StatePool``, ``HybridKVPool``) live in cache/.
+engine/request_kv.py calls one object through the hooks of :class:`HybridHooks`; for FULL-only
+models that object is :data:`NO_HYBRID`, whose hooks do nothing, so the FULL path is unchanged.
+The pools themselves (``StatePool``, ``HybridKVPool``) live in cache/; the memory model in full
+is in engine/README.md ("Hybrid resources").
 
-Memory model
-------------
-- **FULL slots** (``PagedAllocator`` of the engine, ``req_to_token`` rows, radix-tree values) exist
-  for every token of every model: they are the tree's keys' values and the ids attention reads
-  through. The full KV pool holds only the "full" layers; a model whose layers are all SWA keeps
-  the slot ids but its full pool has no layers (zero bytes per slot).
-- **SWA rows**: a second :class:`KVPool` (``page_size`` 1, ``swa_pool_tokens`` rows, row 0 padding)
-  holds the K/V of the "swa" layers, with its own allocator. ``index_map[full slot] -> SWA row``
-  (int64 ``[full pool rows]``, on the device) is how attention reaches them
-  (``LayerKV.index_map``). Every new token gets a full slot and an SWA row; ``index_map`` is
-  written when they are allocated (and by the cache's SWA component when the tree adopts rows
-  for a tombstoned node).
-  A running request owns the SWA rows of positions ``[max(swa_from, locked_len), computed_len)``.
-  After each forward it releases the rows of its own positions below
-  ``floor_page(floor_page(computed_len) - window)``: the next query (at ``computed_len``) sees only
-  keys after ``computed_len - window``, and keeping a full window before the last page-aligned
-  boundary lets that boundary pass the cache's SWA vote when it is cached. Releases are whole
-  pages of positions, so the cache's tombstone floor falls exactly at ``swa_from``. Rows below
-  ``locked_len`` belong to the tree (handed over with ``extra={"swa": rows}``; -1 for positions
-  the request does not own, so the tree never adopts a row twice).
-- **State rows** (recurrent layers): a :class:`StatePool` ``[L_mamba, state_slots + 1,
-  *state_shape]`` float32 with its own allocator (Mamba2 packs its conv window and SSM state into
-  one flat row: engine/models/state_layout.py). Each running request has a private *working* row
-  (``fb.state_indices``): zeroed at admission, or filled by copying the matched checkpoint
-  (``MatchResult.components["mamba"] = StateCopy(src)``) before the first forward writes it.
-  A checkpoint is the state after a cached key's last token: when a chunk or a finished request
-  is cached at ``aligned == computed_len`` the working state is copied into a fresh row (chunk)
-  or handed over itself (finish) as ``extra={"mamba": row}``. With ``page_size > 1`` a *track*
-  row keeps a copy of the state at the last page-aligned position reached, so a finished request
-  whose length is not page-aligned still leaves a checkpoint at ``floor_page(computed_len)``.
-  The tree frees a duplicate checkpoint and owns every row it keeps.
+Invariants:
+- every token of every model has a FULL slot (the tree's values, what attention reads through);
+  ``index_map[full slot] -> SWA row`` (0: the padding row) reaches the SWA layers' K/V;
+- a running request owns the SWA rows of positions ``[max(swa_from, locked_len), computed_len)``
+  and, after each forward, only those at or past ``keep_from(computed_len) =
+  floor_page(floor_page(computed_len) - window)``; rows below ``locked_len`` are the tree's;
+- each running request has one private working state row (zeros, or the matched checkpoint
+  copied in); a checkpoint handed to the tree is the state after its key's last token, and the
+  tree owns every row it keeps;
+- a KV transfer of ``[start, n)`` moves the SWA rows of ``[max(start, keep_from(n)), n)`` (at
+  most ``window + 2 * page_size - 2``) and the working state row: :meth:`HybridResources.transfer_rows`
+  names the same counts on prefill and decode.
 
-Disaggregation (decode/inbox.py, prefill/outbox.py): a reservation for a KV transfer
-(``alloc(..., received=True)``) binds full slots for every position but SWA rows only for the
-positions the window-release rule would keep after a forward ending at the prompt's end
-(``keep_from(n) = floor_page(floor_page(n) - window)``, so at most ``window + 2 * page_size - 2``
-rows); :meth:`HybridResources.transfer_rows` names, on either side, the SWA rows of
-``[max(start, keep_from(n)), n)`` and the working state row: exactly what moves.
-
-Host tier: :meth:`HybridResources.host_stores` gives the cache's host tier one host pool per
-component (cache/radix/host.py), sized by ``host_swa_rows`` / ``host_state_slots``.
-
-Sizing: ``swa_pool_tokens`` defaults to the full pool's size (at least one prefill chunk and a
-window: a small decode pool with the default chunk size still starts) (SWA rows never run out before full
-slots do: every row is paired with a full slot of the same owner); a smaller pool saves memory and
-must hold ``max_running_requests * (window + 2 * page_size) + chunked_prefill_size`` rows to never
-stall a prefill. ``state_slots`` defaults to ``2 * max_running_requests + 2``. With a host tier,
-``host_swa_rows`` defaults to ``host_pool_tokens`` (a host SWA row per host FULL token) and
-``host_state_slots`` to ``state_slots``, capped at a quarter of the free host memory
-(engine/host_sizing.py's ``capped_rows``).
+Sizing (defaults; ``HybridConfig`` overrides): ``swa_pool_tokens`` = the full pool's size, at
+least one prefill chunk and a window; ``state_slots`` = ``2 * max_running_requests + 2``; with a
+host tier ``host_swa_rows`` = ``host_pool_tokens`` and ``host_state_slots`` = ``state_slots``,
+capped at a quarter of the free host memory (engine/host_sizing.py's ``capped_rows``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -73,37 +41,57 @@ from tandem.engine.host_sizing import capped_rows
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-class NoHybrid:
-    """FULL-only models: every hook is a no-op (the FULL path is unchanged).
+class HybridHooks(Protocol):
+    """The per-variant hooks of a model's hybrid resources. engine/request_kv.py calls them, and
+    only it, at fixed points of a request's life; ``host_stores`` and ``describe`` are called
+    outside the request path. Implemented by :class:`NoHybrid` and :class:`HybridResources`."""
 
-    The hooks a hybrid resource manager implements, called by engine/request_kv.py only:
+    active: bool                        # whether there are pools besides FULL's
+    components: tuple                   # the radix cache's components over these pools, FULL first
+    stats: dict                         # counters (rows released, evicted; checkpoints taken)
 
-    ===========================================  ===============================================
-    ``attach(cache)``                            once: the prefix cache (its ``evict(n, name)``
-                                                 makes room in the SWA / state pools)
-    ``claim(r, components, prefix_len) -> bool``  after the match is locked: the working state
-                                                 row (the matched checkpoint copied in); False:
-                                                 none free, the admission is undone
-    ``alloc(r, n, alloc_full, received)``        SWA rows for ``n`` new positions, then the full
-                                                 slots from ``alloc_full()``; bound in
-                                                 ``index_map`` (or given back on None).
-                                                 ``received``: for a KV transfer (rows of the
-                                                 kept window only)
-    ``state_batch(reqs) -> (indices, pool)``     each sequence's state row for the forward
-    ``advanced(r, locked_len)``                  after the forward: release SWA rows behind the
-                                                 window, snapshot the state at page boundaries
-    ``handover(r, locked_len, aligned, final)``  the component data ``cache(ids[:aligned])``
-                                                 takes: ``{"swa": rows, "mamba": row}``
-    ``drop_range(r, start, end)``                free the rows of positions ``[start, end)``
-                                                 (never computed, or a backup's partial page)
-    ``release(r, locked_len)``                   free what the request still owns
-    ``transfer_rows(r, start) -> {region: ids}``  rows a KV transfer of ``[start, n)`` moves
-    ``owned(held) -> {name: rows}``              rows requests own (the ownership check)
-    ===========================================  ===============================================
+    def attach(self, cache) -> None:
+        """Once, before any request: the prefix cache (``evict(n, name)`` makes room in these pools)."""
 
-    and, outside the request path: ``host_stores(host_tokens)`` (the host tier's component
-    pools) and ``describe()`` (pool sizes for the startup line).
-    """
+    def claim(self, r, components: Mapping[str, Any], prefix_len: int) -> bool:
+        """After the match is locked: take the working state row (the matched checkpoint copied
+        in); False when none is free (the caller undoes the admission)."""
+
+    def alloc(self, r, n: int, alloc_full, received: bool = False):
+        """SWA rows for ``n`` new positions, then the full slots from ``alloc_full()``, bound in
+        ``index_map``; None (nothing taken) when either is short. ``received``: the positions
+        come by KV transfer (rows of the kept window only)."""
+
+    def state_batch(self, reqs) -> tuple[Any, Any]:
+        """``(state_indices [B], state_pool)`` of each sequence's state row for the forward."""
+
+    def advanced(self, r, locked_len: int) -> None:
+        """After the forward: release SWA rows behind the window, snapshot the state at page boundaries."""
+
+    def handover(self, r, locked_len: int, aligned: int, final: bool) -> dict | None:
+        """The component data ``cache(ids[:aligned])`` takes over: ``{"swa": rows, "mamba": row}``."""
+
+    def drop_range(self, r, start: int, end: int) -> None:
+        """Free the rows of positions ``[start, end)`` (never computed, or a backup's partial page)."""
+
+    def release(self, r, locked_len: int) -> None:
+        """Free everything the request still owns."""
+
+    def transfer_rows(self, r, start: int) -> dict:
+        """``{region: row ids}`` a KV transfer of positions ``[start, computed_len)`` moves."""
+
+    def owned(self, held) -> dict:
+        """``{component: rows}`` the requests in ``held`` own (the ownership check)."""
+
+    def host_stores(self, host_tokens: int) -> list:
+        """One host pool per component for a host tier of ``host_tokens`` FULL tokens."""
+
+    def describe(self) -> dict:
+        """Component -> its pool, for the startup line."""
+
+
+class NoHybrid(HybridHooks):
+    """FULL-only models: every hook is a no-op (the FULL path is unchanged)."""
 
     active = False
     components = (FULL,)
@@ -135,7 +123,7 @@ def make_hybrid(loaded, cache_cfg, chunked_prefill_size: int, allocator: PagedAl
                            device, dtype, config or HybridConfig())
 
 
-class HybridResources:
+class HybridResources(HybridHooks):
     """The SWA pool + allocator + ``index_map``, the state pool + allocator, and each running
     request's SWA release point and state rows (indexed by its ``req_to_token`` row)."""
 

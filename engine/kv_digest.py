@@ -3,8 +3,8 @@
 Both sides hash the same bytes in the same order: for every layer and kind (K, V) of the pool
 (``kv_data: [L, 2, rows, H_kv, D]``, page ``p`` = rows ``[p * page_size, (p + 1) * page_size)``),
 the rows of the given pages in page-list order, with BLAKE2b (16-byte digest). On the CPU each
-maximal run of consecutive pages is hashed in place (no gathered copy: hashing is the cost, ~1.4
-GB/s on one core; bench/kv_digest.py); on a GPU the rows are gathered and copied to the host once. Prefill digests the source pages it
+maximal run of consecutive pages is hashed in place (no gathered copy; what hashing costs:
+docs/PERFORMANCE.md, bench/kv_digest.py); on a GPU the rows are gathered and copied to the host once. Prefill digests the source pages it
 writes; decode digests its destination pages once the write is done and refuses to decode on a
 mismatch (SGLang and vLLM added the same check after silent-corruption reports).
 

@@ -1,6 +1,5 @@
 """Retraction: what a decode batch gives up when the device KV pool runs out, and how it comes back.
-
-SGLang's order of choices, with its failure modes designed out (ANCHORS.md section 3):
+SGLang's order of choices (its scheduler's decode retraction), with its failure modes designed out:
 
 1. **victim** (:func:`pick_victim`): fewest generated tokens, ties to the longest prompt
    (``default``), or requests of the least recently active sessions first (``session``);
@@ -22,8 +21,8 @@ SGLang's order of choices, with its failure modes designed out (ANCHORS.md secti
 5. **abort** only when the request alone can never fit (the scheduler decides that).
 
 Nothing here picks *when* to retract: the scheduler calls :meth:`Retraction.retract` when a
-decode finds no slot (or every ``debug_retract_every`` decode steps, a test lever).
-The request's :class:`SchedReq` (and so its stream state) is kept throughout.
+decode finds no slot (or every ``debug_retract_every`` decode steps, a test lever). The
+request's :class:`SchedReq` (and so its stream state) is kept throughout.
 """
 
 from __future__ import annotations

@@ -14,41 +14,15 @@ load it charges, re-routing. The Ray backend (cluster/backend.py) and the simula
 
 The view a policy sees is the dispatcher's records: per worker, requests routed there and not
 yet done with it (prefill: until the first token; decode: until the end) and their tokens
-(prefill: prompt tokens; decode: prompt plus output so far). ``capacity_tokens`` is the worker's
-reported pool size (else the configured one). ``pending_s`` of a prefill worker is its own
-prediction when its snapshot carries one (simulated workers), else queued tokens over its
-measured prefill rate, the larger of two counts:
+(prefill: prompt tokens; decode: prompt plus output so far). Each dispatcher's records are its
+own traffic only, so where several routers share a worker set, ``queue_len`` and ``pending_s``
+(:meth:`Dispatcher.pending_s`) are the larger of the records and the worker's report, and a worker
+whose snapshot says ``draining`` is not eligible, whichever router drained it. ``capacity_tokens``
+is the worker's reported pool size (else the configured one). Sample groups: :meth:`Dispatcher.route`.
 
-- the records: the uncached prompt tokens it holds (prompt minus the hit the policy expected),
-  less what its head request has done in its time in service;
-- the worker's report: the ``waiting_prompt_tokens`` of its last snapshot, plus the tokens
-  routed to it since (which also sees traffic other router replicas sent it).
-
-The rate is an EWMA of tokens per second over its finished prefills, timed from dispatch (or the
-previous one's end, whichever is later: first come, first served) to the first token; until the
-first one, the policy's estimator's ``1 / per_token_s``. So ``AdmissionLimits.max_pending_s``
-and the session policy's TTFT term act on the real cluster as in the simulator.
-
-Sample groups (``n`` > 1: the front door sends n GenerateRequests sharing one ``group``): the
-first member routed decides for the group -- admission (all or none: later members are never
-refused once one was admitted) and the prefill and decode workers, to which every later member
-is pinned while they live, so the prompt is computed once (engine/scheduler.py's group rule).
-The prompt is charged once to the prefill worker (later members: one token each); each member
-charges its own KV on the decode worker. A pinned worker found dead re-routes that member afresh.
-
-Several routers over one worker set: each dispatcher's records are its own traffic only, so
-what admission and the policies see of a worker is the larger of its records and its report:
-``queue_len`` is ``max(records, snapshot.waiting + requests routed here since the snapshot)``,
-``pending_s`` as above; a worker whose snapshot says ``draining`` is not eligible, whichever router
-drained it. ``WorkerView.key`` is the worker's name, the same in every router (the session
-policy's rendezvous hashing ranks it).
-
-Latency (``latency``, a :class:`LatencyWindow`): time to first token (route to
-``prefill_done``) and inter-token latency (between ``grow`` calls, per token) of the requests
-this dispatcher routed, for the planner (router/planner.py).
-
-Thread-safety: every verb takes ``lock`` (an RLock); a KV-event feed that writes ``state.kv``
-from its own thread takes it too.
+``latency`` (a :class:`LatencyWindow`): TTFT (route to ``prefill_done``) and inter-token latency
+(between ``grow`` calls) of the requests this dispatcher routed, for router/planner.py. Every
+verb takes ``lock`` (an RLock), and so does a KV-event feed writing ``state.kv`` from its thread.
 """
 
 from __future__ import annotations
@@ -185,7 +159,15 @@ class Dispatcher:
         """Admission, then the policy's choice among live workers not in ``exclude``; charges the
         chosen ones. Raises :class:`Overloaded` when every live prefill worker is past
         ``limits`` (not checked with no live prefill worker: decode then prefills locally).
-        No decode from the policy: the live decode worker with the fewest tokens."""
+        No decode from the policy: the live decode worker with the fewest tokens.
+
+        Sample groups (``n`` > 1: the front door sends n GenerateRequests sharing one ``group``):
+        the first member routed decides for the group -- admission (all or none: later members
+        are never refused once one was admitted) and the prefill and decode workers, to which
+        every later member is pinned while they live, so the prompt is computed once
+        (engine/scheduler.py's group rule). The prompt is charged once to the prefill worker
+        (later members: one token each); each member charges its own KV on the decode worker. A
+        pinned worker found dead re-routes that member afresh."""
         rr = RouteRequest(req.rid, req.prompt_ids, len(req.prompt_ids), session_id=req.session_id,
                           max_tokens=req.params.max_tokens)
         g = req.group
@@ -260,7 +242,20 @@ class Dispatcher:
                                    for wid, w in self._workers.items()], now)
 
     def pending_s(self, wid: int) -> float:
-        """The predicted queueing seconds of prefill worker ``wid`` (module docstring)."""
+        """The predicted queueing seconds of prefill worker ``wid``: its own prediction when its
+        snapshot carries one (simulated workers), else queued tokens over its prefill rate, the
+        larger of two counts:
+
+        - the records: the uncached prompt tokens it holds (prompt minus the hit the policy
+          expected), less what its head request has done in its time in service;
+        - the worker's report: the ``waiting_prompt_tokens`` of its last snapshot, plus the
+          tokens routed to it since (which also sees traffic other router replicas sent it).
+
+        The rate is an EWMA of tokens per second over its finished prefills, timed from dispatch
+        (or the previous one's end, whichever is later: first come, first served) to the first
+        token; until the first one, the policy's estimator's ``1 / per_token_s``. So
+        ``AdmissionLimits.max_pending_s`` and the session policy's TTFT term act on the real
+        cluster as in the simulator."""
         with self.lock:
             return self._pending_s(self._workers[wid], self.clock())
 

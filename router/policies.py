@@ -70,11 +70,12 @@ class AdmissionLimits:
 @dataclass(frozen=True)
 class PolicyConfig:
     seed: int = 0
-    # cache_aware: SGLang router defaults (docs table; ANCHORS.md 2.1)
+    # cache_aware: the SGLang router's cache-aware defaults (sglang_router's router_args.py:
+    # cache_threshold, balance_abs_threshold, balance_rel_threshold)
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    # kv_events: Dynamo (ANCHORS.md 2.2)
+    # kv_events: NVIDIA Dynamo's KV router (its kv_overlap_score_weight, default 1.0)
     overlap_weight: float = 1.0
     kv_block_size: int = 16             # key elements per hashed block = the engines' page size
     host_block_credit: float = 0.5      # a host-tier block saves this fraction of its prefill
@@ -200,7 +201,8 @@ def least_load(view: ClusterView, req: RouteRequest, state: RouterState) -> Deci
 
 
 def cache_aware(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
-    """SGLang's router (ANCHORS.md 2.1). Load = requests in flight."""
+    """The SGLang router's ``cache_aware`` policy (sgl-router; its approximate radix tree is
+    :class:`ApproxPrefixIndex`). Load = requests in flight."""
     ps = view.alive_prefill()
     if not ps:
         return _none()

@@ -11,17 +11,17 @@
   (Dynamo's indexer). Blocks are named by the same hash chain the cache publishes (:func:`block_hashes`).
 
 Key elements are token ids (or, in the simulator, one id per trace block); ``page_size`` is in
-key elements. Neither class imports the cache: the hash chain is re-implemented from the
-contract written in ``cache/radix/events.py`` and a test pins the two together.
+key elements. Neither class imports the cache: the hash chain and the page-aligned edge compare
+are core/page_hash.py's, the same functions the cache names and walks its pages with.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from heapq import heapify, heappop, heappush
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
+
+from tandem.core.page_hash import common_pages, page_hashes
 
 DEVICE = "device"
 HOST = "host"
@@ -80,21 +80,6 @@ class ApproxPrefixIndex:
         tk = key if type(key) is tuple else tuple(key)
         return tk, len(tk) - len(tk) % self.page_size
 
-    def _common(self, ek: tuple, key: tuple, pos: int, n: int) -> int:
-        """Page-aligned common prefix of edge ``ek`` and ``key[pos:n]`` (the first page matches)."""
-        ps = self.page_size
-        n = min(len(ek), n - pos)
-        if ek[:n] == key[pos:pos + n]:
-            return n
-        lo, hi = ps, n                  # ek[:lo] matches; the first mismatch lies in [lo, hi)
-        while hi - lo > 1:
-            mid = (lo + hi) >> 1
-            if ek[lo:mid] == key[pos + lo:pos + mid]:
-                lo = mid
-            else:
-                hi = mid
-        return lo - lo % ps
-
     def match(self, key: Sequence[int]) -> dict[int, int]:
         """``{worker: matched key elements}`` for every worker holding a non-empty prefix of
         ``key`` (page-aligned). Changes nothing; remembers the walk so that an ``insert`` of the
@@ -111,7 +96,10 @@ class ApproxPrefixIndex:
                 break
             ek = child.key
             L = len(ek)
-            got = L if pos + L <= n and key[pos:pos + L] == ek else self._common(ek, key, pos, n)
+            if pos + L <= n and key[pos:pos + L] == ek:
+                got = L
+            else:
+                got = common_pages(ek, key, pos, n, self.page_size)
             if live is None:
                 live = set(child.workers)
             elif not live.issubset(child.workers):
@@ -166,7 +154,7 @@ class ApproxPrefixIndex:
             else:
                 L = len(child.key)
                 if pos + L > n or key[pos:pos + L] != child.key:
-                    child = self._split(child, self._common(child.key, key, pos, n))
+                    child = self._split(child, common_pages(child.key, key, pos, n, self.page_size))
             if worker not in child.workers:
                 size += len(child.key)
                 held += 1
@@ -252,21 +240,9 @@ class ApproxPrefixIndex:
 
 
 # -- exact global index fed by KV events --------------------------------------------------------
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Chained block hashes ``h_i = BLAKE2b-64(h_{i-1} as 8 LE bytes || int64 tokens of block i)``,
-    the first 8 digest bytes read little-endian; no parent bytes for the first block. A trailing
-    partial block is ignored. Must equal the cache's ``page_hashes`` (tested)."""
-    out = []
-    h = parent
-    blake = hashlib.blake2b
-    for i in range(0, len(tokens) - block_size + 1, block_size):
-        d = blake(digest_size=8)
-        if h is not None:
-            d.update(h.to_bytes(8, "little"))
-        d.update(array("q", tokens[i:i + block_size]).tobytes())
-        h = int.from_bytes(d.digest(), "little")
-        out.append(h)
-    return out
+# The chained block hashes of ``tokens`` (a trailing partial block ignored): the cache's page
+# hash chain under the router's name, so a block here is named as the cache's events name it.
+block_hashes = page_hashes
 
 
 @dataclass(frozen=True, slots=True)

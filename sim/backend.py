@@ -7,12 +7,10 @@ pass and the KV bytes are replaced by ``asyncio.sleep`` of the cost profile's se
 (sim/cost_model.py), divided by ``cfg.sim_speedup``. Everything else is the product's:
 tokenization and the HTTP API (router/http.py), and the same :class:`Dispatcher`
 (router/dispatch.py) the Ray backend routes through: admission (the deferred-dispatch queue of
-router/deferred.py, then 429 with Retry-After), the
-policy ``cfg.policy`` with its session table and prefix indexes, the load records and the
-front door's metrics. Before each decision every worker's snapshot is refreshed (the prefill
-workers report their own ``pending_s``). No Ray, no model weights: only the tokenizer.
-
-Per request (times in simulated seconds, as bench/sim/simulate.py has them):
+router/deferred.py, then 429 with Retry-After), the policy ``cfg.policy`` with its session table
+and prefix indexes, the load records and the front door's metrics. Before each decision every
+worker's snapshot is refreshed (the prefill workers report their own ``pending_s``). No Ray, no
+model weights: only the tokenizer. Per request (times in simulated seconds, as bench/sim/simulate.py has them):
 
     route (policy over the workers' views) -> prefill worker queue (FCFS) -> prefill of the
     uncached tokens (cache match + lock at start, insert at end) -> KV room reserved on the decode
@@ -22,9 +20,9 @@ Per request (times in simulated seconds, as bench/sim/simulate.py has them):
 
 Sizes: each prefill cache holds, and each decode worker reserves up to, the profile's KV room
 (``decode_kv_tokens``; ``cfg.decode_max_total_tokens`` overrides decode's); pages are
-``engine_config.cache.page_size`` tokens of the real prompt ids. Outputs are pseudo-random token
-ids (seeded by the request id, special tokens excluded) decoded with the model's real tokenizer,
-so a request always runs to ``max_tokens`` (finish "length"); stop strings are not applied.
+``engine_config.cache.page_size`` tokens of the real prompt ids. Outputs are pseudo-random
+non-special token ids seeded by the request id, decoded with the real tokenizer, so a request
+always runs to ``max_tokens`` (finish "length"); stop strings are not applied.
 """
 
 from __future__ import annotations

@@ -118,10 +118,11 @@ class KVTransferAgent:
     ``ucx_tls``: UCX transports; None keeps the user's ``UCX_TLS`` or sets ``DEFAULT_UCX_TLS``.
     ``progress_thread``: off (default), NIXL makes progress only inside this object's calls, so
     the owner must keep calling :meth:`poll` (writer) and :meth:`get_notifs` (receiver), as the
-    worker loops do; on a CPU host the copy then runs inline in ``write`` at about twice the
-    speed (bench/transfer.py). On, NIXL progresses in the background too (needed if a receiver
-    can go long without calling in, e.g. UCX over tcp only), waking every ``progress_delay_us``
-    (rounded up to 1 ms by NIXL) when idle; NIXL's own Python API sets 0, a busy loop.
+    worker loops do; on a CPU host the copy then runs inline in ``write`` (why that is the
+    default: docs/PERFORMANCE.md, bench/transfer.py). On, NIXL progresses in the background too
+    (needed if a receiver can go long without calling in, e.g. UCX over tcp only), waking every
+    ``progress_delay_us`` (rounded up to 1 ms by NIXL) when idle; NIXL's own Python API sets 0,
+    a busy loop.
     """
 
     def __init__(self, name: str, regions: Sequence[Region], *, mode: str = "dynamic", parts: int = 1,

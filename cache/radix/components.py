@@ -1,35 +1,20 @@
 """Tree components: one reuse rule each, attached to the same radix tree.
 
 FULL is the tree itself: every node's ``value`` (full-attention KV slots), valid along the whole
-path. Auxiliary components keep their own data per node (``node.aux[index]``, None = tombstone)
-and decide through six hooks:
-
-======================  ======================================================================
-``validator(host)``      a fresh per-match vote: ``accept(node) -> bool``, fed every matched node
-                         in path order. The match ends at the deepest node all components accept.
-                         ``host=True``: data on the host tier counts too (the restore anchor).
-``finalize(nodes)``      what the engine needs about the accepted device path
-                         (``MatchResult.components[name]``)
-``reconcile(...)``       an insert passes over a node: keep which data, free which
-``split(value, m)``      cut data when an edge is cut after ``m`` tokens
-``size(value)``          units the data occupies in the component's pool (for the size counters)
-``free(value)``          execute a release through the component's allocator
-======================  ======================================================================
-
-plus one number, ``lock_span``: a request's lock covers the nodes intersecting the last
-``lock_span`` tokens of its path (SWA: the window; MAMBA: the checkpoint node only); the same
-span is what a load-back from the host tier brings to the device. And ``bind(node, value)``:
-device data was placed on ``node`` by a load-back (SWA rewrites ``index_map``).
+path. Auxiliary components (:class:`SWA`, :class:`Mamba`) keep their own data per node
+(``node.aux[index]``, None = tombstone) and decide through the hooks of :class:`TreeComponent`
+(``validator``, ``finalize``, ``reconcile``, ``split``, ``size``, ``free``, ``bind``) and its
+``lock_span``. A match ends at the deepest node every component's validator accepts.
 
 Host tier: a node's host copy of component data is ``node.aux_host[index]`` (same format, in the
 component's host pool; see cache/radix/host.py). It needs the node's FULL host copy.
 
-Memory model (see cache/README.md):
-- SWA data: int64 rows ``[len(key)]`` of a separate SWA KV pool with its own allocator, ``-1``
-  where the engine already released a row (outside its window). The engine keeps a
-  ``full slot -> SWA row`` table (``LayerKV.index_map``); when the tree adopts rows for a node
-  whose full slots it already holds, the component writes that table.
-- MAMBA data: one int, the row of a recurrent-state pool holding the state after the node's last
+Data (the memory model in full: cache/README.md):
+- SWA: int64 rows ``[len(key)]`` of a separate SWA KV pool with its own allocator, ``-1`` where
+  the engine already released a row (outside its window); when the tree adopts rows for a node
+  whose full slots it already holds, the component writes the engine's ``full slot -> SWA row``
+  table (``LayerKV.index_map``).
+- MAMBA: one int, the row of a recurrent-state pool holding the state after the node's last
   token (a checkpoint). A matched state is never written in place: the match returns
   :class:`StateCopy` and the engine copies it into the request's private row first.
 """
@@ -63,9 +48,12 @@ class StateCopy:
 
 
 class TreeComponent:
-    """Base of auxiliary components (see the module docstring for the hook contract)."""
+    """Base of auxiliary components: the hooks the tree calls, each with its contract."""
 
     name = "component"
+    # A request's lock covers the nodes intersecting the last ``lock_span`` tokens of its path
+    # (SWA: the window; MAMBA: the checkpoint node only); the same span is what a load-back from
+    # the host tier brings to the device.
     lock_span = 1
     per_token = True                            # data per token (sliced) or one value per key end
     index = -1                                  # set by the tree: position in node.aux
@@ -74,6 +62,8 @@ class TreeComponent:
         self.allocator = allocator              # a PagedAllocator, or None (simulated mode)
 
     def validator(self, host: bool = False) -> Callable[[Any], bool]:
+        """A fresh per-match vote ``accept(node) -> bool``, fed every matched node in path order.
+        ``host=True``: data on the host tier counts too (the restore anchor)."""
         raise NotImplementedError
 
     def has(self, host: bool) -> Callable[[Any], bool]:
@@ -85,9 +75,11 @@ class TreeComponent:
         return lambda nd: nd.aux[i] is not None
 
     def bind(self, node, value: Any) -> None:
-        """``value`` (device data) was placed on ``node`` by a load-back from the host."""
+        """``value`` (device data) was placed on ``node`` by a load-back from the host (SWA
+        rewrites ``index_map``)."""
 
     def finalize(self, nodes: list) -> Any:
+        """What the engine needs about the accepted device path (``MatchResult.components[name]``)."""
         raise NotImplementedError
 
     def reconcile(self, node, current: Any, incoming: Any, a: int, b: int, last: bool) -> tuple[Any, Any]:
@@ -97,12 +89,15 @@ class TreeComponent:
         raise NotImplementedError
 
     def split(self, value: Any, m: int) -> tuple[Any, Any]:
+        """Cut data when an edge is cut after ``m`` tokens: ``(upper, lower)``."""
         raise NotImplementedError
 
     def size(self, value: Any) -> int:
+        """Units the data occupies in the component's pool (for the size counters)."""
         raise NotImplementedError
 
     def free(self, value: Any) -> None:
+        """Execute a release through the component's allocator."""
         raise NotImplementedError
 
 

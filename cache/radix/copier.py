@@ -1,40 +1,28 @@
-"""KVCopier: moves rows between a device pool's data and its host mirror: ``[L, K, rows, ...]``
-tensors, the same but for ``rows`` (a KV pool's ``kv_data`` ``[L, 2, rows, H_kv, D]``, a state
-pool's ``[L, 1, slots + 1, *state]``), all layers and kinds at once. The host tier (host.py)
-decides which rows move; this module only copies them.
+"""KVCopier: moves rows between a device pool's data and its host mirror (``[L, K, rows, ...]``
+tensors: a KV pool's ``kv_data`` ``[L, 2, rows, H_kv, D]``, a state pool's ``[L, 1, slots + 1,
+*state]``), all layers and kinds at once. The host tier (host.py) decides which rows move; this
+module only copies them.
 
-On the CPU both directions are plain run-by-run copies, finished when the call returns.
+On the CPU both directions are plain run-by-run copies, finished when the call returns. On CUDA
+(device pool on a GPU, host pool pinned) the engine's step loop never waits for a PCIe transfer,
+and a forward step that needs restored KV waits for it on the GPU, not on the host:
 
-On CUDA (device pool on a GPU, host pool pinned) the engine's step loop never waits for a PCIe
-transfer, and a forward step that needs restored KV waits for it on the GPU, not on the host:
-
-``to_host(dev_slots, host_slots)`` (retraction backup, write-through, eviction backup)::
-
-    side stream:  wait for the compute stream (the KV is written)
-                  gather dev_slots -> a contiguous device buffer [L, K, n, ...]     -> event `read`
-                  D2H copy of that buffer -> pinned staging                         -> event `done`
-    host:         waits for `read` only (the gather kernel: microseconds when called between
-                  steps, as the engine does), so ``dev_slots`` may be freed and reused by anyone
-                  (the compute stream, a NIXL write) as soon as the call returns.
-                  The host pool's rows are written once `done` has fired: by :meth:`poll`
-                  (never blocks), or before anything reads them (:meth:`to_device` of the same
-                  host slots, :meth:`synchronize`).
-
-``to_device(host_slots, dev_slots)`` (restore, load-back)::
-
-    host:         gather host_slots -> pinned staging (a memcpy on the host)
-    side stream:  wait for the compute stream (the device slots are idle)
-                  H2D copy, scatter into dev_slots                                   -> event `done`
-    compute:      waits for `done` (on the GPU), so the next forward step reads the restored KV
+- ``to_host(dev_slots, host_slots)`` (retraction backup, write-through, eviction backup): a side
+  stream waits for the compute stream, gathers ``dev_slots`` into a contiguous device buffer
+  (event ``read``), then copies it to pinned staging (event ``done``). The host waits for
+  ``read`` only; the host pool's rows are written once ``done`` has fired, by :meth:`poll`
+  (never blocks) or before anything reads them (:meth:`to_device` of those host slots,
+  :meth:`synchronize`).
+- ``to_device(host_slots, dev_slots)`` (restore, load-back): the host gathers ``host_slots`` into
+  pinned staging; a side stream waits for the compute stream, then copies and scatters into
+  ``dev_slots`` (event ``done``); the compute stream waits for ``done`` on the GPU.
 
 Ordering the cache relies on (no call below needs :meth:`synchronize` first):
-
-- device slots passed to ``to_host`` may be freed as soon as it returns;
-- host slots may be freed at any time: writes into the host pool land in issue order, so a
-  later copy into a reused host slot lands after an earlier one, and ``to_device`` first
-  lands every earlier write to the slots it reads;
-- :meth:`synchronize` finishes every copy issued so far (the host pool is complete): for
-  ``check()``, benchmarks and tests.
+- device slots passed to ``to_host`` may be freed and reused (the compute stream, a NIXL write)
+  as soon as it returns;
+- host slots may be freed at any time: writes into the host pool land in issue order, and
+  ``to_device`` first lands every earlier write to the slots it reads;
+- :meth:`synchronize` finishes every copy issued so far: for ``check()``, benchmarks and tests.
 """
 
 from __future__ import annotations

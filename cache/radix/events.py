@@ -1,9 +1,7 @@
 """KV events: which pages a worker stored or removed, published in vLLM's wire format.
 
-A page (block) is named by a hash chain: ``h_i = H(h_{i-1}, tokens of page i)`` with
-``h_{-1}`` empty, ``H`` = the first 8 bytes of BLAKE2b as an unsigned int. The chain makes a
-page's hash name its whole prefix, so a router can rebuild it from token ids alone
-(:func:`page_hashes`) and never needs the worker's slot ids.
+A page (block) is named by the hash chain of core/page_hash.py (:func:`page_hashes`, the one the
+router matches): a page's hash names its whole prefix, so a router rebuilds it from token ids.
 
 The wire is vLLM's (``vllm/distributed/kv_events.py``), which llm-d's kv-cache indexer, Dynamo,
 AIBrix and Mooncake read. A ZMQ PUB message is three frames::
@@ -29,15 +27,15 @@ sequence number (any vLLM consumer applies it correctly: it is an ordinary batch
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import msgpack
+
+from tandem.core.page_hash import page_hashes  # noqa: F401  (the chain these events carry)
 
 DEVICE = "device"
 HOST = "host"
@@ -45,20 +43,6 @@ MEDIUM = {DEVICE: "GPU", HOST: "CPU"}          # Tandem's tier -> vLLM's medium
 TIER = {v: k for k, v in MEDIUM.items()}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_BUFFER = 10_000                          # batches kept for replay (vLLM's buffer_steps)
-
-
-def page_hashes(tokens: Sequence[int], page_size: int, parent: int | None = None) -> list[int]:
-    """Chained hashes of the whole pages of ``tokens`` (a trailing partial page is ignored)."""
-    out = []
-    h = parent
-    for i in range(0, len(tokens) - page_size + 1, page_size):
-        d = hashlib.blake2b(digest_size=8)
-        if h is not None:
-            d.update(h.to_bytes(8, "little"))
-        d.update(array("q", tokens[i:i + page_size]).tobytes())
-        h = int.from_bytes(d.digest(), "little")
-        out.append(h)
-    return out
 
 
 @dataclass(frozen=True)

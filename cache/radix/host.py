@@ -11,8 +11,7 @@ and the request's lock need. A component whose host pool is full (after evicting
 copies) leaves that node without a host copy of its data: the node still serves the FULL vote.
 
 The tree decides which nodes live where (device, host, both); :class:`UnifiedRadixCache`
-executes through this object: it allocates host slots, asks the copier to move bytes, frees.
-A :class:`HostTier` is bound to exactly one cache (``cache.host``); its verbs:
+executes through a :class:`HostTier` bound to it alone (``cache.host``), whose verbs are:
 
 - ``backup(ids, slots, node, extra=)``: retraction — hand the request's KV (and its component
   data, ``extra`` as for ``cache.cache``) to the tree, then move the nodes only that request holds
@@ -20,10 +19,8 @@ A :class:`HostTier` is bound to exactly one cache (``cache.host``); its verbs:
 - ``restore(node)``: bring the host-only nodes on root..node back to the device (load-back);
 - ``used()``: tokens with a host copy; ``usage()``: per pool ``(used, size)``.
 
-Write policies:
-- ``write_through``: a node is copied to the host when it is inserted; evicting it from the
-  device then only drops the device copy (the node stays, host-only).
-- ``write_back``: a node is copied to the host only when it is evicted from the device.
+Write policies: ``write_through`` copies a node to the host when it is inserted (a device
+eviction then only drops the device copy); ``write_back`` copies it only when it is evicted.
 Either way, a device eviction backs up a node that has no host copy yet if the host has room
 (after evicting unlocked host copies); otherwise the node is deleted.
 """

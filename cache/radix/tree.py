@@ -32,7 +32,9 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from .events import DEVICE, BlockRemoved, BlockStored, page_hashes
+from tandem.core.page_hash import common_pages, page_hashes
+
+from .events import DEVICE, BlockRemoved, BlockStored
 from .eviction import EvictionPolicy, make_policy
 from .host_nodes import HostNodes
 
@@ -140,22 +142,6 @@ class RadixTree(HostNodes):
     def child_key(self, key: list) -> Hashable:
         return key[0] if self.page_size == 1 else tuple(key[:self.page_size])
 
-    def _common(self, ek: list, key: list, pos: int) -> int:
-        """Page-aligned length of the common prefix of ``ek`` and ``key[pos:]``, knowing the
-        first page matches and the whole edge does not. Binary search over slice compares."""
-        ps = self.page_size
-        n = min(len(ek), len(key) - pos)
-        if ek[:n] == key[pos:pos + n]:
-            return n
-        lo, hi = ps, n                          # ek[:lo] matches; a mismatch lies in [lo, hi)
-        while hi - lo > 1:
-            mid = (lo + hi) >> 1
-            if ek[lo:mid] == key[pos + lo:pos + mid]:
-                lo = mid
-            else:
-                hi = mid
-        return lo - lo % ps
-
     def match(self, key: list, session: Hashable | None = None,
               priority: int | None = None) -> list[Node]:
         """Nodes covering the longest cached prefix of ``key`` (page-aligned), on any tier.
@@ -172,7 +158,7 @@ class RadixTree(HostNodes):
             ek = child.key
             L = len(ek)
             if key[pos:pos + L] != ek:
-                path.append(self._split(child, self._common(ek, key, pos)))
+                path.append(self._split(child, common_pages(ek, key, pos, n, ps)))
                 break
             path.append(child)
             pos += L
@@ -207,7 +193,7 @@ class RadixTree(HostNodes):
             ek = child.key
             L = len(ek)
             if key[pos:pos + L] != ek:
-                tail, partial = child, self._common(ek, key, pos)
+                tail, partial = child, common_pages(ek, key, pos, n, ps)
                 break
             path.append(child)
             pos += L
@@ -288,7 +274,7 @@ class RadixTree(HostNodes):
             ek = child.key
             L = len(ek)
             if key[pos:pos + L] != ek:
-                L = self._common(ek, key, pos)
+                L = common_pages(ek, key, pos, n, ps)
                 child = self._split(child, L)
             child.access = t
             if priority > child.priority:

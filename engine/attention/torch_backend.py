@@ -1,38 +1,22 @@
 """TorchAttentionBackend: paged attention in plain torch (the CPU fallback where the cpu_kernel
 backend's C file cannot build, and the reference it is tested beside).
 
-A step's sequences are split once, in :meth:`init_forward`, into
-- *decode rows* (exactly one new token): batched. Per attention window (None = full) one padded
-  slot table ``[Bd, L]`` (padding -> slot 0) and a validity mask ``[Bd, 1, 1, Lp]`` are built once
-  per step; each layer then does one ``index_select`` gather ``k_buf -> [Bd, Lp, Hkv, D]`` (a
-  row-wise memcpy; advanced indexing ``k_buf[rows]`` is ~4x slower on CPU) and one 4-D SDPA call
-  per key width (below), the query heads of a kv head as rows (``[Bd, Hkv, max(G, 4), D]``,
-  G = Hq / Hkv, padded with copies), so no Python loop over requests per layer. A sliding window
-  W gathers only the last ``min(L, W)`` positions. Full-attention layers of the plain pool skip
-  the gather while the decode batch is unchanged: the backend keeps a per-layer mirror
-  ``[Bd, Hkv, cap, D]`` of the batch's K/V (see :class:`_DecodeMirror`), rebuilt by one gather
-  when the batch changes and otherwise only appended to (each row's new token), so a steady
-  decode step reads each layer's KV once, in place.
-- *extend rows* (a prompt chunk): full-attention layers split the queries at absolute positions
-  that are multiples of ``QUERY_BLOCK`` and run one SDPA call per block (at least 4 rows, padded
-  with copies) over the keys ``[0, Lp)`` with an explicit causal mask; windowed layers run one
-  SDPA call per sequence over its window with a mask. Prefill is matmul-bound.
+It implements :class:`~tandem.engine.attention.base.AttentionBackend`: a layer's K/V are written
+first (``fb.kv_pool.layer(id)``; rows = ``index_map[slots]`` when the layer's pool has an index
+map), then read back, so new tokens attend to themselves. How a step is split into batched
+decode rows and blocked extend rows: :class:`TorchAttentionBackend`.
 
-**Exactness.** A query's attention output is bitwise the same whether it is computed in a prefill,
-in a chunk after a cached prefix, or as a decode row in any batch (checked in bf16 and fp32, 1 and
-2 threads; ``tests/engine/test_batch_invariance.py``), because every SDPA call torch's CPU flash
-kernel sees for it has the same shape: the query at position i sees exactly ``_padded(i + 1)``
-keys (its own, rounded up to a multiple of KEY_BLOCK = 64, the rest masked), in a call with at
-most QUERY_BLOCK (32) and at least 4 query rows (below 4 its GEMMs take another code path), and
-query blocks never straddle a 64-position boundary. Hence decode rows are grouped by that width
-(one call when the batch's lengths share a 64-bucket, the common case). Without this a row's
-output moved by an ulp with its batch, its chunking or the padded key count (the kernel's
-softmax sums follow the padded length) -- in fp32 rarely visible, in bf16 enough to flip a
-near-tie, so the prefix cache on/off and prefill/decode disaggregation oracles did not hold.
-Windowed layers keep their per-row key offsets and are not covered.
-
-The layer's K/V are written first (``fb.kv_pool.layer(id)``; rows = ``index_map[slots]`` when the
-layer's pool has an index map), then read back, so new tokens attend to themselves.
+**Exactness.** A query's attention output in a full-attention layer is bitwise the same whether
+it is computed in a prefill, in a chunk after a cached prefix, or as a decode row in any batch
+(bf16 and fp32, 1 and 2 threads; ``tests/engine/test_batch_invariance.py``), because every SDPA
+call torch's CPU flash kernel sees for it has the same shape: the query at position i sees
+exactly ``_padded(i + 1)`` keys (its own, rounded up to a multiple of KEY_BLOCK, the rest
+masked), in a call with at most QUERY_BLOCK and at least 4 query rows (below 4 its GEMMs take
+another code path), and query blocks never straddle a KEY_BLOCK boundary. Hence decode rows are
+grouped by that width. Without this a row's output moved by an ulp with its batch, its chunking
+or the padded key count (the kernel's softmax sums follow the padded length), in bf16 enough to
+flip a near-tie, so the prefix cache on/off and prefill/decode disaggregation oracles did not
+hold. Windowed layers keep their per-row key offsets and are not covered.
 """
 
 from __future__ import annotations
@@ -130,7 +114,25 @@ class _DecodeMirror:
 
 
 class TorchAttentionBackend:
-    """Implements :class:`tandem.engine.attention.base.AttentionBackend` with torch ops."""
+    """Implements :class:`tandem.engine.attention.base.AttentionBackend` with torch ops.
+
+    A step's sequences are split once, in :meth:`init_forward`, into
+    - *decode rows* (exactly one new token): batched. Per attention window (None = full) one
+      padded slot table ``[Bd, L]`` (padding -> slot 0) and a validity mask ``[Bd, 1, 1, Lp]``
+      are built once per step; each layer then does one ``index_select`` gather ``k_buf ->
+      [Bd, Lp, Hkv, D]`` (a row-wise copy, not advanced indexing) and one 4-D SDPA call per key
+      width, the query heads of a kv head as rows (``[Bd, Hkv, max(G, 4), D]``, G = Hq / Hkv,
+      padded with copies), so no Python loop over requests per layer. A sliding window W
+      gathers only the last ``min(L, W)`` positions. Full-attention layers of the plain pool
+      skip the gather while the decode batch is unchanged: a per-layer mirror ``[Bd, Hkv, cap,
+      D]`` of the batch's K/V (:class:`_DecodeMirror`) is rebuilt by one gather when the batch
+      changes and otherwise only appended to, so a steady decode step reads each layer's KV
+      once, in place.
+    - *extend rows* (a prompt chunk): full-attention layers split the queries at absolute
+      positions that are multiples of ``QUERY_BLOCK`` and run one SDPA call per block (at least
+      4 rows, padded with copies) over the keys ``[0, Lp)`` with an explicit causal mask;
+      windowed layers run one SDPA call per sequence over its window with a mask.
+    """
 
     name = "torch"   # what the startup line calls it
 
@@ -324,7 +326,7 @@ class TorchAttentionBackend:
         k = lkv.k.index_select(0, rows).to(q.dtype)                          # [Lk, Hkv, D]
         v = lkv.v.index_select(0, rows).to(q.dtype)
         # 4-D inputs: torch's fused CPU (flash) kernel only takes [B, H, L, D]; 3-D falls back to
-        # the unfused math path (measured ~10x slower on a 2048-token prefill).
+        # the unfused math path.
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=mask, is_causal=mask is None, scale=spec.scale,

@@ -64,7 +64,7 @@ class LlamaLayer(nn.Module):
         self.post_norm = _param(tensors["post_norm"])
         dtype, device = self.input_norm.dtype, self.input_norm.device
         self.dequantized: list[tuple[str, str]] = []
-        for name in self._PROJ:   # down stays [N, K] if plain: faster with MKL (K = I > N = H)
+        for name in self._PROJ:   # down stays [N, K] if plain (K = I > N = H: F.linear's layout)
             kernel, why = make_linear(tensors[name], dtype, device, native, input_major=name != "down")
             setattr(self, name, kernel)
             if why is not None and why != "dequant":
@@ -134,12 +134,12 @@ class LlamaForCausalLM(nn.Module):
                                  f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}")
         self.norm = _param(cvt(get("model.norm.weight")))
         # The vocab head: [V, H] (F.linear layout; the embedding itself when tied). On CPU a second
-        # copy is worth its memory: an oneDNN-packed kernel (``head``, fp32 or bf16); with other
-        # dtypes a transposed lm_head_t [H, V]: for a few rows (decode of a small batch) the vocab
-        # GEMV runs ~2x faster as x @ W; from ~8 rows on F.linear over [V, H] is ~1.5x faster.
+        # copy is kept: an oneDNN-packed kernel (``head``, fp32 or bf16); with other dtypes a
+        # transposed lm_head_t [H, V], the vocab GEMV as x @ W below _HEAD_GEMM_ROWS rows
+        # (decode of a small batch), F.linear over [V, H] from there on.
         # A quantized head (with ``native``, the loader gives a tied embedding's own blocks as
-        # "lm_head.weight") runs natively, but a Q8_0 one (SmolLM2's) only on Avx512Linear: as two
-        # int4 planes bf16-packed is as fast at 1 row and 2-4x faster at 32 rows.
+        # "lm_head.weight") runs natively, but a Q8_0 one (SmolLM2's) only on Avx512Linear;
+        # elsewhere it is dequantized (bf16-packed), not run as two int4 planes.
         self.dequantized: list[tuple[str, str]] = []
         tied = arch.tie_word_embeddings
         head_src = get("lm_head.weight") if (native or not tied) else None
@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()                                         # [B|T, V]
 
 
-_HEAD_GEMM_ROWS = 4  # from this many rows on, the [V, H] layout wins for the vocab projection
+_HEAD_GEMM_ROWS = 4  # from this many rows on, the vocab projection uses the [V, H] layout
 
 
 def _stack(parts: list[WeightOrQuant]) -> WeightOrQuant:

@@ -5,8 +5,7 @@ whose attention backend is CpuKernelAttentionBackend.
 It runs exactly the composition ``LlamaLayer.forward`` runs with those kernels -- the same C
 routines on the same buffers, the same roundings (qkv, attention output, the residual stream and
 gate_up in bf16) -- so its output is bitwise the unfused layer's (tests/engine/test_llama_cpu.py);
-what it removes is ~6 Python -> C crossings per layer (~35 us of argument marshalling, about a
-sixth of a SmolLM2 decode step).
+what it removes is the Python -> C crossings between those routines (one call per layer).
 
 ``FusedLlamaLayer.build(layer)`` returns None where it does not apply statically (another kernel,
 q/k/v biases, q/k norms, a head dim the rotary kernel does not take); ``__call__`` returns None

@@ -1,16 +1,14 @@
 """Avx512Linear: a GGUF weight's own Q4_0 / Q4_1 / Q8_0 blocks on AVX512 (``avx512_kernels.c``,
-built by ``native_lib.py``): the fastest CPU kernel here for decode and batches (at 2,048 rows
-oneDNN's bf16-packed GEMM reaches ~1.5x its FLOP rate, but a prefill there is attention-bound).
+built by ``native_lib.py``): the default kernel for a GGUF file's quantized weights on CPUs with
+AVX512 BF16 + VNNI (``weights="native"``; engine/quant/linear.py's :func:`make_linear`).
 
 Numerics (the C file's docstring has the formulas):
 - Q4_0 / Q4_1: bf16 activations (the pre-op's float32 result rounded to bf16 once) times the exact
   4-bit codes (as the bf16 integers 128 + q), float32 sums per 32-block, the file's float16 scales
   applied in float32. What a bf16 model with the file's exact weights computes; no activation
-  quantization (int8 activations, llama.cpp's way, moved SmolLM2's logits 3x further from the
-  dequantized float32 model than bf16 rounding does: mean 0.57-0.74 vs 0.17-0.23).
+  quantization (why not llama.cpp's int8 activations: docs/PERFORMANCE.md, "Numerics").
 - Q8_0: int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
-  way. Used for SmolLM2's tied Q8_0 vocab head, where it adds nothing measurable to the logits'
-  error (mean 0.174 vs 0.178 with a bf16 head).
+  way. Used for SmolLM2's tied Q8_0 vocab head (its error against a bf16 head: the same section).
 An optional pre-op runs fused in float32 first: RMSNorm with its weight (``PreOp.rmsnorm``) or
 ``silu(gate) * up`` over a ``[T, 2K]`` input (``PreOp.silu_mul``). Outputs (+ bias, + residual)
 are rounded once to the output dtype.

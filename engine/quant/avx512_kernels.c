@@ -325,8 +325,8 @@ static inline __attribute__((always_inline)) void run_panels(const int kind, con
 }
 
 /* Work unit u of a GEMM: with several rows Q4 kinds take panel pairs (the last one alone when the
- * count is odd): one activation broadcast feeds two panels (~15% faster at 32 rows); one row
- * streams one panel at a time (~25% faster there). Either way each column computes the same. */
+ * count is odd): one activation broadcast feeds two panels; one row streams one panel at a time.
+ * Either way each column computes the same. */
 #define PANELS(KIND, STEP)                                                                    \
     _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)")      \
     for (int64_t u = 0; u < (np + STEP - 1) / STEP; u++) {                                   \

@@ -1,17 +1,15 @@
-"""Linear kernels: ``y = x @ W^T (+ bias) (+ residual)`` with the weight stored the fastest way
-the device, the compute dtype and the weight's own format allow. :func:`make_linear` picks one.
+"""Linear kernels: ``y = x @ W^T (+ bias) (+ residual)`` with the weight stored in the layout the
+device, the compute dtype and the weight's own format allow. :func:`make_linear` picks one.
 
-| kernel | weight held as | where | why |
+| kernel | weight held as | where | numerics |
 |---|---|---|---|
-| :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | fastest CPU GEMM at every row count (below) |
-| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); reads 5 bits per weight: ~1.6x int4 at 1 row, ~1.7x at 32; at 2,048 rows ~0.65x bf16-packed's FLOP rate |
-| :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight: decode is bandwidth-bound |
+| :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | the dtype's GEMM |
+| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); reads 5 bits per weight |
+| :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight |
 | :class:`DenseLinear` | a plain tensor, ``[K, N]`` ("x @ W") or ``[N, K]`` | anywhere else (CUDA, no oneDNN) | |
 
-Measured on SmolLM2's layer shapes, 30 layers' weights streamed from DRAM, 1 thread (AVX512-BF16 CPU):
-at 1 row fp32-packed 14.5 ms, bf16-packed 8.9 ms, int4 3.9 ms; at 32 rows 39 / 21 / 39 ms; at 512
-rows 431 (fp32, 2x) / 216 / 620 ms. torch's int4 CPU kernel with fp32 activations is a slow
-reference path (~40x slower), so int4 needs bf16 (or fp16) activations.
+int4 needs bf16 (or fp16) activations: with fp32 ones torch's int4 CPU kernel is a slow
+reference path.
 
 Every kernel computes each output row from its own input row only, bitwise (oneDNN with fewer
 than ``PACKED_MIN_ROWS`` rows is padded to that many; int4 checked at 1..17 rows), so a request's
@@ -39,8 +37,8 @@ from tandem.engine.quant.blocks import GROUP, QuantWeight
 from tandem.engine.quant.preop import PreOp
 from tandem.engine.quant.avx512 import Avx512Linear, avx512_reason
 
-PACKED_MIN_ROWS = 4     # oneDNN's 1-2 row (GEMV) path is slower than its 4-row GEMM path
-_PACK_HINT_ROWS = 32    # batch-size hint for the reorder (measured: any hint 4..2048 is as fast)
+PACKED_MIN_ROWS = 4     # fewer rows are padded to this many: oneDNN's GEMM path, never its 1-2 row GEMV one
+_PACK_HINT_ROWS = 32    # the batch-size hint oneDNN's weight reorder takes
 _pad_buffers = threading.local()   # (K, dtype, ...) -> [PACKED_MIN_ROWS, K] input buffer, per thread
 _INT4_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -74,8 +72,8 @@ def int4_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> str
 class PackedLinear(nn.Module):
     """oneDNN GEMM with the weight reordered once into oneDNN's blocked layout (fp32 or bf16).
 
-    ~1.4x faster than MKL at 32 rows in fp32, ~1.6x in bf16 at 1 row. The packed tensor is opaque
-    (``torch._mkldnn`` layout, no storage): pickling stores the dense weight and re-packs."""
+    The packed tensor is opaque (``torch._mkldnn`` layout, no storage): pickling stores the
+    dense weight and re-packs."""
 
     def __init__(self, w: torch.Tensor):            # w: [N, K] (F.linear layout)
         super().__init__()
@@ -125,9 +123,8 @@ class PackedLinear(nn.Module):
 
 
 class DenseLinear(nn.Module):
-    """A plain weight: input-major ``[K, N]`` (``x @ W``; on CPU a [1, K] x [K, N] product streams
-    the weight ~1.4-2x faster than MKL's F.linear over [N, K]) or ``[N, K]`` (F.linear; faster when
-    K > N, e.g. the MLP's down projection, and on CUDA)."""
+    """A plain weight: input-major ``[K, N]`` (``x @ W``) or ``[N, K]`` (``F.linear``); the caller
+    chooses (engine/models/llama.py keeps the MLP's down projection, K > N, as ``[N, K]``)."""
 
     def __init__(self, w: torch.Tensor, input_major: bool = True):   # w: [N, K]
         super().__init__()
@@ -234,9 +231,9 @@ def make_linear(w: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch
 
 def collapse_to_hugepages(kernels: list[nn.Module]) -> None:
     """Best effort: back the kernels' weights with 2 MiB pages (Linux >= 6.1
-    ``madvise(MADV_COLLAPSE)`` over each allocation's aligned interior). Decode streams every
-    weight once per step; with 4 KiB pages the TLB misses cost ~6% of a 1-row step (measured).
-    Contents are unchanged; on any failure (other OS, old kernel, THP off) nothing happens."""
+    ``madvise(MADV_COLLAPSE)`` over each allocation's aligned interior), so that decode, which
+    streams every weight once per step, takes fewer TLB misses. Contents are unchanged; on any
+    failure (other OS, old kernel, THP off) nothing happens."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -111,7 +111,7 @@ def _kv_state(**cfg):
 
 
 def test_kv_events_dynamo_worked_example():
-    # ANCHORS.md 2.2: W1 = 8 + 10 = 18, W2 = 5 + 5 = 10 (chosen), W3 = 2 + 9 = 11
+    # Dynamo's KV router cost (weight 1): W1 = 8 + 10 = 18, W2 = 5 + 5 = 10 (chosen), W3 = 2 + 9 = 11
     s, _ = _kv_state()
     v = view([P(0, running_tokens=160), P(1, running_tokens=80), P(2, running_tokens=144)],
              [D(10, running_tokens=5), D(11)])
