@@ -54,7 +54,7 @@ def test_a_finished_member_still_holding_kv_is_a_fork_source_until_it_lets_go():
     gs = SampleGroups()
     a, b = member(0), member(1)
     gs.add(a, {})
-    a.req.computed_len, a.req.status = 4, ReqStatus.FINISHED_LENGTH   # held by a prefill outbox
+    a.req.computed_len, a.req.status = 4, ReqStatus.FINISHED_LENGTH   # held by a prefill connector
     holders = {a.rid: a}
     gs.add(b, holders)
     assert gs.computed_sibling(b, holders) is a and gs.computed_sibling(a, holders) is None
