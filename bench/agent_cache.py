@@ -9,7 +9,7 @@ Three configurations, run one after another in this process, each on a fresh ser
 
 For each: start the server as a subprocess on 127.0.0.1 (a free port), wait for ``/health``, send
 one short warm-up request (unrelated text, dropped), run the same seeded ``tandem bench`` agent
-workload in-process (bench/loadgen: ``agent_workload`` + ``run_sessions`` + ``summarize``), then stop
+workload in-process (loadtest/loadgen: ``agent_workload`` + ``run_sessions`` + ``summarize``), then stop
 the server with SIGINT and wait for it. Reported: mean and median TTFT per turn index for
 colocated with / without the cache and their ratio, cached-token ratio, output tok/s, and
 disaggregated vs colocated (mean / p90 TTFT, tok/s). Prints a table and writes JSON to ``--out``
@@ -106,7 +106,7 @@ class Server:
 
 
 async def _run_workload(url: str, workload, args) -> tuple[list, str]:
-    from tandem.bench.loadgen.client import ClientConfig, StreamClient, make_http, resolve_model, run_sessions
+    from tandem.loadtest.loadgen.client import ClientConfig, StreamClient, make_http, resolve_model, run_sessions
 
     cfg = ClientConfig(url=url, temperature=0.0, timeout_s=args.timeout)
     async with make_http(cfg) as http:
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "agent_cache.json"))
     args = p.parse_args(argv)
 
-    from tandem.bench.loadgen.report import summarize
-    from tandem.bench.loadgen.workloads import AgentConfig, Dist, agent_workload
+    from tandem.loadtest.loadgen.report import summarize
+    from tandem.loadtest.loadgen.workloads import AgentConfig, Dist, agent_workload
 
     workload = agent_workload(AgentConfig(
         num_sessions=args.num_sessions, turns=args.turns, system_prompt_tokens=args.system_prompt_tokens,

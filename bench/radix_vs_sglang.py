@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.workloads import MOONCAKE_SYNTHETIC
+from tandem.workloads import MOONCAKE_SYNTHETIC
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = MOONCAKE_SYNTHETIC

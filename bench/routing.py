@@ -30,18 +30,18 @@ import random
 import time
 from pathlib import Path
 
-from tandem.bench.sim.simulate import DEFAULT_TRACE, load_trace, simulate
 from tandem.router.policies import POLICIES, PolicyConfig, RouterState, choose
 from tandem.router.prefix_index import KVEvent, block_hashes
 from tandem.router.view import ClusterView, RouteRequest, WorkerView, DECODE, PREFILL
 from tandem.sim.cost_model import DEFAULT_PROFILE, get_profile
+from tandem.sim.replay.simulate import DEFAULT_TRACE, load_trace, simulate
 
 OUT = Path(__file__).resolve().parent / "out" / "routing.json"
 CAPACITY = 3_000_000
 BLOCK = 512
 MOONCAKE = {"per_node_hit_rate": 0.27, "global_hit_rate": 0.63, "nodes": 10,
             "capacity_tokens_per_node": 3_000_000,
-            "source": "Mooncake, USENIX FAST'25 (see bench/workloads/README.md)"}
+            "source": "Mooncake, USENIX FAST'25 (see workloads/README.md)"}
 
 
 # -- the grid ------------------------------------------------------------------------------------

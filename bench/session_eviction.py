@@ -1,7 +1,7 @@
 """Session-aware vs LRU eviction on multi-turn sessions with a cache too small for everything.
 
 Conversations are shaped like vLLM's multi-turn generator config
-(bench/workloads/vllm_generate_multi_turn.json): a 500-token prefix common to all, a
+(workloads/vllm_generate_multi_turn.json): a 500-token prefix common to all, a
 per-conversation prefix (lognormal, mean 1,000, max 5,000 tokens), 12-18 turns of 120-160 new
 input tokens and 80-120 output tokens; between turns the user thinks for 20-90 s (an agent
 waiting on a tool, a person reading). Simulated clock, simulated cache, page size 16.

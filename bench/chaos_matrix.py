@@ -11,11 +11,11 @@ fp32, page size 16, a 1024-token decode pool, forced retraction every 11 decode 
   (its in-flight requests fail with a stated reason, later ones are served by the other and by
   its replacement).
 
-One :class:`~tandem.bench.chaos.oracle.Oracle` (a fresh engine, requests alone) checks every
+One :class:`~tandem.loadtest.chaos.oracle.Oracle` (a fresh engine, requests alone) checks every
 completed text of every configuration. Writes ``bench/out/chaos_matrix.json``; exit status 1 if
 any configuration fails its verdict (mismatch, leak, invariant, unexplained failure).
 
-Usage: python -m tandem.bench.chaos.matrix [--sessions 25] [--turns 4] [--seed 0] [--out bench/out]
+Usage: python -m tandem.bench.chaos_matrix [--sessions 25] [--turns 4] [--seed 0] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def main(argv=None) -> int:
-    from tandem.bench.chaos.cli import format_table, options, run_chaos, verdict
-    from tandem.bench.chaos.oracle import Oracle
+    from tandem.loadtest.chaos.cli import format_table, options, run_chaos, verdict
+    from tandem.loadtest.chaos.oracle import Oracle
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=25)
