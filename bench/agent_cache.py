@@ -20,9 +20,7 @@ disaggregated vs colocated (mean / p90 TTFT, tok/s). Prints a table and writes J
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -34,6 +32,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tandem.bench.common import bench_parser, write_report
 
 CONFIGS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated"],
@@ -149,19 +149,17 @@ def _f(x, fmt="{:.0f}", none="-"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__, "agent_cache", seed=0)
     p.add_argument("--num-sessions", type=int, default=3)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--system-prompt-tokens", type=int, default=200)
     p.add_argument("--tool-result-tokens", default="uniform:32,96")
     p.add_argument("--think-time", default="0.2")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=16384)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=240.0)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "agent_cache.json"))
     args = p.parse_args(argv)
 
     from tandem.loadtest.loadgen.report import summarize
@@ -235,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"config": {k: v for k, v in vars(args).items()}, "workload_notes": workload.notes,
            "requests_per_config": workload.num_requests, "load_average_before": load_before,
            "load_average_after": load_after, "server_logs": str(logdir), "results": results, "comparisons": comp}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str))
+    out = write_report(args.out, doc, default=str)
 
     # ---------------------------------------------------------------- tables
     print(f"\nagent workload ({workload.notes}; {workload.num_requests} requests, max_tokens {args.max_tokens}), "
