@@ -9,7 +9,7 @@ Three configurations, run one after another in this process, each on a fresh ser
 
 For each: start the server as a subprocess on 127.0.0.1 (a free port), wait for ``/health``, send
 one short warm-up request (unrelated text, dropped), run the same seeded ``tandem bench`` agent
-workload in-process (bench/loadgen: ``agent_workload`` + ``run_sessions`` + ``summarize``), then stop
+workload in-process (loadtest/loadgen: ``agent_workload`` + ``run_sessions`` + ``summarize``), then stop
 the server with SIGINT and wait for it. Reported: mean and median TTFT per turn index for
 colocated with / without the cache and their ratio, cached-token ratio, output tok/s, and
 disaggregated vs colocated (mean / p90 TTFT, tok/s). Prints a table and writes JSON to ``--out``
@@ -20,9 +20,7 @@ disaggregated vs colocated (mean / p90 TTFT, tok/s). Prints a table and writes J
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -34,6 +32,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tandem.bench.common import bench_parser, write_report
 
 CONFIGS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated"],
@@ -106,7 +106,7 @@ class Server:
 
 
 async def _run_workload(url: str, workload, args) -> tuple[list, str]:
-    from tandem.bench.loadgen.client import ClientConfig, StreamClient, make_http, resolve_model, run_sessions
+    from tandem.loadtest.loadgen.client import ClientConfig, StreamClient, make_http, resolve_model, run_sessions
 
     cfg = ClientConfig(url=url, temperature=0.0, timeout_s=args.timeout)
     async with make_http(cfg) as http:
@@ -149,23 +149,21 @@ def _f(x, fmt="{:.0f}", none="-"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__, "agent_cache", seed=0)
     p.add_argument("--num-sessions", type=int, default=3)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--system-prompt-tokens", type=int, default=200)
     p.add_argument("--tool-result-tokens", default="uniform:32,96")
     p.add_argument("--think-time", default="0.2")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=16384)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=240.0)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "agent_cache.json"))
     args = p.parse_args(argv)
 
-    from tandem.bench.loadgen.report import summarize
-    from tandem.bench.loadgen.workloads import AgentConfig, Dist, agent_workload
+    from tandem.loadtest.loadgen.report import summarize
+    from tandem.loadtest.loadgen.workloads import AgentConfig, Dist, agent_workload
 
     workload = agent_workload(AgentConfig(
         num_sessions=args.num_sessions, turns=args.turns, system_prompt_tokens=args.system_prompt_tokens,
@@ -235,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"config": {k: v for k, v in vars(args).items()}, "workload_notes": workload.notes,
            "requests_per_config": workload.num_requests, "load_average_before": load_before,
            "load_average_after": load_after, "server_logs": str(logdir), "results": results, "comparisons": comp}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str))
+    out = write_report(args.out, doc, default=str)
 
     # ---------------------------------------------------------------- tables
     print(f"\nagent workload ({workload.notes}; {workload.num_requests} requests, max_tokens {args.max_tokens}), "

@@ -19,15 +19,14 @@ tests/cluster/test_autoscale.py (which asserts; this measures).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+from tandem.bench.common import bench_parser, write_report
 from tandem.bench.raynodes import RayNodes, start_router
 
 PROMPT_TOKENS = 10_000
@@ -137,15 +136,13 @@ def run_scenario(name: str, args, workdir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, "autoscale")
     ap.add_argument("--ttft-slo", type=float, default=0.8, help="TTFT target, seconds (default 0.8)")
     ap.add_argument("--base-rate", type=float, default=1.0, help="requests/s before the step (default 1)")
     ap.add_argument("--step-factor", type=float, default=4.0, help="the step's rate over the base (default 4)")
     ap.add_argument("--base-seconds", type=float, default=4.0)
     ap.add_argument("--step-seconds", type=float, default=20.0)
     ap.add_argument("--scenarios", default="fixed,planner", help="comma-separated: fixed, planner")
-    ap.add_argument("--out", default="bench/out/autoscale.json")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-autoscale-") as workdir:
@@ -161,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['scenario']} | {r['step_requests']} | {r['failed']} | {r['slo_attainment']:.0%} | "
               f"{f(r['ttft_p50_s'])} / {f(r['ttft_p90_s'])} / {f(r['ttft_p99_s'])} | "
               f"{'; '.join(f'{p}P+{d}D ({why})' for _, p, d, why in r['planner_history']) or '-'} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
-    print(f"\nwrote {args.out}")
+    print()
+    write_report(args.out, {"args": vars(args), "rows": rows})
     return 0
 
 

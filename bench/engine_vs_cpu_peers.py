@@ -36,26 +36,19 @@ Usage: python bench/engine_vs_cpu_peers.py [--threads N] [--repeats R]
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tandem.bench.common import best_of, bench_parser, timed, write_report
+
 MODES = {"float32": ("float32", "dequant"), "bfloat16": ("bfloat16", "dequant"),
          "native": ("bfloat16", "native"), "int4": ("bfloat16", "int4")}
 HF_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "native": torch.bfloat16,
             "int4": torch.bfloat16}
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 # -- machine limits ---------------------------------------------------------------------------
@@ -71,14 +64,14 @@ def matmul_peak(arch, tokens: int, dtype: torch.dtype, repeats: int) -> float:
         for (k, _), p in zip(shapes, packed):
             torch.ops.mkldnn._linear_pointwise(x[k], p, None, "none", [], "")
     run()
-    return sum(2 * tokens * k * n for k, n in shapes) / min(_timed(run) for _ in range(repeats)) / 1e9
+    return sum(2 * tokens * k * n for k, n in shapes) / best_of(run, repeats) / 1e9
 
 
 def read_gibs(nbytes: int, repeats: int) -> float:
     """Streaming read bandwidth: a sum over ``nbytes`` (reads each byte once)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     src.sum()
-    return nbytes / min(_timed(lambda: src.sum()) for _ in range(repeats)) / 2**30
+    return nbytes / best_of(lambda: src.sum(), repeats) / 2**30
 
 
 def step_weight_bytes(model) -> int:
@@ -222,7 +215,7 @@ def run_rounds(contenders: dict, fn_name: str, args_, repeats: int) -> dict[str,
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(repeats):
         for name, c in contenders.items():
-            samples[name].append(_timed(lambda: getattr(c, fn_name)(*args_)))
+            samples[name].append(timed(lambda: getattr(c, fn_name)(*args_)))
     return samples
 
 
@@ -242,9 +235,7 @@ def summarize(samples: dict[str, list[float]], work: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = bench_parser(__doc__, "engine_vs_cpu_peers", full_doc=True, threads=os.cpu_count(), repeats=5)
     ap.add_argument("--modes", default="float32,bfloat16,native")
     ap.add_argument("--cases", default="prefill,decode,batch")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
@@ -252,7 +243,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
-    ap.add_argument("--out", default="bench/out/engine_vs_cpu_peers.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
@@ -311,8 +301,7 @@ def main() -> None:
         print(f"{case}: " + "  ".join(f"{k} {v:.1f}" for k, v in res[case]["tok_s"].items()) + "  tok/s")
         for k, v in res[case]["ratios"].items():
             print(f"    {k}: {v:.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_report(args.out, res, indent=2)
 
 
 if __name__ == "__main__":

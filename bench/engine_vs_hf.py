@@ -19,31 +19,20 @@ Usage: python bench/engine_vs_hf.py [--threads N] [--repeats R] [--out bench/out
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def best_time(fn, repeats: int) -> float:
-    return min(_timed(fn) for _ in range(repeats))
+from tandem.bench.common import best_of, bench_parser, timed, write_report
 
 
 def paired_times(fa, fb, repeats: int) -> tuple[list[float], list[float]]:
     """Alternate fa and fb ``repeats`` times each; every sample of each."""
     ta, tb = [], []
     for _ in range(repeats):
-        ta.append(_timed(fa))
-        tb.append(_timed(fb))
+        ta.append(timed(fa))
+        tb.append(timed(fb))
     return ta, tb
 
 
@@ -64,7 +53,7 @@ def matmul_peak(arch, tokens: int, repeats: int) -> dict[str, float]:
     out = {}
     for name, run in kernels.items():
         run()
-        out[name] = flops / best_time(run, repeats) / 1e9
+        out[name] = flops / best_of(run, repeats) / 1e9
     return out
 
 
@@ -72,14 +61,14 @@ def read_gibs(nbytes: int, repeats: int) -> float:
     """Streaming read bandwidth: a sum over ``nbytes`` (reads each byte once)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     src.sum()
-    return nbytes / best_time(lambda: src.sum(), repeats) / 2**30
+    return nbytes / best_of(lambda: src.sum(), repeats) / 2**30
 
 
 def memcpy_gibs(nbytes: int, repeats: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return nbytes / best_time(lambda: dst.copy_(src), repeats) / 2**30
+    return nbytes / best_of(lambda: dst.copy_(src), repeats) / 2**30
 
 
 def model_flops_per_token(arch, ctx: int) -> float:
@@ -91,13 +80,10 @@ def model_flops_per_token(arch, ctx: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = bench_parser(__doc__, "engine_vs_hf", full_doc=True, threads=os.cpu_count(), repeats=3)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--out", default="bench/out/engine_vs_hf.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -195,8 +181,7 @@ def main() -> None:
           f"   ({d['tandem_pct_of_memcpy_limit']:.0f}% of the memcpy-based limit)")
     print(f"{'decode x%d (tok/s)' % args.batch:<28}{b['tandem_tok_s']:>12.0f}{b['hf_tok_s']:>12.0f}"
           f"{b['tandem_vs_hf']:>8.2f}{'':>10}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_report(args.out, res, indent=2)
 
 
 if __name__ == "__main__":

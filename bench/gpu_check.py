@@ -45,7 +45,6 @@ random weights: the same speed figures; token agreement checked on those weights
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -245,6 +244,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tandem.bench.common import write_report
     from tandem.bench.gpu.models import resolve
 
     t0 = time.perf_counter()
@@ -273,8 +273,7 @@ def main(argv=None) -> int:
         report["traceback"] = traceback.format_exc()[-4000:]
         rc = 2
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    with open(os.path.join(out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    write_report(os.path.join(out, "gpu_check.json"), report, default=str)
     md = table(report)
     with open(os.path.join(out, "gpu_check.md"), "w") as f:
         f.write(md)

@@ -19,14 +19,14 @@ Usage: python bench/grammar.py [--threads 1] [--repeats 3] [--tokens 64] [--batc
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import torch
+
+from tandem.bench.common import bench_parser, write_report
 
 
 def schema(n_props: int) -> dict:
@@ -177,14 +177,12 @@ def n_prefill(loaded, prompt_tokens: int, threads: int) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=1)
+    p = bench_parser(__doc__, "grammar", threads=1)
     p.add_argument("--repeats", type=int, default=3, help="engine runs per mode (module costs: x100)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--skip-engine", action="store_true", help="only the grammar module's own costs")
-    p.add_argument("--out", default="bench/out/grammar.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -199,8 +197,7 @@ def main(argv=None) -> dict:
         out["decode"] = engine_overhead(loaded, [int(b) for b in args.batches.split(",")], args.tokens,
                                         args.repeats, args.threads)
         out["n"] = n_prefill(loaded, args.prompt_tokens, args.threads)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_report(args.out, out, indent=2)
     return out
 
 

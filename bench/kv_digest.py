@@ -14,12 +14,10 @@ Usage: python bench/kv_digest.py [--sizes 256,1024,2048] [--repeats 5] [--thread
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import statistics
 import time
-from pathlib import Path
+
+from tandem.bench.common import bench_parser, medians, write_report
 
 
 async def _run(sizes: list[int], repeats: int, threads: int) -> list[dict]:
@@ -67,7 +65,7 @@ async def _run(sizes: list[int], repeats: int, threads: int) -> list[dict]:
                 page_digest(kv, pages, 16)
                 one = time.perf_counter() - t0
                 samples.append({"bytes": t["bytes"], "transfer_s": t["transfer_s"], "digest_s": one})
-            med = {k: statistics.median(s[k] for s in samples) for k in ("bytes", "transfer_s", "digest_s")}
+            med = medians(samples, ("bytes", "transfer_s", "digest_s"))
             mb = med["bytes"] / 2**20
             rows.append({"prompt_tokens": n, "mb": mb, "transfer_ms": med["transfer_s"] * 1e3,
                          "digest_ms_per_side": med["digest_s"] * 1e3,
@@ -81,20 +79,15 @@ async def _run(sizes: list[int], repeats: int, threads: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, "kv_digest", repeats=5, threads=1)
     ap.add_argument("--sizes", default="256,1024,2048")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="bench/out/kv_digest.json")
     a = ap.parse_args(argv)
     rows = asyncio.run(_run([int(x) for x in a.sizes.split(",")], a.repeats, a.threads))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=1))
+    write_report(a.out, rows)
     print(f"{'prompt':>7} {'MB':>7} {'transfer ms':>12} {'digest ms/side':>15} {'ms per MB':>10} {'share':>7}")
     for r in rows:
         print(f"{r['prompt_tokens']:>7} {r['mb']:>7.1f} {r['transfer_ms']:>12.2f} {r['digest_ms_per_side']:>15.2f} "
               f"{r['digest_ms_per_mb']:>10.3f} {r['digest_share']:>7.1%}")
-    print(f"wrote {a.out}")
     return 0
 
 

@@ -22,7 +22,6 @@ simulated mode (values are token-position ranges). Writes bench/out/radix_vs_sgl
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
@@ -35,11 +34,10 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.workloads import MOONCAKE_SYNTHETIC
+from tandem.bench.common import bench_parser, write_report
+from tandem.workloads import MOONCAKE_SYNTHETIC
 
-ROOT = Path(__file__).resolve().parents[1]
 TRACE = MOONCAKE_SYNTHETIC
-OUT = ROOT / "bench" / "out" / "radix_vs_sglang.json"
 TOKENS_PER_HASH = 16
 CAPACITY = 160_000
 
@@ -147,11 +145,10 @@ def run_sglang(reqs, page_size, sgl):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, "radix_vs_sglang")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
-    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
     reqs = load_requests(args.limit)
@@ -191,9 +188,7 @@ def main(argv=None) -> dict:
         print(f"     hit-rate gap {row['hit_rate_diff_points']:.3f} points; Tandem/SGLang time: "
               f"median {row['median_ratio']:.3f}, total {row['total_ratio']:.3f}")
         results["runs"].append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, results, indent=2)
     return results
 
 

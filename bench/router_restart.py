@@ -20,15 +20,13 @@ same scenario (it shares this module's config and helpers).
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
+from tandem.bench.common import bench_parser, medians, write_report
 from tandem.bench.raynodes import RayNodes, start_router
 
 TRANSFER_TIMEOUT_S = 8.0
@@ -105,9 +103,8 @@ def _round(c: RayNodes, cfg: dict, work: str, router, i: int) -> tuple[dict, obj
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, "router_restart")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="bench/out/router_restart.json")
     args = ap.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), **UCX_ENV}
@@ -128,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for r in routers:
                 r.kill()
-    med = {k: statistics.median(r[k] for r in rows) for k in
-           ("restart_s", "cached_ratio_no_restart", "cached_ratio_after_restart")}
+    med = medians(rows, ("restart_s", "cached_ratio_no_restart", "cached_ratio_after_restart"))
     print(f"\nrounds {len(rows)}, medians:\n")
     print("| | value |\n|---|---|")
     each = ", ".join(f"{r['restart_s']:.1f}" for r in rows)
@@ -138,10 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| the same, no restart | {med['cached_ratio_no_restart']:.2f} |")
     print(f"| next turn on the same decode worker | {sum(r['same_worker'] for r in rows)}/{len(rows)} |")
     print(f"| workers relaunched | {max(r['worker_restarts'] for r in rows)} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rounds": rows, "medians": med}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    print()
+    write_report(args.out, {"rounds": rows, "medians": med})
     return 0
 
 

@@ -22,7 +22,6 @@ latency part does (it reports wall-clock and thread-CPU percentiles).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -30,18 +29,18 @@ import random
 import time
 from pathlib import Path
 
-from tandem.bench.sim.simulate import DEFAULT_TRACE, load_trace, simulate
+from tandem.bench.common import bench_parser, write_report
 from tandem.router.policies import POLICIES, PolicyConfig, RouterState, choose
 from tandem.router.prefix_index import KVEvent, block_hashes
 from tandem.router.view import ClusterView, RouteRequest, WorkerView, DECODE, PREFILL
 from tandem.sim.cost_model import DEFAULT_PROFILE, get_profile
+from tandem.sim.replay.simulate import DEFAULT_TRACE, load_trace, simulate
 
-OUT = Path(__file__).resolve().parent / "out" / "routing.json"
 CAPACITY = 3_000_000
 BLOCK = 512
 MOONCAKE = {"per_node_hit_rate": 0.27, "global_hit_rate": 0.63, "nodes": 10,
             "capacity_tokens_per_node": 3_000_000,
-            "source": "Mooncake, USENIX FAST'25 (see bench/workloads/README.md)"}
+            "source": "Mooncake, USENIX FAST'25 (see workloads/README.md)"}
 
 
 # -- the grid ------------------------------------------------------------------------------------
@@ -241,14 +240,13 @@ def decision_latency(n_sessions: int = 10_000, n_decisions: int = 20_000, prefil
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, "routing")
     ap.add_argument("--grid", action="store_true")
     ap.add_argument("--mooncake-compare", action="store_true")
     ap.add_argument("--latency", action="store_true")
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--profile", default=DEFAULT_PROFILE)
     ap.add_argument("--sessions", type=int, default=10_000)
-    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     everything = not (args.grid or args.mooncake_compare or args.latency)
     get_profile(args.profile)
@@ -264,9 +262,8 @@ def main(argv=None) -> int:
     if everything or args.latency:
         gc.collect()
         result["decision_latency"] = decision_latency(args.sessions)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out_path}")
+    print()
+    write_report(out_path, result)
     return 0
 
 

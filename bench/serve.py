@@ -20,15 +20,13 @@ Prints a table and writes JSON to ``--out`` (default bench/out/serve.json).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import random
-import statistics
 import time
 import uuid
-from pathlib import Path
+
+from tandem.bench.common import bench_parser, medians, write_report
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
@@ -80,9 +78,8 @@ async def ttft_breakdown(disagg, colocated, args, vocab: int) -> dict:
                      "driver_s": r["ttft_s"] - t["reserve_s"] - t["receive_s"] - t["activate_s"],
                      "first_decode_step_s": r["second_token_s"], "bytes": t["bytes"]})
         coloc.append({"ttft_s": c["ttft_s"], "first_decode_step_s": c["second_token_s"]})
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    return {"prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "disaggregated": med,
-            "colocated": {k: statistics.median(r[k] for r in coloc) for k in coloc[0]}, "runs": rows}
+    return {"prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "disaggregated": medians(rows),
+            "colocated": medians(coloc), "runs": rows}
 
 
 async def throughput(backend, args, vocab: int, tag: str) -> dict:
@@ -131,17 +128,14 @@ def _table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, "serve", repeats=3, seed=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tp-prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-total-tokens", type=int, default=16384)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "serve.json"))
     args = ap.parse_args(argv)
 
     import ray
@@ -180,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     result["config"] = {**vars(args), "cpu_cores": cores, "device": "cpu", "dtype": "float32",
                         "actors": "1 prefill + 1 decode, each cores/2 CPUs", "colocated_threads": cores}
     print(_table(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
+    print()
+    write_report(args.out, result, indent=2)
     return 0
 
 

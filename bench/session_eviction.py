@@ -1,7 +1,7 @@
 """Session-aware vs LRU eviction on multi-turn sessions with a cache too small for everything.
 
 Conversations are shaped like vLLM's multi-turn generator config
-(bench/workloads/vllm_generate_multi_turn.json): a 500-token prefix common to all, a
+(workloads/vllm_generate_multi_turn.json): a 500-token prefix common to all, a
 per-conversation prefix (lognormal, mean 1,000, max 5,000 tokens), 12-18 turns of 120-160 new
 input tokens and 80-120 output tokens; between turns the user thinks for 20-90 s (an agent
 waiting on a tool, a person reading). Simulated clock, simulated cache, page size 16.
@@ -24,18 +24,14 @@ Writes bench/out/session_eviction.json.
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import math
 import random
 import statistics
-from pathlib import Path
 
+from tandem.bench.common import bench_parser, write_report
 from tandem.cache.unified import UnifiedRadixCache
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "out" / "session_eviction.json"
 SCENARIOS = {
     "background": {"conversations": 24, "start_window_s": 60, "background_rps": 2.0, "capacity": 64_000},
     "sessions_only": {"conversations": 64, "start_window_s": 900, "background_rps": 0.0, "capacity": 40_000},
@@ -112,10 +108,9 @@ def replay(workload, policy: str, capacity: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, "session_eviction")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--policies", nargs="+", default=["lru", "session", "session+end", "lfu", "slru"])
-    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     result = {"page_size": PAGE, "session_ttl_s": TTL, "seeds": args.seeds, "scenarios": {}}
     for name, sc in SCENARIOS.items():
@@ -137,9 +132,7 @@ def main(argv=None) -> dict:
                     - summary["lru"]["mean"]["session_after_first"])
             print(f"session-aware vs LRU, hit rate on turns 2+: {100 * gain:+.1f} points")
         result["scenarios"][name] = {"config": sc, "policies": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, result, indent=2)
     return result
 
 

@@ -27,21 +27,20 @@ progress thread costs throughput; UCX_TLS with or without sm is the same. See tr
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
+
+from tandem.bench.common import bench_parser, default_out, write_report
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS = 30, 3, 64, 2048
 NUM_SLOTS = 2 * TOKENS                                  # pool twice the transfer, so pages can scatter
 ROWS = NUM_SLOTS + 16                                   # kv_pool.py: num_slots + page_size (16 | 4112)
 ROW_BYTES = KV_HEADS * HEAD_DIM * 4
 NBYTES = TOKENS * ROW_BYTES * LAYERS * 2
-OUT = Path(__file__).resolve().parent / "out" / "transfer.json"
+OUT = default_out("transfer")                           # no --out flag: always bench/out/transfer.json
 
 # (name, UCX_TLS, UCX backend workers, progress thread, its idle delay in us); "all" = UCX's default
 TLS = "tcp,sm,cma,self"
@@ -233,8 +232,7 @@ def run_session(sess: tuple, repeats: int, quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap = bench_parser(__doc__, repeats=7)
     ap.add_argument("--quick", action="store_true", help="first session, two plans")
     ap.add_argument("--sessions", default="", help="comma-separated session indices (default all)")
     args = ap.parse_args()
@@ -288,14 +286,12 @@ def _report(rows: list[dict], args) -> None:
     for k, b in best.items():
         print(f"  {k:16} {b['session']:30} {b['mode']:7} parts={b['parts']}  {b['gbps']:.2f} GB/s "
               f"vs memcpy {b['memcpy_gbps']:.2f}: {b['ratio']:.0%}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(dict(
+    print()
+    write_report(OUT, dict(
         bytes_per_transfer=NBYTES, tokens=TOKENS, layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
         dtype="float32", pool_rows=ROWS, repeats=args.repeats, cpus=os.cpu_count(),
         load_avg=os.getloadavg(), machine=platform.platform(), gb="1e9 bytes", results=rows,
-        ratio_by_session=summary, fastest=best),
-        indent=1))
-    print(f"\nwrote {OUT}")
+        ratio_by_session=summary, fastest=best))
 
 
 if __name__ == "__main__":

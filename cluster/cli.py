@@ -1,6 +1,7 @@
 """The cluster's side of the ``tandem`` command line: ``generate`` and ``serve``, the parser frame
-and its error handling. The ``tandem`` entry point is tandem/cli.py, which adds bench's commands
-(``bench``, ``simulate``) through ``build_parser(commands)``: cluster/ never imports bench/.
+and its error handling. The ``tandem`` entry point is tandem/cli.py, which adds the other commands
+(``bench``, ``chaos``: loadtest/; ``simulate``: sim/replay/) through ``build_parser(commands)``:
+cluster/ never imports them.
 
     tandem generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model M] [--json]
     tandem serve [--config FILE] [flags]          (OpenAI-compatible HTTP server)
@@ -52,7 +53,7 @@ def register(subparsers) -> None:
 
 def build_parser(commands: Sequence[Callable] = ()) -> argparse.ArgumentParser:
     """The ``tandem`` parser: ``generate`` and ``serve``, then each ``register(subparsers)`` in
-    ``commands`` (tandem/cli.py passes bench's)."""
+    ``commands`` (tandem/cli.py passes bench, simulate and chaos)."""
     p = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving.")
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -10,7 +10,7 @@ tokenization and the HTTP API (router/http.py), and the same :class:`Dispatcher`
 router/deferred.py, then 429 with Retry-After), the policy ``cfg.policy`` with its session table
 and prefix indexes, the load records and the front door's metrics. Before each decision every
 worker's snapshot is refreshed (the prefill workers report their own ``pending_s``). No Ray, no
-model weights: only the tokenizer. Per request (times in simulated seconds, as bench/sim/simulate.py has them):
+model weights: only the tokenizer. Per request (times in simulated seconds, as sim/replay/simulate.py has them):
 
     route (policy over the workers' views) -> prefill worker queue (FCFS) -> prefill of the
     uncached tokens (cache match + lock at start, insert at end) -> KV room reserved on the decode

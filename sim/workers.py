@@ -1,6 +1,6 @@
 """Simulated prefill and decode workers. Time is passed in; nothing here sleeps or schedules.
 Driven in real time by sim/backend.py (``tandem serve --engine sim``) and by discrete events in
-bench/sim/simulate.py (``tandem simulate``).
+sim/replay/simulate.py (``tandem simulate``).
 
 A prefill worker runs one request at a time, first come first served (prefill is compute-bound,
 so batching requests together would not change their summed time in this model). Its prefix
@@ -14,7 +14,7 @@ cost profile (batch size, total context). KV room is reserved before a transfer 
 SGLang's decode pre-allocation does); a request that does not fit waits.
 
 Key mapping: a request's ``key`` holds one int per cache page and ``unit`` tokens per page
-(see bench/sim/simulate.py ``trace_key``); the cache runs with ``page_size = 1`` over those ints,
+(see sim/replay/simulate.py ``trace_key``); the cache runs with ``page_size = 1`` over those ints,
 and its capacity is ``capacity_tokens // unit`` pages.
 
 Each worker describes itself two ways: ``view(now)`` (a router WorkerView, for a simulation that

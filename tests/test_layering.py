@@ -1,11 +1,14 @@
 """The dependency directions of README.md's layout, checked by walking every import statement.
 
 cluster -> {router, prefill, decode, sim} -> engine -> {cache, transfer} -> core; sim ->
-{router, cache} (the simulated engine serves through the router's dispatcher). Prefill and decode
-never import each other; cache and transfer never import each other; nothing of the product
-imports bench/ (bench drives the product: it may import every room); only tandem/cli.py, the
-command line's composition root, sits above both cluster/ and bench/, and nothing imports it. Only
-the actor shells, cluster/ and bench's cluster benchmarks import Ray; only transfer/ imports
+{router, cache} (the simulated engine serves through the router's dispatcher); loadtest ->
+{engine, router} (it drives a server over HTTP; its oracle runs a fresh engine behind the real
+front door); workloads (the vendored traces: paths only) imports nothing, and sim and loadtest
+read their default traces from it. Prefill and decode never import each other; cache and
+transfer never import each other; nothing of the product imports bench/ (bench drives the
+product: it may import every room); only tandem/cli.py, the command line's composition root,
+sits above cluster/ and the commands beside it (loadtest/, sim/replay/), and nothing imports it.
+Only the actor shells, cluster/ and bench's cluster benchmarks import Ray; only transfer/ imports
 NIXL; core/ imports no torch. Inside the packages, no two modules import each other, directly
 or round a circle (function-level imports count too); KNOWN_CYCLES names the ones with an owner.
 """
@@ -26,8 +29,10 @@ PRODUCT = {
     "router": {"core"},
     "prefill": {"core", "cache", "transfer", "engine"},
     "decode": {"core", "cache", "transfer", "engine"},
-    "sim": {"core", "cache", "router"},
+    "sim": {"core", "cache", "router", "workloads"},
     "cluster": {"core", "cache", "transfer", "engine", "router", "prefill", "decode", "sim"},
+    "workloads": set(),
+    "loadtest": {"core", "engine", "router", "workloads"},
 }
 ALLOWED = {**PRODUCT, "bench": set(PRODUCT)}
 # Circles that exist and have an owner; the cycle test fails on any other (none today).

@@ -118,9 +118,9 @@ def test_retraction_restores_from_the_default_host_pool(ray_local, smollm2_defau
 
 def test_retraction_recomputes_without_a_host_pool_and_a_chaos_run_loses_nothing(ray_local, smollm2_default,
                                                                                 uncontended):
-    from tandem.bench.chaos.cli import options, run_chaos, verdict
-    from tandem.bench.chaos.oracle import Oracle
-    from tandem.bench.chaos.plan import make_plan
+    from tandem.loadtest.chaos.cli import options, run_chaos, verdict
+    from tandem.loadtest.chaos.oracle import Oracle
+    from tandem.loadtest.chaos.plan import make_plan
 
     backend, server = _cluster(_cfg(0, retract_every=5), smollm2_default)
     oracle = Oracle("smollm2", "auto", threads=1, loaded=smollm2_default)

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tandem.bench.loadgen.cli import register
+from tandem.loadtest.loadgen.cli import register
 
 STARTUP_TIMEOUT_S = 240
 NO_CACHE_REASON = ("the server reports cached_tokens = 0 for every request: prefix-cache hits are not "

@@ -9,8 +9,8 @@ import time
 
 import httpx
 
-from tandem.bench.loadgen.client import ClientConfig, StreamClient, run_sessions, run_timed
-from tandem.bench.loadgen.workloads import AgentConfig, Dist, TimedRequest, agent_workload
+from tandem.loadtest.loadgen.client import ClientConfig, StreamClient, run_sessions, run_timed
+from tandem.loadtest.loadgen.workloads import AgentConfig, Dist, TimedRequest, agent_workload
 
 
 def _sse(*events) -> bytes:

@@ -28,7 +28,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "(real radix cache, simulated) -> KV transfer -> decode worker.")
     p.add_argument("--trace", default=None,
                    help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids "
-                        "per 512-token block); default: the vendored bench/workloads/mooncake_synthetic_trace.jsonl")
+                        "per 512-token block); default: the vendored workloads/mooncake_synthetic_trace.jsonl")
     p.add_argument("--prefill", type=int, default=8, help="prefill workers (default 8)")
     p.add_argument("--decode", type=int, default=8, help="decode workers (default 8)")
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
@@ -60,7 +60,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tandem.bench.sim.simulate import DEFAULT_TRACE, load_trace, simulate
+    from tandem.sim.replay.simulate import DEFAULT_TRACE, load_trace, simulate
 
     path = args.trace or str(DEFAULT_TRACE)
     if not os.path.isfile(path):
@@ -89,7 +89,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m tandem.bench.sim.cli``); ``tandem simulate`` is tandem/cli.py's."""
+    """Standalone entry (``python -m tandem.sim.replay.cli``); ``tandem simulate`` is tandem/cli.py's."""
     parser = argparse.ArgumentParser(prog="tandem")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

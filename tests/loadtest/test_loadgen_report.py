@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tandem.bench.loadgen import plots
-from tandem.bench.loadgen.report import (Record, format_table, hit_ratio_by_turn, parse_metrics, percentile,
-                                         summarize, worker_hit_ratios, write_json)
+from tandem.loadtest.loadgen import plots
+from tandem.loadtest.loadgen.report import (Record, format_table, hit_ratio_by_turn, parse_metrics, percentile,
+                                            summarize, worker_hit_ratios, write_json)
 
 
 def test_percentile_hand_computed():

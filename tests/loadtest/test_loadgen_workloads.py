@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.bench.loadgen.workloads import (TOOLS, VLLM_MULTITURN_FILE, WORDS, AgentConfig,
-                                            Dist, agent_workload, load_vllm_config, vllm_multiturn_workload,
-                                            words)
+from tandem.loadtest.loadgen.workloads import (TOOLS, VLLM_MULTITURN_FILE, WORDS, AgentConfig,
+                                               Dist, agent_workload, load_vllm_config, vllm_multiturn_workload,
+                                               words)
 
 SMALL = AgentConfig(num_sessions=3, turns=4, system_prompt_tokens=50, task_tokens=10,
                     tool_result_tokens=Dist.parse("uniform:5,9"), think_time_s=Dist.parse("0.25"),

@@ -7,10 +7,10 @@ Against a running ``tandem serve`` (start it with the levers you want to exercis
 ``--debug-retract-every N`` forces retraction, ``--host-pool-tokens 0 | small | large`` picks
 recompute, mixed or backup-only, ``--debug-endpoints`` allows ``--kill``):
 
-1. seeded random multi-turn sessions with shared system prompts (bench/chaos/plan.py), streamed,
-   greedy, some clients hanging up mid-stream or before the first token (bench/chaos/client.py);
+1. seeded random multi-turn sessions with shared system prompts (loadtest/chaos/plan.py), streamed,
+   greedy, some clients hanging up mid-stream or before the first token (loadtest/chaos/client.py);
    ``--kill ROLE@SECONDS`` kills a live worker of that role then (POST /debug/kill);
-2. the oracle (bench/chaos/oracle.py): every completed request's text must equal the text the
+2. the oracle (loadtest/chaos/oracle.py): every completed request's text must equal the text the
    same request gets alone on a fresh engine of ``--oracle-model`` / ``--oracle-dtype``;
 3. once idle (``--settle-s``), every worker's KV (GET /debug/kv): nothing running, waiting,
    retracted or held, no locked or request-owned tokens, no leaked token (allocated but owned by
@@ -117,12 +117,12 @@ def options(url: str, **kw) -> argparse.Namespace:
 
 async def run_chaos(args, oracle=None) -> dict:
     """The run (see the module docstring) -> the report dict. ``oracle``: an
-    :class:`~tandem.bench.chaos.oracle.Oracle` to use (else one is made from the flags)."""
+    :class:`~tandem.loadtest.chaos.oracle.Oracle` to use (else one is made from the flags)."""
     import httpx
 
-    from tandem.bench.chaos.client import RunConfig, run_plan
-    from tandem.bench.chaos.oracle import Oracle
-    from tandem.bench.chaos.plan import make_plan
+    from tandem.loadtest.chaos.client import RunConfig, run_plan
+    from tandem.loadtest.chaos.oracle import Oracle
+    from tandem.loadtest.chaos.plan import make_plan
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=60) as http:

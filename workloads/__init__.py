@@ -2,7 +2,7 @@
 
 Every default and test that replays a public trace reads it from here, so a clone of the
 repository needs nothing beside it. ``FILES`` maps each file to the md5 of the upstream copy;
-``tests/bench/test_vendored_workloads.py`` checks them.
+``tests/workloads/test_vendored_workloads.py`` checks them.
 """
 
 from __future__ import annotations

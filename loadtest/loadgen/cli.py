@@ -4,7 +4,7 @@
 
 Prints a short table to stdout (progress goes to stderr) and writes ``DIR/report.json`` and four
 PNGs (see plots.py and docs/BENCH.md). tandem/cli.py adds the subcommand with :func:`register`;
-``python -m tandem.bench.loadgen.cli`` runs it standalone.
+``python -m tandem.loadtest.loadgen.cli`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="multiply vllm-multiturn and Azure token counts by this (e.g. 0.1 on a CPU)")
     w.add_argument("--workload-config", default=None,
                    help="vLLM generate_conversations JSON (default: the vendored "
-                        "bench/workloads/vllm_generate_multi_turn.json)")
+                        "workloads/vllm_generate_multi_turn.json)")
     w.add_argument("--speedup", type=float, default=1.0, help="trace replay: divide arrival times by this")
     w.add_argument("--block-size", type=int, default=16,
                    help="Mooncake replay: tokens per hash id (the trace's 512-token blocks; default 16)")
@@ -72,9 +72,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def build_workload(args):
-    from tandem.bench.loadgen.traces import load_trace
-    from tandem.bench.loadgen.workloads import (AgentConfig, Dist, agent_workload, load_vllm_config,
-                                                vllm_multiturn_workload)
+    from tandem.loadtest.loadgen.traces import load_trace
+    from tandem.loadtest.loadgen.workloads import (AgentConfig, Dist, agent_workload, load_vllm_config,
+                                                   vllm_multiturn_workload)
 
     think = Dist.parse(args.think_time) if args.think_time is not None else None
     if args.workload == "agent":
@@ -100,9 +100,9 @@ def build_workload(args):
 async def _bench(args, workload) -> tuple[list, dict, str]:
     import httpx
 
-    from tandem.bench.loadgen.client import (ClientConfig, StreamClient, fetch_metrics, make_http,
-                                             resolve_model, run_sessions, run_timed)
-    from tandem.bench.loadgen.report import parse_metrics, worker_hit_ratios
+    from tandem.loadtest.loadgen.client import (ClientConfig, StreamClient, fetch_metrics, make_http,
+                                                resolve_model, run_sessions, run_timed)
+    from tandem.loadtest.loadgen.report import parse_metrics, worker_hit_ratios
 
     cfg = ClientConfig(url=args.url, model=args.model, api_key=args.api_key, temperature=args.temperature,
                        seed=args.seed if args.temperature > 0 else None, timeout_s=args.timeout,
@@ -128,8 +128,8 @@ async def _bench(args, workload) -> tuple[list, dict, str]:
 
 def run(args) -> int:
     """Run the benchmark in ``args``; 0 when at least one request succeeded, else 1."""
-    from tandem.bench.loadgen import plots
-    from tandem.bench.loadgen.report import format_table, summarize, write_json
+    from tandem.loadtest.loadgen import plots
+    from tandem.loadtest.loadgen.report import format_table, summarize, write_json
 
     for name in ("concurrency", "max_requests", "num_sessions", "turns", "max_tokens"):
         v = getattr(args, name)

@@ -7,9 +7,9 @@ import hashlib
 
 import pytest
 
-from tandem.bench import workloads
+from tandem import workloads
 
-ROOT = workloads.DIR.parents[1]
+ROOT = workloads.DIR.parent          # the repository root
 
 
 @pytest.mark.parametrize("name", sorted(workloads.FILES))
@@ -27,8 +27,8 @@ def test_readme_names_every_file_with_its_md5_and_license():
 
 
 def test_defaults_point_into_the_repository():
-    from tandem.bench.loadgen.workloads import VLLM_MULTITURN_FILE
-    from tandem.bench.sim.simulate import DEFAULT_TRACE
+    from tandem.loadtest.loadgen.workloads import VLLM_MULTITURN_FILE
+    from tandem.sim.replay.simulate import DEFAULT_TRACE
 
     for path in (DEFAULT_TRACE, VLLM_MULTITURN_FILE):
         assert path.is_file() and ROOT in path.parents

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.loadgen.traces import (TOKEN_ID_HI, TOKEN_ID_LO, hash_block, load_azure, load_mooncake,
-                                         load_trace, mooncake_prompt)
-from tandem.bench.workloads import AZURE_CONV_2023, MOONCAKE_SYNTHETIC
+from tandem.loadtest.loadgen.traces import (TOKEN_ID_HI, TOKEN_ID_LO, hash_block, load_azure, load_mooncake,
+                                            load_trace, mooncake_prompt)
+from tandem.workloads import AZURE_CONV_2023, MOONCAKE_SYNTHETIC
 
 
 def _mooncake(tmp_path, rows) -> Path:

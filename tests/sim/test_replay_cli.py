@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tandem.bench.sim import cli
-from tandem.bench.sim.simulate import DEFAULT_TRACE
+from tandem.sim.replay import cli
+from tandem.sim.replay.simulate import DEFAULT_TRACE
 
 
 def test_simulate_several_routers_with_and_without_kv_events(capsys):

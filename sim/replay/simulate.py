@@ -32,15 +32,15 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.bench.workloads import MOONCAKE_SYNTHETIC
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.router.policies import POLICIES, PolicyConfig, RouterState, choose
 from tandem.router.view import ClusterView, RouteRequest
 from tandem.sim.cost_model import DEFAULT_PROFILE, get_profile
 from tandem.sim.workers import DecodeWorker, EventSink, PrefillWorker, SimRequest
+from tandem.workloads import MOONCAKE_SYNTHETIC
 
 TRACE_BLOCK = 512          # tokens per hash id in the Mooncake traces
-DEFAULT_TRACE = MOONCAKE_SYNTHETIC   # vendored: bench/workloads/README.md
+DEFAULT_TRACE = MOONCAKE_SYNTHETIC   # vendored: workloads/README.md
 
 _ARRIVE, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_STEP = range(4)
 

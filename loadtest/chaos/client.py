@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.bench.chaos.plan import SessionPlan, Turn
+from tandem.loadtest.chaos.plan import SessionPlan, Turn
 
 
 @dataclass

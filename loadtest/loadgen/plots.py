@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tandem.bench.loadgen.report import Record, hit_ratio_by_turn, percentile
+from tandem.loadtest.loadgen.report import Record, hit_ratio_by_turn, percentile
 
 FIGSIZE, DPI = (7.0, 4.2), 110
 

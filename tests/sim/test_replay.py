@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.sim.simulate import DEFAULT_TRACE, TraceRecord, load_trace, simulate, trace_key
 from tandem.router.policies import POLICIES
 from tandem.sim.cost_model import LLAMA3_8B_H100, PROFILES, get_profile
+from tandem.sim.replay.simulate import DEFAULT_TRACE, TraceRecord, load_trace, simulate, trace_key
 
 
 @pytest.fixture(scope="module")

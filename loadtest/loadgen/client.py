@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from tandem.bench.loadgen.report import Record
-from tandem.bench.loadgen.workloads import Session, TimedRequest
+from tandem.loadtest.loadgen.report import Record
+from tandem.loadtest.loadgen.workloads import Session, TimedRequest
 
 
 @dataclass(frozen=True)

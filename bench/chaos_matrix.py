@@ -11,23 +11,23 @@ fp32, page size 16, a 1024-token decode pool, forced retraction every 11 decode 
   (its in-flight requests fail with a stated reason, later ones are served by the other and by
   its replacement).
 
-One :class:`~tandem.bench.chaos.oracle.Oracle` (a fresh engine, requests alone) checks every
+One :class:`~tandem.loadtest.chaos.oracle.Oracle` (a fresh engine, requests alone) checks every
 completed text of every configuration. Writes ``bench/out/chaos_matrix.json``; exit status 1 if
 any configuration fails its verdict (mismatch, leak, invariant, unexplained failure).
 
-Usage: python -m tandem.bench.chaos.matrix [--sessions 25] [--turns 4] [--seed 0] [--out bench/out]
+Usage: python -m tandem.bench.chaos_matrix [--sessions 25] [--turns 4] [--seed 0] [--out bench/out]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tandem.bench.common import bench_parser, write_report
 
 CONFIGS = {
     "recompute": ["--host-pool-tokens", "0"],
@@ -80,15 +80,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def main(argv=None) -> int:
-    from tandem.bench.chaos.cli import format_table, options, run_chaos, verdict
-    from tandem.bench.chaos.oracle import Oracle
+    from tandem.loadtest.chaos.cli import format_table, options, run_chaos, verdict
+    from tandem.loadtest.chaos.oracle import Oracle
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, seed=0)
     ap.add_argument("--sessions", type=int, default=25)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
-    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--out", default="bench/out", help="folder of chaos_matrix.json and the servers' logs")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,16 +111,15 @@ def main(argv=None) -> int:
             bad += [f"{name}: {w}" for w in why]
     finally:
         oracle.close()
-    (out / "chaos_matrix.json").write_text(json.dumps(
-        {k: {kk: vv for kk, vv in v.items() if kk not in ("outcomes", "workers")} for k, v in reps.items()},
-        indent=1))
+    kept = {k: {kk: vv for kk, vv in v.items() if kk not in ("outcomes", "workers")} for k, v in reps.items()}
+    report = write_report(out / "chaos_matrix.json", kept)
     print(f"\n{'config':<10} {'req':>4} {'done':>5} {'abrt':>5} {'fail':>5} {'retr':>5} {'rest':>5} "
           f"{'recomp':>6} {'mism':>5} {'leak':>5} {'run s':>6}")
     for k, r in reps.items():
         print(f"{k:<10} {r['requests']:>4} {r['completed']:>5} {r['aborted_early'] + r['aborted_mid']:>5} "
               f"{r['failed']:>5} {int(r['retractions']):>5} {int(r['restores']):>5} {int(r['recomputes']):>6} "
               f"{len(r['mismatches']):>5} {r['leaked_tokens']:>5} {r['wall_s']:>6.1f}")
-    print(f"wrote {out / 'chaos_matrix.json'}" + (f"; FAILED: {'; '.join(bad)}" if bad else "; all passed"))
+    print(f"{report}: " + (f"FAILED: {'; '.join(bad)}" if bad else "all passed"))
     return 1 if bad else 0
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from tandem.bench.chaos.client import Outcome
+from tandem.loadtest.chaos.client import Outcome
 
 
 @dataclass

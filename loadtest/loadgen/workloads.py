@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.bench.workloads import VLLM_MULTI_TURN
+from tandem.workloads import VLLM_MULTI_TURN
 
 # One token each (checked against SmolLM2's tokenizer: 1,000 sampled words -> 1,000 tokens).
 WORDS: tuple[str, ...] = tuple("""
@@ -256,7 +256,7 @@ def agent_workload(cfg: AgentConfig) -> Workload:
 
 
 # ------------------------------------------------------------------------------ vLLM multi-turn
-# vLLM's benchmarks/multi_turn/generate_multi_turn.json, vendored unchanged (bench/workloads/README.md).
+# vLLM's benchmarks/multi_turn/generate_multi_turn.json, vendored unchanged (workloads/README.md).
 VLLM_MULTITURN_FILE = VLLM_MULTI_TURN
 
 

@@ -22,7 +22,7 @@ import random
 from datetime import datetime
 from pathlib import Path
 
-from tandem.bench.loadgen.workloads import TimedRequest, Workload, cap_tokens, words
+from tandem.loadtest.loadgen.workloads import TimedRequest, Workload, cap_tokens, words
 
 MOONCAKE_BLOCK_TOKENS = 512
 # Token ids are drawn from [TOKEN_ID_LO, TOKEN_ID_HI): above every special token of SmolLM2 / Llama /

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tandem.bench.loadgen.cli import build_workload, main, register, run
+from tandem.loadtest.loadgen.cli import build_workload, main, register, run
 
 
 def _args(*argv):
