@@ -44,7 +44,8 @@ class SchedReq:
     grammar state, made once that future is done (at admission; a decode worker's ``resume``).
     The matcher has accepted exactly ``req.output_ids``, so it survives retraction unchanged.
     ``group``: the OpenAI ``n`` group the request samples for (core.messages.SampleGroup).
-    ``receive``: a peer writes its prompt's KV (the role's KVConnector said so at ``add``).
+    ``receive``: a peer writes its prompt's KV (the role's KVConnector said so at ``add``),
+    until it is activated (a retracted request is then recomputed here like any other).
     """
 
     req: Req

@@ -122,6 +122,7 @@ class Scheduler:
         match event:
             case Activate(first_token=tok, logprob=lp) if r.status is ReqStatus.WAITING_FOR_KV:
                 del self.detached[r.rid]
+                sr.receive = False                   # from now on it is computed here (recompute)
                 r.status, r.first_token_time = ReqStatus.RUNNING, time.monotonic()
                 self.running[r.rid] = sr
                 self.kv.cache_prefix(sr)             # the received prompt is shareable now

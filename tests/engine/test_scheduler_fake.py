@@ -312,6 +312,40 @@ def test_decode_receive_activate_cancel_through_the_connectors():
     idle(dec)
 
 
+def _disaggregated(pre: Engine, dec: Engine, rid: str, p: list[int], n: int) -> Driver:
+    """Prefill ``p`` on ``pre``, reserve on ``dec``, copy the pages as the WRITE does, Release,
+    Activate: returns ``dec``'s driver with ``rid`` decoding."""
+    dp, dd = Driver(pre), Driver(dec)
+    dp.submit(rid, p, 1)
+    dp.run()
+    held = pre.connector.held_kv(rid, 0)
+    fut = dec.connector.expect(rid)
+    dd.submit(rid, p, n)
+    dd.step()
+    res, ps = fut.result(), pre.kv_pool.page_size
+    src = [r for pg in held.pages for r in range(pg * ps, pg * ps + ps)]
+    dst = [r for pg in res.pages for r in range(pg * ps, pg * ps + ps)]
+    dec.kv_pool.kv_data[:, :, dst] = pre.kv_pool.kv_data[:, :, src]
+    pre.send(Release(rid))
+    dp.step()
+    dec.send(Activate(rid, dp.tokens(rid)[0]))
+    return dd
+
+
+def test_a_received_request_retracted_without_a_host_pool_is_recomputed_here():
+    """Found by the retraction cluster test: once activated, a received request is an ordinary
+    one; retracted with nowhere to back it up it is recomputed here, not reserved again for a
+    transfer that will never come."""
+    pre, dec = make(connector=PrefillConnector), make(connector=DecodeConnector, retract_every=2)
+    p = prompt(6, 13)
+    dd = _disaggregated(pre, dec, "x", p, 9)
+    dd.run()
+    assert dd.tokens("x") == oracle(p, 9) and dd.final("x").error is None
+    assert dec.scheduler.stats["retraction_recomputes"] > 0
+    idle(pre)
+    idle(dec)
+
+
 def test_handoff_events_are_checked_and_late_ones_ignored():
     """An Activate for a request that is not receiving (held, or already gone) is refused with
     the states named; one for a request that ended meanwhile has nothing left to apply."""
