@@ -1,33 +1,26 @@
 """PrefillWorker: run a prompt, then WRITE its KV pages into a decode worker's reserved pages.
 
-Plain Python (no Ray; prefill/actor.py is the Ray shell). An :class:`Engine` built with the
-:class:`PrefillConnector` and reached through a :class:`PrefillHandle` (prefill/connector.py:
-finished requests' KV is held until released) and a NIXL
-agent over its KV pool (engine/role_worker.py; ``kv_data: [L, 2, rows, H_kv, D]``, region "kv").
+Plain Python (no Ray; prefill/actor.py is the Ray shell): an :class:`Engine` built with the
+:class:`PrefillConnector` (prefill/connector.py: a finished request's KV is held until released),
+reached through a :class:`PrefillHandle`, and a NIXL agent over its pools (engine/role_worker.py).
 
-One request (``prefill``), push model as in SGLang PD::
+One request (``prefill``), push model as in SGLang PD; each send is a ``Handoff`` from BOOTSTRAPPED::
 
     decode                                   prefill (this)
     reserve pages [p, n) ──KVTransferRequest──> engine: prompt, max_tokens=1  (queue + prefill)
                                                handle.held_pages(rid, p) -> src pages
-                         <══ NIXL WRITE ══════ agent.write_pages(src -> dst)
+                         <══ NIXL WRITE ══════ agent.write(src -> dst)        (TRANSFERRING)
                          <── PrefillResult ─── poll until DONE/FAILED, then release_held
 
-Positions are page-aligned identically on both sides (same page_size; ``p`` is a multiple of it),
-so source page ``i`` of the range goes to destination page ``i``. Hybrid models' requests name
-the "swa" and "state" regions too: the SWA rows of the window decode keeps past ``p`` and the
-state row at the prompt's end (prefill/connector.py), written in the same WRITE; the counts must
-match the request's or nothing is sent.
+Positions are page-aligned identically on both sides (``p`` a multiple of the page size), so source
+page ``i`` of the range goes to destination page ``i``; hybrid models' "swa" and "state" regions go
+in the same WRITE, and counts that differ from the reservation's send nothing.
 
-Contract of :meth:`PrefillWorker.prefill` (decode relies on it to free pages safely): it returns
-(or raises) only when no WRITE of this transfer can still be in flight. The one exception is a
-result with ``in_flight=True`` (a write that neither finished nor failed within
-``IN_FLIGHT_LIMIT`` transfer timeouts); decode must then never reuse those pages (the handoff
-is QUARANTINED on both sides). The source KV stays held (locked) until the write has ended; a
-quarantined write's source is released all the same (a stuck write that still reads it can only
-spoil pages decode never reuses).
+Contract of :meth:`PrefillWorker.prefill` (decode frees pages on it): it returns (or raises) only
+when no WRITE of this transfer can still be in flight, except a result with ``in_flight=True`` (a
+write neither finished nor failed within ``IN_FLIGHT_LIMIT`` transfer timeouts: QUARANTINED on both
+sides; decode never reuses those pages). The source KV stays held until the write has ended.
 """
-
 from __future__ import annotations
 
 import asyncio
