@@ -53,10 +53,31 @@ class SampleGroup:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Where a request moved from another decode worker stands: the tokens it has generated
+    (``output_ids``; the last one has no KV yet), how many characters of text its stream has
+    already sent (``streamed_chars``) and the prompt tokens its first worker served from cache
+    (``cached_tokens``, for usage). Sampling needs nothing more: seeded draws are keyed by
+    position, and a grammar's state is the constraint after ``output_ids``."""
+
+    output_ids: tuple[int, ...]
+    streamed_chars: int = 0
+    cached_tokens: int = 0
+
+    def validate(self) -> "Resume":
+        if not self.output_ids or not all(isinstance(t, int) and t >= 0 for t in self.output_ids):
+            raise InvalidRequest("Resume.output_ids must be a non-empty list of token ids")
+        if self.streamed_chars < 0 or self.cached_tokens < 0:
+            raise InvalidRequest("Resume.streamed_chars and cached_tokens must be >= 0")
+        return self
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation, already tokenized. ``rid`` is unique per request; ``session_id`` groups turns;
     ``group`` ties the n samples of one prompt (None for n = 1); ``priority`` orders requests that
-    wait in the router's deferred-dispatch queue (lower first, vLLM's convention; 0 by default)."""
+    wait in the router's deferred-dispatch queue (lower first, vLLM's convention; 0 by default);
+    ``resume``: the request continues what another decode worker generated (live migration)."""
 
     rid: str
     prompt_ids: tuple[int, ...]
@@ -64,18 +85,21 @@ class GenerateRequest:
     session_id: str | None = None
     group: SampleGroup | None = None
     priority: int = 0
+    resume: Resume | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
         d["prompt_ids"] = list(self.prompt_ids)
         d["params"]["stop"] = list(self.params.stop)
         d["params"]["stop_token_ids"] = list(self.params.stop_token_ids)
+        if self.resume is not None:
+            d["resume"]["output_ids"] = list(self.resume.output_ids)
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "GenerateRequest":
         names = {f.name for f in fields(cls)}
-        # "group" and "priority" may be absent: a message from a sender that predates them
+        # "group", "priority" and "resume" may be absent: a sender that predates them
         if not isinstance(d, dict) or not ({"rid", "prompt_ids", "params", "session_id"} <= set(d) <= names):
             raise InvalidRequest(f"GenerateRequest fields mismatch: {sorted(d) if isinstance(d, dict) else type(d)}")
         if not isinstance(d["rid"], str):
@@ -90,7 +114,8 @@ class GenerateRequest:
         if isinstance(prio, bool) or not isinstance(prio, int):
             raise InvalidRequest("GenerateRequest.priority must be an int")
         return cls(rid=d["rid"], prompt_ids=tuple(ids), params=_params_from_wire(d["params"]),
-                   session_id=sid, group=_group_from_wire(d.get("group")), priority=prio)
+                   session_id=sid, group=_group_from_wire(d.get("group")), priority=prio,
+                   resume=_resume_from_wire(d.get("resume")))
 
 
 def _params_from_wire(p: Any) -> SamplingParams:
@@ -109,6 +134,15 @@ def _params_from_wire(p: Any) -> SamplingParams:
                                  f"{sorted(cnames)}, got {c!r}"[:300])
         p["constraint"] = Constraint(**c)
     return SamplingParams(**p).validate()
+
+
+def _resume_from_wire(r: Any) -> Resume | None:
+    if r is None:
+        return None
+    names = {f.name for f in fields(Resume)}
+    if not isinstance(r, dict) or set(r) != names or not isinstance(r["output_ids"], list):
+        raise InvalidRequest(f"GenerateRequest.resume must be an object with fields {sorted(names)}")
+    return Resume(tuple(r["output_ids"]), r["streamed_chars"], r["cached_tokens"]).validate()
 
 
 def _group_from_wire(g: Any) -> SampleGroup | None:

@@ -27,13 +27,15 @@ class ReqStatus(enum.Enum):
     FINISHED_STOP = "stop"       # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"   # max_tokens or the context limit reached
     FINISHED_ABORT = "abort"     # aborted by the client or by an error
+    MIGRATED = "migrated"        # decode: moved to another decode worker, which finishes it
 
     @property
     def finished(self) -> bool:
         return self in FINISHED
 
 
-FINISHED = frozenset({ReqStatus.FINISHED_STOP, ReqStatus.FINISHED_LENGTH, ReqStatus.FINISHED_ABORT})
+FINISHED = frozenset({ReqStatus.FINISHED_STOP, ReqStatus.FINISHED_LENGTH, ReqStatus.FINISHED_ABORT,
+                      ReqStatus.MIGRATED})
 
 
 class TandemError(Exception):

@@ -10,9 +10,13 @@ how the decode worker (asyncio, another thread) reaches it:
                                 queue the request; its Reservation once reserved (None: it
                                 ended first, its final chunk says why)
     activate(rid, first_token, first_logprob)
-                                the KV landed: decode from here (chunks go to on_chunk)
+                                the KV landed: decode from here (chunks go to on_chunk); a
+                                resumed request (``greq.resume``) has no first token
     cancel(rid, why)            free the reserved pages: only once no write into them is in flight
     page_digest(regions)        digest of the received regions' pages (``--kv-digest``)
+    migrate(rid)                live migration, the source side: end rid here ("migrated", its
+                                stream's last chunk), holding its KV; then held_pages(rid, start)
+                                and release_held(rid) once it was copied to the new worker
 
 For a hybrid model the reservation also names the SWA rows of the window decode keeps past
 ``prefix_len`` (the window before it is the tree's own, locked) and the working state row (the
@@ -29,8 +33,8 @@ from typing import Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TokenLogprob
-from tandem.engine.commands import Activate
-from tandem.engine.connector import KVConnector
+from tandem.engine.commands import Activate, Migrate, Release
+from tandem.engine.connector import HeldKV, KVConnector, held_kv
 from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_digest import corrupt_page, regions_digest
 from tandem.engine.kv_regions import KV, kv_regions
@@ -87,8 +91,9 @@ class DecodeConnector(KVConnector):
             fut.set_result(Reservation(p, pages, regions))
 
     def finished(self, sr: SchedReq, reason: str) -> bool:
+        """Holds the KV of a request that migrated (until the new worker has copied it)."""
         self.forget(sr.rid)
-        return False
+        return reason == "migrated"
 
     # -- helpers (any thread: the reserved pages are the request's alone) -------------------------
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
@@ -124,7 +129,7 @@ class DecodeHandle(EngineHandle):
             raise
         return fut
 
-    def activate(self, rid: str, first_token: int, first_logprob: TokenLogprob | None = None) -> None:
+    def activate(self, rid: str, first_token: int | None, first_logprob: TokenLogprob | None = None) -> None:
         """Start decoding ``rid`` from prefill's first token (and its logprob when asked). A
         constrained request's grammar continues from it."""
         self.check_alive()
@@ -142,6 +147,22 @@ class DecodeHandle(EngineHandle):
         alone and no write into them is in flight once its PrefillResult arrived."""
         self.check_alive()
         return await asyncio.to_thread(self.connector.digest, regions)
+
+    async def migrate(self, rid: str) -> None:
+        """End decoding ``rid`` here with "migrated", its KV held; ValueError (nothing changed)
+        when it is not decoding here."""
+        self.check_alive()
+        cmd = Migrate(rid)
+        self.engine.send(cmd)
+        await asyncio.wait_for(asyncio.wrap_future(cmd.future), self.timeout_s)
+
+    async def held_pages(self, rid: str, start: int) -> HeldKV:
+        """A migrated request's KV from ``start`` (KeyError when it holds none here)."""
+        return await self._read(held_kv, self.engine, rid, start)
+
+    def release_held(self, rid: str) -> None:
+        """Queued: a migrated request's held KV goes to this worker's cache."""
+        self.engine.send(Release(rid))
 
     async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
         """Test lever (``debug_corrupt_kv``): flip bytes of the first received page."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tandem.core.messages import SampleGroup
+from tandem.core.messages import Resume, SampleGroup
 from tandem.core.types import InvalidRequest, Req
 from tandem.engine.connector import KVConnector
 from tandem.engine.output import OutputTracker
@@ -38,7 +38,7 @@ class Admission:
 
     def validate(self, req: Req) -> None:
         req.params.validate()
-        n, pool = len(req.prompt_ids), self.kv.alloc.size
+        n, pool = req.seq_len, self.kv.alloc.size
         if n == 0:
             raise InvalidRequest("the prompt is empty")
         if n >= self.max_context:
@@ -48,7 +48,9 @@ class Admission:
         if n + 1 > pool:
             raise InvalidRequest(f"the prompt has {n} tokens but the KV pool holds {pool} tokens")
 
-    def track(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
+    def track(self, req: Req, group: SampleGroup | None = None, resume: Resume | None = None) -> SchedReq:
+        """``resume``: ``req.output_ids`` were generated elsewhere; its stream has sent
+        ``streamed_chars`` of their text and its prompt's usage is counted (not again here)."""
         self.validate(req)
         c = req.params.constraint
         if c is not None and self.grammar is None:
@@ -57,6 +59,8 @@ class Admission:
             self.session_seen[req.session_id] = time.monotonic()
         sr = SchedReq(req, OutputTracker(req, self.tok, self.max_context), group=group)
         sr.receive = self.connector.receives(sr)
+        if resume is not None:
+            sr.tracker.sent, req.cached_len, req.admissions = resume.streamed_chars, resume.cached_tokens, 1
         if c is not None:
             sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
         self.groups.add(sr, self.kv.holders)
@@ -74,7 +78,12 @@ class Admission:
             return True
         if not sr.grammar.done():
             return False
-        sr.matcher = sr.grammar.result().matcher()   # raises InvalidRequest for a failed compile
+        m = sr.grammar.result().matcher()   # raises InvalidRequest for a failed compile
+        for i, t in enumerate(sr.req.output_ids):   # resumed: the state after what it generated
+            if not m.accept(t):
+                raise InvalidRequest(f"token {t} at output position {i} is not allowed by the "
+                                     f"{m.constraint.kind} constraint: {m.error or 'rejected'}")
+        sr.matcher = m
         return True
 
     def fork_prompt(self, sr: SchedReq) -> None:

@@ -7,7 +7,10 @@ ids of held KV) and never emits chunks.
 
     Submit(req, group, on_chunk)       queue a request; on_chunk gets every chunk (engine thread)
     Abort(rid, error)                  finish rid with "abort" wherever it waits, runs or receives
-    Activate(rid, first_token, ...)    decode: rid's prompt KV arrived with its first token
+    Activate(rid, first_token, ...)    decode: rid's KV arrived (with prefill's first token, or
+                                       none for a request resumed from another decode worker)
+    Migrate(rid, future)               decode: end rid here with "migrated"; its KV is held until
+                                       a Release (the new worker copies it first)
     Release(rid)                       prefill: rid's held KV was sent (or will never be): let it go
     Evict(tokens, future)              future <- device tokens evicted from unlocked cache
     Inspect(fn, args, future)          future <- fn(*args) on the engine thread (read-only)
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.core.messages import SampleGroup
+    from tandem.core.messages import Resume, SampleGroup
     from tandem.core.types import Req, StreamChunk, TokenLogprob
 
 
@@ -30,6 +33,7 @@ class Submit:
     req: Req
     on_chunk: Callable[[StreamChunk], None]
     group: SampleGroup | None = None
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,22 @@ class Abort:
 @dataclass(frozen=True)
 class Activate:
     """The KV of a request in WAITING_FOR_KV landed (no write into it is in flight any more);
-    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked."""
+    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked;
+    None for a resumed request (its tokens came with it)."""
 
     rid: str
-    first_token: int
+    first_token: int | None
     logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Finish decoding ``rid`` here with "migrated" (its stream's last chunk), keeping its KV for
+    the copy to the new worker. ``future``: True once done; ValueError when ``rid`` is not
+    decoding here (nothing changes then)."""
+
+    rid: str
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass(frozen=True)
@@ -70,4 +85,4 @@ class Inspect:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-Command = Submit | Abort | Activate | Release | Evict | Inspect
+Command = Submit | Abort | Activate | Migrate | Release | Evict | Inspect

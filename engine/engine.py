@@ -48,7 +48,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
 from tandem.engine.attention import make_attention_backend
-from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Release, Submit
+from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Migrate, Release, Submit
 from tandem.engine.connector import KVConnector
 from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
@@ -221,11 +221,16 @@ class Engine:
         if self._error is not None:
             raise RuntimeError(f"engine thread died: {self._error!r}")
         req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id)
+        if greq.resume is not None:   # continues another decode worker's tokens
+            req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:
             if not 0 <= t < self.arch.vocab_size:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+        for t in req.output_ids:
+            if not 0 <= t < self.arch.vocab_size:
+                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
         self.scheduler.validate(req)
-        self.send(Submit(req, on_chunk, greq.group))
+        self.send(Submit(req, on_chunk, greq.group, greq.resume))
 
     def abort(self, rid: str, error: str | None = None) -> None:
         self.send(Abort(rid, error))
@@ -358,10 +363,10 @@ class Engine:
 
     def _apply(self, cmd: Command) -> None:
         match cmd:
-            case Submit(req=req, on_chunk=cb, group=group):
+            case Submit(req=req, on_chunk=cb, group=group, resume=resume):
                 self._callbacks[req.rid] = cb
                 try:
-                    self.scheduler.add(req, group)
+                    self.scheduler.add(req, group, resume)
                 except InvalidRequest as e:
                     self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
             case Abort(rid=rid, error=error):
@@ -376,6 +381,14 @@ class Engine:
                     c = StreamChunk(cmd.rid, (), "", "abort", error=f"handoff failed: {e}")
                 if c is not None:
                     self._emit([c])
+            case Migrate(future=fut):
+                try:
+                    c = self.scheduler.handoff(cmd)
+                except ValueError as e:   # not decoding here: nothing changed
+                    fut.set_exception(e)
+                    return
+                self._emit([c])
+                fut.set_result(True)
             case Evict(tokens=n, future=fut):
                 if fut.set_running_or_notify_cancel():
                     fut.set_result(self.cache.evict(n))
@@ -445,7 +458,7 @@ class Engine:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, Inspect | Evict) and cmd.future.set_running_or_notify_cancel():
+                if isinstance(cmd, Inspect | Evict | Migrate) and cmd.future.set_running_or_notify_cancel():
                     cmd.future.set_exception(RuntimeError(error))
             # anyone still waiting (reserved, held, or lost in a crash) gets a final chunk too
             self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

@@ -31,10 +31,10 @@ import time
 from collections import deque
 from typing import Callable
 
-from tandem.core.messages import SampleGroup
+from tandem.core.messages import Resume, SampleGroup
 from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, TokenLogprob
 from tandem.engine.admission import Admission
-from tandem.engine.commands import Activate, Release
+from tandem.engine.commands import Activate, Migrate, Release
 from tandem.engine.connector import KVConnector
 from tandem.engine.queue_policy import InStepPrefixes
 from tandem.engine.request_kv import RequestKV
@@ -44,7 +44,7 @@ from tandem.engine.sched_types import SchedReq, SchedulerObserver, StepPlan, new
 
 log = logging.getLogger(__name__)
 
-_STATUS = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH}
+_STATUS = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH, "migrated": ReqStatus.MIGRATED}
 
 
 class Scheduler:
@@ -56,8 +56,7 @@ class Scheduler:
         """``grammar``: returns the engine's GrammarCompiler (built on first use; None: this
         scheduler refuses constrained requests). ``connector``: the role's KV connector
         (engine/connector.py; default: nothing crosses workers)."""
-        self.kv = kv
-        self.chunk = chunked_prefill_size
+        self.kv, self.chunk = kv, chunked_prefill_size
         self.max_batch_tokens, self.policy = max_batch_tokens, schedule_policy
         self.debug, self.debug_retract_every = debug_invariants, debug_retract_every
         self.eos = frozenset(tokenizer.eos_token_ids)
@@ -75,20 +74,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def validate(self, req: Req) -> None:
-        """Raises InvalidRequest for a request this engine can never serve (any thread)."""
-        self.admission.validate(req)
+        self.admission.validate(req)   # InvalidRequest: never servable here (any thread)
 
-    def add(self, req: Req, group: SampleGroup | None = None) -> SchedReq:
-        """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its ``n`` group."""
-        sr = self.admission.track(req, group)
+    def add(self, req: Req, group: SampleGroup | None = None, resume: Resume | None = None) -> SchedReq:
+        """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its ``n`` group;
+        ``resume``: it continues another worker's ``req.output_ids`` (engine/admission.py)."""
+        sr = self.admission.track(req, group, resume)
         req.status = ReqStatus.WAITING
         self.waiting.append(sr)
         return sr
 
     def abort(self, rid: str, error: str | None = None) -> StreamChunk | None:
-        """Finish ``rid`` with reason "abort" wherever it waits, runs or receives (its KV is
-        released; a received range is freed, never cached: the caller guarantees no write into it
-        is in flight). None if it is not here, or held (a Release ends it)."""
+        """Finish ``rid`` "abort" wherever it waits, runs or receives (a received range is freed:
+        the caller guarantees no write into it is in flight). None if absent or held."""
         sr = self.detached.get(rid)
         if sr is not None:
             if sr.req.status is not ReqStatus.WAITING_FOR_KV:
@@ -110,23 +108,28 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.retraction.retracted)
 
-    def handoff(self, event: Activate | Release) -> StreamChunk | None:
-        """Apply the worker side of a KV handoff. Activate: a received request decodes from
-        prefill's first token (returned as its first chunk; the matcher made at reservation takes
-        it). Release: a held request's KV goes to the cache. None for a request that ended
-        meanwhile (aborted); ValueError for an event its state cannot take."""
+    def handoff(self, event: Activate | Migrate | Release) -> StreamChunk | None:
+        """The worker side of a KV handoff (engine/commands.py): returns the chunk it makes (the
+        first token's, or "migrated"), None for a request that ended meanwhile (aborted);
+        ValueError, changing nothing, for an event its state cannot take."""
+        if isinstance(event, Migrate):
+            sr = self.running.get(event.rid)
+            if sr is None or sr.req.computed_len != sr.req.seq_len - 1:
+                raise ValueError(f"Migrate for {event.rid}, which is not decoding here")
+            return self._finish(sr, "migrated", "")
         sr = self.detached.get(event.rid)
         if sr is None:
             return None
         r = sr.req
         match event:
-            case Activate(first_token=tok, logprob=lp) if r.status is ReqStatus.WAITING_FOR_KV:
+            case Activate(first_token=tok, logprob=lp) if (
+                    r.status is ReqStatus.WAITING_FOR_KV and (tok is None) == bool(r.output_ids)):
                 del self.detached[r.rid]
                 sr.receive = False                   # from now on it is computed here (recompute)
                 r.status, r.first_token_time = ReqStatus.RUNNING, time.monotonic()
                 self.running[r.rid] = sr
                 self.kv.cache_prefix(sr)             # the received prompt is shareable now
-                return self._on_token(sr, tok, sampled=False, logprob=lp)
+                return None if tok is None else self._on_token(sr, tok, sampled=False, logprob=lp)
             case Release() if r.finished:
                 del self.detached[r.rid]
                 self.kv.release(sr)
@@ -194,13 +197,14 @@ class Scheduler:
             if not self._grammar_ready(sr, plan) or not self._admit(sr, running=False):
                 continue
             r = sr.req
-            slots = self.kv.extend(sr, r.seq_len - r.computed_len, received=True)  # hybrid: kept window
+            end = r.seq_len - 1 if r.output_ids else r.seq_len   # resumed: its last token has no KV
+            slots = self.kv.extend(sr, end - r.computed_len, received=True)  # hybrid: kept window
             if slots is None:
                 self._unadmit(sr, requeue=False)
                 continue
             self.waiting.remove(sr)
             self.kv.r2t.write(r.req_pool_idx, r.computed_len, slots)
-            r.computed_len, r.status = r.seq_len, ReqStatus.WAITING_FOR_KV
+            r.computed_len, r.status = end, ReqStatus.WAITING_FOR_KV
             self.detached[r.rid] = sr
             self.connector.reserved(sr)
 
@@ -274,8 +278,7 @@ class Scheduler:
             plan.add(sr, n, slots)
             budget -= n
 
-    def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:
-        """A failed compile finishes the request (abort, the compiler's message) into ``plan.chunks``."""
+    def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:   # a failed compile: abort
         try:
             return self.admission.grammar_ready(sr)
         except InvalidRequest as e:
@@ -293,7 +296,7 @@ class Scheduler:
         for e in plan.entries:
             r = e.sr.req
             computed += max(0, min(r.computed_len + e.n, len(r.prompt_ids)) - r.computed_len)
-            e.sr.req.computed_len += e.n
+            r.computed_len += e.n
             self.kv.advanced(e.sr)
             if e.n > 1:   # a prompt chunk (not a decode step): share it with later requests now
                 self.kv.cache_prefix(e.sr)
@@ -326,7 +329,6 @@ class Scheduler:
             return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps)
         return StreamChunk(r.rid, (tok,), text, logprobs=lps)
 
-    # ------------------------------------------------------------------ helpers
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):
             return False
@@ -344,8 +346,7 @@ class Scheduler:
         return True
 
     def _unadmit(self, sr: SchedReq, requeue: bool = True) -> None:
-        """Undo :meth:`_admit` of a request that got no slots this step (nothing computed; a
-        forked prompt's slots are freed)."""
+        """Undo :meth:`_admit` (no slots this step; a forked prompt's slots are freed)."""
         r = sr.req
         if r.computed_len > sr.locked_len:
             self.kv.free_range(sr, sr.locked_len, r.computed_len)
@@ -393,8 +394,7 @@ class Scheduler:
         return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error)
 
-    # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Every allocated page is owned exactly once: by the cache or by one request (running,
-        received or held); raises AssertionError listing violations."""
+        """Every allocated page is owned once: by the cache or one request (running, received or
+        held); raises AssertionError listing violations."""
         self.kv.check()

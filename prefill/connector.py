@@ -16,25 +16,13 @@ reaches it:
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from tandem.engine.commands import Release
-from tandem.engine.connector import KVConnector
+from tandem.engine.connector import HeldKV, KVConnector, held_kv
 from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_digest import regions_digest
-from tandem.engine.kv_regions import KV, kv_regions
+from tandem.engine.kv_regions import kv_regions
 from tandem.engine.sched_types import SchedReq
-
-
-@dataclass(frozen=True)
-class HeldKV:
-    pages: tuple[int, ...]      # source page ids of positions [start, len(prompt))
-    cached_tokens: int          # prompt tokens this worker's prefix cache served
-    rows: dict[str, tuple[int, ...]] = field(default_factory=dict)   # hybrid: "swa", "state"
-
-    def source(self, region: str) -> tuple[int, ...]:
-        """Source ids of ``region`` ("kv": the pages)."""
-        return self.pages if region == KV else self.rows[region]
 
 
 class PrefillConnector(KVConnector):
@@ -48,9 +36,7 @@ class PrefillConnector(KVConnector):
 
     def held_kv(self, rid: str, start: int) -> HeldKV:
         """Source ids of held ``rid``'s positions ``[start, len(prompt))``; KeyError if not held."""
-        sr, kv = self.engine.scheduler.detached[rid], self.engine.kv
-        return HeldKV(kv.pages(sr, start, len(sr.req.prompt_ids)), sr.req.cached_len,
-                      kv.transfer_rows(sr, start))
+        return held_kv(self.engine, rid, start)
 
 
 class PrefillHandle(EngineHandle):

@@ -19,6 +19,7 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import Req, ReqStatus, SamplingParams
 from tandem.decode.connector import DecodeConnector
 from tandem.engine.commands import Activate, Release
+from tandem.engine.connector import held_kv
 from tandem.engine.engine import Engine
 from tandem.engine.sched_types import SchedulerObserver
 from tandem.prefill.connector import PrefillConnector
@@ -441,3 +442,103 @@ def test_a_decode_waits_while_reservations_hold_the_pool_instead_of_aborting():
     d.run()
     assert d.tokens("r") == oracle(prompt(1, 10), 12) and d.final("r").error is None
     idle(e)
+
+
+# ---------------------------------------------------------------------------------- live migration
+def _copy_pages(src: Engine, dst: Engine, src_pages, dst_pages) -> None:
+    ps = src.kv_pool.page_size
+    s = [r for pg in src_pages for r in range(pg * ps, pg * ps + ps)]
+    d = [r for pg in dst_pages for r in range(pg * ps, pg * ps + ps)]
+    dst.kv_pool.kv_data[:, :, d] = src.kv_pool.kv_data[:, :, s]
+
+
+def _decode_a_while(page_size=4, warm_b=False, steps=5, **params):
+    """Request "m" decodes on engine A for ``steps`` steps, then migrates to engine B: A ends its
+    stream with "migrated" and holds the KV; B reserves what its own cache lacks, the pages are
+    copied (what the NIXL WRITE does), A releases, B activates and finishes the request."""
+    a = make(page_size=page_size, connector=DecodeConnector)
+    b = make(page_size=page_size, connector=DecodeConnector)
+    p, n = prompt(9, 22), 14
+    da, db = Driver(a), Driver(b)
+    if warm_b:   # B's cache already holds the prompt (another turn of the session ran there)
+        db.submit("w", p, 1)
+        db.run()
+    da.submit("m", p, n, **params)
+    for _ in range(steps):
+        da.step()
+    from tandem.engine.commands import Migrate
+    cmd = Migrate("m")
+    a.send(cmd)
+    da.step()
+    assert cmd.future.result() is True and da.final("m").finish_reason == "migrated"
+    assert a.scheduler.detached["m"].req.status is ReqStatus.MIGRATED
+    out = da.tokens("m")
+    from tandem.core.messages import Resume
+    resume = Resume(tuple(out), len(da.text("m")), da.final("m").cached_tokens)
+    fut = b.connector.expect("m")
+    b.submit(GenerateRequest("m", tuple(p), SamplingParams(max_tokens=n, ignore_eos=True, **params),
+                             resume=resume), db.chunks["m"].append)
+    db.step()
+    res = fut.result()
+    held = held_kv(a, "m", res.prefix_len)
+    assert len(held.pages) == len(res.pages)
+    _copy_pages(a, b, held.pages, res.pages)
+    a.send(Release("m"))
+    da.step()
+    b.send(Activate("m", None))
+    db.run()
+    return a, b, p, n, da, db, res
+
+
+@pytest.mark.parametrize("warm_b", [False, True])
+def test_a_migrated_request_continues_on_the_new_worker_exactly(warm_b):
+    a, b, p, n, da, db, res = _decode_a_while(warm_b=warm_b)
+    assert res.prefix_len == (20 if warm_b else 0)          # B's cache: the prompt's 5 whole pages
+    toks = da.tokens("m") + db.tokens("m")
+    assert toks == oracle(p, n) and da.text("m") + db.text("m") == text_of(toks)
+    assert db.final("m").finish_reason == "length" and db.final("m").completion_tokens == n
+    idle(a)
+    idle(b)
+
+
+def test_a_resumed_request_without_its_kv_is_recomputed_exactly():
+    """Migration by recompute: the new worker gets only the tokens (no KV copy) and computes
+    prompt + output itself; the stream goes on with no repeated or missing text."""
+    a = make(connector=DecodeConnector)
+    b = make()
+    p, n = prompt(3, 17), 12
+    da, db = Driver(a), Driver(b)
+    da.submit("m", p, n)
+    for _ in range(6):
+        da.step()
+    from tandem.core.messages import Resume
+    from tandem.engine.commands import Migrate
+    a.send(Migrate("m"))
+    da.step()
+    a.send(Release("m"))
+    da.step()
+    b.submit(GenerateRequest("m", tuple(p), SamplingParams(max_tokens=n, ignore_eos=True),
+                             resume=Resume(tuple(da.tokens("m")), len(da.text("m")))), db.chunks["m"].append)
+    db.run()
+    toks = da.tokens("m") + db.tokens("m")
+    assert toks == oracle(p, n) and da.text("m") + db.text("m") == text_of(toks)
+    assert b.scheduler.stats["prompt_tokens"] == 0       # the prompt's usage was counted on A
+    idle(a)
+    idle(b)
+
+
+def test_migrate_refuses_a_request_that_is_not_decoding_and_changes_nothing():
+    from tandem.engine.commands import Migrate
+    a = make(chunk=16, connector=DecodeConnector)
+    d = Driver(a)
+    d.submit("long", prompt(1, 40), 4)
+    d.step()                                          # one 16-token chunk of 40: still prefilling
+    for rid in ("long", "absent"):
+        cmd = Migrate(rid)
+        a.send(cmd)
+        d.step()
+        with pytest.raises(ValueError, match=f"Migrate for {rid}, which is not decoding here"):
+            cmd.future.result()
+    d.run()
+    assert d.tokens("long") == oracle(prompt(1, 40), 4)
+    idle(a)
