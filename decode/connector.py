@@ -82,7 +82,7 @@ class DecodeConnector(KVConnector):
 
     def reserved(self, sr: SchedReq) -> None:
         kv, p = self.kv, sr.locked_len
-        pages = kv.pages(sr, p, sr.req.seq_len)
+        pages = kv.pages(sr, p, sr.req.computed_len)   # the reserved end: seq_len, or seq_len - 1 resumed
         named = {KV: pages, **kv.transfer_rows(sr, p)}
         regions = tuple(RegionPages(n, ids) for n, ids in named.items() if n in self.regions)
         with self._lock:

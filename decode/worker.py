@@ -130,7 +130,7 @@ class DecodeWorker(RoleWorker):
         self._background: set[asyncio.Task] = set()
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
                        "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
-                       "kv_bytes_received": 0}
+                       "kv_bytes_received": 0, "migrated_out": 0}
         self._groups = GroupGates()   # n > 1: the prompt's KV moves once per group (decode/groups.py)
         self.last_timings: dict = {}
         m = self.metrics
@@ -157,7 +157,10 @@ class DecodeWorker(RoleWorker):
         """Stream ``greq``'s chunks. Refusals (bad prompt) raise InvalidRequest before the first
         chunk; every other failure is a final chunk with finish_reason "abort" and ``error``.
         ``alternate(dead_name)``: another live prefill client, asked once when ``prefill`` dies
-        (:class:`PrefillUnavailable`) before its write started; the pages stay reserved."""
+        (:class:`PrefillUnavailable`) before its write started; the pages stay reserved.
+        ``greq.resume`` (live migration): the request continues another decode worker's tokens;
+        ``prefill`` is then that worker (its ``prefill`` call is :meth:`migrate_out`), or None
+        to recompute the KV here. Its stream starts after what the old worker streamed."""
         if greq.rid in self._jobs:
             raise InvalidRequest(f"request id {greq.rid} is already running on {self.name}")
         vocab = self.engine.arch.vocab_size
@@ -167,14 +170,14 @@ class DecodeWorker(RoleWorker):
         await self.handle.check_constraint(greq.params)   # a grammar that cannot compile: 400
         n = len(greq.prompt_ids)
         remote = prefill is not None and prefill.name in self.agent.peers
-        if remote and self.local_prefill_threshold > 0:
+        if remote and self.local_prefill_threshold > 0 and greq.resume is None:
             cached = await self.handle.cached_prefix(list(greq.prompt_ids))
             remote = n - cached >= self.local_prefill_threshold
         path = "remote" if remote else "local"
         self.counts[path] += 1
         self._path.labels(path).inc()
         if remote:
-            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs)
+            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs and greq.resume is None)
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
@@ -230,6 +233,52 @@ class DecodeWorker(RoleWorker):
         job.reason = reason or f"request {rid} aborted"
         job.aborted.set()
         return True
+
+    # ------------------------------------------------------------------ live migration, source side
+    async def freeze(self, rid: str) -> None:
+        """End decoding ``rid`` here (its stream's last chunk says "migrated") and hold its KV for
+        :meth:`migrate_out`; ValueError, changing nothing, when it is not decoding here."""
+        await self.handle.migrate(rid)
+
+    def release_frozen(self, rid: str) -> None:
+        """A frozen request whose KV will not be copied from here (the new worker recomputes it,
+        or the move was given up): its KV goes to this worker's cache. A no-op if none is held."""
+        self.handle.release_held(rid)
+
+    async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
+        """The new worker's side of a migration calls this as its ``prefill``: WRITE the frozen
+        request's KV from ``dst_prefix_len`` (what the new worker's cache already holds) into
+        ``xfer``'s pages, then release it to this worker's cache. Returns, like a prefill, only
+        when no write is in flight (except ``in_flight=True``); ``first_token`` is None."""
+        rid, req = req_wire["rid"], KVTransferRequest.decode(xfer)
+        h = self.handoffs[rid] = Handoff(rid, req.transfer_id, TransferState.BOOTSTRAPPED)
+
+        def answer(status: TransferState, error: str = "", **f) -> PrefillResult:
+            return PrefillResult(req.transfer_id, status, self.name, error=error, **f)
+
+        try:
+            try:
+                held = await self.handle.held_pages(rid, dst_prefix_len)
+            except KeyError:
+                h.fail("not frozen")
+                return answer(TransferState.FAILED, f"{rid} is not frozen on {self.name}")
+            bad = [n for n in req.regions if len(held.source(n)) != len(req.pages(n))]
+            if bad:
+                h.fail("region sizes differ")
+                return answer(TransferState.FAILED, f"transfer {req.transfer_id}: sizes differ in {bad}")
+            digest = ""
+            if req.digest:
+                digest = await self.handle.page_digest(tuple(RegionPages(n, held.source(n)) for n in req.regions))
+            w = await self.write_held(h, req, held)
+            self.counts["migrated_out"] += w.state is TransferState.DONE
+            return answer(w.state if w.state is TransferState.DONE else TransferState.FAILED,
+                          "" if w.state is TransferState.DONE else f"migration write {w.error}",
+                          in_flight=w.state is TransferState.QUARANTINED, bytes=w.nbytes,
+                          pages=len(held.pages), cached_tokens=held.cached_tokens, transfer_s=w.seconds,
+                          digest=digest)
+        finally:
+            self.handoffs.pop(rid, None)
+            self.handle.release_held(rid)   # the write has ended: its KV stays cached here
 
     # ------------------------------------------------------------------ the named steps
     async def _reserve(self, job: _Job, greq: GenerateRequest, deadline: float) -> Reservation | StreamChunk:

@@ -19,6 +19,11 @@ worker (``drain()``, the planner's) takes no new requests from any router: its `
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.engine.gie_metrics import register_gie_metrics
@@ -26,10 +31,25 @@ from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
-from tandem.transfer.messages import Handshake
 from tandem.transfer.handoff import Handoff
+from tandem.transfer.messages import Handshake, KVTransferRequest
+from tandem.transfer.state import TransferState
 
 REGION = KV
+IN_FLIGHT_LIMIT = 10          # give up waiting for a stuck write after this many transfer timeouts
+_POLL_S = 0.0005
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    """How one WRITE of held KV ended: DONE, FAILED (the write ended) or QUARANTINED (still in
+    flight after ``IN_FLIGHT_LIMIT`` transfer timeouts: the destination must never reuse its pages)."""
+
+    state: TransferState
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
 
 
 def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
@@ -82,6 +102,43 @@ class RoleWorker:
     def remove_peer(self, name: str) -> None:
         """Forget a (dead) peer; transfers with it fail from now on."""
         self.agent.remove_peer(name)
+
+    # -- sending held KV (a prefill's prompt; a migrating request) ------------------------------
+    async def write_held(self, h: Handoff, req: KVTransferRequest, held) -> WriteOutcome:
+        """One NIXL WRITE of ``held``'s source ids (a HeldKV) into ``req``'s destination ids, region
+        by region, moving ``h`` (BOOTSTRAPPED) to TRANSFERRING and then DONE, FAILED or QUARANTINED.
+        Returns only when no write is in flight, except QUARANTINED. The agent's own deadline is
+        far away: only a transport error or completion ends the write, so "not TRANSFERRING"
+        really means "not in flight"."""
+        pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
+        limit = self.transfer_timeout_s * IN_FLIGHT_LIMIT
+        t0 = time.monotonic()
+        try:
+            w = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
+        except (KeyError, ValueError) as e:  # unknown peer, bad pages: nothing was posted
+            h.fail(str(e))
+            return WriteOutcome(TransferState.FAILED, error=f"not posted: {e}")
+        h.send()
+        state = self.agent.poll(w)
+        while state is TransferState.TRANSFERRING:
+            if time.monotonic() - t0 > limit:
+                h.fail("write still in flight")
+                h.settle(in_flight=True)
+                log.error("transfer %d to %s still in flight after %.0fs; quarantined",
+                          h.transfer_id, req.agent_name, limit)
+                self.agent.release(w)  # the agent keeps an in-flight request and retries later
+                return WriteOutcome(TransferState.QUARANTINED, seconds=time.monotonic() - t0,
+                                    error=f"still in flight after {limit:.0f}s")
+            await asyncio.sleep(_POLL_S)
+            state = self.agent.poll(w)
+        seconds = time.monotonic() - t0
+        self.agent.release(w)
+        if state is not TransferState.DONE:
+            h.fail(w.error or f"write ended {state.name}")
+            h.settle(in_flight=False)
+            return WriteOutcome(TransferState.FAILED, seconds=seconds, error=f"failed: {w.error}")
+        h.land()
+        return WriteOutcome(TransferState.DONE, w.nbytes, seconds)
 
     # -- observability ---------------------------------------------------------------------------
     async def stats(self) -> dict:

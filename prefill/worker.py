@@ -18,7 +18,7 @@ in the same WRITE, and counts that differ from the reservation's send nothing.
 
 Contract of :meth:`PrefillWorker.prefill` (decode frees pages on it): it returns (or raises) only
 when no WRITE of this transfer can still be in flight, except a result with ``in_flight=True`` (a
-write neither finished nor failed within ``IN_FLIGHT_LIMIT`` transfer timeouts: QUARANTINED on both
+write neither finished nor failed within ``IN_FLIGHT_LIMIT`` transfer timeouts, engine/role_worker.py: QUARANTINED on both
 sides; decode never reuses those pages). The source KV stays held until the write has ended.
 """
 from __future__ import annotations
@@ -42,9 +42,7 @@ from tandem.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT_LIMIT = 10          # give up waiting for a stuck write after this many transfer timeouts
 ABORT_TOMBSTONE_S = 120.0     # an abort that arrives before its request is remembered this long
-_POLL_S = 0.0005
 
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                      5.0, 10.0, 30.0)
@@ -183,44 +181,18 @@ class PrefillWorker(RoleWorker):
             self.handle.release_held(rid)   # the write has ended (or was never posted)
 
     async def _write(self, job: _Job, req: KVTransferRequest, held, out: _Result) -> PrefillResult:
-        h, tid = job.handoff, job.handoff.transfer_id
-        pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
-        src = held.pages
-        t0 = time.monotonic()
-        # The agent's own deadline is far away: only a transport error or completion ends the
-        # write, so "not TRANSFERRING" really means "not in flight" (see the module contract).
-        limit = self.transfer_timeout_s * IN_FLIGHT_LIMIT
-        try:
-            w = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
-        except (KeyError, ValueError) as e:  # unknown peer, bad pages: nothing was posted
-            h.fail(str(e))
-            return out.fail(f"transfer {tid} not posted: {e}")
-        h.send()
-        state = self.agent.poll(w)
-        while state is TransferState.TRANSFERRING:
-            if time.monotonic() - t0 > limit:
-                out.f["in_flight"] = True
-                h.fail("write still in flight")
-                h.settle(in_flight=True)                                 # QUARANTINED
-                log.error("transfer %d to %s still in flight after %.0fs; quarantined",
-                          tid, req.agent_name, limit)
-                self.agent.release(w)  # the agent keeps an in-flight request and retries later
-                return out.fail(f"transfer {tid} to {req.agent_name} still in flight after {limit:.0f}s")
-            await asyncio.sleep(_POLL_S)
-            state = self.agent.poll(w)
-        seconds = time.monotonic() - t0
-        self.agent.release(w)
-        out.f["transfer_s"] = seconds
-        if state is not TransferState.DONE:
-            h.fail(w.error or f"write ended {state.name}")
-            h.settle(in_flight=False)
-            return out.fail(f"transfer {tid} to {req.agent_name} failed: {w.error}")
-        h.land()
+        tid = job.handoff.transfer_id
+        w = await self.write_held(job.handoff, req, held)
+        out.f["transfer_s"] = w.seconds
+        if w.state is TransferState.QUARANTINED:
+            out.f["in_flight"] = True
+        if w.state is not TransferState.DONE:
+            return out.fail(f"transfer {tid} to {req.agent_name} {w.error}")
         self._bytes.inc(w.nbytes)
-        self._seconds.observe(seconds)
+        self._seconds.observe(w.seconds)
         self.counts["bytes"] += w.nbytes
-        self.counts["pages"] += len(src)
-        out.f.update(bytes=w.nbytes, pages=len(src))
+        self.counts["pages"] += len(held.pages)
+        out.f.update(bytes=w.nbytes, pages=len(held.pages))
         if job.aborted:  # aborted while writing: the bytes landed but decode no longer wants them
             return out.fail(job.aborted, TransferState.ABORTED)
         return out.done()

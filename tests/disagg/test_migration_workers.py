@@ -1,0 +1,126 @@
+"""Live migration between two decode workers in one process (no Ray): real engines, real NIXL,
+the real model. A request decodes on worker A, is frozen there (its stream ends "migrated", its
+KV held), and continues on worker B, which receives over NIXL only the pages its own radix cache
+lacks (or recomputes them). Oracle: the tokens and text of A's leg then B's leg equal the same
+request run without migration; every pool is back at its baseline afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from serve_support import LocalClient, at_baseline, collect
+
+from tandem.core.config import CacheConfig, EngineConfig
+from tandem.core.messages import GenerateRequest, Resume
+from tandem.core.types import SamplingParams
+
+PAGE = 4
+CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=768,
+                                                                  max_running_requests=6))
+PROMPT = "Name three rivers in Europe and say where each one flows."
+
+
+class SourceClient:
+    """Decode worker A as B's PrefillClient: its "prefill" is :meth:`DecodeWorker.migrate_out`."""
+
+    def __init__(self, worker):
+        self.w, self.name = worker, worker.name
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        return await self.w.migrate_out(req_wire, xfer, dst_prefix_len)
+
+    async def abort(self, rid, reason):
+        await self.w.abort(rid, reason)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_default, loop):
+    from tandem.decode.worker import DecodeWorker
+    from tandem.engine.engine import Engine
+    from tandem.prefill.worker import PrefillWorker
+
+    async def make():
+        p = PrefillWorker("m-prefill", CFG, loaded=smollm2_default, transfer_timeout_s=20)
+        a = DecodeWorker("m-decode-a", CFG, loaded=smollm2_default, transfer_timeout_s=20)
+        b = DecodeWorker("m-decode-b", CFG, loaded=smollm2_default, transfer_timeout_s=20, kv_digest=True)
+        for x, y in ((p, a), (p, b), (a, b)):
+            x.add_peer(y.handshake())
+            y.add_peer(x.handshake())
+        return p, a, b
+
+    p, a, b = loop.run_until_complete(make())
+    colocated = Engine(CFG, loaded=smollm2_default)
+    yield p, a, b, colocated
+    for w in (p, a, b):
+        w.close()
+    colocated.shutdown()
+
+
+def run(loop, coro):
+    return loop.run_until_complete(asyncio.wait_for(coro, 120))
+
+
+async def _first_leg(a, greq: GenerateRequest, prefill, after: int) -> list:
+    """A's stream of ``greq``, frozen once ``after`` chunks arrived: ends with "migrated"."""
+    chunks = []
+    async for c in a.generate(greq, prefill):
+        chunks.append(c)
+        if len(chunks) == after:
+            await a.freeze(greq.rid)
+    return chunks
+
+
+def _resume(chunks) -> Resume:
+    assert chunks[-1].finish_reason == "migrated", chunks[-1]
+    return Resume(tuple(t for c in chunks for t in c.token_ids), sum(len(c.text) for c in chunks),
+                  chunks[-1].cached_tokens)
+
+
+@pytest.mark.parametrize("how", ["nixl", "nixl-warm", "recompute"])
+def test_a_migrated_request_streams_on_without_a_gap_or_a_repeat(cluster, loop, how):
+    p, a, b, col = cluster
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = f"{PROMPT} ({how})"      # each case its own prompt: B's cache keeps what earlier ones moved
+    ref = col.generate(prompt, params, chat=True)
+    greq = col.make_request(prompt, params, chat=True, rid=f"mig-{how}")
+    if how == "nixl-warm":   # B already holds the prompt (another request of the session ran there)
+        run(loop, collect(b.generate(col.make_request(prompt, SamplingParams(max_tokens=1), chat=True,
+                                                      rid="warm"), LocalClient(p))))
+    received = b.counts["kv_bytes_received"]
+    first = run(loop, _first_leg(a, greq, LocalClient(p), after=6))
+    resume = _resume(first)
+    assert 6 <= len(resume.output_ids) < 24
+    if how == "recompute":   # nothing will be copied from A: its frozen KV goes to its cache
+        a.release_frozen(greq.rid)
+    second = run(loop, collect(b.generate(dataclasses.replace(greq, resume=resume),
+                                          None if how == "recompute" else SourceClient(a))))
+    chunks = first[:-1] + second
+    assert second[-1].error is None, second[-1]
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    last = second[-1]
+    assert last.finish_reason == "length" and last.error is None and last.completion_tokens == 24
+    moved = b.counts["kv_bytes_received"] - received
+    if how == "recompute":
+        assert moved == 0
+    else:
+        assert moved > 0 and a.counts["migrated_out"] >= 1
+    run(loop, at_baseline(p, a, b))
+
+
+def test_freeze_refuses_a_request_that_is_not_decoding(cluster, loop):
+    p, a, b, col = cluster
+    with pytest.raises(ValueError, match="not decoding here"):
+        run(loop, a.freeze("nobody"))
+    run(loop, at_baseline(p, a, b))
