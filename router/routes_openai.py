@@ -221,7 +221,8 @@ class OpenAIRoutes:
         for i, c in enumerate(done):
             content, calls, finish = c.text, [], c.last.finish_reason
             if prep.plan is not None and prep.plan.active:
-                content, calls = parse_all(self.door.tool_format, c.text)
+                content, calls = parse_all(self.door.tool_format, c.text, truncated=finish == "length",
+                                           max_calls=prep.plan.max_calls)
                 if calls and finish == "stop":
                     finish = "tool_calls"
             msg = AssistantMessage(content=content if content or not calls else None, tool_calls=[
@@ -236,7 +237,8 @@ class OpenAIRoutes:
         chat = isinstance(req, ChatCompletionRequest)
         created, model, top = int(time.time()), self.door.backend.model_name, prep.top_logprobs
         active = prep.plan is not None and prep.plan.active
-        states = [_ChoiceState(self.door.tool_format.parser() if active else None) for _ in runs]
+        states = [_ChoiceState(self.door.tool_format.parser(max_calls=prep.plan.max_calls) if active else None)
+                  for _ in runs]
 
         def chat_event(i: int, delta: ChatDelta, finish: str | None = None, lps=None) -> bytes:
             choice = ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lps)
@@ -264,7 +266,8 @@ class OpenAIRoutes:
                     continue
                 text, deltas = c.text, []
                 if st.parser is not None:
-                    events = st.parser.feed(c.text) + (st.parser.finish() if c.finish_reason is not None else [])
+                    events = st.parser.feed(c.text) + (st.parser.finish(c.finish_reason == "length")
+                                                       if c.finish_reason is not None else [])
                     text = "".join(e.text for e in events)
                     for e in events:
                         if e.call is not None:
