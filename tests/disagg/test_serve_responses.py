@@ -171,6 +171,24 @@ def test_pydantic_ai_and_langchain_on_the_responses_api(routers):
     jsonschema.validate(tc["args"], PARAMS)
 
 
+def test_anthropic_stream_states_the_same_usage_in_every_event(routers):
+    """The first token's chunk carries the prompt's figures (prefill's cache hit, on 1P+1D), so
+    message_start is right from the start and message_delta repeats it."""
+    import httpx
+
+    servers, _ = routers
+    body = {"model": M, "max_tokens": 3, "stream": True, "temperature": 0,
+            "system": "You are terse. " * 12, "messages": [{"role": "user", "content": "Say hi."}]}
+    for _ in range(2):                     # the second time, the prompt is cached
+        with httpx.stream("POST", servers["a"].url + "/v1/messages", json=body, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+        delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+        assert {k: start[k] for k in ("input_tokens", "cache_read_input_tokens")} == \
+            {k: delta[k] for k in ("input_tokens", "cache_read_input_tokens")}, (start, delta)
+    assert start["cache_read_input_tokens"] > 0 and start["input_tokens"] > 0
+
+
 # ------------------------------------------------------------------------------ cut calls never leak
 def _cut(server, seed: int) -> tuple[str, list, list]:
     """One forced tool call cut at a small max_tokens through one of the three APIs (by seed);
