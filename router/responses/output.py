@@ -1,4 +1,5 @@
-"""What a response says: its output items, built from the tool parser's events, and its stream.
+"""What a response says: its output items, built from the tool parser's events, its stream, and
+the Response object around them (:func:`response_object`, :func:`usage_of`).
 
 :class:`OutputBuilder` is fed the parser's events (router/tools/formats.py) in generation order
 and both returns the stream events they make and keeps the output items, so the streamed and the
@@ -22,10 +23,12 @@ lifecycle events (``response.created``, ``response.in_progress``, ``response.com
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
 from tandem.router.tools.formats import ParseEvent
+from tandem.router.tools.spec import ToolPlan
 
 
 def new_id(prefix: str) -> str:
@@ -114,3 +117,33 @@ def history_items(output: list[dict]) -> list[dict]:
             out.append({"type": "function_call", "call_id": it["call_id"], "name": it["name"],
                         "arguments": it["arguments"]})
     return out
+
+
+def usage_of(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """The Responses API's usage object (input tokens include the cached ones, as OpenAI counts)."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def response_object(req, rid: str, created_at: int, model: str, plan: ToolPlan | None, status: str,
+                    output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
+    """OpenAI's Response object for ``req`` (a ResponsesRequest) in ``status``: the request's
+    settings echoed (defaults filled in), ``output`` and ``usage`` as given."""
+    tools = [{"type": "function", "name": t.name, "description": t.description or None,
+              "parameters": t.parameters, "strict": t.strict} for t in (plan.tools if plan else ())]
+    choice = "auto" if plan is None else ({"type": "function", "name": plan.function}
+                                          if plan.choice == "function" else plan.choice)
+    return {"id": rid, "object": "response", "created_at": created_at, "status": status,
+            "background": req.background, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "model": model, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": req.store,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": choice, "tools": tools, "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled", "usage": usage, "user": req.user,
+            "completed_at": int(time.time()) if status == "completed" else None}

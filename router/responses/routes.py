@@ -38,7 +38,7 @@ from tandem.router import metrics as m
 from tandem.router.front_door import (FrontDoor, error_response, refusal, request_priority, session_key,
                                       start_failed)
 from tandem.router.openai_protocol import APIError, parse_json_object, parse_request
-from tandem.router.responses.output import OutputBuilder, history_items, new_id
+from tandem.router.responses.output import OutputBuilder, history_items, new_id, response_object, usage_of
 from tandem.router.responses.protocol import (ResponsesRequest, input_items, internal_messages, text_constraint,
                                               tool_plan)
 from tandem.router.responses.store import IN_PROGRESS, ResponseStore, StoredResponse
@@ -172,33 +172,14 @@ class ResponsesRoutes:
     # ---------------------------------------------------------------- the response object
     def _response(self, req: ResponsesRequest, prep: Prepared, status: str, output: list[dict],
                   usage: dict | None = None, error: dict | None = None) -> dict:
-        plan = prep.plan
-        tools = [{"type": "function", "name": t.name, "description": t.description or None,
-                  "parameters": t.parameters, "strict": t.strict} for t in (plan.tools if plan else ())]
-        choice = "auto" if plan is None else ({"type": "function", "name": plan.function}
-                                              if plan.choice == "function" else plan.choice)
-        return {"id": prep.greq.rid, "object": "response", "created_at": prep.created_at, "status": status,
-                "background": req.background, "error": error,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "metadata": req.metadata or {}, "model": self.door.backend.model_name, "output": output,
-                "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": req.previous_response_id,
-                "reasoning": {"effort": None, "summary": None}, "store": req.store,
-                "temperature": 1.0 if req.temperature is None else req.temperature,
-                "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
-                "tool_choice": choice, "tools": tools, "top_p": 1.0 if req.top_p is None else req.top_p,
-                "truncation": "disabled", "usage": usage, "user": req.user,
-                "completed_at": int(time.time()) if status == "completed" else None}
+        return response_object(req, prep.greq.rid, prep.created_at, self.door.backend.model_name, prep.plan,
+                               status, output, usage, error)
 
     async def _finish(self, req: ResponsesRequest, prep: Prepared, b: OutputBuilder, last: StreamChunk,
                       n_tokens: int, unless_cancelled: bool = False) -> dict:
         """The final response object, stored first when ``store``."""
-        prompt = last.prompt_tokens or len(prep.greq.prompt_ids)
-        output_tokens = last.completion_tokens or n_tokens
-        usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": last.cached_tokens},
-                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": prompt + output_tokens}
+        usage = usage_of(last.prompt_tokens or len(prep.greq.prompt_ids), last.cached_tokens,
+                         last.completion_tokens or n_tokens)
         if last.error:
             status, error = "failed", {"code": "server_error", "message": f"generation failed: {last.error}"[:500]}
         else:
