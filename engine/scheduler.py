@@ -394,7 +394,6 @@ class Scheduler:
         return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error)
 
-    # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Every allocated page is owned exactly once: by the cache or by one request (running,
         received or held); raises AssertionError listing violations."""
