@@ -20,7 +20,9 @@ routers started are the :class:`Supervisor`'s (cluster/supervisor.py); with ``cf
 the :class:`Autoscaler` (cluster/autoscaler.py) sizes the worker groups.
 
 Workers outlive this router when they are detached (``cfg.detached_workers``): ``close`` then
-leaves them running, and the next router (or the other replicas) keeps serving from them.
+leaves them running, and the next router (or the other replicas) keeps serving from them. Their
+Responses API store (``response_store``, cluster/responses.py) is a detached named actor beside
+them; a router's private workers leave the store to the router's memory (None here).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class RayClusterBackend:
         self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
                                      discover=launcher.detached or cfg.planner.enabled)
         self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
+        self.response_store = None   # cluster/responses.py's store actor, once started
 
     @property
     def prefills(self) -> list[WorkerRef]:
@@ -101,6 +104,10 @@ class RayClusterBackend:
         self.vocab_size = int(info["vocab_size"])
         for w, i in zip(self.pool.everyone(), infos):
             self.supervisor.register(w, i)
+        if self.launcher.detached:   # shared by every router of these workers (else the router's own)
+            from tandem.cluster.responses import RayResponseStore
+
+            self.response_store = RayResponseStore(self.cfg.responses, self.launcher.namespace)
         self.supervisor.start()
         if self.cfg.planner.enabled:
             from tandem.cluster.autoscaler import Autoscaler

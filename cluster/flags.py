@@ -127,6 +127,7 @@ YAML_ONLY: frozenset[str] = frozenset({
     "engine_config.hybrid", "engine_config.transfer",
     "planner.percentile", "planner.window_s", "planner.period_s", "planner.queue_per_prefill",
     "planner.scale_down_fraction", "planner.scale_down_after_s", "planner.drain_timeout_s",
+    "responses",
 })
 
 

@@ -10,6 +10,7 @@ here and only here: the command-line flags (cluster/flags.py) are generated from
         hybrid: HybridConfig       extra pools of sliding-window / recurrent models
         transfer: TransferConfig   the NIXL agent of disaggregated workers
       planner: PlannerConfig       SLO-driven prefill:decode autoscaling
+      responses: ResponsesConfig   the Responses API's store (bounds)
 """
 
 from __future__ import annotations
@@ -162,6 +163,18 @@ class PlannerConfig(_Strict):
         return self
 
 
+class ResponsesConfig(_Strict):
+    """The store of the Responses API (``store: true`` responses that ``previous_response_id``,
+    GET and DELETE /v1/responses/{id} find): one per cluster (a detached Ray actor beside Ray
+    workers, else in the router's memory), bounded by count, bytes and age; the least recently
+    used response goes first."""
+
+    max_stored: int = Field(10_000, ge=1, description="responses kept at most")
+    max_bytes: int = Field(256 << 20, ge=1 << 16, description="bytes of stored responses kept at most "
+                           "(each holds its whole conversation, so a chain's last turn needs no other)")
+    ttl_s: float = Field(24 * 3600.0, gt=0, description="a response not used for this long is dropped")
+
+
 class ServeConfig(_Strict):
     """``tandem serve``: the whole cluster. The YAML of ``--config`` has exactly these keys;
     command-line flags override it (cluster/config.py merges them)."""
@@ -211,6 +224,7 @@ class ServeConfig(_Strict):
     sim_speedup: float = Field(1.0, gt=0, description="engine 'sim': simulated seconds per wall second")
     engine_config: EngineConfig = EngineConfig()
     planner: PlannerConfig = PlannerConfig()
+    responses: ResponsesConfig = ResponsesConfig()
 
     @property
     def detached_workers(self) -> bool:

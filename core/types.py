@@ -211,8 +211,10 @@ class Req:
 class StreamChunk:
     """What a caller receives per step: the new token ids and text, and the finish reason once.
 
-    ``logprobs`` (only when the request asked for them): one entry per id in ``token_ids``, same
-    order. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
+    ``prompt_tokens`` / ``cached_tokens`` are reported by the final chunk and by the chunk of the
+    first generated token (the same figures, so a stream can state its usage up front); other
+    chunks leave them 0. ``logprobs`` (only when the request asked for them): one entry per id in
+    ``token_ids``, same order. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
     when EOS or a stop token id did.
     """
 

@@ -367,6 +367,8 @@ class DecodeWorker(RoleWorker):
             if "activate_s" not in job.timings:
                 job.timings["activate_s"] = time.monotonic() - t2
                 self._groups.open(greq, job.gate)   # the prompt is in the tree once activation ran
+                if c.finish_reason is None:         # the first chunk reports prefill's cache hit
+                    c = replace(c, prompt_tokens=len(greq.prompt_ids), cached_tokens=result.cached_tokens)
             elif "first_decode_step_s" not in job.timings:
                 job.timings["first_decode_step_s"] = time.monotonic() - t2 - job.timings["activate_s"]
             if c.finish_reason is not None:

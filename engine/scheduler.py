@@ -327,7 +327,9 @@ class Scheduler:
         lps = (logprob,) if logprob is not None else ()
         if finish is not None:
             return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps)
-        return StreamChunk(r.rid, (tok,), text, logprobs=lps)
+        first = len(r.output_ids) == 1   # the first token's chunk reports the prompt's figures too
+        return StreamChunk(r.rid, (tok,), text, prompt_tokens=len(r.prompt_ids) if first else 0,
+                           cached_tokens=r.cached_len if first else 0, logprobs=lps)
 
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):

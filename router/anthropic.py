@@ -42,7 +42,7 @@ from tandem.router.front_door import FrontDoor, request_priority, session_key
 from tandem.router.openai_protocol import APIError, _Request, parse_json_object, parse_request
 from tandem.router.streaming import (ClientGone, Running, SSEResponse, StartFailed, close_all, collect, merge,
                                      sse, start, unless_disconnected)
-from tandem.router.tools.formats import ParseEvent, parse_all
+from tandem.router.tools.formats import ParseEvent, parse_events
 from tandem.router.tools.render import render_prompt
 from tandem.router.tools.spec import MAX_TOOLS, ToolPlan, named_choice, tool_from
 
@@ -251,7 +251,7 @@ class AnthropicRoutes:
         headers = {"request-id": rid, "X-Request-Id": rid}
         active = plan is not None and plan.active
         if req.stream:
-            return SSEResponse(self._events(greq, runs, active), headers)
+            return SSEResponse(self._events(greq, runs, plan if active else None), headers)
         try:
             [done] = await unless_disconnected(collect(runs), request.receive)
         except ClientGone:
@@ -263,23 +263,30 @@ class AnthropicRoutes:
             await close_all([r.chunks for r in runs])
         if done.last.error:
             return error(500, f"generation failed: {done.last.error}", headers)
-        text, calls = parse_all(self.door.tool_format, done.text, "toolu_") if active else (done.text, [])
-        content: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
-        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in calls]
-        reason, seq = _stop_reason(done.last, len(calls))
+        events = (parse_events(self.door.tool_format, done.text, "toolu_", done.last.finish_reason == "length",
+                               plan.max_calls) if active else [ParseEvent(done.text)])
+        content = _blocks(events)   # in generation order
+        calls = sum(b["type"] == "tool_use" for b in content)
+        reason, seq = _stop_reason(done.last, calls)
         out = {"id": rid, "type": "message", "role": "assistant", "model": self.door.backend.model_name,
                "content": content, "stop_reason": reason, "stop_sequence": seq,
                "usage": _usage(done.last, len(greq.prompt_ids), done.n_tokens)}
         return Response(json.dumps(out, ensure_ascii=False), media_type="application/json", headers=headers)
 
-    async def _events(self, greq, runs: list[Running], active: bool) -> AsyncIterator[bytes]:
+    async def _events(self, greq, runs: list[Running], plan: ToolPlan | None) -> AsyncIterator[bytes]:
+        """The stream's events. Usage is stated once, in ``message_start``, from the first chunk's
+        prompt figures, and ``message_delta`` repeats them beside the output count (a backend
+        whose first chunk reports none: the final chunk's figures)."""
         def ev(kind: str, **data) -> bytes:
             return sse(json.dumps({"type": kind, **data}, ensure_ascii=False), kind)
 
-        parser = self.door.tool_format.parser("toolu_") if active else None
+        parser = self.door.tool_format.parser("toolu_", plan.max_calls) if plan is not None else None
         index, open_text, calls, n_tokens = 0, False, 0, 0
-        usage0 = {"input_tokens": len(greq.prompt_ids), "output_tokens": 0,
-                  "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+        first = runs[0].first
+        known = first.prompt_tokens > 0
+        usage0 = _usage(first, len(greq.prompt_ids), 0) if known else {
+            "input_tokens": len(greq.prompt_ids), "output_tokens": 0,
+            "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
         try:
             yield ev("message_start", message={
                 "id": greq.rid, "type": "message", "role": "assistant", "content": [],
@@ -290,7 +297,8 @@ class AnthropicRoutes:
                 if c.error:
                     yield ev("error", error={"type": "api_error", "message": f"generation failed: {c.error}"})
                     return
-                events = ([*parser.feed(c.text), *(parser.finish() if c.finish_reason else [])] if parser
+                events = ([*parser.feed(c.text),
+                           *(parser.finish(c.finish_reason == "length") if c.finish_reason else [])] if parser
                           else [ParseEvent(c.text)])
                 for e in events:
                     if e.text:
@@ -312,14 +320,30 @@ class AnthropicRoutes:
                     if open_text:
                         yield ev("content_block_stop", index=index)
                     reason, seq = _stop_reason(c, calls)
-                    yield ev("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
-                             usage=_usage(c, len(greq.prompt_ids), n_tokens))
+                    usage = _usage(c, len(greq.prompt_ids), n_tokens)
+                    if known:   # the same input figures as message_start
+                        usage.update({k: usage0[k] for k in ("input_tokens", "cache_read_input_tokens")})
+                    yield ev("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=usage)
                     yield ev("message_stop")
         except Exception as e:
             log.exception("stream %s failed", greq.rid)
             yield ev("error", error={"type": "api_error", "message": f"backend error: {e!r}"[:500]})
         finally:
             await close_all([r.chunks for r in runs])
+
+
+def _blocks(events: list[ParseEvent]) -> list[dict]:
+    """Content blocks of a whole reply in generation order: text (merged while consecutive) and
+    tool_use; an empty reply is one empty text block."""
+    out: list[dict] = []
+    for e in events:
+        if e.call is not None:
+            out.append({"type": "tool_use", "id": e.call.id, "name": e.call.name, "input": _input(e.call.arguments)})
+        elif e.text and out and out[-1]["type"] == "text":
+            out[-1]["text"] += e.text
+        elif e.text:
+            out.append({"type": "text", "text": e.text})
+    return out or [{"type": "text", "text": ""}]
 
 
 def _input(arguments: str) -> Any:

@@ -31,7 +31,8 @@ class ServingBackend(Protocol):
       ``vocab_size`` is used to reject out-of-range prompt ids when present.
     - ``generate(req)``: an async generator of StreamChunk for ``req.rid``. Exactly one chunk carries
       a finish_reason and it is the last; it also carries prompt_tokens / cached_tokens /
-      completion_tokens. A request the backend refuses raises :class:`InvalidRequest` on the first
+      completion_tokens (the first token's chunk should carry prompt_tokens / cached_tokens too:
+      streamed usage is stated up front from it, falling back to the final chunk's). A request the backend refuses raises :class:`InvalidRequest` on the first
       ``__anext__`` (the front door answers 400); a failure after that is a final chunk with
       finish_reason "abort" and ``error`` set.
     - ``abort(rid)``: finish ``rid`` and free its KV; a no-op for unknown or finished ids. The front

@@ -58,6 +58,18 @@ def refusal(e: APIError) -> Response:
                           headers={"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
 
 
+def start_failed(e, rid: str) -> Response:
+    """The OpenAI-shaped answer to a generation that could not start (streaming.StartFailed)."""
+    if e.kind == "gone":
+        return Response(status_code=499)   # nobody is listening; metered() already aborted
+    if e.kind == "invalid":
+        return error_response(400, e.message)
+    if e.kind == "overloaded":   # every worker is past its admission limits
+        return error_response(429, e.message, code="overloaded", type="rate_limit_error",
+                              headers={"Retry-After": str(e.retry_after_s), "X-Request-Id": rid})
+    return error_response(500, e.message, type="server_error")
+
+
 def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids=()) -> str | None:
     """router/sessions.py's session_key, with a too-long id as a 400."""
     try:

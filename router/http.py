@@ -1,7 +1,9 @@
 """The HTTP front door: ``create_app(backend, config) -> FastAPI``.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /v1/messages and
-/v1/messages/count_tokens (anthropic.py), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
+/v1/messages/count_tokens (anthropic.py), POST /v1/responses, GET / DELETE /v1/responses/{id},
+POST /v1/responses/{id}/cancel (responses/routes.py, over the backend's ``response_store`` when
+it has one, else a store in this process), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
 (each worker's KV accounting and invariant verdict), POST /debug/kill (only with
 ``ServeConfig.debug_endpoints``). /v1/* needs the API key when
 ``ServeConfig.api_key`` is set (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
@@ -28,6 +30,8 @@ from tandem.core.config import ServeConfig
 from tandem.router.anthropic import AnthropicRoutes
 from tandem.router.backend import ServingBackend
 from tandem.router.front_door import FrontDoor, error_response
+from tandem.router.responses.routes import ResponsesRoutes
+from tandem.router.responses.store import MemoryResponseStore
 from tandem.router.routes_openai import OpenAIRoutes
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,10 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     door = FrontDoor(backend, config)
     openai_routes, anthropic_routes = OpenAIRoutes(door), AnthropicRoutes(door)
-    app.state.front_door = door
+    rc = config.responses
+    store = getattr(backend, "response_store", None) or MemoryResponseStore(rc.max_stored, rc.max_bytes, rc.ttl_s)
+    responses = ResponsesRoutes(door, store)
+    app.state.front_door, app.state.response_store = door, store
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -67,6 +74,22 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         return await anthropic_routes.count_tokens(request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await responses.get(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await responses.delete(request, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await responses.cancel(request, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -33,7 +33,7 @@ from starlette.responses import Response
 from tandem.core.messages import GenerateRequest, SampleGroup
 from tandem.core.types import InvalidRequest, SamplingParams
 from tandem.router import metrics as m
-from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key
+from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key, start_failed
 from tandem.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorBody,
                                            ErrorResponse, parse_json_object, parse_request)
@@ -188,7 +188,7 @@ class OpenAIRoutes:
         try:   # the first chunks decide the status code: a refusal is still a 400
             runs = await start(self.door.backend, prep.greqs, arrival, request.receive)
         except StartFailed as e:
-            return _start_failed(e, rid)
+            return start_failed(e, rid)
         headers = {"X-Request-Id": rid}
         if req.stream:
             return SSEResponse(self._events(req, prep, rid, runs), headers)
@@ -221,7 +221,8 @@ class OpenAIRoutes:
         for i, c in enumerate(done):
             content, calls, finish = c.text, [], c.last.finish_reason
             if prep.plan is not None and prep.plan.active:
-                content, calls = parse_all(self.door.tool_format, c.text)
+                content, calls = parse_all(self.door.tool_format, c.text, truncated=finish == "length",
+                                           max_calls=prep.plan.max_calls)
                 if calls and finish == "stop":
                     finish = "tool_calls"
             msg = AssistantMessage(content=content if content or not calls else None, tool_calls=[
@@ -236,7 +237,8 @@ class OpenAIRoutes:
         chat = isinstance(req, ChatCompletionRequest)
         created, model, top = int(time.time()), self.door.backend.model_name, prep.top_logprobs
         active = prep.plan is not None and prep.plan.active
-        states = [_ChoiceState(self.door.tool_format.parser() if active else None) for _ in runs]
+        states = [_ChoiceState(self.door.tool_format.parser(max_calls=prep.plan.max_calls) if active else None)
+                  for _ in runs]
 
         def chat_event(i: int, delta: ChatDelta, finish: str | None = None, lps=None) -> bytes:
             choice = ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lps)
@@ -264,7 +266,8 @@ class OpenAIRoutes:
                     continue
                 text, deltas = c.text, []
                 if st.parser is not None:
-                    events = st.parser.feed(c.text) + (st.parser.finish() if c.finish_reason is not None else [])
+                    events = st.parser.feed(c.text) + (st.parser.finish(c.finish_reason == "length")
+                                                       if c.finish_reason is not None else [])
                     text = "".join(e.text for e in events)
                     for e in events:
                         if e.call is not None:
@@ -302,14 +305,3 @@ def _usage(done: list[Collected], prompt_len: int) -> Usage:
 
 def _error_json(message: str) -> str:
     return ErrorResponse(error=ErrorBody(message=message, type="server_error")).model_dump_json()
-
-
-def _start_failed(e: StartFailed, rid: str) -> Response:
-    if e.kind == "gone":
-        return Response(status_code=499)   # nobody is listening; metered() already aborted
-    if e.kind == "invalid":
-        return error_response(400, e.message)
-    if e.kind == "overloaded":   # every worker is past its admission limits
-        return error_response(429, e.message, code="overloaded", type="rate_limit_error",
-                              headers={"Retry-After": str(e.retry_after_s), "X-Request-Id": rid})
-    return error_response(500, e.message, type="server_error")

@@ -12,12 +12,23 @@ assistant turn's earlier calls, as the model would have written them), ``render_
 (tool results, sent as a user turn), ``parser()`` (a :class:`StreamingToolParser`: text in,
 content and complete calls out; the non-streamed path feeds everything at once, so both agree),
 and ``constraint(plan)`` (the grammar for ``tool_choice`` required / a named function, decoded by
-the engine so the call is always valid JSON matching the parameter schema).
+the engine so the call is always valid JSON matching the parameter schema; it admits exactly
+``plan.max_calls`` calls at most: one for a named function or without ``parallel_tool_calls``).
 
 Calls are emitted whole, when their closing marker (or the end of the output) is seen: a streamed
 reply carries each call in one ``tool_calls`` delta with its id, name and complete arguments.
 Markers that are special tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) are dropped by the
 detokenizer, so the parsers also accept the bare JSON that follows them.
+
+What the parser promises its callers (every API route reads calls through it):
+
+- **No markup leaks from a cut call.** ``finish(truncated=True)`` (the output ran out of
+  max_tokens) drops a call whose JSON is incomplete, and any trailing start of a call marker;
+  complete calls before it are kept (SGLang's behaviour: only closed calls count). A call whose
+  JSON is complete but whose closing marker was cut is a call.
+- **Whitespace beside calls is not content**: the separators between calls, whitespace before the
+  first call and after the last one are dropped (a reply without calls keeps its text exactly).
+- **At most ``max_calls`` calls** (1 when ``parallel_tool_calls`` is false): later ones are dropped.
 """
 
 from __future__ import annotations
@@ -52,8 +63,9 @@ def _call_from(obj, ids: str, args_keys: tuple[str, ...] = ("arguments", "parame
     return ToolCall(new_call_id(ids), obj["name"], _args_text(args))
 
 
-def _json_values(text: str) -> list | None:
-    """Every JSON value in ``text`` (separated by whitespace, ';' or ','), or None if any part is not JSON."""
+def _json_values(text: str, partial: bool = False) -> list | None:
+    """Every JSON value in ``text`` (separated by whitespace, ';' or ','), or None if any part is
+    not JSON; with ``partial``, the values before the first part that is not (a cut tail)."""
     dec, i, out = json.JSONDecoder(), 0, []
     while True:
         while i < len(text) and text[i] in " \t\r\n;,":
@@ -63,7 +75,7 @@ def _json_values(text: str) -> list | None:
         try:
             value, i = dec.raw_decode(text, i)
         except ValueError:
-            return None
+            return out if partial else None
         out.append(value)
 
 
@@ -79,37 +91,74 @@ class ParseEvent:
 class StreamingToolParser:
     """Feed output text as it streams; get content text and complete calls, in order.
 
-    Text that may still turn into a call marker is held back until it cannot. ``finish()`` flushes:
-    an unclosed call whose JSON is complete becomes a call, anything else is returned as text.
+    Text that may still turn into a call marker is held back until it cannot, and so is trailing
+    whitespace until what follows it is known (text keeps it, a call drops it). ``finish()``
+    flushes: an unclosed call whose JSON is complete becomes a call; an incomplete one is dropped
+    when ``truncated`` (the output was cut by max_tokens), else returned as text.
     """
 
     fmt: "ToolFormat"
     id_prefix: str = "call_"
+    max_calls: int | None = None  # calls past this many are dropped (None: no limit)
     buf: str = ""
     in_call: bool = False
     decided: bool = False       # whether the reply opens with calls or text is known
     marker: str = ""            # the call marker consumed (given back if the calls do not parse)
+    truncated: bool = False     # set by finish(): the output was cut (max_tokens)
     calls: list[ToolCall] = field(default_factory=list)
+    _ws: str = ""               # trailing whitespace held back
+    _after_call: bool = False   # the last event out was a call
 
     def feed(self, text: str) -> list[ParseEvent]:
         self.buf += text
-        return self.fmt._scan(self, final=False)
+        return self._tidy(self.fmt._scan(self, final=False), final=False)
 
-    def finish(self) -> list[ParseEvent]:
-        return self.fmt._scan(self, final=True)
+    def finish(self, truncated: bool = False) -> list[ParseEvent]:
+        self.truncated = truncated
+        return self._tidy(self.fmt._scan(self, final=True), final=True)
 
     def _call(self, obj) -> ParseEvent | None:
+        """The call event for ``obj`` (None: not a call); an empty event for a call past max_calls."""
         c = _call_from(obj, self.id_prefix)
         if c is None:
             return None
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return ParseEvent()
         self.calls.append(c)
         return ParseEvent(call=c)
 
+    def _tidy(self, events: list[ParseEvent], final: bool) -> list[ParseEvent]:
+        out: list[ParseEvent] = []
+        for e in events:
+            if e.call is not None:
+                self._ws, self._after_call = "", True
+                out.append(e)
+                continue
+            text = e.text.lstrip() if self._after_call else e.text
+            body = text.rstrip()
+            if body:
+                out.append(ParseEvent(self._ws + body))
+                self._ws, self._after_call = text[len(body):], False
+            else:
+                self._ws += text
+        if final:
+            if self._ws and not self.calls:
+                out.append(ParseEvent(self._ws))
+            self._ws = ""
+        return out
 
-def parse_all(fmt: "ToolFormat", text: str, id_prefix: str = "call_") -> tuple[str, list[ToolCall]]:
+
+def parse_events(fmt: "ToolFormat", text: str, id_prefix: str = "call_", truncated: bool = False,
+                 max_calls: int | None = None) -> list[ParseEvent]:
+    """The content and call events of a whole reply, in generation order."""
+    p = fmt.parser(id_prefix, max_calls)
+    return p.feed(text) + p.finish(truncated)
+
+
+def parse_all(fmt: "ToolFormat", text: str, id_prefix: str = "call_", truncated: bool = False,
+              max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole reply."""
-    p = fmt.parser(id_prefix)
-    events = p.feed(text) + p.finish()
+    events = parse_events(fmt, text, id_prefix, truncated, max_calls)
     return "".join(e.text for e in events), [e.call for e in events if e.call]
 
 
@@ -124,8 +173,8 @@ def _held(buf: str, marker: str) -> int:
 class ToolFormat:
     name = ""
 
-    def parser(self, id_prefix: str = "call_") -> StreamingToolParser:
-        return StreamingToolParser(self, id_prefix)
+    def parser(self, id_prefix: str = "call_", max_calls: int | None = None) -> StreamingToolParser:
+        return StreamingToolParser(self, id_prefix, max_calls)
 
     def tool_lines(self, tools: tuple[Tool, ...]) -> str:
         return "\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools)
@@ -158,7 +207,7 @@ class HermesFormat(ToolFormat):
 
     def constraint(self, plan):
         body = {**_call_schema(plan.callable_tools(), "arguments"), "x-guidance": JSON_LAYOUT}
-        more = ' ("\\n" call)*' if plan.parallel and plan.choice == "required" else ""
+        more = f' ("\\n" call){{0,{plan.max_calls - 1}}}' if plan.max_calls > 1 else ""
         lark = (f"start: call{more}\n"
                 f'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
                 f"body: %json {json.dumps(body, ensure_ascii=False)}\n")
@@ -173,19 +222,19 @@ class HermesFormat(ToolFormat):
                     out.append(ParseEvent(p.buf[:i]))
                     p.buf, p.in_call = p.buf[i + len(self.OPEN):], True
                     continue
-                keep = 0 if final else _held(p.buf, self.OPEN)
+                keep = _held(p.buf, self.OPEN) if not final or p.truncated else 0
                 out.append(ParseEvent(p.buf[:len(p.buf) - keep]))
-                p.buf = p.buf[len(p.buf) - keep:]
+                p.buf = "" if final else p.buf[len(p.buf) - keep:]   # a cut marker start is dropped
                 break
             j = p.buf.find(self.CLOSE)
             if j < 0 and not final:
                 break
-            body = p.buf if j < 0 else p.buf[:j]
+            body = p.buf[:len(p.buf) - _held(p.buf, self.CLOSE)] if j < 0 else p.buf[:j]
             values = _json_values(body)
             ev = p._call(values[0]) if values and len(values) == 1 else None
-            if ev is None:    # not a call after all: give the text back
-                out.append(ParseEvent(self.OPEN + (body if j < 0 else p.buf[:j + len(self.CLOSE)])))
-            else:
+            if ev is None and not (j < 0 and p.truncated):   # not a call after all: give the text back
+                out.append(ParseEvent(self.OPEN + (p.buf if j < 0 else p.buf[:j + len(self.CLOSE)])))
+            elif ev is not None:
                 out.append(ev)
             p.buf, p.in_call = ("" if j < 0 else p.buf[j + len(self.CLOSE):]), False
             if j < 0:
@@ -211,7 +260,7 @@ class Llama3JsonFormat(ToolFormat):
 
     def constraint(self, plan):
         body = {**_call_schema(plan.callable_tools(), "parameters"), "x-guidance": JSON_LAYOUT}
-        more = ' ("; " call)*' if plan.parallel and plan.choice == "required" else ""
+        more = f' ("; " call){{0,{plan.max_calls - 1}}}' if plan.max_calls > 1 else ""
         return Constraint("lark", f"start: call{more}\ncall: %json {json.dumps(body, ensure_ascii=False)}\n")
 
     def _scan(self, p, final):
@@ -232,9 +281,9 @@ class Llama3JsonFormat(ToolFormat):
             return []
         body = p.buf.strip()
         body = body[len(self.TAG):] if body.startswith(self.TAG) else body
-        values = _json_values(body)
+        values = _json_values(body, partial=p.truncated)   # cut: the complete calls before the cut
         events = [p._call(v) for v in values] if values else []
-        if not events or any(e is None for e in events):
+        if (not events and not p.truncated) or any(e is None for e in events):
             p.calls.clear()
             text, p.buf = p.buf, ""
             return [ParseEvent(text)]
@@ -260,8 +309,7 @@ class MistralFormat(ToolFormat):
 
     def constraint(self, plan):
         call = _call_schema(plan.callable_tools(), "arguments")
-        one = not (plan.parallel and plan.choice == "required")
-        arr = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if one else {}),
+        arr = {"type": "array", "items": call, "minItems": 1, "maxItems": plan.max_calls,
                "x-guidance": JSON_LAYOUT}
         return Constraint("lark", f"start: %json {json.dumps(arr, ensure_ascii=False)}\n")
 
@@ -280,16 +328,17 @@ class MistralFormat(ToolFormat):
                 out.append(ParseEvent(p.buf[:i]))
                 p.buf, p.in_call, p.marker = p.buf[i + len(self.TAG):], True, self.TAG
             else:
-                keep = 0 if final else _held(p.buf, self.TAG)
+                keep = _held(p.buf, self.TAG) if not final or p.truncated else 0
                 out.append(ParseEvent(p.buf[:len(p.buf) - keep]))
-                p.buf = p.buf[len(p.buf) - keep:]
+                p.buf = "" if final else p.buf[len(p.buf) - keep:]
         if p.in_call and final:
             values = _json_values(p.buf.strip())
             arr = values[0] if values and len(values) == 1 and isinstance(values[0], list) else None
             events = [p._call(v) for v in arr] if arr else []
             if not events or any(e is None for e in events):
                 p.calls.clear()
-                out.append(ParseEvent(p.marker + p.buf))
+                if not p.truncated:   # a cut list is dropped, never returned as text
+                    out.append(ParseEvent(p.marker + p.buf))
             else:
                 out += events
             p.buf, p.in_call = "", False

@@ -17,6 +17,7 @@ from tandem.router.openai_protocol import APIError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8   # the most calls one reply may make (the call grammar's and the parser's bound)
 EMPTY_PARAMETERS: dict = {"type": "object", "properties": {}}
 
 Choice = Literal["auto", "none", "required", "function"]
@@ -59,6 +60,12 @@ class ToolPlan:
     def forced(self) -> bool:
         """A call must be made (the engine decodes under the call grammar)."""
         return self.active and self.choice in ("required", "function")
+
+    @property
+    def max_calls(self) -> int:
+        """The most calls one reply may make: 1 for a named function or without ``parallel``,
+        else :data:`MAX_PARALLEL_CALLS` (the grammar admits no more, the parser keeps no more)."""
+        return MAX_PARALLEL_CALLS if self.parallel and self.choice != "function" else 1
 
     def callable_tools(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if t.name == self.function) if self.choice == "function" else self.tools

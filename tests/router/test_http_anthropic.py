@@ -95,7 +95,7 @@ def test_tool_use_round_trip(client, live):
             {"role": "user", "content": say("Let me look. " + CALL)}]) as s:
         streamed = s.get_final_message()
     assert [b.type for b in streamed.content] == ["text", "tool_use"]
-    assert streamed.content[0].text == "Let me look. " and streamed.content[1].input == {"city": "Paris"}
+    assert streamed.content[0].text == "Let me look." and streamed.content[1].input == {"city": "Paris"}
     assert streamed.stop_reason == "tool_use"
 
 

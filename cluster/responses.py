@@ -1,0 +1,95 @@
+"""The Responses API's store on a Ray cluster: one named actor, :data:`STORE_NAME`, in the workers'
+namespace, holding router/responses/store.py's bounded :class:`ResponseTable`;
+:class:`RayResponseStore` is the router's :class:`ResponseStore` over it.
+
+Why an actor and not a database: the Ray cluster is already the one thing every router of a
+worker set shares and reaches (``tandem serve --ray-address``), a stored response is worth keeping
+exactly as long as that cluster (its chain's KV lives on the workers), and the table is small and
+bounded (count, bytes, TTL: ``ServeConfig.responses``), so no new service is needed. It exists
+for detached workers (the ones several routers share) and is detached like them: it outlives
+every router, so a router that restarts, or any other router, finds every stored response; it
+prefers the head node (``node:__internal_head__``), which outlives the worker nodes. A router's
+private workers die with it, and so may its stored responses: it keeps them in its own memory.
+
+Ray runs the actor's methods one at a time, so the table needs no lock. A handle whose actor died
+is resolved again by name once (``get_if_exists`` recreates it, empty) before a call fails.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.core.config import ResponsesConfig
+from tandem.router.responses.store import ResponseTable, StoredResponse
+
+log = logging.getLogger(__name__)
+
+STORE_NAME = "tandem-responses"
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+class ResponseStoreActor:
+    """The table behind Ray calls (records travel as plain dicts)."""
+
+    def __init__(self, max_stored: int, max_bytes: int, ttl_s: float):
+        self.table = ResponseTable(max_stored, max_bytes, ttl_s)
+
+    def put(self, wire: dict, unless_cancelled: bool = False) -> dict:
+        return self.table.put(wire, unless_cancelled)
+
+    def get(self, rid: str) -> dict | None:
+        return self.table.get(rid)
+
+    def delete(self, rid: str) -> bool:
+        return self.table.delete(rid)
+
+    def cancel(self, rid: str) -> dict | None:
+        return self.table.cancel(rid)
+
+    def stats(self) -> dict:
+        return self.table.stats()
+
+
+def open_store_actor(cfg: ResponsesConfig, namespace: str):
+    """The (detached) store actor of ``namespace``: the running one, or a new one."""
+    import ray
+
+    opts: dict = {"name": STORE_NAME, "namespace": namespace, "get_if_exists": True, "num_cpus": 0,
+                  "max_restarts": 0, "lifetime": "detached"}
+    if ray.cluster_resources().get(HEAD_RESOURCE):
+        opts["resources"] = {HEAD_RESOURCE: 0.001}
+    return ray.remote(ResponseStoreActor).options(**opts).remote(cfg.max_stored, cfg.max_bytes, cfg.ttl_s)
+
+
+class RayResponseStore:
+    """:class:`~tandem.router.responses.store.ResponseStore` over the store actor."""
+
+    def __init__(self, cfg: ResponsesConfig, namespace: str):
+        self.cfg, self.namespace = cfg, namespace
+        self.handle = open_store_actor(cfg, namespace)
+
+    async def _call(self, method: str, *args):
+        import ray
+
+        for attempt in (0, 1):
+            try:
+                return await getattr(self.handle, method).remote(*args)
+            except ray.exceptions.RayActorError:
+                if attempt:
+                    raise
+                log.warning("the response store actor died; resolving %s again", STORE_NAME)
+                self.handle = open_store_actor(self.cfg, self.namespace)
+
+    async def put(self, rec: StoredResponse, unless_cancelled: bool = False) -> StoredResponse:
+        return StoredResponse.from_wire(await self._call("put", rec.to_wire(), unless_cancelled))
+
+    async def get(self, rid: str) -> StoredResponse | None:
+        wire = await self._call("get", rid)
+        return None if wire is None else StoredResponse.from_wire(wire)
+
+    async def delete(self, rid: str) -> bool:
+        return bool(await self._call("delete", rid))
+
+    async def cancel(self, rid: str) -> StoredResponse | None:
+        wire = await self._call("cancel", rid)
+        return None if wire is None else StoredResponse.from_wire(wire)
