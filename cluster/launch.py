@@ -166,14 +166,28 @@ class Launcher:
         ray.get([p.handle.add_peer.remote(hd), d.handle.add_prefill.remote(hp, p.handle)],
                 timeout=PAIR_TIMEOUT_S)
 
+    def pair_decodes(self, a: WorkerRef, b: WorkerRef) -> None:
+        """Two decode workers learn each other: a migrated request's KV moves between them."""
+        import ray
+
+        ha, hb = ray.get([a.handle.handshake.remote(), b.handle.handshake.remote()], timeout=PAIR_TIMEOUT_S)
+        ray.get([a.handle.add_decode.remote(hb, b.handle), b.handle.add_decode.remote(ha, a.handle)],
+                timeout=PAIR_TIMEOUT_S)
+
     def pair_missing(self, prefills: list[tuple[WorkerRef, dict]], decodes: list[tuple[WorkerRef, dict]]) -> int:
-        """Pair every prefill worker with every decode worker that does not know it yet (from
-        their ``info()["peers"]``); returns how many pairs were made."""
+        """Pair every prefill worker with every decode worker, and the decode workers with each
+        other, where they do not know each other yet (their ``info()["peers"]``); returns how many
+        pairs were made."""
         n = 0
         for p, pi in prefills:
             for d, di in decodes:
                 if p.name not in di.get("peers", ()) or d.name not in pi.get("peers", ()):
                     self.pair(p, d)
+                    n += 1
+        for i, (a, ai) in enumerate(decodes):
+            for b, bi in decodes[i + 1:]:
+                if a.name not in bi.get("peers", ()) or b.name not in ai.get("peers", ()):
+                    self.pair_decodes(a, b)
                     n += 1
         return n
 

@@ -194,9 +194,7 @@ class Supervisor:
             if info.get("draining"):
                 return
             with self._pair_lock:
-                for other in self.pool.alive(DECODE if w.role == PREFILL else PREFILL):
-                    p, d = (w, other) if w.role == PREFILL else (other, w)
-                    self.launcher.pair(p, d)
+                self._pair_with_everyone(w)
                 with self.pool.lock:
                     if self._stop.is_set() or self.pool.named(w.name) is not None:
                         return
@@ -210,12 +208,25 @@ class Supervisor:
             with self.pool.lock:
                 self._adopting.discard(w.name)
 
+    def _pair_with_everyone(self, w: WorkerRef) -> None:
+        """``w`` (new or adopted) learns its peers: the other role's live workers, and a decode
+        worker the other decode workers too (live migration moves KV between them)."""
+        for other in self.pool.alive(DECODE if w.role == PREFILL else PREFILL):
+            p, d = (w, other) if w.role == PREFILL else (other, w)
+            self.launcher.pair(p, d)
+        if w.role == DECODE:
+            for other in self.pool.alive(DECODE):
+                if other.name != w.name:
+                    self.launcher.pair_decodes(w, other)
+
     def _forget(self, w: WorkerRef) -> None:
         import ray
 
         peers = self.pool.alive(DECODE if w.role == PREFILL else PREFILL)
         calls = [(p.handle.remove_prefill if w.role == PREFILL else p.handle.remove_peer).remote(w.name)
                  for p in peers]
+        if w.role == DECODE:
+            calls += [d.handle.remove_decode.remote(w.name) for d in self.pool.alive(DECODE) if d is not w]
         try:
             ray.get(calls, timeout=FORGET_TIMEOUT_S)
         except Exception as e:  # a peer died too: the monitor finds it
@@ -253,9 +264,7 @@ class Supervisor:
                 raise RuntimeError("shutting down")
             info = self.launcher.info([new])[0]                    # model loads overlap
             with self._pair_lock:   # pair and register as one step, so two relaunches meet
-                for other in self.pool.alive(DECODE if w.role == PREFILL else PREFILL):
-                    p, d = (new, other) if w.role == PREFILL else (other, new)
-                    self.launcher.pair(p, d)
+                self._pair_with_everyone(new)
                 with self.pool.lock:
                     adopted = self.pool.named(name)   # discovery found it first (another router's)
                     if adopted is not None and not self._stop.is_set():

@@ -2,7 +2,9 @@
 
 ``generate`` is an async generator: call it with ``.options(num_returns="streaming")`` and each
 :class:`StreamChunk` arrives as its own object. Prefill workers are reached through their actor
-handles, wrapped as the worker's ``PrefillClient`` (decode never imports prefill).
+handles, wrapped as the worker's ``PrefillClient`` (decode never imports prefill); so are the
+other decode workers, as the source of a live migration (their ``migrate_out`` is the
+"prefill" of a resumed request).
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ class _RayPrefillClient:
         await self.handle.abort.remote(rid, reason)
 
 
+class _RayMigrationSource(_RayPrefillClient):
+    """Another decode actor as the source of a migrated request's KV."""
+
+    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
+        try:
+            raw = await self.handle.migrate_out.remote(req_wire, xfer, dst_prefix_len)
+        except ray.exceptions.RayActorError as e:
+            self.dead = True
+            raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
+        return PrefillResult.decode(raw)
+
+    async def abort(self, rid: str, reason: str) -> None:
+        await self.handle.release_frozen.remote(rid)
+
+
 @ray.remote
 class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
@@ -56,6 +73,7 @@ class DecodeActor(RoleActorMixin):
                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address())
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
         self.prefills: dict[str, _RayPrefillClient] = {}
+        self.sources: dict[str, _RayMigrationSource] = {}   # the other decode workers
 
     def _extra_info(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id()}
@@ -66,12 +84,43 @@ class DecodeActor(RoleActorMixin):
             self.prefills[name] = _RayPrefillClient(name, handle)
         return name
 
+    def add_decode(self, handshake: bytes, handle) -> str:
+        """Another decode worker: a peer a migrated request's KV may come from (or go to)."""
+        name = self.worker.add_peer(handshake)
+        if name not in self.sources or self.sources[name].dead:
+            self.sources[name] = _RayMigrationSource(name, handle)
+        return name
+
+    def remove_decode(self, name: str) -> None:
+        self.sources.pop(name, None)
+        self.worker.remove_peer(name)
+
+    async def freeze(self, rid: str) -> bool:
+        """Live migration, source side: ``rid``'s stream ends "migrated", its KV held."""
+        await self.worker.freeze(rid)
+        return True
+
+    async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+        return (await self.worker.migrate_out(req_wire, xfer, dst_prefix_len)).encode()
+
+    def release_frozen(self, rid: str) -> None:
+        self.worker.release_frozen(rid)
+
     def remove_prefill(self, name: str) -> None:
         self.prefills.pop(name, None)
         self.worker.remove_peer(name)
 
     async def generate(self, req_wire: dict, prefill_name: str | None):
         greq = GenerateRequest.from_wire(req_wire)
+        if greq.resume is not None:   # a migrated request: prefill_name names the decode worker it left
+            client = self.sources.get(prefill_name) if prefill_name else None
+            chunks = self.worker.generate(greq, None if client is None or client.dead else client)
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()
+            return
         client = self.prefills.get(prefill_name) if prefill_name else None
         if client is not None and client.dead:  # the driver has not noticed yet: another one
             client = next((c for c in self.prefills.values() if not c.dead), None)

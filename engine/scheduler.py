@@ -53,9 +53,8 @@ class Scheduler:
                  retraction_policy: str = "default", host_backup: bool = True,
                  debug_invariants: bool = False, debug_retract_every: int = 0,
                  grammar: Callable[[], object] | None = None, connector: KVConnector | None = None):
-        """``grammar``: returns the engine's GrammarCompiler (built on first use; None: this
-        scheduler refuses constrained requests). ``connector``: the role's KV connector
-        (engine/connector.py; default: nothing crosses workers)."""
+        """``grammar``: the engine's GrammarCompiler, built on first use (None: constraints are
+        refused); ``connector``: the role's (engine/connector.py; default: nothing crosses workers)."""
         self.kv, self.chunk = kv, chunked_prefill_size
         self.max_batch_tokens, self.policy = max_batch_tokens, schedule_policy
         self.debug, self.debug_retract_every = debug_invariants, debug_retract_every
@@ -109,9 +108,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.retraction.retracted)
 
     def handoff(self, event: Activate | Migrate | Release) -> StreamChunk | None:
-        """The worker side of a KV handoff (engine/commands.py): returns the chunk it makes (the
-        first token's, or "migrated"), None for a request that ended meanwhile (aborted);
-        ValueError, changing nothing, for an event its state cannot take."""
+        """The worker side of a KV handoff (engine/commands.py): the chunk it makes (first token,
+        "migrated"), None if the request ended meanwhile; ValueError (no change) if it cannot."""
         if isinstance(event, Migrate):
             sr = self.running.get(event.rid)
             if sr is None or sr.req.computed_len != sr.req.seq_len - 1:

@@ -194,6 +194,23 @@ class Dispatcher:
         self.release(r)
         return self._route(r.request, {dead})
 
+    def move(self, r: Route, to: int) -> None:
+        """``r`` moved to decode worker ``to`` (live migration): its decode charges go with it,
+        and its session's next turn goes there (where its KV now is)."""
+        with self.lock:
+            if r.decode_open:
+                old, new = self._workers.get(r.decode), self._workers.get(to)
+                if old is not None:
+                    self._charge(old, -1, -r.decode_tokens)
+                if new is not None:
+                    self._charge(new, 1, r.decode_tokens)
+            r.decode = to
+            key, now = r.request.session_key, self.clock()
+            e = self.state.sessions.get(key, now)
+            if e is not None:
+                self.state.sessions.bind(key, e.prefill_worker, to, now)
+        self._released()
+
     def prefill_done(self, r: Route) -> None:
         """The first token is out: release ``r`` on its prefill worker and time that prefill."""
         with self.lock:
