@@ -8,7 +8,9 @@ chunks, tells the dispatcher when the first token is out (``prefill_done``), how
 (``grow``) and when it ended (``release``). No live prefill worker: decode prefills locally
 (``tandem_decode_prefill_total{path="local"}``; /health says ``degraded``). A decode worker
 found dead before its first chunk costs one re-route (``Dispatcher.reroute``); a prefill worker
-that dies before its write is replaced by another one by the decode worker itself.
+that dies before its write is replaced by another one by the decode worker itself. A request may
+move between decode workers while it runs (live migration, cluster/migration.py): its stream is
+spliced across the legs.
 
 Admission goes through the deferred-dispatch queue (router/deferred.py): a burst waits up to
 ``cfg.dispatch_queue_ttl_s`` in priority order before a 429.
@@ -35,6 +37,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import REGISTRY, generate_latest
 
 from tandem.cluster.metrics import merge_expositions
+from tandem.cluster.migration import Migrator, resume_of
 from tandem.cluster.supervisor import PING_TIMEOUT_S, Supervisor
 from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
 from tandem.core.config import ServeConfig
@@ -86,6 +89,7 @@ class RayClusterBackend:
         self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
                                      discover=launcher.detached or cfg.planner.enabled)
         self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
+        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor)
         self.response_store = None   # cluster/responses.py's store actor, once started
 
     @property
@@ -140,8 +144,9 @@ class RayClusterBackend:
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
                        retry: bool) -> AsyncIterator[StreamChunk]:
-        """Stream ``req`` from decode worker ``d``. With ``retry``, a worker found dead before
-        anything reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
+        """Stream ``req`` from decode worker ``d``, and from each worker it migrates to (the legs
+        spliced: cluster/migration.py). With ``retry``, a worker found dead before anything
+        reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
         ``generate`` to re-route without that worker)."""
         import ray
 
@@ -149,10 +154,26 @@ class RayClusterBackend:
         gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
         self._inflight[req.rid] = d
         finished, first, rerouted = False, True, False
+        ids, chars, source = [], 0, None   # what the client has; the worker a migration left
         try:
             try:
-                async for ref in gen:
-                    c = await ref
+                while True:
+                    c = await self._next_chunk(gen)
+                    if c is None:
+                        break
+                    if c.finish_reason == "migrated":     # this leg ended: the request moved
+                        source = d
+                        gen, d = self.migrator.next_leg(req, r, d, resume_of(ids, chars, c))
+                        continue
+                    if source is not None and c.finish_reason == "abort" and not c.token_ids and source.alive:
+                        log.warning("%s failed on %s after a migration (%s); back to %s",
+                                    req.rid, d.name, c.error, source.name)
+                        gen, d = await self.migrator.fall_back(req, r, source, resume_of(ids, chars, c))
+                        source = None
+                        continue
+                    source = None
+                    ids += c.token_ids
+                    chars += len(c.text)
                     finished, lead = c.finish_reason is not None, first
                     if first:
                         self.dispatch.prefill_done(r)      # past its first token: prefill is done
@@ -196,6 +217,24 @@ class RayClusterBackend:
                     ray.cancel(gen)
                 except Exception:  # already finished or the worker is gone
                     pass
+
+    @staticmethod
+    async def _next_chunk(gen) -> StreamChunk | None:
+        """The next chunk of a worker's streaming ``generate``; None when it ended."""
+        try:
+            ref = await gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        return await ref
+
+    async def migrate(self, rid: str, to: str | None = None) -> str:
+        """Move running ``rid`` to decode worker ``to`` (default: the least loaded other one);
+        returns its name (cluster/migration.py)."""
+        return await self.migrator.migrate(rid, to)
+
+    async def drain(self, name: str, stop: bool = False) -> dict:
+        """Move every live request off decode worker ``name`` (POST /admin/drain)."""
+        return await self.migrator.drain(name, stop=stop)
 
     async def abort(self, rid: str) -> None:
         d = self._inflight.get(rid)

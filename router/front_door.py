@@ -238,6 +238,28 @@ class FrontDoor:
         return JSONResponse({"killed": worker})
 
 
+    async def admin(self, request: Request, verb: str, **args) -> Response:
+        """An operator's move, behind the API key: ``drain`` (every live request off a decode
+        worker; ``stop``: then stop it, the supervisor relaunches it) or ``migrate`` (one running
+        request to another decode worker). 404 where the backend cannot; 409 when the request is
+        not movable now (not decoding yet, or no worker to take it)."""
+        try:
+            self.check_auth(request)
+        except APIError as e:
+            return refusal(e)
+        fn = getattr(self.backend, verb, None)
+        if fn is None:
+            return error_response(404, f"this backend cannot {verb} (live migration needs decode workers)",
+                                  code="not_found")
+        try:
+            out = await fn(**args)
+        except LookupError as e:
+            return error_response(404, str(e), code="not_found")
+        except ValueError as e:
+            return error_response(409, str(e), code="conflict")
+        return JSONResponse(out if isinstance(out, dict) else {"rid": args.get("rid"), "to": out})
+
+
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     return APIError(413, f"request body is {'over ' if at_least else ''}{size} bytes; the limit is "
                          f"{limit} bytes", code="request_too_large", reason="too_large")

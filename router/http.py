@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST
 /v1/messages/count_tokens (anthropic.py), POST /v1/responses, GET / DELETE /v1/responses/{id},
 POST /v1/responses/{id}/cancel (responses/routes.py, over the backend's ``response_store`` when
 it has one, else a store in this process), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
-(each worker's KV accounting and invariant verdict), POST /debug/kill (only with
+(each worker's KV accounting and invariant verdict), POST /admin/drain and /admin/migrate (live
+migration between decode workers, behind the API key), POST /debug/kill (only with
 ``ServeConfig.debug_endpoints``). /v1/* needs the API key when
 ``ServeConfig.api_key`` is set (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
 clients send it).
@@ -107,6 +108,17 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     async def debug_kv(request: Request) -> Response:
         """Each worker's KV accounting and invariant verdict (read-only; behind the API key)."""
         return await door.debug_kv(request)
+
+    @app.post("/admin/drain")
+    async def admin_drain(request: Request, worker: str = "", stop: bool = False) -> Response:
+        """Move every live request off decode worker ``worker`` (live migration); ``stop``: then
+        stop it (a rolling restart: the supervisor relaunches it). Behind the API key."""
+        return await door.admin(request, "drain", name=worker, stop=stop)
+
+    @app.post("/admin/migrate")
+    async def admin_migrate(request: Request, rid: str = "", to: str = "") -> Response:
+        """Move running request ``rid`` to decode worker ``to`` (default: the least loaded one)."""
+        return await door.admin(request, "migrate", rid=rid, to=to or None)
 
     @app.post("/debug/kill")
     async def debug_kill(request: Request, worker: str = "") -> Response:

@@ -1,7 +1,8 @@
 """Thin Ray shells around the simulated workers (sim/remote.py), speaking the real workers'
 actor protocol (prefill/actor.py, decode/actor.py): info, handshake, add_peer / add_prefill,
-remove_peer / remove_prefill, prefill / generate, abort, stats, debug_kv, ping, drain,
-metrics_text, shutdown. Created by cluster/launch.py for ``engine: sim`` on Ray."""
+remove_peer / remove_prefill, add_decode / remove_decode, prefill / generate, abort, stats,
+debug_kv, ping, drain, metrics_text, shutdown. Simulated decode workers do not migrate requests
+(``freeze`` refuses). Created by cluster/launch.py for ``engine: sim`` on Ray."""
 
 from __future__ import annotations
 
@@ -81,9 +82,10 @@ class SimDecodeActor(_Shell):
     def __init__(self, name: str, serve_config: dict, kv_events: bool = False, tokenizer=None):
         self.role = SimDecodeRole(name, ServeConfig.model_validate(serve_config), tokenizer)
         self.prefills: dict[str, _RemotePrefill] = {}
+        self.decodes: set[str] = set()
 
     def info(self) -> dict:
-        return self.role.info(kv_events=None, kv_replay=None, peers=sorted(self.prefills),
+        return self.role.info(kv_events=None, kv_replay=None, peers=sorted(self.prefills) + sorted(self.decodes),
                               node_id=ray.get_runtime_context().get_node_id(),
                               vocab_size=int(self.role.tokenizer.vocab_size))
 
@@ -94,6 +96,16 @@ class SimDecodeActor(_Shell):
 
     def remove_prefill(self, name: str) -> None:
         self.prefills.pop(name, None)
+
+    def add_decode(self, handshake: bytes, handle) -> str:
+        self.decodes.add(handshake.decode())
+        return handshake.decode()
+
+    def remove_decode(self, name: str) -> None:
+        self.decodes.discard(name)
+
+    async def freeze(self, rid: str) -> bool:
+        raise ValueError(f"simulated decode worker {self.role.name} does not migrate requests")
 
     async def generate(self, req_wire: dict, prefill_name: str | None):
         client = self.prefills.get(prefill_name) if prefill_name else None
