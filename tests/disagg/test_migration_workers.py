@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +24,18 @@ PAGE = 4
 CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=768,
                                                                   max_running_requests=6))
 PROMPT = "Name three rivers in Europe and say where each one flows."
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))   # hf_hybrid_support
+
+
+@pytest.fixture(scope="module", params=["gemma3", "granite"])
+def hybrid_family(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_hybrid_support import tiny_gemma3_dir, tiny_granite_dir
+    from tandem.engine.loader import load_model
+
+    path = tmp_path_factory.mktemp(request.param)
+    (tiny_gemma3_dir(path, window=8) if request.param == "gemma3" else tiny_granite_dir(path))
+    return request.param, load_model(str(path), device="cpu", dtype="float32")
 
 
 class SourceClient:
@@ -124,3 +138,45 @@ def test_freeze_refuses_a_request_that_is_not_decoding(cluster, loop):
     with pytest.raises(ValueError, match="not decoding here"):
         run(loop, a.freeze("nobody"))
     run(loop, at_baseline(p, a, b))
+
+
+def test_a_hybrid_request_migrates_with_its_window_and_state(hybrid_family, loop):
+    """Gemma 3 (FULL + SWA) and Granite-4.0-H (FULL + MAMBA): the SWA rows of the kept window
+    and the recurrent state row move with the full pages; the result is the colocated output."""
+    from hf_hybrid_support import hybrid_engine_config
+    from tandem.decode.worker import DecodeWorker
+    from tandem.prefill.worker import PrefillWorker
+
+    name, loaded = hybrid_family
+    cfg = hybrid_engine_config(page_size=PAGE)
+    ids = list(b"[7] tell me about hybrid models and their windows, please: ")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    async def go():
+        p = PrefillWorker(f"hm-{name}-p", cfg, loaded=loaded, transfer_timeout_s=20)
+        a = DecodeWorker(f"hm-{name}-a", cfg, loaded=loaded, transfer_timeout_s=20)
+        b = DecodeWorker(f"hm-{name}-b", cfg, loaded=loaded, transfer_timeout_s=20, kv_digest=True)
+        for x, y in ((p, a), (p, b), (a, b)):
+            x.add_peer(y.handshake())
+            y.add_peer(x.handshake())
+        try:
+            greq = GenerateRequest(f"hm-{name}", tuple(ids), params)
+            first = await _first_leg(a, greq, LocalClient(p), after=4)
+            second = await collect(b.generate(dataclasses.replace(greq, resume=_resume(first)), SourceClient(a)))
+            assert second[-1].error is None, second[-1]
+            await at_baseline(p, a, b)
+            for w in (p, a, b):
+                await w.handle.check_invariants()
+            return [t for c in first[:-1] + second for t in c.token_ids], b.counts["kv_bytes_received"]
+        finally:
+            for w in (p, a, b):
+                w.close()
+
+    from tandem.engine.engine import Engine
+    e = Engine(cfg, loaded=loaded)
+    try:
+        ref = e.generate(ids, params).token_ids
+    finally:
+        e.shutdown()
+    toks, moved = run(loop, go())
+    assert toks == ref and moved > 0
