@@ -90,6 +90,7 @@ class RayClusterBackend:
                                      discover=launcher.detached or cfg.planner.enabled)
         self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor)
+        self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
         self.response_store = None   # cluster/responses.py's store actor, once started
 
     @property
@@ -126,6 +127,8 @@ class RayClusterBackend:
         anything (killed, not yet noticed by the monitor), or a prefill worker found dead when the
         request failed before its first token, costs one re-route without that worker (with no
         prefill worker left, the decode worker prefills locally)."""
+        if self.cfg.migration.policy == "balance" and self._policy is None:   # on the serving loop
+            self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
         for attempt in range(2):
             d = self.pool.get(r.decode)
@@ -153,6 +156,7 @@ class RayClusterBackend:
         p = self.pool.get(r.prefill)
         gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
         self._inflight[req.rid] = d
+        self.migrator.routes[req.rid] = r
         finished, first, rerouted = False, True, False
         ids, chars, source = [], 0, None   # what the client has; the worker a migration left
         try:
@@ -209,6 +213,7 @@ class RayClusterBackend:
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             self._inflight.pop(req.rid, None)
+            self.migrator.routes.pop(req.rid, None)
             if not rerouted:
                 self.dispatch.release(r)
             if not finished:  # the caller went away: stop the request on its decode worker

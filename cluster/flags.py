@@ -109,6 +109,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--dispatch-queue-size", "dispatch_queue_size",
          "requests that may wait for an admissible worker before 429s (0: refuse at once)"),
     Flag("--dispatch-queue-ttl", "dispatch_queue_ttl_s", "seconds a request may wait in that queue"),
+    Flag("--migration", "migration.policy",
+         "live migration between decode workers: 'balance' moves running requests off a full or "
+         "skewed worker (instead of retracting); 'off' only on POST /admin/migrate and /admin/drain"),
     Flag("--planner", "planner.enabled",
          "autoscale prefill and decode workers from TTFT / inter-token latency against their targets"),
     Flag("--ttft-slo", "planner.ttft_slo_s", "the planner's time-to-first-token target (seconds)"),
@@ -127,7 +130,7 @@ YAML_ONLY: frozenset[str] = frozenset({
     "engine_config.hybrid", "engine_config.transfer",
     "planner.percentile", "planner.window_s", "planner.period_s", "planner.queue_per_prefill",
     "planner.scale_down_fraction", "planner.scale_down_after_s", "planner.drain_timeout_s",
-    "responses",
+    "responses", "migration.period_s", "migration.high", "migration.low", "migration.spread",
 })
 
 

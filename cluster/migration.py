@@ -13,6 +13,9 @@ The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``
                            KV went to the source's cache: a full prefix hit, nothing recomputed)
     drain(name)            no new requests for the worker; every live request on it migrates
                            away; with ``stop``, it is then stopped (the supervisor replaces it)
+    rebalance(cfg)         the ``balance`` policy: every ``cfg.period_s`` one move that
+                           router/rebalance.py plans (a full worker sheds a request to an empty one
+                           instead of retracting; a skewed pair evens out)
 
 The client's stream never sees "migrated": the legs are spliced, so no token is repeated or
 missing (the resumed request starts after what was streamed).
@@ -29,6 +32,7 @@ from tandem.cluster.workers import DECODE, WorkerPool, WorkerRef
 from tandem.core.messages import GenerateRequest, Resume
 from tandem.core.types import StreamChunk
 from tandem.router.dispatch import Dispatcher, Route
+from tandem.router.rebalance import plan_moves
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,8 @@ class Migrator:
                  supervisor=None):
         self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
         self._moves: dict[str, WorkerRef] = {}   # rid -> where it goes once frozen
-        self.counts = {"migrations": 0, "fallbacks": 0, "refused": 0}
+        self.routes: dict[str, Route] = {}        # rid -> its route (the backend's stream loop keeps it)
+        self.counts = {"migrations": 0, "fallbacks": 0, "refused": 0, "pressure": 0, "skew": 0}
 
     def target(self, exclude: set[int]) -> WorkerRef | None:
         """The live, non-draining decode worker with the fewest KV tokens, not in ``exclude``."""
@@ -118,6 +123,35 @@ class Migrator:
         return {"worker": name, "moved": [{"rid": rid, "to": t} for rid, t in moved],
                 "remaining": still, "errors": {k: v for k, v in failed.items() if k in still},
                 "stopped": bool(stop and not still)}
+
+
+    async def rebalance(self, cfg) -> None:
+        """Forever (a task on the router's loop): the ``balance`` policy (``cfg``: MigrationConfig)."""
+        while True:
+            await asyncio.sleep(cfg.period_s)
+            try:
+                await self.rebalance_once(cfg)
+            except Exception:  # noqa: BLE001 - a bad round must not stop the policy
+                log.exception("migration policy round failed")
+
+    async def rebalance_once(self, cfg) -> list[str]:
+        """One decision and its move; returns the rids moved."""
+        snaps = self.dispatch.snapshots()
+        exclude = {wid for wid, s in snaps.items() if s.draining}
+        running = [(rid, r.decode, r.decode_tokens) for rid, r in list(self.routes.items())
+                   if r.decode_open and rid not in self._moves]
+        moved = []
+        for m in plan_moves(self.dispatch.view().decode, running, high=cfg.high, low=cfg.low,
+                            spread=cfg.spread, exclude=exclude):
+            t = self.pool.get(m.target)
+            try:
+                await self.migrate(m.rid, t.name if t is not None else None)
+            except (LookupError, ValueError) as e:   # not decoding yet, or it just ended
+                log.info("policy move of %s refused: %s", m.rid, e)
+                continue
+            self.counts[m.why] += 1
+            moved.append(m.rid)
+        return moved
 
 
 def resume_of(chunks_ids: list[int], chars: int, last: StreamChunk) -> Resume:

@@ -11,6 +11,7 @@ here and only here: the command-line flags (cluster/flags.py) are generated from
         transfer: TransferConfig   the NIXL agent of disaggregated workers
       planner: PlannerConfig       SLO-driven prefill:decode autoscaling
       responses: ResponsesConfig   the Responses API's store (bounds)
+      migration: MigrationConfig   when running requests move between decode workers
 """
 
 from __future__ import annotations
@@ -129,6 +130,22 @@ class EngineConfig(_Strict):
         return self
 
 
+class MigrationConfig(_Strict):
+    """Live migration of running requests between decode workers (router/rebalance.py decides,
+    cluster/migration.py moves). ``POST /admin/migrate`` and ``/admin/drain`` work whatever the
+    policy; ``balance`` also moves requests by itself, instead of letting a full worker retract."""
+
+    policy: Literal["off", "balance"] = Field("off", description="'balance': every period, move one "
+                                              "request from the fullest decode worker to the emptiest "
+                                              "under pressure or skew (router/rebalance.py)")
+    period_s: float = Field(0.5, gt=0, description="seconds between two decisions")
+    high: float = Field(0.85, gt=0, le=1, description="a decode worker this full (KV tokens of its "
+                        "running requests over its pool) sheds a request, if a peer is at most `low`")
+    low: float = Field(0.6, ge=0, lt=1, description="how empty a peer must be to take it")
+    spread: float = Field(0.5, gt=0, le=1, description="or move when two decode workers' fullness "
+                          "differs by more than this")
+
+
 class PlannerConfig(_Strict):
     """The router's SLO planner (router/planner.py; cluster/autoscaler.py applies its plans): it
     turns measured TTFT and inter-token latency against these targets, and the prefill queue
@@ -224,6 +241,7 @@ class ServeConfig(_Strict):
     sim_speedup: float = Field(1.0, gt=0, description="engine 'sim': simulated seconds per wall second")
     engine_config: EngineConfig = EngineConfig()
     planner: PlannerConfig = PlannerConfig()
+    migration: MigrationConfig = MigrationConfig()
     responses: ResponsesConfig = ResponsesConfig()
 
     @property

@@ -15,7 +15,7 @@ import pytest
 
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig
 
-OUT = 48
+OUT = 64
 TOPICS = ("rivers", "bridges", "volcanoes")
 
 
@@ -34,11 +34,11 @@ def cluster(ray_local, smollm2_default):
     from tandem.cluster.launch import launch_disaggregated
     from tandem.engine.engine import Engine
 
-    from test_retraction_cluster import _Server
+    from serve_support import Server
 
     cfg = _cfg()
     backend = launch_disaggregated(cfg, loaded=smollm2_default)
-    server = _Server(backend, cfg)
+    server = Server(backend, cfg)
     e = Engine(cfg.engine_config, loaded=smollm2_default)
     want = {}
     for t in TOPICS:   # the oracle: the same request on a colocated engine, no migration
@@ -52,13 +52,13 @@ def cluster(ray_local, smollm2_default):
     backend.close()
 
 
-def _stream(server, topic: str, out: dict) -> None:
+def _stream(server, topic: str, out: dict, session: str | None = None) -> None:
     """A streamed chat, its text and finish reason into ``out[topic]``."""
     text, finish, err = [], None, None
     try:
         s = server.client.chat.completions.create(
             model="smollm2", messages=_messages(topic), max_tokens=OUT, temperature=0, stream=True,
-            extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": f"m-{topic}"})
+            extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": session or f"m-{topic}"})
         for ev in s:
             if ev.choices:
                 text.append(ev.choices[0].delta.content or "")
@@ -94,6 +94,41 @@ def _idle(server, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def _check(out: dict, want: dict) -> None:
+    for t in TOPICS:
+        text, finish, err = out[t]
+        assert err is None and finish == "length", (t, out[t])
+        assert text == want[t], f"{t}: migrated text differs from the unmigrated one"
+
+
+def test_the_balance_policy_spreads_a_session_that_piled_onto_one_worker(cluster):
+    """One session's three streams all land on one decode worker (session affinity); one policy
+    round moves one of them to the empty worker, and every text is still the unmigrated one."""
+    import asyncio
+
+    from tandem.core.config import MigrationConfig
+
+    backend, server, want = cluster
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(server, t, out, "one-session")) for t in TOPICS]
+    for th in threads:
+        th.start()
+    on = _wait_decoding(backend, len(TOPICS))
+    assert len(set(on.values())) == 1, on
+    cfg = MigrationConfig(policy="balance", high=0.99, low=0.98, spread=0.001)
+    moved = []
+    for _ in range(100):   # until one of them decodes (not still prefilling)
+        moved = asyncio.run(backend.migrator.rebalance_once(cfg))
+        if moved:
+            break
+        time.sleep(0.05)
+    assert len(moved) == 1 and backend.migrator.counts["skew"] >= 1
+    for th in threads:
+        th.join(120)
+    _check(out, want)
+    _idle(server)
+
+
 def test_streams_move_between_decode_workers_and_a_drained_worker_empties(cluster):
     backend, server, want = cluster
     out: dict = {}
@@ -101,7 +136,6 @@ def test_streams_move_between_decode_workers_and_a_drained_worker_empties(cluste
     for th in threads:
         th.start()
     on = _wait_decoding(backend, len(TOPICS))
-    time.sleep(1.0)   # a few tokens out
     # one request, by hand, to the other decode worker (retried while it is still prefilling)
     rid, src = next(iter(on.items()))
     for _ in range(100):
@@ -118,9 +152,6 @@ def test_streams_move_between_decode_workers_and_a_drained_worker_empties(cluste
     assert d["moved"] and d["remaining"] == [] and all(m["to"] != busiest for m in d["moved"]), d
     for th in threads:
         th.join(120)
-    for t in TOPICS:
-        text, finish, err = out[t]
-        assert err is None and finish == "length", (t, out[t])
-        assert text == want[t], f"{t}: migrated text differs from the unmigrated one"
+    _check(out, want)
     assert backend.migrator.counts["migrations"] >= 2
     _idle(server)

@@ -1,0 +1,46 @@
+"""router/rebalance.py: when a running request moves between decode workers (pure, exact)."""
+
+from __future__ import annotations
+
+from tandem.router.rebalance import Move, plan_moves
+from tandem.router.view import WorkerView
+
+KW = dict(high=0.85, low=0.6, spread=0.5)
+
+
+def dec(wid: int, tokens: int, cap: int = 1000, alive: bool = True) -> WorkerView:
+    return WorkerView(wid, "decode", alive=alive, running_tokens=tokens, capacity_tokens=cap)
+
+
+def test_pressure_moves_the_largest_request_that_fits_to_the_emptiest_worker():
+    ws = [dec(0, 900), dec(1, 100), dec(2, 400)]
+    running = [("a", 0, 300), ("b", 0, 500), ("c", 0, 100), ("d", 1, 100)]
+    assert plan_moves(ws, running, **KW) == [Move("b", 0, 1, "pressure")]   # 400 / 600 ties 600 / 400: larger
+
+
+def test_no_move_when_no_peer_has_room_or_nothing_fits():
+    assert plan_moves([dec(0, 900), dec(1, 700)], [("a", 0, 100)], **KW) == []      # peer above low
+    assert plan_moves([dec(0, 900), dec(1, 500)], [("a", 0, 400)], **KW) == []      # 500 + 400 > 850
+    assert plan_moves([dec(0, 900)], [("a", 0, 100)], **KW) == []                    # one worker
+
+
+def test_skew_moves_only_what_narrows_the_gap():
+    running = [("a", 0, 300), ("b", 0, 300)]
+    assert plan_moves([dec(0, 600), dec(1, 0)], running, **KW) == [Move("a", 0, 1, "skew")]   # gap 0.6; ties by rid
+    assert plan_moves([dec(0, 600), dec(1, 200)], running, **KW) == []                      # gap 0.4
+    # equal requests 2:1 -> moving one only flips the imbalance: no move
+    assert plan_moves([dec(0, 200), dec(1, 100)], [("a", 0, 100), ("b", 0, 100), ("c", 1, 100)],
+                      high=0.99, low=0.0, spread=0.01) == []
+    assert plan_moves([dec(0, 300), dec(1, 0)], [("a", 0, 100), ("b", 0, 200)],
+                      high=0.99, low=0.0, spread=0.01) == [Move("b", 0, 1, "skew")]   # 100 / 200 either way
+    assert plan_moves([dec(0, 400), dec(1, 0)], [("a", 0, 150), ("b", 0, 300)],
+                      high=0.99, low=0.0, spread=0.01) == [Move("a", 0, 1, "skew")]   # 250 / 150 beats 100 / 300
+
+
+
+def test_excluded_dead_and_unsized_workers_are_never_targets():
+    running = [("a", 0, 100)]
+    assert plan_moves([dec(0, 900), dec(1, 0)], running, **KW, exclude={1}) == []
+    assert plan_moves([dec(0, 900), dec(1, 0, alive=False)], running, **KW) == []
+    assert plan_moves([dec(0, 900), dec(1, 0, cap=0)], running, **KW) == []
+    assert plan_moves([dec(0, 900), dec(1, 0), dec(2, 0)], running, **KW) == [Move("a", 0, 1, "pressure")]
