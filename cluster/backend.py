@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import REGISTRY, generate_latest
@@ -43,6 +44,7 @@ from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk
+from tandem.router import metrics as rm
 from tandem.router.deferred import DeferredDispatch
 from tandem.router.dispatch import Dispatcher, Route
 from tandem.router.policies import AdmissionLimits, PolicyConfig
@@ -159,6 +161,7 @@ class RayClusterBackend:
         self.migrator.routes[req.rid] = r
         finished, first, rerouted = False, True, False
         ids, chars, source = [], 0, None   # what the client has; the worker a migration left
+        last_token_at, paused = time.monotonic(), False   # the client-visible gap of a migration
         try:
             try:
                 while True:
@@ -166,7 +169,7 @@ class RayClusterBackend:
                     if c is None:
                         break
                     if c.finish_reason == "migrated":     # this leg ended: the request moved
-                        source = d
+                        source, paused = d, True
                         gen, d = self.migrator.next_leg(req, r, d, resume_of(ids, chars, c))
                         continue
                     if source is not None and c.finish_reason == "abort" and not c.token_ids and source.alive:
@@ -175,6 +178,12 @@ class RayClusterBackend:
                         gen, d = await self.migrator.fall_back(req, r, source, resume_of(ids, chars, c))
                         source = None
                         continue
+                    if c.token_ids:
+                        now = time.monotonic()
+                        if paused:
+                            rm.MIGRATION_PAUSE.observe(now - last_token_at)
+                            rm.MIGRATIONS.labels("moved" if source is not None else "fallback").inc()
+                        last_token_at, paused = now, False
                     source = None
                     ids += c.token_ids
                     chars += len(c.text)

@@ -12,7 +12,8 @@ The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``
     fall_back(...)         the target failed before its first chunk: the source resumes it (its
                            KV went to the source's cache: a full prefix hit, nothing recomputed)
     drain(name)            no new requests for the worker; every live request on it migrates
-                           away; with ``stop``, it is then stopped (the supervisor replaces it)
+                           away; with ``stop``, it is then stopped and relaunched (a rolling
+                           restart), else it stays out of rotation (retiring: not relaunched)
     rebalance(cfg)         the ``balance`` policy: every ``cfg.period_s`` one move that
                            router/rebalance.py plans (a full worker sheds a request to an empty one
                            instead of retracting; a skewed pair evens out)
@@ -63,7 +64,7 @@ class Migrator:
         if d is None:
             raise LookupError(f"no request {rid} in flight on this router")
         t = self.pool.named(to) if to else self.target({d.wid})
-        if t is None or t.role != DECODE or not t.alive or t is d:
+        if t is None or t.role != DECODE or not t.alive or t.wid == d.wid:
             raise LookupError(f"no decode worker to move {rid} to" + (f" (asked for {to!r})" if to else ""))
         self._moves[rid] = t
         try:
@@ -103,8 +104,9 @@ class Migrator:
         await w.handle.drain.remote()
         moved, failed, end = [], {}, time.monotonic() + timeout_s
         while time.monotonic() < end:
-            left = [rid for rid, d in list(self._inflight.items()) if d is w and rid not in self._moves]
-            if not left and not any(d is w for d in self._inflight.values()):
+            left = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid and rid not in self._moves]
+            arriving = any(t.wid == w.wid for t in list(self._moves.values()))   # moving here right now
+            if not left and not arriving and not any(d.wid == w.wid for d in list(self._inflight.values())):
                 break
             for rid in left:
                 try:
@@ -113,13 +115,15 @@ class Migrator:
                 except (LookupError, ValueError) as e:   # prefilling still, or already ending
                     failed[rid] = str(e)
             await asyncio.sleep(DRAIN_POLL_S)
-        still = [rid for rid, d in self._inflight.items() if d is w]
-        if stop and not still:
+        still = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid]
+        still += [rid for rid, t in list(self._moves.items()) if t.wid == w.wid]
+        if stop and not still:   # a restart: out of the pool now, then relaunched like a dead one
             import ray
 
             ray.kill(w.handle)
             if self.supervisor is not None:
-                self.supervisor.mark_dead(w, "drained and stopped")
+                self.supervisor.mark_dead(w, "drained and stopped for a restart")
+            w.retiring = False
         return {"worker": name, "moved": [{"rid": rid, "to": t} for rid, t in moved],
                 "remaining": still, "errors": {k: v for k, v in failed.items() if k in still},
                 "stopped": bool(stop and not still)}

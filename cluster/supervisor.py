@@ -166,7 +166,7 @@ class Supervisor:
             except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
                 log.info("stats of %s unavailable: %s", refs[ref].name, e)
                 continue
-            if snap.draining:
+            if snap.draining and refs[ref].alive:   # (a worker stopped meanwhile keeps its fate)
                 refs[ref].retiring = True
             self.dispatch.update_snapshot(refs[ref].wid, snap)
 

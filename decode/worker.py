@@ -126,6 +126,7 @@ class DecodeWorker(RoleWorker):
         self.kv_digest = kv_digest
         self.debug_corrupt_kv = debug_corrupt_kv
         self._jobs: dict[str, _Job] = {}
+        self._frozen: dict[str, asyncio.TimerHandle] = {}   # migrated away, KV held: its expiry
         self._pump: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
@@ -237,12 +238,18 @@ class DecodeWorker(RoleWorker):
     # ------------------------------------------------------------------ live migration, source side
     async def freeze(self, rid: str) -> None:
         """End decoding ``rid`` here (its stream's last chunk says "migrated") and hold its KV for
-        :meth:`migrate_out`; ValueError, changing nothing, when it is not decoding here."""
+        :meth:`migrate_out`; ValueError, changing nothing, when it is not decoding here. A frozen
+        request nobody copies within two transfer timeouts (its router died) goes to the cache."""
         await self.handle.migrate(rid)
+        self._frozen[rid] = asyncio.get_running_loop().call_later(
+            2 * self.transfer_timeout_s, self.release_frozen, rid)
 
     def release_frozen(self, rid: str) -> None:
         """A frozen request whose KV will not be copied from here (the new worker recomputes it,
         or the move was given up): its KV goes to this worker's cache. A no-op if none is held."""
+        timer = self._frozen.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
         self.handle.release_held(rid)
 
     async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
@@ -251,6 +258,9 @@ class DecodeWorker(RoleWorker):
         ``xfer``'s pages, then release it to this worker's cache. Returns, like a prefill, only
         when no write is in flight (except ``in_flight=True``); ``first_token`` is None."""
         rid, req = req_wire["rid"], KVTransferRequest.decode(xfer)
+        timer = self._frozen.pop(rid, None)   # being copied: no expiry from here on
+        if timer is not None:
+            timer.cancel()
         h = self.handoffs[rid] = Handoff(rid, req.transfer_id, TransferState.BOOTSTRAPPED)
 
         def answer(status: TransferState, error: str = "", **f) -> PrefillResult:

@@ -19,6 +19,7 @@ Recorded by the dispatcher (router/dispatch.py) every serving backend routes thr
 - ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
 - ``QUEUE_DEPTH`` / ``QUEUE_WAIT``: the deferred-dispatch queue (router/deferred.py): requests
   waiting for an admissible worker, and how long each waited (admitted or not).
+- ``MIGRATIONS{outcome}`` / ``MIGRATION_PAUSE``: live migration (cluster/migration.py).
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ QUEUE_WAIT = _metric(Histogram, "tandem_dispatch_queue_wait_seconds",
                      "Time a request waited in the deferred-dispatch queue, by outcome.",
                      labelnames=("outcome",), buckets=_LATENCY_BUCKETS)
 
+MIGRATIONS = _metric(Counter, "tandem_migrations_total",
+                     "Running requests moved between decode workers, by outcome (moved: the new "
+                     "worker streamed on; fallback: back to the old worker after the new one failed).",
+                     labelnames=("outcome",))
+MIGRATION_PAUSE = _metric(Histogram, "tandem_migration_pause_seconds",
+                          "A migrated request's gap between its last token on the old decode worker "
+                          "and its first on the new one, as the router sees it.", buckets=_LATENCY_BUCKETS)
+
 _totals = {"prompt": 0, "cached": 0}
 _totals_lock = threading.Lock()
 
@@ -102,3 +111,5 @@ for _s in STATUSES:
     REQUESTS.labels(_s)
 for _r in REJECT_REASONS:
     REJECTED.labels(_r)
+for _o in ("moved", "fallback"):
+    MIGRATIONS.labels(_o)

@@ -15,7 +15,7 @@ import pytest
 
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig
 
-OUT = 64
+OUT = 96
 TOPICS = ("rivers", "bridges", "volcanoes")
 
 
@@ -154,4 +154,56 @@ def test_streams_move_between_decode_workers_and_a_drained_worker_empties(cluste
         th.join(120)
     _check(out, want)
     assert backend.migrator.counts["migrations"] >= 2
+    _idle(server)
+
+
+def _metric(server, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text):
+        for s in f.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def _move(server, rid: str, to: str) -> None:
+    for _ in range(200):   # 409 while it is still prefilling
+        r = httpx.post(server.url + "/admin/migrate", params={"rid": rid, "to": to}, timeout=30)
+        if r.status_code != 409:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+
+
+def test_a_rolling_restart_of_every_decode_worker_under_load_drops_no_request(cluster):
+    """Each decode worker in turn takes every stream (moved there by hand) and is then drained with
+    ``stop``: the streams move to the other, it is stopped and relaunched; the clients see only
+    their unmigrated texts, and the next worker goes only once its replacement is serving."""
+    backend, server, want = cluster
+    moved0 = _metric(server, "tandem_migrations_total", outcome="moved")
+    names = sorted(w.name for w in backend.decodes if w.alive)
+    drains = []
+    for name in names:
+        out: dict = {}
+        threads = [threading.Thread(target=_stream, args=(server, t, out, f"r-{name}-{t}")) for t in TOPICS]
+        for th in threads:
+            th.start()
+        for rid, on in _wait_decoding(backend, len(TOPICS)).items():
+            if on != name:
+                _move(server, rid, name)
+        d = httpx.post(server.url + "/admin/drain", params={"worker": name, "stop": "true"}, timeout=120).json()
+        assert d["stopped"] and d["remaining"] == [], d
+        drains.append(d)
+        for th in threads:
+            th.join(120)
+        _check(out, want)
+        end = time.monotonic() + 120     # its replacement joins before the next one goes
+        while sum(1 for w in backend.decodes if w.alive) < len(names):
+            assert time.monotonic() < end, "the drained worker was not replaced"
+            time.sleep(0.2)
+    assert any(d["moved"] for d in drains), drains   # (a stream may end before its drain)
+    assert _metric(server, "tandem_migrations_total", outcome="moved") > moved0
+    assert _metric(server, "tandem_migration_pause_seconds_count") > 0
     _idle(server)
