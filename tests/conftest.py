@@ -58,6 +58,35 @@ def smollm2_default(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir, smollm2_gguf):
+    """Hugging Face transformers' own load of the GGUF (dequantized, float32): the independent
+    reference of test_model_smollm2.py and, cast, of test_model_smollm2_bf16.py. Loaded once per
+    session (transformers parses the GGUF twice and builds its tensor-name map per tensor: ~15 s)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_bf16(hf_smollm2):
+    """HF's SmolLM2 in bfloat16: a copy of ``hf_smollm2`` with its parameters rounded to bfloat16
+    and its buffers (RoPE's ``inv_freq``) left float32, which is what ``from_pretrained(...,
+    dtype=torch.bfloat16)`` builds (measured: bitwise the same logits and greedy tokens on the
+    five test prompts), without a second GGUF load."""
+    import copy
+
+    import torch
+
+    m = copy.deepcopy(hf_smollm2)
+    for p in m.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_dir, smollm2_gguf):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=os.path.basename(smollm2_gguf))

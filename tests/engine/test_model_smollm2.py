@@ -7,8 +7,6 @@ the bound asserted is 1e-3. Greedy tokens are identical.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,10 +22,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir, smollm2_gguf):
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
-    return m.eval()
+def hf_model(hf_smollm2):
+    return hf_smollm2      # the session's HF load (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
