@@ -58,6 +58,15 @@ def smollm2_default(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_swa16(smollm2_gguf):
+    """SmolLM2 (float32) with ``sliding_window=16``: every layer sliding-window, so the full pool
+    holds no layers (test_hybrid_engine.py, tests/disagg/test_hybrid_workers.py)."""
+    from tandem.engine.loader import load_model
+
+    return load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_dir, smollm2_gguf):
     """Hugging Face transformers' own load of the GGUF (dequantized, float32): the independent
     reference of test_model_smollm2.py and, cast, of test_model_smollm2_bf16.py. Loaded once per
