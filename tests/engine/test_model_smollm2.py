@@ -89,9 +89,11 @@ def test_greedy_matches_hf_generate(greedy, prompt_ids, hf_model, smollm2):
 
 @pytest.mark.slow
 def test_greedy_matches_hf_generate_all(greedy, prompt_ids, hf_model, smollm2):
+    """With test_greedy_matches_hf_generate (prompt 1), every prompt."""
     eos = smollm2.tokenizer.eos_token_ids
-    for ids, out in zip(prompt_ids, greedy):
-        assert out == _hf_generate(hf_model, ids, eos)
+    for i, (ids, out) in enumerate(zip(prompt_ids, greedy)):
+        if i != 1:
+            assert out == _hf_generate(hf_model, ids, eos)
 
 
 def test_chunked_prefill_matches_one_shot(runner, prompt_ids):
