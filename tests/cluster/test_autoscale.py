@@ -27,6 +27,7 @@ TTFT_SLO_S = 0.8
 # window, asks for a prefill worker a few seconds in); a role idle SCALE_DOWN_AFTER_S loses a worker;
 # the autoscaler lets an idle node go after IDLE_NODE_MINUTES (the bench's 0.1: 6 s).
 STEP_S = 8.0
+MAX_PREFILL = 2           # one worker (and node) to add and take back; the bench allows 3
 SCALE_DOWN_AFTER_S = 2.0
 IDLE_NODE_MINUTES = 0.05
 
@@ -53,18 +54,18 @@ def _wait_for_nodes(env, address: str, resource: str, want: int, timeout_s: floa
 
 def test_the_planner_scales_the_role_that_misses_its_slo_and_back(tmp_path):
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    nodes = {**fake_cluster_config(), "idle_timeout_minutes": IDLE_NODE_MINUTES}
+    nodes = {**fake_cluster_config(max_prefill=MAX_PREFILL), "idle_timeout_minutes": IDLE_NODE_MINUTES}
     with RayNodes(token_auth=True, env=env, autoscaling_config=nodes) as c:
         cfg = serve_config(c.address, "tandem-as", {
             "ttft_slo_s": TTFT_SLO_S, "itl_slo_s": 0.2, "period_s": 1.0, "window_s": 4.0, "min_prefill": 1,
-            "max_prefill": 3, "min_decode": 1, "max_decode": 2, "scale_down_after_s": SCALE_DOWN_AFTER_S,
+            "max_prefill": MAX_PREFILL, "min_decode": 1, "max_decode": 2, "scale_down_after_s": SCALE_DOWN_AFTER_S,
             "percentile": 0.9})
         r = start_router(cfg, c.client_env(), str(tmp_path), timeout_s=240)
         try:
             results: list = []
 
             async def scenario():
-                await open_loop(r.url, 1.0, 4.0, results, "base")      # ~0.33 s prefills: a third busy
+                await open_loop(r.url, 1.0, 2.0, results, "base")      # ~0.33 s prefills: a third busy
                 await open_loop(r.url, 4.0, STEP_S, results, "step")   # 4x: one prefill worker saturates
 
             asyncio.run(scenario())
