@@ -204,7 +204,9 @@ def test_killing_the_prefill_worker_loses_no_request_and_serving_goes_on(servers
     transfer timeout: that moment is bounded by ``transfer_timeout_s``; the completion after it
     is a local prefill of the whole prompt, as long as the machine takes (CI once needed 10.5 s)."""
     backend, disagg, coloc = servers
-    long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog " * 60}]
+    # ~1,350 tokens, three 512-token prefill chunks: stats() answers between engine steps, so the
+    # first "busy" is seen after a chunk at the latest and the kill still lands mid-prefill
+    long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog " * 150}]
     result: dict = {}
     rerouted: list[float] = []
     reroute = backend.dispatch.reroute
