@@ -1,9 +1,10 @@
 """The planner on Ray's fake multi-node autoscaling cluster (the fake_multinode provider that
 ``ray.cluster_utils.AutoscalingCluster`` drives; started here without its ``ray stop --force``,
 which would stop every Ray on the machine): node types ``prefill`` and ``decode`` as KubeRay's
-groups, ``tandem serve --engine sim`` workers, a 4x load step (shorter than the bench's). The planner adds the role that
-misses its SLO (prefill: TTFT), the autoscaler adds its node, the new worker joins routing, no
-request fails; after the load it drains the idle worker and the autoscaler lets its node go."""
+groups, ``tandem serve --engine sim`` workers, a 4x load step (shorter than the bench's). The
+planner adds the role that misses its SLO (prefill: TTFT), the autoscaler adds its node, the new
+worker joins routing, no request fails; after the load it drains the idle worker and the
+autoscaler lets its node go."""
 
 from __future__ import annotations
 
