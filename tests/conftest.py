@@ -58,6 +58,56 @@ def smollm2_default(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_swa16(smollm2_gguf):
+    """SmolLM2 (float32) with ``sliding_window=16``: every layer sliding-window, so the full pool
+    holds no layers (test_hybrid_engine.py, tests/disagg/test_hybrid_workers.py)."""
+    from tandem.engine.loader import load_model
+
+    return load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir, smollm2_gguf):
+    """Hugging Face transformers' own load of the GGUF (dequantized, float32): the independent
+    reference of test_model_smollm2.py and, cast, of test_model_smollm2_bf16.py. Loaded once per
+    session: transformers parses the GGUF twice and rebuilds gguf's tensor-name map for every
+    module it walks (~400 times; ~15 s in all). The map is a pure function of (architecture,
+    block count), read only, so it is built once here (measured: the same state dict, ~half the
+    load time)."""
+    import functools
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        try:
+            import gguf
+
+            mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        except (ImportError, AttributeError):
+            pass
+        m = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_bf16(hf_smollm2):
+    """HF's SmolLM2 in bfloat16: a copy of ``hf_smollm2`` with its parameters rounded to bfloat16
+    and its buffers (RoPE's ``inv_freq``) left float32, which is what ``from_pretrained(...,
+    dtype=torch.bfloat16)`` builds (measured: bitwise the same logits and greedy tokens on the
+    five test prompts), without a second GGUF load."""
+    import copy
+
+    import torch
+
+    m = copy.deepcopy(hf_smollm2)
+    for p in m.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_dir, smollm2_gguf):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=os.path.basename(smollm2_gguf))

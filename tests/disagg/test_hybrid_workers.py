@@ -206,10 +206,10 @@ def test_corrupt_received_state_or_window_is_caught_by_the_digest(family, loop):
         d.close()
 
 
-def test_every_layer_sliding_window_moves_no_full_pages(smollm2_gguf, loop):
+def test_every_layer_sliding_window_moves_no_full_pages(smollm2_swa16, loop):
     """SmolLM2 with sliding_window=16: the full pool has no layers, so no "kv" region is
     registered and a transfer moves only the SWA rows of the kept window."""
-    loaded = load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
+    loaded = smollm2_swa16
     ids = loaded.tokenizer.encode("Sliding windows all the way down: every layer is local here, ok?")
     ref = _colocated(loaded, [ids], 4)[0]
     p, d = _workers(loop, loaded, "swa-only", page_size=4, digest=True)

@@ -2,7 +2,8 @@
 the front door accepts. Real clients only (openai, openai-agents, langchain-openai, anthropic).
 
 Three servers per module: 1 prefill + 1 decode Ray workers (real NIXL), a colocated engine, and a
-colocated engine with the prefix cache off. Every greedy check runs on all of them and must give
+colocated engine with the prefix cache off, all in the default numerics (``smollm2_default``, as
+every Tandem-vs-Tandem oracle: bitwise batch- and prefix-invariant, test_batch_invariance.py). Every greedy check runs on all of them and must give
 the same result: tool calls decoded under the call grammar (``tool_choice`` required / named /
 Anthropic ``any``) that the test then runs, structured output over seeded random JSON schemas that
 ``jsonschema`` accepts, logprobs whose top entry is the sampled token, n = 3 seeded and
@@ -44,15 +45,15 @@ def _Server(name, backend, cfg):
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2, ray_local):
+def servers(smollm2_default, ray_local):
     from tandem.cluster.launch import launch_disaggregated
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
-    backend = launch_disaggregated(CFG, loaded=smollm2)
-    engines = [Engine(ENGINE, loaded=smollm2),
+    backend = launch_disaggregated(CFG, loaded=smollm2_default)
+    engines = [Engine(ENGINE, loaded=smollm2_default),
                Engine(ENGINE.model_copy(update={"cache": ENGINE.cache.model_copy(
-                   update={"disable_prefix_cache": True})}), loaded=smollm2)]
+                   update={"disable_prefix_cache": True})}), loaded=smollm2_default)]
     out = [_Server("1P+1D", backend, CFG), _Server("colocated", LocalEngineBackend(engines[0]), CFG),
            _Server("colocated, no cache", LocalEngineBackend(engines[1]), CFG)]
     yield out

@@ -197,13 +197,25 @@ def test_killing_a_decode_worker_fails_its_request_and_serving_goes_on(servers):
     assert out.choices[0].message.content.strip()
 
 
-def test_killing_the_prefill_worker_loses_no_request_and_serving_goes_on(servers):
+def test_killing_the_prefill_worker_loses_no_request_and_serving_goes_on(servers, monkeypatch):
     """The request the killed worker was prefilling had sent nothing to the client: the router
     routes it again without that worker (decode prefills it locally) and it completes, with the
-    colocated server's text."""
+    colocated server's text. The router re-routes as soon as the death is seen, not after the
+    transfer timeout: that moment is bounded by ``transfer_timeout_s``; the completion after it
+    is a local prefill of the whole prompt, as long as the machine takes (CI once needed 10.5 s)."""
     backend, disagg, coloc = servers
+    # ~1,350 tokens, three 512-token prefill chunks: stats() answers between engine steps, so the
+    # first "busy" is seen after a chunk at the latest and the kill still lands mid-prefill
     long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog " * 150}]
     result: dict = {}
+    rerouted: list[float] = []
+    reroute = backend.dispatch.reroute
+
+    def spy(r, dead):
+        rerouted.append(time.monotonic())
+        return reroute(r, dead)
+
+    monkeypatch.setattr(backend.dispatch, "reroute", spy)
 
     def send():
         try:
@@ -224,10 +236,10 @@ def test_killing_the_prefill_worker_loses_no_request_and_serving_goes_on(servers
         time.sleep(0.02)
     t0 = time.monotonic()
     ray.kill(victim.handle)
-    th.join(timeout=CFG.transfer_timeout_s + 5)
+    th.join(timeout=120)
     assert not th.is_alive()
-    assert time.monotonic() - t0 < CFG.transfer_timeout_s
     assert "ok" in result, result
+    assert len(rerouted) == 1 and rerouted[0] - t0 < CFG.transfer_timeout_s, (rerouted, t0)
     want = _chat(coloc, long, max_tokens=4)
     assert result["ok"].choices[0].message.content == want.choices[0].message.content
     out = _chat(disagg, QUESTION)      # decode prefills locally until a prefill worker is back

@@ -1,5 +1,5 @@
 """Constraints, logprobs and n across the prefill -> decode hand-off (PrefillWorker + DecodeWorker
-in one process, real engines, real NIXL, SmolLM2; no Ray).
+in one process, real engines, real NIXL, SmolLM2 in the default numerics; no Ray).
 
 The first token is sampled on the prefill worker under the grammar's mask and its logprob comes
 back in the PrefillResult; decode rebuilds the matcher from that token and continues. Greedy
@@ -42,7 +42,7 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def workers(smollm2, loop):
+def workers(smollm2_default, loop):
     from tandem.decode.worker import DecodeWorker
     from tandem.engine.engine import Engine
     from tandem.prefill.worker import PrefillWorker
@@ -50,17 +50,17 @@ def workers(smollm2, loop):
     off = CFG.model_copy(update={"cache": CFG.cache.model_copy(update={"disable_prefix_cache": True})})
 
     async def make():
-        p = PrefillWorker("a-prefill", CFG, loaded=smollm2, transfer_timeout_s=20)
-        p_off = PrefillWorker("a-prefill-nocache", off, loaded=smollm2, transfer_timeout_s=20)
-        d = DecodeWorker("a-decode", CFG, loaded=smollm2, transfer_timeout_s=20)
+        p = PrefillWorker("a-prefill", CFG, loaded=smollm2_default, transfer_timeout_s=20)
+        p_off = PrefillWorker("a-prefill-nocache", off, loaded=smollm2_default, transfer_timeout_s=20)
+        d = DecodeWorker("a-decode", CFG, loaded=smollm2_default, transfer_timeout_s=20)
         for w in (p, p_off):
             w.add_peer(d.handshake())
             d.add_peer(w.handshake())
         return p, p_off, d
 
     p, p_off, d = loop.run_until_complete(make())
-    coloc = Engine(CFG, loaded=smollm2)
-    nocache = Engine(off, loaded=smollm2)
+    coloc = Engine(CFG, loaded=smollm2_default)
+    nocache = Engine(off, loaded=smollm2_default)
     yield p, d, coloc, nocache, p_off
     for w in (p, p_off, d):
         w.close()

@@ -12,6 +12,9 @@
   the members fork the first one's prompt KV), seeded and reproducible, each member the same as
   when run alone.
 - prefix cache off and retraction (recompute) give the same tokens and logprobs.
+
+The engines run the default numerics (as every Tandem-vs-Tandem oracle); the logprob checks run a
+float32 engine against a float32 forward.
 """
 
 from __future__ import annotations
@@ -42,16 +45,19 @@ TOL = 2e-3   # batched engine vs an unbatched reference forward (fp32)
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2, one_torch_thread):
+def engines(smollm2_default, one_torch_thread):
+    """The engines the Tandem-vs-Tandem checks compare, in the default numerics (bitwise batch-
+    and prefix-invariant: test_batch_invariance.py)."""
     from tandem.engine.engine import Engine
 
     base = dict(device="cpu", num_threads=1)
-    made = {"cache": Engine(EngineConfig(**base, cache=CACHE), loaded=smollm2),
+    m = smollm2_default
+    made = {"cache": Engine(EngineConfig(**base, cache=CACHE), loaded=m),
             "nocache": Engine(EngineConfig(**base, cache=CACHE.model_copy(update={"disable_prefix_cache": True,
                                                                                    "debug_invariants": True})),
-                              loaded=smollm2),
+                              loaded=m),
             "retract": Engine(EngineConfig(**base, cache=CACHE.model_copy(update={"debug_invariants": True}),
-                                           scheduler=SchedulerConfig(debug_retract_every=3)), loaded=smollm2)}
+                                           scheduler=SchedulerConfig(debug_retract_every=3)), loaded=m)}
     yield made
     for e in made.values():
         e.shutdown()
@@ -60,6 +66,16 @@ def engines(smollm2, one_torch_thread):
 @pytest.fixture(scope="module")
 def engine(engines):
     return engines["cache"]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(smollm2, one_torch_thread):
+    """A float32 engine for the logprob checks against ``reference`` (a float32 forward, TOL)."""
+    from tandem.engine.engine import Engine
+
+    e = Engine(EngineConfig(device="cpu", num_threads=1, cache=CACHE), loaded=smollm2)
+    yield e
+    e.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +203,8 @@ def _check_logprobs(ref_logits, prompt, out_ids, lps, top_n, greedy, masks=None)
             assert lp.top[0][0] == lp.token_id
 
 
-def test_logprobs_are_log_softmax_of_the_models_logits(engine, reference):
+def test_logprobs_are_log_softmax_of_the_models_logits(fp32_engine, reference):
+    engine = fp32_engine
     for temp in (0.0, 1.0):
         g = chat(engine, "Write a haiku about the sea.", SamplingParams(max_tokens=10, temperature=temp, seed=3,
                                                                          logprobs=True, top_logprobs=5))
@@ -198,7 +215,8 @@ def test_logprobs_are_log_softmax_of_the_models_logits(engine, reference):
     assert all(c.logprobs == () for cs in plain.values() for c in cs)
 
 
-def test_constrained_logprobs_are_over_the_allowed_tokens(engine, reference):
+def test_constrained_logprobs_are_over_the_allowed_tokens(fp32_engine, reference):
+    engine = fp32_engine
     c = Constraint("json_schema", json.dumps(PERSON))
     g = chat(engine, "Invent a person.", SamplingParams(max_tokens=30, logprobs=True, top_logprobs=3, constraint=c))
     chunks = run(engine, [g])[g.rid]

@@ -78,10 +78,8 @@ def test_prefix_reuse_equals_no_cache_and_dense(tiny, layout, page_size):
 
 
 @pytest.fixture(scope="module")
-def smollm2_swa(smollm2_gguf):
-    from tandem.engine.loader import load_model
-
-    return load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
+def smollm2_swa(smollm2_swa16):
+    return smollm2_swa16          # tests/conftest.py: one load per session
 
 
 def test_smollm2_sliding_window_prefix_reuse_equals_no_cache(smollm2_swa):

@@ -7,8 +7,6 @@ the bound asserted is 1e-3. Greedy tokens are identical.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,10 +22,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir, smollm2_gguf):
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
-    return m.eval()
+def hf_model(hf_smollm2):
+    return hf_smollm2      # the session's HF load (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +89,11 @@ def test_greedy_matches_hf_generate(greedy, prompt_ids, hf_model, smollm2):
 
 @pytest.mark.slow
 def test_greedy_matches_hf_generate_all(greedy, prompt_ids, hf_model, smollm2):
+    """With test_greedy_matches_hf_generate (prompt 1), every prompt."""
     eos = smollm2.tokenizer.eos_token_ids
-    for ids, out in zip(prompt_ids, greedy):
-        assert out == _hf_generate(hf_model, ids, eos)
+    for i, (ids, out) in enumerate(zip(prompt_ids, greedy)):
+        if i != 1:
+            assert out == _hf_generate(hf_model, ids, eos)
 
 
 def test_chunked_prefill_matches_one_shot(runner, prompt_ids):

@@ -20,7 +20,6 @@ brackets, AVX512 kernels and cpu_kernel attention):
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -58,10 +57,8 @@ def native(smollm2_default):
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(smollm2_dir, smollm2_gguf):
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.bfloat16)
-    return m.eval()
+def hf_bf16(hf_smollm2_bf16):
+    return hf_smollm2_bf16      # tests/conftest.py: the session's HF load, cast as from_pretrained casts
 
 
 @pytest.fixture(scope="module")

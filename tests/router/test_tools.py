@@ -185,10 +185,8 @@ def test_template_with_tool_support_gets_hf_convention():
     assert tok.kwargs["tools"] is None
 
 
-def test_smollm2_fallback_renders_through_its_own_template(smollm2_gguf):
-    from tandem.core.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(smollm2_gguf)
+def test_smollm2_fallback_renders_through_its_own_template(smollm2):
+    tok = smollm2.tokenizer       # Tokenizer.from_gguf, built by the session's load (tests/conftest.py)
     assert not template_supports_tools(tok)
     text = render_prompt(tok, HISTORY, parse_openai_tools([WEATHER], None, None), FORMATS["hermes"])
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
