@@ -72,8 +72,12 @@ def run(policy: str, args, loaded, tag: str) -> dict:
             res = await asyncio.gather(*(_stream(backend, g) for g in reqs))
             return res, time.perf_counter() - t0
 
+        from prometheus_client import REGISTRY, generate_latest
+
+        before = generate_latest(REGISTRY).decode()   # the router's counters live across runs
         res, wall = asyncio.run(go())
         metrics = backend.metrics_text().decode()
+        router_now = generate_latest(REGISTRY).decode()
     finally:
         backend.close()
     itl = [b - a for _, st in res for a, b in zip(st, st[1:])]
@@ -81,22 +85,27 @@ def run(policy: str, args, loaded, tag: str) -> dict:
             "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p99_ms": 1e3 * _pct(itl, 0.99),
             "itl_max_ms": 1e3 * max(itl, default=float("nan")),
             "retractions": _counter(metrics, "tandem_retractions_total"),
-            "migrations": _counter(metrics, "tandem_migrations_total", outcome="moved"),
-            "pause_p50_ms": 1e3 * _pause_median(metrics), "texts": [t for t, _ in res]}
+            "migrations": (_counter(router_now, "tandem_migrations_total", outcome="moved")
+                           - _counter(before, "tandem_migrations_total", outcome="moved")),
+            "pause_p50_ms": 1e3 * _pause_median(router_now, before), "texts": [t for t, _ in res]}
 
 
-def _pause_median(metrics: str) -> float:
-    """The median of tandem_migration_pause_seconds, from its histogram (upper bucket bound)."""
+def _buckets(metrics: str) -> dict[float, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     for f in text_string_to_metric_families(metrics):
         if f.name == "tandem_migration_pause_seconds":
-            buckets = sorted((float(s.labels["le"]), s.value) for s in f.samples if s.name.endswith("_bucket"))
-            total = buckets[-1][1] if buckets else 0
-            for le, n in buckets:
-                if total and n >= total / 2:
-                    return le
-    return float("nan")
+            return {float(s.labels["le"]): s.value for s in f.samples if s.name.endswith("_bucket")}
+    return {}
+
+
+def _pause_median(now: str, before: str) -> float:
+    """The median migration pause of this run: the upper bound of the histogram bucket that holds
+    it (tandem_migration_pause_seconds, this run's samples only)."""
+    a, b = _buckets(now), _buckets(before)
+    buckets = sorted((le, n - b.get(le, 0.0)) for le, n in a.items())
+    total = buckets[-1][1] if buckets else 0
+    return next((le for le, n in buckets if total and n >= total / 2), float("nan"))
 
 
 def main(argv=None) -> int:
