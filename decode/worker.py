@@ -50,6 +50,7 @@ from tandem.transfer.state import TransferState
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.0005
+_REUSE_WAIT_S, _REUSE_WAIT_STEPS = 0.01, 200   # how long a re-routed rid waits for its old attempt
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -158,11 +159,17 @@ class DecodeWorker(RoleWorker):
         """Stream ``greq``'s chunks. Refusals (bad prompt) raise InvalidRequest before the first
         chunk; every other failure is a final chunk with finish_reason "abort" and ``error``.
         ``alternate(dead_name)``: another live prefill client, asked once when ``prefill`` dies
-        (:class:`PrefillUnavailable`) before its write started; the pages stay reserved.
+        (:class:`PrefillUnavailable`) before its write started; the pages stay reserved. A request
+        id still running here is waited for up to 2 s (a router's re-route can arrive before the
+        old attempt's cleanup), then refused.
         ``greq.resume`` (live migration): the request continues another decode worker's tokens;
         ``prefill`` is then that worker (its ``prefill`` call is :meth:`migrate_out`), or None
         to recompute the KV here. Its stream starts after what the old worker streamed."""
-        if greq.rid in self._jobs:
+        for _ in range(_REUSE_WAIT_STEPS):   # a re-route may beat the old attempt's cleanup here
+            if greq.rid not in self._jobs:
+                break
+            await asyncio.sleep(_REUSE_WAIT_S)
+        else:
             raise InvalidRequest(f"request id {greq.rid} is already running on {self.name}")
         vocab = self.engine.arch.vocab_size
         for t in greq.prompt_ids:

@@ -180,3 +180,22 @@ def test_a_hybrid_request_migrates_with_its_window_and_state(hybrid_family, loop
         e.shutdown()
     toks, moved = run(loop, go())
     assert toks == ref and moved > 0
+
+
+def test_a_request_id_still_ending_here_is_waited_for_not_refused(cluster, loop):
+    """A router's re-route can reach a decode worker before the first attempt's cleanup there: the
+    second attempt waits for the id to free instead of failing with "already running"."""
+    p, a, b, col = cluster
+    greq = col.make_request(f"{PROMPT} (again)", SamplingParams(max_tokens=4, ignore_eos=True),
+                            chat=True, rid="again")
+
+    async def go():
+        first = asyncio.ensure_future(collect(a.generate(greq, LocalClient(p))))
+        await asyncio.sleep(0.05)                     # the first attempt is running
+        second = await collect(a.generate(greq, LocalClient(p)))
+        return await first, second
+
+    first, second = run(loop, go())
+    assert first[-1].error is None and second[-1].error is None
+    assert [t for c in first for t in c.token_ids] == [t for c in second for t in c.token_ids]
+    run(loop, at_baseline(p, a, b))
