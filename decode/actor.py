@@ -25,7 +25,10 @@ def assigned_threads() -> int:
 
 
 class _RayPrefillClient:
-    """A prefill actor handle as the DecodeWorker's PrefillClient."""
+    """A prefill actor handle as the DecodeWorker's PrefillClient. ``WRITER``: the actor method
+    that writes the KV and answers a PrefillResult."""
+
+    WRITER = "prefill"
 
     def __init__(self, name: str, handle):
         self.name, self.handle = name, handle
@@ -33,7 +36,7 @@ class _RayPrefillClient:
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         try:
-            raw = await self.handle.prefill.remote(req_wire, xfer, dst_prefix_len)
+            raw = await getattr(self.handle, self.WRITER).remote(req_wire, xfer, dst_prefix_len)
         except ray.exceptions.RayActorError as e:
             self.dead = True
             raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
@@ -44,15 +47,9 @@ class _RayPrefillClient:
 
 
 class _RayMigrationSource(_RayPrefillClient):
-    """Another decode actor as the source of a migrated request's KV."""
+    """Another decode actor as the source of a migrated request's KV (its ``migrate_out``)."""
 
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
-        try:
-            raw = await self.handle.migrate_out.remote(req_wire, xfer, dst_prefix_len)
-        except ray.exceptions.RayActorError as e:
-            self.dead = True
-            raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
-        return PrefillResult.decode(raw)
+    WRITER = "migrate_out"
 
     async def abort(self, rid: str, reason: str) -> None:
         await self.handle.release_frozen.remote(rid)
