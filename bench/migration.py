@@ -85,8 +85,8 @@ def run(policy: str, args, loaded, tag: str) -> dict:
             "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p99_ms": 1e3 * _pct(itl, 0.99),
             "itl_max_ms": 1e3 * max(itl, default=float("nan")),
             "retractions": _counter(metrics, "tandem_retractions_total"),
-            "migrations": (_counter(router_now, "tandem_migrations_total", outcome="moved")
-                           - _counter(before, "tandem_migrations_total", outcome="moved")),
+            "migrations": (_counter(router_now, "tandem_decode_migrations_total", outcome="ok")
+                           - _counter(before, "tandem_decode_migrations_total", outcome="ok")),
             "pause_p50_ms": 1e3 * _pause_median(router_now, before), "texts": [t for t, _ in res]}
 
 
@@ -94,14 +94,14 @@ def _buckets(metrics: str) -> dict[float, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     for f in text_string_to_metric_families(metrics):
-        if f.name == "tandem_migration_pause_seconds":
+        if f.name == "tandem_decode_migration_downtime_seconds":
             return {float(s.labels["le"]): s.value for s in f.samples if s.name.endswith("_bucket")}
     return {}
 
 
 def _pause_median(now: str, before: str) -> float:
     """The median migration pause of this run: the upper bound of the histogram bucket that holds
-    it (tandem_migration_pause_seconds, this run's samples only)."""
+    it (tandem_decode_migration_downtime_seconds, this run's samples only)."""
     a, b = _buckets(now), _buckets(before)
     buckets = sorted((le, n - b.get(le, 0.0)) for le, n in a.items())
     total = buckets[-1][1] if buckets else 0

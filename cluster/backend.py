@@ -91,8 +91,9 @@ class RayClusterBackend:
         self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
                                      discover=launcher.detached or cfg.planner.enabled)
         self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
-        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor)
+        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration)
         self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
+        self._tasks: set[asyncio.Task] = set()     # fire-and-forget work on the serving loop
         self.response_store = None   # cluster/responses.py's store actor, once started
 
     @property
@@ -129,7 +130,7 @@ class RayClusterBackend:
         anything (killed, not yet noticed by the monitor), or a prefill worker found dead when the
         request failed before its first token, costs one re-route without that worker (with no
         prefill worker left, the decode worker prefills locally)."""
-        if self.cfg.migration.policy == "balance" and self._policy is None:   # on the serving loop
+        if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):   # on the serving loop
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
         for attempt in range(2):
@@ -158,33 +159,47 @@ class RayClusterBackend:
         p = self.pool.get(r.prefill)
         gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
         self._inflight[req.rid] = d
-        self.migrator.routes[req.rid] = r
+        self.migrator.live[req.rid] = (req, r)
         finished, first, rerouted = False, True, False
-        ids, chars, source = [], 0, None   # what the client has; the worker a migration left
-        last_token_at, paused = time.monotonic(), False   # the client-visible gap of a migration
+        ids, chars = [], 0                 # what the client has
+        source = None                      # the worker a migration left, until the new leg streams
+        last_token_at = time.monotonic()   # the client-visible stop of a migration
+        every, leg_tokens = self.migrator.cfg.debug_migrate_every, 0
         try:
             try:
                 while True:
-                    c = await self._next_chunk(gen)
+                    try:
+                        c = await self._next_chunk(gen)
+                    except ray.exceptions.RayActorError:
+                        if source is None or source is d or not source.alive:
+                            raise
+                        self.supervisor.mark_dead(d, "died during a migration")   # the target
+                        c = StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids),
+                                        error=f"decode worker {d.name} died during a migration")
                     if c is None:
                         break
                     if c.finish_reason == "migrated":     # this leg ended: the request moved
-                        source, paused = d, True
-                        gen, d = self.migrator.next_leg(req, r, d, resume_of(ids, chars, c))
+                        source, leg_tokens = d, 0
+                        gen, d = await self.migrator.next_leg(req, r, d, resume_of(ids, chars, c))
                         continue
-                    if source is not None and c.finish_reason == "abort" and not c.token_ids and source.alive:
-                        log.warning("%s failed on %s after a migration (%s); back to %s",
-                                    req.rid, d.name, c.error, source.name)
-                        gen, d = await self.migrator.fall_back(req, r, source, resume_of(ids, chars, c))
+                    if source is not None and source is not d and c.finish_reason == "abort" and not c.token_ids:
+                        sent = resume_of(ids, chars, c)
+                        if source.alive:    # the target failed before streaming: back to the source
+                            log.warning("%s failed on %s after a migration (%s); back to %s",
+                                        req.rid, d.name, c.error, source.name)
+                            gen, d = await self.migrator.fall_back(req, r, source, sent)
+                        else:               # the source died mid-copy: the target recomputes
+                            log.warning("%s: the source %s died mid-migration; %s recomputes",
+                                        req.rid, source.name, d.name)
+                            gen, d = self.migrator.recompute(req, r, d, sent)
+                        self.migrator.finish(req.rid, "failed")
                         source = None
                         continue
-                    if c.token_ids:
+                    if c.token_ids or c.finish_reason is not None:
                         now = time.monotonic()
-                        if paused:
-                            rm.MIGRATION_PAUSE.observe(now - last_token_at)
-                            rm.MIGRATIONS.labels("moved" if source is not None else "fallback").inc()
-                        last_token_at, paused = now, False
-                    source = None
+                        if source is not None:   # the new leg streams: the move is done
+                            self.migrator.finish(req.rid, "ok", now - last_token_at)
+                        last_token_at, source = now, None
                     ids += c.token_ids
                     chars += len(c.text)
                     finished, lead = c.finish_reason is not None, first
@@ -205,6 +220,10 @@ class RayClusterBackend:
                     yield c
                     if finished:
                         return
+                    leg_tokens += len(c.token_ids)
+                    if every and leg_tokens >= every and req.rid not in self.migrator.moves:
+                        leg_tokens = 0   # the chaos lever: move it now, without holding the stream
+                        self._spawn(self.migrator.force(req.rid))
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if first and isinstance(cause, InvalidRequest):
@@ -222,7 +241,12 @@ class RayClusterBackend:
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             self._inflight.pop(req.rid, None)
-            self.migrator.routes.pop(req.rid, None)
+            self.migrator.live.pop(req.rid, None)
+            m = self.migrator.moves.get(req.rid)
+            if m is not None and m.phase != "precopy":   # gone mid-move: free the source's held KV too
+                if m.source.alive:
+                    m.source.handle.release_frozen.remote(req.rid)
+                self.migrator.finish(req.rid, "aborted")
             if not rerouted:
                 self.dispatch.release(r)
             if not finished:  # the caller went away: stop the request on its decode worker
@@ -231,6 +255,11 @@ class RayClusterBackend:
                     ray.cancel(gen)
                 except Exception:  # already finished or the worker is gone
                     pass
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     async def _next_chunk(gen) -> StreamChunk | None:
@@ -324,6 +353,10 @@ class RayClusterBackend:
         live = self.pool.everyone(alive_only=True)
         out = await asyncio.gather(*(w.handle.stats.remote() for w in live), return_exceptions=True)
         return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
+
+    def migrations(self) -> list[dict]:
+        """Live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""
+        return self.migrator.in_flight()
 
     async def debug_kv(self) -> list[dict]:
         """Every live worker's KV accounting and invariant verdict (GET /debug/kv)."""

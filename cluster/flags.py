@@ -111,7 +111,11 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--dispatch-queue-ttl", "dispatch_queue_ttl_s", "seconds a request may wait in that queue"),
     Flag("--migration", "migration.policy",
          "live migration between decode workers: 'balance' moves running requests off a full or "
-         "skewed worker (instead of retracting); 'off' only on POST /admin/migrate and /admin/drain"),
+         "skewed worker (instead of retracting); 'auto' (default) is balance with >= 2 decode "
+         "workers; 'off' only on POST /admin/migrate and /admin/drain"),
+    Flag("--debug-migrate-every", "migration.debug_migrate_every",
+         "test lever: move every running request to another decode worker each N tokens it streams "
+         "(chaos runs; 0: off)"),
     Flag("--planner", "planner.enabled",
          "autoscale prefill and decode workers from TTFT / inter-token latency against their targets"),
     Flag("--ttft-slo", "planner.ttft_slo_s", "the planner's time-to-first-token target (seconds)"),
@@ -131,6 +135,7 @@ YAML_ONLY: frozenset[str] = frozenset({
     "planner.percentile", "planner.window_s", "planner.period_s", "planner.queue_per_prefill",
     "planner.scale_down_fraction", "planner.scale_down_after_s", "planner.drain_timeout_s",
     "responses", "migration.period_s", "migration.high", "migration.low", "migration.spread",
+    "migration.precopy", "migration.precopy_min_tokens", "migration.precopy_timeout_s",
 })
 
 

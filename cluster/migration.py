@@ -1,25 +1,33 @@
 """Live migration in the cluster: a running request moves from one decode worker to another.
 
 The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``, a resumed
-``generate``). :class:`Migrator` (one per backend, on the router's event loop):
+``generate``). :class:`Migrator` (one per backend, on the router's event loop), one
+:class:`Move` per request in flight (GET /debug/kv lists them):
 
-    migrate(rid, to=None)  the target: ``to``, else the live, non-draining decode worker with the
-                           fewest KV tokens that is not the request's; recorded, then the request is
+    migrate(rid, to, reason)  the target: ``to``, else the live, non-draining decode worker with
+                           the fewest KV tokens that is not the request's. Pre-copy (``precopy``):
+                           while the source keeps decoding, the target takes the prompt's KV into
+                           its own cache (a one-token request through the prefill worker that holds
+                           it, or recomputed where there is none). Then the stop: the request is
                            frozen on its worker (its stream there ends "migrated", its KV held)
     next_leg(...)          the backend's stream loop met "migrated": the request continues on the
                            target, resumed from the tokens and text the client already has; the
-                           target copies over NIXL only the KV its own cache lacks, from the source
-    fall_back(...)         the target failed before its first chunk: the source resumes it (its
-                           KV went to the source's cache: a full prefix hit, nothing recomputed)
+                           target matches its own cache first (the pre-copied prompt) and copies
+                           over NIXL only the KV it lacks, from the source
+    fall_back(...)         the target failed or died before its first chunk: the source resumes
+                           it (its KV went to the source's cache: a full prefix hit)
+    recompute(...)         the source died mid-copy: the target recomputes what it lacks
+    finish(rid, outcome)   the move ended: ok | failed | aborted (the metric's labels)
     drain(name)            no new requests for the worker; every live request on it migrates
                            away; with ``stop``, it is then stopped and relaunched (a rolling
                            restart), else it stays out of rotation (retiring: not relaunched)
     rebalance(cfg)         the ``balance`` policy: every ``cfg.period_s`` one move that
-                           router/rebalance.py plans (a full worker sheds a request to an empty one
-                           instead of retracting; a skewed pair evens out)
+                           router/rebalance.py plans (pressure or rebalance)
 
-The client's stream never sees "migrated": the legs are spliced, so no token is repeated or
-missing (the resumed request starts after what was streamed).
+Fail closed: until the stop, a failed pre-copy leaves the request where it is; after it, the
+request continues on the target, on the source, or recomputed, and a client that went away
+frees both sides. The client's stream never sees "migrated": the legs are spliced, so no token
+is repeated or missing (the resumed request starts after what was streamed).
 """
 
 from __future__ import annotations
@@ -30,23 +38,48 @@ import logging
 import time
 
 from tandem.cluster.workers import DECODE, WorkerPool, WorkerRef
+from tandem.core.config import MigrationConfig
 from tandem.core.messages import GenerateRequest, Resume
-from tandem.core.types import StreamChunk
+from tandem.core.types import SamplingParams, StreamChunk
+from tandem.router import metrics as rm
 from tandem.router.dispatch import Dispatcher, Route
 from tandem.router.rebalance import plan_moves
 
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
+REASONS = ("pressure", "rebalance", "drain", "admin", "forced")
+OUTCOMES = ("ok", "failed", "aborted")
+
+
+@dataclasses.dataclass
+class Move:
+    """One request on its way from ``source`` to ``target``. ``phase``: precopy (the source still
+    decodes), frozen (its stream there ended), copying (the new leg started)."""
+
+    rid: str
+    source: WorkerRef
+    target: WorkerRef
+    reason: str
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    phase: str = "precopy"
+    precopied: int = 0       # prompt tokens the target took into its cache before the stop
+
+    def view(self) -> dict:
+        return {"rid": self.rid, "from": self.source.name, "to": self.target.name, "reason": self.reason,
+                "phase": self.phase, "precopied_tokens": self.precopied,
+                "age_s": round(time.monotonic() - self.started, 3)}
 
 
 class Migrator:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, inflight: dict[str, WorkerRef],
-                 supervisor=None):
+                 supervisor=None, cfg: MigrationConfig | None = None):
         self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
-        self._moves: dict[str, WorkerRef] = {}   # rid -> where it goes once frozen
-        self.routes: dict[str, Route] = {}        # rid -> its route (the backend's stream loop keeps it)
-        self.counts = {"migrations": 0, "fallbacks": 0, "refused": 0, "pressure": 0, "skew": 0}
+        self.cfg = cfg or MigrationConfig()
+        self.moves: dict[str, Move] = {}
+        self.live: dict[str, tuple[GenerateRequest, Route]] = {}   # rid -> (request, route): the backend's
+        self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0,
+                       "precopies": 0, "pressure": 0, "rebalance": 0}
 
     def target(self, exclude: set[int]) -> WorkerRef | None:
         """The live, non-draining decode worker with the fewest KV tokens, not in ``exclude``."""
@@ -57,36 +90,114 @@ class Migrator:
             return None
         return self.pool.get(min(live, key=lambda v: (v.running_tokens, v.in_flight)).worker_id)
 
-    async def migrate(self, rid: str, to: str | None = None) -> str:
+    async def migrate(self, rid: str, to: str | None = None, reason: str = "admin") -> str:
         """Move ``rid`` to ``to`` (a decode worker's name) or the best target; returns its name.
-        LookupError: no such request or no target; ValueError: it is not decoding (nothing moved)."""
+        LookupError: no such request or no target; ValueError: it is not decoding, already
+        moving, or the target failed during the pre-copy (nothing moved: it decodes on)."""
         d = self._inflight.get(rid)
         if d is None:
             raise LookupError(f"no request {rid} in flight on this router")
+        if rid in self.moves:
+            raise ValueError(f"request {rid} is already moving to {self.moves[rid].target.name}")
         t = self.pool.named(to) if to else self.target({d.wid})
         if t is None or t.role != DECODE or not t.alive or t.wid == d.wid:
             raise LookupError(f"no decode worker to move {rid} to" + (f" (asked for {to!r})" if to else ""))
-        self._moves[rid] = t
+        m = self.moves[rid] = Move(rid, d, t, reason)
         try:
+            if self.cfg.precopy:
+                await self._precopy(m)
+            if self._inflight.get(rid) is not d:
+                raise ValueError(f"request {rid} ended or moved during its pre-copy")
             await d.handle.freeze.remote(rid)
         except Exception as e:
-            self._moves.pop(rid, None)
+            import ray
+
+            self.moves.pop(rid, None)
+            if isinstance(e, ray.exceptions.RayActorError):   # the target died during the pre-copy
+                if self.supervisor is not None:
+                    self.supervisor.mark_dead(t, "died during a migration's pre-copy")
+                rm.MIGRATIONS.labels(reason, "failed").inc()
+                raise ValueError(f"decode worker {t.name} died during the pre-copy of {rid}; "
+                                 f"it decodes on {d.name}") from None
             self.counts["refused"] += 1
             cause = getattr(e, "cause", e)
-            raise (cause if isinstance(cause, ValueError) else ValueError(str(cause)[:300])) from None
+            raise (cause if isinstance(cause, (ValueError, LookupError)) else ValueError(str(cause)[:300])) from None
+        m.phase = "frozen"
         self.counts["migrations"] += 1
         return t.name
 
-    def next_leg(self, req: GenerateRequest, r: Route, source: WorkerRef, sent: Resume):
+    async def _precopy(self, m: Move) -> None:
+        """The prompt's KV into the target's cache while the source keeps decoding: a one-token
+        request (the same prompt, greedy, no grammar) through the prefill worker whose cache holds
+        it, or recomputed on the target where there is none. Bounded by ``precopy_timeout_s``; a
+        pre-copy that fails or times out only makes the stop copy more (RayActorError: the target
+        died, and the move is given up)."""
+        import ray
+
+        req, r = self.live.get(m.rid, (None, None))
+        if req is None or len(req.prompt_ids) < self.cfg.precopy_min_tokens:
+            return
+        p = self.pool.get(r.prefill)
+        warm = GenerateRequest(f"{m.rid}~precopy", req.prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                               session_id=req.session_id)
+        gen = m.target.handle.generate.options(num_returns="streaming").remote(
+            warm.to_wire(), p.name if p is not None and p.alive else None)
+
+        async def consume() -> StreamChunk | None:
+            last = None
+            async for ref in gen:
+                last = await ref
+            return last
+
+        try:
+            last = await asyncio.wait_for(consume(), self.cfg.precopy_timeout_s)
+        except ray.exceptions.RayActorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a slow or failed pre-copy: the stop copies it all
+            log.info("pre-copy of %s to %s gave up: %s", m.rid, m.target.name, type(e).__name__)
+            try:
+                ray.cancel(gen)
+            except Exception:  # already ended
+                pass
+            return
+        if last is not None and not last.error:
+            m.precopied = len(req.prompt_ids)
+            self.counts["precopies"] += 1
+
+    async def next_leg(self, req: GenerateRequest, r: Route, source: WorkerRef, sent: Resume):
         """The request's stream on its new worker (resumed after ``sent``), and that worker."""
-        t = self._moves.pop(req.rid, None) or self.target({source.wid}) or source
-        return self._start(req, r, t, sent, source.name if t is not source else None), t
+        m = self.moves.get(req.rid)
+        if m is None:   # frozen by another router's move: the best peer
+            m = self.moves[req.rid] = Move(req.rid, source, source, "admin")
+        t = m.target if m.target.alive and m.target is not source else self.target({source.wid})
+        m.target, m.phase = t or source, "copying"
+        if t is None:   # no peer left: it resumes where it was, from its own cache
+            await source.handle.release_frozen.remote(req.rid)
+            return self._start(req, r, source, sent, None), source
+        return self._start(req, r, t, sent, source.name), t
 
     async def fall_back(self, req: GenerateRequest, r: Route, source: WorkerRef, sent: Resume):
         """Back to ``source``: its frozen KV goes to its cache first, then it resumes there."""
         self.counts["fallbacks"] += 1
         await source.handle.release_frozen.remote(req.rid)
         return self._start(req, r, source, sent, None), source
+
+    def recompute(self, req: GenerateRequest, r: Route, target: WorkerRef, sent: Resume):
+        """The source died mid-copy: ``target`` recomputes the KV it lacks (its cache first)."""
+        self.counts["recomputed"] += 1
+        return self._start(req, r, target, sent, None), target
+
+    def finish(self, rid: str, outcome: str, downtime_s: float | None = None) -> None:
+        """``rid``'s move ended (``outcome`` in OUTCOMES); ``downtime_s``: the client-visible stop."""
+        m = self.moves.pop(rid, None)
+        if m is None:
+            return
+        rm.MIGRATIONS.labels(m.reason, outcome).inc()
+        if downtime_s is not None:
+            rm.MIGRATION_DOWNTIME.observe(downtime_s)
+
+    def in_flight(self) -> list[dict]:
+        return [m.view() for m in list(self.moves.values())]
 
     def _start(self, req, r, t: WorkerRef, sent: Resume, source_name: str | None):
         self.dispatch.move(r, t.wid)
@@ -104,19 +215,23 @@ class Migrator:
         await w.handle.drain.remote()
         moved, failed, end = [], {}, time.monotonic() + timeout_s
         while time.monotonic() < end:
-            left = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid and rid not in self._moves]
-            arriving = any(t.wid == w.wid for t in list(self._moves.values()))   # moving here right now
+            left = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid and rid not in self.moves]
+            arriving = any(m.target.wid == w.wid for m in list(self.moves.values()))   # moving here now
             if not left and not arriving and not any(d.wid == w.wid for d in list(self._inflight.values())):
                 break
-            for rid in left:
-                try:
-                    moved.append((rid, await self.migrate(rid)))
+            results = await asyncio.gather(*(self.migrate(rid, reason="drain") for rid in left),
+                                           return_exceptions=True)
+            for rid, res in zip(left, results):
+                if isinstance(res, (LookupError, ValueError)):   # prefilling still, or already ending
+                    failed[rid] = str(res)
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    moved.append((rid, res))
                     failed.pop(rid, None)
-                except (LookupError, ValueError) as e:   # prefilling still, or already ending
-                    failed[rid] = str(e)
             await asyncio.sleep(DRAIN_POLL_S)
         still = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid]
-        still += [rid for rid, t in list(self._moves.items()) if t.wid == w.wid]
+        still += [rid for rid, m in list(self.moves.items()) if m.target.wid == w.wid]
         if stop and not still:   # a restart: out of the pool now, then relaunched like a dead one
             import ray
 
@@ -128,9 +243,8 @@ class Migrator:
                 "remaining": still, "errors": {k: v for k, v in failed.items() if k in still},
                 "stopped": bool(stop and not still)}
 
-
-    async def rebalance(self, cfg) -> None:
-        """Forever (a task on the router's loop): the ``balance`` policy (``cfg``: MigrationConfig)."""
+    async def rebalance(self, cfg: MigrationConfig) -> None:
+        """Forever (a task on the router's loop): the ``balance`` policy."""
         while True:
             await asyncio.sleep(cfg.period_s)
             try:
@@ -138,24 +252,31 @@ class Migrator:
             except Exception:  # noqa: BLE001 - a bad round must not stop the policy
                 log.exception("migration policy round failed")
 
-    async def rebalance_once(self, cfg) -> list[str]:
+    async def rebalance_once(self, cfg: MigrationConfig) -> list[str]:
         """One decision and its move; returns the rids moved."""
         snaps = self.dispatch.snapshots()
         exclude = {wid for wid, s in snaps.items() if s.draining}
-        running = [(rid, r.decode, r.decode_tokens) for rid, r in list(self.routes.items())
-                   if r.decode_open and rid not in self._moves]
+        running = [(rid, r.decode, r.decode_tokens) for rid, (_, r) in list(self.live.items())
+                   if r.decode_open and rid not in self.moves]
         moved = []
         for m in plan_moves(self.dispatch.view().decode, running, high=cfg.high, low=cfg.low,
                             spread=cfg.spread, exclude=exclude):
             t = self.pool.get(m.target)
             try:
-                await self.migrate(m.rid, t.name if t is not None else None)
+                await self.migrate(m.rid, t.name if t is not None else None, reason=m.why)
             except (LookupError, ValueError) as e:   # not decoding yet, or it just ended
                 log.info("policy move of %s refused: %s", m.rid, e)
                 continue
             self.counts[m.why] += 1
             moved.append(m.rid)
         return moved
+
+    async def force(self, rid: str) -> None:
+        """The ``debug_migrate_every`` lever: move ``rid`` to another decode worker, if it can."""
+        try:
+            await self.migrate(rid, reason="forced")
+        except (LookupError, ValueError) as e:
+            log.debug("forced move of %s refused: %s", rid, e)
 
 
 def resume_of(chunks_ids: list[int], chars: int, last: StreamChunk) -> Resume:

@@ -133,17 +133,31 @@ class EngineConfig(_Strict):
 class MigrationConfig(_Strict):
     """Live migration of running requests between decode workers (router/rebalance.py decides,
     cluster/migration.py moves). ``POST /admin/migrate`` and ``/admin/drain`` work whatever the
-    policy; ``balance`` also moves requests by itself, instead of letting a full worker retract."""
+    policy; ``balance`` also moves requests by itself, instead of letting a full worker retract;
+    ``auto`` is ``balance`` where there are at least two decode workers."""
 
-    policy: Literal["off", "balance"] = Field("off", description="'balance': every period, move one "
-                                              "request from the fullest decode worker to the emptiest "
-                                              "under pressure or skew (router/rebalance.py)")
+    policy: Literal["auto", "off", "balance"] = Field(
+        "auto", description="'balance': every period, move one request from the fullest decode worker "
+        "to the emptiest under pressure or skew (router/rebalance.py); 'auto': balance with >= 2 "
+        "decode workers; 'off': only on POST /admin/migrate and /admin/drain")
     period_s: float = Field(0.5, gt=0, description="seconds between two decisions")
     high: float = Field(0.85, gt=0, le=1, description="a decode worker this full (KV tokens of its "
                         "running requests over its pool) sheds a request, if a peer is at most `low`")
     low: float = Field(0.6, ge=0, lt=1, description="how empty a peer must be to take it")
     spread: float = Field(0.5, gt=0, le=1, description="or move when two decode workers' fullness "
                           "differs by more than this")
+    precopy: bool = Field(True, description="before the stop, the target takes the prompt's KV into "
+                          "its cache while the source keeps decoding (the stop then copies only the rest)")
+    precopy_min_tokens: int = Field(128, ge=0, description="pre-copy only prompts at least this long")
+    precopy_timeout_s: float = Field(10.0, gt=0, description="a pre-copy slower than this is given up "
+                                     "(the stop copies everything)")
+    debug_migrate_every: int = Field(0, ge=0, description="test lever: the router moves every running "
+                                     "request to another decode worker each time it has streamed this "
+                                     "many tokens on one (0: off)")
+
+    def active(self, decodes: int) -> bool:
+        """Whether the policy moves requests by itself with ``decodes`` decode workers."""
+        return self.policy == "balance" or (self.policy == "auto" and decodes >= 2)
 
 
 class PlannerConfig(_Strict):

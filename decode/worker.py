@@ -132,7 +132,8 @@ class DecodeWorker(RoleWorker):
         self._background: set[asyncio.Task] = set()
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
                        "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
-                       "kv_bytes_received": 0, "migrated_out": 0}
+                       "kv_bytes_received": 0, "migrated_out": 0, "migrated_in": 0,
+                       "migration_bytes": 0, "migration_reused_tokens": 0}
         self._groups = GroupGates()   # n > 1: the prompt's KV moves once per group (decode/groups.py)
         self.last_timings: dict = {}
         m = self.metrics
@@ -148,6 +149,12 @@ class DecodeWorker(RoleWorker):
         self._digest_failures = Counter("tandem_kv_digest_failures_total",
                                         "Transfers whose received KV did not match prefill's digest.",
                                         registry=m)
+        self._mig_bytes = Counter("tandem_decode_migration_bytes_total",
+                                  "KV bytes received from another decode worker by migrated requests.",
+                                  registry=m)
+        self._mig_reused = Counter("tandem_decode_migration_reused_tokens_total",
+                                   "Tokens of migrated requests found in this worker's own cache (the "
+                                   "pre-copied prompt, a shared prefix): not copied.", registry=m)
         self._wait = Histogram("tandem_kv_receive_seconds",
                                "Decode side: pages reserved to KV received (prefill + transfer).",
                                buckets=_BUCKETS, registry=m)
@@ -220,6 +227,8 @@ class DecodeWorker(RoleWorker):
                 yield StreamChunk(rid, (), "", "abort", n, error=str(e), prefill_died=e.redispatch)
                 return
             self._received(job, res, result, t0, t1)
+            if greq.resume is not None:   # a migrated request: what came over, what was here already
+                self._migrated_in(res, result)
             self.handle.activate(rid, result.first_token, None if result.first_logprob is None else
                                  TokenLogprob(result.first_token, result.first_logprob,
                                               result.first_top_logprobs))
@@ -375,6 +384,13 @@ class DecodeWorker(RoleWorker):
                            receive_s=t2 - t1, bytes=result.bytes, prefix_len=res.prefix_len, t2=t2)
         self.counts["ok"] += 1
         self.counts["kv_bytes_received"] += result.bytes
+
+    def _migrated_in(self, res: Reservation, result: PrefillResult) -> None:
+        self.counts["migrated_in"] += 1
+        self.counts["migration_bytes"] += result.bytes
+        self.counts["migration_reused_tokens"] += res.prefix_len
+        self._mig_bytes.inc(result.bytes)
+        self._mig_reused.inc(res.prefix_len)
 
     async def _stream(self, job: _Job, greq: GenerateRequest, result: PrefillResult) -> AsyncIterator[StreamChunk]:
         """The engine's chunks, from the first token (prefill's) to the final one."""

@@ -91,7 +91,7 @@ class Scheduler:
             if sr.req.status is not ReqStatus.WAITING_FOR_KV:
                 return None
             del self.detached[rid]
-            self.kv.free_range(sr, sr.locked_len, sr.req.seq_len)
+            self.kv.free_range(sr, sr.locked_len, sr.req.computed_len)   # the reserved end (resumed: seq_len - 1)
             sr.req.computed_len = sr.locked_len
             return self._finish(sr, "abort", "", error=error)
         for sr in self.waiting:

@@ -212,8 +212,9 @@ class FrontDoor:
         return Response(await asyncio.to_thread(self.backend.metrics_text), media_type=CONTENT_TYPE_LATEST)
 
     async def debug_kv(self, request: Request) -> Response:
-        """``{"workers": [...]}``: each worker's KV accounting (free / evictable / locked /
-        request-owned / leaked tokens, host pool use, queues) and its invariant verdict."""
+        """``{"workers": [...], "migrations": [...]}``: each worker's KV accounting (free /
+        evictable / locked / request-owned / leaked tokens, host pool use, queues) and its
+        invariant verdict; the live migrations in flight (backends that move requests)."""
         try:
             self.check_auth(request)
         except APIError as e:
@@ -221,7 +222,11 @@ class FrontDoor:
         fn = getattr(self.backend, "debug_kv", None)
         if fn is None:
             return error_response(404, "this backend has no KV pools to inspect", code="not_found")
-        return JSONResponse({"workers": await fn()})
+        out = {"workers": await fn()}
+        moves = getattr(self.backend, "migrations", None)   # live migrations in flight, where there are any
+        if moves is not None:
+            out["migrations"] = moves()
+        return JSONResponse(out)
 
     async def debug_kill(self, request: Request, worker: str) -> Response:
         """Kill worker ``worker`` (a chaos lever): 404 unless ``debug_endpoints`` is on."""

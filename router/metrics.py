@@ -19,7 +19,7 @@ Recorded by the dispatcher (router/dispatch.py) every serving backend routes thr
 - ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
 - ``QUEUE_DEPTH`` / ``QUEUE_WAIT``: the deferred-dispatch queue (router/deferred.py): requests
   waiting for an admissible worker, and how long each waited (admitted or not).
-- ``MIGRATIONS{outcome}`` / ``MIGRATION_PAUSE``: live migration (cluster/migration.py).
+- ``MIGRATIONS{reason,outcome}`` / ``MIGRATION_DOWNTIME``: live migration (cluster/migration.py).
 """
 
 from __future__ import annotations
@@ -80,13 +80,15 @@ QUEUE_WAIT = _metric(Histogram, "tandem_dispatch_queue_wait_seconds",
                      "Time a request waited in the deferred-dispatch queue, by outcome.",
                      labelnames=("outcome",), buckets=_LATENCY_BUCKETS)
 
-MIGRATIONS = _metric(Counter, "tandem_migrations_total",
-                     "Running requests moved between decode workers, by outcome (moved: the new "
-                     "worker streamed on; fallback: back to the old worker after the new one failed).",
-                     labelnames=("outcome",))
-MIGRATION_PAUSE = _metric(Histogram, "tandem_migration_pause_seconds",
-                          "A migrated request's gap between its last token on the old decode worker "
-                          "and its first on the new one, as the router sees it.", buckets=_LATENCY_BUCKETS)
+MIGRATIONS = _metric(Counter, "tandem_decode_migrations_total",
+                     "Running requests moved between decode workers, by why (pressure, rebalance, drain, "
+                     "admin: POST /admin/migrate, forced: the debug_migrate_every lever) and how it ended "
+                     "(ok: the new worker streamed on; failed: back on the old worker, or recomputed; "
+                     "aborted: the client went away mid-move).",
+                     labelnames=("reason", "outcome"))
+MIGRATION_DOWNTIME = _metric(Histogram, "tandem_decode_migration_downtime_seconds",
+                             "A migrated request's stop: its last token on the old decode worker to its "
+                             "first on the new one, as the router sees it.", buckets=_LATENCY_BUCKETS)
 
 _totals = {"prompt": 0, "cached": 0}
 _totals_lock = threading.Lock()
@@ -111,5 +113,6 @@ for _s in STATUSES:
     REQUESTS.labels(_s)
 for _r in REJECT_REASONS:
     REJECTED.labels(_r)
-for _o in ("moved", "fallback"):
-    MIGRATIONS.labels(_o)
+for _why in ("pressure", "rebalance", "drain", "admin", "forced"):   # cluster/migration.py REASONS
+    for _o in ("ok", "failed", "aborted"):
+        MIGRATIONS.labels(_why, _o)

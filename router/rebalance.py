@@ -7,7 +7,7 @@ emptiest, when
 
 - **pressure**: the fullest is at ``high`` or above (its next decode steps would retract) and the
   emptiest at ``low`` or below;
-- **skew**: their utilizations differ by more than ``spread``.
+- **rebalance** (skew): their utilizations differ by more than ``spread``.
 
 The request moved is the one on the fullest worker that fits under ``high`` on the target and
 leaves the two most even (ties: the larger); one that would not narrow their gap never moves (no
@@ -28,7 +28,7 @@ class Move:
     rid: str
     source: int     # worker id
     target: int
-    why: str        # "pressure" | "skew"
+    why: str        # "pressure" | "rebalance"
 
 
 def plan_moves(decodes: Sequence[WorkerView], running: Sequence[tuple[str, int, int]], *,
@@ -45,7 +45,7 @@ def plan_moves(decodes: Sequence[WorkerView], running: Sequence[tuple[str, int, 
         return []
     cool = min(targets, key=lambda wid: (frac[wid], wid))
     why = ("pressure" if frac[hot] >= high and frac[cool] <= low else
-           "skew" if frac[hot] - frac[cool] > spread else "")
+           "rebalance" if frac[hot] - frac[cool] > spread else "")
     if not why:
         return []
     (hot_t, _), (cool_t, cool_cap) = util[hot], util[cool]

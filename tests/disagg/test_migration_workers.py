@@ -199,3 +199,98 @@ def test_a_request_id_still_ending_here_is_waited_for_not_refused(cluster, loop)
     assert first[-1].error is None and second[-1].error is None
     assert [t for c in first for t in c.token_ids] == [t for c in second for t in c.token_ids]
     run(loop, at_baseline(p, a, b))
+
+
+SAMPLED = {   # what a request's running state carries across a migration
+    "seeded": SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11),
+    "grammar": SamplingParams(max_tokens=24, constraint=__import__("tandem.core.types", fromlist=["Constraint"])
+                              .Constraint("regex", r"[a-z]+( [a-z]+){2,8}\."), temperature=0.7, seed=3),
+    "logprobs": SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2),
+    "stop": SamplingParams(max_tokens=40, stop=("ocean",), temperature=0.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLED))
+def test_sampler_grammar_logprobs_and_stop_state_survive_a_migration(cluster, loop, kind):
+    """The seeded draw (its position), the grammar's state, logprobs and the stop-string tail move
+    with the request: A's leg then B's equal the unmigrated run, token for token."""
+    p, a, b, col = cluster
+    params = SAMPLED[kind]
+    prompt = f"{PROMPT} [{kind}]"
+    ref = col.generate(prompt, params, chat=True)
+    greq = col.make_request(prompt, params, chat=True, rid=f"mig-s-{kind}")
+    first = run(loop, _first_leg(a, greq, LocalClient(p), after=4))
+    if first[-1].finish_reason != "migrated":   # ended (grammar complete, stop) before the freeze
+        pytest.fail(f"{kind}: the request ended before 4 chunks: {first[-1]}")
+    second = run(loop, collect(b.generate(dataclasses.replace(greq, resume=_resume(first)), SourceClient(a))))
+    chunks = first[:-1] + second
+    assert second[-1].error is None, second[-1]
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    assert second[-1].finish_reason == ref.finish_reason
+    if kind == "logprobs":   # against the same request unmigrated on A (the same path's numerics)
+        plain = run(loop, collect(a.generate(dataclasses.replace(greq, rid="mig-s-plain"), LocalClient(p))))
+
+        def lps(cs):
+            return [(lp.token_id, round(lp.logprob, 3), len(lp.top or ())) for c in cs for lp in (c.logprobs or ())]
+        assert len(lps(chunks)) == 24 and lps(chunks) == lps(plain)
+    run(loop, at_baseline(p, a, b))
+
+
+def test_a_pre_copied_prompt_is_not_copied_again_at_the_stop(cluster, loop):
+    """Pre-copy: B took the prompt's KV from the prefill worker while A decoded; at the stop only
+    the generated pages come from A (B's cache reuse is counted), and the text is unchanged."""
+    p, a, b, col = cluster
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompt = f"{PROMPT} Then name two lakes and two mountains near them, with their heights."
+    ref = col.generate(prompt, params, chat=True)
+    greq = col.make_request(prompt, params, chat=True, rid="mig-precopy")
+
+    async def both():
+        first = []
+        async for c in a.generate(greq, LocalClient(p)):
+            first.append(c)
+            if len(first) == 3:   # the pre-copy runs while A decodes on
+                warm = col.make_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), chat=True,
+                                        rid="mig-precopy~precopy")
+                await collect(b.generate(warm, LocalClient(p)))
+                await a.freeze(greq.rid)
+        return first
+
+    reused, moved = b.counts["migration_reused_tokens"], b.counts["migration_bytes"]
+    first = run(loop, both())
+    second = run(loop, collect(b.generate(dataclasses.replace(greq, resume=_resume(first)), SourceClient(a))))
+    chunks = first[:-1] + second
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids and second[-1].error is None
+    n = len(greq.prompt_ids)
+    assert b.counts["migration_reused_tokens"] - reused >= n - n % PAGE - PAGE   # the prompt, page-aligned
+    per_token = (b.counts["kv_bytes_received"] and b.counts["migration_bytes"] - moved) / max(
+        1, len(greq.prompt_ids) + len(_resume(first).output_ids) - (b.counts["migration_reused_tokens"] - reused))
+    assert 0 < b.counts["migration_bytes"] - moved and per_token > 0
+    run(loop, at_baseline(p, a, b))
+
+
+class _DyingSource(SourceClient):
+    """A source that died before writing (its process is gone): PrefillUnavailable."""
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        from tandem.decode.worker import PrefillUnavailable
+
+        raise PrefillUnavailable("ActorDiedError: the source is gone")
+
+
+def test_the_source_dying_mid_copy_fails_closed_and_leaks_nothing(cluster, loop):
+    """B's copy from A fails (A died): B's leg ends with an error and no token, its reserved pages
+    are freed (the router then has B recompute); A's held KV goes back to its cache."""
+    p, a, b, col = cluster
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    greq = col.make_request(f"{PROMPT} (dying source)", params, chat=True, rid="mig-dying")
+    first = run(loop, _first_leg(a, greq, LocalClient(p), after=3))
+    resumed = dataclasses.replace(greq, resume=_resume(first))
+    second = run(loop, collect(b.generate(resumed, _DyingSource(a))))
+    assert second[-1].finish_reason == "abort" and second[-1].error and not second[-1].token_ids
+    a.release_frozen(greq.rid)          # what the source's expiry (or the router) does
+    third = run(loop, collect(b.generate(resumed, None)))   # the router's recompute on B
+    ref = col.generate(f"{PROMPT} (dying source)", params, chat=True)
+    assert [t for c in first[:-1] + third for t in c.token_ids] == ref.token_ids
+    run(loop, at_baseline(p, a, b))

@@ -542,3 +542,38 @@ def test_migrate_refuses_a_request_that_is_not_decoding_and_changes_nothing():
     d.run()
     assert d.tokens("long") == oracle(prompt(1, 40), 4)
     idle(a)
+
+
+@pytest.mark.parametrize("warm_b", [False, True])
+def test_a_migration_aborted_before_its_kv_arrived_frees_exactly_the_reservation(warm_b):
+    """The target reserved positions up to the last output token (which has no KV yet) and the
+    copy failed (the source died, the client went away): the abort frees that reservation and
+    nothing past it (freeing to seq_len once returned the pool's reserved page 0)."""
+    a = make(page_size=4, connector=DecodeConnector)
+    b = make(page_size=4, connector=DecodeConnector)
+    p, n = prompt(5, 21), 12
+    da, db = Driver(a), Driver(b)
+    if warm_b:
+        db.submit("w", p, 1)
+        db.run()
+    da.submit("m", p, n)
+    for _ in range(5):
+        da.step()
+    from tandem.core.messages import Resume
+    from tandem.engine.commands import Migrate
+    a.send(Migrate("m"))
+    da.step()
+    fut = b.connector.expect("m")
+    b.submit(GenerateRequest("m", tuple(p), SamplingParams(max_tokens=n, ignore_eos=True),
+                             resume=Resume(tuple(da.tokens("m")), len(da.text("m")))), db.chunks["m"].append)
+    db.step()
+    assert fut.result() is not None
+    b.connector.forget("m")
+    b.abort("m", "the source died mid-copy")
+    db.run()
+    assert db.final("m").finish_reason == "abort"
+    a.send(Release("m"))
+    da.step()
+    b.scheduler.check_invariants()
+    idle(a)
+    idle(b)

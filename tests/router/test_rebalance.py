@@ -26,15 +26,15 @@ def test_no_move_when_no_peer_has_room_or_nothing_fits():
 
 def test_skew_moves_only_what_narrows_the_gap():
     running = [("a", 0, 300), ("b", 0, 300)]
-    assert plan_moves([dec(0, 600), dec(1, 0)], running, **KW) == [Move("a", 0, 1, "skew")]   # gap 0.6; ties by rid
+    assert plan_moves([dec(0, 600), dec(1, 0)], running, **KW) == [Move("a", 0, 1, "rebalance")]   # gap 0.6; ties by rid
     assert plan_moves([dec(0, 600), dec(1, 200)], running, **KW) == []                      # gap 0.4
     # equal requests 2:1 -> moving one only flips the imbalance: no move
     assert plan_moves([dec(0, 200), dec(1, 100)], [("a", 0, 100), ("b", 0, 100), ("c", 1, 100)],
                       high=0.99, low=0.0, spread=0.01) == []
     assert plan_moves([dec(0, 300), dec(1, 0)], [("a", 0, 100), ("b", 0, 200)],
-                      high=0.99, low=0.0, spread=0.01) == [Move("b", 0, 1, "skew")]   # 100 / 200 either way
+                      high=0.99, low=0.0, spread=0.01) == [Move("b", 0, 1, "rebalance")]   # 100 / 200 either way
     assert plan_moves([dec(0, 400), dec(1, 0)], [("a", 0, 150), ("b", 0, 300)],
-                      high=0.99, low=0.0, spread=0.01) == [Move("a", 0, 1, "skew")]   # 250 / 150 beats 100 / 300
+                      high=0.99, low=0.0, spread=0.01) == [Move("a", 0, 1, "rebalance")]   # 250 / 150 beats 100 / 300
 
 
 
