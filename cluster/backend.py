@@ -279,6 +279,10 @@ class RayClusterBackend:
         """Move every live request off decode worker ``name`` (POST /admin/drain)."""
         return await self.migrator.drain(name, stop=stop)
 
+    async def undrain(self, name: str) -> dict:
+        """Decode worker ``name`` back in rotation after a drain without stop (POST /admin/undrain)."""
+        return await self.migrator.undrain(name)
+
     async def abort(self, rid: str) -> None:
         d = self._inflight.get(rid)
         if d is None or not d.alive:

@@ -21,6 +21,7 @@ The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``
     drain(name)            no new requests for the worker; every live request on it migrates
                            away; with ``stop``, it is then stopped and relaunched (a rolling
                            restart), else it stays out of rotation (retiring: not relaunched)
+                           until ``undrain(name)``
     rebalance(cfg)         the ``balance`` policy: every ``cfg.period_s`` one move that
                            router/rebalance.py plans (pressure or rebalance)
 
@@ -242,6 +243,15 @@ class Migrator:
         return {"worker": name, "moved": [{"rid": rid, "to": t} for rid, t in moved],
                 "remaining": still, "errors": {k: v for k, v in failed.items() if k in still},
                 "stopped": bool(stop and not still)}
+
+    async def undrain(self, name: str) -> dict:
+        """``name`` takes new requests again (and is relaunched if it dies): a drain's undo."""
+        w = self.pool.named(name)
+        if w is None or w.role != DECODE or not w.alive:
+            raise LookupError(f"no live decode worker named {name!r}")
+        await w.handle.undrain.remote()
+        w.retiring = False
+        return {"worker": name, "draining": False}
 
     async def rebalance(self, cfg: MigrationConfig) -> None:
         """Forever (a task on the router's loop): the ``balance`` policy."""

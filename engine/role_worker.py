@@ -214,6 +214,11 @@ class RoleActorMixin:
         self.worker.draining = True
         return True
 
+    def undrain(self) -> bool:
+        """Back in rotation after a drain that did not stop it; True."""
+        self.worker.draining = False
+        return True
+
     async def ping(self) -> str:
         self.worker.check_alive()   # a crashed engine thread counts as a dead worker
         return self.worker.name

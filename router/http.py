@@ -115,6 +115,11 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
         stop it (a rolling restart: the supervisor relaunches it). Behind the API key."""
         return await door.admin(request, "drain", name=worker, stop=stop)
 
+    @app.post("/admin/undrain")
+    async def admin_undrain(request: Request, worker: str = "") -> Response:
+        """Put decode worker ``worker`` back in rotation after a drain without ``stop``."""
+        return await door.admin(request, "undrain", name=worker)
+
     @app.post("/admin/migrate")
     async def admin_migrate(request: Request, rid: str = "", to: str = "") -> Response:
         """Move running request ``rid`` to decode worker ``to`` (default: the least loaded one)."""

@@ -54,8 +54,8 @@ def cluster(ray_local, smollm2_default):
     backend.close()
 
 
-def _stream(server, topic: str, out: dict, session: str | None = None) -> None:
-    """A streamed chat, its text and finish reason into ``out[topic]``."""
+def _stream(server, topic: str, out: dict, session: str | None = None, key: str | None = None) -> None:
+    """A streamed chat, its text and finish reason into ``out[key or topic]``."""
     text, finish, err = [], None, None
     try:
         s = server.client.chat.completions.create(
@@ -67,7 +67,7 @@ def _stream(server, topic: str, out: dict, session: str | None = None) -> None:
                 finish = ev.choices[0].finish_reason or finish
     except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
         err = repr(e)
-    out[topic] = ("".join(text), finish, err)
+    out[key or topic] = ("".join(text), finish, err)
 
 
 def _running_on(backend) -> dict[str, str]:
@@ -87,9 +87,10 @@ def _wait_decoding(backend, n: int, timeout: float = 60.0) -> dict[str, str]:
 def _idle(server, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while True:
-        ws = httpx.get(server.url + "/debug/kv", timeout=30).json()["workers"]
-        if all(w["leaked_tokens"] == 0 and w["request_tokens"] == 0 and w["locked_tokens"] == 0
-               and w["invariants"] == "ok" for w in ws):
+        kv = httpx.get(server.url + "/debug/kv", timeout=30).json()
+        ws = kv["workers"]
+        if kv["migrations"] == [] and all(w["leaked_tokens"] == 0 and w["request_tokens"] == 0
+                                          and w["locked_tokens"] == 0 and w["invariants"] == "ok" for w in ws):
             return
         if time.monotonic() > end:
             raise AssertionError(ws)
@@ -209,4 +210,115 @@ def test_a_rolling_restart_of_every_decode_worker_under_load_drops_no_request(cl
     assert _metric(server, "tandem_decode_migrations_total", outcome="ok") > moved0
     assert _metric(server, "tandem_decode_migrations_total", reason="drain", outcome="ok") > 0
     assert _metric(server, "tandem_decode_migration_downtime_seconds_count") > 0
+    _idle(server)
+
+
+@pytest.fixture
+def forced(cluster):
+    """The chaos lever on the shared cluster: every running request moves each 12 tokens."""
+    backend = cluster[0]
+    old = backend.migrator.cfg
+    backend.migrator.cfg = MigrationConfig(policy="off", debug_migrate_every=12, precopy_min_tokens=0)
+    yield backend.migrator.cfg
+    backend.migrator.cfg = old
+
+
+def _chat(server, **kw):
+    return server.client.chat.completions.create(model="smollm2", messages=_messages("glaciers"),
+                                                 max_tokens=40, **kw)
+
+
+def test_forced_migrations_every_few_tokens_change_no_text(cluster, forced):
+    """Greedy streams, a seeded n = 2 request and a JSON-schema-constrained one, each moved between
+    the decode workers every 12 tokens (pre-copy on): the same texts as without migration."""
+    backend, server, want = cluster
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "height_m": {"type": "integer"}},
+              "required": ["name", "height_m"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "peak", "schema": schema, "strict": True}}
+    forced_cfg, backend.migrator.cfg = backend.migrator.cfg, MigrationConfig(policy="off")
+    plain_n = _chat(server, n=2, temperature=0.9, seed=5)
+    plain_json = _chat(server, temperature=0.7, seed=2, response_format=fmt)
+    backend.migrator.cfg = forced_cfg
+    ok0 = _metric(server, "tandem_decode_migrations_total", reason="forced", outcome="ok")
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(server, t, out, f"f-{t}")) for t in TOPICS]
+    for th in threads:
+        th.start()
+    got_n = _chat(server, n=2, temperature=0.9, seed=5)
+    got_json = _chat(server, temperature=0.7, seed=2, response_format=fmt)
+    for th in threads:
+        th.join(120)
+    _check(out, want)
+    assert [c.message.content for c in got_n.choices] == [c.message.content for c in plain_n.choices]
+    assert got_json.choices[0].message.content == plain_json.choices[0].message.content
+    assert __import__("json").loads(got_json.choices[0].message.content).keys() == {"name", "height_m"}
+    moved = _metric(server, "tandem_decode_migrations_total", reason="forced", outcome="ok") - ok0
+    assert moved >= 3 * 3, moved   # every stream moved again and again (each leg streams 12 tokens)
+    assert _metric(server, "tandem_decode_migration_bytes_total") > 0
+    assert _metric(server, "tandem_decode_migration_reused_tokens_total") > 0   # the pre-copied prompts
+    _idle(server)
+
+
+def _live_workers(backend, n: int, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while sum(1 for w in backend.decodes if w.alive) < n:
+        assert time.monotonic() < end, "a killed decode worker was not replaced"
+        time.sleep(0.2)
+
+
+def test_a_target_killed_mid_migration_leaves_the_stream_on_its_source(cluster):
+    """The target decode worker is killed while a request moves to it (during the pre-copy or
+    the copy, whichever the race hits): the request decodes on (or resumes) on its source, the
+    text is the unmigrated one, nothing leaks; the supervisor replaces the dead worker."""
+    import ray
+
+    backend, server, want = cluster
+    out: dict = {}
+    th = threading.Thread(target=_stream, args=(server, TOPICS[0], out, "kill-target"))
+    th.start()
+    rid, src = next(iter(_wait_decoding(backend, 1).items()))
+    target = next(w for w in backend.decodes if w.alive and w.name != src)
+    time.sleep(0.3)   # a few tokens in: decoding, not prefilling
+    mover = threading.Thread(target=lambda: httpx.post(server.url + "/admin/migrate",
+                                                       params={"rid": rid, "to": target.name}, timeout=60))
+    failed0 = _metric(server, "tandem_decode_migrations_total", reason="admin", outcome="failed")
+    mover.start()
+    time.sleep(0.01)
+    ray.kill(target.handle, no_restart=True)
+    mover.join(60)
+    th.join(120)
+    text, finish, err = out[TOPICS[0]]
+    assert err is None and finish == "length", out
+    assert text == want[TOPICS[0]]
+    assert _metric(server, "tandem_decode_migrations_total", reason="admin", outcome="failed") == failed0 + 1
+    _live_workers(backend, 2)
+    _idle(server)
+
+
+def test_a_drain_of_eight_live_streams_takes_seconds_not_their_decode_time(cluster):
+    """Eight streams on one decode worker; the drain moves them all and returns while they are
+    still decoding (elsewhere); every one ends with the unmigrated text."""
+    backend, server, want = cluster
+    out: dict = {}
+    keys = [(f"d{i}", TOPICS[i % len(TOPICS)]) for i in range(8)]
+    threads = [threading.Thread(target=_stream, args=(server, t, out, "drain-eight", k)) for k, t in keys]
+    for th in threads:
+        th.start()
+    on = _wait_decoding(backend, 8)
+    name = max(set(on.values()), key=list(on.values()).count)
+    for rid, w in on.items():
+        if w != name:
+            _move(server, rid, name)
+    t0 = time.monotonic()
+    d = httpx.post(server.url + "/admin/drain", params={"worker": name}, timeout=120).json()
+    took = time.monotonic() - t0
+    still = sum(1 for k, _ in keys if k not in out)
+    assert d["remaining"] == [] and len(d["moved"]) >= 1, d
+    assert still >= 1, f"every stream ended before the drain returned ({took:.1f}s): nothing shown"
+    for th in threads:
+        th.join(120)
+    for k, t in keys:
+        text, finish, err = out[k]
+        assert err is None and finish == "length" and text == want[t], (k, out[k])
+    httpx.post(server.url + "/admin/undrain", params={"worker": name}, timeout=30)
     _idle(server)
