@@ -43,7 +43,7 @@ class FusedLlamaLayer:
     @classmethod
     def build(cls, layer) -> "FusedLlamaLayer | None":
         ks = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-        if (kernel_lib() is None or not all(isinstance(k, Avx512Linear) for k in ks)
+        if (kernel_lib() is None or not all(isinstance(k, Avx512Linear) and k.packed is not None for k in ks)
                 or layer.qkv_bias is not None or layer.qk_norm is not None
                 or layer.input_norm.dtype != torch.bfloat16 or layer.post_norm.dtype != torch.bfloat16
                 or layer.d % 32 or layer.d > 256 or layer.n_q % layer.n_kv):

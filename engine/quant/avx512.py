@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine.quant.blocks import GROUP, QuantWeight
+from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
 from tandem.engine.quant.native_lib import kernel_lib, kernel_unavailable
 from tandem.engine.quant.preop import PreOp
 
@@ -126,17 +126,31 @@ def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) ->
 
 class Avx512Linear(nn.Module):
     """``y = pre(x) @ W^T (+ bias) (+ residual)`` on a GGUF weight's own blocks (see module
-    docstring). ``out_dtype``: the output's dtype (default: x's), e.g. float32 for logits."""
+    docstring). ``out_dtype``: the output's dtype (default: x's), e.g. float32 for logits.
 
-    def __init__(self, w: QuantWeight, dtype: torch.dtype, out_dtype: torch.dtype | None = None):
+    A :class:`QuantParts` (kinds side by side along N) runs one C call per part, each into its
+    columns of the output (its activations prepared again per part); ``packed`` is then None and
+    ``parts`` holds the packed parts (the fused layer declines such a kernel)."""
+
+    def __init__(self, w: QuantWeight | QuantParts, dtype: torch.dtype, out_dtype: torch.dtype | None = None):
         super().__init__()
-        if (why := avx512_reason(w, dtype, torch.device("cpu"))) is not None:
-            raise ValueError(f"Avx512Linear cannot hold this weight: {why}")
+        parts = w.parts if isinstance(w, QuantParts) else (w,)
+        for p in parts:
+            if (why := avx512_reason(p, dtype, torch.device("cpu"))) is not None:
+                raise ValueError(f"Avx512Linear cannot hold this weight: {why}")
         self.out_features, self.in_features = w.shape
         self.kind = w.kind
-        self._kind_id = KIND_IDS[w.kind]
         self.out_dtype = out_dtype
-        self.packed = nn.Parameter(pack(w), requires_grad=False)      # [N/16, K/32, record] u8
+        # (kind id, first column, columns) per part
+        self._segments = [(KIND_IDS[p.kind], sum(q.shape[0] for q in parts[:i]), p.shape[0])
+                          for i, p in enumerate(parts)]
+        if len(parts) == 1:
+            self._kind_id = KIND_IDS[w.kind]
+            self.packed = nn.Parameter(pack(w), requires_grad=False)      # [N/16, K/32, record] u8
+            self.parts = None
+        else:
+            self._kind_id, self.packed = None, None
+            self.parts = nn.ParameterList([nn.Parameter(pack(p), requires_grad=False) for p in parts])
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
@@ -153,26 +167,28 @@ class Avx512Linear(nn.Module):
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         nw = _nw(pre, x.dtype)
-        rc = kernel_lib().tq_linear(
-            self._kind_id, self.packed.data_ptr(), n, k, x.data_ptr(), x.stride(0),
-            x.dtype == torch.bfloat16, _PRE_IDS[pre.kind if pre is not None else None],
-            nw.data_ptr() if nw is not None else None, pre.eps if pre is not None else 0.0, t,
-            out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16,
-            residual.data_ptr() if residual is not None else None,
-            residual.stride(0) if residual is not None else 0,
-            residual is not None and residual.dtype == torch.bfloat16,
-            bias.data_ptr() if bias is not None else None,
-            bias is not None and bias.dtype == torch.bfloat16, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"tq_linear failed ({rc}) for a {self.kind} weight")
+        packed = [self.packed] if self.packed is not None else list(self.parts)
+        for (kind_id, n0, nn_), wp in zip(self._segments, packed):
+            rc = kernel_lib().tq_linear(
+                kind_id, wp.data_ptr(), nn_, k, x.data_ptr(), x.stride(0),
+                x.dtype == torch.bfloat16, _PRE_IDS[pre.kind if pre is not None else None],
+                nw.data_ptr() if nw is not None else None, pre.eps if pre is not None else 0.0, t,
+                out.data_ptr() + n0 * out.element_size(), out.stride(0), out.dtype == torch.bfloat16,
+                residual.data_ptr() + n0 * residual.element_size() if residual is not None else None,
+                residual.stride(0) if residual is not None else 0,
+                residual is not None and residual.dtype == torch.bfloat16,
+                bias.data_ptr() + n0 * bias.element_size() if bias is not None else None,
+                bias is not None and bias.dtype == torch.bfloat16, torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError(f"tq_linear failed ({rc}) for a {self.kind} weight")
         return out
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [self.packed]
+        return [self.packed] if self.packed is not None else list(self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel()
+        return sum(t.numel() for t in self.weight_tensors())
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

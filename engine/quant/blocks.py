@@ -109,6 +109,50 @@ class QuantWeight:
         return self.dequantize().to(device=device, dtype=dtype or torch.float32)
 
 
+@dataclass(frozen=True)
+class QuantParts:
+    """Quantized ``[N_i, K]`` matrices of different kinds stacked along N (a fused qkv whose v is
+    Q8_0 beside Q5_0 q and k, as llama.cpp's *_M mixes write them): each part keeps its blocks;
+    a kernel runs part by part into its columns of one output."""
+
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self):
+        if len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError(f"cannot stack quantized matrices of widths "
+                             f"{sorted({p.shape[1] for p in self.parts})}: they need one K")
+
+    @property
+    def kind(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def to(self, device=None, dtype=None) -> torch.Tensor:
+        return self.dequantize().to(device=device, dtype=dtype or torch.float32)
+
+    @staticmethod
+    def stack(parts: list[QuantWeight]) -> "QuantWeight | QuantParts":
+        """Runs of one kind concatenated (QuantWeight.cat); one QuantWeight if a single kind."""
+        runs: list[list[QuantWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].kind == p.kind:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        merged = [QuantWeight.cat(r) if len(r) > 1 else r[0] for r in runs]
+        return merged[0] if len(merged) == 1 else QuantParts(tuple(merged))
+
+
 def from_gguf_blocks(kind: str, data: np.ndarray, n: int, k: int) -> QuantWeight:
     """Unpack ``data`` (the GGUF tensor's raw bytes, ``[N, K / B * block bytes]`` uint8 or flat)
     of a ``[N, K]`` matrix of type ``kind`` (one of :data:`KINDS`; B = 32, or 256 for K-quants)."""

@@ -33,7 +33,7 @@ import threading
 import torch
 from torch import nn
 
-from tandem.engine.quant.blocks import GROUP, QuantWeight
+from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
 from tandem.engine.quant.preop import PreOp
 from tandem.engine.quant.avx512 import Avx512Linear, avx512_reason
 
@@ -204,7 +204,7 @@ class Int4Linear(nn.Module):
 Linear = PackedLinear | DenseLinear | Int4Linear | Avx512Linear
 
 
-def make_linear(w: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch.device,
+def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, device: torch.device,
                 native: bool | str = False, input_major: bool = True,
                 out_dtype: torch.dtype | None = None) -> tuple[Linear, str | None]:
     """The kernel for weight ``w`` ([N, K]; dense or the file's quantized blocks) computing in
@@ -214,6 +214,15 @@ def make_linear(w: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch
     dequantized or None). ``input_major`` picks DenseLinear's layout (see there); ``out_dtype``
     is Avx512Linear's output dtype (the others return ``dtype``)."""
     why = None
+    if isinstance(w, QuantParts):   # kinds side by side: the AVX512 kernels part by part, or dense
+        why = "dequant"
+        if native:
+            whys = [avx512_reason(p, dtype, device) for p in w.parts] if native != "int4" \
+                else [f"{w.kind}: torch's int4 kernel takes one kind"]
+            why = next((r for r in whys if r is not None), None)
+            if why is None:
+                return Avx512Linear(w, dtype, out_dtype), None
+        w = w.dequantize()
     if isinstance(w, QuantWeight):
         why = "dequant"
         if native:

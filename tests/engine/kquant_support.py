@@ -80,3 +80,57 @@ def quantize(x: np.ndarray, kind: str) -> np.ndarray:
         return raw.reshape(n, -1)
     return gguf.quants.quantize(np.ascontiguousarray(x, dtype=np.float32),
                                 getattr(gguf.GGMLQuantizationType, kind))
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits in a *_M mix."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+# llama.cpp's fallback for a row length that is not a whole number of 256-weight super-blocks
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def q4_k_m(name: str, n_layers: int) -> str:
+    """The type llama.cpp's Q4_K_M gives a Llama tensor (before the row-length fallback)."""
+    if name in ("output.weight", "token_embd.weight"):
+        return "Q6_K"
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return "Q6_K" if use_more_bits(layer, n_layers) else "Q4_K"
+    return "Q4_K"
+
+
+def requantize_gguf(src: str, dst: str, kind_of) -> dict[str, str]:
+    """Write ``dst``: ``src``'s metadata and tensors, every 2-D weight dequantized and quantized
+    again as ``kind_of(name)`` (K-quants fall back as llama.cpp does where K % 256 != 0); 1-D
+    tensors stay float32. Returns name -> the type written."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub)
+    written = {}
+    for t in r.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if x.ndim < 2 or t.tensor_type.name in ("F32", "F16"):
+            w.add_tensor(t.name, np.ascontiguousarray(x))
+            written[t.name] = "F32"
+            continue
+        kind = kind_of(t.name)
+        if kind.endswith("_K") and x.shape[-1] % 256:
+            kind = K_FALLBACK[kind]
+        raw = quantize(x.reshape(-1, x.shape[-1]), kind)
+        w.add_tensor(t.name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        written[t.name] = kind
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written

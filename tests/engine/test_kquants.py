@@ -17,7 +17,7 @@ import torch
 from kquant_support import quantize
 from tandem.engine.quant import native_lib
 from tandem.engine.quant.avx512 import Avx512Linear, activations
-from tandem.engine.quant.blocks import BLOCK_BYTES, QuantWeight, from_gguf_blocks
+from tandem.engine.quant.blocks import BLOCK_BYTES, QuantParts, QuantWeight, from_gguf_blocks
 from tandem.engine.quant.linear import make_linear
 from tandem.engine.quant.preop import PreOp
 
@@ -132,3 +132,20 @@ def test_make_linear_runs_them_natively_and_pickles():
     # torch's int4 kernel does not take them: the exact dequantized weight, with the reason
     lin, why = make_linear(qw, torch.bfloat16, torch.device("cpu"), native="int4")
     assert not isinstance(lin, Avx512Linear) and "not mapped to int4" in why
+
+
+@needs_kernels
+def test_kinds_side_by_side_run_part_by_part():
+    """A fused qkv of Q5_0 q, k and a Q8_0 v (a *_M mix): one kernel, each part on its own blocks."""
+    parts = [_qw("Q5_0", 64, 512, 0)[0], _qw("Q5_0", 32, 512, 1)[0], _qw("Q8_0", 32, 512, 2)[0]]
+    stacked = QuantParts.stack(parts)
+    assert isinstance(stacked, QuantParts) and stacked.kind == "Q5_0+Q8_0" and stacked.shape == (128, 512)
+    lin, why = make_linear(stacked, torch.bfloat16, torch.device("cpu"), native=True)
+    assert isinstance(lin, Avx512Linear) and why is None and lin.packed is None
+    x, bias, res = torch.randn(6, 512).bfloat16(), torch.randn(128).bfloat16(), torch.randn(6, 128).bfloat16()
+    alone = [Avx512Linear(p, torch.bfloat16) for p in (QuantParts.stack(parts[:2]), parts[2])]
+    assert torch.equal(lin(x, bias, res),
+                       torch.cat([alone[0](x, bias[:96], res[:, :96]), alone[1](x, bias[96:], res[:, 96:])], 1))
+    assert torch.equal(pickle.loads(pickle.dumps(lin))(x), lin(x))
+    lin, why = make_linear(stacked, torch.bfloat16, torch.device("cpu"), native="int4")
+    assert not isinstance(lin, Avx512Linear) and "one kind" in why
