@@ -65,7 +65,8 @@ class LlamaLayer(nn.Module):
         dtype, device = self.input_norm.dtype, self.input_norm.device
         self.dequantized: list[tuple[str, str]] = []
         for name in self._PROJ:   # down stays [N, K] if plain (K = I > N = H: F.linear's layout)
-            kernel, why = make_linear(tensors[name], dtype, device, native, input_major=name != "down")
+            kernel, why = make_linear(tensors[name], dtype, device, native, input_major=name != "down",
+                                      q8_bf16=True)   # Q8_0 layer weights: bf16 activations
             setattr(self, name, kernel)
             if why is not None and why != "dequant":
                 self.dequantized.append((name, why))

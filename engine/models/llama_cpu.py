@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from tandem.engine.attention.cpu_backend import CpuKernelAttentionBackend
-from tandem.engine.quant.avx512 import KIND_IDS, Avx512Linear
+from tandem.engine.quant.avx512 import Avx512Linear
 from tandem.engine.quant.native_lib import kernel_lib
 
 _I64x4, _Px4 = ctypes.c_int64 * 4, ctypes.c_void_p * 4
@@ -50,7 +50,7 @@ class FusedLlamaLayer:
             return None
         spec = layer.spec
         desc = LayerDesc(
-            _I64x4(*(KIND_IDS[k.kind] for k in ks)), _Px4(*(k.packed.data_ptr() for k in ks)),
+            _I64x4(*(k.kind_id for k in ks)), _Px4(*(k.packed.data_ptr() for k in ks)),
             _I64x4(*(k.out_features for k in ks)), _I64x4(*(k.in_features for k in ks)),
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), float(layer.eps),
             float(spec.scale), layer.n_q, layer.n_kv, layer.d)

@@ -9,7 +9,9 @@ Numerics (the C file's docstring has the formulas):
   quantization (why not llama.cpp's int8 activations: docs/PERFORMANCE.md, "Numerics").
 - Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: as Q4_1, with the codes as unsigned u = q (+ 16 for Q5_0,
   + 32 for Q6_K) and each group's exact float32 scale and offset (``w = s u + o``; Q6_K: per 16).
-- Q8_0: int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
+- Q8_0 with ``q8_bf16`` (layer weights; engine/models/llama.py asks for it): the same, u = q + 128
+  (the C file's KIND_K8).
+- Q8_0 otherwise (the vocab head): int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
   way. Used for SmolLM2's tied Q8_0 vocab head (its error against a bf16 head: the same section).
 An optional pre-op runs fused in float32 first: RMSNorm with its weight (``PreOp.rmsnorm``) or
 ``silu(gate) * up`` over a ``[T, 2K]`` input (``PreOp.silu_mul``). Outputs (+ bias, + residual)
@@ -32,6 +34,8 @@ from tandem.engine.quant.preop import PreOp
 # offset per 32), Q4_K and Q6_K have their own ("KQ" kinds in the C file's docstring).
 KIND_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 4, "Q5_K": 4, "Q6_K": 5}
 _KQ = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+Q8_BF16 = 6    # the C kernel's KIND_K8: Q8_0 blocks with bf16 activations (layer weights)
+_CODE_BIAS = {"Q5_0": 16, "Q6_K": 32, "Q8_0": 128}    # u = code + bias is unsigned
 _PRE_IDS = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 
 
@@ -52,7 +56,7 @@ def avx512_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> s
 
 def _kq_parts(w: QuantWeight, p: int, nb: int) -> list[torch.Tensor]:
     """The KQ kinds' record (see ``avx512_kernels.c``): nibbles, high-bit planes, float32 s, o."""
-    u = w.codes.to(torch.int32) + {"Q5_0": 16, "Q6_K": 32}.get(w.kind, 0)       # [N, K] 0..63
+    u = w.codes.to(torch.int32) + _CODE_BIAS.get(w.kind, 0)                     # [N, K] 0..63 (Q8_0: 255)
     c = (u & 15).to(torch.uint8).view(p, 16, nb, 4, 8).permute(0, 2, 3, 1, 4)    # [P, nb, i, 16, 8]
     lane = torch.stack([c[..., 0] | (c[..., 2] << 4), c[..., 4] | (c[..., 6] << 4),
                         c[..., 1] | (c[..., 3] << 4), c[..., 5] | (c[..., 7] << 4)], -1)
@@ -60,14 +64,14 @@ def _kq_parts(w: QuantWeight, p: int, nb: int) -> list[torch.Tensor]:
     # plane bit of (chunk i, k = 8 i + e): 4 (e // 2) + i + 16 (e % 2)
     e = torch.arange(8)
     pos = (4 * (e // 2) + 16 * (e % 2))[None, :] + torch.arange(4)[:, None]       # [i, e]
-    for bit in (4, 5)[: {"Q4_K": 0, "Q6_K": 2}.get(w.kind, 1)]:
+    for bit in (4, 5, 6, 7)[: {"Q4_K": 0, "Q6_K": 2, "Q8_0": 4}.get(w.kind, 1)]:
         hb = ((u >> bit) & 1).to(torch.int64).view(p, 16, nb, 4, 8)               # [P, 16, nb, i, e]
         plane = (hb << pos).sum((-1, -2)).transpose(1, 2).to(torch.int32)        # [P, nb, 16]
         parts.append(plane.contiguous().view(torch.uint8).view(p, nb, 64))
     scale = w.scale                                                               # [N, K / G]
     offset = w.offset.clone()
-    if w.kind in ("Q5_0", "Q6_K"):                                                # w = s (u - c)
-        offset = -float({"Q5_0": 16, "Q6_K": 32}[w.kind]) * scale
+    if w.kind in _CODE_BIAS:                                                      # w = s (u - c)
+        offset = -float(_CODE_BIAS[w.kind]) * scale
     halves = 2 if w.kind == "Q6_K" else 1
     for t in (scale, offset):
         v = t.view(p, 16, nb, halves).permute(0, 2, 3, 1)                         # [P, nb, half, 16]
@@ -75,11 +79,11 @@ def _kq_parts(w: QuantWeight, p: int, nb: int) -> list[torch.Tensor]:
     return parts
 
 
-def pack(w: QuantWeight) -> torch.Tensor:
+def pack(w: QuantWeight, q8_bf16: bool = False) -> torch.Tensor:
     """The kernels' panel layout (see ``avx512_kernels.c``): [N / 16, K / 32, record] uint8."""
     n, k = w.shape
     p, nb = n // 16, k // GROUP
-    if w.kind in _KQ:
+    if w.kind in _KQ or (q8_bf16 and w.kind == "Q8_0"):
         return torch.cat(_kq_parts(w, p, nb), -1).contiguous()
     parts = []
     if w.kind == "Q8_0":
@@ -132,7 +136,8 @@ class Avx512Linear(nn.Module):
     columns of the output (its activations prepared again per part); ``packed`` is then None and
     ``parts`` holds the packed parts (the fused layer declines such a kernel)."""
 
-    def __init__(self, w: QuantWeight | QuantParts, dtype: torch.dtype, out_dtype: torch.dtype | None = None):
+    def __init__(self, w: QuantWeight | QuantParts, dtype: torch.dtype, out_dtype: torch.dtype | None = None,
+                 q8_bf16: bool = False):
         super().__init__()
         parts = w.parts if isinstance(w, QuantParts) else (w,)
         for p in parts:
@@ -141,16 +146,19 @@ class Avx512Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.kind = w.kind
         self.out_dtype = out_dtype
+        def kid(p: QuantWeight) -> int:
+            return Q8_BF16 if q8_bf16 and p.kind == "Q8_0" else KIND_IDS[p.kind]
+
         # (kind id, first column, columns) per part
-        self._segments = [(KIND_IDS[p.kind], sum(q.shape[0] for q in parts[:i]), p.shape[0])
+        self._segments = [(kid(p), sum(q.shape[0] for q in parts[:i]), p.shape[0])
                           for i, p in enumerate(parts)]
         if len(parts) == 1:
-            self._kind_id = KIND_IDS[w.kind]
-            self.packed = nn.Parameter(pack(w), requires_grad=False)      # [N/16, K/32, record] u8
+            self.kind_id = kid(w)                                          # the C kernel's kind
+            self.packed = nn.Parameter(pack(w, q8_bf16), requires_grad=False)   # [N/16, K/32, record] u8
             self.parts = None
         else:
-            self._kind_id, self.packed = None, None
-            self.parts = nn.ParameterList([nn.Parameter(pack(p), requires_grad=False) for p in parts])
+            self.kind_id, self.packed = None, None
+            self.parts = nn.ParameterList([nn.Parameter(pack(p, q8_bf16), requires_grad=False) for p in parts])
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:

@@ -40,6 +40,10 @@
  *   KIND_K5 (Q5_0, Q5_1, Q5_K): nibbles, one high-bit plane (bit 4 of u), s, o. Record 448.
  *   KIND_K6 (Q6_K):            nibbles, planes for bits 4 and 5, then s and o of each 16-weight
  *                              half of the block (s0, s1, o0, o1). Record 640.
+ *   KIND_K8 (Q8_0 layer weights with bf16 activations, u = q + 128 in 0..255): nibbles, planes for
+ *                              bits 4..7, s, o = -128 s. 128 + u is not exact in bf16 past 255, so
+ *                              bit 7 goes in a second VDPBF16PS on the same chain, as the bf16 128.0
+ *                              or 0: (128 + u mod 128) x + (128 b7) x, both products exact. Record 640.
  *   A plane is 16 column lanes of 32 bits: k = 8 i + 2 t (+ 1) of chunk i at bit 4 t + i (+ 16),
  *   so the same shift that aligns chunk i's pair t for the nibbles aligns its high bits.
  *
@@ -52,7 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_K4 = 3, KIND_K5 = 4, KIND_K6 = 5 };
+enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_K4 = 3, KIND_K5 = 4, KIND_K6 = 5, KIND_K8 = 6 };
 enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
 
 static inline int record_bytes(int kind) {
@@ -62,6 +66,7 @@ static inline int record_bytes(int kind) {
     case KIND_K4: return 384;
     case KIND_K5: return 448;
     case KIND_K6: return 640;
+    case KIND_K8: return 640;
     default: return 288;
     }
 }
@@ -308,22 +313,26 @@ static inline __attribute__((always_inline)) void tile_kq(const int kind, const 
                                                           const uint8_t *wp, int64_t pstride,
                                                           const Acts *a, int64_t r0, __m512 *y) {
     const int rec = record_bytes(kind);
-    const int nh = kind == KIND_K6 ? 2 : (kind == KIND_K5 ? 1 : 0);
+    const int nh = kind == KIND_K8 ? 4 : (kind == KIND_K6 ? 2 : (kind == KIND_K5 ? 1 : 0));
     const int halves = kind == KIND_K6;
     const int so = 256 + 64 * nh;                    /* s (, s1), o (, o1): 16 x fp32 each */
     const int64_t xsn = halves ? 2 * a->nb : a->nb;  /* activation sums per row */
     const __m512i low = _mm512_set1_epi32(0x000f000f), magic = _mm512_set1_epi32(0x43004300);
     const __m512i bit4 = _mm512_set1_epi32(0x00100010), bit5 = _mm512_set1_epi32(0x00200020);
+    const __m512i bit6 = _mm512_set1_epi32(0x00400040), bit0 = _mm512_set1_epi32(0x00010001);
+    const __m512i b128 = _mm512_set1_epi16(0x4300);   /* bf16 128.0 */
 #pragma GCC unroll 16
     for (int r = 0; r < P * TILE_ROWS; r++) y[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         __m512 acc[2][2][TILE_ROWS];   /* [panel][chain][row] */
-        __m512i h0[2], h1[2];
+        __m512i h0[2], h1[2], h2[2], h3[2];
 #pragma GCC unroll 2
         for (int q = 0; q < P; q++) {
             const uint8_t *blk = wp + q * pstride + b * rec;
             if (nh >= 1) h0[q] = _mm512_loadu_si512((const void *)(blk + 256));
-            if (nh == 2) h1[q] = _mm512_loadu_si512((const void *)(blk + 320));
+            if (nh >= 2) h1[q] = _mm512_loadu_si512((const void *)(blk + 320));
+            if (nh == 4) h2[q] = _mm512_loadu_si512((const void *)(blk + 384));
+            if (nh == 4) h3[q] = _mm512_loadu_si512((const void *)(blk + 448));
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
         }
@@ -335,12 +344,16 @@ static inline __attribute__((always_inline)) void tile_kq(const int kind, const 
                 pk[q] = _mm512_loadu_si512((const void *)(wp + q * pstride + b * rec + 64 * i));
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
-                __m512i w[2];
+                __m512i w[2], w7[2];
 #pragma GCC unroll 2
                 for (int q = 0; q < P; q++) {
                     w[q] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(pk[q], 4 * t), low, magic, 0xEA);
                     if (nh >= 1) w[q] = _mm512_ternarylogic_epi32(bits_to(h0[q], 4 * t + i, 4), bit4, w[q], 0xEA);
-                    if (nh == 2) w[q] = _mm512_ternarylogic_epi32(bits_to(h1[q], 4 * t + i, 5), bit5, w[q], 0xEA);
+                    if (nh >= 2) w[q] = _mm512_ternarylogic_epi32(bits_to(h1[q], 4 * t + i, 5), bit5, w[q], 0xEA);
+                    if (nh == 4) {
+                        w[q] = _mm512_ternarylogic_epi32(bits_to(h2[q], 4 * t + i, 6), bit6, w[q], 0xEA);
+                        w7[q] = _mm512_mullo_epi16(_mm512_and_si512(bits_to(h3[q], 4 * t + i, 0), bit0), b128);
+                    }
                 }
                 const int c = halves ? (i >> 1) : (t & 1);
 #pragma GCC unroll 8
@@ -349,8 +362,10 @@ static inline __attribute__((always_inline)) void tile_kq(const int kind, const 
                     memcpy(&x2, a->xb + (r0 + r) * a->K + 32 * b + 8 * i + 2 * t, 4);
                     const __m512bh xv = (__m512bh)_mm512_set1_epi32(x2);
 #pragma GCC unroll 2
-                    for (int q = 0; q < P; q++)
+                    for (int q = 0; q < P; q++) {
                         acc[q][c][r] = _mm512_dpbf16_ps(acc[q][c][r], (__m512bh)w[q], xv);
+                        if (nh == 4) acc[q][c][r] = _mm512_dpbf16_ps(acc[q][c][r], (__m512bh)w7[q], xv);
+                    }
                 }
             }
         }
@@ -464,6 +479,7 @@ static int gemm(int kind, const uint8_t *wpack, int64_t N, int64_t K, const Acts
     case KIND_K4: PANELS(KIND_K4, pair) return 0;
     case KIND_K5: PANELS(KIND_K5, pair) return 0;
     case KIND_K6: PANELS(KIND_K6, pair) return 0;
+    case KIND_K8: PANELS(KIND_K8, pair) return 0;
     default: return -1;
     }
 }
@@ -515,7 +531,7 @@ int tq_linear(int kind, const uint8_t *wpack, int64_t N, int64_t K, const void *
               int x_bf16, int pre, const void *nw, float eps, int64_t T, void *out,
               int64_t out_stride, int out_bf16, const void *res, int64_t res_stride, int res_bf16,
               const void *bias, int bias_bf16, int nthreads) {
-    if (kind < KIND_Q4_0 || kind > KIND_K6) return -1;
+    if (kind < KIND_Q4_0 || kind > KIND_K8) return -1;
     Acts a;
     int rc = prepare(kind, x, x_stride, x_bf16, T, K, pre, nw, eps, &a, nthreads);
     if (rc) return rc;
@@ -528,7 +544,7 @@ int tq_linear(int kind, const uint8_t *wpack, int64_t N, int64_t K, const void *
  * [T, K/16]). Returns as tq_linear. */
 int tq_activations(int kind, const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
                    int pre, const void *nw, float eps, void *xq, float *dx, int nthreads) {
-    if (kind < KIND_Q4_0 || kind > KIND_K6) return -1;
+    if (kind < KIND_Q4_0 || kind > KIND_K8) return -1;
     Acts a;
     int rc = prepare(kind, x, x_stride, x_bf16, T, K, pre, nw, eps, &a, nthreads);
     if (rc) return rc;

@@ -206,13 +206,14 @@ Linear = PackedLinear | DenseLinear | Int4Linear | Avx512Linear
 
 def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, device: torch.device,
                 native: bool | str = False, input_major: bool = True,
-                out_dtype: torch.dtype | None = None) -> tuple[Linear, str | None]:
+                out_dtype: torch.dtype | None = None, q8_bf16: bool = False) -> tuple[Linear, str | None]:
     """The kernel for weight ``w`` ([N, K]; dense or the file's quantized blocks) computing in
     ``dtype`` on ``device``. ``native`` (True, or "int4"): run a QuantWeight on its own
     blocks, on :class:`Avx512Linear` where :func:`avx512_reason` allows (not with "int4"), else on
     :class:`Int4Linear` where :func:`int4_reason` allows. Returns (kernel, why a QuantWeight was
     dequantized or None). ``input_major`` picks DenseLinear's layout (see there); ``out_dtype``
-    is Avx512Linear's output dtype (the others return ``dtype``)."""
+    is Avx512Linear's output dtype (the others return ``dtype``); ``q8_bf16``: Avx512Linear runs
+    Q8_0 with bf16 activations (layer weights) instead of int8 ones (the vocab head)."""
     why = None
     if isinstance(w, QuantParts):   # kinds side by side: the AVX512 kernels part by part, or dense
         why = "dequant"
@@ -221,13 +222,13 @@ def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, 
                 else [f"{w.kind}: torch's int4 kernel takes one kind"]
             why = next((r for r in whys if r is not None), None)
             if why is None:
-                return Avx512Linear(w, dtype, out_dtype), None
+                return Avx512Linear(w, dtype, out_dtype, q8_bf16), None
         w = w.dequantize()
     if isinstance(w, QuantWeight):
         why = "dequant"
         if native:
             if native != "int4" and avx512_reason(w, dtype, device) is None:
-                return Avx512Linear(w, dtype, out_dtype), None
+                return Avx512Linear(w, dtype, out_dtype, q8_bf16), None
             why = int4_reason(w, dtype, device)
         if why is None:
             return Int4Linear(w, dtype), None

@@ -149,3 +149,18 @@ def test_kinds_side_by_side_run_part_by_part():
     assert torch.equal(pickle.loads(pickle.dumps(lin))(x), lin(x))
     lin, why = make_linear(stacked, torch.bfloat16, torch.device("cpu"), native="int4")
     assert not isinstance(lin, Avx512Linear) and "one kind" in why
+
+
+@needs_kernels
+def test_q8_0_layer_weights_with_bf16_activations():
+    """``q8_bf16`` (what Llama layers ask for): Q8_0 codes exactly times the bf16 activations, not
+    int8 activation blocks; rows independent of the batch."""
+    qw, w = _qw("Q8_0", 96, 768)
+    lin = Avx512Linear(qw, torch.bfloat16, out_dtype=torch.float32, q8_bf16=True)
+    x = torch.randn(9, 768).bfloat16()
+    ref = x.double() @ w.t()
+    assert (lin(x).double() - ref).abs().max().item() < 2e-5 * ref.abs().max().item()
+    int8 = Avx512Linear(qw, torch.bfloat16, out_dtype=torch.float32)      # the head's int8 way
+    assert (int8(x).double() - ref).abs().max().item() > 1e-4 * ref.abs().max().item()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(9)])
+    assert torch.equal(lin(x), alone)
