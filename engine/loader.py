@@ -247,7 +247,7 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
         meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
     tensors = {t.name: t for t in reader.tensors}
     if meta.get("general.architecture") == "gemma3":
-        return _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length)
+        return _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length, native)
     arch = ModelArchConfig.from_gguf(meta, set(tensors))
     arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
     permute = meta["general.architecture"] in ("llama", "mistral")
@@ -291,9 +291,11 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     return LoadedModel(model, arch, tokenizer, name)
 
 
-def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length) -> LoadedModel:
+def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length,
+                      native: bool | str = False) -> LoadedModel:
     """A gemma3 GGUF (text): its metadata as a config.json (engine/models/gemma3.py), its tensors
-    dequantized (exact) under HF names, norms back from llama.cpp's ``1 + w``; Gemma3ForCausalLM."""
+    under HF names, norms back from llama.cpp's ``1 + w``; Gemma3ForCausalLM. With ``native`` the
+    projections' (and the tied head's) quantized blocks stay quantized, as for Llama files."""
     import gguf
 
     from tandem.engine.models.gemma3 import GGUF_LAYER_NAMES, Gemma3ForCausalLM, gemma3_arch, gemma3_gguf_config
@@ -309,17 +311,22 @@ def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, cont
         elif m and m.group(2) in GGUF_LAYER_NAMES:
             by_hf[f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"] = t
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str):
         t = by_hf.get(name)
+        if t is None and native and name == "lm_head.weight" and arch.tie_word_embeddings:
+            t = by_hf.get("model.embed_tokens.weight")     # a tied head: the embedding's own blocks
         if t is None:
             raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
+        if native and t.tensor_type.name in QUANT_KINDS and (name.endswith("_proj.weight") or name == "lm_head.weight"):
+            k, n = (int(x) for x in t.shape[:2])                     # GGUF ne = [K, N]
+            return from_gguf_blocks(t.tensor_type.name, t.data, n, k)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if name.endswith("norm.weight"):
             w = w - np.float32(1.0)                 # llama.cpp stored 1 + w (transformers' w - 1)
         w = np.ascontiguousarray(w)
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
-    model = Gemma3ForCausalLM(arch, extras, get, dev, dt)
+    model = Gemma3ForCausalLM(arch, extras, get, dev, dt, native=native)
     tokenizer = Tokenizer.from_gguf(reader)
     return LoadedModel(model, arch, tokenizer, os.path.splitext(os.path.basename(path))[0])
 
