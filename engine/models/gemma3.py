@@ -169,6 +169,46 @@ def gemma3_arch(cfg: dict[str, Any]) -> tuple[ModelArchConfig, Gemma3Extras]:
     return arch, extras
 
 
+# Gemma3TextConfig's defaults: a Gemma3ForConditionalGeneration config.json's text_config omits
+# the fields at their defaults (transformers writes only the differences).
+_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a ``Gemma3ForConditionalGeneration`` config.json."""
+    text = dict(cfg.get("text_config") or {})
+    out = {**_TEXT_DEFAULTS, **text}
+    for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if out.get(k) is None and cfg.get(k) is not None:
+            out[k] = cfg[k]
+    return out
+
+
+def text_weights(get: GetTensor) -> GetTensor:
+    """``get`` of a Gemma3ForConditionalGeneration checkpoint, asked for text-model names:
+    ``model.language_model.*`` (transformers 5) or ``language_model.model.*`` (4.x)."""
+    def text_get(name: str) -> torch.Tensor:
+        if name.startswith("model."):
+            rest = name[len("model."):]
+            cands = [f"model.language_model.{rest}", f"language_model.model.{rest}"]
+        else:
+            cands = [name, f"language_model.{name}"]
+        err = None
+        for c in cands:
+            try:
+                return get(c)
+            except ModelLoadError as e:
+                err = err or e
+        raise err
+
+    return text_get
+
+
 class Gemma3Layer(nn.Module):
     """One decoder layer. Weights in F.linear's [N, K] layout: qkv [(Hq + 2Hkv) * D, H] (fused at
     load), o [H, Hq * D], gate_up [2I, H], down [H, I]; norms as float32 ``1 + w``. A projection
