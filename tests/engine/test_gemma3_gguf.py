@@ -112,3 +112,21 @@ def test_default_numerics_within_the_bf16_bounds(path, exact, record):
 @pytest.mark.slow
 def test_the_record_is_what_transformers_computes(path, record):
     assert hf_greedy(path, PROMPTS, record["new_tokens"]) == record["records"]
+
+
+def test_engine_text_prompts_equal_transformers(exact, record):
+    """Through the serving engine (the SWA pool, chunked prefill, text in: what ``tandem generate``
+    runs), plain prompts get their BOS and chat prompts Gemma's turn format."""
+    from tandem.core.types import SamplingParams
+    from hf_hybrid_support import make_engine
+
+    engine = make_engine(exact, page_size=4, disable=False, chunk=16, max_total_tokens=2048,
+                         swa_pool_tokens=1024)
+    try:
+        p = SamplingParams(max_tokens=record["new_tokens"], temperature=0.0)
+        for rec in (record["records"][0], record["records"][3]):
+            req = engine.make_request(rec["prompt"], p, chat=rec["kind"] == "chat")
+            assert list(req.prompt_ids) == rec["ids"]
+            assert engine.generate_many([req])[0].token_ids == rec["greedy"], rec["prompt"]
+    finally:
+        engine.shutdown()
