@@ -54,6 +54,14 @@ def exact(kfile):
 
 
 @pytest.fixture(scope="module")
+def native_model(kfile):
+    """The default numerics (bf16 + the file's blocks where this CPU has native bf16)."""
+    from tandem.engine.loader import load_model
+
+    return load_model(kfile[1], device="cpu")
+
+
+@pytest.fixture(scope="module")
 def hf(kfile):
     from conftest import _hf_gguf_load      # tests/conftest.py: one GGUF parse per file
 
@@ -86,7 +94,10 @@ def test_the_files_hold_the_k_quant_mix(kfile):
     assert types["blk.0.attn_q.weight"] == ("Q5_0" if mix == "Q4_K_M" else "Q8_0")   # K = 576: fallback
 
 
+@pytest.mark.parametrize("kfile", ["Q4_K_M", pytest.param("Q6_K", marks=pytest.mark.slow)], indirect=True)
 def test_exact_path_matches_hf_on_the_same_file(exact, hf, prompts):
+    """(The Q6_K file's HF load, ~10 s, runs with the slow tests; its Q6_K tensors are the Q4_K_M
+    file's kind too.)"""
     eos = exact.tokenizer.eos_token_ids
     worst = 0.0
     for ids in prompts:
@@ -105,10 +116,8 @@ def test_exact_path_matches_hf_on_the_same_file(exact, hf, prompts):
 
 
 @pytest.mark.skipif(native_bf16() is None, reason="no native bf16 on this CPU")
-def test_default_numerics_within_the_bf16_bounds(kfile, exact, prompts):
-    from tandem.engine.loader import load_model
-
-    native = load_model(kfile[1], device="cpu")
+def test_default_numerics_within_the_bf16_bounds(kfile, exact, native_model, prompts):
+    native = native_model
     if kernel_unavailable() is None:
         assert "avx512 (Q6_K)" in native.precision and "dequantized" not in native.precision, native.precision
     worst, means = 0.0, []
@@ -135,10 +144,8 @@ def _trace(loaded) -> list[torch.Tensor]:
 
 @pytest.mark.skipif(kernel_unavailable() is not None or native_bf16() is None,
                     reason=f"AVX512 kernels: {kernel_unavailable() or 'no native bf16'}")
-def test_fused_layers_are_bitwise_the_unfused_ones(kfile):
-    from tandem.engine.loader import load_model
-
-    native = load_model(kfile[1], device="cpu")
+def test_fused_layers_are_bitwise_the_unfused_ones(native_model):
+    native = native_model
     layers = native.model.layers
     built = [FusedLlamaLayer.build(layer) for layer in layers]
     assert sum(b is not None for b in built) >= 16             # every single-kind layer fuses
@@ -148,5 +155,7 @@ def test_fused_layers_are_bitwise_the_unfused_ones(kfile):
     for layer in layers:
         layer.fused, layer.fused_built = None, True
     plain = _trace(native)
+    for layer, b in zip(layers, built):               # the module's model as it was
+        layer.fused, layer.fused_built = b, True
     for i, (f, p) in enumerate(zip(fused, plain)):
         assert torch.equal(f, p), f"step {i} differs"
