@@ -11,7 +11,8 @@ Specs:
 GGUF tensors are renamed to HF names and, for llama/mistral files, have llama.cpp's q/k row
 permutation undone (rotary pairs are stored interleaved; transformers' ``reverse_permute``). With
 ``weights="dequant"`` every tensor is dequantized to float32 (``gguf.quants.dequantize``), then cast
-to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q8_0 blocks reach the model as
+to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+Q6_K blocks reach the model as
 :class:`QuantWeight` and run on their own blocks (engine/quant/: the AVX512 kernels where they
 build, else torch's int4 kernel; ``"int4"`` forces the latter), other types are dequantized and named
 in ``LoadedModel.precision``. Nothing is cached on disk. User mistakes raise

@@ -4,7 +4,7 @@ device, the compute dtype and the weight's own format allow. :func:`make_linear`
 | kernel | weight held as | where | numerics |
 |---|---|---|---|
 | :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | the dtype's GEMM |
-| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); reads 5 bits per weight |
+| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact codes x bf16 activations (4-bit Q4_0/Q4_1: 5 bits per weight read; Q5_*, K-quants and Q8_0 layer weights with float32 group scales: 6-10; the vocab head's Q8_0: int8 activation blocks, llama.cpp's way) |
 | :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight |
 | :class:`DenseLinear` | a plain tensor, ``[K, N]`` ("x @ W") or ``[N, K]`` | anywhere else (CUDA, no oneDNN) | |
 
