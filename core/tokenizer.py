@@ -311,6 +311,11 @@ class Tokenizer:
             inverse = _unicode_to_bytes()
             if all(ch in inverse for ch in piece):
                 return bytes(inverse[ch] for ch in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:                            # a byte-fallback token (SentencePiece's <0xE2>)
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
         return self._tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
     # -- chat ----------------------------------------------------------------------------------

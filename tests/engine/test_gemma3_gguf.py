@@ -72,6 +72,7 @@ def test_tokenizer_and_turn_format_match_transformers(exact, record):
         assert _encode(tok, kind, text) == rec["ids"], text
     text = "Hello  world, ünïcode 😀 \n\n  x"
     assert tok.decode(tok.encode(text)) == text
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode()   # grammar's byte view
     chat = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
                                     {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                                     {"role": "user", "content": "Bye"}])
