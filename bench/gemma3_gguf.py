@@ -10,7 +10,11 @@ prompt, DECODE new tokens, EOS ignored; new tok/s, the prompt's prefill included
 contender runs once per round, rounds repeat; the table shows medians and the median per-round
 ratio to transformers.
 
-Usage: python bench/gemma3_gguf.py [--threads 2] [--repeats 3] [--no-hf] [--out bench/out/gemma3_gguf.json]
+``--kernels``: instead, one decode row (T = 1) through Avx512Linear on layer 0's projection of each
+kind in the file (and Q8_0 with bf16 vs int8 activations): microseconds per call and the packed
+weight's read rate, the number a decode step is bound by.
+
+Usage: python bench/gemma3_gguf.py [--threads 2] [--repeats 3] [--no-hf] [--kernels] [--out bench/out/gemma3_gguf.json]
 """
 
 from __future__ import annotations
@@ -71,12 +75,47 @@ class HF:
         pass
 
 
+def kernel_rates(path: str, repeats: int) -> dict:
+    """Avx512Linear at T = 1 on layer 0's projections: {label: (us per call, GB/s of packed bytes)}."""
+    import gguf
+
+    from tandem.engine.quant.avx512 import Avx512Linear
+    from tandem.engine.quant.blocks import from_gguf_blocks
+
+    r = gguf.GGUFReader(path)
+    picks = {}
+    for t in r.tensors:
+        if t.name.startswith("blk.0.") and t.tensor_type.name not in ("F32", "F16"):
+            picks.setdefault(t.tensor_type.name, t)
+    out = {}
+    for kind, t in sorted(picks.items()):
+        k, n = (int(v) for v in t.shape[:2])
+        qw = from_gguf_blocks(kind, t.data, n, k)
+        for label, q8 in ([(f"{kind} bf16 acts", True), (f"{kind} int8 acts", False)] if kind == "Q8_0"
+                          else [(kind, False)]):
+            lin = Avx512Linear(qw, torch.bfloat16, q8_bf16=q8)
+            x = torch.randn(1, k).bfloat16()
+            for _ in range(50):
+                lin(x)
+            calls = 2000
+            sec = min(timed(lambda: [lin(x) for _ in range(calls)]) for _ in range(repeats)) / calls
+            out[label] = {"shape": [n, k], "us": sec * 1e6, "packed_gbs": lin.nbytes / sec / 1e9,
+                          "bits_per_weight": 8 * lin.nbytes / (n * k)}
+            print(f"{label:16s} [{n:5d}, {k:5d}] {sec * 1e6:7.1f} us  {lin.nbytes / sec / 1e9:6.1f} GB/s "
+                  f"packed ({8 * lin.nbytes / (n * k):.1f} bits/weight)")
+    return out
+
+
 def main() -> None:
     ap = bench_parser(__doc__, "gemma3_gguf", repeats=3, threads=2)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--kernels", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = gguf_path()
+    if args.kernels:
+        write_report(args.out, {"threads": args.threads, "kernels": kernel_rates(path, args.repeats)})
+        return
     rng = np.random.default_rng(0)
     long_ids = [2] + rng.integers(1000, 200_000, PREFILL - 1).tolist()
     short_ids = [2] + rng.integers(1000, 200_000, SHORT - 1).tolist()
