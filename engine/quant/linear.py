@@ -227,9 +227,12 @@ def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, 
     if isinstance(w, QuantWeight):
         why = "dequant"
         if native:
-            if native != "int4" and avx512_reason(w, dtype, device) is None:
+            avx_why = avx512_reason(w, dtype, device) if native != "int4" else None
+            if native != "int4" and avx_why is None:
                 return Avx512Linear(w, dtype, out_dtype, q8_bf16), None
             why = int4_reason(w, dtype, device)
+            if why is not None and avx_why is not None and w.kind not in ("Q4_0", "Q4_1", "Q8_0"):
+                why = f"{avx_why}; {why}"       # a kind only the AVX512 kernels take: say why not here
         if why is None:
             return Int4Linear(w, dtype), None
         w = w.dequantize()

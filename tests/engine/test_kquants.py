@@ -164,3 +164,17 @@ def test_q8_0_layer_weights_with_bf16_activations():
     assert (int8(x).double() - ref).abs().max().item() > 1e-4 * ref.abs().max().item()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(9)])
     assert torch.equal(lin(x), alone)
+
+
+def test_without_the_kernels_they_run_dequantized_and_say_why(monkeypatch):
+    """The fallback where the AVX512 kernels cannot build: the exact dequantized weight (in the
+    compute dtype), the reason naming both kernels (the startup line's ``dequantized`` list)."""
+    import tandem.engine.quant.avx512 as avx512
+
+    monkeypatch.setattr(avx512, "kernel_unavailable", lambda: "the CPU lacks avx512_bf16 (test)")
+    qw, w = _qw("Q6_K", 32, 256)
+    lin, why = make_linear(qw, torch.bfloat16, torch.device("cpu"), native=True)
+    assert not isinstance(lin, Avx512Linear)
+    assert "the CPU lacks avx512_bf16 (test)" in why and "Q6_K is not mapped to int4" in why
+    x = torch.randn(3, 256).bfloat16()
+    torch.testing.assert_close(lin(x).float(), (x @ w.to(torch.bfloat16).t()).float(), atol=0.05, rtol=0.02)
