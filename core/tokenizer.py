@@ -6,6 +6,10 @@ Two sources:
   (``integrations/gguf/gguf_tokenizer_mapping.py``): GPT-2 byte-level BPE, control tokens
   (token_type 3) added whole as special tokens, user-defined ones (4) as plain added tokens, and a
   split regex chosen by ``tokenizer.ggml.pre`` (the GPT-2 regex for "smollm" and unknown names).
+  Gemma's SentencePiece vocabulary (``tokenizer.ggml.model`` "llama" in a gemma* file) is rebuilt as
+  transformers' ``gemma_tokenizer`` does: a byte-fallback BPE whose merges come from the vocabulary
+  in file order; a Gemma file without a chat template gets Gemma's turn format (``GEMMA_TEMPLATE``)
+  and ``<end_of_turn>`` as an end-of-generation id, as llama.cpp treats it.
 - :meth:`Tokenizer.from_hf_dir`: ``tokenizer.json`` plus ``tokenizer_config.json`` (chat template,
   bos/eos), ``chat_template.jinja`` and ``generation_config.json`` (extra eos ids) when present.
 
@@ -24,7 +28,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from tandem.core.types import TandemError
@@ -44,6 +48,40 @@ _PRE_SPLITS = {
     **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")},
     **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "megrez")},
 }
+
+
+# Gemma's chat template (Gemma 3's tokenizer_config.json, text parts): a system message becomes the
+# first user turn's prefix; the assistant's role is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ raise_exception(\"Invalid content type\") }}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
 
 
 class TokenizerError(TandemError):
@@ -98,11 +136,15 @@ class Tokenizer:
             reader = gguf.GGUFReader(path_or_reader)
         meta = _gguf_fields(reader)
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        gemma = kind == "llama" and str(meta.get("general.architecture", "")).startswith("gemma")
+        if kind != "gpt2" and not gemma:
             raise TokenizerError(
-                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
+                f"and Gemma's 'llama' SentencePiece vocabulary)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if gemma:
+            return cls._from_gguf_gemma(meta, tokens, types, path_or_reader)
         merges: list[str] = meta.get("tokenizer.ggml.merges") or []
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
@@ -143,6 +185,47 @@ class Tokenizer:
             if isinstance(path_or_reader, (str, os.PathLike)) else "gguf")
         return cls(tok, name=name, bos_token_id=bos, eos_token_ids=eos_ids,
                    chat_template=meta.get("tokenizer.chat_template"),
+                   special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                                   "unk_token": token("unknown_token_id"),
+                                   "pad_token": token("padding_token_id")},
+                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def _from_gguf_gemma(cls, meta: dict[str, Any], tokens: list[str], types: list[int],
+                         source: Any) -> "Tokenizer":
+        """Gemma's vocabulary as transformers' GGUF ``gemma_tokenizer`` + ``GemmaTokenizer`` build
+        it: tokens of two or more spaces respelled as that many U+2581, merges derived from the
+        vocabulary with file order as the score (Gemma files list no merges), byte fallback."""
+        respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(respelled)}
+        merges = _merges_from_vocab(vocab, {t: -i for i, t in enumerate(respelled)})
+        unk = meta.get("tokenizer.ggml.unknown_token_id")
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, dropout=None, byte_fallback=True,
+                         unk_token=tokens[unk] if unk is not None else "<unk>")
+        tok = _HFTokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
+
+        def token(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = {eos} if eos is not None else set()
+        for key in ("tokenizer.ggml.eot_token_id",):
+            if meta.get(key) is not None:
+                eos_ids.add(meta[key])
+        if (eot := vocab.get("<end_of_turn>")) is not None:
+            eos_ids.add(eot)
+        name = meta.get("general.name") or (
+            os.path.splitext(os.path.basename(str(source)))[0] if isinstance(source, (str, os.PathLike)) else "gguf")
+        return cls(tok, name=name, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos_ids,
+                   chat_template=meta.get("tokenizer.chat_template") or GEMMA_TEMPLATE,
                    special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                                    "unk_token": token("unknown_token_id"),
                                    "pad_token": token("padding_token_id")},
@@ -228,6 +311,11 @@ class Tokenizer:
             inverse = _unicode_to_bytes()
             if all(ch in inverse for ch in piece):
                 return bytes(inverse[ch] for ch in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:                            # a byte-fallback token (SentencePiece's <0xE2>)
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
         return self._tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
     # -- chat ----------------------------------------------------------------------------------
@@ -301,13 +389,26 @@ def _gguf_fields(reader: Any) -> dict[str, Any]:
     """The tokenizer.* and general.name metadata of a GGUFReader as Python values."""
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():
-        if not (key.startswith("tokenizer.") or key == "general.name"):
+        if not (key.startswith("tokenizer.") or key in ("general.name", "general.architecture")):
             continue
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             out[key] = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
         else:
             out[key] = field.contents()
     return out
+
+
+def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges a vocabulary implies (transformers' ``generate_merges`` with scores): every
+    split of a token into two tokens, best score first, ties by the pieces' lengths."""
+    merges = []
+    for merge, score in scores.items():
+        local = [(merge[:i], merge[i:], score) for i in range(1, len(merge))
+                 if merge[:i] in vocab and merge[i:] in vocab]
+        local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
 
 
 def _read_json(path: str) -> dict:

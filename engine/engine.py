@@ -211,7 +211,9 @@ class Engine:
             text = prompt
             if chat:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            ids = self.tokenizer.encode(text)
+            # a plain prompt gets the BOS a model wants (Gemma), as /v1/completions does; a chat
+            # template writes its own
+            ids = self.tokenizer.encode(text, add_special_tokens=not chat)
         else:
             ids = list(prompt)
         return GenerateRequest(rid or f"req-{uuid.uuid4().hex[:12]}", tuple(ids),

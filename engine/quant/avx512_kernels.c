@@ -32,6 +32,21 @@
  *   Q8_0: 512 code bytes = 8 chunks x 16 columns x 4 bytes: u = q + 128 of column j, k = 4 c + t.
  *         Record 544 bytes.
  *
+ * The "KQ" kinds (Q5_0 / Q5_1 / the K-quants, bf16 activations): unsigned codes u (0..63) with
+ * float32 per-group scale s and offset o, w = s u + o (exact: avx512.py's pack derives s, o from
+ * the file's float16 d, dmin and 6/8-bit sub-scales, products that float32 holds exactly). As
+ * Q4_1, a group's dot is acc = sum (128 + u) x, then y += s acc + (o - 128 s) sum x.
+ *   KIND_K4 (Q4_K):            u's low nibbles as Q4_*, then s, o (16 x fp32 each). Record 384.
+ *   KIND_K5 (Q5_0, Q5_1, Q5_K): nibbles, one high-bit plane (bit 4 of u), s, o. Record 448.
+ *   KIND_K6 (Q6_K):            nibbles, planes for bits 4 and 5, then s and o of each 16-weight
+ *                              half of the block (s0, s1, o0, o1). Record 640.
+ *   KIND_K8 (Q8_0 layer weights with bf16 activations, u = q + 128 in 0..255): nibbles, planes for
+ *                              bits 4..7, s, o = -128 s. 128 + u is not exact in bf16 past 255, so
+ *                              bit 7 goes in a second VDPBF16PS on the same chain, as the bf16 128.0
+ *                              or 0: (128 + u mod 128) x + (128 b7) x, both products exact. Record 640.
+ *   A plane is 16 column lanes of 32 bits: k = 8 i + 2 t (+ 1) of chunk i at bit 4 t + i (+ 16),
+ *   so the same shift that aligns chunk i's pair t for the nibbles aligns its high bits.
+ *
  * Activations: rows of float32 or bfloat16, with an optional fused pre-op (RMSNorm with a weight,
  * or silu(x[:, :K]) * x[:, K:2K]) applied in float32 first.
  */
@@ -41,11 +56,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2 };
+enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_K4 = 3, KIND_K5 = 4, KIND_K6 = 5, KIND_K8 = 6 };
 enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
 
 static inline int record_bytes(int kind) {
-    return kind == KIND_Q8_0 ? 544 : (kind == KIND_Q4_1 ? 320 : 288);
+    switch (kind) {
+    case KIND_Q8_0: return 544;
+    case KIND_Q4_1: return 320;
+    case KIND_K4: return 384;
+    case KIND_K5: return 448;
+    case KIND_K6: return 640;
+    case KIND_K8: return 640;
+    default: return 288;
+    }
 }
 
 /* -- float helpers ------------------------------------------------------------------------- */
@@ -164,6 +187,15 @@ static void row_bf16(const Row *r, uint16_t *xb, float *xs) {
     }
 }
 
+/* KIND_K6 activations of one row: xb [K] bf16, xs [K/16] (sum of each 16-wide half block) */
+static void row_bf16_16(const Row *r, uint16_t *xb, float *xs) {
+    for (int64_t b = 0; b < r->K / 16; b++) {
+        __m256i h = to_bf16(row_at(r, 16 * b));
+        _mm256_storeu_si256((__m256i *)(xb + 16 * b), h);
+        xs[b] = _mm512_reduce_add_ps(load16(xb + 16 * b, 1));
+    }
+}
+
 /* -- the GEMMs ----------------------------------------------------------------------------- */
 typedef struct {
     const int8_t *xq;       /* Q8_0: [T, K] int8, dx / isum [T, nb] */
@@ -269,10 +301,109 @@ static inline __attribute__((always_inline)) void tile_q4(const int kind, const 
     }
 }
 
+/* bits p and 16 + p of each lane moved to bits at and 16 + at (p, at compile-time constants) */
+static inline __attribute__((always_inline)) __m512i bits_to(__m512i h, const int p, const int at) {
+    return p >= at ? _mm512_srli_epi32(h, (unsigned)(p - at)) : _mm512_slli_epi32(h, (unsigned)(at - p));
+}
+
+/* The KQ kinds (see the top of the file), as tile_q4: P panels over rows r0 .. r0 + R - 1. Two
+ * float32 chains per group: pair slots t & 1 (K4, K5), or the two 16-weight halves (K6, whose
+ * halves have their own scales). */
+static inline __attribute__((always_inline)) void tile_kq(const int kind, const int R, const int P,
+                                                          const uint8_t *wp, int64_t pstride,
+                                                          const Acts *a, int64_t r0, __m512 *y) {
+    const int rec = record_bytes(kind);
+    const int nh = kind == KIND_K8 ? 4 : (kind == KIND_K6 ? 2 : (kind == KIND_K5 ? 1 : 0));
+    const int halves = kind == KIND_K6;
+    const int so = 256 + 64 * nh;                    /* s (, s1), o (, o1): 16 x fp32 each */
+    const int64_t xsn = halves ? 2 * a->nb : a->nb;  /* activation sums per row */
+    const __m512i low = _mm512_set1_epi32(0x000f000f), magic = _mm512_set1_epi32(0x43004300);
+    const __m512i bit4 = _mm512_set1_epi32(0x00100010), bit5 = _mm512_set1_epi32(0x00200020);
+    const __m512i bit6 = _mm512_set1_epi32(0x00400040), bit0 = _mm512_set1_epi32(0x00010001);
+    const __m512i b128 = _mm512_set1_epi16(0x4300);   /* bf16 128.0 */
+#pragma GCC unroll 16
+    for (int r = 0; r < P * TILE_ROWS; r++) y[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        __m512 acc[2][2][TILE_ROWS];   /* [panel][chain][row] */
+        __m512i h0[2], h1[2], h2[2], h3[2];
+#pragma GCC unroll 2
+        for (int q = 0; q < P; q++) {
+            const uint8_t *blk = wp + q * pstride + b * rec;
+            if (nh >= 1) h0[q] = _mm512_loadu_si512((const void *)(blk + 256));
+            if (nh >= 2) h1[q] = _mm512_loadu_si512((const void *)(blk + 320));
+            if (nh == 4) h2[q] = _mm512_loadu_si512((const void *)(blk + 384));
+            if (nh == 4) h3[q] = _mm512_loadu_si512((const void *)(blk + 448));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m512i pk[2];
+#pragma GCC unroll 2
+            for (int q = 0; q < P; q++)
+                pk[q] = _mm512_loadu_si512((const void *)(wp + q * pstride + b * rec + 64 * i));
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                __m512i w[2], w7[2];
+#pragma GCC unroll 2
+                for (int q = 0; q < P; q++) {
+                    w[q] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(pk[q], 4 * t), low, magic, 0xEA);
+                    if (nh >= 1) w[q] = _mm512_ternarylogic_epi32(bits_to(h0[q], 4 * t + i, 4), bit4, w[q], 0xEA);
+                    if (nh >= 2) w[q] = _mm512_ternarylogic_epi32(bits_to(h1[q], 4 * t + i, 5), bit5, w[q], 0xEA);
+                    if (nh == 4) {
+                        w[q] = _mm512_ternarylogic_epi32(bits_to(h2[q], 4 * t + i, 6), bit6, w[q], 0xEA);
+                        w7[q] = _mm512_mullo_epi16(_mm512_and_si512(bits_to(h3[q], 4 * t + i, 0), bit0), b128);
+                    }
+                }
+                const int c = halves ? (i >> 1) : (t & 1);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int32_t x2;
+                    memcpy(&x2, a->xb + (r0 + r) * a->K + 32 * b + 8 * i + 2 * t, 4);
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(x2);
+#pragma GCC unroll 2
+                    for (int q = 0; q < P; q++) {
+                        acc[q][c][r] = _mm512_dpbf16_ps(acc[q][c][r], (__m512bh)w[q], xv);
+                        if (nh == 4) acc[q][c][r] = _mm512_dpbf16_ps(acc[q][c][r], (__m512bh)w7[q], xv);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int q = 0; q < P; q++) {
+            const float *sc = (const float *)(wp + q * pstride + b * rec + so);
+            if (!halves) {
+                const __m512 s = _mm512_loadu_ps(sc), mw = _mm512_fnmadd_ps(s, _mm512_set1_ps(128.0f), _mm512_loadu_ps(sc + 16));
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const __m512 sum = _mm512_add_ps(acc[q][0][r], acc[q][1][r]);
+                    __m512 *yr = &y[q * TILE_ROWS + r];
+                    *yr = _mm512_fmadd_ps(sum, s, *yr);
+                    *yr = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->xs[(r0 + r) * xsn + b]), *yr);
+                }
+            } else {
+                const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+                const __m512 m0 = _mm512_fnmadd_ps(s0, _mm512_set1_ps(128.0f), _mm512_loadu_ps(sc + 32));
+                const __m512 m1 = _mm512_fnmadd_ps(s1, _mm512_set1_ps(128.0f), _mm512_loadu_ps(sc + 48));
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const float *xs = a->xs + (r0 + r) * xsn + 2 * b;
+                    __m512 *yr = &y[q * TILE_ROWS + r];
+                    *yr = _mm512_fmadd_ps(acc[q][0][r], s0, *yr);
+                    *yr = _mm512_fmadd_ps(m0, _mm512_set1_ps(xs[0]), *yr);
+                    *yr = _mm512_fmadd_ps(acc[q][1][r], s1, *yr);
+                    *yr = _mm512_fmadd_ps(m1, _mm512_set1_ps(xs[1]), *yr);
+                }
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void tile(const int kind, const int R, const int P,
                                                        const uint8_t *wp, int64_t pstride,
                                                        const Acts *a, int64_t r0, __m512 *y) {
     if (kind == KIND_Q8_0) tile_q8(R, wp, a, r0, y);          /* P == 1 */
+    else if (kind >= KIND_K4) tile_kq(kind, R, P, wp, pstride, a, r0, y);
     else tile_q4(kind, R, P, wp, pstride, a, r0, y);
 }
 
@@ -345,6 +476,10 @@ static int gemm(int kind, const uint8_t *wpack, int64_t N, int64_t K, const Acts
     case KIND_Q4_0: PANELS(KIND_Q4_0, pair) return 0;
     case KIND_Q4_1: PANELS(KIND_Q4_1, pair) return 0;
     case KIND_Q8_0: PANELS(KIND_Q8_0, 1) return 0;
+    case KIND_K4: PANELS(KIND_K4, pair) return 0;
+    case KIND_K5: PANELS(KIND_K5, pair) return 0;
+    case KIND_K6: PANELS(KIND_K6, pair) return 0;
+    case KIND_K8: PANELS(KIND_K8, pair) return 0;
     default: return -1;
     }
 }
@@ -372,8 +507,8 @@ static int prepare(int kind, const void *x, int64_t x_stride, int x_bf16, int64_
     z.K = K, z.nb = nb;
     if (kind == KIND_Q8_0) {
         z.dx = f, z.isum = (const int32_t *)(f + T * nb), z.xq = (const int8_t *)(f + 2 * T * nb);
-    } else {
-        z.xs = f, z.xb = (const uint16_t *)(f + T * nb);
+    } else {   /* KIND_K6: sums per 16 (2 nb a row) */
+        z.xs = f, z.xb = (const uint16_t *)(f + (kind == KIND_K6 ? 2 : 1) * T * nb);
     }
     *a = z;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
@@ -381,6 +516,8 @@ static int prepare(int kind, const void *x, int64_t x_stride, int x_bf16, int64_
         const Row row = row_begin((const char *)x + r * x_stride * es, x_bf16, K, pre, nw, eps);
         if (kind == KIND_Q8_0)
             row_int8(&row, (int8_t *)z.xq + r * K, (float *)z.dx + r * nb, (int32_t *)z.isum + r * nb);
+        else if (kind == KIND_K6)
+            row_bf16_16(&row, (uint16_t *)z.xb + r * K, (float *)z.xs + r * 2 * nb);
         else
             row_bf16(&row, (uint16_t *)z.xb + r * K, (float *)z.xs + r * nb);
     }
@@ -394,7 +531,7 @@ int tq_linear(int kind, const uint8_t *wpack, int64_t N, int64_t K, const void *
               int x_bf16, int pre, const void *nw, float eps, int64_t T, void *out,
               int64_t out_stride, int out_bf16, const void *res, int64_t res_stride, int res_bf16,
               const void *bias, int bias_bf16, int nthreads) {
-    if (kind < KIND_Q4_0 || kind > KIND_Q8_0) return -1;
+    if (kind < KIND_Q4_0 || kind > KIND_K8) return -1;
     Acts a;
     int rc = prepare(kind, x, x_stride, x_bf16, T, K, pre, nw, eps, &a, nthreads);
     if (rc) return rc;
@@ -403,10 +540,11 @@ int tq_linear(int kind, const uint8_t *wpack, int64_t N, int64_t K, const void *
 }
 
 /* The activations tq_linear computes for x (tests): Q8_0 -> xq [T, K] int8 + dx [T, K/32];
- * Q4_* -> xb [T, K] bf16 (in xq's buffer, 2 bytes each) + xs [T, K/32] in dx. Returns as tq_linear. */
+ * Q4_* and KQ -> xb [T, K] bf16 (in xq's buffer, 2 bytes each) + xs [T, K/32] in dx (KIND_K6:
+ * [T, K/16]). Returns as tq_linear. */
 int tq_activations(int kind, const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
                    int pre, const void *nw, float eps, void *xq, float *dx, int nthreads) {
-    if (kind < KIND_Q4_0 || kind > KIND_Q8_0) return -1;
+    if (kind < KIND_Q4_0 || kind > KIND_K8) return -1;
     Acts a;
     int rc = prepare(kind, x, x_stride, x_bf16, T, K, pre, nw, eps, &a, nthreads);
     if (rc) return rc;
@@ -416,7 +554,7 @@ int tq_activations(int kind, const void *x, int64_t x_stride, int x_bf16, int64_
         memcpy(dx, a.dx, (size_t)(T * nb) * 4);
     } else {
         memcpy(xq, a.xb, (size_t)(T * K) * 2);
-        memcpy(dx, a.xs, (size_t)(T * nb) * 4);
+        memcpy(dx, a.xs, (size_t)(T * nb * (kind == KIND_K6 ? 2 : 1)) * 4);
     }
     return 0;
 }

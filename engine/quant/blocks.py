@@ -5,11 +5,23 @@ GGML's 32-weight block types this file reads (``d``, ``m`` are float16 per block
     Q4_0  18 bytes: d, 16 bytes of nibbles   w = d * (q - 8)      q in 0..15
     Q4_1  20 bytes: d, m, 16 bytes of nibbles w = d * q + m        q in 0..15
     Q8_0  34 bytes: d, 32 int8               w = d * q            q in -128..127
+    Q5_0  22 bytes: d, 32 high bits, nibbles  w = d * (q - 16)     q in 0..31
+    Q5_1  24 bytes: d, m, high bits, nibbles  w = d * q + m        q in 0..31
+
+and the K-quants, 256-weight super-blocks (``d``, ``dmin`` float16; 6-bit scales ``sc``, mins ``m``):
+
+    Q4_K 144 bytes: 8 sub-blocks of 32        w = (d sc) q - (dmin m)   q in 0..15
+    Q5_K 176 bytes: 8 sub-blocks of 32        w = (d sc) q - (dmin m)   q in 0..31
+    Q6_K 210 bytes: 16 sub-blocks of 16       w = (d sc) (q - 32)       q in 0..63, sc int8
+
+Every type is a per-group ``(scale, offset)`` form (groups of 32; Q6_K: 16) whose float32
+``scale = d sc`` and ``offset = -(dmin m)`` are exact (an 11-bit times a 6- or 8-bit integer), so
+``dequantize()`` computes what gguf-py does, in its order.
 
 A block's 16 nibble bytes hold weights 0..15 in their low nibbles and 16..31 in their high ones.
-A matrix ``[N, K]`` (GGUF ``ne = [K, N]``) is N rows of K / 32 blocks. :class:`QuantWeight` keeps
-the codes ``[N, K]`` and per-block ``scale`` / ``offset`` ``[N, K / 32]`` (float32, exact copies
-of the float16 values), so ``dequantize()`` is bit-identical to ``gguf.quants.dequantize``. Rows
+A matrix ``[N, K]`` (GGUF ``ne = [K, N]``) is N rows of K / 32 blocks (K-quants: K / 256).
+:class:`QuantWeight` keeps the codes ``[N, K]`` and per-group ``scale`` / ``offset`` ``[N, K / G]``
+(float32, exact), so ``dequantize()`` is bit-identical to ``gguf.quants.dequantize``. Rows
 can be reordered (llama.cpp's q/k permutation) and matrices stacked along N (fused qkv) without
 touching a single weight value.
 """
@@ -21,17 +33,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GROUP = 32                                    # weights per block, every type here
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GROUP = 32                                    # weights per scale group (Q6_K: 16)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_WEIGHTS = {k: (256 if k.endswith("_K") else 32) for k in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
+SIGNED = ("Q8_0", "Q5_0", "Q6_K")             # codes held as int8 (q - 16 for Q5_0, q - 32 for Q6_K)
+WITH_OFFSET = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+
+
+def group_size(kind: str) -> int:
+    """Weights per (scale, offset) group of ``kind``."""
+    return 16 if kind == "Q6_K" else GROUP
 
 
 @dataclass(frozen=True)
 class QuantWeight:
     """A quantized ``[N, K]`` matrix. ``w[n, k] = scale[n, g] * (codes[n, k] - bias) + offset[n, g]``
-    with ``g = k // 32``, ``bias`` 8 for Q4_0 and 0 otherwise, ``offset`` zero but for Q4_1.
+    with ``g = k // G`` (:func:`group_size`), ``bias`` 8 for Q4_0 and 0 otherwise, ``offset`` zero
+    but for the kinds in :data:`WITH_OFFSET`.
 
-    codes: [N, K] uint8 (Q4_*: 0..15) or int8 (Q8_0); scale, offset: [N, K / 32] float32 (CPU)."""
+    codes: [N, K] uint8 (Q4_*: 0..15; Q5_1, Q5_K: 0..31) or int8 (:data:`SIGNED`); scale, offset:
+    [N, K / G] float32 (CPU)."""
 
     kind: str
     codes: torch.Tensor
@@ -46,16 +69,21 @@ class QuantWeight:
     def nbytes(self) -> int:
         """Bytes of the GGUF blocks this matrix came from."""
         n, k = self.shape
-        return n * (k // GROUP) * BLOCK_BYTES[self.kind]
+        return n * (k // BLOCK_WEIGHTS[self.kind]) * BLOCK_BYTES[self.kind]
+
+    @property
+    def group(self) -> int:
+        return group_size(self.kind)
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32, equal to ``gguf.quants.dequantize`` of the same blocks."""
         n, k = self.shape
-        q = self.codes.to(torch.float32).view(n, k // GROUP, GROUP)
+        g = self.group
+        q = self.codes.to(torch.float32).view(n, k // g, g)
         if self.kind == "Q4_0":
             q = q - 8
         w = q * self.scale[..., None]
-        if self.kind == "Q4_1":
+        if self.kind in WITH_OFFSET:
             w = w + self.offset[..., None]
         return w.view(n, k)
 
@@ -81,24 +109,136 @@ class QuantWeight:
         return self.dequantize().to(device=device, dtype=dtype or torch.float32)
 
 
+@dataclass(frozen=True)
+class QuantParts:
+    """Quantized ``[N_i, K]`` matrices of different kinds stacked along N (a fused qkv whose v is
+    Q8_0 beside Q5_0 q and k, as llama.cpp's *_M mixes write them): each part keeps its blocks;
+    a kernel runs part by part into its columns of one output."""
+
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self):
+        if len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError(f"cannot stack quantized matrices of widths "
+                             f"{sorted({p.shape[1] for p in self.parts})}: they need one K")
+
+    @property
+    def kind(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def to(self, device=None, dtype=None) -> torch.Tensor:
+        return self.dequantize().to(device=device, dtype=dtype or torch.float32)
+
+    @staticmethod
+    def stack(parts: list[QuantWeight]) -> "QuantWeight | QuantParts":
+        """Runs of one kind concatenated (QuantWeight.cat); one QuantWeight if a single kind."""
+        runs: list[list[QuantWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].kind == p.kind:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        merged = [QuantWeight.cat(r) if len(r) > 1 else r[0] for r in runs]
+        return merged[0] if len(merged) == 1 else QuantParts(tuple(merged))
+
+
 def from_gguf_blocks(kind: str, data: np.ndarray, n: int, k: int) -> QuantWeight:
-    """Unpack ``data`` (the GGUF tensor's raw bytes, ``[N, K / 32 * block bytes]`` uint8 or flat)
-    of a ``[N, K]`` matrix of type ``kind`` (one of :data:`KINDS`)."""
+    """Unpack ``data`` (the GGUF tensor's raw bytes, ``[N, K / B * block bytes]`` uint8 or flat)
+    of a ``[N, K]`` matrix of type ``kind`` (one of :data:`KINDS`; B = 32, or 256 for K-quants)."""
     if kind not in BLOCK_BYTES:
         raise ValueError(f"quantized type {kind!r} is not supported (supported: {', '.join(KINDS)})")
-    if k % GROUP:
-        raise ValueError(f"a {kind} matrix needs K divisible by {GROUP}, got K={k}")
-    nb, bb = k // GROUP, BLOCK_BYTES[kind]
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, nb, bb)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)        # [N, nb]
+    bw = BLOCK_WEIGHTS[kind]
+    if k % bw:
+        raise ValueError(f"a {kind} matrix needs K divisible by {bw}, got K={k}")
+    nb, bb = k // bw, BLOCK_BYTES[kind]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * nb, bb)
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        codes, scale, offset = _unpack_k(kind, blocks)
+    else:
+        codes, scale, offset = _unpack_32(kind, blocks)
+    g = group_size(kind)
+    return QuantWeight(kind, torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k))),
+                       torch.from_numpy(np.ascontiguousarray(scale.reshape(n, k // g))),
+                       torch.from_numpy(np.ascontiguousarray(offset.reshape(n, k // g))))
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[B, 2] uint8 -> [B] float32 (the float16 they hold)."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[B, 16] bytes -> [B, 32] codes: low nibbles are weights 0..15, high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _unpack_32(kind: str, blocks: np.ndarray):
+    """32-weight blocks [B, bytes] -> (codes [B, 32], scale [B], offset [B])."""
+    d = _f16(blocks[:, 0:2])
     offset = np.zeros_like(d)
     if kind == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-    else:
+        return blocks[:, 2:].copy().view(np.int8), d, offset
+    if kind in ("Q4_0", "Q4_1"):
         start = 4 if kind == "Q4_1" else 2
         if kind == "Q4_1":
-            offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., start:]                                                   # [N, nb, 16]
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)        # [N, K]
-    return QuantWeight(kind, torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d),
-                       torch.from_numpy(offset))
+            offset = _f16(blocks[:, 2:4])
+        return _nibbles(blocks[:, start:]), d, offset
+    start = 4 if kind == "Q5_1" else 2                 # Q5_0 / Q5_1: then 4 bytes of high bits
+    if kind == "Q5_1":
+        offset = _f16(blocks[:, 2:4])
+    qh = blocks[:, start:start + 4].copy().view(np.uint32)                      # [B, 1]
+    hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)          # [B, 32]
+    q = _nibbles(blocks[:, start + 4:]) | (hi << 4)
+    if kind == "Q5_0":
+        return (q.astype(np.int16) - 16).astype(np.int8), d, offset
+    return q, d, offset
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K 12 scale bytes [B, 12] -> (sc [B, 8], m [B, 8]), 6-bit each (gguf-py's layout)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _unpack_k(kind: str, blocks: np.ndarray):
+    """256-weight super-blocks [B, bytes] -> (codes [B, 256], scale [B, S], offset [B, S])."""
+    nbk = blocks.shape[0]
+    if kind == "Q6_K":
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)          # [B, 16]
+        d = _f16(blocks[:, 208:210])
+        lo = ql.reshape(nbk, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        lo = (lo & 0x0F).reshape(nbk, 8, 32)
+        hi = qh.reshape(nbk, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        hi = (hi & 0x03).reshape(nbk, 8, 32)
+        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(nbk, 256)
+        scale = d[:, None] * sc
+        return q, scale, np.zeros_like(scale)
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scales(blocks[:, 4:16])
+    scale = d[:, None] * sc.astype(np.float32)                                   # [B, 8]
+    offset = -(dmin[:, None] * mn.astype(np.float32))
+    if kind == "Q4_K":
+        qs = blocks[:, 16:144]
+        q = qs.reshape(nbk, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        return (q & 0x0F).reshape(nbk, 256), scale, offset
+    qh, qs = blocks[:, 16:48], blocks[:, 48:176]                                  # Q5_K
+    lo = qs.reshape(nbk, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    lo = (lo & 0x0F).reshape(nbk, 8, 32)
+    hi = qh.reshape(nbk, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    hi = (hi & 0x01).reshape(nbk, 8, 32)
+    return (lo | (hi << 4)).reshape(nbk, 256), scale, offset

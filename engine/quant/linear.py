@@ -4,7 +4,7 @@ device, the compute dtype and the weight's own format allow. :func:`make_linear`
 | kernel | weight held as | where | numerics |
 |---|---|---|---|
 | :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | the dtype's GEMM |
-| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact 4-bit codes x bf16 activations (Q8_0: int8 activation blocks, llama.cpp's way); reads 5 bits per weight |
+| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact codes x bf16 activations (4-bit Q4_0/Q4_1: 5 bits per weight read; Q5_*, K-quants and Q8_0 layer weights with float32 group scales: 6-10; the vocab head's Q8_0: int8 activation blocks, llama.cpp's way) |
 | :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight |
 | :class:`DenseLinear` | a plain tensor, ``[K, N]`` ("x @ W") or ``[N, K]`` | anywhere else (CUDA, no oneDNN) | |
 
@@ -33,7 +33,7 @@ import threading
 import torch
 from torch import nn
 
-from tandem.engine.quant.blocks import GROUP, QuantWeight
+from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
 from tandem.engine.quant.preop import PreOp
 from tandem.engine.quant.avx512 import Avx512Linear, avx512_reason
 
@@ -204,22 +204,35 @@ class Int4Linear(nn.Module):
 Linear = PackedLinear | DenseLinear | Int4Linear | Avx512Linear
 
 
-def make_linear(w: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch.device,
+def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, device: torch.device,
                 native: bool | str = False, input_major: bool = True,
-                out_dtype: torch.dtype | None = None) -> tuple[Linear, str | None]:
+                out_dtype: torch.dtype | None = None, q8_bf16: bool = False) -> tuple[Linear, str | None]:
     """The kernel for weight ``w`` ([N, K]; dense or the file's quantized blocks) computing in
     ``dtype`` on ``device``. ``native`` (True, or "int4"): run a QuantWeight on its own
     blocks, on :class:`Avx512Linear` where :func:`avx512_reason` allows (not with "int4"), else on
     :class:`Int4Linear` where :func:`int4_reason` allows. Returns (kernel, why a QuantWeight was
     dequantized or None). ``input_major`` picks DenseLinear's layout (see there); ``out_dtype``
-    is Avx512Linear's output dtype (the others return ``dtype``)."""
+    is Avx512Linear's output dtype (the others return ``dtype``); ``q8_bf16``: Avx512Linear runs
+    Q8_0 with bf16 activations (layer weights) instead of int8 ones (the vocab head)."""
     why = None
+    if isinstance(w, QuantParts):   # kinds side by side: the AVX512 kernels part by part, or dense
+        why = "dequant"
+        if native:
+            whys = [avx512_reason(p, dtype, device) for p in w.parts] if native != "int4" \
+                else [f"{w.kind}: torch's int4 kernel takes one kind"]
+            why = next((r for r in whys if r is not None), None)
+            if why is None:
+                return Avx512Linear(w, dtype, out_dtype, q8_bf16), None
+        w = w.dequantize()
     if isinstance(w, QuantWeight):
         why = "dequant"
         if native:
-            if native != "int4" and avx512_reason(w, dtype, device) is None:
-                return Avx512Linear(w, dtype, out_dtype), None
+            avx_why = avx512_reason(w, dtype, device) if native != "int4" else None
+            if native != "int4" and avx_why is None:
+                return Avx512Linear(w, dtype, out_dtype, q8_bf16), None
             why = int4_reason(w, dtype, device)
+            if why is not None and avx_why is not None and w.kind not in ("Q4_0", "Q4_1", "Q8_0"):
+                why = f"{avx_why}; {why}"       # a kind only the AVX512 kernels take: say why not here
         if why is None:
             return Int4Linear(w, dtype), None
         w = w.dequantize()

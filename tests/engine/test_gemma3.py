@@ -166,3 +166,33 @@ def test_engine_under_pool_pressure_matches_hf(gemma):
             assert out == hf_greedy(hf, prompt, len(out))
     assert hstats["swa_evicted"] > 0 and stats["evicted_tokens"] > 0
     assert sum(c for sess in sessions for _, _, c in sess) > 0
+
+
+def test_conditional_generation_checkpoint_text_part(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (text + a vision tower): its text model, read
+    from ``model.language_model.*``, gives transformers' text-only logits."""
+    from tandem.engine.model_runner import ModelRunner
+    from hf_hybrid_support import save_hf
+
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+        sliding_window_pattern=2, query_pre_attn_scalar=24, bos_token_id=256, eos_token_id=257, pad_token_id=0)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    randomize(hf, offset_norms=True)
+    save_hf(hf, tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert loaded.arch.arch == "gemma3" and loaded.arch.num_layers == 4
+    ids = list(range(3, 40))
+    r = ModelRunner.create(loaded, max_total_tokens=256, page_size=1, max_reqs=2, max_context=128)
+    s = r.new_seq()
+    got = r.extend([s], [ids], return_all_logits=True)
+    r.release(s)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, ref.float(), atol=2e-4, rtol=1e-4)

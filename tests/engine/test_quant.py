@@ -53,8 +53,8 @@ def test_rows_and_cat_move_whole_rows():
 
 
 def test_unsupported_block_type_is_a_clear_error():
-    with pytest.raises(ValueError, match="Q6_K.*supported: Q4_0, Q4_1, Q8_0"):
-        from_gguf_blocks("Q6_K", np.zeros(10, np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="Q2_K.*supported: Q4_0, Q4_1, Q8_0, Q5_0"):
+        from_gguf_blocks("Q2_K", np.zeros(10, np.uint8), 1, 256)
 
 
 needs_int4 = pytest.mark.skipif(
