@@ -5,7 +5,9 @@
 
 Against a running ``tandem serve`` (start it with the levers you want to exercise:
 ``--debug-retract-every N`` forces retraction, ``--host-pool-tokens 0 | small | large`` picks
-recompute, mixed or backup-only, ``--debug-endpoints`` allows ``--kill``):
+recompute, mixed or backup-only, ``--debug-migrate-every N`` forces live migrations between decode
+workers, ``--debug-endpoints`` allows ``--kill``; ``--kill target@S`` kills the decode worker a
+live migration is moving a request to):
 
 1. seeded random multi-turn sessions with shared system prompts (loadtest/chaos/plan.py), streamed,
    greedy, some clients hanging up mid-stream or before the first token (loadtest/chaos/client.py);
@@ -48,7 +50,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--abort-mid", type=float, default=0.15, help="share of requests hung up mid-stream")
     p.add_argument("--abort-early", type=float, default=0.1, help="share hung up before the first token")
     p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS",
-                   help="kill a live decode/prefill worker at that time (needs --debug-endpoints on the server)")
+                   help="kill a live decode/prefill worker at that time, or 'target': the decode worker a live "
+                        "migration is moving to (needs --debug-endpoints on the server)")
     p.add_argument("--oracle-model", default="smollm2", help="the model the server serves (default smollm2)")
     p.add_argument("--oracle-dtype", default="auto", help="the server's dtype (default auto, as the server's)")
     p.add_argument("--settle-s", type=float, default=15.0, help="seconds to wait for the cluster to go idle")
@@ -75,6 +78,30 @@ def _counters(text: str) -> dict[tuple[str, str], float]:
                     key = (f.name, s.labels.get("worker", ""))
                     out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def _migrations(text: str) -> Counter:
+    """The router's ``tandem_decode_migrations_total`` by outcome, summed over reasons."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Counter = Counter()
+    for f in text_string_to_metric_families(text):
+        if f.name == "tandem_decode_migrations":
+            for s in f.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels.get("outcome", "")] += s.value
+    return out
+
+
+async def _migration_target(http, wait_s: float = 10.0) -> str | None:
+    """The target of the first live migration GET /debug/kv lists (waiting up to ``wait_s``)."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        moves = (await http.get("/debug/kv")).json().get("migrations", [])
+        if moves:
+            return moves[0]["to"]
+        await asyncio.sleep(0.01)
+    return None
 
 
 def counter_deltas(before: dict, after: dict) -> dict[str, float]:
@@ -132,18 +159,22 @@ async def run_chaos(args, oracle=None) -> dict:
         except httpx.HTTPError as e:
             raise ValueError(f"no server answers at {args.url}/v1/models: {type(e).__name__}: {e}") from None
         model = r.json()["data"][0]["id"]
-        before = _counters((await http.get("/metrics")).text)
+        before_text = (await http.get("/metrics")).text
+        before = _counters(before_text)
         kills = []
         for spec in args.kill:
             role, _, at = spec.partition("@")
-            if role not in ("decode", "prefill") or not at:
-                raise ValueError(f"--kill {spec!r}: expected decode@SECONDS or prefill@SECONDS")
+            if role not in ("decode", "prefill", "target") or not at:
+                raise ValueError(f"--kill {spec!r}: expected decode@SECONDS, prefill@SECONDS or target@SECONDS")
             kills.append((float(at), role))
         killed: list[str] = []
 
         async def on_kill(role: str) -> None:
-            ws = (await http.get("/debug/kv")).json()["workers"]
-            victim = next((w["worker"] for w in ws if w.get("role") == role and "error" not in w), None)
+            if role == "target":   # the decode worker a live migration is moving a request to
+                victim = await _migration_target(http)
+            else:
+                ws = (await http.get("/debug/kv")).json()["workers"]
+                victim = next((w["worker"] for w in ws if w.get("role") == role and "error" not in w), None)
             if victim is None:
                 killed.append(f"(no live {role} worker)")
                 return
@@ -168,7 +199,8 @@ async def run_chaos(args, oracle=None) -> dict:
             if not problems or time.monotonic() > end:
                 break
             await asyncio.sleep(0.5)
-        after = _counters((await http.get("/metrics")).text)
+        after_text = (await http.get("/metrics")).text
+        after = _counters(after_text)
     print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s; checking completed ones against "
           f"a fresh engine ...", file=sys.stderr)
     own = oracle is None
@@ -188,6 +220,7 @@ async def run_chaos(args, oracle=None) -> dict:
             "retractions": delta["tandem_retractions"], "restores": delta["tandem_retraction_restores"],
             "recomputes": delta["tandem_retraction_recomputes"],
             "digest_failures": delta["tandem_kv_digest_failures"],
+            "migrations": {o: _migrations(after_text)[o] - _migrations(before_text)[o] for o in ("ok", "failed", "aborted")},
             "mismatches": [asdict(m) for m in mismatches],
             "leaked_tokens": sum(w.get("leaked_tokens", 0) for w in workers),
             "kv_problems": problems, "workers": workers,
@@ -217,6 +250,8 @@ def format_table(rep: dict) -> str:
     rows += [("workers killed", ", ".join(rep["killed"]) or "-"), ("retractions", int(rep["retractions"])),
              ("restores from the host pool", int(rep["restores"])), ("recomputes", int(rep["recomputes"])),
              ("KV digest failures", int(rep["digest_failures"])),
+             ("live migrations ok / failed / aborted",
+              " / ".join(str(int(rep["migrations"][o])) for o in ("ok", "failed", "aborted"))),
              ("output mismatches (vs alone on a fresh engine)", len(rep["mismatches"])),
              ("leaked tokens (idle)", rep["leaked_tokens"]),
              ("idle KV check", "ok" if not rep["kv_problems"] else f"{len(rep['kv_problems'])} problem(s)")]
