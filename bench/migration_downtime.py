@@ -7,8 +7,9 @@ first takes the prompt's KV into its cache (from the prefill worker's cache) whi
 keeps decoding, and the stop copies only the generated tail; without it, the stop copies the
 whole context. Reported per ``L``, medians over ``--repeats``: the stop as the router measures it
 (``tandem_decode_migration_downtime_seconds``: the last token on the source to the first on the
-target), the whole move (request to first token on the target), and the client's largest
-inter-token gap. Every run's tokens must equal the same prompt's unmigrated run: a mismatch fails
+target), the whole move (request to first token on the target), the client's largest
+inter-token gap, and the median inter-token gap (one decode step at that context: the stop
+includes one). Every run's tokens must equal the same prompt's unmigrated run: a mismatch fails
 the bench.
 
     .venv/bin/python -m tandem.bench.migration_downtime [--lengths 256,1024,2048,4096] [--repeats 3]
@@ -96,20 +97,21 @@ def main(argv=None) -> int:
                     rows.append({"tokens": n, "precopy": precopy, "stop_ms": 1e3 * (s1 - s0),
                                  "move_ms": 1e3 * (max(stamps[i + 1] for i, g in enumerate(gaps)
                                                        if g == max(gaps)) - asked),
-                                 "max_gap_ms": 1e3 * max(gaps)})
+                                 "max_gap_ms": 1e3 * max(gaps),
+                                 "itl_p50_ms": 1e3 * statistics.median(gaps)})
                     print(f"  L={n:>5} {'pre-copy' if precopy else 'whole   '} stop {rows[-1]['stop_ms']:7.1f} ms"
                           f"  move {rows[-1]['move_ms']:7.1f} ms", flush=True)
     finally:
         backend.close()
         ray.shutdown()
     summary = []
-    print(f"{'tokens':>7}{'stop whole':>12}{'stop pre':>10}{'move whole':>12}{'move pre':>10}")
+    print(f"{'tokens':>7}{'stop whole':>12}{'stop pre':>10}{'move whole':>12}{'move pre':>10}{'ITL p50':>9}")
     for n in lengths:
         m = {p: {k: statistics.median(x[k] for x in rows if x["tokens"] == n and x["precopy"] is p)
-                 for k in ("stop_ms", "move_ms", "max_gap_ms")} for p in (False, True)}
+                 for k in ("stop_ms", "move_ms", "max_gap_ms", "itl_p50_ms")} for p in (False, True)}
         summary.append({"tokens": n, "whole": m[False], "precopy": m[True]})
         print(f"{n:>7}{m[False]['stop_ms']:>12.1f}{m[True]['stop_ms']:>10.1f}"
-              f"{m[False]['move_ms']:>12.1f}{m[True]['move_ms']:>10.1f}")
+              f"{m[False]['move_ms']:>12.1f}{m[True]['move_ms']:>10.1f}{m[True]['itl_p50_ms']:>9.1f}")
     write_report(args.out, {"summary": summary, "runs": rows, "mismatches": bad})
     if bad:
         print(f"MISMATCH: migrated tokens differ from unmigrated in {bad}")
