@@ -208,8 +208,9 @@ class Migrator:
 
     async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict:
         """Take ``name`` out of rotation and move its live requests away; ``stop``: then stop it.
-        Returns what moved and what did not (requests that were not decoding yet are retried
-        until they are, or until ``timeout_s``)."""
+        Done when every move from it has streamed on its target (nothing is copied from it any
+        more). Returns what moved and what did not (requests that were not decoding yet are
+        retried until they are, or until ``timeout_s``)."""
         w = self.pool.named(name)
         if w is None or w.role != DECODE:
             raise LookupError(f"no decode worker named {name!r}")
@@ -217,9 +218,9 @@ class Migrator:
         moved, failed, end = [], {}, time.monotonic() + timeout_s
         while time.monotonic() < end:
             left = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid and rid not in self.moves]
-            arriving = any(m.target.wid == w.wid for m in list(self.moves.values()))   # moving here now
-            if not left and not arriving and not any(d.wid == w.wid for d in list(self._inflight.values())):
-                break
+            moving = any(w.wid in (m.target.wid, m.source.wid) for m in list(self.moves.values()))
+            if not left and not moving and not any(d.wid == w.wid for d in list(self._inflight.values())):
+                break   # nothing runs here, arrives here, or is still being copied from here
             results = await asyncio.gather(*(self.migrate(rid, reason="drain") for rid in left),
                                            return_exceptions=True)
             for rid, res in zip(left, results):
