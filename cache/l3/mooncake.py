@@ -100,7 +100,7 @@ def _listening(host: str, port: int) -> bool:
 
 def connect(address: MasterAddress, *, segment_bytes: int = 64 << 20, buffer_bytes: int = 64 << 20,
             local_host: str = "127.0.0.1"):
-    """A ``MooncakeDistributedStore`` client that also lends ``segment_bytes`` to the store."""
+    """A ``MooncakeDistributedStore`` client that also lends ``segment_bytes`` (at least 16 MiB) to the store."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from mooncake.store import MooncakeDistributedStore
 
