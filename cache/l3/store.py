@@ -162,4 +162,9 @@ class L3Store:
         return payload
 
     def close(self) -> None:
+        """Close the store client (bounded by the timeout; a dead store is not waited for)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            self._call(close)
+        self.backend = None
         self._pool.shutdown(wait=False, cancel_futures=True)
