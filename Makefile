@@ -4,9 +4,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: setup serve generate test test-models test-fast bench clean
+.PHONY: setup system-packages serve generate test test-models test-fast bench clean
 
-setup: $(VENV)/.installed
+setup: system-packages $(VENV)/.installed
+
+# RDMA user-space libraries (UCX/NIXL and Mooncake link libibverbs.so.1), as in docker/ and CI.
+# Installed where we can (root with apt-get); otherwise a line says what is missing, not a failure.
+RDMA_PACKAGES := libibverbs1 librdmacm1 ibverbs-providers
+
+system-packages:
+	@sh docker/system-packages.sh $(RDMA_PACKAGES)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -99,6 +99,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--kv-digest", "kv_digest", "verify every prefill -> decode KV handoff with a digest of its pages"),
     Flag("--debug-corrupt-kv", "debug_corrupt_kv",
          "test lever: decode workers corrupt each received KV page before the digest check"),
+    Flag("--kv-store", "kv_store", "shared L3 KV tier: off, mooncake (start a master with the cluster) or "
+                                   "mooncake://HOST:PORT[/METAPORT] (join one)"),
+    Flag("--debug-corrupt-l3", "debug_corrupt_l3",
+         "test lever: workers corrupt each page they write to the L3 store (reads become misses)"),
     Flag("--debug-endpoints", "debug_endpoints",
          "test lever: enable POST /debug/kill?worker=NAME (chaos runs); never in production"),
     Flag("--decode-max-total-tokens", "decode_max_total_tokens",
@@ -128,7 +132,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 
 # ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers it all).
 YAML_ONLY: frozenset[str] = frozenset({
-    "admission_max_queue", "admission_max_pending_s", "kv_events", "max_body_bytes",
+    "admission_max_queue", "admission_max_pending_s", "kv_events", "max_body_bytes", "l3_timeout_s",
     "engine_config.seed", "engine_config.cache.session_ttl_s", "engine_config.cache.host_write_policy",
     "engine_config.scheduler.max_batch_tokens",
     "engine_config.hybrid", "engine_config.transfer",

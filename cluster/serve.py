@@ -47,9 +47,15 @@ def run_serve(cfg: ServeConfig) -> int:
     """Serve until Ctrl-C, then close the backend. Returns the exit status."""
     import uvicorn
 
+    from tandem.cluster.kv_store import start_kv_store
     from tandem.router.http import create_app
 
-    backend = build_backend(cfg)
+    cfg, stop_kv_store = start_kv_store(cfg)
+    try:
+        backend = build_backend(cfg)
+    except BaseException:
+        stop_kv_store()
+        raise
     app = create_app(backend, cfg)
     kind = f"sim {cfg.sim_profile} x{cfg.sim_speedup:g}" if cfg.engine == "sim" else cfg.mode
     print(f"tandem: serving {backend.model_name} ({kind}) on http://{cfg.host}:{cfg.port}", flush=True)
@@ -66,4 +72,5 @@ def run_serve(cfg: ServeConfig) -> int:
         close = getattr(backend, "close", None)
         if close is not None:
             close()
+        stop_kv_store()
     return 0

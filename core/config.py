@@ -245,6 +245,13 @@ class ServeConfig(_Strict):
                             "decode verifies it before decoding (a mismatch fails the request)")
     debug_corrupt_kv: bool = Field(False, description="test lever: decode workers corrupt every received "
                                    "KV page before the digest check (with kv_digest: every request fails)")
+    kv_store: str = Field("off", pattern=r"^(off|mooncake|mooncake://[^\s/:]+:\d+(/\d+)?)$",
+                          description="the shared L3 KV tier (issue 26): off; mooncake (start a Mooncake "
+                                      "master with the cluster); mooncake://HOST:PORT[/METAPORT] (join one). "
+                                      "Off by default until a bench shows it helps on the deployment")
+    l3_timeout_s: float = Field(0.5, gt=0, description="L3 store calls slower than this are a miss")
+    debug_corrupt_l3: bool = Field(False, description="test lever: workers corrupt each page they write to "
+                                   "the L3 store (every L3 read is then a digest miss, recomputed)")
     debug_endpoints: bool = Field(False, description="test lever: enable POST /debug/kill (stop a worker "
                                   "by name) for chaos runs; never on in production")
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(

@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 # memory of a same-host peer with process_vm_writev, one call per descriptor (bench/transfer.py).
 DEFAULT_UCX_TLS = "tcp,sm,cma,self"
 
+# UCX modules not to load. The wheel's libuct_ib_efa links the system libibverbs/libnl-route-3
+# beside the wheel's vendored copies; with Debian's libibverbs1 + ibverbs-providers installed it
+# loads, two libnl-route-3 copies share one process, and at exit the vendored copy's destructor
+# (rtnl_tc_unregister, from _dl_fini) walks a list the other copy filled: SIGSEGV after a clean run.
+# EFA is AWS-only; every other IB module links only the vendored libs. UCX_TLS=^ib cannot help:
+# it picks transports after every module is already loaded.
+DEFAULT_UCX_MODULES = "^efa"
+
 _NIXL_STATE = {"PROC": TransferState.TRANSFERRING, "DONE": TransferState.DONE, "ERR": TransferState.FAILED}
 
 
@@ -48,6 +56,12 @@ def configure_ucx_tls(ucx_tls: str | None, environ: MutableMapping[str, str] = o
     if ucx_tls is not None:
         environ["UCX_TLS"] = ucx_tls
     return environ.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
+
+
+def configure_ucx_modules(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Set ``UCX_MODULES`` to :data:`DEFAULT_UCX_MODULES` unless the user set it (an EFA node sets
+    it to ``all``). UCX reads it when its library first loads: before ``nixl`` is imported."""
+    return environ.setdefault("UCX_MODULES", DEFAULT_UCX_MODULES)
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,7 @@ class KVTransferAgent:
         if len(set(names)) != len(names):
             raise ValueError(f"region names repeat: {names}")
         configure_ucx_tls(ucx_tls)
+        configure_ucx_modules()
         self.name = name
         self.mode = mode
         self.parts = max(1, parts)
@@ -414,4 +429,5 @@ def _descs(offsets: np.ndarray, lengths: np.ndarray, base: int, dev_id: int) -> 
     return out
 
 
-__all__ = ["DEFAULT_UCX_TLS", "KVTransferAgent", "Region", "TransferHandle", "configure_ucx_tls"]
+__all__ = ["DEFAULT_UCX_MODULES", "DEFAULT_UCX_TLS", "KVTransferAgent", "Region", "TransferHandle",
+           "configure_ucx_modules", "configure_ucx_tls"]

@@ -32,7 +32,8 @@ CRD_SCHEMAS = {
     ("ray.io/v1", "RayCluster"): "ray.io_v1_raycluster.schema.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_v1_servicemonitor.schema.yaml",
 }
-EXPECTED_KINDS = sorted(["RayCluster", "Deployment", "Service", "ConfigMap", "ConfigMap", "ServiceMonitor",
+EXPECTED_KINDS = sorted(["RayCluster", "Deployment", "Service", "Deployment", "Service",  # + the kv-store
+                         "ConfigMap", "ConfigMap", "ServiceMonitor",
                          "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
                          "PodDisruptionBudget"])
 ROLES = ("prefill", "decode")

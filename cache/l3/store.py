@@ -1,0 +1,170 @@
+"""A client of a shared KV store for whole pages: batch exists, put, get, each with a timeout.
+
+Keys are the chained page hashes of :func:`tandem.core.page_hash.page_hashes` (the chain the
+router's prefix index and the KV events use) under a prefix naming the model, page size, dtype
+and layout, so only workers whose pages are interchangeable share them. Every value carries a
+blake2b digest of its payload; a page whose digest does not match is a miss, counted in
+``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
+timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
+timeout, not one per call. Not thread-safe: one caller (the worker loop); the store calls run on
+one private thread so that a call can be abandoned at its deadline.
+
+    store = L3Store(MooncakeBackend.connect(...), prefix=key_prefix("smollm2", 16, "bf16", "nhd"))
+    hits = store.exists(hashes)          # [True, True, False, ...] (a prefix of hits is usable)
+    store.put(h, payload); store.get(h)  # bytes or None
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+DIGEST_BYTES = 16
+
+
+def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
+    """The namespace of one kind of page: workers share a page only if all four agree."""
+    return f"tandem/{model}/p{page_size}/{dtype}/{layout}"
+
+
+def page_key(prefix: str, page_hash: int) -> str:
+    return f"{prefix}/{page_hash & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def seal(payload: bytes) -> bytes:
+    """The stored value: digest then payload."""
+    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest() + payload
+
+
+def unseal(value: bytes) -> bytes | None:
+    """The payload, or None where the digest does not match (a corrupted page)."""
+    if len(value) < DIGEST_BYTES:
+        return None
+    payload = value[DIGEST_BYTES:]
+    ok = hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest() == value[:DIGEST_BYTES]
+    return payload if ok else None
+
+
+class Backend(Protocol):
+    """What the client needs of a store (Mooncake's method names)."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+    def put(self, key: str, value: bytes) -> int: ...
+    def get(self, key: str) -> bytes: ...
+
+
+@dataclass
+class L3Stats:
+    hits: int = 0           # pages read back intact
+    misses: int = 0         # pages asked for and absent
+    corrupt: int = 0        # pages read whose digest did not match (counted as misses too)
+    errors: int = 0         # calls that raised or timed out
+    puts: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0     # seconds spent in exists + get
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class L3Store:
+    def __init__(self, backend: Backend | None, prefix: str, *, timeout_s: float = 0.5,
+                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.backend = backend
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.stats = L3Stats()
+        self._clock = clock
+        self._down_until = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
+        self.corrupt_next = False  # the test lever: the next put stores a damaged page
+
+    @property
+    def up(self) -> bool:
+        return self.backend is not None and self._clock() >= self._down_until
+
+    def _call(self, fn, *args):
+        """fn(*args) on the store thread, or None on error/timeout (then the store is down a while)."""
+        if not self.up:
+            return None
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            why = f"timed out after {self.timeout_s}s"
+        except Exception as e:  # a store error is a miss, never the scheduler's problem
+            why = repr(e)
+        self.stats.errors += 1
+        self._down_until = self._clock() + self.backoff_s
+        log.warning("L3 store call %s failed (%s); treated as a miss for %.1fs", getattr(fn, "__name__", fn),
+                    why, self.backoff_s)
+        if not fut.done():  # a wedged store: abandon the thread, start a fresh one
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
+        return None
+
+    def exists(self, page_hashes: Sequence[int]) -> list[bool]:
+        """Which of the pages the store holds (all False when it is down)."""
+        if not page_hashes:
+            return []
+        t0 = time.perf_counter()
+        got = self._call(self.backend.batch_is_exist, [page_key(self.prefix, h) for h in page_hashes]) \
+            if self.backend is not None else None
+        self.stats.read_s += time.perf_counter() - t0
+        if got is None or len(got) != len(page_hashes):
+            return [False] * len(page_hashes)
+        return [g == 1 for g in got]
+
+    def leading_hits(self, page_hashes: Sequence[int]) -> int:
+        """How many of the first pages the store holds (a chain is usable only up to its first gap)."""
+        n = 0
+        for hit in self.exists(page_hashes):
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def put(self, page_hash: int, payload: bytes) -> bool:
+        value = seal(payload)
+        if self.corrupt_next:
+            self.corrupt_next = False
+            value = value[:DIGEST_BYTES] + bytes([value[DIGEST_BYTES] ^ 0xFF]) + value[DIGEST_BYTES + 1:]
+        rc = self._call(self.backend.put, page_key(self.prefix, page_hash), value) if self.backend else None
+        if rc != 0:
+            return False
+        self.stats.puts += 1
+        self.stats.bytes_written += len(payload)
+        return True
+
+    def get(self, page_hash: int) -> bytes | None:
+        """The page's payload, or None (absent, corrupted, store down)."""
+        t0 = time.perf_counter()
+        value = self._call(self.backend.get, page_key(self.prefix, page_hash)) if self.backend else None
+        self.stats.read_s += time.perf_counter() - t0
+        if not value:
+            self.stats.misses += 1
+            return None
+        payload = unseal(bytes(value))
+        if payload is None:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_read += len(payload)
+        return payload
+
+    def close(self) -> None:
+        """Close the store client (bounded by the timeout; a dead store is not waited for)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            self._call(close)
+        self.backend = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
