@@ -64,8 +64,11 @@ def _lease_class():
 
 
 class Autoscaler:
-    def __init__(self, cfg: PlannerConfig, pool, dispatch, launcher, supervisor):
+    def __init__(self, cfg: PlannerConfig, pool, dispatch, launcher, supervisor, mover=None):
+        """``mover(w)``: moves a draining decode worker's live requests away (live migration; the
+        backend's), so a scale-down does not wait for them to finish; None: it waits."""
         self.cfg, self.pool, self.dispatch, self.launcher, self.supervisor = cfg, pool, dispatch, launcher, supervisor
+        self.mover = mover
         self.planner = Planner(cfg)
         self.me = uuid.uuid4().hex[:8]
         self.leader = False
@@ -170,6 +173,8 @@ class Autoscaler:
         w.handle.drain.remote()
         w.retiring = True
         self._draining[w.wid] = (w, time.monotonic())
+        if role == DECODE and self.mover is not None:
+            self.mover(w)
 
     def _settle(self) -> None:
         """New workers that joined rotation leave ``_spawning``; drained ones that are idle stop."""

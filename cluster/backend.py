@@ -94,6 +94,7 @@ class RayClusterBackend:
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration)
         self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
         self._tasks: set[asyncio.Task] = set()     # fire-and-forget work on the serving loop
+        self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, once it served
         self.response_store = None   # cluster/responses.py's store actor, once started
 
     @property
@@ -121,7 +122,7 @@ class RayClusterBackend:
             from tandem.cluster.autoscaler import Autoscaler
 
             self.autoscaler = Autoscaler(self.cfg.planner, self.pool, self.dispatch, self.launcher,
-                                         self.supervisor)
+                                         self.supervisor, mover=self._migrate_off)
             self.autoscaler.start()
 
     # ------------------------------------------------------------------ requests
@@ -130,6 +131,7 @@ class RayClusterBackend:
         anything (killed, not yet noticed by the monitor), or a prefill worker found dead when the
         request failed before its first token, costs one re-route without that worker (with no
         prefill worker left, the decode worker prefills locally)."""
+        self._loop = asyncio.get_running_loop()   # the planner's scale-down migrates on it
         if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):   # on the serving loop
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
@@ -255,6 +257,13 @@ class RayClusterBackend:
                     ray.cancel(gen)
                 except Exception:  # already finished or the worker is gone
                     pass
+
+    def _migrate_off(self, w: WorkerRef) -> None:
+        """The planner drains ``w`` (from its thread): its live requests migrate away on the
+        serving loop (none were ever served: nothing to move). Off with ``--migration off``."""
+        if self._loop is None or self.cfg.migration.policy == "off" or self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.migrator.drain(w.name), self._loop)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

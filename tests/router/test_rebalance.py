@@ -44,3 +44,4 @@ def test_excluded_dead_and_unsized_workers_are_never_targets():
     assert plan_moves([dec(0, 900), dec(1, 0, alive=False)], running, **KW) == []
     assert plan_moves([dec(0, 900), dec(1, 0, cap=0)], running, **KW) == []
     assert plan_moves([dec(0, 900), dec(1, 0), dec(2, 0)], running, **KW) == [Move("a", 0, 1, "pressure")]
+
