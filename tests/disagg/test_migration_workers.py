@@ -142,7 +142,8 @@ def test_freeze_refuses_a_request_that_is_not_decoding(cluster, loop):
 
 def test_a_hybrid_request_migrates_with_its_window_and_state(hybrid_family, loop):
     """Gemma 3 (FULL + SWA) and Granite-4.0-H (FULL + MAMBA): the SWA rows of the kept window
-    and the recurrent state row move with the full pages; the result is the colocated output."""
+    and the recurrent state row move with the full pages, there and back again (A -> B -> A);
+    the result is the colocated output."""
     from hf_hybrid_support import hybrid_engine_config
     from tandem.decode.worker import DecodeWorker
     from tandem.prefill.worker import PrefillWorker
@@ -150,7 +151,7 @@ def test_a_hybrid_request_migrates_with_its_window_and_state(hybrid_family, loop
     name, loaded = hybrid_family
     cfg = hybrid_engine_config(page_size=PAGE)
     ids = list(b"[7] tell me about hybrid models and their windows, please: ")
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
 
     async def go():
         p = PrefillWorker(f"hm-{name}-p", cfg, loaded=loaded, transfer_timeout_s=20)
@@ -161,9 +162,12 @@ def test_a_hybrid_request_migrates_with_its_window_and_state(hybrid_family, loop
             y.add_peer(x.handshake())
         try:
             greq = GenerateRequest(f"hm-{name}", tuple(ids), params)
-            first = await _first_leg(a, greq, LocalClient(p), after=4)
-            second = await collect(b.generate(dataclasses.replace(greq, resume=_resume(first)), SourceClient(a)))
-            assert second[-1].error is None, second[-1]
+            first = await _first_leg(a, greq, LocalClient(p), after=4)            # A, then B, then A again
+            second = await _first_leg(b, dataclasses.replace(greq, resume=_resume(first)), SourceClient(a), after=3)
+            both = first[:-1] + second
+            third = await collect(a.generate(dataclasses.replace(greq, resume=_resume(both)), SourceClient(b)))
+            assert third[-1].error is None, third[-1]
+            second = second[:-1] + third
             await at_baseline(p, a, b)
             for w in (p, a, b):
                 await w.handle.check_invariants()
