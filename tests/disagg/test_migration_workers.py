@@ -101,7 +101,7 @@ def _resume(chunks) -> Resume:
                   chunks[-1].cached_tokens)
 
 
-@pytest.mark.parametrize("how", ["nixl", "nixl-warm", "recompute"])
+@pytest.mark.parametrize("how", ["nixl", "nixl-warm", "recompute", "colocated"])
 def test_a_migrated_request_streams_on_without_a_gap_or_a_repeat(cluster, loop, how):
     p, a, b, col = cluster
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -112,7 +112,8 @@ def test_a_migrated_request_streams_on_without_a_gap_or_a_repeat(cluster, loop, 
         run(loop, collect(b.generate(col.make_request(prompt, SamplingParams(max_tokens=1), chat=True,
                                                       rid="warm"), LocalClient(p))))
     received = b.counts["kv_bytes_received"]
-    first = run(loop, _first_leg(a, greq, LocalClient(p), after=6))
+    # colocated: A prefilled the prompt itself (no prefill worker), then its KV moves over NIXL
+    first = run(loop, _first_leg(a, greq, None if how == "colocated" else LocalClient(p), after=6))
     resume = _resume(first)
     assert 6 <= len(resume.output_ids) < 24
     if how == "recompute":   # nothing will be copied from A: its frozen KV goes to its cache
