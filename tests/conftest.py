@@ -102,6 +102,13 @@ def _hf_gguf_load():
 
 
 @pytest.fixture(scope="session")
+def hf_gguf_load():
+    """:func:`_hf_gguf_load` for tests that load other GGUFs into transformers (a fixture: a
+    ``from conftest import`` would find whichever conftest module was imported last)."""
+    return _hf_gguf_load
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_dir, smollm2_gguf):
     """Hugging Face transformers' own load of the GGUF (dequantized, float32): the independent
     reference of test_model_smollm2.py and, cast, of test_model_smollm2_bf16.py. Loaded once per

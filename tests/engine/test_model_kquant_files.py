@@ -62,11 +62,9 @@ def native_model(kfile):
 
 
 @pytest.fixture(scope="module")
-def hf(kfile):
-    from conftest import _hf_gguf_load      # tests/conftest.py: one GGUF parse per file
-
+def hf(kfile, hf_gguf_load):
     path = kfile[1]
-    with _hf_gguf_load():
+    with hf_gguf_load():                     # tests/conftest.py: one GGUF parse per file
         m = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     return m.eval()
