@@ -141,6 +141,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self._path = Counter("tandem_decode_prefill_total",
                              "Requests by where their prompt was prefilled (remote, local).",
                              labelnames=("path",), registry=m)
+        for path in ("remote", "local"):   # every series exported from the start, at zero
+            self._path.labels(path)
         self._failures = Counter("tandem_kv_receive_failures_total",
                                  "Requests whose KV was not received, by reason.",
                                  labelnames=("reason",), registry=m)
