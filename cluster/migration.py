@@ -49,8 +49,6 @@ from tandem.router.rebalance import plan_moves
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
-REASONS = ("pressure", "rebalance", "drain", "admin", "forced")
-OUTCOMES = ("ok", "failed", "aborted")
 
 
 @dataclasses.dataclass
@@ -113,13 +111,13 @@ class Migrator:
         except Exception as e:
             import ray
 
-            self.moves.pop(rid, None)
             if isinstance(e, ray.exceptions.RayActorError):   # the target died during the pre-copy
                 if self.supervisor is not None:
                     self.supervisor.mark_dead(t, "died during a migration's pre-copy")
-                rm.MIGRATIONS.labels(reason, "failed").inc()
+                self.finish(rid, "failed")
                 raise ValueError(f"decode worker {t.name} died during the pre-copy of {rid}; "
                                  f"it decodes on {d.name}") from None
+            self.moves.pop(rid, None)
             self.counts["refused"] += 1
             cause = getattr(e, "cause", e)
             raise (cause if isinstance(cause, (ValueError, LookupError)) else ValueError(str(cause)[:300])) from None
@@ -189,7 +187,8 @@ class Migrator:
         return self._start(req, r, target, sent, None), target
 
     def finish(self, rid: str, outcome: str, downtime_s: float | None = None) -> None:
-        """``rid``'s move ended (``outcome`` in OUTCOMES); ``downtime_s``: the client-visible stop."""
+        """``rid``'s move ended (``outcome``: router/metrics.py MIGRATION_OUTCOMES); ``downtime_s``:
+        the client-visible stop."""
         m = self.moves.pop(rid, None)
         if m is None:
             return

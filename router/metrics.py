@@ -107,12 +107,14 @@ def count_prompt(prompt_tokens: int, cached_tokens: int) -> None:
 
 # Every label value a series can take is created up front at zero, so a fresh server exports
 # each series (dashboards and alerts see 0, not "no data") before its first event.
+MIGRATION_REASONS = ("pressure", "rebalance", "drain", "admin", "forced")   # cluster/migration.py's
+MIGRATION_OUTCOMES = ("ok", "failed", "aborted")
 REJECT_REASONS = ("malformed", "invalid_request", "timeout", "disconnected", "too_large",
                   "unauthorized", "model_not_found", "context_length", "overloaded")
 for _s in STATUSES:
     REQUESTS.labels(_s)
 for _r in REJECT_REASONS:
     REJECTED.labels(_r)
-for _why in ("pressure", "rebalance", "drain", "admin", "forced"):   # cluster/migration.py REASONS
-    for _o in ("ok", "failed", "aborted"):
+for _why in MIGRATION_REASONS:
+    for _o in MIGRATION_OUTCOMES:
         MIGRATIONS.labels(_why, _o)

@@ -269,9 +269,7 @@ def test_a_pre_copied_prompt_is_not_copied_again_at_the_stop(cluster, loop):
     assert [t for c in chunks for t in c.token_ids] == ref.token_ids and second[-1].error is None
     n = len(greq.prompt_ids)
     assert b.counts["migration_reused_tokens"] - reused >= n - n % PAGE - PAGE   # the prompt, page-aligned
-    per_token = (b.counts["kv_bytes_received"] and b.counts["migration_bytes"] - moved) / max(
-        1, len(greq.prompt_ids) + len(_resume(first).output_ids) - (b.counts["migration_reused_tokens"] - reused))
-    assert 0 < b.counts["migration_bytes"] - moved and per_token > 0
+    assert b.counts["migration_bytes"] > moved                                   # the generated tail came
     run(loop, at_baseline(p, a, b))
 
 
