@@ -42,7 +42,7 @@ from tandem.cluster.migration import Migrator, resume_of
 from tandem.cluster.supervisor import PING_TIMEOUT_S, Supervisor
 from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef
 from tandem.core.config import ServeConfig
-from tandem.core.messages import GenerateRequest
+from tandem.core.messages import GenerateRequest, Resume
 from tandem.core.types import InvalidRequest, StreamChunk
 from tandem.router import metrics as rm
 from tandem.router.deferred import DeferredDispatch
@@ -51,6 +51,10 @@ from tandem.router.policies import AdmissionLimits, PolicyConfig
 
 log = logging.getLogger(__name__)
 
+HEALTH_PING_S = 1.0   # /health waits this long for each worker's ping
+MAX_ATTEMPTS = 3      # a request's routes: the first and at most two re-routes (dead or stalled workers)
+STALL_POLL_S = 0.25   # how often a waiting stream looks at its workers' progress
+
 
 class _DiedBeforeServing(Exception):
     """A worker of the route was found dead before anything reached the client."""
@@ -58,6 +62,15 @@ class _DiedBeforeServing(Exception):
     def __init__(self, worker: WorkerRef):
         super().__init__(f"{worker.role} worker {worker.name} died before serving")
         self.worker = worker
+
+
+class _Stalled(Exception):
+    """A worker of the route stopped making progress (the supervisor's deadline) while this
+    request waited on it: ``what`` is decode, prefill or transfer (its prefill's write)."""
+
+    def __init__(self, what: str, worker: WorkerRef):
+        super().__init__(f"{what} on {worker.role} worker {worker.name} stopped making progress")
+        self.what, self.worker = what, worker
 
 
 class RayClusterBackend:
@@ -89,8 +102,11 @@ class RayClusterBackend:
 
             self.feed = KVEventFeed(self.dispatch.state.kv, self.dispatch.lock)
         self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
-                                     discover=launcher.detached or cfg.planner.enabled)
-        self._inflight: dict[str, WorkerRef] = {}   # rid -> its decode worker
+                                     discover=launcher.detached or cfg.planner.enabled,
+                                     progress_timeout_s=cfg.progress_timeout_s,
+                                     progress_replace_s=cfg.progress_replace_s)
+        self._inflight: dict[str, WorkerRef] = {}   # worker-side rid -> its decode worker
+        self._alias: dict[str, str] = {}   # client rid -> its worker-side rid, once re-dispatched after a stall
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration)
         self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
         self._tasks: set[asyncio.Task] = set()     # fire-and-forget work on the serving loop
@@ -130,32 +146,51 @@ class RayClusterBackend:
         """Route, then stream from the decode worker. A decode worker found dead before it sent
         anything (killed, not yet noticed by the monitor), or a prefill worker found dead when the
         request failed before its first token, costs one re-route without that worker (with no
-        prefill worker left, the decode worker prefills locally)."""
+        prefill worker left, the decode worker prefills locally). A worker or transfer that stops
+        making progress before anything was streamed costs a re-dispatch from the prompt without
+        it, under a new worker-side id (the stuck attempt's cleanup can never touch the new one)."""
         self._loop = asyncio.get_running_loop()   # the planner's scale-down migrates on it
         if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):   # on the serving loop
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
-        for attempt in range(2):
-            d = self.pool.get(r.decode)
-            if d is None:
-                self.dispatch.release(r)
-                yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error="no live decode worker")
-                return
-            try:
-                async for c in self._attempt(req, r, d, retry=attempt == 0):
-                    yield c
-                return
-            except _DiedBeforeServing as e:
-                dead = e.worker
-            log.warning("%s worker %s died before serving %s; re-routing", dead.role, dead.name, req.rid)
-            r = self.dispatch.reroute(r, dead.wid)
+        client_rid, excluded, died = req.rid, set(), False
+        try:
+            for attempt in range(MAX_ATTEMPTS):
+                d = self.pool.get(r.decode)
+                if d is None:
+                    self.dispatch.release(r)
+                    why = "no live decode worker" + (" making progress" if excluded else "")
+                    yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=why)
+                    return
+                try:
+                    async for c in self._attempt(req, r, d, retry=not died and attempt < MAX_ATTEMPTS - 1,
+                                                  redispatch=attempt < MAX_ATTEMPTS - 1):
+                        yield c
+                    return
+                except _DiedBeforeServing as e:
+                    log.warning("%s worker %s died before serving %s; re-routing", e.worker.role,
+                                e.worker.name, client_rid)
+                    died, bad = True, e.worker
+                except _Stalled as e:
+                    log.warning("%s before %s streamed anything; re-dispatching it from the prompt", e, client_rid)
+                    rm.STALL_REDISPATCHES.labels(e.what, "redispatch").inc()
+                    bad = e.worker
+                    req = dataclasses.replace(req, rid=f"{client_rid}~{attempt + 1}")
+                    self._alias[client_rid] = req.rid
+                excluded.add(bad.wid)
+                r = self.dispatch.reroute(r, excluded)
+        finally:
+            self._alias.pop(client_rid, None)
 
-    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
-                       retry: bool) -> AsyncIterator[StreamChunk]:
+    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, retry: bool,
+                       redispatch: bool = False) -> AsyncIterator[StreamChunk]:
         """Stream ``req`` from decode worker ``d``, and from each worker it migrates to (the legs
         spliced: cluster/migration.py). With ``retry``, a worker found dead before anything
         reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
-        ``generate`` to re-route without that worker)."""
+        ``generate`` to re-route without that worker). A worker that stops making progress
+        (:meth:`_next_or_stall`): with text streamed, the request resumes on a decode peer (its
+        KV recomputed there: "prestop"); with nothing streamed and ``redispatch``, it raises
+        :class:`_Stalled` for ``generate`` to re-dispatch; else the stream ends with an error."""
         import ray
 
         p = self.pool.get(r.prefill)
@@ -163,21 +198,38 @@ class RayClusterBackend:
         self._inflight[req.rid] = d
         self.migrator.live[req.rid] = (req, r)
         finished, first, rerouted = False, True, False
-        ids, chars = [], 0                 # what the client has
+        ids, chars, cached = [], 0, 0      # what the client has
         source = None                      # the worker a migration left, until the new leg streams
         last_token_at = time.monotonic()   # the client-visible stop of a migration
         every, leg_tokens = self.migrator.cfg.debug_migrate_every, 0
+        err, prestop = "", False          # prestop: resumed off a stuck worker, not streaming yet
         try:
             try:
                 while True:
                     try:
-                        c = await self._next_chunk(gen)
+                        c = await self._next_or_stall(gen, req.rid, d, p if first else None)
                     except ray.exceptions.RayActorError:
                         if source is None or source is d or not source.alive:
                             raise
                         self.supervisor.mark_dead(d, "died during a migration")   # the target
                         c = StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids),
                                         error=f"decode worker {d.name} died during a migration")
+                    except _Stalled as e:
+                        self._leave_stuck(req.rid, d, gen)
+                        if e.what == "decode" and ids:   # text streamed: resume it on a peer
+                            moved = self.migrator.prestop(req, r, d, Resume(tuple(ids), chars, cached))
+                            if moved is not None:
+                                log.warning("%s; %s resumes on %s", e, req.rid, moved[1].name)
+                                rm.STALL_REDISPATCHES.labels(e.what, "resume").inc()
+                                gen, d = moved
+                                prestop = True
+                                continue
+                        if not ids and redispatch:
+                            finished = rerouted = True   # the caller re-dispatches from the prompt
+                            raise
+                        rm.STALL_REDISPATCHES.labels(e.what, "failed").inc()
+                        err = f"{e.worker.role} worker {e.worker.name} stopped making progress"
+                        break
                     if c is None:
                         break
                     if c.finish_reason == "migrated":     # this leg ended: the request moved
@@ -199,11 +251,13 @@ class RayClusterBackend:
                         continue
                     if c.token_ids or c.finish_reason is not None:
                         now = time.monotonic()
-                        if source is not None:   # the new leg streams: the move is done
-                            self.migrator.finish(req.rid, "ok", now - last_token_at)
-                        last_token_at, source = now, None
+                        if source is not None or prestop:   # the new leg streams: the move is done
+                            ok = bool(c.token_ids) or not c.error
+                            self.migrator.finish(req.rid, "ok" if ok else "failed", now - last_token_at)
+                        last_token_at, source, prestop = now, None, False
                     ids += c.token_ids
                     chars += len(c.text)
+                    cached = c.cached_tokens or cached
                     finished, lead = c.finish_reason is not None, first
                     if first:
                         self.dispatch.prefill_done(r)      # past its first token: prefill is done
@@ -226,6 +280,8 @@ class RayClusterBackend:
                     if every and leg_tokens >= every and req.rid not in self.migrator.moves:
                         leg_tokens = 0   # the chaos lever: move it now, without holding the stream
                         self._spawn(self.migrator.force(req.rid))
+                if not err:
+                    err = f"decode worker {d.name} ended the stream without a finish reason"
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if first and isinstance(cause, InvalidRequest):
@@ -237,8 +293,6 @@ class RayClusterBackend:
                     finished = rerouted = True   # nothing to abort: the caller re-routes
                     raise _DiedBeforeServing(d) from None
                 err = f"decode worker {d.name} died during the request"
-            else:
-                err = f"decode worker {d.name} ended the stream without a finish reason"
             finished = True
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
@@ -257,6 +311,42 @@ class RayClusterBackend:
                     ray.cancel(gen)
                 except Exception:  # already finished or the worker is gone
                     pass
+
+    async def _next_or_stall(self, gen, rid: str, d: WorkerRef, p: WorkerRef | None) -> StreamChunk | None:
+        """The next chunk of ``gen`` (None when it ended), or :class:`_Stalled` once decode worker
+        ``d`` is suspect, or (``p``: the first token is still due) prefill worker ``p`` is, or
+        ``p`` has held the request's KV write for ``progress_timeout_s`` without posting or
+        finishing it (its ``stats()["writing"]``)."""
+        nxt = asyncio.ensure_future(self._next_chunk(gen))
+        limit = self.cfg.progress_timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=STALL_POLL_S)
+                if done:
+                    return nxt.result()
+                if d.suspect_since is not None:
+                    raise _Stalled("decode", d)
+                if p is not None and p.alive and p.suspect_since is not None:
+                    raise _Stalled("prefill", p)
+                if p is not None and p.alive and p.writing.get(rid, 0.0) > limit:
+                    raise _Stalled("transfer", p)
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+
+    def _leave_stuck(self, rid: str, d: WorkerRef, gen) -> None:
+        """``rid`` leaves decode worker ``d`` (stuck, or waiting on a stuck peer): its stream
+        there is cancelled and an abort sent (it runs when ``d`` answers again: the attempt's
+        pages are freed there, or kept until a stuck write into them provably ended); the
+        supervisor aborts it there again when ``d`` rejoins."""
+        import ray
+
+        d.stale.add(rid)
+        d.handle.abort.remote(rid, "moved to another worker: this attempt stopped making progress")
+        try:
+            ray.cancel(gen)
+        except Exception:  # noqa: BLE001 - already ended
+            pass
 
     def _migrate_off(self, w: WorkerRef) -> None:
         """The planner drains ``w`` (from its thread): its live requests migrate away on the
@@ -282,7 +372,7 @@ class RayClusterBackend:
     async def migrate(self, rid: str, to: str | None = None) -> str:
         """Move running ``rid`` to decode worker ``to`` (default: the least loaded other one);
         returns its name (cluster/migration.py)."""
-        return await self.migrator.migrate(rid, to)
+        return await self.migrator.migrate(self._alias.get(rid, rid), to)
 
     async def drain(self, name: str, stop: bool = False) -> dict:
         """Move every live request off decode worker ``name`` (POST /admin/drain)."""
@@ -293,6 +383,7 @@ class RayClusterBackend:
         return await self.migrator.undrain(name)
 
     async def abort(self, rid: str) -> None:
+        rid = self._alias.get(rid, rid)
         d = self._inflight.get(rid)
         if d is None or not d.alive:
             return
@@ -303,13 +394,19 @@ class RayClusterBackend:
 
     # ------------------------------------------------------------------ health
     async def health(self) -> dict:
+        """Per-worker liveness (a ping, at most ``HEALTH_PING_S``) and progress: a suspect worker
+        (no answer within ``progress_timeout_s``) is reported ``suspect`` and does not count as
+        serving."""
         everyone = self.pool.everyone()
-        results = await asyncio.gather(*(self._ping(w) for w in everyone))
+        results = await asyncio.gather(*(self._ping(w, HEALTH_PING_S) for w in everyone))
+        results = [ok and w.suspect_since is None for w, ok in zip(everyone, results)]
         snaps = self.dispatch.snapshots()
         nodes = self._node_resources({w.node_id for w in everyone})
         workers = {w.name: {"role": w.role, "alive": ok, "node_id": w.node_id,
                             "node_resources": nodes.get(w.node_id, {}),
                             "draining": bool(snaps.get(w.wid) and snaps[w.wid].draining),
+                            "suspect": w.suspect_since is not None,
+                            "silent_s": round(max(time.monotonic() - w.last_answer, 0.0), 2),
                             **({"error": w.error} if w.error else {})}
                    for w, ok in zip(everyone, results)}
         live_d = [w for w, ok in zip(everyone, results) if ok and w.role == DECODE]
@@ -352,7 +449,7 @@ class RayClusterBackend:
     def metrics_text(self) -> bytes:
         import ray
 
-        refs = {w.name: w.handle.metrics_text.remote() for w in self.pool.everyone(alive_only=True)}
+        refs = {w.name: w.handle.metrics_text.remote() for w in self._answering()}
         texts = {}
         for name, ref in refs.items():
             try:
@@ -361,10 +458,19 @@ class RayClusterBackend:
                 log.info("metrics of %s unavailable: %s", name, e)
         return merge_expositions(texts, generate_latest(REGISTRY))
 
+    def _answering(self) -> list[WorkerRef]:
+        """Live workers that are not suspect (a stuck one would hold every gather up)."""
+        return [w for w in self.pool.everyone(alive_only=True) if w.suspect_since is None]
+
+    async def _gather(self, calls) -> list:
+        """Each call's result or its exception; one that takes past ``PING_TIMEOUT_S`` (the
+        worker hung since it was last judged) is a TimeoutError."""
+        return await asyncio.gather(*(asyncio.wait_for(c, PING_TIMEOUT_S) for c in calls), return_exceptions=True)
+
     async def stats(self) -> dict[str, dict]:
-        """Every live worker's ``stats()`` (pool accounting, counters), by worker name."""
-        live = self.pool.everyone(alive_only=True)
-        out = await asyncio.gather(*(w.handle.stats.remote() for w in live), return_exceptions=True)
+        """Every answering worker's ``stats()`` (pool accounting, counters), by worker name."""
+        live = self._answering()
+        out = await self._gather(w.handle.stats.remote() for w in live)
         return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
 
     def migrations(self) -> list[dict]:
@@ -372,9 +478,9 @@ class RayClusterBackend:
         return self.migrator.in_flight()
 
     async def debug_kv(self) -> list[dict]:
-        """Every live worker's KV accounting and invariant verdict (GET /debug/kv)."""
-        live = self.pool.everyone(alive_only=True)
-        out = await asyncio.gather(*(w.handle.debug_kv.remote() for w in live), return_exceptions=True)
+        """Every answering worker's KV accounting and invariant verdict (GET /debug/kv)."""
+        live = self._answering()
+        out = await self._gather(w.handle.debug_kv.remote() for w in live)
         return [s if not isinstance(s, BaseException) else
                 {"worker": w.name, "role": w.role, "error": f"{type(s).__name__}: {str(s)[:300]}"}
                 for w, s in zip(live, out)]

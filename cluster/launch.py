@@ -100,7 +100,8 @@ class Launcher:
 
         if role == PREFILL:
             h = PrefillActor.options(**opts).remote(
-                name, cfg.engine_config.model_dump(), cfg.transfer_timeout_s, self.weights, self.kv_events)
+                name, cfg.engine_config.model_dump(), cfg.transfer_timeout_s, self.weights, self.kv_events,
+                cfg.debug_transfer_delay_ms, cfg.debug_transfer_stall)
         else:
             h = DecodeActor.options(**opts).remote(
                 name, decode_engine_config(cfg).model_dump(), cfg.transfer_timeout_s,

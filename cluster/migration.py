@@ -17,6 +17,8 @@ The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``
     fall_back(...)         the target failed or died before its first chunk: the source resumes
                            it (its KV went to the source's cache: a full prefix hit)
     recompute(...)         the source died mid-copy: the target recomputes what it lacks
+    prestop(...)           the source stopped making progress (cluster/supervisor.py's deadline):
+                           the request resumes on a peer, which recomputes its KV
     finish(rid, outcome)   the move ended: ok | failed | aborted (the metric's labels)
     drain(name)            no new requests for the worker; every live request on it migrates
                            away; with ``stop``, it is then stopped and relaunched (a rolling
@@ -78,7 +80,7 @@ class Migrator:
         self.moves: dict[str, Move] = {}
         self.live: dict[str, tuple[GenerateRequest, Route]] = {}   # rid -> (request, route): the backend's
         self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0,
-                       "precopies": 0, "pressure": 0, "rebalance": 0}
+                       "precopies": 0, "pressure": 0, "rebalance": 0, "prestop": 0}
 
     def target(self, exclude: set[int]) -> WorkerRef | None:
         """The live, non-draining decode worker with the fewest KV tokens, not in ``exclude``."""
@@ -185,6 +187,18 @@ class Migrator:
         """The source died mid-copy: ``target`` recomputes the KV it lacks (its cache first)."""
         self.counts["recomputed"] += 1
         return self._start(req, r, target, sent, None), target
+
+    def prestop(self, req: GenerateRequest, r: Route, stuck: WorkerRef, sent: Resume):
+        """``stuck`` (a decode worker making no progress) cannot hand over its KV: the request
+        resumes on the best peer after what the client has (``sent``), which recomputes the KV
+        (its own cache first). (stream, worker), or None when no peer is in rotation."""
+        t = self.target({stuck.wid})
+        if t is None:
+            return None
+        self.moves.pop(req.rid, None)   # a move that was under way is over: its source is stuck
+        m = self.moves[req.rid] = Move(req.rid, stuck, t, "prestop", phase="copying")
+        self.counts["prestop"] += 1
+        return self._start(req, r, t, sent, None), m.target
 
     def finish(self, rid: str, outcome: str, downtime_s: float | None = None) -> None:
         """``rid``'s move ended (``outcome``: router/metrics.py MIGRATION_OUTCOMES); ``downtime_s``:

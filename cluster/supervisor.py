@@ -26,14 +26,17 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef, replacement_name
+from tandem.router import metrics as rm
 from tandem.router.dispatch import Dispatcher
 from tandem.router.view import WorkerSnapshot
 
 log = logging.getLogger(__name__)
 
 MONITOR_PERIOD_S = 1.0
+PROBE_WAIT_S = 0.5           # how long one round waits for pings and stats
 PING_TIMEOUT_S = 10.0
 FORGET_TIMEOUT_S = 30.0
 HELPER_JOIN_S = 10.0
@@ -45,9 +48,15 @@ class Supervisor:
     KV-event feed or None."""
 
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
-                 feed=None, discover: bool | None = None):
-        """``discover``: adopt workers this router did not start (default: with detached workers)."""
+                 feed=None, discover: bool | None = None, progress_timeout_s: float = 5.0,
+                 progress_replace_s: float = 60.0):
+        """``discover``: adopt workers this router did not start (default: with detached workers).
+        ``progress_timeout_s`` / ``progress_replace_s``: ServeConfig's progress deadlines."""
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
+        self.progress_timeout_s, self.progress_replace_s = progress_timeout_s, progress_replace_s
+        self._pings: dict[WorkerRef, object] = {}      # the outstanding ping of each worker
+        self._stats: dict[WorkerRef, object] = {}      # ... and stats() call
+        self._answered: dict[WorkerRef, list[float]] = {}   # [last ping answer, last stats answer]
         self.restart = restart
         self.discover = launcher.detached if discover is None else discover
         self.restarts = 0
@@ -124,51 +133,112 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the thread
     def _watch(self) -> None:
-        import ray
-
         while not self._stop.wait(MONITOR_PERIOD_S):
             live = self.pool.everyone(alive_only=True)
-            try:
-                pings = {w: w.handle.ping.remote() for w in live}
-            except BaseException:  # noqa: BLE001 - Ray shut down under us
+            if not self._probe(live) or self._stop.is_set():
                 return
-            for w, ref in pings.items():
-                try:
-                    ray.get(ref, timeout=PING_TIMEOUT_S)
-                except ray.exceptions.GetTimeoutError:
-                    pass
-                except Exception as e:
-                    if self._stop.is_set():
-                        return
-                    self.mark_dead(w, f"ping failed: {type(e).__name__}")
-            if self._stop.is_set():
-                return
-            self._refresh_snapshots()
+            self._judge(live)
             if self.restart and not self._stop.is_set():
                 self._replace_dead()
             if self.discover and next(self._rounds) % DISCOVER_EVERY == 0 and not self._stop.is_set():
                 self._discover()
 
-    def _refresh_snapshots(self) -> None:
+    def _probe(self, live: list[WorkerRef]) -> bool:
+        """One ping and one ``stats()`` outstanding per worker (a worker that does not answer is
+        not asked again until it does: nothing piles up behind a hang); waits at most
+        ``PROBE_WAIT_S`` for the answers. A failed ping is a dead worker; an answered pair moves
+        its progress clock (``last_answer``); an answered stats refreshes its snapshot. False:
+        Ray shut down under us."""
         import ray
 
-        live = self.pool.everyone(alive_only=True)
-        if not live:
-            return
         try:
-            refs = {w.handle.stats.remote(): w for w in live}
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=MONITOR_PERIOD_S)
-        except BaseException:  # noqa: BLE001 - Ray shut down under us; the next round returns
+            for w in live:
+                if w not in self._pings:
+                    self._pings[w] = w.handle.ping.remote()
+                if w not in self._stats:
+                    self._stats[w] = w.handle.stats.remote()
+            refs = [self._pings[w] for w in live] + [self._stats[w] for w in live]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=PROBE_WAIT_S)[0]) if refs else set()
+        except BaseException:  # noqa: BLE001 - Ray shut down under us
+            return False
+        now = time.monotonic()
+        for w in live:
+            if self._pings[w] in ready:
+                try:
+                    ray.get(self._pings.pop(w))
+                    self._answered.setdefault(w, [now, now])[0] = now
+                except Exception as e:
+                    if self._stop.is_set():
+                        return False
+                    self.mark_dead(w, f"ping failed: {type(e).__name__}")
+                    continue
+            if self._stats[w] in ready:
+                self._take_stats(w, self._stats.pop(w), now)
+            ping_t, stats_t = self._answered.setdefault(w, [now, now])
+            w.last_answer = min(ping_t, stats_t)
+        for gone in [w for w in list(self._pings) + list(self._stats) if not w.alive]:
+            self._pings.pop(gone, None)
+            self._stats.pop(gone, None)
+            self._answered.pop(gone, None)
+        return True
+
+    def _take_stats(self, w: WorkerRef, ref, now: float) -> None:
+        import ray
+
+        try:
+            stats = ray.get(ref)
+            snap = WorkerSnapshot.from_stats(stats, self.dispatch.clock())
+        except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
+            log.info("stats of %s unavailable: %s", w.name, e)
             return
-        for ref in ready:
-            try:
-                snap = WorkerSnapshot.from_stats(ray.get(ref), self.dispatch.clock())
-            except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
-                log.info("stats of %s unavailable: %s", refs[ref].name, e)
+        self._answered.setdefault(w, [now, now])[1] = now
+        w.writing = dict(stats.get("writing") or {})
+        if snap.draining and w.alive:   # (a worker stopped meanwhile keeps its fate)
+            w.retiring = True
+        self.dispatch.update_snapshot(w.wid, snap)
+
+    def _judge(self, live: list[WorkerRef]) -> None:
+        """Progress deadlines: a worker silent for ``progress_timeout_s`` is suspect (out of
+        rotation; the backend moves its requests, cluster/backend.py); one that answers again
+        has the requests moved off it aborted there and rejoins; one suspect for
+        ``progress_replace_s`` is declared dead (killed and replaced like a dead one)."""
+        now = time.monotonic()
+        for w in live:
+            if not w.alive:
                 continue
-            if snap.draining and refs[ref].alive:   # (a worker stopped meanwhile keeps its fate)
-                refs[ref].retiring = True
-            self.dispatch.update_snapshot(refs[ref].wid, snap)
+            silent = now - w.last_answer
+            if w.suspect_since is None:
+                if silent > self.progress_timeout_s:
+                    w.suspect_since = now
+                    self.dispatch.mark_suspect(w.wid)
+                    rm.WORKER_STALLS.labels(w.role, "suspect").inc()
+                    log.warning("%s worker %s made no progress for %.1fs: suspect, out of rotation",
+                                w.role, w.name, silent)
+            elif w.last_answer > w.suspect_since:
+                self._rejoin(w)
+            elif now - w.suspect_since > self.progress_replace_s:
+                rm.WORKER_STALLS.labels(w.role, "replaced").inc()
+                self.mark_dead(w, f"made no progress for {now - w.suspect_since + self.progress_timeout_s:.0f}s")
+        rm.WORKERS_SUSPECT.set(sum(w.suspect_since is not None for w in self.pool.everyone(alive_only=True)))
+
+    def _rejoin(self, w: WorkerRef) -> None:
+        """``w`` answers again: the requests moved off it while it was stuck are aborted there
+        (their pages go back to its pool), then it takes requests again."""
+        import ray
+
+        stale = sorted(w.stale)
+        try:
+            ray.get([w.handle.abort.remote(rid, "moved to another worker while this one made no progress")
+                     for rid in stale], timeout=PING_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - stuck again, or dead: the next round judges it
+            log.info("aborting stale requests on %s: %s", w.name, e)
+            return
+        w.stale -= set(stale)
+        w.suspect_since = None
+        self.dispatch.mark_suspect(w.wid, False)
+        rm.WORKER_STALLS.labels(w.role, "rejoined").inc()
+        log.warning("%s worker %s answers again: %d stale requests aborted there; back in rotation",
+                    w.role, w.name, len(stale))
 
     # ------------------------------------------------------------------ adoption
     def _discover(self) -> None:

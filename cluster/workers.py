@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
 _worker_ids = itertools.count()
@@ -40,6 +41,11 @@ class WorkerRef:
     error: str = ""      # why it was declared dead
     node_id: str = ""    # the Ray node it runs on (from its info())
     retiring: bool = False   # seen draining: when it dies it is not relaunched
+    suspect_since: float | None = None   # monotonic time it was found making no progress, or None
+    last_answer: float = field(default_factory=time.monotonic)
+    # ^ when it last answered both its ping and its stats (the supervisor's progress clock)
+    stale: set = field(default_factory=set)   # rids moved off it while suspect: aborted when it is back
+    writing: dict = field(default_factory=dict)   # prefill: rid -> seconds its KV write has waited
     wid: int = field(default_factory=lambda: next(_worker_ids))   # the dispatcher's worker id
 
 

@@ -228,6 +228,17 @@ class ServeConfig(_Strict):
                             "joining a Ray cluster (ray_address), else 'router'")
     policy: Literal["round_robin", "random", "least_load", "cache_aware", "kv_events", "session"] = "session"
     transfer_timeout_s: float = Field(30.0, gt=0)
+    progress_timeout_s: float = Field(5.0, gt=0, description="a worker that answers neither its "
+                                      "health ping nor its stats for this long is suspect: no new "
+                                      "requests; its requests are re-dispatched (nothing streamed yet) "
+                                      "or resumed on a peer (text streamed), else fail with an error "
+                                      "event; it rejoins once it answers again")
+    progress_replace_s: float = Field(60.0, gt=0, description="a worker suspect for this long is "
+                                      "killed and replaced, as a dead one is")
+    debug_transfer_delay_ms: float = Field(0.0, ge=0, description="test lever: prefill workers wait "
+                                           "this long before posting each KV write")
+    debug_transfer_stall: bool = Field(False, description="test lever: prefill workers never post "
+                                       "their KV writes (each transfer stalls until aborted)")
     local_prefill_threshold: int = Field(0, ge=0, description="decode prefills suffixes shorter than this")
     decode_max_total_tokens: int | None = Field(None, ge=16, description="device KV tokens per decode worker")
     admission_max_queue: int = Field(64, ge=0, description="a prefill worker with this many requests "

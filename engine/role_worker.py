@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -192,7 +193,7 @@ class RoleActorMixin:
                 "regions": sorted(w.regions), "peers": sorted(w.agent.peers),
                 "kv_events": pub.endpoint if pub is not None else None,
                 "kv_replay": pub.replay_endpoint if pub is not None else None,
-                "draining": w.draining, **self._extra_info()}
+                "draining": w.draining, "pid": os.getpid(), **self._extra_info()}
 
     def _extra_info(self) -> dict:
         return {}

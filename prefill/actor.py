@@ -24,14 +24,17 @@ def assigned_threads() -> int:
 @ray.remote
 class PrefillActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
-                 kv_events: bool = False):
+                 kv_events: bool = False, debug_transfer_delay_ms: float = 0.0,
+                 debug_transfer_stall: bool = False):
         """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
         all workers of a node), or None to load ``engine_config.model`` here."""
         cfg = EngineConfig.model_validate(engine_config)
         if cfg.num_threads is None:
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
-                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address())
+                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
+                                    debug_transfer_delay_ms=debug_transfer_delay_ms,
+                                    debug_transfer_stall=debug_transfer_stall)
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
 
     def _extra_info(self) -> dict:

@@ -55,6 +55,7 @@ class _Job:
     rid: str
     handoff: Handoff
     aborted: str = ""
+    writing_since: float | None = None   # monotonic: its KV is ready and its write is due (stats)
 
 
 class _Result:
@@ -75,9 +76,14 @@ class PrefillWorker(RoleWorker):
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
                  transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
-                 kv_events: bool = False, kv_events_host: str = "127.0.0.1"):
+                 kv_events: bool = False, kv_events_host: str = "127.0.0.1",
+                 debug_transfer_delay_ms: float = 0.0, debug_transfer_stall: bool = False):
         """``kv_events``: publish the prefix cache's KV events (vLLM's format, engine/role_worker.py
-        ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers."""
+        ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers.
+        ``debug_transfer_delay_ms`` / ``debug_transfer_stall`` (test levers, ServeConfig): wait
+        that long before posting each write / never post it (the transfer stalls until aborted;
+        nothing is written, so its pages are free the moment it ends)."""
+        self.debug_transfer_delay_ms, self.debug_transfer_stall = debug_transfer_delay_ms, debug_transfer_stall
         self.kv_publisher = None
         if engine is None:
             from tandem.engine.engine import Engine
@@ -182,6 +188,14 @@ class PrefillWorker(RoleWorker):
 
     async def _write(self, job: _Job, req: KVTransferRequest, held, out: _Result) -> PrefillResult:
         tid = job.handoff.transfer_id
+        job.writing_since = time.monotonic()
+        if self.debug_transfer_stall or self.debug_transfer_delay_ms:
+            end = job.writing_since + (float("inf") if self.debug_transfer_stall else self.debug_transfer_delay_ms / 1e3)
+            while time.monotonic() < end and not job.aborted:
+                await asyncio.sleep(0.01)
+            if job.aborted:   # nothing was posted: nothing can land
+                job.handoff.fail(job.aborted, aborted=True)
+                return out.fail(job.aborted, TransferState.ABORTED)
         w = await self.write_held(job.handoff, req, held)
         out.f["transfer_s"] = w.seconds
         if w.state is TransferState.QUARANTINED:
@@ -251,7 +265,11 @@ class PrefillWorker(RoleWorker):
             del self._tombstones[rid]
 
     def _extra_stats(self, snap) -> dict:
-        return {"held": snap.detached}
+        """``writing``: rid -> seconds since its KV was ready to write, for each request whose
+        write has not ended (the router's transfer-progress deadline reads it)."""
+        now = time.monotonic()
+        return {"held": snap.detached, "writing": {j.rid: round(now - j.writing_since, 3)
+                                                   for j in self._jobs.values() if j.writing_since is not None}}
 
     @property
     def kv_events_endpoint(self) -> str | None:

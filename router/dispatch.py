@@ -77,6 +77,7 @@ class _Worker:
     role: str
     capacity_tokens: int
     alive: bool = True
+    suspect: bool = False           # making no progress (a hang, not a death): no new requests
     requests: int = 0
     tokens: int = 0
     queue: OrderedDict = field(default_factory=OrderedDict)   # prefill: rid -> _Queued, in order
@@ -122,6 +123,19 @@ class Dispatcher:
             self.state.forget_worker(wid)
             return True
 
+    def mark_suspect(self, wid: int, suspect: bool = True) -> bool:
+        """A worker that stopped making progress (``suspect``) takes no new requests but keeps
+        what the router knows of it (it may come back); ``suspect=False``: back in rotation.
+        False when nothing changed (unknown, dead, or already so)."""
+        with self.lock:
+            w = self._workers.get(wid)
+            if w is None or not w.alive or w.suspect == suspect:
+                return False
+            w.suspect = suspect
+        if not suspect:
+            self._released()
+        return True
+
     def remove_worker(self, wid: int) -> None:
         """Forget a worker for good (replaced); its load gauge series goes too."""
         with self.lock:
@@ -144,7 +158,7 @@ class Dispatcher:
         with self.lock:
             out = {PREFILL: 0, DECODE: 0}
             for w in self._workers.values():
-                if w.alive and not (w.snapshot is not None and w.snapshot.draining):
+                if w.alive and not w.suspect and not (w.snapshot is not None and w.snapshot.draining):
                     out[w.role] += 1
             return out
 
@@ -189,10 +203,11 @@ class Dispatcher:
                                                r.decision.matched_tokens), g.size - 1)
             return r
 
-    def reroute(self, r: Route, dead: int) -> Route:
-        """``r``'s charges back, then ``r`` routed again without ``dead`` (admission included)."""
+    def reroute(self, r: Route, dead: int | Collection[int]) -> Route:
+        """``r``'s charges back, then ``r`` routed again without ``dead`` (a worker id, or several:
+        every worker an earlier attempt found dead or stalled), admission included."""
         self.release(r)
-        return self._route(r.request, {dead})
+        return self._route(r.request, {dead} if isinstance(dead, int) else set(dead))
 
     def move(self, r: Route, to: int) -> None:
         """``r`` moved to decode worker ``to`` (live migration): its decode charges go with it,
@@ -297,7 +312,7 @@ class Dispatcher:
         for wid in (dec.decode_worker, dec.prefill_worker):
             if wid >= 0:
                 w = self._workers.get(wid)
-                if w is None or not w.alive or wid in exclude:
+                if w is None or not w.alive or w.suspect or wid in exclude:
                     return False
         return dec.decode_worker >= 0
 
@@ -377,7 +392,7 @@ class Dispatcher:
         capacity = snap.total_tokens if snap is not None and snap.total_tokens else w.capacity_tokens
         prefill = w.role == PREFILL
         draining = snap is not None and snap.draining
-        return WorkerView(wid, w.role, w.alive and eligible and not draining,
+        return WorkerView(wid, w.role, w.alive and not w.suspect and eligible and not draining,
                           queue_len=self._queue_len(w) if prefill else 0,
                           in_flight=w.requests, running_tokens=w.tokens,
                           pending_s=self._pending_s(w, now) if prefill else 0.0, capacity_tokens=capacity,

@@ -82,13 +82,27 @@ QUEUE_WAIT = _metric(Histogram, "tandem_dispatch_queue_wait_seconds",
 
 MIGRATIONS = _metric(Counter, "tandem_decode_migrations_total",
                      "Running requests moved between decode workers, by why (pressure, rebalance, drain, "
-                     "admin: POST /admin/migrate, forced: the debug_migrate_every lever) and how it ended "
+                     "admin: POST /admin/migrate, forced: the debug_migrate_every lever, prestop: off a "
+                     "decode worker that stopped making progress, its KV recomputed on the peer) and how it ended "
                      "(ok: the new worker streamed on; failed: back on the old worker, or recomputed; "
                      "aborted: the client went away mid-move).",
                      labelnames=("reason", "outcome"))
 MIGRATION_DOWNTIME = _metric(Histogram, "tandem_decode_migration_downtime_seconds",
                              "A migrated request's stop: its last token on the old decode worker to its "
                              "first on the new one, as the router sees it.", buckets=_LATENCY_BUCKETS)
+
+WORKER_STALLS = _metric(Counter, "tandem_worker_stalls_total",
+                        "Workers found making no progress (no answer to ping or stats within "
+                        "--progress-timeout), by role and what came of it (suspect: out of rotation; "
+                        "rejoined: answered again; replaced: stuck past --progress-replace-after).",
+                        labelnames=("role", "event"))
+WORKERS_SUSPECT = _metric(Gauge, "tandem_workers_suspect", "Workers out of rotation for making no progress.")
+STALL_REDISPATCHES = _metric(Counter, "tandem_stall_redispatches_total",
+                             "Requests moved off a worker or transfer that stopped making progress, by "
+                             "what stalled (decode, prefill, transfer) and how (redispatch: from the "
+                             "prompt, nothing was streamed; resume: on a decode peer after the streamed "
+                             "text; failed: no worker to take it, the client got an error event).",
+                             labelnames=("stalled", "how"))
 
 _totals = {"prompt": 0, "cached": 0}
 _totals_lock = threading.Lock()
@@ -107,7 +121,7 @@ def count_prompt(prompt_tokens: int, cached_tokens: int) -> None:
 
 # Every label value a series can take is created up front at zero, so a fresh server exports
 # each series (dashboards and alerts see 0, not "no data") before its first event.
-MIGRATION_REASONS = ("pressure", "rebalance", "drain", "admin", "forced")   # cluster/migration.py's
+MIGRATION_REASONS = ("pressure", "rebalance", "drain", "admin", "forced", "prestop")   # cluster/migration.py's
 MIGRATION_OUTCOMES = ("ok", "failed", "aborted")
 REJECT_REASONS = ("malformed", "invalid_request", "timeout", "disconnected", "too_large",
                   "unauthorized", "model_not_found", "context_length", "overloaded")
@@ -118,3 +132,9 @@ for _r in REJECT_REASONS:
 for _why in MIGRATION_REASONS:
     for _o in MIGRATION_OUTCOMES:
         MIGRATIONS.labels(_why, _o)
+for _role in ("prefill", "decode"):
+    for _e in ("suspect", "rejoined", "replaced"):
+        WORKER_STALLS.labels(_role, _e)
+for _st in ("decode", "prefill", "transfer"):
+    for _how in ("redispatch", "resume", "failed"):
+        STALL_REDISPATCHES.labels(_st, _how)

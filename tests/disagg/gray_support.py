@@ -1,0 +1,116 @@
+"""Shared by the gray-failure tests (test_gray_failures.py, test_gray_transfer.py): a 1P+2D cluster
+config with a short progress deadline, the healthy oracle, streamed chats, idle checks."""
+
+from __future__ import annotations
+
+import os
+import signal  # noqa: F401
+import threading
+import time
+
+import httpx
+
+from tandem.core.config import CacheConfig, EngineConfig, MigrationConfig, ServeConfig
+from tandem.core.types import SamplingParams
+
+OUT = 128
+PROGRESS_S = 3.0
+TOPICS = ("rivers", "bridges", "volcanoes", "glaciers")
+
+
+def gray_cfg(**kw) -> ServeConfig:
+    engine = EngineConfig(device="cpu", num_threads=1,
+                          cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=16))
+    return ServeConfig(prefill=1, decode=kw.pop("decode", 2), transfer_timeout_s=30.0, engine_config=engine,
+                       progress_timeout_s=PROGRESS_S, migration=MigrationConfig(policy="off"), **kw)
+
+
+def messages(topic: str) -> list[dict]:
+    return [{"role": "user", "content": f"Write a long paragraph about {topic}."}]
+
+
+def oracle(loaded, cfg) -> dict[str, str]:
+    from tandem.engine.engine import Engine
+
+    e = Engine(cfg.engine_config, loaded=loaded)
+    try:
+        return {t: e.generate(e.tokenizer.apply_chat_template(messages(t)),
+                              SamplingParams(max_tokens=OUT, ignore_eos=True)).text for t in TOPICS}
+    finally:
+        e.shutdown()
+
+
+def serve(cfg, loaded):
+    from tandem.cluster.launch import launch_disaggregated
+
+    from serve_support import Server
+
+    backend = launch_disaggregated(cfg, loaded=loaded)
+    return backend, Server(backend, cfg)
+
+
+chunks: dict[str, int] = {}   # key -> content chunks received so far
+
+
+def stream_chat(server, topic: str, out: dict, key: str) -> None:
+    """A streamed chat: (text, finish reason, error, seconds) into ``out[key]``."""
+    text, finish, err, t0 = [], None, None, time.monotonic()
+    chunks[key] = 0
+    try:
+        s = server.client.chat.completions.create(
+            model="smollm2", messages=messages(topic), max_tokens=OUT, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": key})
+        for ev in s:
+            if ev.choices:
+                text.append(ev.choices[0].delta.content or "")
+                chunks[key] += bool(ev.choices[0].delta.content)
+                finish = ev.choices[0].finish_reason or finish
+    except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+        err = repr(e)
+    out[key] = ("".join(text), finish, err, time.monotonic() - t0)
+
+
+def start_streams(server, out: dict, prefix: str) -> list[threading.Thread]:
+    ths = [threading.Thread(target=stream_chat, args=(server, t, out, f"{prefix}-{t}")) for t in TOPICS]
+    for th in ths:
+        th.start()
+    return ths
+
+
+def pid_of(w) -> int:
+    import ray
+
+    return ray.get(w.handle.info.remote(), timeout=30)["pid"]
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.05)
+
+
+def wait_idle(server, timeout: float = 60.0) -> list[dict]:
+    end = time.monotonic() + timeout
+    while True:
+        kv = httpx.get(server.url + "/debug/kv", timeout=30).json()
+        ws = kv["workers"]
+        if all(w.get("leaked_tokens") == 0 and w.get("request_tokens") == 0 and w.get("locked_tokens") == 0
+               and w.get("invariants") == "ok" and w.get("live_transfers") == 0 for w in ws):
+            return ws
+        assert time.monotonic() < end, ws
+        time.sleep(0.2)
+
+
+def check_texts(out: dict, want: dict, prefix: str, within: float) -> None:
+    for t in TOPICS:
+        text, finish, err, took = out[f"{prefix}-{t}"]
+        assert err is None and finish == "length", (t, out[f"{prefix}-{t}"])
+        assert text == want[t], f"{prefix}-{t}: text differs from the healthy cluster's"
+        assert took < within, f"{prefix}-{t} took {took:.1f}s"
+
+
+def wait_rejoined(backend, server, w) -> None:
+    wait_for(lambda: w.suspect_since is None and w.alive, 30, f"{w.name} did not rejoin")
+    h = httpx.get(server.url + "/health", timeout=30).json()
+    assert h["workers"][w.name]["alive"] and not h["workers"][w.name]["suspect"], h

@@ -1,0 +1,71 @@
+"""A KV transfer that stalls (``debug_transfer_stall``: prefill workers hold their writes): the router
+sees the write pending past the progress deadline in prefill's stats and re-dispatches the request
+without that prefill worker. Its own module: the cluster has the lever on from its start, and a
+module's cluster is gone before the next module's starts (Ray places both on the same CPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, oracle, pid_of, serve,
+                          start_streams, wait_for, wait_idle, wait_rejoined)
+
+
+@pytest.fixture(scope="module")
+def stalling(ray_local, smollm2_default):
+    """1 prefill + 1 decode worker; the prefill worker holds every KV write (the lever)."""
+    cfg = gray_cfg(decode=1, debug_transfer_stall=True)
+    backend, server = serve(cfg, smollm2_default)
+    yield backend, server, oracle(smollm2_default, cfg)
+    server.stop()
+    backend.close()
+
+
+def test_a_stalled_kv_transfer_is_re_dispatched_and_frees_its_pages(stalling):
+    """Every prefill worker holds its KV writes forever. The router sees the write pending past
+    the deadline (prefill's stats) and re-dispatches each request without that prefill worker
+    (decode prefills locally): healthy text, and the stalled attempts' pages freed on both sides
+    (nothing was posted)."""
+    backend, server, want = stalling
+    out: dict = {}
+    for th in start_streams(server, out, "t"):
+        th.join(90)
+    check_texts(out, want, "t", within=PROGRESS_S + 45)
+    ws = wait_idle(server)
+    assert all(w["live_transfers"] == 0 for w in ws)
+    assert backend.prefills[0].suspect_since is None   # it answers: only its transfers stalled
+
+
+def test_a_stopped_decode_worker_with_no_peer_ends_its_streams_with_an_error(stalling):
+    """The only decode worker stops mid-stream: no peer can take the streams, so each ends with
+    an error event naming the worker within the deadline (never a silent hang); after SIGCONT it
+    rejoins, serves again, and its pool is back to idle."""
+    backend, server, want = stalling
+    out: dict = {}
+    ths = start_streams(server, out, "s")
+    wait_for(lambda: all(chunks.get(f"s-{t}", 0) >= 4 for t in TOPICS), 120, "not decoding")
+    d = backend.decodes[0]
+    pid = pid_of(d)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        for th in ths:
+            th.join(60)
+        took = time.monotonic() - t0
+        for t in TOPICS:
+            text, finish, err, _ = out[f"s-{t}"]
+            assert err is not None and f"decode worker {d.name} stopped making progress" in err, out[f"s-{t}"]
+        assert took < PROGRESS_S + 15, took
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_rejoined(backend, server, d)
+    again: dict = {}
+    for th in start_streams(server, again, "a"):
+        th.join(90)
+    check_texts(again, want, "a", within=60)
+    wait_idle(server)
