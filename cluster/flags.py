@@ -95,7 +95,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--transfer-timeout", "transfer_timeout_s",
          "seconds before a KV transfer fails and its pages are freed"),
     Flag("--progress-timeout", "progress_timeout_s",
-         "seconds without an answer (health ping, stats) before a worker is suspect: no new requests, "
+         "seconds without a heartbeat (or 3x that in one engine step) before a worker is suspect: no new requests, "
          "its requests re-dispatched or resumed on a peer, else failed with an error event"),
     Flag("--progress-replace-after", "progress_replace_s",
          "seconds a suspect worker may stay stuck before it is killed and replaced"),

@@ -1,10 +1,14 @@
 """The health monitor: finds dead workers, takes them out of rotation, relaunches them, and keeps
 the dispatcher's snapshots of the live ones fresh.
 
-A thread wakes every ``MONITOR_PERIOD_S``: it pings every live worker (an error is a dead
-worker; a timeout is a busy one, reported but kept), then asks each for ``stats()`` and hands
-the dispatcher a :class:`WorkerSnapshot` of it (a worker too busy to answer within the period
-keeps its last one). A dead worker leaves rotation at once (:meth:`Supervisor.mark_dead`, also
+A thread wakes every ``MONITOR_PERIOD_S``: it asks every live worker for its heartbeat
+(``progress()``, answered on the actor's loop: a long engine step does not delay it) and its
+``stats()`` (one of each outstanding per worker; a failed heartbeat is a dead worker) and hands the
+dispatcher a :class:`WorkerSnapshot` of each stats answer (a worker that does not answer keeps its
+last one). Progress deadlines: a worker whose heartbeat went unanswered for
+``progress_timeout_s``, or whose engine is stuck in one step, is *suspect* (``WorkerRef.suspect_since``; out of rotation, the backend moves its requests);
+answering again, it has the requests moved off it aborted there and rejoins; suspect for
+``progress_replace_s`` it is declared dead and replaced. A dead worker leaves rotation at once (:meth:`Supervisor.mark_dead`, also
 called by the backend when a Ray call fails); its peers forget its NIXL agent; with
 ``restart`` a replacement named after it (``prefill-0`` -> ``prefill-0-r1``, the same name in
 every router, so routers that relaunch it at once create one actor) is launched in its own
@@ -36,7 +40,8 @@ from tandem.router.view import WorkerSnapshot
 log = logging.getLogger(__name__)
 
 MONITOR_PERIOD_S = 1.0
-PROBE_WAIT_S = 0.5           # how long one round waits for pings and stats
+PROBE_WAIT_S = 0.5           # how long one round waits for heartbeats and stats
+STUCK_STEP_FACTOR = 3.0      # an engine in one step for this many progress timeouts is stuck
 PING_TIMEOUT_S = 10.0
 FORGET_TIMEOUT_S = 30.0
 HELPER_JOIN_S = 10.0
@@ -54,9 +59,8 @@ class Supervisor:
         ``progress_timeout_s`` / ``progress_replace_s``: ServeConfig's progress deadlines."""
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
         self.progress_timeout_s, self.progress_replace_s = progress_timeout_s, progress_replace_s
-        self._pings: dict[WorkerRef, object] = {}      # the outstanding ping of each worker
+        self._pings: dict[WorkerRef, object] = {}      # the outstanding heartbeat of each worker
         self._stats: dict[WorkerRef, object] = {}      # ... and stats() call
-        self._answered: dict[WorkerRef, list[float]] = {}   # [last ping answer, last stats answer]
         self.restart = restart
         self.discover = launcher.detached if discover is None else discover
         self.restarts = 0
@@ -144,17 +148,17 @@ class Supervisor:
                 self._discover()
 
     def _probe(self, live: list[WorkerRef]) -> bool:
-        """One ping and one ``stats()`` outstanding per worker (a worker that does not answer is
-        not asked again until it does: nothing piles up behind a hang); waits at most
-        ``PROBE_WAIT_S`` for the answers. A failed ping is a dead worker; an answered pair moves
-        its progress clock (``last_answer``); an answered stats refreshes its snapshot. False:
-        Ray shut down under us."""
+        """One heartbeat (``progress()``) and one ``stats()`` outstanding per worker (a worker that
+        does not answer is not asked again until it does: nothing piles up behind a hang);
+        waits at most ``PROBE_WAIT_S``. A failed heartbeat is a dead worker; an answered one moves
+        its progress clock (``last_answer``, and ``step_s``: how long its engine has been in one
+        step); an answered stats refreshes its snapshot. False: Ray shut down under us."""
         import ray
 
         try:
             for w in live:
                 if w not in self._pings:
-                    self._pings[w] = w.handle.ping.remote()
+                    self._pings[w] = w.handle.progress.remote()
                 if w not in self._stats:
                     self._stats[w] = w.handle.stats.remote()
             refs = [self._pings[w] for w in live] + [self._stats[w] for w in live]
@@ -165,24 +169,21 @@ class Supervisor:
         for w in live:
             if self._pings[w] in ready:
                 try:
-                    ray.get(self._pings.pop(w))
-                    self._answered.setdefault(w, [now, now])[0] = now
+                    w.step_s = float(ray.get(self._pings.pop(w)))
+                    w.last_answer = now
                 except Exception as e:
                     if self._stop.is_set():
                         return False
                     self.mark_dead(w, f"ping failed: {type(e).__name__}")
                     continue
             if self._stats[w] in ready:
-                self._take_stats(w, self._stats.pop(w), now)
-            ping_t, stats_t = self._answered.setdefault(w, [now, now])
-            w.last_answer = min(ping_t, stats_t)
+                self._take_stats(w, self._stats.pop(w))
         for gone in [w for w in list(self._pings) + list(self._stats) if not w.alive]:
             self._pings.pop(gone, None)
             self._stats.pop(gone, None)
-            self._answered.pop(gone, None)
         return True
 
-    def _take_stats(self, w: WorkerRef, ref, now: float) -> None:
+    def _take_stats(self, w: WorkerRef, ref) -> None:
         import ray
 
         try:
@@ -191,30 +192,32 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
             log.info("stats of %s unavailable: %s", w.name, e)
             return
-        self._answered.setdefault(w, [now, now])[1] = now
         w.writing = dict(stats.get("writing") or {})
         if snap.draining and w.alive:   # (a worker stopped meanwhile keeps its fate)
             w.retiring = True
         self.dispatch.update_snapshot(w.wid, snap)
 
     def _judge(self, live: list[WorkerRef]) -> None:
-        """Progress deadlines: a worker silent for ``progress_timeout_s`` is suspect (out of
-        rotation; the backend moves its requests, cluster/backend.py); one that answers again
-        has the requests moved off it aborted there and rejoins; one suspect for
+        """Progress deadlines: a worker whose heartbeat went unanswered for ``progress_timeout_s``
+        (stopped, partitioned, its loop blocked), or whose engine has been in one step for
+        ``STUCK_STEP_FACTOR`` times that (a hung device), is suspect (out of rotation; the
+        backend moves its requests, cluster/backend.py); one that answers again with its engine
+        stepping has the requests moved off it aborted there and rejoins; one suspect for
         ``progress_replace_s`` is declared dead (killed and replaced like a dead one)."""
         now = time.monotonic()
         for w in live:
             if not w.alive:
                 continue
             silent = now - w.last_answer
+            stuck = w.step_s > STUCK_STEP_FACTOR * self.progress_timeout_s
             if w.suspect_since is None:
-                if silent > self.progress_timeout_s:
+                if silent > self.progress_timeout_s or stuck:
                     w.suspect_since = now
                     self.dispatch.mark_suspect(w.wid)
                     rm.WORKER_STALLS.labels(w.role, "suspect").inc()
-                    log.warning("%s worker %s made no progress for %.1fs: suspect, out of rotation",
-                                w.role, w.name, silent)
-            elif w.last_answer > w.suspect_since:
+                    log.warning("%s worker %s made no progress (%s): suspect, out of rotation", w.role, w.name,
+                                f"in one step for {w.step_s:.1f}s" if stuck else f"silent for {silent:.1f}s")
+            elif w.last_answer > w.suspect_since and not stuck:
                 self._rejoin(w)
             elif now - w.suspect_since > self.progress_replace_s:
                 rm.WORKER_STALLS.labels(w.role, "replaced").inc()

@@ -43,7 +43,8 @@ class WorkerRef:
     retiring: bool = False   # seen draining: when it dies it is not relaunched
     suspect_since: float | None = None   # monotonic time it was found making no progress, or None
     last_answer: float = field(default_factory=time.monotonic)
-    # ^ when it last answered both its ping and its stats (the supervisor's progress clock)
+    # ^ when it last answered its heartbeat (the supervisor's progress clock)
+    step_s: float = 0.0   # how long its engine had been in one step, at that answer
     stale: set = field(default_factory=set)   # rids moved off it while suspect: aborted when it is back
     writing: dict = field(default_factory=dict)   # prefill: rid -> seconds its KV write has waited
     wid: int = field(default_factory=lambda: next(_worker_ids))   # the dispatcher's worker id

@@ -228,8 +228,9 @@ class ServeConfig(_Strict):
                             "joining a Ray cluster (ray_address), else 'router'")
     policy: Literal["round_robin", "random", "least_load", "cache_aware", "kv_events", "session"] = "session"
     transfer_timeout_s: float = Field(30.0, gt=0)
-    progress_timeout_s: float = Field(5.0, gt=0, description="a worker that answers neither its "
-                                      "health ping nor its stats for this long is suspect: no new "
+    progress_timeout_s: float = Field(5.0, gt=0, description="a worker whose heartbeat goes unanswered "
+                                      "this long (or whose engine stays in one step 3x as long) is "
+                                      "suspect: no new "
                                       "requests; its requests are re-dispatched (nothing streamed yet) "
                                       "or resumed on a peer (text streamed), else fail with an error "
                                       "event; it rejoins once it answers again")

@@ -33,6 +33,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -150,6 +151,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
+        self._step_started: float | None = None   # monotonic start of the step running now
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -410,6 +412,20 @@ class Engine:
         thread only -- or a test driving an engine whose thread was stopped (``shutdown()``
         first; ``submit`` then queues for the next ``step``)."""
         self._drain_inbox()
+        self._step_started = time.monotonic()
+        try:
+            return self._step()
+        finally:
+            self._step_started = None
+
+    def step_age(self) -> float:
+        """Seconds the engine thread has been inside its current step (0 between steps): a
+        thread that is alive but stuck in one step is what a hung device looks like. Any
+        thread may read it."""
+        started = self._step_started
+        return 0.0 if started is None else max(time.monotonic() - started, 0.0)
+
+    def _step(self):
         s = self.scheduler
         plan = s.schedule()
         chunks = plan.chunks

@@ -224,6 +224,13 @@ class RoleActorMixin:
         self.worker.check_alive()   # a crashed engine thread counts as a dead worker
         return self.worker.name
 
+    async def progress(self) -> float:
+        """The supervisor's heartbeat (answered on the actor's loop, not the engine thread, so a
+        long step does not delay it): seconds the engine has been in its current step (0 between
+        steps); raises like :meth:`ping` when the engine thread died."""
+        self.worker.check_alive()
+        return self.worker.engine.step_age()
+
     def metrics_text(self) -> bytes:
         # imported here: Ray pickles the actor class by value, and a registry holds locks
         from prometheus_client import REGISTRY, generate_latest

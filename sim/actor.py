@@ -32,6 +32,10 @@ class _Shell:
     def ping(self) -> str:
         return self.role.name
 
+    def progress(self) -> float:
+        """The supervisor's heartbeat (a simulated step never hangs)."""
+        return 0.0
+
     def drain(self) -> bool:
         self.role.draining = True
         return True

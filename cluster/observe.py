@@ -1,0 +1,130 @@
+"""The read side of :class:`~tandem.cluster.backend.RayClusterBackend`: what ``/health``,
+``/metrics``, ``/debug/kv`` and the chaos harness see of the cluster. A mixin over the backend's
+``pool``, ``dispatch``, ``supervisor``, ``migrator``, ``cfg``, ``launcher``, ``queue``, ``feed`` and
+``autoscaler``.
+
+A worker the supervisor holds suspect (no answer within the progress deadline) is reported as
+such and left out of every gather, so one hung worker never holds a health check, a metrics
+scrape or a debug read up; every other call is bounded by ``PING_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import REGISTRY, generate_latest
+
+from tandem.cluster.metrics import merge_expositions
+from tandem.cluster.supervisor import PING_TIMEOUT_S
+from tandem.cluster.workers import DECODE, PREFILL, WorkerRef
+
+log = logging.getLogger(__name__)
+
+HEALTH_PING_S = 1.0   # /health waits this long for each worker's ping
+
+
+class ClusterObservability:
+    async def health(self) -> dict:
+        """Per-worker liveness (a ping, at most ``HEALTH_PING_S``) and progress: a suspect worker
+        (no answer within ``progress_timeout_s``) is reported ``suspect`` and does not count as
+        serving."""
+        everyone = self.pool.everyone()
+        alive = await asyncio.gather(*(self._ping(w, HEALTH_PING_S) for w in everyone))
+        results = [ok and w.suspect_since is None for w, ok in zip(everyone, alive)]   # serving
+        snaps = self.dispatch.snapshots()
+        nodes = self._node_resources({w.node_id for w in everyone})
+        workers = {w.name: {"role": w.role, "alive": up, "node_id": w.node_id,
+                            "node_resources": nodes.get(w.node_id, {}),
+                            "draining": bool(snaps.get(w.wid) and snaps[w.wid].draining),
+                            "suspect": w.suspect_since is not None,
+                            "silent_s": round(max(time.monotonic() - w.last_answer, 0.0), 2),
+                            **({"error": w.error} if w.error else {})}
+                   for w, up in zip(everyone, alive)}
+        live_d = [w for w, ok in zip(everyone, results) if ok and w.role == DECODE]
+        live_p = [w for w, ok in zip(everyone, results) if ok and w.role == PREFILL]
+        degraded = len(live_d) < self.cfg.decode or len(live_p) < self.cfg.prefill
+        return {"status": "ok" if live_d else "error", "mode": "disaggregated", "model": self.model_name,
+                "degraded": degraded, "prefill_alive": len(live_p), "decode_alive": len(live_d),
+                "restarts": self.supervisor.restarts, "namespace": self.launcher.namespace,
+                "dispatch_queue": len(self.queue), "workers": workers,
+                **({"kv_events": dict(self.feed.counts)} if self.feed is not None else {}),
+                **({"planner": self.autoscaler.status()} if self.autoscaler is not None else {})}
+
+    def _node_resources(self, ids: set[str]) -> dict[str, dict]:
+        """The custom resources (``prefill``, ``decode``, ...) of the Ray nodes ``ids``, cached."""
+        cache = self.__dict__.setdefault("_nodes", {})
+        if not ids <= set(cache):
+            import ray
+
+            try:
+                for n in ray.nodes():
+                    cache[n["NodeID"]] = {k: v for k, v in n.get("Resources", {}).items()
+                                          if k in ("prefill", "decode", "CPU", "GPU")}
+            except Exception:  # noqa: BLE001 - placement is informative only
+                pass
+        return cache
+
+    async def _ping(self, w: WorkerRef, timeout: float = PING_TIMEOUT_S) -> bool:
+        if not w.alive:
+            return False
+        try:
+            await asyncio.wait_for(w.handle.ping.remote(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False   # busy or hung: reported, not declared dead
+        except Exception as e:
+            self.supervisor.mark_dead(w, f"ping failed: {type(e).__name__}")
+            return False
+
+    # ------------------------------------------------------------------ observability
+    def metrics_text(self) -> bytes:
+        import ray
+
+        refs = {w.name: w.handle.metrics_text.remote() for w in self._answering()}
+        texts = {}
+        for name, ref in refs.items():
+            try:
+                texts[name] = ray.get(ref, timeout=PING_TIMEOUT_S)
+            except Exception as e:
+                log.info("metrics of %s unavailable: %s", name, e)
+        return merge_expositions(texts, generate_latest(REGISTRY))
+
+    def _answering(self) -> list[WorkerRef]:
+        """Live workers that are not suspect (a stuck one would hold every gather up)."""
+        return [w for w in self.pool.everyone(alive_only=True) if w.suspect_since is None]
+
+    async def _gather(self, calls) -> list:
+        """Each call's result or its exception; one that takes past ``PING_TIMEOUT_S`` (the
+        worker hung since it was last judged) is a TimeoutError."""
+        return await asyncio.gather(*(asyncio.wait_for(c, PING_TIMEOUT_S) for c in calls), return_exceptions=True)
+
+    async def stats(self) -> dict[str, dict]:
+        """Every answering worker's ``stats()`` (pool accounting, counters), by worker name."""
+        live = self._answering()
+        out = await self._gather(w.handle.stats.remote() for w in live)
+        return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
+
+    def migrations(self) -> list[dict]:
+        """Live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""
+        return self.migrator.in_flight()
+
+    async def debug_kv(self) -> list[dict]:
+        """Every answering worker's KV accounting and invariant verdict (GET /debug/kv)."""
+        live = self._answering()
+        out = await self._gather(w.handle.debug_kv.remote() for w in live)
+        return [s if not isinstance(s, BaseException) else
+                {"worker": w.name, "role": w.role, "error": f"{type(s).__name__}: {str(s)[:300]}"}
+                for w, s in zip(live, out)]
+
+    async def debug_kill(self, name: str) -> bool:
+        """Kill worker ``name``'s actor (POST /debug/kill, with ``debug_endpoints``): the
+        supervisor finds it dead, takes it out of rotation and replaces it."""
+        import ray
+
+        w = next((w for w in self.pool.everyone(alive_only=True) if w.name == name), None)
+        if w is None:
+            return False
+        ray.kill(w.handle, no_restart=True)
+        return True
