@@ -103,6 +103,7 @@ class RayClusterBackend(ClusterObservability):
                                      progress_timeout_s=cfg.progress_timeout_s,
                                      progress_replace_s=cfg.progress_replace_s)
         self._inflight: dict[str, WorkerRef] = {}   # worker-side rid -> its decode worker
+        self._streamed: dict[str, tuple[int, float]] = {}   # worker-side rid -> (tokens out, last one at)
         self._alias: dict[str, str] = {}   # client rid -> its worker-side rid, once re-dispatched after a stall
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration)
         self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
@@ -193,6 +194,7 @@ class RayClusterBackend(ClusterObservability):
         p = self.pool.get(r.prefill)
         gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
         self._inflight[req.rid] = d
+        self._streamed[req.rid] = (0, time.monotonic())
         self.migrator.live[req.rid] = (req, r)
         finished, first, rerouted = False, True, False
         ids, chars, cached = [], 0, 0      # what the client has
@@ -254,6 +256,8 @@ class RayClusterBackend(ClusterObservability):
                         last_token_at, source, prestop = now, None, False
                     ids += c.token_ids
                     chars += len(c.text)
+                    if c.token_ids:
+                        self._streamed[req.rid] = (len(ids), last_token_at)
                     cached = c.cached_tokens or cached
                     finished, lead = c.finish_reason is not None, first
                     if first:
@@ -294,6 +298,7 @@ class RayClusterBackend(ClusterObservability):
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             self._inflight.pop(req.rid, None)
+            self._streamed.pop(req.rid, None)
             self.migrator.live.pop(req.rid, None)
             m = self.migrator.moves.get(req.rid)
             if m is not None and m.phase != "precopy":   # gone mid-move: free the source's held KV too

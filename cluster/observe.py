@@ -106,6 +106,14 @@ class ClusterObservability:
         out = await self._gather(w.handle.stats.remote() for w in live)
         return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
 
+    def in_flight(self) -> list[dict]:
+        """The requests this router streams (GET /debug/kv): rid (worker-side), decode worker,
+        tokens streamed, seconds since the last one (or since it was sent there)."""
+        now = time.monotonic()
+        return [{"rid": rid, "worker": w.name, "tokens": n, "silent_s": round(now - t, 3)}
+                for rid, w in list(self._inflight.items())
+                for n, t in [self._streamed.get(rid, (0, now))]]
+
     def migrations(self) -> list[dict]:
         """Live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""
         return self.migrator.in_flight()

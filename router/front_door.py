@@ -214,7 +214,9 @@ class FrontDoor:
     async def debug_kv(self, request: Request) -> Response:
         """``{"workers": [...], "migrations": [...]}``: each worker's KV accounting (free /
         evictable / locked / request-owned / leaked tokens, host pool use, queues) and its
-        invariant verdict; the live migrations in flight (backends that move requests)."""
+        invariant verdict; the live migrations in flight (backends that move requests); the
+        requests in flight with their worker, tokens streamed and seconds since the last one
+        (backends that track it)."""
         try:
             self.check_auth(request)
         except APIError as e:
@@ -226,6 +228,9 @@ class FrontDoor:
         moves = getattr(self.backend, "migrations", None)   # live migrations in flight, where there are any
         if moves is not None:
             out["migrations"] = moves()
+        live = getattr(self.backend, "in_flight", None)   # requests in flight, with their progress
+        if live is not None:
+            out["requests"] = live()
         return JSONResponse(out)
 
     async def debug_kill(self, request: Request, worker: str) -> Response:

@@ -47,6 +47,16 @@ class Serve:
     """``tandem serve`` in a child process; ``lines``: what it printed (read in a thread)."""
 
     def __init__(self, model: str, mode: str, timeout: float = 120.0):
+        for attempt in range(3):   # a free port can be taken (by Ray) before the child binds it
+            try:
+                self._start(model, mode, timeout)
+                return
+            except AssertionError as e:
+                if "address already in use" not in str(e) or attempt == 2:
+                    raise
+                self.stop()
+
+    def _start(self, model: str, mode: str, timeout: float) -> None:
         self.port = _port()
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model, "--mode", mode,
                "--port", str(self.port), *FLAGS]
