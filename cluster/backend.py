@@ -32,7 +32,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import socket
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from tandem.cluster.migration import Migrator, resume_of
@@ -85,6 +88,7 @@ class RayClusterBackend(ClusterObservability):
         self.max_context = 0
         self.vocab_size = 0
         self.pool = WorkerPool()
+        self.router_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"   # its workers' lease
         cc = cfg.engine_config.cache   # the approximate prefix index holds at most a cache's worth
         self.dispatch = Dispatcher(cfg.policy, PolicyConfig(kv_block_size=cc.page_size,
                                                             index_capacity=cc.max_total_tokens,
@@ -101,11 +105,12 @@ class RayClusterBackend(ClusterObservability):
         self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
                                      discover=launcher.detached or cfg.planner.enabled,
                                      progress_timeout_s=cfg.progress_timeout_s,
-                                     progress_replace_s=cfg.progress_replace_s)
+                                     progress_replace_s=cfg.progress_replace_s, router_id=self.router_id)
         self._inflight: dict[str, WorkerRef] = {}   # worker-side rid -> its decode worker
         self._streamed: dict[str, tuple[int, float]] = {}   # worker-side rid -> (tokens out, last one at)
         self._alias: dict[str, str] = {}   # client rid -> its worker-side rid, once re-dispatched after a stall
-        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration)
+        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
+                                 router_id=self.router_id)
         self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
         self._tasks: set[asyncio.Task] = set()     # fire-and-forget work on the serving loop
         self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, once it served
@@ -192,7 +197,8 @@ class RayClusterBackend(ClusterObservability):
         import ray
 
         p = self.pool.get(r.prefill)
-        gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None)
+        gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None,
+                                                                        self.router_id)
         self._inflight[req.rid] = d
         self._streamed[req.rid] = (0, time.monotonic())
         self.migrator.live[req.rid] = (req, r)

@@ -74,8 +74,10 @@ class Move:
 
 class Migrator:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, inflight: dict[str, WorkerRef],
-                 supervisor=None, cfg: MigrationConfig | None = None):
+                 supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None):
+        """``router_id``: named on every leg it starts (the workers' lease on this router)."""
         self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
+        self.router_id = router_id
         self.cfg = cfg or MigrationConfig()
         self.moves: dict[str, Move] = {}
         self.live: dict[str, tuple[GenerateRequest, Route]] = {}   # rid -> (request, route): the backend's
@@ -142,7 +144,7 @@ class Migrator:
         warm = GenerateRequest(f"{m.rid}~precopy", req.prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True),
                                session_id=req.session_id)
         gen = m.target.handle.generate.options(num_returns="streaming").remote(
-            warm.to_wire(), p.name if p is not None and p.alive else None)
+            warm.to_wire(), p.name if p is not None and p.alive else None, self.router_id)
 
         async def consume() -> StreamChunk | None:
             last = None
@@ -217,7 +219,7 @@ class Migrator:
         self.dispatch.move(r, t.wid)
         self._inflight[req.rid] = t
         wire = dataclasses.replace(req, resume=sent).to_wire()
-        return t.handle.generate.options(num_returns="streaming").remote(wire, source_name)
+        return t.handle.generate.options(num_returns="streaming").remote(wire, source_name, self.router_id)
 
     async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict:
         """Take ``name`` out of rotation and move its live requests away; ``stop``: then stop it.

@@ -54,9 +54,12 @@ class Supervisor:
 
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
                  feed=None, discover: bool | None = None, progress_timeout_s: float = 5.0,
-                 progress_replace_s: float = 60.0):
+                 progress_replace_s: float = 60.0, router_id: str | None = None):
         """``discover``: adopt workers this router did not start (default: with detached workers).
-        ``progress_timeout_s`` / ``progress_replace_s``: ServeConfig's progress deadlines."""
+        ``progress_timeout_s`` / ``progress_replace_s``: ServeConfig's progress deadlines.
+        ``router_id``: sent with each heartbeat (decode workers keep this router's lease on its
+        streams: decode/leases.py)."""
+        self.router_id = router_id
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
         self.progress_timeout_s, self.progress_replace_s = progress_timeout_s, progress_replace_s
         self._pings: dict[WorkerRef, object] = {}      # the outstanding heartbeat of each worker
@@ -158,7 +161,7 @@ class Supervisor:
         try:
             for w in live:
                 if w not in self._pings:
-                    self._pings[w] = w.handle.progress.remote()
+                    self._pings[w] = w.handle.progress.remote(self.router_id)
                 if w not in self._stats:
                     self._stats[w] = w.handle.stats.remote()
             refs = [self._pings[w] for w in live] + [self._stats[w] for w in live]

@@ -9,10 +9,13 @@ other decode workers, as the source of a live migration (their ``migrate_out`` i
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
+from tandem.decode.leases import TICK_S, RouterLeases
 from tandem.decode.worker import DecodeWorker, PrefillUnavailable
 from tandem.engine.role_worker import RoleActorMixin
 from tandem.transfer.messages import PrefillResult
@@ -71,6 +74,8 @@ class DecodeActor(RoleActorMixin):
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
         self.prefills: dict[str, _RayPrefillClient] = {}
         self.sources: dict[str, _RayMigrationSource] = {}   # the other decode workers
+        self.leases = RouterLeases()
+        self._lease_task: asyncio.Task | None = None
 
     def _extra_info(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id()}
@@ -107,8 +112,35 @@ class DecodeActor(RoleActorMixin):
         self.prefills.pop(name, None)
         self.worker.remove_peer(name)
 
-    async def generate(self, req_wire: dict, prefill_name: str | None):
+    async def progress(self, router: str | None = None) -> float:
+        """The supervisor's heartbeat (RoleActorMixin's), which also renews ``router``'s lease."""
+        if router is not None:
+            self.leases.renew(router)
+        return await super().progress()
+
+    async def _watch_leases(self) -> None:
+        """Once a second: abort the streams of routers whose lease ran out (decode/leases.py)."""
+        while self.leases.streams:
+            await asyncio.sleep(TICK_S)
+            for rid in self.leases.expired():
+                print(f"tandem: {self.worker.name}: aborting {rid}: its router stopped renewing its lease", flush=True)
+                await self.worker.abort(rid, "its router went away")
+
+    async def generate(self, req_wire: dict, prefill_name: str | None, router: str | None = None):
+        """``router``: the calling router's id (its lease, decode/leases.py); None: no lease."""
         greq = GenerateRequest.from_wire(req_wire)
+        self.leases.open(greq.rid, router)
+        if router is not None and (self._lease_task is None or self._lease_task.done()):
+            self._lease_task = asyncio.ensure_future(self._watch_leases())
+        inner = self._generate(greq, prefill_name)
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            await inner.aclose()
+            self.leases.close(greq.rid)
+
+    async def _generate(self, greq: GenerateRequest, prefill_name: str | None):
         if greq.resume is not None:   # a migrated request: prefill_name names the decode worker it left
             client = self.sources.get(prefill_name) if prefill_name else None
             chunks = self.worker.generate(greq, None if client is None or client.dead else client)

@@ -224,10 +224,11 @@ class RoleActorMixin:
         self.worker.check_alive()   # a crashed engine thread counts as a dead worker
         return self.worker.name
 
-    async def progress(self) -> float:
+    async def progress(self, router: str | None = None) -> float:
         """The supervisor's heartbeat (answered on the actor's loop, not the engine thread, so a
         long step does not delay it): seconds the engine has been in its current step (0 between
-        steps); raises like :meth:`ping` when the engine thread died."""
+        steps); raises like :meth:`ping` when the engine thread died. ``router``: the caller's id
+        (a decode worker renews its lease, decode/leases.py)."""
         self.worker.check_alive()
         return self.worker.engine.step_age()
 

@@ -32,7 +32,7 @@ class _Shell:
     def ping(self) -> str:
         return self.role.name
 
-    def progress(self) -> float:
+    def progress(self, router: str | None = None) -> float:
         """The supervisor's heartbeat (a simulated step never hangs)."""
         return 0.0
 
@@ -111,7 +111,7 @@ class SimDecodeActor(_Shell):
     async def freeze(self, rid: str) -> bool:
         raise ValueError(f"simulated decode worker {self.role.name} does not migrate requests")
 
-    async def generate(self, req_wire: dict, prefill_name: str | None):
+    async def generate(self, req_wire: dict, prefill_name: str | None, router: str | None = None):
         client = self.prefills.get(prefill_name) if prefill_name else None
         async for c in self.role.generate(GenerateRequest.from_wire(req_wire), client):
             yield c

@@ -1,0 +1,55 @@
+"""Router leases: a decode worker stops the streams of a router that went away.
+
+A router's Ray streaming call is not cancelled when the router process dies (a SIGKILL, a lost
+node): the worker would decode its requests to their ``max_tokens``, holding their KV. So every
+router renews a lease on each worker with its heartbeat (the supervisor's ``progress(router)``,
+once a second) and names itself on each ``generate``; a stream whose router has not renewed for
+``lease_s`` is aborted. The worker's own stops do not count against a router: when this worker's
+clock jumped (it was stopped itself, or starved), every lease restarts from now.
+
+Plain Python and a clock; decode/actor.py runs :meth:`RouterLeases.expired` once a second.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+LEASE_S = 15.0        # a router silent this long is gone
+TICK_S = 1.0          # how often the actor looks
+JUMP_S = 3.0          # a tick this late means this worker itself was not running
+
+
+class RouterLeases:
+    def __init__(self, lease_s: float = LEASE_S, clock: Callable[[], float] = time.monotonic):
+        self.lease_s, self.clock = lease_s, clock
+        self.seen: dict[str, float] = {}      # router id -> its last renewal
+        self.streams: dict[str, str] = {}     # rid -> the router streaming it
+        self._last_tick = clock()
+
+    def renew(self, router: str) -> None:
+        self.seen[router] = self.clock()
+
+    def open(self, rid: str, router: str | None) -> None:
+        """``rid`` streams to ``router`` (None: a caller with no lease, never expired)."""
+        if router is not None:
+            self.streams[rid] = router
+            self.seen.setdefault(router, self.clock())
+
+    def close(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+
+    def expired(self) -> list[str]:
+        """The rids whose router's lease ran out (each returned once: closed here)."""
+        now = self.clock()
+        if now - self._last_tick > JUMP_S + TICK_S:   # we were stopped: nobody's fault but ours
+            for r in self.seen:
+                self.seen[r] = now
+        self._last_tick = now
+        gone = [rid for rid, r in self.streams.items() if now - self.seen.get(r, now) > self.lease_s]
+        for rid in gone:
+            del self.streams[rid]
+        live = set(self.streams.values())
+        for r in [r for r, t in self.seen.items() if r not in live and now - t > 10 * self.lease_s]:
+            del self.seen[r]   # a router long gone with nothing left here
+        return gone
