@@ -88,3 +88,43 @@ def test_a_stopped_prefill_worker_s_requests_are_re_dispatched(cluster):
         os.kill(pid, signal.SIGCONT)
     wait_rejoined(backend, server, p)
     wait_idle(server)
+
+
+def test_a_worker_stuck_past_the_replace_deadline_is_killed_and_replaced(cluster):
+    """A prefill worker that stays stopped past ``progress_replace_s`` is declared dead, its
+    process killed and a replacement started (``prefill-0-r1``); requests are served meanwhile
+    (decode prefills locally) and by the replacement once it is up."""
+    backend, server, want = cluster
+    sup = backend.supervisor
+    old_replace, sup.progress_replace_s = sup.progress_replace_s, 4.0
+    p = backend.prefills[0]
+    pid = pid_of(p)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not p.alive, 60, f"{p.name} was not declared dead")
+        assert "made no progress" in p.error, p.error
+        out: dict = {}
+        for th in start_streams(server, out, "r"):
+            th.join(90)
+        check_texts(out, want, "r", within=60)
+        wait_for(lambda: backend.prefills[0] is not p and backend.prefills[0].alive, 120, "not replaced")
+
+        def gone() -> bool:
+            try:
+                os.kill(pid, 0)
+                return False
+            except ProcessLookupError:
+                return True
+        wait_for(gone, 60, f"the stuck process {pid} still exists")
+    finally:
+        sup.progress_replace_s = old_replace
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert backend.prefills[0].name == p.name + "-r1" or backend.prefills[0].name.startswith(p.name)
+    out = {}
+    for th in start_streams(server, out, "r2"):
+        th.join(90)
+    check_texts(out, want, "r2", within=60)
+    wait_idle(server)
