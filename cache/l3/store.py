@@ -7,7 +7,9 @@ blake2b digest of its payload; a page whose digest does not match is a miss, cou
 ``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
 timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
 timeout, not one per call. Not thread-safe: one caller (the worker loop); the store calls run on
-one private thread so that a call can be abandoned at its deadline.
+one private thread so that a call can be abandoned at its deadline. ``put_async`` queues writes
+for a second private (daemon) thread and returns at once: at most ``max_pending`` writes wait,
+more are dropped (counted), so a slow store never holds the caller or its memory.
 
     store = L3Store(MooncakeBackend.connect(...), prefix=key_prefix("smollm2", 16, "bf16", "nhd"))
     hits = store.exists(hashes)          # [True, True, False, ...] (a prefix of hits is usable)
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -66,6 +70,7 @@ class L3Stats:
     corrupt: int = 0        # pages read whose digest did not match (counted as misses too)
     errors: int = 0         # calls that raised or timed out
     puts: int = 0
+    write_dropped: int = 0  # async writes dropped: queue full, or the store down
     bytes_read: int = 0
     bytes_written: int = 0
     read_s: float = 0.0     # seconds spent in exists + get
@@ -76,7 +81,8 @@ class L3Stats:
 
 class L3Store:
     def __init__(self, backend: Backend | None, prefix: str, *, timeout_s: float = 0.5,
-                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 max_pending: int = 1024):
         self.backend = backend
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -86,6 +92,9 @@ class L3Store:
         self._down_until = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
         self.corrupt_next = False  # the test lever: the next put stores a damaged page
+        self.corrupt_all = False   # the test lever: every put stores a damaged page
+        self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._writer: threading.Thread | None = None
 
     @property
     def up(self) -> bool:
@@ -132,16 +141,73 @@ class L3Store:
             n += 1
         return n
 
-    def put(self, page_hash: int, payload: bytes) -> bool:
+    def _sealed(self, payload: bytes) -> bytes:
         value = seal(payload)
-        if self.corrupt_next:
+        if self.corrupt_next or self.corrupt_all:
             self.corrupt_next = False
             value = value[:DIGEST_BYTES] + bytes([value[DIGEST_BYTES] ^ 0xFF]) + value[DIGEST_BYTES + 1:]
+        return value
+
+    def put(self, page_hash: int, payload: bytes) -> bool:
+        value = self._sealed(payload)
         rc = self._call(self.backend.put, page_key(self.prefix, page_hash), value) if self.backend else None
         if rc != 0:
             return False
         self.stats.puts += 1
         self.stats.bytes_written += len(payload)
+        return True
+
+    def put_async(self, pages: Sequence[tuple[int, bytes]]) -> int:
+        """Queue ``(page_hash, payload)`` writes for the writer thread; returns how many were
+        queued (the rest were dropped: the queue is full or the store is down). Never blocks."""
+        if not self.up:
+            self.stats.write_dropped += len(pages)
+            return 0
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="l3-writer", daemon=True)
+            self._writer.start()
+        n = 0
+        for h, payload in pages:
+            try:
+                self._writes.put_nowait((page_key(self.prefix, h), self._sealed(payload), len(payload)))
+                n += 1
+            except queue.Full:
+                self.stats.write_dropped += len(pages) - n
+                break
+        return n
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            key, value, nbytes = item
+            backend = self.backend
+            try:
+                if backend is None or not self.up:
+                    self.stats.write_dropped += 1
+                    continue
+                t0 = self._clock()
+                rc = backend.put(key, value)
+                if self._clock() - t0 > self.timeout_s:      # a slow store: writes back off too
+                    self._down_until = self._clock() + self.backoff_s
+                if rc == 0:
+                    self.stats.puts += 1
+                    self.stats.bytes_written += nbytes
+            except Exception as e:  # a store error drops the write, never the caller's problem
+                self.stats.errors += 1
+                self._down_until = self._clock() + self.backoff_s
+                log.warning("L3 store write failed (%r); writes dropped for %.1fs", e, self.backoff_s)
+            finally:
+                self._writes.task_done()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait (at most ``timeout_s``) until every queued write has been tried (tests, shutdown)."""
+        end = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.002)
         return True
 
     def get(self, page_hash: int) -> bytes | None:
@@ -163,6 +229,12 @@ class L3Store:
 
     def close(self) -> None:
         """Close the store client (bounded by the timeout; a dead store is not waited for)."""
+        self.flush(self.timeout_s)
+        if self._writer is not None:
+            try:
+                self._writes.put_nowait(None)
+            except queue.Full:
+                pass
         close = getattr(self.backend, "close", None)
         if close is not None:
             self._call(close)
