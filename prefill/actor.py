@@ -24,14 +24,15 @@ def assigned_threads() -> int:
 @ray.remote
 class PrefillActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
-                 kv_events: bool = False):
+                 kv_events: bool = False, l3: dict | None = None):
         """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
         all workers of a node), or None to load ``engine_config.model`` here."""
         cfg = EngineConfig.model_validate(engine_config)
         if cfg.num_threads is None:
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
-                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address())
+                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
+                                    l3=l3)
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
 
     def _extra_info(self) -> dict:
