@@ -150,3 +150,31 @@ def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
     finally:
         e.shutdown()
         m.stop()
+
+
+def test_retraction_without_a_host_pool_restores_from_l3(smollm2_default, master):
+    """A decode pool too small for its batch and no host tier: retracted requests are recomputed,
+    and their re-admission reads the pages they had (written through to L3, then evicted from the
+    device) back from the store; greedy output equals an uncontended run."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "The three primary colors are", "Water boils at", "List three fruits:"]
+    n = [24, 28, 20, 26, 22, 18]
+
+    def run(e):
+        reqs = [e.make_request(p, SamplingParams(max_tokens=k, ignore_eos=True)) for p, k in zip(prompts, n)]
+        outs = e.generate_many(reqs, timeout=300)
+        assert all(c.error is None for c in outs)
+        return [c.token_ids for c in outs]
+
+    alone = engine(smollm2_default, max_total_tokens=4096)
+    e = engine(smollm2_default, master, max_total_tokens=96)
+    try:
+        want = run(alone)
+        assert run(e) == want
+        st = e.stats()
+        assert st["retractions"] > 0 and st["retraction_recomputes"] > 0
+        assert e.kv.cache.l3.stats.hit_pages > 0, e.kv.cache.l3.stats
+        idle_and_exact(e)
+    finally:
+        alone.shutdown()
+        e.shutdown()
