@@ -27,7 +27,8 @@ def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default
     master = mc.MasterProcess()
     engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=16, max_total_tokens=2048))
     cfg = ServeConfig(prefill=2, decode=1, policy="round_robin", transfer_timeout_s=20.0,
-                      engine_config=engine, kv_store=master.address.url(), kv_events=False)
+                      engine_config=engine, kv_store=master.address.url(), kv_events=False,
+                      l3_timeout_s=5.0)   # a loaded CI box: a slow first call would be a miss
     backend = launch_disaggregated(cfg, loaded=smollm2_default)
     server = Server(backend, cfg)
     try:
@@ -40,7 +41,8 @@ def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default
         kv = httpx.get(server.url + "/debug/kv", timeout=60).json()
         workers = kv["workers"] if isinstance(kv, dict) and "workers" in kv else kv
         l3 = {w["worker"]: w["l3"] for w in workers}
-        assert len(l3) == 3 and all(v is not None and v["up"] for v in l3.values()), l3
+        assert len(l3) == 3 and all(v is not None for v in l3.values()), l3
+        assert all(v["up"] for v in l3.values()), {k: (v["up"], v["store_errors"]) for k, v in l3.items()}
         assert sum(v["hit_pages"] for v in l3.values()) >= (n - 1) // 16
         assert all(w["invariants"] == "ok" and w["leaked_tokens"] == 0 for w in workers)
     finally:
