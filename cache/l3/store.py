@@ -100,15 +100,19 @@ class L3Store:
     def up(self) -> bool:
         return self.backend is not None and self._clock() >= self._down_until
 
-    def _call(self, fn, *args):
-        """fn(*args) on the store thread, or None on error/timeout (then the store is down a while)."""
+    def _call(self, fn, *args, budget_s: float | None = None):
+        """fn(*args) on the store thread, or None on error/timeout (then the store is down a
+        while). ``budget_s``: the caller's deadline, when shorter than the timeout; a call past
+        it counts as slow too (a page read takes milliseconds; a budget runs out only on a slow
+        store)."""
         if not self.up:
             return None
         fut = self._pool.submit(fn, *args)
+        limit = self.timeout_s if budget_s is None else max(0.0, min(budget_s, self.timeout_s))
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=limit)
         except FutureTimeout:
-            why = f"timed out after {self.timeout_s}s"
+            why = f"timed out after {limit:.3g}s"
         except Exception as e:  # a store error is a miss, never the scheduler's problem
             why = repr(e)
         self.stats.errors += 1
@@ -116,9 +120,12 @@ class L3Store:
         log.warning("L3 store call %s failed (%s); treated as a miss for %.1fs", getattr(fn, "__name__", fn),
                     why, self.backoff_s)
         if not fut.done():  # a wedged store: abandon the thread, start a fresh one
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
+            self._replace_pool()
         return None
+
+    def _replace_pool(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
 
     def exists(self, page_hashes: Sequence[int]) -> list[bool]:
         """Which of the pages the store holds (all False when it is down)."""
@@ -210,10 +217,11 @@ class L3Store:
             time.sleep(0.002)
         return True
 
-    def get(self, page_hash: int) -> bytes | None:
-        """The page's payload, or None (absent, corrupted, store down)."""
+    def get(self, page_hash: int, budget_s: float | None = None) -> bytes | None:
+        """The page's payload, or None (absent, corrupted, store down, or past ``budget_s``)."""
         t0 = time.perf_counter()
-        value = self._call(self.backend.get, page_key(self.prefix, page_hash)) if self.backend else None
+        value = (self._call(self.backend.get, page_key(self.prefix, page_hash), budget_s=budget_s)
+                 if self.backend else None)
         self.stats.read_s += time.perf_counter() - t0
         if not value:
             self.stats.misses += 1

@@ -130,7 +130,8 @@ class L3Tier:
         """Continue match ``m`` of ``token_ids`` into the store: read the leading run of stored
         pages after ``m``'s device prefix into new device slots and insert them. Returns the
         tokens added (0: nothing, e.g. a host part not restored, the store down, no room).
-        Takes at most ``deadline_s`` of store time; the caller matches again to use them."""
+        Waits on the store at most ``deadline_s`` in all (each get is bounded by what is left,
+        plus the batch ``exists``, bounded by the store's timeout); the caller matches again."""
         c = self._cache
         t, ps = c._tree, self.page_size
         last = m.last_device_node
@@ -171,9 +172,10 @@ class L3Tier:
             return 0
         got = 0
         for i, h in enumerate(hashes):
-            if time.perf_counter() - t0 > self.deadline_s:
+            left = self.deadline_s - (time.perf_counter() - t0)
+            if left <= 0:
                 break
-            payload = self.store.get(h)
+            payload = self.store.get(h, budget_s=left)
             page = self._from_bytes(payload) if payload is not None else None
             if page is None:
                 break

@@ -190,3 +190,23 @@ def test_hybrid_caches_refuse_the_tier():
     cache, _ = make_cache(page_size=2, pages=8, components=(FULL, swa))
     with pytest.raises(ValueError, match="FULL pages only"):
         cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2))
+
+
+def test_slow_gets_end_a_fetch_within_the_deadline():
+    """exists answers, every get hangs: the fetch returns within the deadline (one timeout in
+    all, not one per page), recomputes, and the store is down for its backoff."""
+    import time
+
+    b = DictBackend()
+    cache, alloc, pool, tier = setup(b, policy="write_through")
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    run(cache, alloc, pool, ids)
+    tier.store.flush()
+    cache.evict(8)
+    slow_get = b.get
+    b.get = lambda key: (threading.Event().wait(1.0), slow_get(key))[1]
+    t0 = time.monotonic()
+    assert run(cache, alloc, pool, ids + [9]) == 0
+    assert time.monotonic() - t0 < 0.2 + 0.2          # deadline_s = the store's timeout (0.2)
+    assert not tier.store.up and tier.stats.miss_pages >= 4
+    cache.check(extra_owned=NONE)
