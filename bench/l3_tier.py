@@ -8,7 +8,8 @@ other worker. Each worker's device pool is ``--pool-tokens`` (no host tier): the
 all sessions exceeds it. Assistant replies are canned (the same text in both modes), so both
 modes see identical prompts; each request generates 1 token, so its latency is its TTFT.
 Then a fresh worker (a replacement, cold device cache) replays every session's last turn: its
-warm-up with and without L3. Modes alternate ABAB over ``--repeats`` (a new master each time).
+warm-up with and without L3. ``--route affinity`` keeps each session on one worker (with a pool
+that holds them: what L3 costs when the device cache alone hits). Modes alternate ABAB over ``--repeats`` (a new master each time).
 
     .venv/bin/python bench/l3_tier.py --sessions 8 --turns 4 --repeats 2
 """
@@ -70,7 +71,7 @@ def one_run(loaded, args, with_l3: bool) -> dict:
         ttft, cached, total = [], 0, 0
         for t, row in enumerate(turns):
             for s, ids in enumerate(row):
-                e = workers[(s + t) % 2]
+                e = workers[(s + t) % 2 if args.route == "alternate" else s % 2]
                 dt, c = ask(e, ids)
                 if e.kv.cache.l3 is not None:
                     e.kv.cache.l3.store.flush(10.0)
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--system-words", type=int, default=120)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pool-tokens", type=int, default=1024)
+    ap.add_argument("--route", choices=["alternate", "affinity"], default="alternate",
+                    help="alternate: turn t of session s on worker (s + t) %% 2; affinity: on s %% 2")
     args = ap.parse_args(argv)
     loaded = load_model("smollm2", device="cpu")
     runs = []
