@@ -7,7 +7,7 @@ whether caching is on:
 - ``cache(ids, slots, node)`` keeps nothing and returns ``(empty, None)``: the request keeps owning
   every slot of its row (a component-data callable is never called, so nothing is handed over);
 - ``insert`` takes the slots and frees them at once (returns 0);
-- ``lock``/``unlock``/``evict`` do nothing; ``stats`` is all zeros; ``host`` is None;
+- ``lock``/``unlock``/``evict`` do nothing; ``stats`` is all zeros; ``host`` and ``l3`` are None;
 - ``check(extra_owned)`` proves that requests own exactly the allocated pages of every pool.
 """
 
@@ -31,6 +31,7 @@ class NullCache:
 
     retains = False
     host = None
+    l3 = None
 
     def __init__(self, allocator=None, components: Sequence[Any] = (FULL,)):
         self.allocator = allocator

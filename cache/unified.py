@@ -145,6 +145,7 @@ class UnifiedRadixCache:
         self.host = host
         if host is not None:
             host.bind(self)
+        self.l3 = None
         if events is not None:
             events.publish([AllBlocksCleared()])
 
@@ -160,6 +161,12 @@ class UnifiedRadixCache:
         cache = cls(cfg, components=components, events=events, clock=clock)
         cache._capacity = capacity_tokens
         return cache
+
+    def attach_l3(self, tier) -> None:
+        """Give the cache its shared L3 tier (``cache/l3/tier.py``; FULL-only caches: a cache
+        with auxiliary components raises ValueError). Call before the first request."""
+        tier.bind(self)
+        self.l3 = tier
 
     # -- matching --------------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int], *, session_id: Hashable | None = None,
@@ -271,6 +278,8 @@ class UnifiedRadixCache:
             cached, node, created = t.insert(key, value, aux, session_id, priority)
         if created and self.host is not None and self.host.write_through:
             self.host.copy_node(node)
+        if created and self.l3 is not None and self.l3.write_through:
+            self.l3.write_node(node)
         return cached, node, created
 
     def _aux_values(self, extra: Mapping[str, Any] | None, n: int) -> list | None:
@@ -403,8 +412,17 @@ class UnifiedRadixCache:
             raise ValueError(f"{len(value)} slots for {n} page-aligned tokens")
         return value.to(device="cpu", dtype=torch.int64)
 
+    def _spill(self) -> None:
+        """Write the nodes whose last copy leaves the tree to L3 (before their slots are freed)."""
+        t = self._tree
+        if t.spills:
+            spills, t.spills = t.spills, []
+            self.l3.spill(spills)
+
     def _free_device(self) -> None:
         t = self._tree
+        if t.spills:
+            self._spill()
         if t.device_frees:
             if self.allocator is not None:
                 # no copier wait: a D2H copy has read its device slots when to_host returns
@@ -415,6 +433,8 @@ class UnifiedRadixCache:
         t = self._tree
         # no copier wait before freeing host rows: host-pool writes land in issue order, and
         # a load first lands the writes to what it reads (cache/radix/copier.py)
+        if t.spills:
+            self._spill()
         if t.host_frees:
             self.host.allocator.free(torch.cat(t.host_frees))
             t.host_frees = []

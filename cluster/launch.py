@@ -98,15 +98,19 @@ class Launcher:
         from tandem.decode.actor import DecodeActor
         from tandem.prefill.actor import PrefillActor
 
+        from tandem.cache.l3.connect import l3_options
+
+        l3 = l3_options(cfg.kv_store, cfg.l3_timeout_s, cfg.debug_corrupt_l3)
         if role == PREFILL:
             h = PrefillActor.options(**opts).remote(
                 name, cfg.engine_config.model_dump(), cfg.transfer_timeout_s, self.weights, self.kv_events,
-                cfg.debug_transfer_delay_ms, cfg.debug_transfer_stall)
+                l3=l3, debug_transfer_delay_ms=cfg.debug_transfer_delay_ms,
+                debug_transfer_stall=cfg.debug_transfer_stall)
         else:
             h = DecodeActor.options(**opts).remote(
                 name, decode_engine_config(cfg).model_dump(), cfg.transfer_timeout_s,
                 cfg.local_prefill_threshold, self.weights, cfg.kv_digest, cfg.debug_corrupt_kv,
-                self.kv_events)
+                self.kv_events, l3)
         return WorkerRef(name, role, slot, h)
 
     def discover(self) -> list[WorkerRef]:

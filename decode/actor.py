@@ -62,7 +62,7 @@ class _RayMigrationSource(_RayPrefillClient):
 class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
                  local_prefill_threshold: int, loaded=None, kv_digest: bool = False,
-                 debug_corrupt_kv: bool = False, kv_events: bool = False):
+                 debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         cfg = EngineConfig.model_validate(engine_config)
         if cfg.num_threads is None:
@@ -70,7 +70,8 @@ class DecodeActor(RoleActorMixin):
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                    local_prefill_threshold=local_prefill_threshold,
                                    kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv,
-                                   kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address())
+                                   kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
+                                   l3=l3)
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
         self.prefills: dict[str, _RayPrefillClient] = {}
         self.sources: dict[str, _RayMigrationSource] = {}   # the other decode workers

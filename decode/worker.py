@@ -108,11 +108,12 @@ class DecodeWorker(MigrationSource, RoleWorker):
                  transfer_timeout_s: float = 30.0, local_prefill_threshold: int = 0,
                  agent_opts: dict | None = None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False,
-                 kv_events_host: str = "127.0.0.1"):
+                 kv_events_host: str = "127.0.0.1", l3: dict | None = None):
         """``kv_digest``: ask prefill for a digest of the pages it writes and verify it before
         decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
         check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
-        events too (as prefill's, engine/role_worker.py ``kv_publisher``)."""
+        events too (as prefill's, engine/role_worker.py ``kv_publisher``). ``l3``: the shared L3
+        store's options (cache/l3/connect.py ``l3_options``), or None."""
         self.kv_publisher = None
         if engine is None:
             from tandem.engine.engine import Engine
@@ -123,6 +124,10 @@ class DecodeWorker(MigrationSource, RoleWorker):
                             kv_events=self.kv_publisher, connector=DecodeConnector)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
+        self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
+        if l3:
+            from tandem.cache.l3.connect import attach_store
+            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name, **l3)
         self.handle: DecodeHandle
         self.local_prefill_threshold = local_prefill_threshold
         self.kv_digest = kv_digest
@@ -481,3 +486,5 @@ class DecodeWorker(MigrationSource, RoleWorker):
         finally:
             if self.kv_publisher is not None:
                 self.kv_publisher.close()
+            if self.l3 is not None:
+                self.l3.store.close()

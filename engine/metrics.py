@@ -68,6 +68,25 @@ class EngineCollector(Collector):
                       st["restore_seconds"])
         ratio = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
         yield gauge("tandem_worker_cache_hit_ratio", "cached / admitted prompt tokens", ratio)
+        l3 = getattr(e.kv.cache, "l3", None)
+        if l3 is not None:      # the shared L3 tier (cache/l3/tier.py), only with a store
+            yield from _l3_series(l3, gauge, counter)
+
+
+def _l3_series(l3, gauge, counter):
+    t, s = l3.stats, l3.store.stats
+    yield gauge("tandem_l3_up", "1 while the L3 store answers (0: down, every read a miss)", l3.store.up)
+    yield counter("tandem_l3_hit_pages", "KV pages read from the L3 store into the prefix cache", t.hit_pages)
+    yield counter("tandem_l3_miss_pages", "KV pages looked up in L3 and not fetched (absent, corrupt, "
+                  "late, no room)", t.miss_pages)
+    yield counter("tandem_l3_corrupt_pages", "L3 pages whose digest did not match (each a miss)", s.corrupt)
+    yield counter("tandem_l3_read_bytes", "KV bytes read from the L3 store", s.bytes_read)
+    yield counter("tandem_l3_written_bytes", "KV bytes written to the L3 store", s.bytes_written)
+    yield counter("tandem_l3_write_dropped_pages", "L3 writes dropped (queue full, store down)",
+                  s.write_dropped)
+    yield counter("tandem_l3_errors", "L3 store calls that failed or timed out", s.errors)
+    yield counter("tandem_l3_prefetch_seconds", "time spent fetching L3 pages before prefill",
+                  t.prefetch_s)
 
 
 def register_engine_metrics(engine, worker: str, role: str = "colocated", registry=REGISTRY) -> EngineCollector:

@@ -3,7 +3,7 @@
 The scheduler decides *when* (admit, extend, cache a chunk, release, retract); this class does
 it against the pools and the prefix cache: a row of ``ReqToTokenPool``, slots from the
 ``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, the host tier's
-``restore``, and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
+``restore``, the L3 tier's ``fetch``, and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
 of requests holding a row (``holders``: running, reserved for a KV transfer, held for sending),
 which is what the ownership invariant counts.
 
@@ -43,7 +43,7 @@ class RequestKV:
     # -- taking and giving back a row -------------------------------------------------------------
     def admit(self, sr: SchedReq) -> bool:
         """Give ``sr`` a row holding its longest reusable cached prefix (locked), loading a
-        host-only prefix back first. False (nothing taken) when no row or no hybrid state row
+        host-only prefix back first, then the pages after it that the L3 store holds. False (nothing taken) when no row or no hybrid state row
         is free. Sets ``computed_len`` and ``locked_len`` to the prefix length."""
         r = sr.req
         row = self.r2t.alloc()
@@ -55,6 +55,10 @@ class RequestKV:
         m = self.cache.match(ids, session_id=r.session_id)
         if m.host_hit_length and self.cache.host is not None:
             if self.cache.host.restore(m.best_match_node) is not None:   # HiCache L2 load-back
+                m = self.cache.match(ids, session_id=r.session_id)
+        l3 = getattr(self.cache, "l3", None)
+        if l3 is not None and m.prefix_len < len(ids):     # the shared L3 tier: the next pages
+            if l3.fetch(ids, m, session_id=r.session_id):
                 m = self.cache.match(ids, session_id=r.session_id)
         n = min(m.prefix_len, usable)
         self.cache.lock(m.last_device_node)

@@ -24,7 +24,7 @@ def assigned_threads() -> int:
 @ray.remote
 class PrefillActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
-                 kv_events: bool = False, debug_transfer_delay_ms: float = 0.0,
+                 kv_events: bool = False, l3: dict | None = None, debug_transfer_delay_ms: float = 0.0,
                  debug_transfer_stall: bool = False):
         """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
         all workers of a node), or None to load ``engine_config.model`` here."""
@@ -33,7 +33,7 @@ class PrefillActor(RoleActorMixin):
             cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                     kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
-                                    debug_transfer_delay_ms=debug_transfer_delay_ms,
+                                    l3=l3, debug_transfer_delay_ms=debug_transfer_delay_ms,
                                     debug_transfer_stall=debug_transfer_stall)
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
 

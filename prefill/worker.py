@@ -76,10 +76,11 @@ class PrefillWorker(RoleWorker):
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
                  transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
-                 kv_events: bool = False, kv_events_host: str = "127.0.0.1",
+                 kv_events: bool = False, kv_events_host: str = "127.0.0.1", l3: dict | None = None,
                  debug_transfer_delay_ms: float = 0.0, debug_transfer_stall: bool = False):
         """``kv_events``: publish the prefix cache's KV events (vLLM's format, engine/role_worker.py
-        ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers.
+        ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers. ``l3``: the
+        shared L3 store's options (cache/l3/connect.py ``l3_options``), or None.
         ``debug_transfer_delay_ms`` / ``debug_transfer_stall`` (test levers, ServeConfig): wait
         that long before posting each write / never post it (the transfer stalls until aborted;
         nothing is written, so its pages are free the moment it ends)."""
@@ -94,6 +95,10 @@ class PrefillWorker(RoleWorker):
                             role="prefill", name=name, connector=PrefillConnector)
         super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
+        self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
+        if l3:
+            from tandem.cache.l3.connect import attach_store
+            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name, **l3)
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
         self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort
@@ -281,3 +286,5 @@ class PrefillWorker(RoleWorker):
         finally:
             if self.kv_publisher is not None:
                 self.kv_publisher.close()
+            if self.l3 is not None:
+                self.l3.store.close()

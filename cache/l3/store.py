@@ -7,7 +7,9 @@ blake2b digest of its payload; a page whose digest does not match is a miss, cou
 ``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
 timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
 timeout, not one per call. Not thread-safe: one caller (the worker loop); the store calls run on
-one private thread so that a call can be abandoned at its deadline.
+one private thread so that a call can be abandoned at its deadline. ``put_async`` queues writes
+for a second private (daemon) thread and returns at once: at most ``max_pending`` writes wait,
+more are dropped (counted), so a slow store never holds the caller or its memory.
 
     store = L3Store(MooncakeBackend.connect(...), prefix=key_prefix("smollm2", 16, "bf16", "nhd"))
     hits = store.exists(hashes)          # [True, True, False, ...] (a prefix of hits is usable)
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -66,6 +70,7 @@ class L3Stats:
     corrupt: int = 0        # pages read whose digest did not match (counted as misses too)
     errors: int = 0         # calls that raised or timed out
     puts: int = 0
+    write_dropped: int = 0  # async writes dropped: queue full, or the store down
     bytes_read: int = 0
     bytes_written: int = 0
     read_s: float = 0.0     # seconds spent in exists + get
@@ -76,7 +81,8 @@ class L3Stats:
 
 class L3Store:
     def __init__(self, backend: Backend | None, prefix: str, *, timeout_s: float = 0.5,
-                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 max_pending: int = 1024):
         self.backend = backend
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -86,20 +92,27 @@ class L3Store:
         self._down_until = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
         self.corrupt_next = False  # the test lever: the next put stores a damaged page
+        self.corrupt_all = False   # the test lever: every put stores a damaged page
+        self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._writer: threading.Thread | None = None
 
     @property
     def up(self) -> bool:
         return self.backend is not None and self._clock() >= self._down_until
 
-    def _call(self, fn, *args):
-        """fn(*args) on the store thread, or None on error/timeout (then the store is down a while)."""
+    def _call(self, fn, *args, budget_s: float | None = None):
+        """fn(*args) on the store thread, or None on error/timeout (then the store is down a
+        while). ``budget_s``: the caller's deadline, when shorter than the timeout; a call past
+        it counts as slow too (a page read takes milliseconds; a budget runs out only on a slow
+        store)."""
         if not self.up:
             return None
         fut = self._pool.submit(fn, *args)
+        limit = self.timeout_s if budget_s is None else max(0.0, min(budget_s, self.timeout_s))
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=limit)
         except FutureTimeout:
-            why = f"timed out after {self.timeout_s}s"
+            why = f"timed out after {limit:.3g}s"
         except Exception as e:  # a store error is a miss, never the scheduler's problem
             why = repr(e)
         self.stats.errors += 1
@@ -107,9 +120,12 @@ class L3Store:
         log.warning("L3 store call %s failed (%s); treated as a miss for %.1fs", getattr(fn, "__name__", fn),
                     why, self.backoff_s)
         if not fut.done():  # a wedged store: abandon the thread, start a fresh one
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
+            self._replace_pool()
         return None
+
+    def _replace_pool(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
 
     def exists(self, page_hashes: Sequence[int]) -> list[bool]:
         """Which of the pages the store holds (all False when it is down)."""
@@ -132,11 +148,15 @@ class L3Store:
             n += 1
         return n
 
-    def put(self, page_hash: int, payload: bytes) -> bool:
+    def _sealed(self, payload: bytes) -> bytes:
         value = seal(payload)
-        if self.corrupt_next:
+        if self.corrupt_next or self.corrupt_all:
             self.corrupt_next = False
             value = value[:DIGEST_BYTES] + bytes([value[DIGEST_BYTES] ^ 0xFF]) + value[DIGEST_BYTES + 1:]
+        return value
+
+    def put(self, page_hash: int, payload: bytes) -> bool:
+        value = self._sealed(payload)
         rc = self._call(self.backend.put, page_key(self.prefix, page_hash), value) if self.backend else None
         if rc != 0:
             return False
@@ -144,10 +164,64 @@ class L3Store:
         self.stats.bytes_written += len(payload)
         return True
 
-    def get(self, page_hash: int) -> bytes | None:
-        """The page's payload, or None (absent, corrupted, store down)."""
+    def put_async(self, pages: Sequence[tuple[int, bytes]]) -> int:
+        """Queue ``(page_hash, payload)`` writes for the writer thread; returns how many were
+        queued (the rest were dropped: the queue is full or the store is down). Never blocks."""
+        if not self.up:
+            self.stats.write_dropped += len(pages)
+            return 0
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="l3-writer", daemon=True)
+            self._writer.start()
+        n = 0
+        for h, payload in pages:
+            try:
+                self._writes.put_nowait((page_key(self.prefix, h), self._sealed(payload), len(payload)))
+                n += 1
+            except queue.Full:
+                self.stats.write_dropped += len(pages) - n
+                break
+        return n
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            key, value, nbytes = item
+            backend = self.backend
+            try:
+                if backend is None or not self.up:
+                    self.stats.write_dropped += 1
+                    continue
+                t0 = self._clock()
+                rc = backend.put(key, value)
+                if self._clock() - t0 > self.timeout_s:      # a slow store: writes back off too
+                    self._down_until = self._clock() + self.backoff_s
+                if rc == 0:
+                    self.stats.puts += 1
+                    self.stats.bytes_written += nbytes
+            except Exception as e:  # a store error drops the write, never the caller's problem
+                self.stats.errors += 1
+                self._down_until = self._clock() + self.backoff_s
+                log.warning("L3 store write failed (%r); writes dropped for %.1fs", e, self.backoff_s)
+            finally:
+                self._writes.task_done()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait (at most ``timeout_s``) until every queued write has been tried (tests, shutdown)."""
+        end = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def get(self, page_hash: int, budget_s: float | None = None) -> bytes | None:
+        """The page's payload, or None (absent, corrupted, store down, or past ``budget_s``)."""
         t0 = time.perf_counter()
-        value = self._call(self.backend.get, page_key(self.prefix, page_hash)) if self.backend else None
+        value = (self._call(self.backend.get, page_key(self.prefix, page_hash), budget_s=budget_s)
+                 if self.backend else None)
         self.stats.read_s += time.perf_counter() - t0
         if not value:
             self.stats.misses += 1
@@ -163,6 +237,12 @@ class L3Store:
 
     def close(self) -> None:
         """Close the store client (bounded by the timeout; a dead store is not waited for)."""
+        self.flush(self.timeout_s)
+        if self._writer is not None:
+            try:
+                self._writes.put_nowait(None)
+            except queue.Full:
+                pass
         close = getattr(self.backend, "close", None)
         if close is not None:
             self._call(close)

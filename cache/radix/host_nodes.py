@@ -41,6 +41,8 @@ class HostNodes:
             for i in range(len(self.components)):
                 if nd.aux_host[i] is not None:
                     self.drop_aux_host(nd, i)
+        if self.spills is not None and nd.value is None:    # the node's last copy: to L3 first
+            self.spills.append((self.hashes(nd), nd.host, True))
         self.host_frees.append(nd.host)
         nd.host = None
         self.host_nodes.discard(nd)

@@ -71,6 +71,8 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None,
     na = len(comps)
     if root.parent is not None or root.key != [] or root.value is None:
         E.append("[root] the root must have no parent, an empty key and a device value")
+    if getattr(tree, "spills", None):
+        E.append(f"[l3] {len(tree.spills)} spill(s) not written before the operation ended")
     nodes = []
     seen = {root}
     stack = [root]

@@ -64,7 +64,7 @@ class Node:
         self.aux = [None] * n_aux if n_aux else None
         self.aux_lock = [{} for _ in range(n_aux)] if n_aux else None
         self.aux_host = [None] * n_aux if n_aux else None   # host copies of aux data
-        self.hashes = None              # page hash chain, computed only when events are on
+        self.hashes = None              # page hash chain, computed on first use (events, L3)
         self.hk = None                  # heap key while in the evictable leaf set
 
     @property
@@ -113,6 +113,7 @@ class RadixTree(HostNodes):
         for i, c in enumerate(self.components):
             c.index = i
         self.record_events = record_events
+        self.spills: list | None = None         # a list once the cache has an L3 tier
         self.reset()
 
     def reset(self) -> None:
@@ -137,6 +138,11 @@ class RadixTree(HostNodes):
         self.aux_frees: list[tuple[int, Any]] = []
         self.aux_host_frees: list[tuple[int, Any]] = []
         self.events: list = []
+        # With an L3 tier (spills is a list): a node's last copy leaving the tree is recorded
+        # before its slots are queued for freeing, as (page hashes, slots, on_host); the cache
+        # writes it to L3 before it frees those slots.
+        if self.spills is not None:
+            self.spills = []
 
     # -- walking ---------------------------------------------------------------------------------
     def child_key(self, key: list) -> Hashable:
@@ -433,6 +439,8 @@ class RadixTree(HostNodes):
         stays, host-only; without, it is deleted with its (host-only) subtree. Returns tokens."""
         v = nd.value
         L = len(nd.key)
+        if self.spills is not None and nd.host is None:
+            self.spills.append((self.hashes(nd), v, False))
         nd.value = None
         if nd.lock_ref:
             self.protected -= L

@@ -1,0 +1,60 @@
+"""A worker's L3 tier from its ``--kv-store`` options: join the Mooncake master, attach to the cache.
+
+``l3_options(kv_store, timeout_s, corrupt)`` is what the launcher hands each worker (a plain
+dict, or None when the store is off); :func:`attach_store` connects an :class:`L3Store` under the
+key prefix of the worker's pages (model, page size, dtype, layout) and attaches an
+:class:`L3Tier` to its cache. A store that cannot be reached, a hybrid model (the tier is
+FULL-only) or a cache that keeps nothing leaves the worker without L3, with a log line: L3 is an
+optimisation, never a reason for a worker not to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from tandem.cache.l3.store import L3Store, key_prefix
+from tandem.cache.l3.tier import L3Tier
+
+log = logging.getLogger(__name__)
+
+# Write-through: a prompt one worker prefilled is in the store as soon as it is cached, so every
+# other worker (and a replacement of this one) reuses it; the writes run on the store client's
+# thread, off the step. Write-back would share only what a worker evicts.
+WORKER_WRITE_POLICY = "write_through"
+
+
+def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False) -> dict | None:
+    """The workers' L3 options for ``ServeConfig.kv_store`` once a master is known
+    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``."""
+    if not kv_store.startswith("mooncake://"):
+        return None
+    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt}
+
+
+def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corrupt: bool = False,
+                 write_policy: str = WORKER_WRITE_POLICY, segment_bytes: int = 256 << 20) -> L3Tier | None:
+    """Connect to the store at ``url`` and attach an L3 tier to ``cache`` (None: not attached).
+    ``segment_bytes``: the memory this worker lends to the store."""
+    if not hasattr(cache, "attach_l3"):
+        log.info("L3 store off: the prefix cache is disabled")
+        return None
+    if getattr(cache, "_aux", ()):
+        log.info("L3 store off: the tier holds FULL pages only (this model is hybrid)")
+        return None
+    from tandem.cache.l3 import mooncake as mc
+
+    address = mc.MasterAddress.parse(url[len("mooncake://"):])
+    try:
+        backend = mc.connect(address, segment_bytes=segment_bytes, buffer_bytes=64 << 20)
+    except Exception as e:     # noqa: BLE001 - a missing wheel or master: no L3, still serve
+        log.warning("L3 store at %s not joined (%s); serving without it", url, e)
+        return None
+    dtype = str(kv_pool.dtype).removeprefix("torch.")
+    store = L3Store(backend, key_prefix(os.path.basename(model.rstrip("/")), kv_pool.page_size,
+                                        dtype, "l2phd"), timeout_s=timeout_s)
+    store.corrupt_all = corrupt
+    tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy)
+    cache.attach_l3(tier)
+    log.info("L3 store joined at %s (%s, prefix %s)", url, write_policy, store.prefix)
+    return tier

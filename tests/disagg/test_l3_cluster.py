@@ -1,0 +1,51 @@
+"""``--kv-store mooncake://...`` through a real 2P+1D Ray cluster (NIXL, SmolLM2, HTTP): the
+launcher hands every worker actor its L3 options, each joins the one master, and a prompt
+prefilled by prefill worker 0 is served from L3 by prefill worker 1 (round robin routing sends
+the repeat there): the usage's cached_tokens counts the L3 hit, and the text is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("mooncake.store")
+
+from tandem.cache.l3 import mooncake as mc  # noqa: E402
+from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+
+from serve_support import Server  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Describe, in one sentence, how a lighthouse keeper spent a "
+                                        "stormy night on a small rocky island far from the coast."}]
+
+
+def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default):
+    import httpx
+
+    from tandem.cluster.launch import launch_disaggregated
+
+    master = mc.MasterProcess()
+    engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=16, max_total_tokens=2048))
+    cfg = ServeConfig(prefill=2, decode=1, policy="round_robin", transfer_timeout_s=20.0,
+                      engine_config=engine, kv_store=master.address.url(), kv_events=False,
+                      l3_timeout_s=5.0)   # a loaded CI box: a slow first call would be a miss
+    backend = launch_disaggregated(cfg, loaded=smollm2_default)
+    server = Server(backend, cfg)
+    try:
+        outs = [server.client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8,
+                                                      temperature=0) for _ in range(2)]
+        assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
+        n = outs[0].usage.prompt_tokens
+        cached = [o.usage.prompt_tokens_details.cached_tokens or 0 for o in outs]
+        assert cached[0] == 0 and cached[1] == (n - 1) // 16 * 16, cached
+        kv = httpx.get(server.url + "/debug/kv", timeout=60).json()
+        workers = kv["workers"] if isinstance(kv, dict) and "workers" in kv else kv
+        l3 = {w["worker"]: w["l3"] for w in workers}
+        assert len(l3) == 3 and all(v is not None for v in l3.values()), l3
+        assert all(v["up"] for v in l3.values()), {k: (v["up"], v["store_errors"]) for k, v in l3.items()}
+        assert sum(v["hit_pages"] for v in l3.values()) >= (n - 1) // 16
+        assert all(w["invariants"] == "ok" and w["leaked_tokens"] == 0 for w in workers)
+    finally:
+        server.stop()
+        backend.close()
+        master.stop()
