@@ -145,7 +145,7 @@ def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
         got = [answer(e, [x])[0] for x in ids + ids]      # evictions, L3 reads and writes fail
         assert time.monotonic() - t0 < 120
         assert [t for t, _ in got] == [t for t, _ in answer(plain, ids + ids)]
-        assert e.kv.cache.l3.store.stats.errors >= 1 and not e.kv.cache.l3.store.up
+        assert e.kv.cache.l3.store.stats.errors >= 1   # (up again once its backoff ran out: not asserted)
         idle_and_exact(e)
     finally:
         e.shutdown()
