@@ -74,7 +74,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kill-router", action="append", default=[], metavar="I@SECONDS",
                    help="SIGKILL router I (1: the first --also-url; a process on this machine) at that time")
     s.add_argument("--stop", action="append", default=[], metavar="ROLE@SECONDS+SECONDS",
-                   help="SIGSTOP a decode/prefill worker's process (on this machine) at S for D seconds, then SIGCONT")
+                   help="SIGSTOP a decode/prefill worker (ROLE) or the worker NAME (decode-1) on this "
+                        "machine at S for D seconds, then SIGCONT")
     s.add_argument("--ray-root-pid", action="append", type=int, default=[], metavar="PID",
                    help="worker processes are also looked for under this process (a `ray start` node)")
     s.add_argument("--stall-timeout", type=float, default=120.0,
@@ -231,8 +232,8 @@ async def run_chaos(args, oracle=None) -> dict:
         after = _counters(after_text)
         if args.sample_every:            # one last sample, idle
             live = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
-            sk.series.add(time.perf_counter() - t0,
-                          {k: sampler.proc_stats(p) for k, p in sampler.local_processes(live, args.ray_root_pid).items()},
+            procs = sampler.local_processes(live, args.ray_root_pid)
+            sk.series.add(time.perf_counter() - t0, {k: sampler.proc_stats(p) for k, p in procs.items()},
                           sampler.kv_totals(workers))
     print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s; checking completed ones against "
           f"a fresh engine ...", file=sys.stderr)

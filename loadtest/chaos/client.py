@@ -60,6 +60,7 @@ class RunConfig:
     urls: list[str] = field(default_factory=list)     # the routers (default: [url])
     stall_s: float | None = None                       # no byte this long: "hung" (default timeout_s)
     dead: set[int] = field(default_factory=set)        # routers the run has killed (filled as it goes)
+    inflight: dict[int, int] = field(default_factory=dict)   # router index -> requests streaming now
 
     def routers(self) -> list[str]:
         return self.urls or [self.url]
@@ -114,6 +115,8 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
                 o.kind, o.reason = "failed", "stream ended without a finish_reason"
 
     task = asyncio.ensure_future(stream())
+    here = o.router
+    cfg.inflight[here] = cfg.inflight.get(here, 0) + 1
     try:
         if turn.abort == "early":
             await asyncio.sleep(turn.early_delay_s)
@@ -131,12 +134,17 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
     except httpx.ReadTimeout:
         o.kind, o.reason = "failed", f"hung: no byte for {stall:g} s after {o.chunks} chunk(s)"
     except httpx.HTTPError as e:
+        cfg.inflight[here] -= 1
+        here = None
         o.kind, o.reason = "failed", f"{type(e).__name__}: {str(e)[:200] or 'connection failed'}"
         if retry is not None and o.router in cfg.dead and isinstance(e, httpx.TransportError):
             o.text, o.chunks, o.finish_reason, o.reason = "", 0, None, ""
             o.router, o.retried = 0, True
             await _one(retry, cfg, o, turn)
             return
+    finally:
+        if here is not None:
+            cfg.inflight[here] -= 1
     o.seconds = time.perf_counter() - t0
     if o.kind == "failed" and not o.reason:
         o.reason = "no reason given"

@@ -3,9 +3,10 @@ KV accounting, over time; and the verdict "flat".
 
 - :func:`local_processes` finds the processes of a cluster running on this machine: each
   router (the process listening on its URL's port) and each Ray worker process of a Tandem
-  actor (its title ``ray::PrefillActor``, ``ray::DecodeActor``, ``ray::SimPrefillActor``, ...)
-  that descends from one of the given roots (the routers, which start a local Ray themselves,
-  or a ``ray start`` node's process: other clusters on the machine are not ours).
+  actor (its title ``ray::PrefillActor``, ``ray::DecodeActor``, ``ray::SimPrefillActor``, ...;
+  a busy actor's is ``ray::NAME:Class.method``) that descends from one of the given roots (the
+  routers, which start a local Ray themselves, or a ``ray start`` node's process: other
+  clusters on the machine are not ours).
   Labels: ``router-I`` (index in the URL list), ``prefill@PID``, ``decode@PID``.
 - :func:`proc_stats` reads one process (psutil when installed, else /proc).
 - :func:`kv_totals` sums GET /debug/kv's worker rows into the figures a leak shows in.
@@ -22,7 +23,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-ACTOR_TITLE = re.compile(r"^ray::(Sim)?(Prefill|Decode)Actor\b")
+# Ray titles an actor's process ray::Class when idle, ray::NAME:Class.method while it runs one
+ACTOR_TITLE = re.compile(r"^ray::(?:[\w.-]+:)?(?:Sim)?(Prefill|Decode)Actor\b")
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,13 @@ def actor_pids(roots: list[int]) -> dict[str, list[int]]:
             seen.add(p.pid)
             m = ACTOR_TITLE.match(_title(p.pid))
             if m:
-                out[m.group(2).lower()].append(p.pid)
+                out[m.group(1).lower()].append(p.pid)
     return {k: sorted(v) for k, v in out.items()}
+
+
+def actor_named(name: str, pids: list[int]) -> int | None:
+    """The one of ``pids`` whose title names actor ``name`` now (busy actors show their name)."""
+    return next((p for p in pids if _title(p).startswith(f"ray::{name}:")), None)
 
 
 def local_processes(urls: list[str], roots: list[int] = ()) -> dict[str, int]:

@@ -5,6 +5,7 @@
 - faults at times from the run's start, beside the rounds: ``--kill ROLE@S`` (POST /debug/kill,
   cli.py's ``on_kill``), ``--stop ROLE@S+D`` (SIGSTOP the process of one of this machine's
   ROLE actors for D seconds, then SIGCONT: a worker that hangs instead of dying),
+  ``--stop NAME@S+D`` that worker (found by its busy process title, ``ray::NAME:...``),
   ``--kill-router I@S`` (SIGKILL the router at ``--url``/``--also-url`` index I >= 1: its
   clients' requests break and are resent to router 0, client.py);
 - every ``--sample-every``: each process's RSS, fds and threads and the KV accounting of
@@ -41,10 +42,12 @@ def parse_seconds(spec: str | float) -> float:
 
 
 def parse_stop(spec: str) -> tuple[float, str, float]:
-    """``"decode@30+10"`` -> (30.0, "decode", 10.0): SIGSTOP a decode worker 30 s in, for 10 s."""
-    m = re.fullmatch(r"(decode|prefill)@(\d+(?:\.\d+)?)\+(\d+(?:\.\d+)?)", spec)
+    """``"decode@30+10"`` -> (30.0, "decode", 10.0): SIGSTOP a decode worker 30 s in, for 10 s;
+    ``"decode-1@30+10"``: the worker named decode-1."""
+    m = re.fullmatch(r"((?:decode|prefill)(?:-\d+)?)@(\d+(?:\.\d+)?)\+(\d+(?:\.\d+)?)", spec)
     if not m:
-        raise ValueError(f"--stop {spec!r}: expected decode@SECONDS+SECONDS or prefill@SECONDS+SECONDS")
+        raise ValueError(f"--stop {spec!r}: expected ROLE@SECONDS+SECONDS or NAME@SECONDS+SECONDS "
+                         f"(ROLE decode or prefill, NAME e.g. decode-1)")
     return float(m.group(2)), m.group(1), float(m.group(3))
 
 
@@ -75,29 +78,36 @@ async def _at(t0: float, at: float, coro_fn) -> None:
     await coro_fn()
 
 
-async def _stop(soak: Soak, t0: float, role: str, dur: float, roots: list[int], urls: list[str]) -> None:
+async def _stop(soak: Soak, t0: float, who: str, dur: float, roots: list[int], urls: list[str]) -> None:
+    role = who.split("-")[0]
     pids = sampler.actor_pids(roots + list(sampler.local_processes(urls).values()))[role]
-    if not pids:
-        soak.log(time.perf_counter() - t0, f"stop: no {role} actor process found on this machine")
+    pid = sampler.actor_named(who, pids) if "-" in who else (pids[0] if pids else None)
+    if pid is None:
+        soak.log(time.perf_counter() - t0, f"stop: no {who} actor process found on this machine "
+                                           f"({role} processes: {pids})")
         return
-    pid = pids[0]
     os.kill(pid, signal.SIGSTOP)
-    soak.log(time.perf_counter() - t0, f"SIGSTOP {role}@{pid} for {dur:g}s")
+    soak.log(time.perf_counter() - t0, f"SIGSTOP {who}@{pid} for {dur:g}s")
     try:
         await asyncio.sleep(dur)
     finally:
         os.kill(pid, signal.SIGCONT)
-        soak.log(time.perf_counter() - t0, f"SIGCONT {role}@{pid}")
+        soak.log(time.perf_counter() - t0, f"SIGCONT {who}@{pid}")
 
 
-async def _kill_router(soak: Soak, t0: float, i: int, cfg: RunConfig) -> None:
+async def _kill_router(soak: Soak, t0: float, i: int, cfg: RunConfig, wait_s: float = 30.0) -> None:
+    """SIGKILL router ``i`` once a request streams through it (waiting up to ``wait_s``)."""
+    end = time.perf_counter() + wait_s
+    while not cfg.inflight.get(i) and time.perf_counter() < end:
+        await asyncio.sleep(0.05)
     pid = sampler.local_processes([cfg.routers()[i]]).get("router-0")
     if pid is None:
         soak.log(time.perf_counter() - t0, f"kill-router: nothing listens at {cfg.routers()[i]}")
         return
     cfg.dead.add(i)                      # before the kill: its clients' errors are then retried
     os.kill(pid, signal.SIGKILL)
-    soak.log(time.perf_counter() - t0, f"SIGKILL router {i} ({cfg.routers()[i]}, pid {pid})")
+    soak.log(time.perf_counter() - t0, f"SIGKILL router {i} ({cfg.routers()[i]}, pid {pid}) with "
+                                       f"{cfg.inflight.get(i, 0)} request(s) in flight")
 
 
 async def _sample_loop(soak: Soak, t0: float, every: float, http, cfg: RunConfig, roots: list[int],
@@ -127,15 +137,17 @@ async def run(args, cfg: RunConfig, http, on_kill) -> tuple[list, Soak]:
     roots = list(args.ray_root_pid)
     stops = [parse_stop(s) for s in args.stop]
     kills = [parse_router_kill(s, len(cfg.routers())) for s in args.kill_router]
+    rounds_cfg = RunConfig(cfg.url, cfg.model, cfg.api_key, cfg.timeout_s, [], cfg.urls, cfg.stall_s, cfg.dead,
+                           cfg.inflight)
     t0 = time.perf_counter()
     done = asyncio.Event()
     tasks = [asyncio.ensure_future(_at(t0, at, lambda r=role: on_kill(r))) for at, role in cfg.kill]
     tasks += [asyncio.ensure_future(_at(t0, at, lambda r=role, d=d: _stop(soak, t0, r, d, roots, cfg.routers())))
               for at, role, d in stops]
-    tasks += [asyncio.ensure_future(_at(t0, at, lambda i=i: _kill_router(soak, t0, i, cfg))) for at, i in kills]
+    tasks += [asyncio.ensure_future(_at(t0, at, lambda i=i: _kill_router(soak, t0, i, rounds_cfg)))
+              for at, i in kills]
     sampling = asyncio.ensure_future(_sample_loop(soak, t0, parse_seconds(args.sample_every), http, cfg,
                                                   roots, done)) if args.sample_every else None
-    rounds_cfg = RunConfig(cfg.url, cfg.model, cfg.api_key, cfg.timeout_s, [], cfg.urls, cfg.stall_s, cfg.dead)
     outcomes = []
     try:
         while True:

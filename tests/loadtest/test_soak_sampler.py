@@ -20,11 +20,12 @@ def test_specs_parse_and_refuse():
     assert soak.parse_seconds("30m") == 1800 and soak.parse_seconds("90s") == 90
     assert soak.parse_seconds("1.5h") == 5400 and soak.parse_seconds(45) == 45
     assert soak.parse_stop("decode@30+10") == (30.0, "decode", 10.0)
+    assert soak.parse_stop("decode-1@2.5+1") == (2.5, "decode-1", 1.0)
     assert soak.parse_router_kill("1@40", 2) == (40.0, 1)
     for bad in ("10 minutes", "-5s"):
         with pytest.raises(ValueError):
             soak.parse_seconds(bad)
-    with pytest.raises(ValueError, match="decode@SECONDS"):
+    with pytest.raises(ValueError, match="ROLE@SECONDS"):
         soak.parse_stop("router@3+1")
     with pytest.raises(ValueError, match="router 0 must survive"):
         soak.parse_router_kill("0@5", 2)
