@@ -34,6 +34,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from tandem.bench.common import bench_parser, write_report
@@ -95,6 +96,8 @@ def point(records: list, rate: float, dur: float) -> dict:
             "http_5xx": sum(1 for r in records if (r.status or 0) >= 500),
             "other_errors": sum(1 for r in records if not r.ok and r.status != 429 and (r.status or 0) < 500),
             "retry_after_missing": sum(1 for r in r429 if not (r.retry_after or "").isdigit()),
+            "errors": dict(Counter(f"{r.error}: {(r.error_detail or '')[:80]}" for r in records
+                                   if not r.ok and r.status != 429)),
             "ttft_p50": _p(ttft, 50), "ttft_p99": _p(ttft, 99)}
 
 

@@ -230,11 +230,10 @@ async def run_chaos(args, oracle=None) -> dict:
             await asyncio.sleep(0.5)
         after_text = (await http.get("/metrics")).text
         after = _counters(after_text)
-        if args.sample_every:            # one last sample, idle
+        if soak.parse_seconds(args.sample_every) > 0:       # one last sample, idle
             live = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
-            procs = sampler.local_processes(live, args.ray_root_pid)
-            sk.series.add(time.perf_counter() - t0, {k: sampler.proc_stats(p) for k, p in procs.items()},
-                          sampler.kv_totals(workers))
+            last = await asyncio.to_thread(sampler.sample_all, live, args.ray_root_pid)
+            sk.series.add(time.perf_counter() - t0, last, sampler.kv_totals(workers))
     print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s; checking completed ones against "
           f"a fresh engine ...", file=sys.stderr)
     own = oracle is None and args.oracle_model != "none"

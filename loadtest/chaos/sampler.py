@@ -125,6 +125,11 @@ def local_processes(urls: list[str], roots: list[int] = ()) -> dict[str, int]:
     return out
 
 
+def sample_all(urls: list[str], roots: list[int] = ()) -> dict[str, dict | None]:
+    """``{label: proc_stats}`` of :func:`local_processes` (blocking: psutil walks every process)."""
+    return {label: proc_stats(pid) for label, pid in local_processes(urls, roots).items()}
+
+
 KV_KEYS = ("running", "waiting", "request_tokens", "locked_tokens", "leaked_tokens", "live_transfers")
 
 

@@ -80,7 +80,8 @@ async def _at(t0: float, at: float, coro_fn) -> None:
 
 async def _stop(soak: Soak, t0: float, who: str, dur: float, roots: list[int], urls: list[str]) -> None:
     role = who.split("-")[0]
-    pids = sampler.actor_pids(roots + list(sampler.local_processes(urls).values()))[role]
+    procs = await asyncio.to_thread(sampler.local_processes, urls)
+    pids = (await asyncio.to_thread(sampler.actor_pids, roots + list(procs.values())))[role]
     pid = sampler.actor_named(who, pids) if "-" in who else (pids[0] if pids else None)
     if pid is None:
         soak.log(time.perf_counter() - t0, f"stop: no {who} actor process found on this machine "
@@ -100,7 +101,7 @@ async def _kill_router(soak: Soak, t0: float, i: int, cfg: RunConfig, wait_s: fl
     end = time.perf_counter() + wait_s
     while not cfg.inflight.get(i) and time.perf_counter() < end:
         await asyncio.sleep(0.05)
-    pid = sampler.local_processes([cfg.routers()[i]]).get("router-0")
+    pid = (await asyncio.to_thread(sampler.local_processes, [cfg.routers()[i]])).get("router-0")
     if pid is None:
         soak.log(time.perf_counter() - t0, f"kill-router: nothing listens at {cfg.routers()[i]}")
         return
@@ -115,8 +116,7 @@ async def _sample_loop(soak: Soak, t0: float, every: float, http, cfg: RunConfig
     while True:
         t = time.perf_counter() - t0
         urls = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
-        procs = sampler.local_processes(urls, roots)
-        stats = {label: sampler.proc_stats(pid) for label, pid in procs.items()}
+        stats = await asyncio.to_thread(sampler.sample_all, urls, roots)   # psutil scans block
         try:
             kv = sampler.kv_totals((await http.get("/debug/kv", timeout=60)).json()["workers"])
         except Exception as e:  # noqa: BLE001 - a sample missed is a gap, not a failure
@@ -146,8 +146,8 @@ async def run(args, cfg: RunConfig, http, on_kill) -> tuple[list, Soak]:
               for at, role, d in stops]
     tasks += [asyncio.ensure_future(_at(t0, at, lambda i=i: _kill_router(soak, t0, i, rounds_cfg)))
               for at, i in kills]
-    sampling = asyncio.ensure_future(_sample_loop(soak, t0, parse_seconds(args.sample_every), http, cfg,
-                                                  roots, done)) if args.sample_every else None
+    every = parse_seconds(args.sample_every)
+    sampling = asyncio.ensure_future(_sample_loop(soak, t0, every, http, cfg, roots, done)) if every > 0 else None
     outcomes = []
     try:
         while True:
