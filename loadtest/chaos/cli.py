@@ -234,8 +234,12 @@ async def run_chaos(args, oracle=None) -> dict:
             live = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
             last = await asyncio.to_thread(sampler.sample_all, live, args.ray_root_pid)
             sk.series.add(time.perf_counter() - t0, last, sampler.kv_totals(workers))
-    print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s; checking completed ones against "
-          f"a fresh engine ...", file=sys.stderr)
+    warmup = soak.parse_seconds(args.warmup)
+    if sk.series.procs:                  # before the oracle, which may take long
+        print(sampler.format_table(sk.series, warmup), file=sys.stderr)
+    print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s"
+          + ("; checking completed ones against a fresh engine ..." if args.oracle_model != "none" or oracle
+             else ""), file=sys.stderr)
     own = oracle is None and args.oracle_model != "none"
     oracle = oracle or (Oracle(args.oracle_model, args.oracle_dtype) if own else None)
     try:
@@ -243,7 +247,6 @@ async def run_chaos(args, oracle=None) -> dict:
     finally:
         if own:
             oracle.close()
-    warmup = soak.parse_seconds(args.warmup)
     bounds = sampler.Bounds(args.rss_growth_mb, args.fd_growth, args.thread_growth)
     kinds = Counter(o.kind for o in outcomes)
     reasons = Counter(o.reason for o in outcomes if o.kind == "failed")
