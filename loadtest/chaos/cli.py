@@ -80,7 +80,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="worker processes are also looked for under this process (a `ray start` node)")
     s.add_argument("--stall-timeout", type=float, default=120.0,
                    help="a stream with no byte for this long counts as hung (default 120 s)")
-    s.add_argument("--sample-every", default="60s", help="sample RSS / fds / threads / KV this often (0: never)")
+    s.add_argument("--sample-every", default=None,
+                   help="sample RSS / fds / threads / KV this often (0: never; default 60s with --duration, else 0)")
     s.add_argument("--warmup", default="60s", help="growth is judged from the first sample after this")
     s.add_argument("--rss-growth-mb", type=float, default=96.0, help="RSS growth allowed per process after warm-up")
     s.add_argument("--fd-growth", type=int, default=16, help="open-fd growth allowed per process after warm-up")
@@ -230,7 +231,7 @@ async def run_chaos(args, oracle=None) -> dict:
             await asyncio.sleep(0.5)
         after_text = (await http.get("/metrics")).text
         after = _counters(after_text)
-        if soak.parse_seconds(args.sample_every) > 0:       # one last sample, idle
+        if soak.sample_every_s(args) > 0:                   # one last sample, idle
             live = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
             last = await asyncio.to_thread(sampler.sample_all, live, args.ray_root_pid)
             sk.series.add(time.perf_counter() - t0, last, sampler.kv_totals(workers))

@@ -60,6 +60,13 @@ def parse_router_kill(spec: str, routers: int) -> tuple[float, int]:
     return float(m.group(2)), int(m.group(1))
 
 
+def sample_every_s(args) -> float:
+    """``--sample-every`` in seconds; by default once a minute in a soak (``--duration``), else never."""
+    if args.sample_every is None:
+        return 60.0 if parse_seconds(args.duration) > 0 else 0.0
+    return parse_seconds(args.sample_every)
+
+
 @dataclass
 class Soak:
     """What the run did beside the requests."""
@@ -146,7 +153,7 @@ async def run(args, cfg: RunConfig, http, on_kill) -> tuple[list, Soak]:
               for at, role, d in stops]
     tasks += [asyncio.ensure_future(_at(t0, at, lambda i=i: _kill_router(soak, t0, i, rounds_cfg)))
               for at, i in kills]
-    every = parse_seconds(args.sample_every)
+    every = sample_every_s(args)
     sampling = asyncio.ensure_future(_sample_loop(soak, t0, every, http, cfg, roots, done)) if every > 0 else None
     outcomes = []
     try:

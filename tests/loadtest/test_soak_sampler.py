@@ -93,4 +93,6 @@ def test_the_verdict_fails_on_hung_requests_and_growth():
     assert "hung" in verdict(base | {"hung": 2})[0]
     assert verdict(base | {"not_flat": ["router-0: fds grew 40"]})[0].startswith("not flat")
     args = options("http://127.0.0.1:1", duration="2m", stop=["decode@5+3"], also_url=["http://127.0.0.1:2"])
-    assert args.duration == "2m" and args.stop == ["decode@5+3"] and args.sample_every == "60s"
+    assert args.duration == "2m" and args.stop == ["decode@5+3"] and soak.sample_every_s(args) == 60.0
+    assert soak.sample_every_s(options("http://127.0.0.1:1")) == 0.0       # one round: no sampling
+    assert soak.sample_every_s(options("http://127.0.0.1:1", sample_every="10s")) == 10.0
