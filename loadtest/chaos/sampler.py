@@ -92,10 +92,14 @@ def actor_pids(roots: list[int]) -> dict[str, list[int]]:
         return out
     seen = set()
     for root in roots:
-        try:
-            kids = psutil.Process(root).children(recursive=True)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+        kids = []
+        for _ in range(3):               # a child exiting mid-walk fails the whole walk: again
+            try:
+                kids = psutil.Process(root).children(recursive=True)
+                break
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if not psutil.pid_exists(root):
+                    break
         for p in kids:
             if p.pid in seen:
                 continue
