@@ -12,9 +12,14 @@ dispatcher's admission (router/dispatch.py):
   by ``GenerateRequest.priority`` (lower first, vLLM's convention), then arrival. Only the head
   of the queue tries again, whenever the dispatcher releases load (``on_capacity``) and at least
   every ``poll_s``; so waiting requests are admitted in order and new arrivals never overtake them.
-- A request that has waited ``ttl_s`` is refused with the dispatcher's ``Overloaded`` (its
-  Retry-After). A full queue refuses the newcomer, unless it outranks the worst waiter, which is
-  refused in its place.
+- A request that has waited ``ttl_s`` is refused with ``Overloaded``. A full queue refuses the
+  newcomer, unless it outranks the worst waiter, which is refused in its place.
+- Every refusal's Retry-After (:meth:`DeferredDispatch.retry_after_s`) is derived from the queue:
+  the seconds the requests still waiting need to be admitted at the rate the queue admitted
+  requests lately (the last ``RATE_WINDOW`` admissions within ``RATE_HORIZON_S``), and never less
+  than the workers' own prediction (router/policies.py ``retry_after_s``). With no admission in
+  that horizon the queue is stuck: at least ``ttl_s`` (by then every current waiter has left).
+  Whole seconds in ``[1, MAX_RETRY_AFTER_S]``.
 - A waiter whose client went away (its task cancelled) leaves the queue.
 
 One instance per event loop (the front door's); the dispatcher may call ``on_capacity`` from any
@@ -26,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 from tandem.core.messages import GenerateRequest
@@ -37,6 +44,9 @@ from .dispatch import Dispatcher, Route
 from .policies import retry_after_s
 
 POLL_S = 0.05
+RATE_WINDOW = 32            # admissions the queue's admission rate is measured over
+RATE_HORIZON_S = 30.0       # ... those older than this do not count
+MAX_RETRY_AFTER_S = 60
 
 
 class _Waiter:
@@ -51,11 +61,14 @@ class _Waiter:
 
 class DeferredDispatch:
     def __init__(self, dispatch: Dispatcher, max_size: int = 256, ttl_s: float = 5.0,
-                 poll_s: float = POLL_S, refresh: Callable[[], None] | None = None):
+                 poll_s: float = POLL_S, refresh: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """``refresh``: called before every routing attempt (a backend that reports its workers'
-        snapshots just in time, as the simulator does)."""
+        snapshots just in time, as the simulator does). ``clock``: seconds (TTLs, the admission
+        rate); a test's fake clock."""
         self.dispatch, self.max_size, self.ttl_s, self.poll_s = dispatch, max_size, ttl_s, poll_s
-        self.refresh = refresh
+        self.refresh, self.clock = refresh, clock
+        self._admitted: deque[float] = deque(maxlen=RATE_WINDOW)   # clock() of recent admissions
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,13 +112,13 @@ class DeferredDispatch:
             worst.evicted, worst.done = "a higher-priority request took its place in the full queue", True
         heapq.heappush(self._heap, me)
         rm.QUEUE_DEPTH.set(len(self))
-        t0 = time.monotonic()
+        t0 = self.clock()
         deadline = t0 + self.ttl_s
         last: Overloaded | None = None
         try:
             while True:
                 if me.evicted:
-                    rm.QUEUE_WAIT.labels("evicted").observe(time.monotonic() - t0)
+                    rm.QUEUE_WAIT.labels("evicted").observe(self.clock() - t0)
                     raise self._refusal(me.evicted)
                 if self._head() is me:
                     try:
@@ -113,11 +126,12 @@ class DeferredDispatch:
                     except Overloaded as e:
                         last = e
                     else:
-                        rm.QUEUE_WAIT.labels("admitted").observe(time.monotonic() - t0)
+                        rm.QUEUE_WAIT.labels("admitted").observe(self.clock() - t0)
                         return r
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
-                    rm.QUEUE_WAIT.labels("expired").observe(time.monotonic() - t0)
+                    rm.QUEUE_WAIT.labels("expired").observe(self.clock() - t0)
+                    me.done = True      # not among the waiters its Retry-After counts
                     raise self._refusal(f"no worker admitted it within the dispatch queue's "
                                         f"{self.ttl_s:g}s", last)
                 self._wake.clear()
@@ -134,15 +148,40 @@ class DeferredDispatch:
     def _try(self, req: GenerateRequest) -> Route:
         if self.refresh is not None:
             self.refresh()
-        return self.dispatch.route(req)
+        r = self.dispatch.route(req)
+        self._admitted.append(self.clock())
+        return r
+
+    def admission_rate(self) -> float | None:
+        """Requests admitted per second over the recent admissions (None: fewer than two
+        within ``RATE_HORIZON_S``)."""
+        now = self.clock()
+        recent = [t for t in self._admitted if now - t <= RATE_HORIZON_S]
+        if len(recent) < 2 or recent[-1] <= recent[0]:
+            return None
+        return (len(recent) - 1) / (recent[-1] - recent[0])
+
+    def retry_after_s(self, worker_s: int = 1) -> int:
+        """The Retry-After of a refusal now (see the module docstring): the requests waiting
+        (:func:`len`) over :meth:`admission_rate`, at least ``worker_s`` (the workers' own
+        prediction); ``ttl_s`` at least when nothing was admitted lately."""
+        waiting = len(self)
+        rate = self.admission_rate()
+        if rate is None:
+            queue_s = self.ttl_s if waiting else 0.0
+        else:
+            queue_s = waiting / rate
+        return int(min(max(math.ceil(queue_s), worker_s, 1), MAX_RETRY_AFTER_S))
 
     def _refusal(self, why: str, last: Overloaded | None = None) -> Overloaded:
         if last is None:
             try:
-                wait = retry_after_s(self.dispatch.view(), self.dispatch.limits)
+                worker_s = retry_after_s(self.dispatch.view(), self.dispatch.limits)
             except Exception:  # noqa: BLE001 - a best-effort hint
-                wait = 1
+                worker_s = 1
         else:
-            wait = last.retry_after_s
-        return Overloaded(f"{why}; every prefill worker is past its admission limits" if last is None
-                          else f"{why}: {last}", wait)
+            worker_s = last.retry_after_s
+        wait = self.retry_after_s(worker_s)
+        head = (f"{why}; every prefill worker is past its admission limits" if last is None
+                else f"{why}: {last}")
+        return Overloaded(f"{head}; {len(self)} waiting in the dispatch queue: retry in {wait}s", wait)

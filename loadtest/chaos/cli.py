@@ -18,9 +18,18 @@ live migration is moving a request to):
    retracted or held, no locked or request-owned tokens, no leaked token (allocated but owned by
    no one), and the invariant recount passes, on the device and the host pool alike.
 
+The soak (loadtest/chaos/soak.py): ``--duration 30m`` repeats the plan (a new seed each round)
+until that time has passed; ``--stop ROLE@S+D`` SIGSTOPs one of this machine's ROLE worker
+processes for D seconds; ``--also-url URL`` adds a router (sessions alternate between them) and
+``--kill-router I@S`` SIGKILLs router I (its clients retry on router 0); ``--sample-every 60s``
+samples every process's RSS, fds and threads and the KV accounting (loadtest/chaos/sampler.py),
+and the run must stay flat after ``--warmup``.
+
 Prints one table (requests, completed, aborted by the client, failed with reasons, retractions,
-restores, recomputes, output mismatches, leaked tokens) and writes ``DIR/chaos.json``. Exit status
-1 on any mismatch, leak, invariant violation or failure without a stated reason; 0 otherwise.
+restores, recomputes, output mismatches, leaked tokens; with samples, each process's growth) and
+writes ``DIR/chaos.json`` (and ``DIR/soak.png`` with samples). Exit status 1 on any mismatch, leak,
+invariant violation, failure without a stated reason, hung request (a stream silent for
+``--stall-timeout``) or growth past the bounds; 0 otherwise.
 """
 
 from __future__ import annotations
@@ -52,10 +61,31 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS",
                    help="kill a live decode/prefill worker at that time, or 'target': the decode worker a live "
                         "migration is moving to (needs --debug-endpoints on the server)")
-    p.add_argument("--oracle-model", default="smollm2", help="the model the server serves (default smollm2)")
+    p.add_argument("--oracle-model", default="smollm2",
+                   help="the model the server serves (default smollm2; 'none': no output check, e.g. --engine sim)")
     p.add_argument("--oracle-dtype", default="auto", help="the server's dtype (default auto, as the server's)")
     p.add_argument("--settle-s", type=float, default=15.0, help="seconds to wait for the cluster to go idle")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default ./{DEFAULT_OUT})")
+    s = p.add_argument_group("soak")
+    s.add_argument("--duration", default="0", help="repeat the plan (seed + 1 each round) until this long "
+                                                   "has passed: 90s, 30m, 2h (default 0: one round)")
+    s.add_argument("--also-url", action="append", default=[], metavar="URL",
+                   help="another router over the same workers; sessions alternate between the routers")
+    s.add_argument("--kill-router", action="append", default=[], metavar="I@SECONDS",
+                   help="SIGKILL router I (1: the first --also-url; a process on this machine) at that time")
+    s.add_argument("--stop", action="append", default=[], metavar="ROLE@SECONDS+SECONDS",
+                   help="SIGSTOP a decode/prefill worker (ROLE) or the worker NAME (decode-1) on this "
+                        "machine at S for D seconds, then SIGCONT")
+    s.add_argument("--ray-root-pid", action="append", type=int, default=[], metavar="PID",
+                   help="worker processes are also looked for under this process (a `ray start` node)")
+    s.add_argument("--stall-timeout", type=float, default=120.0,
+                   help="a stream with no byte for this long counts as hung (default 120 s)")
+    s.add_argument("--sample-every", default=None,
+                   help="sample RSS / fds / threads / KV this often (0: never; default 60s with --duration, else 0)")
+    s.add_argument("--warmup", default="60s", help="growth is judged from the first sample after this")
+    s.add_argument("--rss-growth-mb", type=float, default=96.0, help="RSS growth allowed per process after warm-up")
+    s.add_argument("--fd-growth", type=int, default=16, help="open-fd growth allowed per process after warm-up")
+    s.add_argument("--thread-growth", type=int, default=8, help="thread growth allowed per process after warm-up")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -147,9 +177,9 @@ async def run_chaos(args, oracle=None) -> dict:
     :class:`~tandem.loadtest.chaos.oracle.Oracle` to use (else one is made from the flags)."""
     import httpx
 
-    from tandem.loadtest.chaos.client import RunConfig, run_plan
+    from tandem.loadtest.chaos import sampler, soak
+    from tandem.loadtest.chaos.client import RunConfig
     from tandem.loadtest.chaos.oracle import Oracle
-    from tandem.loadtest.chaos.plan import make_plan
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=60) as http:
@@ -185,10 +215,10 @@ async def run_chaos(args, oracle=None) -> dict:
             killed.append(victim)
             print(f"tandem chaos: killed {victim}", file=sys.stderr)
 
-        plans = make_plan(args.seed, args.sessions, args.turns, max_tokens=args.max_tokens,
-                          p_mid=args.abort_mid, p_early=args.abort_early)
         t0 = time.perf_counter()
-        outcomes = await run_plan(RunConfig(args.url, model, args.api_key, kill=kills), plans, on_kill)
+        cfg = RunConfig(args.url, model, args.api_key, kill=kills, urls=[args.url, *args.also_url],
+                        stall_s=args.stall_timeout)
+        outcomes, sk = await soak.run(args, cfg, http, on_kill)
         wall = time.perf_counter() - t0
         # idle: every worker back to nothing held (background cleanups may take a moment)
         end = time.monotonic() + args.settle_s
@@ -201,15 +231,24 @@ async def run_chaos(args, oracle=None) -> dict:
             await asyncio.sleep(0.5)
         after_text = (await http.get("/metrics")).text
         after = _counters(after_text)
-    print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s; checking completed ones against "
-          f"a fresh engine ...", file=sys.stderr)
-    own = oracle is None
-    oracle = oracle or Oracle(args.oracle_model, args.oracle_dtype)
+        if soak.sample_every_s(args) > 0:                   # one last sample, idle
+            live = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
+            last = await asyncio.to_thread(sampler.sample_all, live, args.ray_root_pid)
+            sk.series.add(time.perf_counter() - t0, last, sampler.kv_totals(workers))
+    warmup = soak.parse_seconds(args.warmup)
+    if sk.series.procs:                  # before the oracle, which may take long
+        print(sampler.format_table(sk.series, warmup), file=sys.stderr)
+    print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s"
+          + ("; checking completed ones against a fresh engine ..." if args.oracle_model != "none" or oracle
+             else ""), file=sys.stderr)
+    own = oracle is None and args.oracle_model != "none"
+    oracle = oracle or (Oracle(args.oracle_model, args.oracle_dtype) if own else None)
     try:
-        mismatches = await oracle.check(outcomes)
+        mismatches = await oracle.check(outcomes) if oracle is not None else []
     finally:
         if own:
             oracle.close()
+    bounds = sampler.Bounds(args.rss_growth_mb, args.fd_growth, args.thread_growth)
     kinds = Counter(o.kind for o in outcomes)
     reasons = Counter(o.reason for o in outcomes if o.kind == "failed")
     delta = counter_deltas(before, after)
@@ -224,6 +263,12 @@ async def run_chaos(args, oracle=None) -> dict:
             "mismatches": [asdict(m) for m in mismatches],
             "leaked_tokens": sum(w.get("leaked_tokens", 0) for w in workers),
             "kv_problems": problems, "workers": workers,
+            "hung": sum(1 for o in outcomes if o.kind == "failed" and o.reason.startswith("hung")),
+            "retried": sum(o.retried for o in outcomes),
+            "retried_completed": sum(o.retried and o.kind == "completed" for o in outcomes),
+            "rounds": sk.rounds, "events": sk.events, "warmup_s": warmup, "bounds": asdict(bounds),
+            "growth": sampler.growth(sk.series, warmup), "not_flat": sampler.flat(sk.series, warmup, bounds),
+            "samples": sk.series.to_json(), "sample_table": sampler.format_table(sk.series, warmup),
             "outcomes": [asdict(o) | {"messages": len(o.messages)} for o in outcomes]}
 
 
@@ -236,6 +281,10 @@ def verdict(rep: dict) -> list[str]:
         why.append(f"KV not clean once idle: {'; '.join(rep['kv_problems'][:5])}")
     if rep["failure_reasons"].get("no reason given"):
         why.append(f"{rep['failure_reasons']['no reason given']} failure(s) without a stated reason")
+    if rep.get("hung"):
+        why.append(f"{rep['hung']} request(s) hung (no byte within the stall timeout)")
+    if rep.get("not_flat"):
+        why.append("not flat: " + "; ".join(rep["not_flat"][:5]))
     return why
 
 
@@ -252,12 +301,18 @@ def format_table(rep: dict) -> str:
              ("KV digest failures", int(rep["digest_failures"])),
              ("live migrations ok / failed / aborted",
               " / ".join(str(int(rep["migrations"][o])) for o in ("ok", "failed", "aborted"))),
+             ("rounds / faults", f"{rep['rounds']} / {len(rep['events'])}"),
+             ("hung requests (no byte within the stall timeout)", rep["hung"]),
+             ("resent to router 0 after their router was killed (completed)",
+              f"{rep['retried']} ({rep['retried_completed']})"),
              ("output mismatches (vs alone on a fresh engine)", len(rep["mismatches"])),
              ("leaked tokens (idle)", rep["leaked_tokens"]),
              ("idle KV check", "ok" if not rep["kv_problems"] else f"{len(rep['kv_problems'])} problem(s)")]
     w = max(len(k) for k, _ in rows)
     lines = [f"tandem chaos (seed {rep['seed']}, {rep['model']}, {rep['wall_s']:.1f} s)"]
     lines += [f"  {k:<{w}}  {v}" for k, v in rows]
+    if rep["samples"]["procs"]:
+        lines += [f"samples (warm-up {rep['warmup_s']:g} s; first after it -> last):", rep["sample_table"]]
     return "\n".join(lines)
 
 
@@ -268,6 +323,12 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "chaos.json").write_text(json.dumps(rep, indent=1))
+    if rep["samples"]["procs"]:
+        from tandem.loadtest.chaos import sampler
+
+        series = sampler.Series({k: [tuple(x) for x in v] for k, v in rep["samples"]["procs"].items()},
+                                [tuple(x) for x in rep["samples"]["kv"]])
+        sampler.plot(series, out / "soak.png", f"tandem chaos, {rep['wall_s']:.0f} s")
     print(format_table(rep))
     why = verdict(rep)
     for m in rep["mismatches"][:5]:

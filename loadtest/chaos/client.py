@@ -6,7 +6,14 @@ ends as one :class:`Outcome`: ``completed`` (a finish_reason arrived), ``aborted
 client hung up before any token), ``aborted_mid`` (after ``abort_after`` content chunks), or
 ``failed`` with the server's stated reason (HTTP status and message, an SSE error event, or an
 ``abort`` finish with its error). A request that fails without saying why is ``failed`` with
-reason ``"no reason given"`` -- the run counts that as a harness failure.
+reason ``"no reason given"`` -- the run counts that as a harness failure. A stream silent for
+``stall_s`` (no byte at all) is ``failed`` with a reason starting ``"hung"``: the run counts that
+too (every fault must be a bounded, visible event).
+
+With several routers (``RunConfig.urls``) session ``i`` talks to router ``i % len(urls)``; a
+request whose connection to a router that the run killed (``RunConfig.dead``) breaks, or that
+cannot connect to it, is sent again, whole, to the first router (a client's retry): it keeps
+``router`` = the first router's index and ``retried`` = True.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class Outcome:
     started: float = 0.0
     seconds: float = 0.0
     chunks: int = 0
+    router: int = 0                 # index in RunConfig.urls of the router that answered
+    retried: bool = False           # sent again to router 0 after its router was killed
 
     def body(self, stream: bool) -> dict:
         return {"model": "", "messages": self.messages, "max_tokens": self.max_tokens,
@@ -48,17 +57,28 @@ class RunConfig:
     api_key: str | None = None
     timeout_s: float = 120.0
     kill: list[tuple[float, str]] = field(default_factory=list)   # (seconds into the run, role)
+    urls: list[str] = field(default_factory=list)     # the routers (default: [url])
+    stall_s: float | None = None                       # no byte this long: "hung" (default timeout_s)
+    dead: set[int] = field(default_factory=set)        # routers the run has killed (filled as it goes)
+    inflight: dict[int, int] = field(default_factory=dict)   # router index -> requests streaming now
+
+    def routers(self) -> list[str]:
+        return self.urls or [self.url]
 
 
-async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn) -> None:
+async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
+               retry: httpx.AsyncClient | None = None) -> None:
+    """One request; ``retry``: router 0's client, for a resend after a killed router."""
     body = o.body(stream=True) | {"model": cfg.model}
     headers = {"X-Session-Id": o.sid}
     t0 = time.perf_counter()
     o.started = t0
+    stall = cfg.stall_s or cfg.timeout_s
+    timeout = httpx.Timeout(cfg.timeout_s, read=stall)
 
     async def stream() -> None:
         async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers,
-                               timeout=cfg.timeout_s) as r:
+                               timeout=timeout) as r:
             if r.status_code != 200:
                 raw = (await r.aread()).decode(errors="replace")
                 try:
@@ -95,6 +115,8 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn) 
                 o.kind, o.reason = "failed", "stream ended without a finish_reason"
 
     task = asyncio.ensure_future(stream())
+    here = o.router
+    cfg.inflight[here] = cfg.inflight.get(here, 0) + 1
     try:
         if turn.abort == "early":
             await asyncio.sleep(turn.early_delay_s)
@@ -109,21 +131,36 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn) 
                 await task
         else:
             await task
+    except httpx.ReadTimeout:
+        o.kind, o.reason = "failed", f"hung: no byte for {stall:g} s after {o.chunks} chunk(s)"
     except httpx.HTTPError as e:
+        cfg.inflight[here] -= 1
+        here = None
         o.kind, o.reason = "failed", f"{type(e).__name__}: {str(e)[:200] or 'connection failed'}"
+        if retry is not None and o.router in cfg.dead and isinstance(e, httpx.TransportError):
+            o.text, o.chunks, o.finish_reason, o.reason = "", 0, None, ""
+            o.router, o.retried = 0, True
+            await _one(retry, cfg, o, turn)
+            return
+    finally:
+        if here is not None:
+            cfg.inflight[here] -= 1
     o.seconds = time.perf_counter() - t0
     if o.kind == "failed" and not o.reason:
         o.reason = "no reason given"
 
 
-async def run_session(http: httpx.AsyncClient, cfg: RunConfig, plan: SessionPlan, t0: float) -> list[Outcome]:
+async def run_session(https: list[httpx.AsyncClient], cfg: RunConfig, plan: SessionPlan, t0: float,
+                      router: int = 0) -> list[Outcome]:
     await asyncio.sleep(max(0.0, plan.start_s - (time.perf_counter() - t0)))
     history = [{"role": "system", "content": plan.system}]
     out = []
     for i, turn in enumerate(plan.turns):
         msgs = history + [{"role": "user", "content": turn.user}]
-        o = Outcome(plan.sid, i, msgs, turn.max_tokens, turn.abort)
-        await _one(http, cfg, o, turn)
+        o = Outcome(plan.sid, i, msgs, turn.max_tokens, turn.abort, router=router)
+        if router in cfg.dead:       # its router is gone: the client uses the other one
+            o.router = 0
+        await _one(https[o.router], cfg, o, turn, https[0] if o.router else None)
         out.append(o)
         history = msgs + [{"role": "assistant", "content": o.text}]
     return out
@@ -133,12 +170,18 @@ async def run_plan(cfg: RunConfig, plans: list[SessionPlan], on_kill=None) -> li
     """Every session concurrently; ``cfg.kill``: at each time, ``on_kill(role)`` (a coroutine)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=len(plans) + 8, max_keepalive_connections=len(plans) + 8)
-    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits) as http:
+    urls = cfg.routers()
+    https = [httpx.AsyncClient(base_url=u, headers=headers, limits=limits) for u in urls]
+    try:
         t0 = time.perf_counter()
         killers = [asyncio.ensure_future(_kill_at(at, role, on_kill, t0)) for at, role in cfg.kill]
-        results = await asyncio.gather(*(run_session(http, cfg, p, t0) for p in plans))
+        results = await asyncio.gather(*(run_session(https, cfg, p, t0, i % len(urls))
+                                         for i, p in enumerate(plans)))
         for k in killers:
             await k
+    finally:
+        for h in https:
+            await h.aclose()
     return [o for r in results for o in r]
 
 

@@ -10,6 +10,9 @@ the final usage chunk (``usage.prompt_tokens_details.cached_tokens``).
 - open loop (:func:`run_timed`): each request is sent at its arrival time whether or not earlier
   ones finished; ``concurrency`` (if set) caps requests in flight, and a capped request's ``start``
   is later than its ``scheduled`` time (client-side queueing, visible in the records).
+- sessions arriving on a schedule (:func:`run_arrivals`): session ``i`` starts at ``starts[i]``
+  whether or not earlier ones finished (an open loop of agent sessions, each closed inside); a
+  429 turn may be retried once after its ``Retry-After`` (``retry_429``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class StreamClient:
                 async with self.http.stream("POST", path, json=body, headers=headers) as resp:
                     rec.status, rec.request_id = resp.status_code, resp.headers.get("x-request-id")
                     if resp.status_code != 200:
+                        rec.retry_after = resp.headers.get("retry-after")
                         rec.error, rec.error_detail = f"http_{resp.status_code}", _error_message(await resp.aread())
                         return rec
                     await self._read_events(resp, rec, sent, parts)
@@ -249,4 +253,42 @@ async def run_timed(client: StreamClient, requests: list[TimedRequest], *, concu
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(r, bar)))
         await asyncio.gather(*tasks)
+    return sorted(records, key=lambda r: r.start)
+
+
+async def run_arrivals(client: StreamClient, sessions: list[Session], starts: list[float], *,
+                       retry_429: bool = False, progress: bool = False) -> list[Record]:
+    """Session ``i`` starts ``starts[i]`` seconds after ``client.t0`` and sends its turns one after
+    another (each after the previous reply plus its think time); a failed turn ends its session.
+    With ``retry_429`` a turn refused with 429 is sent once more after its Retry-After (both
+    records are kept; the retry's ``scheduled`` is the refusal's end)."""
+    if len(starts) != len(sessions):
+        raise ValueError(f"{len(sessions)} sessions but {len(starts)} start times")
+    records: list[Record] = []
+
+    async def one(s: Session, at: float, bar) -> None:
+        await asyncio.sleep(max(0.0, client.t0 + at - time.perf_counter()))
+        replies: list[str] = []
+        for t, turn in enumerate(s.turns):
+            if t and turn.think_s > 0:
+                await asyncio.sleep(turn.think_s)
+            msgs = s.messages(t, replies)
+            rec = await client.chat(msgs, max_tokens=turn.max_tokens, exact=turn.exact_output,
+                                    session=s.sid, turn=t, tools=s.tools)
+            records.append(rec)
+            bar.update(1)
+            if rec.status == 429 and retry_429:
+                wait = float(rec.retry_after) if (rec.retry_after or "").isdigit() else 1.0
+                await asyncio.sleep(wait)
+                rec = await client.chat(msgs, max_tokens=turn.max_tokens, exact=turn.exact_output,
+                                        session=s.sid, turn=t, tools=s.tools)
+                rec.scheduled = rec.start - wait
+                records.append(rec)
+                bar.update(1)
+            if not rec.ok:
+                return
+            replies.append(rec.text)
+
+    with _progress(sum(len(s.turns) for s in sessions), progress) as bar:
+        await asyncio.gather(*(one(s, at, bar) for s, at in zip(sessions, starts)))
     return sorted(records, key=lambda r: r.start)

@@ -38,6 +38,7 @@ class Record:
     error_detail: str | None = None
     status: int | None = None
     request_id: str | None = None
+    retry_after: str | None = None       # the Retry-After header of a refusal (429), as sent
     text: str = field(default="", repr=False)   # the reply; fed to the next turn, not written out
 
     @property
