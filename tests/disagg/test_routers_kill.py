@@ -10,9 +10,9 @@ streams are mid-way. Asserted:
   same request retried on B gives the reference text;
 - B's /debug/kv once idle: 0 leaked tokens, clean invariants;
 - the workers stop decoding the dead router's requests: within 60 s of the kill (far less than A's
-  long request needs to reach its ``max_tokens``) nothing runs or waits. Today they do not (the
-  Ray streaming generator is not cancelled when its caller dies): that test is a strict xfail
-  until a worker-side abort lands.
+  long request needs to reach its ``max_tokens``) nothing runs or waits: Ray does not cancel a
+  streaming call whose caller died, so the decode worker aborts the streams of a router whose
+  lease ran out (decode/leases.py).
 
 The scenario runs once (a module fixture); the tests read what it saw.
 """
@@ -138,9 +138,6 @@ def test_the_other_routers_clients_see_no_error_and_the_killed_ones_can_retry(ki
     assert all(w.get("leaked_tokens") == 0 and w.get("invariants") == "ok" for w in rows), rows
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 5: a decode worker keeps decoding a dead "
-                   "router's stream to its max_tokens (the Ray streaming generator is not cancelled "
-                   "when its caller dies); needs a worker-side abort (decode/, cluster/backend.py)")
 def test_the_workers_stop_decoding_the_dead_routers_requests(killed):
     rows = killed["rows"]
     assert all(not w.get("running") and not w.get("waiting") and not w.get("request_tokens")

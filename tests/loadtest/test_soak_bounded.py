@@ -5,9 +5,9 @@ resend to router 0), sampled every 10 s. Pass: the chaos verdict (no mismatch ag
 engine, no leak, no hung request, no failure without a reason) and every process flat after a
 60 s warm-up (bench/soak.py's default bounds: RSS +96 MiB, fds +16, threads +8).
 
-``STOP_WORKER``: also SIGSTOP a decode worker for 10 s. A request on a stopped worker hangs today
-(issue 25 item 1: progress deadlines); the run then reports it as hung and fails. Turn it on
-once those deadlines are merged.
+``STOP_WORKER``: also SIGSTOP a decode worker for 10 s: its requests must be re-dispatched or
+resumed on the other decode worker within the progress deadline (cluster/supervisor.py), or the
+run reports them hung and fails.
 
 The harness's own hang detection is tested without a cluster: a server that sends one chunk and
 then nothing is reported as hung within the stall timeout.
@@ -24,7 +24,7 @@ import pytest
 from tandem.loadtest.chaos.client import Outcome, RunConfig, _one
 from tandem.loadtest.chaos.plan import Turn
 
-STOP_WORKER = False
+STOP_WORKER = True
 
 
 def test_a_silent_stream_is_reported_hung_within_the_stall_timeout(tmp_path):
