@@ -24,7 +24,7 @@ def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default
 
     from tandem.cluster.launch import launch_disaggregated
 
-    master = mc.MasterProcess()
+    master = mc.LocalStore(64 << 20)   # workers lend nothing: pages live in its storage
     engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=16, max_total_tokens=2048))
     cfg = ServeConfig(prefill=2, decode=1, policy="round_robin", transfer_timeout_s=20.0,
                       engine_config=engine, kv_store=master.address.url(), kv_events=False,
