@@ -36,6 +36,10 @@ def test_a_store_with_no_memory_is_refused():
 
     with pytest.raises(ValueError, match="l3-worker-segment-bytes"):
         start_kv_store(ServeConfig(kv_store="mooncake", l3_store_bytes=0))
+    from tandem.cache.l3.mooncake import MasterAddress, StorageProcess
+
+    with pytest.raises(ValueError, match="minimum"):      # before any process starts
+        StorageProcess(MasterAddress("127.0.0.1", 1, 2), 1 << 20)
 
 
 def test_mooncake_starts_a_master_and_a_storage_and_stop_kills_both():
