@@ -247,8 +247,9 @@ def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decis
     """Dynamo's KV router over the exact index: ``cost(w) = weight * prefill_blocks(w) +
     decode_blocks(w)``; prefill_blocks = the request's blocks not cached on ``w`` (a host-tier
     block counts ``1 - host_block_credit``; with ``l3_block_credit``, a block after ``w``'s own
-    that another worker reported counts ``1 - l3_block_credit``: an L3 hit), decode_blocks = ``w``'s active blocks (tokens it
-    still has to process). Argmin; ties: fewer in flight, then in turn."""
+    that another worker reported counts ``1 - l3_block_credit``: an L3 hit), decode_blocks =
+    ``w``'s active blocks (tokens it still has to process). Argmin; ties: fewer in flight, then
+    in turn."""
     ps = view.alive_prefill()
     if not ps:
         return _none()
@@ -313,7 +314,8 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
         for w in [w for w in ps if not _over(w, c.spill)] or ps:    # the overloaded only if all are
             hit = _matched_tokens(req, m.get(w.worker_id, 0))
             saved = hit + c.l3_block_credit * max(l3 - hit, 0)     # an L3 hit, at a discount
-            t = w.pending_s + est.seconds(req.prompt_tokens - saved, saved) + _later_cost(state, req, w, hit, top)
+            t = (w.pending_s + est.seconds(req.prompt_tokens - saved, saved)
+                 + _later_cost(state, req, w, hit, top))
             k = (t, -hit, state.approx.size(w.worker_id), w.in_flight, w.worker_id)
             if best is None or k < best:
                 best, chosen = k, w

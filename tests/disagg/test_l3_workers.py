@@ -1,8 +1,9 @@
 """Two prefill workers and a decode worker in one process (no Ray; real engines, NIXL and a REAL
 Mooncake master with its storage process): each joins the store from its ``l3`` options (what
-cluster/launch.py hands the actors for ``--kv-store mooncake://...``), lending it nothing. A prompt prefilled on worker 1 is served from L3
-on worker 2 (cached_tokens > 0 in the usage), the greedy output is unchanged, the L3 series are
-on the worker's /metrics and its /debug/kv, and every pool returns to its baseline."""
+cluster/launch.py hands the actors for ``--kv-store mooncake://...``), lending it nothing. A
+prompt prefilled on worker 1 is served from L3 on worker 2 (cached_tokens > 0 in the usage), the
+greedy output is unchanged, the L3 series are on the worker's /metrics and its /debug/kv, and
+every pool returns to its baseline."""
 
 from __future__ import annotations
 
