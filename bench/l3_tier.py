@@ -10,6 +10,10 @@ modes see identical prompts; each request generates 1 token, so its latency is i
 Then a fresh worker (a replacement, cold device cache) replays every session's last turn: its
 warm-up with and without L3. ``--route affinity`` keeps each session on one worker (with a pool
 that holds them: what L3 costs when the device cache alone hits). Modes alternate ABAB over ``--repeats`` (a new master each time).
+``--storage-bytes N``: a storage process beside the master lends the store N bytes and the
+workers lend none (what ``--kv-store mooncake`` runs); else each worker lends 512 MiB.
+``--writers-gone``: the two workers close their store clients before the fresh worker starts
+(a cluster whose workers were all replaced).
 
     .venv/bin/python bench/l3_tier.py --sessions 8 --turns 4 --repeats 2
 """
@@ -51,8 +55,8 @@ def make(loaded, args, master):
     cc = CacheConfig(page_size=args.page_size, max_total_tokens=args.pool_tokens, host_pool_tokens=0)
     e = Engine(EngineConfig(device="cpu", num_threads=args.threads, cache=cc), loaded=loaded)
     if master is not None:
-        opts = l3_options(master.address.url(), timeout_s=2.0)
-        assert attach_store(e.kv.cache, e.kv_pool, e.model_name, segment_bytes=512 << 20, **opts)
+        opts = l3_options(master.address.url(), timeout_s=2.0, segment_bytes=0 if args.storage_bytes else 512 << 20)
+        assert attach_store(e.kv.cache, e.kv_pool, e.model_name, **opts)
     return e
 
 
@@ -64,7 +68,7 @@ def ask(e, ids) -> tuple[float, int]:
 
 
 def one_run(loaded, args, with_l3: bool) -> dict:
-    master = mc.MasterProcess() if with_l3 else None
+    master = mc.LocalStore(args.storage_bytes) if with_l3 else None
     workers = [make(loaded, args, master) for _ in range(2)]
     try:
         turns = prompts(workers[0].tokenizer, args.sessions, args.turns, args.system_words)
@@ -79,12 +83,16 @@ def one_run(loaded, args, with_l3: bool) -> dict:
                     ttft.append(dt)
                     cached += c
                     total += len(ids)
+        l3 = [w.kv.cache.l3.as_dict() for w in workers if w.kv.cache.l3 is not None]
+        if args.writers_gone:
+            for w in workers:
+                if w.kv.cache.l3 is not None:
+                    w.kv.cache.l3.store.close()
         fresh = make(loaded, args, master)
         try:
             warm = [ask(fresh, ids) for ids in turns[-1]]
         finally:
             fresh.shutdown()
-        l3 = [w.kv.cache.l3.as_dict() for w in workers if w.kv.cache.l3 is not None]
         return {"l3": with_l3, "hit_rate": cached / total, "ttft_median_s": statistics.median(ttft),
                 "ttft_mean_s": statistics.fmean(ttft),
                 "warmup_hit_rate": sum(c for _, c in warm) / sum(len(x) for x in turns[-1]),
@@ -106,6 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=1024)
     ap.add_argument("--route", choices=["alternate", "affinity"], default="alternate",
                     help="alternate: turn t of session s on worker (s + t) %% 2; affinity: on s %% 2")
+    ap.add_argument("--storage-bytes", type=int, default=0,
+                    help="a storage process lends the store this much; the workers lend none (0: they lend)")
+    ap.add_argument("--writers-gone", action="store_true",
+                    help="the workers close their store clients before the fresh worker starts")
     args = ap.parse_args(argv)
     loaded = load_model("smollm2", device="cpu")
     runs = []

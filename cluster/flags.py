@@ -110,6 +110,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "test lever: decode workers corrupt each received KV page before the digest check"),
     Flag("--kv-store", "kv_store", "shared L3 KV tier: off, mooncake (start a master with the cluster) or "
                                    "mooncake://HOST:PORT[/METAPORT] (join one)"),
+    Flag("--l3-store-bytes", "l3_store_bytes",
+         "--kv-store mooncake: bytes the storage process beside the master lends to the store"),
+    Flag("--l3-worker-segment-bytes", "l3_worker_segment_bytes",
+         "bytes each worker lends to the L3 store (0: none, the cluster's storage keeps the pages)"),
     Flag("--debug-corrupt-l3", "debug_corrupt_l3",
          "test lever: workers corrupt each page they write to the L3 store (reads become misses)"),
     Flag("--debug-endpoints", "debug_endpoints",

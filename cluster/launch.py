@@ -100,7 +100,7 @@ class Launcher:
 
         from tandem.cache.l3.connect import l3_options
 
-        l3 = l3_options(cfg.kv_store, cfg.l3_timeout_s, cfg.debug_corrupt_l3)
+        l3 = l3_options(cfg.kv_store, cfg.l3_timeout_s, cfg.debug_corrupt_l3, cfg.l3_worker_segment_bytes)
         if role == PREFILL:
             h = PrefillActor.options(**opts).remote(
                 name, cfg.engine_config.model_dump(), cfg.transfer_timeout_s, self.weights, self.kv_events,

@@ -262,6 +262,13 @@ class ServeConfig(_Strict):
                                       "master with the cluster); mooncake://HOST:PORT[/METAPORT] (join one). "
                                       "Off by default until a bench shows it helps on the deployment")
     l3_timeout_s: float = Field(0.5, gt=0, description="L3 store calls slower than this are a miss")
+    l3_store_bytes: int = Field(1 << 30, ge=0, description="memory the storage process that "
+                                "kv_store 'mooncake' starts beside the master lends to the store (where "
+                                "L3 pages live, so they outlive the workers; at least 16 MiB; 0: start "
+                                "no storage, the workers must lend)")
+    l3_worker_segment_bytes: int = Field(0, ge=0, description="memory each worker lends to the L3 "
+                                         "store (0: none, the cluster's storage keeps the pages; a page "
+                                         "in a worker's segment goes with that worker)")
     debug_corrupt_l3: bool = Field(False, description="test lever: workers corrupt each page they write to "
                                    "the L3 store (every L3 read is then a digest miss, recomputed)")
     debug_endpoints: bool = Field(False, description="test lever: enable POST /debug/kill (stop a worker "

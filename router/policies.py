@@ -67,6 +67,9 @@ class AdmissionLimits:
                                         # see before its own prefill starts)
 
 
+L3_BLOCK_CREDIT = 0.25     # PolicyConfig.l3_block_credit for a cluster with a shared L3 store
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     seed: int = 0
@@ -79,6 +82,10 @@ class PolicyConfig:
     overlap_weight: float = 1.0
     kv_block_size: int = 16             # key elements per hashed block = the engines' page size
     host_block_credit: float = 0.5      # a host-tier block saves this fraction of its prefill
+    # a block some other worker reported (KV events), assumed readable from the shared L3 store
+    # (--kv-store), saves this fraction of its prefill; 0: no store. Below a host block: a store
+    # read crosses the network and may miss (L3_BLOCK_CREDIT is the value with a store).
+    l3_block_credit: float = 0.0
     # session
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
@@ -172,6 +179,16 @@ def _exact(state: "RouterState", req: RouteRequest) -> dict[int, int]:
     return {w: (dev + host) * c.kv_block_size for w, (dev, host) in state.kv.overlap(hashes).items()}
 
 
+def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
+    """Prompt tokens of the request's prefix that some worker reported (KV events): what every
+    worker can read from the shared L3 store; 0 without a store (``l3_block_credit`` 0)."""
+    c = state.config
+    if not c.l3_block_credit:
+        return 0
+    hashes = req.block_hashes if req.block_hashes is not None else block_hashes(req.key, c.kv_block_size)
+    return _matched_tokens(req, state.kv.known_prefix(hashes) * c.kv_block_size)
+
+
 # -- policies ------------------------------------------------------------------------------------
 def round_robin(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
     ps, ds = view.alive_prefill(), view.alive_decode()
@@ -229,8 +246,10 @@ def cache_aware(view: ClusterView, req: RouteRequest, state: RouterState) -> Dec
 def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
     """Dynamo's KV router over the exact index: ``cost(w) = weight * prefill_blocks(w) +
     decode_blocks(w)``; prefill_blocks = the request's blocks not cached on ``w`` (a host-tier
-    block counts ``1 - host_block_credit``), decode_blocks = ``w``'s active blocks (tokens it
-    still has to process). Argmin; ties: fewer in flight, then in turn."""
+    block counts ``1 - host_block_credit``; with ``l3_block_credit``, a block after ``w``'s own
+    that another worker reported counts ``1 - l3_block_credit``: an L3 hit), decode_blocks =
+    ``w``'s active blocks (tokens it still has to process). Argmin; ties: fewer in flight, then
+    in turn."""
     ps = view.alive_prefill()
     if not ps:
         return _none()
@@ -239,10 +258,12 @@ def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decis
     total = -(-req.prompt_tokens // block_tokens)
     hashes = req.block_hashes if req.block_hashes is not None else block_hashes(req.key, c.kv_block_size)
     ov = state.kv.overlap(hashes)
+    known = state.kv.known_prefix(hashes) if c.l3_block_credit else 0
     cost = {}
     for w in ps:
         dev, host = ov.get(w.worker_id, (0, 0))
-        prefill_blocks = max(total - dev - host * c.host_block_credit, 0.0)
+        l3 = max(known - dev - host, 0)     # the blocks after w's own, read from the store
+        prefill_blocks = max(total - dev - host * c.host_block_credit - l3 * c.l3_block_credit, 0.0)
         cost[w.worker_id] = c.overlap_weight * prefill_blocks + -(-w.running_tokens // block_tokens)
     state.rr_prefill += 1
     w = _rotate_min(ps, lambda w: (cost[w.worker_id], w.in_flight), state.rr_prefill)
@@ -289,9 +310,12 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
     if chosen is None:
         best = None
         top = _matched_tokens(req, max(m.values(), default=0))
+        l3 = _l3_tokens(state, req) if exact else 0
         for w in [w for w in ps if not _over(w, c.spill)] or ps:    # the overloaded only if all are
             hit = _matched_tokens(req, m.get(w.worker_id, 0))
-            t = w.pending_s + est.seconds(req.prompt_tokens - hit, hit) + _later_cost(state, req, w, hit, top)
+            saved = hit + c.l3_block_credit * max(l3 - hit, 0)     # an L3 hit, at a discount
+            t = (w.pending_s + est.seconds(req.prompt_tokens - saved, saved)
+                 + _later_cost(state, req, w, hit, top))
             k = (t, -hit, state.approx.size(w.worker_id), w.in_flight, w.worker_id)
             if best is None or k < best:
                 best, chosen = k, w

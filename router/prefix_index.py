@@ -363,6 +363,19 @@ class GlobalBlockIndex:
             ends_dev[w] = n
         return {w: (ends_dev.get(w, 0), k - ends_dev.get(w, 0)) for w, k in ends_all.items()}
 
+    def known_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` some worker holds, on either tier: with a shared
+        L3 store (workers write every page they cache through to it), the prefix any worker
+        can read from the store. An estimate: a page the store evicted or never got (a dropped
+        write) is a miss the worker recomputes; a page every worker evicted is not counted."""
+        dev, host = self._tier[DEVICE], self._tier[HOST]
+        n = 0
+        for h in hashes:
+            if h not in dev and h not in host:
+                break
+            n += 1
+        return n
+
     def blocks_held(self, worker: int, tier: str = DEVICE) -> int:
         held = self._held.get(worker)
         return len(held[tier]) if held else 0

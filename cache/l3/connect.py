@@ -24,18 +24,21 @@ log = logging.getLogger(__name__)
 WORKER_WRITE_POLICY = "write_through"
 
 
-def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False) -> dict | None:
+def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_bytes: int = 0) -> dict | None:
     """The workers' L3 options for ``ServeConfig.kv_store`` once a master is known
-    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``."""
+    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``. ``segment_bytes``
+    (``ServeConfig.l3_worker_segment_bytes``): what each worker lends the store; 0 where the
+    cluster's storage process keeps the pages."""
     if not kv_store.startswith("mooncake://"):
         return None
-    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt}
+    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt, "segment_bytes": segment_bytes}
 
 
 def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corrupt: bool = False,
-                 write_policy: str = WORKER_WRITE_POLICY, segment_bytes: int = 256 << 20) -> L3Tier | None:
+                 write_policy: str = WORKER_WRITE_POLICY, segment_bytes: int = 0) -> L3Tier | None:
     """Connect to the store at ``url`` and attach an L3 tier to ``cache`` (None: not attached).
-    ``segment_bytes``: the memory this worker lends to the store."""
+    ``segment_bytes``: the memory this worker lends to the store (0: none; its pages then live
+    in the storage process's segment and outlive this worker)."""
     if not hasattr(cache, "attach_l3"):
         log.info("L3 store off: the prefix cache is disabled")
         return None

@@ -1,6 +1,11 @@
-"""Mooncake Store as the L3 backend: start a master (a local process), or join one by address.
+"""Mooncake Store as the L3 backend: start a master and a storage client (local processes), or
+join a running store by its master's address.
 
-``mooncake_master`` ships with the PyPI wheel ``mooncake-transfer-engine-non-cuda`` (CPU, TCP);
+A page lives in the memory segment of one of the store's clients, the one the master picks; a
+client's segment goes with it. :class:`StorageProcess` is a client that does nothing but lend a
+segment (Mooncake's standalone ``mooncake_client``), so pages outlive the workers that wrote
+them when the workers lend none (``connect(..., segment_bytes=0)``). ``mooncake_master`` and
+``mooncake_client`` ship with the PyPI wheel ``mooncake-transfer-engine-non-cuda`` (CPU, TCP);
 on an RDMA cluster the same store runs over RDMA. Imported only when a store is configured.
 """
 
@@ -56,38 +61,102 @@ class MasterAddress:
         return cls(host or "127.0.0.1", int(port), int(meta) if meta else int(port) + 1)
 
 
+def binary(name: str = "mooncake_master") -> str | None:
+    """The path of one of the wheel's programs (beside this Python first, then on PATH)."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
 def master_binary() -> str | None:
-    here = Path(sys.executable).parent / "mooncake_master"
-    return str(here) if here.exists() else shutil.which("mooncake_master")
+    return binary("mooncake_master")
 
 
-class MasterProcess:
-    """A ``mooncake_master`` child on free 127.0.0.1 ports; :meth:`stop` kills it."""
+class _Child:
+    """A program of the wheel run as a child in its own session; ready once ``ports`` listen."""
 
-    def __init__(self, host: str = "127.0.0.1", ready_s: float = 20.0):
-        binary = master_binary()
-        if binary is None:
-            raise RuntimeError("mooncake_master not found: pip install 'tandem[mooncake]'")
-        self.address = MasterAddress(host, free_port(host), free_port(host))
-        self.proc = subprocess.Popen(
-            [binary, f"--port={self.address.port}", "--enable_http_metadata_server=true",
-             f"--http_metadata_server_port={self.address.metadata_port}",
-             f"--metrics_port={free_port(host)}"],  # its default (9003) would clash between masters
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    def __init__(self, name: str, args: list[str], host: str, ports: tuple[int, ...], ready_s: float):
+        path = binary(name)
+        if path is None:
+            raise RuntimeError(f"{name} not found: pip install 'tandem[mooncake]'")
+        self.proc = subprocess.Popen([path, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
         end = time.monotonic() + ready_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
-            if all(_listening(host, p) for p in (self.address.port, self.address.metadata_port)):
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}")
+            if all(_listening(host, p) for p in ports):
                 return
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"mooncake_master not listening within {ready_s}s")
+        raise RuntimeError(f"{name} not listening within {ready_s}s")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def stop(self) -> None:
+        """Kill the child (idempotent)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+class MasterProcess(_Child):
+    """A ``mooncake_master`` child on free 127.0.0.1 ports; :meth:`stop` kills it."""
+
+    def __init__(self, host: str = "127.0.0.1", ready_s: float = 20.0):
+        self.address = MasterAddress(host, free_port(host), free_port(host))
+        super().__init__("mooncake_master", [
+            f"--port={self.address.port}", "--enable_http_metadata_server=true",
+            f"--http_metadata_server_port={self.address.metadata_port}",
+            f"--metrics_port={free_port(host)}"],  # its default (9003) would clash between masters
+            host, (self.address.port, self.address.metadata_port), ready_s)
+
+
+MIN_SEGMENT_BYTES = 16 << 20    # Mooncake's smallest segment a client may lend
+
+
+def storage_args(address: MasterAddress, segment_bytes: int, *, host: str, port: int) -> list[str]:
+    """``mooncake_client``'s arguments: join ``address`` over TCP, lend ``segment_bytes``, serve its
+    RPC on ``host:port`` (k8s/base/kv-store.yaml writes the same flags)."""
+    return [f"--master_server_address={address.master}", f"--metadata_server={address.metadata_url}",
+            f"--global_segment_size={segment_bytes}", f"--host={host}", f"--port={port}",
+            "--protocol=tcp"]
+
+
+class StorageProcess(_Child):
+    """A ``mooncake_client`` child that joins the master at ``address`` and lends it
+    ``segment_bytes`` (at least :data:`MIN_SEGMENT_BYTES`) of memory: where the store keeps pages
+    when the workers lend none. :meth:`stop` kills it, and the pages in its segment go with it."""
+
+    def __init__(self, address: MasterAddress, segment_bytes: int, host: str = "127.0.0.1",
+                 ready_s: float = 20.0):
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"a storage segment of {segment_bytes} bytes is under Mooncake's "
+                             f"minimum of {MIN_SEGMENT_BYTES}")
+        self.segment_bytes = segment_bytes
+        self.port = free_port(host)
+        super().__init__("mooncake_client", storage_args(address, segment_bytes, host=host, port=self.port),
+                         host, (self.port,), ready_s)
+
+
+class LocalStore:
+    """A master and (``storage_bytes`` > 0) a :class:`StorageProcess` lending it that much: a
+    whole store on 127.0.0.1, which clients join with ``segment_bytes=0``. :meth:`stop` kills both."""
+
+    def __init__(self, storage_bytes: int = 1 << 30, host: str = "127.0.0.1"):
+        self.master = MasterProcess(host)
+        self.address = self.master.address
+        try:
+            self.storage = StorageProcess(self.address, storage_bytes, host) if storage_bytes else None
+        except BaseException:
+            self.master.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.storage is not None:
+            self.storage.stop()
+        self.master.stop()
 
 
 def _listening(host: str, port: int) -> bool:
@@ -100,7 +169,9 @@ def _listening(host: str, port: int) -> bool:
 
 def connect(address: MasterAddress, *, segment_bytes: int = 64 << 20, buffer_bytes: int = 64 << 20,
             local_host: str = "127.0.0.1"):
-    """A ``MooncakeDistributedStore`` client that also lends ``segment_bytes`` (at least 16 MiB) to the store."""
+    """A ``MooncakeDistributedStore`` client that also lends ``segment_bytes`` to the store (0: it
+    lends none and only reads and writes pages kept in other clients' segments; else at least
+    :data:`MIN_SEGMENT_BYTES`)."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from mooncake.store import MooncakeDistributedStore
 

@@ -219,7 +219,8 @@ def test_attach_store_leaves_hybrid_and_cacheless_workers_without_l3():
 
     assert l3_options("off", 0.5) is None
     opts = l3_options("mooncake://127.0.0.1:1/2", 0.5, corrupt=True)
-    assert opts == {"url": "mooncake://127.0.0.1:1/2", "timeout_s": 0.5, "corrupt": True}
+    assert opts == {"url": "mooncake://127.0.0.1:1/2", "timeout_s": 0.5, "corrupt": True, "segment_bytes": 0}
+    assert l3_options("mooncake://h:1", 0.5, segment_bytes=32 << 20)["segment_bytes"] == 32 << 20
     pool = KVPool(16, 2, num_layers=1, num_kv_heads=1, head_dim=2)
     swa = SWA(4, PagedAllocator(16, 1), torch.zeros(20, dtype=torch.int64))
     hybrid, _ = make_cache(page_size=2, pages=8, components=(FULL, swa))

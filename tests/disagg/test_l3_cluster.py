@@ -24,7 +24,7 @@ def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default
 
     from tandem.cluster.launch import launch_disaggregated
 
-    master = mc.MasterProcess()
+    master = mc.LocalStore(64 << 20)   # workers lend nothing: pages live in its storage
     engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=16, max_total_tokens=2048))
     cfg = ServeConfig(prefill=2, decode=1, policy="round_robin", transfer_timeout_s=20.0,
                       engine_config=engine, kv_store=master.address.url(), kv_events=False,
@@ -49,3 +49,69 @@ def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default
         server.stop()
         backend.close()
         master.stop()
+
+
+def _workers(server) -> list[dict]:
+    import httpx
+
+    kv = httpx.get(server.url + "/debug/kv", timeout=60).json()
+    return kv["workers"] if isinstance(kv, dict) and "workers" in kv else kv
+
+
+def _l3(server) -> dict:
+    return {w["worker"]: w["l3"] for w in _workers(server)}
+
+
+def test_a_session_whose_workers_were_killed_and_replaced_hits_l3(ray_local, smollm2_default):
+    """1P+1D, workers lending nothing: turn 1, then the prefill AND the decode worker are killed
+    (no worker holds the prompt's KV any more) and the supervisor replaces them; the session's
+    next turn is an L3 hit on the replacements (cached_tokens > 0, hit pages counted) and its
+    text equals the same turn asked before the kill."""
+    import time
+
+    import httpx
+
+    from tandem.cluster.launch import launch_disaggregated
+
+    store = mc.LocalStore(64 << 20)
+    engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=16, max_total_tokens=2048))
+    cfg = ServeConfig(prefill=1, decode=1, transfer_timeout_s=20.0, engine_config=engine,
+                      kv_store=store.address.url(), kv_events=False, l3_timeout_s=5.0)
+    backend = launch_disaggregated(cfg, loaded=smollm2_default)
+    server = Server(backend, cfg)
+
+    def chat(messages):
+        out = server.client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
+                                                    temperature=0)
+        return out.choices[0].message.content, out.usage.prompt_tokens_details.cached_tokens or 0
+
+    try:
+        answer, _ = chat(MESSAGES)
+        turn2 = MESSAGES + [{"role": "assistant", "content": answer},
+                            {"role": "user", "content": "And what did he do at dawn?"}]
+        want, _ = chat(turn2)
+        old = {w.name for w in list(backend.prefills) + list(backend.decodes)}
+        end = time.monotonic() + 60                  # every write-through queued has been tried
+        while not all(v["store_puts"] + v["store_write_dropped"] >= v["written_pages"] > 0
+                      for v in _l3(server).values()):
+            assert time.monotonic() < end, _l3(server)
+            time.sleep(0.2)
+        for w in list(backend.prefills) + list(backend.decodes):
+            ray.kill(w.handle, no_restart=True)
+        end = time.monotonic() + 240
+        while True:
+            h = httpx.get(server.url + "/health", timeout=30).json()
+            if h["restarts"] >= 2 and not h["degraded"]:
+                break
+            assert time.monotonic() < end, f"workers were not replaced: {h}"
+            time.sleep(0.5)
+        got, cached = chat(turn2)
+        assert got == want and cached > 0, (got, want, cached)
+        workers = _workers(server)
+        assert not old & {w["worker"] for w in workers}, "a replaced worker answered /debug/kv"
+        assert sum(w["l3"]["hit_pages"] for w in workers) >= cached // 16, workers
+        assert all(w["invariants"] == "ok" and w["leaked_tokens"] == 0 for w in workers)
+    finally:
+        server.stop()
+        backend.close()
+        store.stop()

@@ -32,13 +32,14 @@ def master():
     m.stop()
 
 
-def engine(loaded, master=None, *, max_total_tokens=2048, disable=False, corrupt=False):
+def engine(loaded, master=None, *, max_total_tokens=2048, disable=False, corrupt=False, segment_bytes=32 << 20):
     cc = CacheConfig(page_size=PAGE, max_total_tokens=max_total_tokens, debug_invariants=True,
                      disable_prefix_cache=disable, host_pool_tokens=0)
     e = Engine(EngineConfig(device="cpu", num_threads=1, cache=cc), loaded=loaded)
     if master is not None:
         opts = l3_options(master.address.url(), timeout_s=2.0, corrupt=corrupt)
-        tier = attach_store(e.kv.cache, e.kv_pool, e.model_name, segment_bytes=32 << 20, **opts)
+        opts["segment_bytes"] = segment_bytes
+        tier = attach_store(e.kv.cache, e.kv_pool, e.model_name, **opts)
         assert tier is not None and tier.write_through
     return e
 
@@ -93,6 +94,59 @@ def test_a_prompt_computed_on_one_worker_is_served_from_l3_on_another(smollm2_de
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def _closed_after_writing(loaded, store, ids, *, segment_bytes):
+    """Engine A computes ``ids`` (writing through to ``store``), then closes its store client."""
+    a = engine(loaded, store, segment_bytes=segment_bytes)
+    try:
+        first = answer(a, ids)
+        flush(a)
+        idle_and_exact(a)
+    finally:
+        a.kv.cache.l3.store.close()
+        a.shutdown()
+    return first
+
+
+def test_pages_in_the_storage_process_outlive_the_worker_that_wrote_them(smollm2_default, plain):
+    """Workers lend nothing (``segment_bytes=0``): what A wrote is in the storage process's
+    segment, so B, started after A's store client closed, reuses every whole page A computed."""
+    store = mc.LocalStore(64 << 20)
+    try:
+        ids = [prompt(plain, 40, q) for q in QUESTIONS]
+        first = _closed_after_writing(smollm2_default, store, ids, segment_bytes=0)
+        b = engine(smollm2_default, store, segment_bytes=0)
+        try:
+            second = answer(b, ids)
+            want = answer(plain, ids)
+            assert [t for t, _ in first] == [t for t, _ in second] == [t for t, _ in want]
+            assert [c for _, c in second] == [(len(x) - 1) // PAGE * PAGE for x in ids], second
+            assert b.kv.cache.l3.stats.miss_pages == 0 and b.kv.cache.l3.store.stats.errors == 0
+            idle_and_exact(b)
+        finally:
+            b.shutdown()
+    finally:
+        store.stop()
+
+
+def test_pages_in_a_workers_own_segment_go_with_it(smollm2_default, plain):
+    """The control: no storage process, A lends the only segment; once A's client closes, B
+    (which lends none) finds nothing and recomputes, with the same answer."""
+    store = mc.LocalStore(0)
+    try:
+        ids = [prompt(plain, 50, QUESTIONS[0])]
+        _closed_after_writing(smollm2_default, store, ids, segment_bytes=32 << 20)
+        b = engine(smollm2_default, store, segment_bytes=0)
+        try:
+            (toks, cached), = answer(b, ids)
+            assert toks == answer(plain, ids)[0][0] and cached == 0
+            assert b.kv.cache.l3.stats.hit_pages == 0
+            idle_and_exact(b)
+        finally:
+            b.shutdown()
+    finally:
+        store.stop()
 
 
 def test_greedy_with_l3_hits_under_eviction_equals_no_cache(smollm2_default, master, plain):

@@ -1,8 +1,9 @@
 """Two prefill workers and a decode worker in one process (no Ray; real engines, NIXL and a REAL
-Mooncake master): each joins the store from its ``l3`` options (what cluster/launch.py hands
-the actors for ``--kv-store mooncake://...``). A prompt prefilled on worker 1 is served from L3
-on worker 2 (cached_tokens > 0 in the usage), the greedy output is unchanged, the L3 series are
-on the worker's /metrics and its /debug/kv, and every pool returns to its baseline."""
+Mooncake master with its storage process): each joins the store from its ``l3`` options (what
+cluster/launch.py hands the actors for ``--kv-store mooncake://...``), lending it nothing. A
+prompt prefilled on worker 1 is served from L3 on worker 2 (cached_tokens > 0 in the usage), the
+greedy output is unchanged, the L3 series are on the worker's /metrics and its /debug/kv, and
+every pool returns to its baseline."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def cluster(smollm2_default, loop):
     from tandem.engine.engine import Engine
     from tandem.prefill.worker import PrefillWorker
 
-    master = mc.MasterProcess()
+    master = mc.LocalStore(64 << 20)   # workers lend nothing: pages live in its storage
     l3 = l3_options(master.address.url(), timeout_s=2.0)
 
     async def make():

@@ -483,3 +483,22 @@ def test_dashboard_ships_as_a_grafana_configmap(resources):
     cm = one(resources, "ConfigMap", "tandem-grafana-dashboard")
     assert cm["metadata"]["labels"] == {"grafana_dashboard": "1"}
     assert cm["data"] == {DASHBOARD.name: DASHBOARD.read_text()}
+
+
+def test_kv_store_storage_joins_its_master_with_tandems_flags(resources):
+    """The storage container beside the Mooncake master runs cache/l3/mooncake.py's
+    ``storage_args`` against the master container's ports, and its memory limit holds the
+    segment it lends."""
+    from tandem.cache.l3.mooncake import MasterAddress, storage_args
+
+    pod = one(resources, "Deployment", "tandem-kv-store")["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    master, storage = by_name["master"], by_name["storage"]
+    mflags = dict(a.lstrip("-").split("=", 1) for a in master["args"])
+    sflags = dict(a.lstrip("-").split("=", 1) for a in storage["args"])
+    segment = int(sflags["global_segment_size"])
+    want = storage_args(MasterAddress("127.0.0.1", int(mflags["port"]), int(mflags["http_metadata_server_port"])),
+                        segment, host="$(POD_IP)", port=int(sflags["port"]))
+    assert storage["command"] == ["mooncake_client"] and storage["args"] == want
+    assert segment <= quantity(storage["resources"]["limits"]["memory"]) - (256 << 20)
+    assert any(e["name"] == "POD_IP" for e in storage["env"])
