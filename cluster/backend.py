@@ -48,7 +48,7 @@ from tandem.core.types import InvalidRequest, StreamChunk
 from tandem.router import metrics as rm
 from tandem.router.deferred import DeferredDispatch
 from tandem.router.dispatch import Dispatcher, Route
-from tandem.router.policies import AdmissionLimits, PolicyConfig
+from tandem.router.policies import L3_BLOCK_CREDIT, AdmissionLimits, PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,10 @@ class RayClusterBackend(ClusterObservability):
         cc = cfg.engine_config.cache   # the approximate prefix index holds at most a cache's worth
         self.dispatch = Dispatcher(cfg.policy, PolicyConfig(kv_block_size=cc.page_size,
                                                             index_capacity=cc.max_total_tokens,
-                                                            rendezvous=launcher.detached),
+                                                            rendezvous=launcher.detached,
+                                                            # a shared L3 store: a block any worker
+                                                            # reported is a (discounted) hit on all
+                                                            l3_block_credit=L3_BLOCK_CREDIT if cfg.kv_store != "off" else 0.0),
                                    AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s))
         self.dispatch.latency.window_s = cfg.planner.window_s
         self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s)
