@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,19 @@ def kernel_unavailable() -> str | None:
     return _load()[1]
 
 
+def describe() -> str:
+    """One line for logs and the test session header: whether the native kernels run here, and
+    whether this process built them (and how long that took) or found them cached."""
+    ops, why = _load()
+    if ops is None:
+        return f"native AVX512-BF16 kernels: off ({why})"
+    how = f"built now in {_BUILT_S[0]:.1f} s" if _BUILT_S else f"cached in {cache_dir()}"
+    return f"native AVX512-BF16 kernels: on (torch.ops.tandem, {how})"
+
+
+_BUILT_S: list[float] = []    # this process's build time, when it built the library
+
+
 @functools.lru_cache(maxsize=1)
 def _load():
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
@@ -81,7 +95,9 @@ def _load():
     out = cache_dir() / f"tandem_ops-{digest}.so"
     try:
         if not out.exists():
+            t0 = time.perf_counter()
             _build(cc, cxx, out)
+            _BUILT_S[:] = [time.perf_counter() - t0]
         if not hasattr(torch.ops.tandem, "linear_"):   # registered once per process
             torch.ops.load_library(str(out))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -91,10 +107,29 @@ def _load():
     return torch.ops.tandem, None
 
 
-def _run(cmd: list[str]) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if r.returncode != 0:
-        raise OSError(r.stderr or f"{cmd[0]} exited with {r.returncode}")
+def _run(*cmds: list[str]) -> None:
+    """Run the commands side by side (the C and C++ compiles take the two cores CI has)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for c in cmds:
+            procs.append(subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    except OSError:                      # a missing compiler: stop what already started
+        for p in procs:
+            p.kill()
+            p.communicate()
+        raise
+    errors = []
+    for c, p in zip(cmds, procs):
+        try:
+            _, err = p.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        if p.returncode != 0:
+            errors.append(err or f"{c[0]} exited with {p.returncode}")
+    if errors:
+        raise OSError("\n".join(errors))
 
 
 def _build(cc: str, cxx: str, out: Path) -> None:
@@ -106,8 +141,8 @@ def _build(cc: str, cxx: str, out: Path) -> None:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         c_obj, cxx_obj, so = (os.path.join(tmp, n) for n in ("kernels.o", "ops.o", "tandem_ops.so"))
-        _run([cc, *CFLAGS, "-c", str(SOURCE), "-o", c_obj])
-        _run([cxx, *CXXFLAGS, abi, *(f"-I{p}" for p in include_paths()), "-c", str(HERE / "native_ops.cpp"),
+        _run([cc, *CFLAGS, "-c", str(SOURCE), "-o", c_obj],
+             [cxx, *CXXFLAGS, abi, *(f"-I{p}" for p in include_paths()), "-c", str(HERE / "native_ops.cpp"),
               "-o", cxx_obj])
         _run([cxx, "-shared", cxx_obj, c_obj, "-o", so, f"-L{torch_lib}", "-lc10", "-ltorch_cpu", *gomp,
               f"-Wl,-rpath,{torch_lib}", "-lm"])
