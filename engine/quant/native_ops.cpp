@@ -4,7 +4,8 @@
 // reads or writes memory. Index tensors are range-checked where the kernel writes through them
 // (write rows) or indexes tables with them (req_to_token rows, key ranges); the req_to_token
 // entries themselves (key slots, read only) are the cache's invariant, not rechecked per step.
-// Built by native_lib.py with avx512_kernels.c into one library loaded by torch.ops.load_library.
+// (A stride is checked only along a dim of more than one element: a size-1 dim's stride is
+// never used.) Built by native_lib.py with avx512_kernels.c into one library loaded by torch.ops.load_library.
 //
 // Threads: the kernels run at::get_num_threads() OpenMP threads (torch's runtime and setting).
 #include <ATen/Parallel.h>
@@ -180,7 +181,7 @@ void rope_(Tensor &x, const Tensor &cos, const Tensor &sin) {
   check_float(op, "x", x, 3);
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
   TQ_CHECK(D % 32 == 0, "the head dim must be a multiple of 32, got ", D);
-  TQ_CHECK(x.stride(1) == D, "x's heads must be D = ", D, " apart, got strides ", x.strides());
+  TQ_CHECK(H <= 1 || x.stride(1) == D, "x's heads must be D = ", D, " apart, got strides ", x.strides());
   check_cos_sin(op, x, cos, sin, T, D);
   if (T == 0) return;
   tq_rope(x.data_ptr(), T, x.stride(0), H, D, cos.data_ptr(), sin.data_ptr(), cos.stride(0), is_bf16(x));
@@ -194,15 +195,15 @@ Tensor attention(const Tensor &q, Tensor &kpool, Tensor &vpool, const Tensor &k,
   check_float(op, "q", q, 3);
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2);
   TQ_CHECK(d % 16 == 0 && d <= 256, "the head dim must be a multiple of 16 up to 256, got ", d);
-  TQ_CHECK(q.stride(1) == d, "q's heads must be D = ", d, " apart, got strides ", q.strides());
+  TQ_CHECK(hq <= 1 || q.stride(1) == d, "q's heads must be D = ", d, " apart, got strides ", q.strides());
   for (const Tensor *t : {&k, &v}) {
     TQ_CHECK(t->scalar_type() == q.scalar_type(), "k and v must have q's dtype ", q.scalar_type());
     check_float(op, "k and v", *t, 3);
-    TQ_CHECK(t->size(0) == T && t->size(2) == d && t->stride(1) == d, "k and v must be [", T, ", Hkv, ", d,
+    TQ_CHECK(t->size(0) == T && t->size(2) == d && (t->size(1) <= 1 || t->stride(1) == d), "k and v must be [", T, ", Hkv, ", d,
           "] with heads D apart, got ", t->sizes(), " strides ", t->strides());
   }
   const int64_t hkv = k.size(1);
-  TQ_CHECK(v.size(1) == hkv && v.stride(0) == k.stride(0), "v must have k's shape and row stride");
+  TQ_CHECK(v.size(1) == hkv && (T <= 1 || v.stride(0) == k.stride(0)), "v must have k's shape and row stride");
   TQ_CHECK(hkv > 0 && hq % hkv == 0, "q heads (", hq, ") must be a multiple of kv heads (", hkv, ")");
   const int64_t *im = check_step(op, q.scalar_type(), T, hkv, d, kpool, vpool, wrow, r2t, rows, lo, hi, imap);
   Tensor out = at::empty({T, hq, d}, q.options());

@@ -151,3 +151,13 @@ def test_llama_layer_checks_that_the_projections_chain(ops):
     assert not a["kpool"].any()
     out = call()
     assert out.shape == (3, h) and out.dtype == BF and a["kpool"][:3].any()
+
+
+def test_a_size_one_dim_s_stride_is_not_checked(ops):
+    """A decode step's one token: k and v views of different tensors (row strides differ, as in
+    the exact path's qkv split) are taken; the stride of a dim of one element is never used."""
+    a = _attention_args(t=1)
+    k = torch.randn(1, 1, 48, dtype=BF)[:, :, :16]                         # row stride 48, v's is 16
+    out = ops.attention(a["q"], a["kpool"], a["vpool"], k, a["v"], a["wrow"], a["r2t"], a["rows"], a["lo"],
+                        a["hi"], None, a["scale"])
+    assert out.shape == (1, 2, 16) and torch.equal(a["kpool"][0], k[0]) and torch.equal(a["vpool"][0], a["v"][0])
