@@ -24,6 +24,17 @@ if os.environ.get("TRITON_INTERPRET") is None:
         pass
 
 
+def pytest_report_header(config):
+    """The session header says whether the native AVX512-BF16 kernels run here (else why not), and
+    whether this run built them (first use: the compile's time) or found them cached. (pytest
+    prints no header under ``-q``; the skipped tests' reasons say it there, with ``-rs``.)"""
+    try:
+        from tandem.engine.quant.native_lib import describe
+    except ImportError as e:                       # no torch: the engine's tests skip anyway
+        return f"native AVX512-BF16 kernels: off ({e})"
+    return describe()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     from tandem.engine.loader import ModelLoadError, smollm2_path

@@ -1,5 +1,6 @@
 """CpuKernelAttentionBackend: paged attention in one C call per layer (``tq_attention`` in
-engine/quant/avx512_kernels.c), the CPU default where the AVX512 kernels build.
+engine/quant/avx512_kernels.c, as the typed op ``torch.ops.tandem.attention``, which checks the
+tensors' shapes, dtypes and index ranges first), the CPU default where the AVX512 kernels build.
 
 One call writes the step's new K/V into the layer's pool and attends every query over its keys,
 read in place through ``req_to_token`` (and ``LayerKV.index_map``): no gather, no padding, no
@@ -23,7 +24,7 @@ from tandem.engine.attention.base import AttnSpec
 from tandem.engine.attention.torch_backend import _META_KEY as _TORCH_META
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.quant.native_lib import kernel_lib, kernel_unavailable
+from tandem.engine.quant.native_lib import kernel_ops, kernel_unavailable
 
 _META_KEY = "cpu_kernel"
 
@@ -77,14 +78,15 @@ class _Step:
 
 
 class CpuKernelAttentionBackend:
-    """Implements :class:`tandem.engine.attention.base.AttentionBackend` with ``tq_attention``."""
+    """Implements :class:`tandem.engine.attention.base.AttentionBackend` with ``tq_attention``
+    (``torch.ops.tandem.attention``)."""
 
     name = "cpu_kernel"   # what the startup line calls it
 
     def __init__(self) -> None:
         if (why := kernel_unavailable()) is not None:
             raise RuntimeError(f"the CPU attention kernel cannot run here: {why}")
-        self._lib = kernel_lib()
+        self._attention = kernel_ops().attention.default
         self._torch = TorchAttentionBackend()       # for layers the kernel does not take
 
     def init_forward(self, fb: ForwardBatch) -> None:
@@ -93,7 +95,7 @@ class CpuKernelAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> o: [T, Hq, D]."""
-        t, hq, d = q.shape
+        d = q.shape[2]
         args = self.kernel_args(spec, fb, q.dtype)
         if args is None:
             return self._fallback(q, k, v, spec, fb)
@@ -101,21 +103,13 @@ class CpuKernelAttentionBackend:
             q = q.contiguous()
         if k.stride(0) != v.stride(0) or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1:
             k, v = k.contiguous(), v.contiguous()
-        kpool, vpool, wrow, r2t, r2t_stride, rows, lo, hi, imap = args
-        out = torch.empty(t, hq, d, dtype=q.dtype)
-        rc = self._lib.tq_attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), t, hq, spec.num_kv_heads, d, kpool, vpool,
-            k.data_ptr(), v.data_ptr(), k.stride(0), wrow, r2t, r2t_stride, rows, lo, hi, imap,
-            spec.scale, q.dtype == torch.bfloat16, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"tq_attention failed ({rc}) on layer {spec.layer_id}")
-        return out
+        kpool, vpool, wrow, r2t, rows, lo, hi, imap = args
+        return self._attention(q, kpool, vpool, k, v, wrow, r2t, rows, lo, hi, imap, spec.scale)
 
     def kernel_args(self, spec: AttnSpec, fb: ForwardBatch, dtype: torch.dtype) -> tuple | None:
-        """tq_attention's pool and key-range arguments for this layer this step, as addresses:
-        (kpool, vpool, write rows, req_to_token, its row stride, rows, lo, hi, index map or None);
-        None when the kernel does not take the layer (its pool's dtype or layout, the head dim).
-        The tensors behind them live in ``fb`` for the step."""
+        """The attention op's pool and key-range tensors for this layer this step: (kpool, vpool,
+        write rows, req_to_token, rows, lo, hi, index map or None); None when the kernel does not
+        take the layer (its pool's dtype or layout, the head dim). They live in ``fb`` for the step."""
         lkv = fb.kv_pool.layer(spec.layer_id)
         if not self._takes(lkv, dtype, spec.head_dim):
             return None
@@ -123,10 +117,8 @@ class CpuKernelAttentionBackend:
         r2t = fb.req_to_token
         if r2t.dtype != torch.int32 or r2t.stride(1) != 1:
             raise ValueError(f"req_to_token must be int32 with unit stride, got {r2t.dtype} {tuple(r2t.stride())}")
-        imap = step.index_map(lkv.index_map)
-        return (lkv.k.data_ptr(), lkv.v.data_ptr(), step.write_rows(fb.out_cache_loc, lkv.index_map).data_ptr(),
-                r2t.data_ptr(), r2t.stride(0), step.rows.data_ptr(), step.low(spec.sliding_window).data_ptr(),
-                step.hi.data_ptr(), imap.data_ptr() if imap is not None else None)
+        return (lkv.k, lkv.v, step.write_rows(fb.out_cache_loc, lkv.index_map), r2t, step.rows,
+                step.low(spec.sliding_window), step.hi, step.index_map(lkv.index_map))
 
     @staticmethod
     def _takes(lkv, dtype: torch.dtype, d: int) -> bool:

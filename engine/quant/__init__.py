@@ -9,7 +9,9 @@
   the vocab head's Q8_0 blocks times int8 activation blocks (AVX512-VNNI), with a
   fused pre-op; the default native kernel on CPUs with AVX512 BF16 + VNNI. The same C file holds the rotary kernel (``rope_``),
   the paged attention engine/attention/cpu_backend.py calls and the whole-layer call
-  engine/models/llama_cpu.py makes. ``native_lib.py`` builds it with gcc once per source hash
+  engine/models/llama_cpu.py makes. ``native_ops.cpp`` registers them as typed torch ops
+  (``torch.ops.tandem.*``, shapes and dtypes checked at the boundary; the C signatures declared once
+  in ``avx512_kernels.h``); ``native_lib.py`` builds both with gcc/g++ once per source hash
   (``~/.cache/tandem/kernels``) and says why not where it cannot.
 - ``preop.py``: ``PreOp``, the RMSNorm / silu-mul a projection applies to its input first (fused
   by Avx512Linear, applied in torch by the others).

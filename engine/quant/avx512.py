@@ -1,6 +1,7 @@
-"""Avx512Linear: a GGUF weight's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on AVX512 (``avx512_kernels.c``,
-built by ``native_lib.py``): the default kernel for a GGUF file's quantized weights on CPUs with
-AVX512 BF16 + VNNI (``weights="native"``; engine/quant/linear.py's :func:`make_linear`).
+"""Avx512Linear: a GGUF weight's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks
+on AVX512 (``avx512_kernels.c`` as the typed op ``torch.ops.tandem.linear_``, built by
+``native_lib.py``, which checks every tensor's shape and dtype): the default kernel for a GGUF
+file's quantized weights on CPUs with AVX512 BF16 + VNNI (``weights="native"``; engine/quant/linear.py's :func:`make_linear`).
 
 Numerics (the C file's docstring has the formulas):
 - Q4_0 / Q4_1: bf16 activations (the pre-op's float32 result rounded to bf16 once) times the exact
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
-from tandem.engine.quant.native_lib import kernel_lib, kernel_unavailable
+from tandem.engine.quant.native_lib import kernel_ops, kernel_unavailable
 from tandem.engine.quant.preop import PreOp
 
 # GGUF kind -> the C kernel's kind: Q5_0 / Q5_1 / Q5_K share one (5-bit codes, float32 scale and
@@ -114,18 +115,9 @@ def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) ->
     """What the kernel multiplies for x ([T, K], or [T, 2K] for silu_mul; tests): Q8_0 ->
     (xq [T, K] int8, d_x [T, K/32]); others -> (bf16 rows [T, K], per-block sums [T, K/32];
     Q6_K: per 16, [T, K/16])."""
-    t = x.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    xq = torch.empty(t, k, dtype=torch.int8 if kind == "Q8_0" else torch.bfloat16)
-    dx = torch.empty(t, k // (16 if kind == "Q6_K" else GROUP))
-    nw = _nw(pre, x.dtype)
-    rc = kernel_lib().tq_activations(
-        KIND_IDS[kind], x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, t, k,
-        _PRE_IDS[pre.kind if pre is not None else None], nw.data_ptr() if nw is not None else None,
-        pre.eps if pre is not None else 0.0, xq.data_ptr(), dx.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"tq_activations failed ({rc})")
-    return xq, dx
+    return kernel_ops().activations(KIND_IDS[kind], x, k, _PRE_IDS[pre.kind if pre is not None else None],
+                                    _nw(pre, x.dtype), pre.eps if pre is not None else 0.0)
 
 
 class Avx512Linear(nn.Module):
@@ -175,20 +167,15 @@ class Avx512Linear(nn.Module):
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         nw = _nw(pre, x.dtype)
-        packed = [self.packed] if self.packed is not None else list(self.parts)
-        for (kind_id, n0, nn_), wp in zip(self._segments, packed):
-            rc = kernel_lib().tq_linear(
-                kind_id, wp.data_ptr(), nn_, k, x.data_ptr(), x.stride(0),
-                x.dtype == torch.bfloat16, _PRE_IDS[pre.kind if pre is not None else None],
-                nw.data_ptr() if nw is not None else None, pre.eps if pre is not None else 0.0, t,
-                out.data_ptr() + n0 * out.element_size(), out.stride(0), out.dtype == torch.bfloat16,
-                residual.data_ptr() + n0 * residual.element_size() if residual is not None else None,
-                residual.stride(0) if residual is not None else 0,
-                residual is not None and residual.dtype == torch.bfloat16,
-                bias.data_ptr() + n0 * bias.element_size() if bias is not None else None,
-                bias is not None and bias.dtype == torch.bfloat16, torch.get_num_threads())
-            if rc != 0:
-                raise RuntimeError(f"tq_linear failed ({rc}) for a {self.kind} weight")
+        pre_id, eps = _PRE_IDS[pre.kind if pre is not None else None], pre.eps if pre is not None else 0.0
+        linear_ = kernel_ops().linear_.default
+        if self.packed is not None:                       # one part: the whole output
+            linear_(self.kind_id, self.packed, x, out, pre_id, nw, eps, residual, bias)
+            return out
+        for (kind_id, n0, nn_), wp in zip(self._segments, self.parts):   # each into its columns
+            linear_(kind_id, wp, x, out[:, n0:n0 + nn_], pre_id, nw, eps,
+                    residual[:, n0:n0 + nn_] if residual is not None else None,
+                    bias[n0:n0 + nn_] if bias is not None else None)
         return out
 
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -207,8 +194,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     t, h, d = x.shape
     if (x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype or x.stride(2) != 1
             or x.stride(1) != d or (d // 2) % 16 or cos.stride(-1) != 1 or sin.stride() != cos.stride()
-            or x.device.type != "cpu" or (lib := kernel_lib()) is None):
+            or x.device.type != "cpu" or (ops := kernel_ops()) is None):
         return False
-    lib.tq_rope(x.data_ptr(), t, x.stride(0), h, d, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                x.dtype == torch.bfloat16)
+    ops.rope_.default(x, cos, sin)
     return True

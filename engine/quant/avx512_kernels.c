@@ -49,15 +49,21 @@
  *
  * Activations: rows of float32 or bfloat16, with an optional fused pre-op (RMSNorm with a weight,
  * or silu(x[:, :K]) * x[:, K:2K]) applied in float32 first.
+ *
+ * The entry points are declared in avx512_kernels.h; their callers are native_ops.cpp's torch
+ * operators, which check shapes and dtypes first (the functions here trust their arguments).
  */
+#include "avx512_kernels.h"
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_K4 = 3, KIND_K5 = 4, KIND_K6 = 5, KIND_K8 = 6 };
-enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SILU_MUL = 2 };
+enum { KIND_Q4_0 = TQ_KIND_Q4_0, KIND_Q4_1 = TQ_KIND_Q4_1, KIND_Q8_0 = TQ_KIND_Q8_0, KIND_K4 = TQ_KIND_K4,
+       KIND_K5 = TQ_KIND_K5, KIND_K6 = TQ_KIND_K6, KIND_K8 = TQ_KIND_K8 };
+enum { PRE_NONE = TQ_PRE_NONE, PRE_RMSNORM = TQ_PRE_RMSNORM, PRE_SILU_MUL = TQ_PRE_SILU_MUL };
 
 static inline int record_bytes(int kind) {
     switch (kind) {
@@ -70,6 +76,8 @@ static inline int record_bytes(int kind) {
     default: return 288;
     }
 }
+
+int tq_record_bytes(int kind) { return kind < KIND_Q4_0 || kind > KIND_K8 ? 0 : record_bytes(kind); }
 
 /* -- float helpers ------------------------------------------------------------------------- */
 static inline __m512 load16(const void *p, int bf16) {
@@ -792,16 +800,7 @@ int tq_attention(const void *q, int64_t q_stride, void *out, int64_t T, int64_t 
 }
 
 /* -- one Llama decoder layer ---------------------------------------------------------------- */
-/* The static half of a layer (built once by engine/models/llama_cpu.py): the four projections'
- * packed weights ([0] qkv, [1] o, [2] gate_up, [3] down), the two RMSNorm weights, the shapes. */
-typedef struct {
-    int64_t kind[4];
-    const uint8_t *w[4];
-    int64_t n[4], k[4];
-    const void *in_norm, *post_norm;
-    double eps, scale;
-    int64_t n_q, n_kv, d;
-} LayerDesc;
+/* LayerDesc (the static half of a layer): avx512_kernels.h. */
 
 static __thread uint8_t *layer_scratch = NULL;
 static __thread size_t layer_scratch_bytes = 0;

@@ -1,19 +1,30 @@
-"""Build and load ``avx512_kernels.c`` (the AVX512 BF16/VNNI GGUF kernels) with the machine's C
-compiler.
+"""Build and load the AVX512 BF16/VNNI kernels (``avx512_kernels.c``) as typed torch operators
+(``native_ops.cpp``): ``torch.ops.tandem.linear_``, ``activations``, ``rope_``, ``attention``,
+``llama_layer``.
 
-The shared library is compiled once per source hash into ``$XDG_CACHE_HOME/tandem/kernels``
-(``~/.cache/tandem/kernels``), written to a temporary name and renamed into place, so several
-worker processes starting at once race harmlessly. It links torch's own OpenMP runtime (the same
-``libgomp.so.1`` soname, already loaded by torch), so its threads are torch's threads.
+Each operator's schema is registered with ``torch.library`` (``TORCH_LIBRARY(tandem, ...)``) and
+its C++ body checks every tensor's device, dtype, rank, shape and layout (and the index ranges the
+kernels write through) before the C code runs: a wrong argument raises ``ValueError`` naming the
+op and the argument, never reaches the kernels' raw pointers. The C signatures live once, in
+``avx512_kernels.h``, which both the C file and the C++ file include (no hand-kept ctypes
+signatures, no struct mirrored in Python).
 
-:func:`kernel_lib` returns the loaded library or None; :func:`kernel_unavailable` says why not in one line
-(no x86-64 AVX512 BF16/VNNI, no compiler, a failed build), which the startup line repeats. Nothing here
-raises: a machine without the kernels runs the torch int4 path instead.
+Built on first use, once per hash of the sources, flags, compilers and torch version, into
+``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache/tandem/kernels``): gcc compiles the C file with
+the AVX512 flags, g++ the operators against torch's headers, one shared library links both and
+torch's own OpenMP runtime (``libgomp.so.1`` from torch/lib, so the kernels' threads are torch's
+threads), written to a temporary name and renamed into place so several workers starting at once
+race harmlessly. No ninja or Python headers are needed (the library holds no Python bindings;
+``torch.ops.load_library`` registers it), unlike ``torch.utils.cpp_extension.load``.
+
+:func:`kernel_ops` returns ``torch.ops.tandem`` or None; :func:`kernel_unavailable` says why not
+in one line (no x86-64 AVX512 BF16/VNNI, no compiler, a failed build), which the startup line and
+the test session header repeat. Nothing here raises: a machine without the kernels runs the torch
+paths instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -22,28 +33,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from tandem.engine.quant.cpu import cpu_flags
 
-SOURCE = Path(__file__).with_name("avx512_kernels.c")
+HERE = Path(__file__).parent
+SOURCE = HERE / "avx512_kernels.c"
+SOURCES = (SOURCE, HERE / "avx512_kernels.h", HERE / "native_ops.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "f16c", "fma")
-CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mf16c", "-mfma"]
-
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "tq_linear": ([_I32, _P, _I64, _I64, _P, _I64, _I32, _I32, _P, _F32, _I64, _P, _I64, _I32,
-                   _P, _I64, _I32, _P, _I32, _I32], _I32),
-    "tq_activations": ([_I32, _P, _I64, _I32, _I64, _I64, _I32, _P, _F32, _P, _P, _I32], _I32),
-    "tq_rope": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I32], None),
-    "tq_attention": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64,
-                      _P, _P, _P, _P, _F32, _I32, _I32], _I32),
-    "tq_llama_layer": ([_P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P,
-                        _I32], _I32),
-}
+CFLAGS = ["-O3", "-std=c11", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mf16c", "-mfma"]
+CXXFLAGS = ["-O2", "-std=c++20", "-fPIC", "-w"]
+BUILD_TIMEOUT_S = 600
 
 
 def cache_dir() -> Path:
@@ -51,57 +55,95 @@ def cache_dir() -> Path:
     return Path(base) / "tandem" / "kernels"
 
 
-def kernel_lib() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it cannot run here (see :func:`kernel_unavailable`)."""
+def kernel_ops():
+    """``torch.ops.tandem`` with the kernels' operators loaded, or None where they cannot run
+    here (see :func:`kernel_unavailable`)."""
     return _load()[0]
 
 
 def kernel_unavailable() -> str | None:
-    """None when :func:`kernel_lib` loaded, else why not (one line)."""
+    """None when :func:`kernel_ops` loaded, else why not (one line)."""
     return _load()[1]
 
 
+def describe() -> str:
+    """One line for logs and the test session header: whether the native kernels run here, and
+    whether this process built them (and how long that took) or found them cached."""
+    ops, why = _load()
+    if ops is None:
+        return f"native AVX512-BF16 kernels: off ({why})"
+    how = f"built now in {_BUILT_S[0]:.1f} s" if _BUILT_S else f"cached in {cache_dir()}"
+    return f"native AVX512-BF16 kernels: on (torch.ops.tandem, {how})"
+
+
+_BUILT_S: list[float] = []    # this process's build time, when it built the library
+
+
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
+def _load():
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the AVX512 kernels are built for Linux x86-64 (this is {sys.platform} {platform.machine()})"
     missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"the CPU lacks {', '.join(missing)} (the AVX512 kernels need AVX512 BF16 and VNNI)"
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None, "no C compiler (gcc) to build the AVX512 kernels"
-    src = SOURCE.read_bytes()
-    digest = hashlib.sha256(src + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
-    out = cache_dir() / f"avx512_kernels-{digest}.so"
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cc is None or cxx is None:
+        return None, f"no {'C' if cc is None else 'C++'} compiler ({'gcc' if cc is None else 'g++'}) to build the AVX512 kernels"
+    key = b"".join(p.read_bytes() for p in SOURCES) + " ".join([cc, cxx, *CFLAGS, *CXXFLAGS]).encode()
+    digest = hashlib.sha256(key + torch.__version__.encode()).hexdigest()[:16]
+    out = cache_dir() / f"tandem_ops-{digest}.so"
     try:
         if not out.exists():
-            _build(cc, out)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.SubprocessError) as e:
+            t0 = time.perf_counter()
+            _build(cc, cxx, out)
+            _BUILT_S[:] = [time.perf_counter() - t0]
+        if not hasattr(torch.ops.tandem, "linear_"):   # registered once per process
+            torch.ops.load_library(str(out))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         first = next((ln for ln in lines if "error" in ln), lines[0])
         return None, f"building the AVX512 kernels failed: {first.strip()[:200]}"
-    for name, (args, res) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    return lib, None
+    return torch.ops.tandem, None
 
 
-def _build(cc: str, out: Path) -> None:
+def _run(*cmds: list[str]) -> None:
+    """Run the commands side by side (the C and C++ compiles take the two cores CI has)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for c in cmds:
+            procs.append(subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    except OSError:                      # a missing compiler: stop what already started
+        for p in procs:
+            p.kill()
+            p.communicate()
+        raise
+    errors = []
+    for c, p in zip(cmds, procs):
+        try:
+            _, err = p.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        if p.returncode != 0:
+            errors.append(err or f"{c[0]} exited with {p.returncode}")
+    if errors:
+        raise OSError("\n".join(errors))
+
+
+def _build(cc: str, cxx: str, out: Path) -> None:
+    from torch.utils.cpp_extension import include_paths
+
     out.parent.mkdir(parents=True, exist_ok=True)
     torch_lib = Path(torch.__file__).parent / "lib"
-    link = []
-    if (torch_lib / "libgomp.so.1").exists():   # torch's OpenMP runtime, not a second one
-        link = [f"-L{torch_lib}", "-l:libgomp.so.1", f"-Wl,-rpath,{torch_lib}"]
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *link, "-lm"],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise OSError(r.stderr or f"{cc} exited with {r.returncode}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    gomp = ["-l:libgomp.so.1"] if (torch_lib / "libgomp.so.1").exists() else ["-fopenmp"]  # torch's runtime
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        c_obj, cxx_obj, so = (os.path.join(tmp, n) for n in ("kernels.o", "ops.o", "tandem_ops.so"))
+        _run([cc, *CFLAGS, "-c", str(SOURCE), "-o", c_obj],
+             [cxx, *CXXFLAGS, abi, *(f"-I{p}" for p in include_paths()), "-c", str(HERE / "native_ops.cpp"),
+              "-o", cxx_obj])
+        _run([cxx, "-shared", cxx_obj, c_obj, "-o", so, f"-L{torch_lib}", "-lc10", "-ltorch_cpu", *gomp,
+              f"-Wl,-rpath,{torch_lib}", "-lm"])
+        os.replace(so, out)

@@ -26,7 +26,7 @@ from tandem.engine.quant.preop import PreOp
 gguf = pytest.importorskip("gguf")
 KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 pytestmark = pytest.mark.skipif(native_lib.kernel_unavailable() is not None,
-                                reason=f"AVX512 kernels: {native_lib.kernel_unavailable()}")
+                                reason=f"needs the AVX512-BF16 kernels: {native_lib.kernel_unavailable()}")
 
 
 def _weight(kind: str, n: int, k: int, seed: int = 0):
@@ -123,13 +123,13 @@ def fresh_load():
     native_lib._load.cache_clear()
     yield
     native_lib._load.cache_clear()
-    assert native_lib.kernel_lib() is not None
+    assert native_lib.kernel_ops() is not None
 
 
 def test_a_cpu_without_the_instructions_gets_a_reason(fresh_load, monkeypatch):
     monkeypatch.setattr(native_lib, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     why = native_lib.kernel_unavailable()
-    assert native_lib.kernel_lib() is None and "avx512_vnni" in why and "avx512_bf16" in why
+    assert native_lib.kernel_ops() is None and "avx512_vnni" in why and "avx512_bf16" in why
     qw, _ = _weight("Q4_1", 96, 160)
     lin, why = make_linear(qw, torch.bfloat16, torch.device("cpu"), native=True)
     assert not isinstance(lin, Avx512Linear)          # torch's int4 kernel (or dequantized) instead
@@ -138,7 +138,7 @@ def test_a_cpu_without_the_instructions_gets_a_reason(fresh_load, monkeypatch):
 def test_a_failed_build_is_a_reason_not_a_crash(fresh_load, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert native_lib.kernel_lib() is None
+    assert native_lib.kernel_ops() is None
     assert native_lib.kernel_unavailable().startswith("building the AVX512 kernels failed")
 
 

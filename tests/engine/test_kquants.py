@@ -62,7 +62,7 @@ def test_k_quants_need_whole_super_blocks():
 
 # -- the AVX512 kernels on these kinds (engine/quant/avx512_kernels.c, the "KQ" kinds) -----------
 needs_kernels = pytest.mark.skipif(native_lib.kernel_unavailable() is not None,
-                                   reason=f"AVX512 kernels (AVX512-BF16): {native_lib.kernel_unavailable()}")
+                                   reason=f"needs the AVX512-BF16 kernels: {native_lib.kernel_unavailable()}")
 
 
 def _qw(kind: str, n: int, k: int, seed: int = 0):

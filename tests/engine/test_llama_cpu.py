@@ -19,7 +19,7 @@ from tandem.engine.models.llama_cpu import FusedLlamaLayer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.quant.native_lib import kernel_unavailable
 
-pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"AVX512 kernels: {kernel_unavailable()}")
+pytestmark = pytest.mark.skipif(kernel_unavailable() is not None, reason=f"needs the AVX512-BF16 kernels: {kernel_unavailable()}")
 
 
 def _trace(loaded, fused: bool | None) -> list[torch.Tensor]:
@@ -67,7 +67,7 @@ def test_fused_layer_is_bitwise_the_unfused_one(smollm2_default, threads, monkey
 
 
 def test_a_pickled_model_rebuilds_its_fused_layers_and_computes_the_same(smollm2_default):
-    """Ray ships models to workers pickled: the fused form (raw addresses) is rebuilt there."""
+    """Ray ships models to workers pickled: the fused form (holding the layer's weight tensors) is rebuilt there."""
     model = smollm2_default.model
     again = pickle.loads(pickle.dumps(model))
     assert all(layer.fused is None and not layer.fused_built for layer in again.layers)
@@ -75,7 +75,7 @@ def test_a_pickled_model_rebuilds_its_fused_layers_and_computes_the_same(smollm2
     a = _trace(smollm2_default, True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     built = again.layers[0].fused
-    assert built is not None and built.desc.w[0] == again.layers[0].qkv.packed.data_ptr()
+    assert built is not None and built.weights[0].data_ptr() == again.layers[0].qkv.packed.data_ptr()
 
 
 def test_the_torch_backend_runs_the_layer_unfused(smollm2_default):
