@@ -27,6 +27,7 @@ the same one to relaunch a dead worker and to adopt workers another router start
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 
@@ -41,14 +42,39 @@ ADOPT_TIMEOUT_S = 5.0        # a discovered worker that does not answer info() y
 
 
 def load_tokenizer(model: str):
-    """The model's tokenizer without its weights (the driver tokenizes; workers hold weights)."""
-    from tandem.core.tokenizer import Tokenizer
+    """The model's tokenizer without its weights (the driver tokenizes; workers hold weights).
+
+    Built once per process for each model as its files are on disk (a GGUF's tokenizer is rebuilt
+    from its vocabulary and merges in Python: seconds per build); a file changed since (the GGUF,
+    or a directory's tokenizer and config files) gets a new one. The tokenizer is shared: callers
+    only read it."""
     from tandem.engine.loader import smollm2_path
 
     path = smollm2_path() if model == "smollm2" else os.path.expanduser(model)
-    if os.path.isdir(path):
-        return Tokenizer.from_hf_dir(path)
-    return Tokenizer.from_gguf(path)
+    files = [os.path.join(path, f) for f in _HF_TOKENIZER_FILES] if os.path.isdir(path) else [path]
+    return _tokenizer_of(path, tuple(_stamp(f) for f in files))
+
+
+# What Tokenizer.from_hf_dir reads from a model directory.
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                       "config.json", "chat_template.jinja")
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    """(mtime_ns, size) of ``path``; (0, 0) when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0, 0
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_of(path: str, stamps: tuple):
+    """``stamps`` only keys the cache: a changed file misses it."""
+    from tandem.core.tokenizer import Tokenizer
+
+    return Tokenizer.from_hf_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
 
 
 def decode_engine_config(cfg: ServeConfig) -> EngineConfig:

@@ -57,7 +57,8 @@ def smollm2(smollm2_gguf):
     """Tandem's LoadedModel of SmolLM2 (float32, CPU)."""
     from tandem.engine.loader import load_model
 
-    return load_model("smollm2", device="cpu", dtype="float32")
+    with _hf_gguf_load():
+        return load_model("smollm2", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +68,8 @@ def smollm2_default(smollm2_gguf):
     oracles that compare Tandem with itself (prefix cache on/off, disaggregated vs colocated)."""
     from tandem.engine.loader import load_model
 
-    return load_model("smollm2", device="cpu")
+    with _hf_gguf_load():
+        return load_model("smollm2", device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -76,20 +78,23 @@ def smollm2_swa16(smollm2_gguf):
     holds no layers (test_hybrid_engine.py, tests/disagg/test_hybrid_workers.py)."""
     from tandem.engine.loader import load_model
 
-    return load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
+    with _hf_gguf_load():
+        return load_model("smollm2", device="cpu", dtype="float32", sliding_window=16)
 
 
-_HF_GGUF_READERS: dict = {}    # realpath -> gguf.GGUFReader: the session's transformers loads share it
+_HF_GGUF_READERS: dict = {}    # (realpath, mtime_ns, size) -> gguf.GGUFReader: the session's fixture loads share it
 
 
 @contextlib.contextmanager
 def _hf_gguf_load():
-    """While transformers loads the GGUF (its model: two parses of the file; its tokenizer: one):
-    one ``gguf.GGUFReader`` per file for the session (a parse walks SmolLM2's 49k tokens and
-    merges in Python, 3-5 s) and gguf's tensor-name map built once (transformers rebuilds it for
-    each of ~400 modules it walks). Both are pure functions of the file / of (architecture, block
-    count), and transformers only reads them (measured: the same state dict). Tandem's own loader
-    is not touched: only transformers' loads run inside this."""
+    """While a test fixture loads a GGUF (transformers' model: two parses of the file; its
+    tokenizer: one; Tandem's ``load_model``: one): one ``gguf.GGUFReader`` per file as it is on
+    disk for the session (a parse walks the vocabulary and merges in Python: seconds for SmolLM2's
+    49k tokens, more for Gemma's 262k) and gguf's tensor-name map built once (transformers
+    rebuilds it for each of ~400 modules it walks). Both are pure functions of the file / of
+    (architecture, block count); the reader maps the file read-only and both loaders only read
+    it. The first load of each file still parses it, so Tandem's
+    loader meets a fresh reader; later fixture loads of the same file share it."""
     try:
         import gguf
     except ImportError:
@@ -100,7 +105,8 @@ def _hf_gguf_load():
     def reader(path, *args, **kwargs):
         if args or kwargs:
             return real(path, *args, **kwargs)
-        key = os.path.realpath(path)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
         if key not in _HF_GGUF_READERS:
             _HF_GGUF_READERS[key] = real(path)
         return _HF_GGUF_READERS[key]
@@ -114,8 +120,8 @@ def _hf_gguf_load():
 
 @pytest.fixture(scope="session")
 def hf_gguf_load():
-    """:func:`_hf_gguf_load` for tests that load other GGUFs into transformers (a fixture: a
-    ``from conftest import`` would find whichever conftest module was imported last)."""
+    """:func:`_hf_gguf_load` for tests that load other GGUFs in fixtures (a fixture: a ``from
+    conftest import`` would find whichever conftest module was imported last)."""
     return _hf_gguf_load
 
 

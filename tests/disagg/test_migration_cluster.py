@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tandem.core.config import CacheConfig, EngineConfig, MigrationConfig, ServeConfig
+from tandem.core.types import SamplingParams
 
 OUT = 96
 TOPICS = ("rivers", "bridges", "volcanoes")
@@ -42,12 +43,11 @@ def cluster(ray_local, smollm2_default):
     backend = launch_disaggregated(cfg, loaded=smollm2_default)
     server = Server(backend, cfg)
     e = Engine(cfg.engine_config, loaded=smollm2_default)
-    want = {}
-    for t in TOPICS:   # the oracle: the same request on a colocated engine, no migration
-        c = e.generate(e.tokenizer.apply_chat_template(_messages(t)),
-                       __import__("tandem.core.types", fromlist=["SamplingParams"]).SamplingParams(
-                           max_tokens=OUT, ignore_eos=True))
-        want[t] = c.text
+    # the oracle: the same requests on a colocated engine, no migration (one batch: greedy decode
+    # is batch invariant, as the cluster's concurrent streams already assume)
+    params = SamplingParams(max_tokens=OUT, ignore_eos=True)
+    done = e.generate_many([e.make_request(e.tokenizer.apply_chat_template(_messages(t)), params) for t in TOPICS])
+    want = {t: c.text for t, c in zip(TOPICS, done)}
     e.shutdown()
     yield backend, server, want
     server.stop()

@@ -44,10 +44,11 @@ def record() -> dict:
 
 
 @pytest.fixture(scope="module")
-def exact(path):
+def exact(path, hf_gguf_load):
     from tandem.engine.loader import load_model
 
-    return load_model(path, device="cpu", dtype="float32", weights="dequant")
+    with hf_gguf_load():                     # tests/conftest.py: one parse of the file per session
+        return load_model(path, device="cpu", dtype="float32", weights="dequant")
 
 
 def _encode(tok, kind: str, text: str) -> list[int]:
@@ -89,10 +90,11 @@ def test_greedy_equals_transformers(exact, record):
     assert "largest city in France" in exact.tokenizer.decode(got[0])   # a base model: no "Paris"
 
 
-def test_default_numerics_within_the_bf16_bounds(path, exact, record):
+def test_default_numerics_within_the_bf16_bounds(path, exact, record, hf_gguf_load):
     from tandem.engine.loader import load_model
 
-    fast = load_model(path, device="cpu", dtype="bfloat16")
+    with hf_gguf_load():
+        fast = load_model(path, device="cpu", dtype="bfloat16")
     if kernel_unavailable() is None:
         assert "avx512 (Q4_K)" in fast.precision and "avx512 (Q6_K)" in fast.precision, fast.precision
     worst, means = 0.0, []

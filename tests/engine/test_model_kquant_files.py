@@ -38,33 +38,36 @@ MIXES = {"Q4_K_M": lambda name: q4_k_m(name, 30), "Q6_K": lambda name: "Q6_K"}
 
 
 @pytest.fixture(scope="module", params=sorted(MIXES))
-def kfile(request, smollm2_gguf, tmp_path_factory):
+def kfile(request, smollm2_gguf, tmp_path_factory, hf_gguf_load):
     """(mix, path of the GGUF, {tensor: type})."""
     d = tmp_path_factory.mktemp(f"smollm2-{request.param.lower()}")
     path = str(d / f"smollm2-{request.param.lower()}.gguf")
-    types = requantize_gguf(smollm2_gguf, path, MIXES[request.param])
+    with hf_gguf_load():                     # tests/conftest.py: the source's parse is the session's
+        types = requantize_gguf(smollm2_gguf, path, MIXES[request.param])
     return request.param, path, types
 
 
 @pytest.fixture(scope="module")
-def exact(kfile):
+def exact(kfile, hf_gguf_load):
     from tandem.engine.loader import load_model
 
-    return load_model(kfile[1], device="cpu", dtype="float32", weights="dequant")
+    with hf_gguf_load():                     # one parse of the file for this module's loads
+        return load_model(kfile[1], device="cpu", dtype="float32", weights="dequant")
 
 
 @pytest.fixture(scope="module")
-def native_model(kfile):
+def native_model(kfile, hf_gguf_load):
     """The default numerics (bf16 + the file's blocks where this CPU has native bf16)."""
     from tandem.engine.loader import load_model
 
-    return load_model(kfile[1], device="cpu")
+    with hf_gguf_load():
+        return load_model(kfile[1], device="cpu")
 
 
 @pytest.fixture(scope="module")
 def hf(kfile, hf_gguf_load):
     path = kfile[1]
-    with hf_gguf_load():                     # tests/conftest.py: one GGUF parse per file
+    with hf_gguf_load():                     # the parse the exact load made
         m = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     return m.eval()

@@ -47,8 +47,9 @@ def _load(weights: str):
 
 
 @pytest.fixture(scope="module")
-def bf16():
-    return _load("dequant")
+def bf16(hf_gguf_load):
+    with hf_gguf_load():          # tests/conftest.py: the session's parse of the file
+        return _load("dequant")
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_gguf):
-    from tandem.core.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(smollm2_gguf)
+def tok(smollm2):
+    return smollm2.tokenizer      # Tokenizer.from_gguf, built by the session's load (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
