@@ -41,6 +41,7 @@ $(VENV)/.test-models: $(VENV)/.installed
 # runs the Gemma 3 GGUF through a worker pair (tests/README.md says what make test keeps of each).
 # `make test-slow` runs them, `make test-all` both.
 test: setup test-models
+	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
 	$(PY) -m pytest -q -m "not slow" tests
 
 test-slow: setup test-models

@@ -32,7 +32,7 @@ pytest.importorskip("ray")
 
 from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = {
     "mode": "disaggregated", "prefill": 1, "decode": 1, "worker_lifetime": "cluster",
