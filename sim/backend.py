@@ -176,13 +176,14 @@ class SimServingBackend:
             await self._wake[pw.id].wait()
             self._wake[pw.id].clear()
             while pw.queue:
-                end = pw.start(self.now())
+                start = self.now()
+                end = pw.start(start)
                 f = self._by_sim[pw.current.rid]
                 f.stage = "prefill"
                 r = pw.current
                 sm.PREFILL_TOKENS.labels(name, "cached").inc(r.cached_tokens)
                 sm.PREFILL_TOKENS.labels(name, "computed").inc(r.prompt_tokens - r.cached_tokens)
-                sm.BUSY.labels(name, "prefill").inc(end - self.now())
+                sm.BUSY.labels(name, "prefill").inc(max(end - start, 0.0))   # (a later now() can be past end)
                 await self._sleep_until(end)
                 pw.finish(self.now())
                 self._prefilled(f)
