@@ -266,6 +266,7 @@ async def run_chaos(args, oracle=None) -> dict:
             "hung": sum(1 for o in outcomes if o.kind == "failed" and o.reason.startswith("hung")),
             "retried": sum(o.retried for o in outcomes),
             "retried_completed": sum(o.retried and o.kind == "completed" for o in outcomes),
+            "retried_failed": sum(o.retried and o.kind == "failed" for o in outcomes),
             "rounds": sk.rounds, "events": sk.events, "warmup_s": warmup, "bounds": asdict(bounds),
             "growth": sampler.growth(sk.series, warmup), "not_flat": sampler.flat(sk.series, warmup, bounds),
             "samples": sk.series.to_json(), "sample_table": sampler.format_table(sk.series, warmup),

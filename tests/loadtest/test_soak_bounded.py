@@ -83,7 +83,8 @@ def test_the_bounded_soak_is_clean_and_flat(tmp_path):
     assert rep["killed"] and rep["killed"][0].startswith("decode-")       # a worker was killed
     assert any("SIGKILL router 1" in e for e in rep["events"])            # and a router
     assert "in flight" in next(e for e in rep["events"] if "SIGKILL router 1" in e)
-    assert rep["retried"] == rep["retried_completed"]                     # every resend completed
+    assert rep["retried"] >= 1 and rep["retried_failed"] == 0             # every resend completed (or was
+                                                                          # one of the plan's client aborts)
     assert rep["leaked_tokens"] == 0 and not rep["kv_problems"]
     procs = rep["samples"]["procs"]
     assert "router-0" in procs and any(k.startswith("decode@") for k in procs)
