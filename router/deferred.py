@@ -19,7 +19,9 @@ dispatcher's admission (router/dispatch.py):
   requests lately (the last ``RATE_WINDOW`` admissions within ``RATE_HORIZON_S``), and never less
   than the workers' own prediction (router/policies.py ``retry_after_s``). With no admission in
   that horizon the queue is stuck: at least ``ttl_s`` (by then every current waiter has left).
-  Whole seconds in ``[1, MAX_RETRY_AFTER_S]``.
+  Refused clients are promised retry slots one admission apart (``1 / rate``): each refusal's
+  Retry-After is at least the end of the previous promise, so a burst's refusals come back spread
+  at the rate the workers admit, not all at once. Whole seconds in ``[1, MAX_RETRY_AFTER_S]``.
 - A waiter whose client went away (its task cancelled) leaves the queue.
 
 One instance per event loop (the front door's); the dispatcher may call ``on_capacity`` from any
@@ -69,6 +71,7 @@ class DeferredDispatch:
         self.dispatch, self.max_size, self.ttl_s, self.poll_s = dispatch, max_size, ttl_s, poll_s
         self.refresh, self.clock = refresh, clock
         self._admitted: deque[float] = deque(maxlen=RATE_WINDOW)   # clock() of recent admissions
+        self._promised_until = 0.0  # clock() at which the last promised retry slot ends
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,17 +164,26 @@ class DeferredDispatch:
             return None
         return (len(recent) - 1) / (recent[-1] - recent[0])
 
-    def retry_after_s(self, worker_s: int = 1) -> int:
+    def retry_after_s(self, worker_s: int = 1, promise: bool = False) -> int:
         """The Retry-After of a refusal now (see the module docstring): the requests waiting
         (:func:`len`) over :meth:`admission_rate`, at least ``worker_s`` (the workers' own
-        prediction); ``ttl_s`` at least when nothing was admitted lately."""
+        prediction) and the end of the last promised retry slot; ``ttl_s`` at least when nothing
+        was admitted lately. ``promise``: record this refusal's slot (one admission long) so the
+        next refusal is sent after it; only with a known admission rate."""
         waiting = len(self)
         rate = self.admission_rate()
+        now = self.clock()
         if rate is None:
             queue_s = self.ttl_s if waiting else 0.0
         else:
             queue_s = waiting / rate
-        return int(min(max(math.ceil(queue_s), worker_s, 1), MAX_RETRY_AFTER_S))
+        wait = max(math.ceil(queue_s), worker_s, 1)
+        if rate is not None:
+            wait = max(wait, math.ceil(self._promised_until - now))
+        wait = int(min(wait, MAX_RETRY_AFTER_S))
+        if promise and rate is not None:
+            self._promised_until = max(self._promised_until, now + wait) + 1.0 / rate
+        return wait
 
     def _refusal(self, why: str, last: Overloaded | None = None) -> Overloaded:
         if last is None:
@@ -181,7 +193,7 @@ class DeferredDispatch:
                 worker_s = 1
         else:
             worker_s = last.retry_after_s
-        wait = self.retry_after_s(worker_s)
+        wait = self.retry_after_s(worker_s, promise=True)
         head = (f"{why}; every prefill worker is past its admission limits" if last is None
                 else f"{why}: {last}")
         return Overloaded(f"{head}; {len(self)} waiting in the dispatch queue: retry in {wait}s", wait)

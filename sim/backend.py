@@ -9,7 +9,10 @@ tokenization and the HTTP API (router/http.py), and the same :class:`Dispatcher`
 (router/dispatch.py) the Ray backend routes through: admission (the deferred-dispatch queue of
 router/deferred.py, then 429 with Retry-After), the policy ``cfg.policy`` with its session table
 and prefix indexes, the load records and the front door's metrics. Before each decision every
-worker's snapshot is refreshed (the prefill workers report their own ``pending_s``). No Ray, no
+worker's snapshot is refreshed (the prefill workers report their own ``pending_s``: their compute
+queue or their NIC's transfer backlog, the longer). The dispatcher runs on the simulated clock, so
+its seconds (``admission_max_pending_s``, the session policy's) are simulated seconds; the
+deferred queue's TTL and ``Retry-After`` are wall seconds (what a client waits). No Ray, no
 model weights: only the tokenizer. Per request (times in simulated seconds, as sim/replay/simulate.py has them):
 
     route (policy over the workers' views) -> prefill worker queue (FCFS) -> prefill of the
@@ -28,6 +31,7 @@ always runs to ``max_tokens`` (finish "length"); stop strings are not applied.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -276,8 +280,20 @@ class SimServingBackend:
     # ------------------------------------------------------------------ ServingBackend
     def _refresh_snapshots(self) -> None:
         now = self.now()
-        for w in self.prefills + self.decodes:
+        for w in self.prefills:
+            snap = w.snapshot(now)
+            self.dispatch.update_snapshot(w.id, dataclasses.replace(snap, pending_s=self._prefill_pending_s(w, now)))
+        for w in self.decodes:
             self.dispatch.update_snapshot(w.id, w.snapshot(now))
+
+    def _prefill_pending_s(self, pw: PrefillWorker, now: float) -> float:
+        """Simulated seconds before a new request's KV could leave prefill worker ``pw``: its
+        compute queue, or its NIC's backlog (transfers scheduled, plus those of the requests queued
+        or in service, which go first), whichever is longer; a prefill whose KV waits for the NIC
+        has not given its first token either."""
+        ahead = list(pw.queue) + ([pw.current] if pw.current is not None else [])
+        nic = max(self._nic_free[pw.id] - now, 0.0) + sum(self.profile.kv_transfer_s(r.prompt_tokens) for r in ahead)
+        return max(pw.pending_s(now), nic)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         self._ensure_started()

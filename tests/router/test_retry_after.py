@@ -50,6 +50,11 @@ def test_retry_after_is_the_waiting_queue_over_its_admission_rate():
             await q.route(_req("late"))
         # 4 waiting / (4 admissions in 8 s = 0.5/s) = 8 s (the worker's own guess is 1 s)
         assert e.value.retry_after_s == 8 and "retry in 8s" in str(e.value)
+        # the next refusals are promised the slots after it, one admission (2 s) apart
+        for want in (10, 12):
+            with pytest.raises(Overloaded) as e:
+                await q.route(_req(f"late-{want}"))
+            assert e.value.retry_after_s == want
         clock.t += 40.0                     # nothing admitted for longer than the rate's horizon
         with pytest.raises(Overloaded) as e:
             await q.route(_req("later"))
