@@ -168,7 +168,8 @@ class L3Store:
 
     def put(self, page_hash: int, payload: bytes, kind: str = "") -> bool:
         value = self._sealed(payload)
-        rc = self._call(self.backend.put, page_key(self.prefix, page_hash, kind), value) if self.backend else None
+        key = page_key(self.prefix, page_hash, kind)
+        rc = self._call(self.backend.put, key, value) if self.backend else None
         if rc != 0:
             return False
         self.stats.puts += 1

@@ -10,6 +10,10 @@ Per node (see tree.py's vocabulary):
   state row) or None. A component host copy needs the FULL host copy (the node's identity on
   the host tier), so dropping ``host`` drops every ``aux_host`` with it.
 
+With an L3 tier, a host copy that is the last copy of its data (a host-only node's FULL pages, a
+component's host copy the device does not hold) is recorded in ``spills`` (``tree.spill``) before
+its slots go to the frees lists, so the cache writes it to L3 first.
+
 Counters proved by the sanity recount: ``host_size`` / ``host_nodes`` (FULL) and, per component,
 ``aux_host_size[i]`` (units of its host pool) / ``aux_host_nodes[i]``. Host copies are protected by
 locks: FULL ones by ``lock_ref``, a component's by that component's lock (``aux_lock[i]``: the

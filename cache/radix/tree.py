@@ -21,7 +21,8 @@ Invariants (proved by :mod:`.sanity` by recount):
   each has a live heap entry ``(hk, id, node)`` with ``hk == policy.key(node)``.
 
 Nothing here frees memory or copies KV: frees are appended to ``device_frees``/``host_frees``/
-``aux_frees``/``aux_host_frees`` and events to ``events``; the cache (``cache/unified.py``) drains them after
+``aux_frees``/``aux_host_frees``, data whose last copy leaves to ``spills`` (with an L3 tier),
+and events to ``events``; the cache (``cache/unified.py``) drains them after
 each public operation.
 """
 

@@ -89,7 +89,8 @@ class Rig:
             own = self.swa_alloc.alloc(n - max(keep, p))
             rows[max(keep, p):] = own
             self.index_map[slots[max(keep, p) - p:]] = own
-            self.swa_pool.kv_data[:, :, own] = torch.tensor(ids[max(keep, p):n], dtype=torch.float32)[:, None, None]
+            t = torch.tensor(ids[max(keep, p):n], dtype=torch.float32)
+            self.swa_pool.kv_data[:, :, own] = t[:, None, None]
             extra["swa"] = rows
         if "mamba" in self.comps:
             s = int(self.state_alloc.alloc(1)[0])

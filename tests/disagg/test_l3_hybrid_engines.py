@@ -83,7 +83,7 @@ def test_a_fresh_hybrid_engine_serves_what_another_computed_from_l3(family, mast
         want = answer(plain, ids)
         for i, (x, y, w) in enumerate(zip(first, second, want)):
             assert x.token_ids == w.token_ids, f"{name} request {i}: the writer differs"
-            assert (y.token_ids, y.text) == (w.token_ids, w.text), f"{name} request {i}: L3 changed the output"
+            assert (y.token_ids, y.text) == (w.token_ids, w.text), f"{name} request {i}: L3 changed it"
         st = b.kv.cache.l3.stats
         assert st.hit_pages > 0 and st.aux_hits > 0 and st.aux_misses == 0, st
         assert all(y.cached_tokens > 0 for y in second), [y.cached_tokens for y in second]
