@@ -2,9 +2,9 @@
 pages, and a match continued into the store ends only where the components' vote accepts it.
 
 Real tensors on the CPU, an in-memory store (the real Mooncake master and real hybrid engines:
-tests/disagg/test_l3_hybrid_engines.py). Every pool's row of a token holds the token id, a state
-row the id of the last token before its checkpoint, so a value read into the wrong place shows up
-as a wrong number. Every operation runs the cache's invariant recount (debug_invariants) and the
+tests/disagg/test_l3_hybrid_engines.py). Every pool's row of a token holds a number naming the
+token's whole prefix (``val``), a state row the number of the prefix before its checkpoint, so a
+value read into the wrong place, or for another prefix, shows up as a wrong number. Every operation runs the cache's invariant recount (debug_invariants) and the
 tests end with the exact ownership check of every pool (full, SWA, state, host ones).
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
@@ -24,11 +26,21 @@ from tandem.core.page_hash import page_hashes
 
 from cache_support import make_cache
 from test_l3_tier import DictBackend
+from test_properties import COMPONENT_SETTINGS, seqs
 
 PS = 2
 W = 4           # SWA window
 PAGES = 32
 NONE = torch.empty(0, dtype=torch.int64)
+
+
+def val(ids, i) -> float:
+    """The value every pool holds for token ``i`` of ``ids``: a number naming ``ids[:i + 1]``."""
+    return float(hash(tuple(ids[:i + 1])) % 1_000_003)
+
+
+def vals(ids, a, b) -> list[float]:
+    return [val(ids, i) for i in range(a, b)]
 
 
 class Rig:
@@ -80,39 +92,46 @@ class Rig:
         c = self.cache
         c.lock(m.last_device_node)
         n, p = len(ids) // PS * PS, m.prefix_len
-        slots = self.alloc.alloc(n - p)
-        self.full.kv_data[:, :, slots] = torch.tensor(ids[p:n], dtype=torch.float32)[:, None, None]
+        slots = self._alloc(self.alloc, "full", n - p)
+        self.full.kv_data[:, :, slots] = torch.tensor(vals(ids, p, n))[:, None, None]
         extra = {}
         if "swa" in self.comps:
             keep = max(0, (n - W) // PS * PS)           # engine: rows behind the window released
             rows = torch.full((n,), -1, dtype=torch.int64)
-            own = self.swa_alloc.alloc(n - max(keep, p))
+            own = self._alloc(self.swa_alloc, "swa", n - max(keep, p))
             rows[max(keep, p):] = own
             self.index_map[slots[max(keep, p) - p:]] = own
-            t = torch.tensor(ids[max(keep, p):n], dtype=torch.float32)
-            self.swa_pool.kv_data[:, :, own] = t[:, None, None]
+            self.swa_pool.kv_data[:, :, own] = torch.tensor(vals(ids, max(keep, p), n))[:, None, None]
             extra["swa"] = rows
-        if "mamba" in self.comps:
-            s = int(self.state_alloc.alloc(1)[0])
-            self.state.data[:, s] = float(ids[n - 1])
+        if "mamba" in self.comps and n:
+            s = int(self._alloc(self.state_alloc, "mamba", 1)[0])
+            self.state.data[:, s] = val(ids, n - 1)
             extra["mamba"] = s
         _, node = c.cache(ids[:n], torch.cat([m.device_indices, slots]), m.last_device_node, extra=extra)
         c.unlock(node)
         self.store.flush()
         return m
 
+    def _alloc(self, alloc, pool: str, n: int) -> torch.Tensor:
+        """``n`` rows of a pool, evicting unlocked cache of that pool when short (the engine's way)."""
+        if alloc.available_size() < n:
+            self.cache.evict(n - alloc.available_size(), pool)
+        got = alloc.alloc(n)
+        assert got is not None, f"test pools too small for {n} {pool} rows"
+        return got
+
     def check_reused(self, ids, m):
         n = m.prefix_len
         idx = m.device_indices
-        assert self.full.kv_data[1, 1, idx, 0, 0].to(torch.int64).tolist() == ids[:n]
+        assert self.full.kv_data[1, 1, idx, 0, 0].tolist() == vals(ids, 0, n)
         if "swa" in self.comps and n:
             lo = max(0, n - W)                          # the window attention reads
             rows = self.index_map[idx[lo:]]
-            assert self.swa_pool.kv_data[0, 0, rows, 0, 0].to(torch.int64).tolist() == ids[lo:n]
+            assert self.swa_pool.kv_data[0, 0, rows, 0, 0].tolist() == vals(ids, lo, n)
             assert m.components["swa"][lo:].tolist() == rows.tolist()
         if "mamba" in self.comps and n:
             src = m.components["mamba"]
-            assert isinstance(src, StateCopy) and float(self.state.data[0, src.src, 0]) == ids[n - 1]
+            assert isinstance(src, StateCopy) and float(self.state.data[0, src.src, 0]) == val(ids, n - 1)
 
     def check(self):
         owned = {"full": NONE}
@@ -298,3 +317,51 @@ def test_no_room_for_component_rows_is_no_fetch():
     assert fresh.alloc.available_size() == fresh.alloc.size            # FULL slots given back
     fresh.swa_alloc.free(held)
     fresh.check()
+
+
+@pytest.mark.parametrize("comps, policy, host_tokens", [
+    (("swa", "mamba"), "write_through", 0), (("swa", "mamba"), "write_back", 0),
+    (("swa",), "write_back", 8), (("mamba",), "write_through", 8)])
+def test_two_hybrid_caches_sharing_a_store_against_their_values(comps, policy, host_tokens):
+    """Random runs on two caches over one store, evictions of every pool (FULL, each component,
+    the host): every value a request reuses (device, host load-back, L3) is its prefix's, and
+    every pool's ownership stays exact (check after every operation, and all free at the end)."""
+    def ops():
+        return st.lists(st.one_of(
+            st.tuples(st.just("run"), st.integers(0, 1), seqs(PS)),
+            st.tuples(st.just("again"), st.integers(0, 1), st.integers(0, 9), st.integers(0, 2)),
+            st.tuples(st.just("evict"), st.integers(0, 1), st.sampled_from(("full", "host") + comps),
+                      st.integers(1, 4 * PS)),
+            st.tuples(st.just("evict"), st.integers(0, 1), st.sampled_from(("full", "host")),
+                      st.just(10 ** 6)),          # everything unlocked leaves that tier
+        ), max_size=30)
+
+    @COMPONENT_SETTINGS
+    @given(ops=ops())
+    def run(ops):
+        b = DictBackend()
+        rigs = [Rig(b, comps, policy, host_tokens, swa_rows=24, state_rows=4) for _ in range(2)]
+        done: list[list[int]] = []
+        for op in ops:
+            g = rigs[op[1]]
+            if op[0] == "run":
+                g.run(op[2])                        # checks every reused value
+                done.append(op[2])
+            elif op[0] == "again":                  # an earlier prompt and a new token (a next turn)
+                if done:
+                    g.run(done[op[2] % len(done)] + [op[3]])
+            elif op[2] != "host" or g.host is not None:
+                g.cache.evict(op[3], op[2])
+            g.store.flush()
+            g.check()
+        for g in rigs:
+            g.cache.evict(10 ** 6)
+            if g.host is not None:
+                g.cache.evict(10 ** 6, "host")
+            g.store.flush()
+            g.check()
+            assert g.alloc.available_size() == g.alloc.size
+            assert g.swa_alloc.available_size() == g.swa_alloc.size or "swa" not in comps
+            assert g.state_alloc.available_size() == g.state_alloc.size or "mamba" not in comps
+            assert g.store.stats.corrupt == 0 and g.tier.stats.aux_misses == 0
+    run()
