@@ -88,6 +88,13 @@ def test_a_fresh_hybrid_engine_serves_what_another_computed_from_l3(family, mast
         assert st.hit_pages > 0 and st.aux_hits > 0 and st.aux_misses == 0, st
         assert all(y.cached_tokens > 0 for y in second), [y.cached_tokens for y in second]
         assert b.kv.cache.l3.store.stats.corrupt == 0
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from tandem.engine.metrics import register_engine_metrics
+        reg = CollectorRegistry()
+        register_engine_metrics(b, "b", registry=reg)
+        text = generate_latest(reg).decode()
+        assert f'tandem_l3_component_hits_total{{role="colocated",worker="b"}} {st.aux_hits}.0' in text
         idle_and_exact(a)
         idle_and_exact(b)
     finally:
