@@ -163,8 +163,9 @@ class UnifiedRadixCache:
         return cache
 
     def attach_l3(self, tier) -> None:
-        """Give the cache its shared L3 tier (``cache/l3/tier.py``; FULL-only caches: a cache
-        with auxiliary components raises ValueError). Call before the first request."""
+        """Give the cache its shared L3 tier (``cache/l3/tier.py``; it carries every component:
+        the tier raises ValueError when it lacks the device data of one). Call before the
+        first request."""
         tier.bind(self)
         self.l3 = tier
 
@@ -278,7 +279,8 @@ class UnifiedRadixCache:
             cached, node, created = t.insert(key, value, aux, session_id, priority)
         if created and self.host is not None and self.host.write_through:
             self.host.copy_node(node)
-        if created and self.l3 is not None and self.l3.write_through:
+        if self.l3 is not None and self.l3.write_through and (created or aux):
+            # hybrid: also when nodes only adopted component data (SWA rows, a checkpoint)
             self.l3.write_node(node)
         return cached, node, created
 
@@ -413,7 +415,8 @@ class UnifiedRadixCache:
         return value.to(device="cpu", dtype=torch.int64)
 
     def _spill(self) -> None:
-        """Write the nodes whose last copy leaves the tree to L3 (before their slots are freed)."""
+        """Write the data whose last copy leaves the tree to L3 (before its slots and component
+        rows are freed: every ``_free_*`` drains the spills first)."""
         t = self._tree
         if t.spills:
             spills, t.spills = t.spills, []
@@ -446,6 +449,8 @@ class UnifiedRadixCache:
 
     def _free_aux(self) -> None:
         t = self._tree
+        if t.spills:
+            self._spill()
         if t.aux_frees:
             # no copier wait: a D2H copy has read its device rows when to_host returns
             for i, v in t.aux_frees:
@@ -459,7 +464,7 @@ class UnifiedRadixCache:
             self._free_device()
         if t.host_frees or t.aux_host_frees:
             self._free_host()
-        if t.aux_frees:
+        if t.aux_frees or t.spills:
             self._free_aux()
         if self.host is not None:
             self.host.poll()

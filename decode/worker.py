@@ -127,7 +127,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
         if l3:
             from tandem.cache.l3.connect import attach_store
-            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name, **l3)
+            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name,
+                                   aux_data=engine.hybrid.component_data(), **l3)
         self.handle: DecodeHandle
         self.local_prefill_threshold = local_prefill_threshold
         self.kv_digest = kv_digest

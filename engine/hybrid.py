@@ -86,6 +86,10 @@ class HybridHooks(Protocol):
     def host_stores(self, host_tokens: int) -> list:
         """One host pool per component for a host tier of ``host_tokens`` FULL tokens."""
 
+    def component_data(self) -> dict:
+        """Each component's device pool by name, ``[L, K, rows, ...]``: what the host tier's
+        pools mirror and the L3 tier reads and writes (cache/l3/connect.py ``attach_store``)."""
+
     def describe(self) -> dict:
         """Component -> its pool, for the startup line."""
 
@@ -108,6 +112,7 @@ class NoHybrid(HybridHooks):
     def transfer_rows(self, r, start: int) -> dict: return {}
     def owned(self, held) -> dict: return {}
     def host_stores(self, host_tokens: int) -> list: return []
+    def component_data(self) -> dict: return {}
     def describe(self) -> dict: return {}
 
 
@@ -336,15 +341,27 @@ class HybridResources(HybridHooks):
 
     def host_stores(self, host_tokens: int) -> list[HostStore]:
         """One host pool per component for a host tier of ``host_tokens`` FULL tokens."""
+        data = self.component_data()
         stores = []
-        if self.swa_pool is not None:
+        if "swa" in data:
             rows = self.config.host_swa_rows or host_tokens
-            stores.append(HostStore("swa", self.swa_pool.kv_data, rows))
-        if self.state_pool is not None:
+            stores.append(HostStore("swa", data["swa"], rows))
+        if "mamba" in data:
             slots = self.config.host_state_slots or capped_rows(self.state_alloc.size,
                                                                 self.state_pool.bytes_per_slot)
-            stores.append(HostStore("mamba", self.state_pool.data.unsqueeze(1), slots))
+            stores.append(HostStore("mamba", data["mamba"], slots))
         return stores
+
+    def component_data(self) -> dict[str, torch.Tensor]:
+        """``{"swa": SWA pool [L_swa, 2, rows, H_kv, D], "mamba": state pool [L_m, 1, slots + 1,
+        *state]}`` (those the model has): the layout of the host tier's pools and of the L3
+        tier's component values."""
+        data = {}
+        if self.swa_pool is not None:
+            data["swa"] = self.swa_pool.kv_data
+        if self.state_pool is not None:
+            data["mamba"] = self.state_pool.data.unsqueeze(1)
+        return data
 
     def describe(self) -> dict[str, str]:
         """Component -> its pool, for the startup line (engine/describe.py)."""

@@ -80,6 +80,10 @@ def _l3_series(l3, gauge, counter):
     yield counter("tandem_l3_miss_pages", "KV pages looked up in L3 and not fetched (absent, corrupt, "
                   "late, no room)", t.miss_pages)
     yield counter("tandem_l3_corrupt_pages", "L3 pages whose digest did not match (each a miss)", s.corrupt)
+    yield counter("tandem_l3_component_hits", "hybrid models: component values (a page's SWA rows, a "
+                  "state checkpoint) read from the L3 store into the prefix cache", t.aux_hits)
+    yield counter("tandem_l3_component_misses", "hybrid models: component values a match end needed "
+                  "that could not be read (corrupt, wrong size, late)", t.aux_misses)
     yield counter("tandem_l3_read_bytes", "KV bytes read from the L3 store", s.bytes_read)
     yield counter("tandem_l3_written_bytes", "KV bytes written to the L3 store", s.bytes_written)
     yield counter("tandem_l3_write_dropped_pages", "L3 writes dropped (queue full, store down)",

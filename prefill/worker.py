@@ -98,7 +98,8 @@ class PrefillWorker(RoleWorker):
         self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
         if l3:
             from tandem.cache.l3.connect import attach_store
-            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name, **l3)
+            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name,
+                                   aux_data=engine.hybrid.component_data(), **l3)
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
         self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort

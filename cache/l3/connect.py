@@ -2,19 +2,22 @@
 
 ``l3_options(kv_store, timeout_s, corrupt)`` is what the launcher hands each worker (a plain
 dict, or None when the store is off); :func:`attach_store` connects an :class:`L3Store` under the
-key prefix of the worker's pages (model, page size, dtype, layout) and attaches an
-:class:`L3Tier` to its cache. A store that cannot be reached, a hybrid model (the tier is
-FULL-only) or a cache that keeps nothing leaves the worker without L3, with a log line: L3 is an
-optimisation, never a reason for a worker not to start.
+key prefix of the worker's pages (model, page size, dtype, layout: FULL's and the names of the
+cache's components) and attaches an :class:`L3Tier` to its cache; a hybrid model's worker also
+hands the device data of each component (``aux_data``, engine/hybrid.py ``component_data``). A
+store that cannot be reached, a hybrid cache without its components' data, or a cache that keeps
+nothing leaves the worker without L3, with a log line: L3 is an optimisation, never a reason for
+a worker not to start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Mapping
 
 from tandem.cache.l3.store import L3Store, key_prefix
-from tandem.cache.l3.tier import L3Tier
+from tandem.cache.l3.tier import L3Tier, layout
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +38,19 @@ def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_b
 
 
 def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corrupt: bool = False,
-                 write_policy: str = WORKER_WRITE_POLICY, segment_bytes: int = 0) -> L3Tier | None:
+                 write_policy: str = WORKER_WRITE_POLICY, segment_bytes: int = 0,
+                 aux_data: Mapping[str, Any] | None = None) -> L3Tier | None:
     """Connect to the store at ``url`` and attach an L3 tier to ``cache`` (None: not attached).
     ``segment_bytes``: the memory this worker lends to the store (0: none; its pages then live
-    in the storage process's segment and outlive this worker)."""
+    in the storage process's segment and outlive this worker). ``aux_data``: each auxiliary
+    component's device pool by name (hybrid caches; the host tier's layout)."""
     if not hasattr(cache, "attach_l3"):
         log.info("L3 store off: the prefix cache is disabled")
         return None
-    if getattr(cache, "_aux", ()):
-        log.info("L3 store off: the tier holds FULL pages only (this model is hybrid)")
+    comps = getattr(cache, "_aux", ())
+    missing = [c.name for c in comps if c.name not in (aux_data or {})]
+    if missing:
+        log.warning("L3 store off: no device data given for the components %s", missing)
         return None
     from tandem.cache.l3 import mooncake as mc
 
@@ -55,9 +62,10 @@ def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corr
         return None
     dtype = str(kv_pool.dtype).removeprefix("torch.")
     store = L3Store(backend, key_prefix(os.path.basename(model.rstrip("/")), kv_pool.page_size,
-                                        dtype, "l2phd"), timeout_s=timeout_s)
+                                        dtype, layout(comps)), timeout_s=timeout_s)
     store.corrupt_all = corrupt
-    tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy)
+    tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy,
+                  aux_data={c.name: aux_data[c.name] for c in comps})
     cache.attach_l3(tier)
     log.info("L3 store joined at %s (%s, prefix %s)", url, write_policy, store.prefix)
     return tier

@@ -14,6 +14,7 @@ more are dropped (counted), so a slow store never holds the caller or its memory
     store = L3Store(MooncakeBackend.connect(...), prefix=key_prefix("smollm2", 16, "bf16", "nhd"))
     hits = store.exists(hashes)          # [True, True, False, ...] (a prefix of hits is usable)
     store.put(h, payload); store.get(h)  # bytes or None
+    store.get(h, kind="swa")             # a component's payload for page h (page_key)
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
     return f"tandem/{model}/p{page_size}/{dtype}/{layout}"
 
 
-def page_key(prefix: str, page_hash: int) -> str:
-    return f"{prefix}/{page_hash & 0xFFFFFFFFFFFFFFFF:016x}"
+def page_key(prefix: str, page_hash: int, kind: str = "") -> str:
+    """A value's key: FULL pages (``kind ""``) at ``PREFIX/HASH``; a component's payload for the
+    same page at ``PREFIX/KIND/HASH`` (``swa``: the page's SWA rows; ``mamba``: the recurrent
+    state after the page's last token). A 16-hex-digit hash never equals a kind, so no two kinds
+    share a key."""
+    h = f"{page_hash & 0xFFFFFFFFFFFFFFFF:016x}"
+    return f"{prefix}/{kind}/{h}" if kind else f"{prefix}/{h}"
 
 
 def seal(payload: bytes) -> bytes:
@@ -127,16 +133,21 @@ class L3Store:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
 
-    def exists(self, page_hashes: Sequence[int]) -> list[bool]:
+    def exists(self, page_hashes: Sequence[int], kind: str = "") -> list[bool]:
         """Which of the pages the store holds (all False when it is down)."""
-        if not page_hashes:
+        return self.exists_keys([(kind, h) for h in page_hashes])
+
+    def exists_keys(self, refs: Sequence[tuple[str, int]]) -> list[bool]:
+        """Which of the ``(kind, page_hash)`` values the store holds, in one batch call (all
+        False when it is down)."""
+        if not refs:
             return []
         t0 = time.perf_counter()
-        got = self._call(self.backend.batch_is_exist, [page_key(self.prefix, h) for h in page_hashes]) \
+        got = self._call(self.backend.batch_is_exist, [page_key(self.prefix, h, k) for k, h in refs]) \
             if self.backend is not None else None
         self.stats.read_s += time.perf_counter() - t0
-        if got is None or len(got) != len(page_hashes):
-            return [False] * len(page_hashes)
+        if got is None or len(got) != len(refs):
+            return [False] * len(refs)
         return [g == 1 for g in got]
 
     def leading_hits(self, page_hashes: Sequence[int]) -> int:
@@ -155,18 +166,20 @@ class L3Store:
             value = value[:DIGEST_BYTES] + bytes([value[DIGEST_BYTES] ^ 0xFF]) + value[DIGEST_BYTES + 1:]
         return value
 
-    def put(self, page_hash: int, payload: bytes) -> bool:
+    def put(self, page_hash: int, payload: bytes, kind: str = "") -> bool:
         value = self._sealed(payload)
-        rc = self._call(self.backend.put, page_key(self.prefix, page_hash), value) if self.backend else None
+        key = page_key(self.prefix, page_hash, kind)
+        rc = self._call(self.backend.put, key, value) if self.backend else None
         if rc != 0:
             return False
         self.stats.puts += 1
         self.stats.bytes_written += len(payload)
         return True
 
-    def put_async(self, pages: Sequence[tuple[int, bytes]]) -> int:
-        """Queue ``(page_hash, payload)`` writes for the writer thread; returns how many were
-        queued (the rest were dropped: the queue is full or the store is down). Never blocks."""
+    def put_async(self, pages: Sequence[tuple[int, bytes]], kind: str = "") -> int:
+        """Queue ``(page_hash, payload)`` writes of one kind for the writer thread; returns how
+        many were queued, a prefix of ``pages`` (the rest were dropped: the queue is full or the
+        store is down). Never blocks."""
         if not self.up:
             self.stats.write_dropped += len(pages)
             return 0
@@ -176,7 +189,7 @@ class L3Store:
         n = 0
         for h, payload in pages:
             try:
-                self._writes.put_nowait((page_key(self.prefix, h), self._sealed(payload), len(payload)))
+                self._writes.put_nowait((page_key(self.prefix, h, kind), self._sealed(payload), len(payload)))
                 n += 1
             except queue.Full:
                 self.stats.write_dropped += len(pages) - n
@@ -217,10 +230,10 @@ class L3Store:
             time.sleep(0.002)
         return True
 
-    def get(self, page_hash: int, budget_s: float | None = None) -> bytes | None:
+    def get(self, page_hash: int, budget_s: float | None = None, kind: str = "") -> bytes | None:
         """The page's payload, or None (absent, corrupted, store down, or past ``budget_s``)."""
         t0 = time.perf_counter()
-        value = (self._call(self.backend.get, page_key(self.prefix, page_hash), budget_s=budget_s)
+        value = (self._call(self.backend.get, page_key(self.prefix, page_hash, kind), budget_s=budget_s)
                  if self.backend else None)
         self.stats.read_s += time.perf_counter() - t0
         if not value:

@@ -10,6 +10,10 @@ Per node (see tree.py's vocabulary):
   state row) or None. A component host copy needs the FULL host copy (the node's identity on
   the host tier), so dropping ``host`` drops every ``aux_host`` with it.
 
+With an L3 tier, a host copy that is the last copy of its data (a host-only node's FULL pages, a
+component's host copy the device does not hold) is recorded in ``spills`` (``tree.spill``) before
+its slots go to the frees lists, so the cache writes it to L3 first.
+
 Counters proved by the sanity recount: ``host_size`` / ``host_nodes`` (FULL) and, per component,
 ``aux_host_size[i]`` (units of its host pool) / ``aux_host_nodes[i]``. Host copies are protected by
 locks: FULL ones by ``lock_ref``, a component's by that component's lock (``aux_lock[i]``: the
@@ -37,12 +41,17 @@ class HostNodes:
 
     def _drop_host_value(self, nd) -> None:
         """Drop ``nd``'s FULL host copy, and its components' host copies with it."""
+        if self.spills is not None:
+            # last copies, to L3 first: the node's (no device value) and any component data
+            # the device does not hold
+            aux = [(i, a, True) for i, a in enumerate(nd.aux_host or ())
+                   if a is not None and nd.aux[i] is None]
+            if nd.value is None or aux:
+                self.spill(nd, nd.host if nd.value is None else None, True, aux)
         if self.components:
             for i in range(len(self.components)):
                 if nd.aux_host[i] is not None:
                     self.drop_aux_host(nd, i)
-        if self.spills is not None and nd.value is None:    # the node's last copy: to L3 first
-            self.spills.append((self.hashes(nd), nd.host, True))
         self.host_frees.append(nd.host)
         nd.host = None
         self.host_nodes.discard(nd)
@@ -105,6 +114,8 @@ class HostNodes:
         while freed < num and heap:
             _, _, nd = heappop(heap)
             freed += c.size(nd.aux_host[i])
+            if self.spills is not None and nd.aux[i] is None:           # its last copy
+                self.spill(nd, None, True, [(i, nd.aux_host[i], True)])
             self.drop_aux_host(nd, i)
         return freed
 

@@ -21,7 +21,8 @@ Invariants (proved by :mod:`.sanity` by recount):
   each has a live heap entry ``(hk, id, node)`` with ``hk == policy.key(node)``.
 
 Nothing here frees memory or copies KV: frees are appended to ``device_frees``/``host_frees``/
-``aux_frees``/``aux_host_frees`` and events to ``events``; the cache (``cache/unified.py``) drains them after
+``aux_frees``/``aux_host_frees``, data whose last copy leaves to ``spills`` (with an L3 tier),
+and events to ``events``; the cache (``cache/unified.py``) drains them after
 each public operation.
 """
 
@@ -139,8 +140,9 @@ class RadixTree(HostNodes):
         self.aux_host_frees: list[tuple[int, Any]] = []
         self.events: list = []
         # With an L3 tier (spills is a list): a node's last copy leaving the tree is recorded
-        # before its slots are queued for freeing, as (page hashes, slots, on_host); the cache
-        # writes it to L3 before it frees those slots.
+        # before its slots are queued for freeing, as (page hashes, FULL slots or None, on_host,
+        # ((component index, value, on_host), ...)); the same for a component's data whose last
+        # copy leaves while the node stays. The cache writes it to L3 before it frees anything.
         if self.spills is not None:
             self.spills = []
 
@@ -439,8 +441,12 @@ class RadixTree(HostNodes):
         stays, host-only; without, it is deleted with its (host-only) subtree. Returns tokens."""
         v = nd.value
         L = len(nd.key)
-        if self.spills is not None and nd.host is None:
-            self.spills.append((self.hashes(nd), v, False))
+        if self.spills is not None:
+            # the device copy of component data with no host copy is its last one
+            aux = [(i, a, False) for i, a in enumerate(nd.aux or ())
+                   if a is not None and nd.aux_host[i] is None]
+            if nd.host is None or aux:
+                self.spill(nd, v if nd.host is None else None, False, aux)
         nd.value = None
         if nd.lock_ref:
             self.protected -= L
@@ -570,10 +576,18 @@ class RadixTree(HostNodes):
             v = nd.aux[i]
             if backup is not None:
                 backup(nd, i)
+            if self.spills is not None and nd.aux_host[i] is None:      # its last copy
+                self.spill(nd, None, False, [(i, v, False)])
             freed += c.size(v)
             self._set_aux(nd, i, None)
             self.aux_frees.append((i, v))
         return freed
+
+    def spill(self, nd: Node, slots: Any, on_host: bool, aux=()) -> None:
+        """Record data of ``nd`` whose last copy leaves the tree (the L3 tier's write-back):
+        FULL ``slots`` (None: only component data), on the host pool or the device, and
+        ``aux``: ``(component index, value, on_host)`` items. Call before queueing the frees."""
+        self.spills.append((self.hashes(nd), slots, on_host, tuple(aux)))
 
     # -- events ----------------------------------------------------------------------------------
     def hashes(self, nd: Node) -> list[int]:

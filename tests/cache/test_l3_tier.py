@@ -195,13 +195,21 @@ def test_the_budget_and_no_room_bound_a_fetch():
     cache.check(extra_owned=NONE)
 
 
-def test_hybrid_caches_refuse_the_tier():
+def test_a_hybrid_cache_needs_the_device_data_of_every_component():
+    """(The hybrid tier itself: tests/cache/test_l3_hybrid.py.)"""
     pool = KVPool(16, 2, num_layers=1, num_kv_heads=1, head_dim=2)
+    swa_pool = KVPool(16, 1, num_layers=1, num_kv_heads=1, head_dim=2)
     from tandem.cache.allocator import PagedAllocator
     swa = SWA(4, PagedAllocator(16, 1), torch.zeros(20, dtype=torch.int64))
     cache, _ = make_cache(page_size=2, pages=8, components=(FULL, swa))
-    with pytest.raises(ValueError, match="FULL pages only"):
+    with pytest.raises(ValueError, match=r"missing \['swa'\]"):
         cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2))
+    with pytest.raises(ValueError, match=r"not components \['mamba'\]"):
+        cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2,
+                               aux_data={"swa": swa_pool.kv_data, "mamba": swa_pool.kv_data}))
+    assert cache.l3 is None
+    cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2, aux_data={"swa": swa_pool.kv_data}))
+    assert cache.l3 is not None
 
 
 def test_slow_gets_end_a_fetch_within_the_deadline():
@@ -229,7 +237,7 @@ def test_slow_gets_end_a_fetch_within_the_deadline():
     cache.check(extra_owned=NONE)
 
 
-def test_attach_store_leaves_hybrid_and_cacheless_workers_without_l3():
+def test_attach_store_leaves_cacheless_workers_and_hybrid_ones_without_component_data_without_l3():
     from tandem.cache.allocator import PagedAllocator
     from tandem.cache.l3.connect import attach_store, l3_options
     from tandem.cache.null import NullCache
@@ -244,3 +252,4 @@ def test_attach_store_leaves_hybrid_and_cacheless_workers_without_l3():
     for cache in (hybrid, NullCache(PagedAllocator(8, 2))):   # returns before joining any store
         assert attach_store(cache, pool, "m", **opts) is None
         assert cache.l3 is None
+    assert attach_store(hybrid, pool, "m", aux_data={"mamba": pool.kv_data}, **opts) is None
