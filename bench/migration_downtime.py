@@ -8,11 +8,13 @@ cache holds the prompt, computes the generated part) while the source keeps deco
 stop copies only the generated tail since; without it, the stop copies the whole context.
 ``--generated G1,G2,..`` compares instead the prompt-only pre-copy (``precopy_generated`` off:
 the stop copies every generated token) with the generated one, the move after ``G`` tokens and
-``--tail`` more after it. Reported per row, medians over ``--repeats`` (the two modes
+``--tail`` (at least ``1.5 G``) more after it. Reported per row, medians over ``--repeats`` (the two modes
 alternating): the stop as the router measures it (``tandem_decode_migration_downtime_seconds``:
 the last token on the source to the first on the target), the KV bytes the stop copied
-(``tandem_decode_migration_bytes_total``), the whole move (request to first token on the
-target), the client's largest inter-token gap, and the median inter-token gap (one decode step at
+(``tandem_decode_migration_bytes_total``), the pre-copy (the move asked to the request frozen on
+its source: ``migrate`` returned), the whole move (asked to the first token after the client's
+largest inter-token gap: the stop, unless the source stalled longer while it decoded on), that
+largest gap, and the median inter-token gap (one decode step at
 that context: the stop includes one). Every run's tokens must equal the same prompt's unmigrated
 run (run after the migrated one: its cache holds nothing the move could use); a mismatch fails
 the bench.
@@ -31,9 +33,10 @@ import time
 from tandem.bench.common import bench_parser, write_report
 
 
-async def _one(backend, greq, move_after: int | None) -> tuple[list[int], list[float], float]:
-    """The request's tokens, its token stamps, and when the move was asked (or 0)."""
-    ids, stamps, asked, task = [], [], 0.0, None
+async def _one(backend, greq, move_after: int | None) -> tuple[list[int], list[float], float, float]:
+    """The request's tokens, its token stamps, when the move was asked and when the router's
+    ``migrate`` returned (the pre-copy and the freeze done; both 0 without a move)."""
+    ids, stamps, asked, task, frozen = [], [], 0.0, None, [0.0]
     async for c in backend.generate(greq):
         if c.error:
             raise RuntimeError(f"{greq.rid} failed: {c.error}")
@@ -42,9 +45,10 @@ async def _one(backend, greq, move_after: int | None) -> tuple[list[int], list[f
         if move_after is not None and task is None and len(ids) >= move_after:
             asked = time.perf_counter()
             task = asyncio.ensure_future(backend.migrate(greq.rid))
+            task.add_done_callback(lambda _: frozen.__setitem__(0, time.perf_counter()))
     if task is not None:
         await task
-    return ids, stamps, asked
+    return ids, stamps, asked, frozen[0]
 
 
 def _downtime_sum() -> tuple[float, float]:
@@ -84,13 +88,14 @@ def main(argv=None) -> int:
     ap.add_argument("--generated", default="", help="comma list of tokens generated before the move: "
                     "compare the prompt-only pre-copy with the pre-copy of the generated tokens too "
                     "(instead of whole copy vs pre-copy after --after tokens)")
-    ap.add_argument("--tail", type=int, default=24, help="with --generated: tokens decoded after the move")
+    ap.add_argument("--tail", type=int, default=256, help="with --generated: tokens decoded after the move, "
+                    "at least 1.5 G (the pre-copy computes the G generated tokens: it must end before the request)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.generated:   # (label, moved after, output tokens, pre-copy, of the generated tokens too)
         gens = [int(x) for x in args.generated.split(",")]
         modes = ("prompt", "generated")
-        cases = [(g, g + args.tail) for g in gens]
+        cases = [(g, g + max(args.tail, 3 * g // 2)) for g in gens]
         conf = {"prompt": (True, False), "generated": (True, True)}
     else:
         modes = ("whole", "pre")
@@ -120,11 +125,11 @@ def main(argv=None) -> int:
                         tag = f"{n}-{after}-{r}-{mode}"
                         s0, c0 = _downtime_sum()
                         w0, r0 = _worker_sums(backend), dict(backend.migrator.counts)
-                        ids, stamps, asked = asyncio.run(_one(backend, GenerateRequest(f"mig-{tag}", prompt, params),
-                                                              after))
+                        ids, stamps, asked, frozen = asyncio.run(_one(backend, GenerateRequest(f"mig-{tag}", prompt,
+                                                                                               params), after))
                         s1, c1 = _downtime_sum()
                         w1 = _worker_sums(backend)
-                        ref, _, _ = asyncio.run(_one(backend, GenerateRequest(f"ref-{tag}", prompt, params), None))
+                        ref, _, _, _ = asyncio.run(_one(backend, GenerateRequest(f"ref-{tag}", prompt, params), None))
                         if ids != ref:
                             bad.append(tag)
                         if c1 - c0 != 1:
@@ -135,29 +140,32 @@ def main(argv=None) -> int:
                                      "stop_mb": (w1["bytes"] - w0["bytes"]) / 1e6,
                                      "reused_tokens": w1["reused"] - w0["reused"],
                                      "precopy_rounds": backend.migrator.counts["precopy_rounds"] - r0["precopy_rounds"],
-                                     "move_ms": 1e3 * (stop_end - asked),
+                                     "move_ms": 1e3 * (stop_end - asked), "precopy_ms": 1e3 * (frozen - asked),
                                      "max_gap_ms": 1e3 * max(gaps),
                                      "itl_p50_ms": 1e3 * statistics.median(gaps)})
                         x = rows[-1]
                         print(f"  L={n:>5} after {after:>5} {mode:<9} stop {x['stop_ms']:7.1f} ms  "
                               f"copied {x['stop_mb']:6.1f} MB  reused {x['reused_tokens']:6.0f}  "
-                              f"rounds {x['precopy_rounds']}  move {x['move_ms']:7.1f} ms", flush=True)
+                              f"rounds {x['precopy_rounds']}  pre-copy {x['precopy_ms']:7.1f} ms  "
+                              f"max gap {x['max_gap_ms']:6.1f} ms", flush=True)
     finally:
         backend.close()
         ray.shutdown()
     summary = []
     a, b = modes
     print(f"{'tokens':>7}{'after':>7}{'stop ' + a:>16}{'stop ' + b:>16}{'MB ' + a:>14}{'MB ' + b:>14}"
-          f"{'move ' + b:>16}{'ITL p50':>9}")
+          f"{'pre-copy ' + a:>20}{'pre-copy ' + b:>20}{'max gap ' + a:>20}{'max gap ' + b:>20}{'ITL p50':>9}")
     for n in lengths:
         for after, _ in cases:
             m = {p: {k: statistics.median(x[k] for x in rows if x["tokens"] == n and x["after"] == after
                                           and x["mode"] == p)
-                     for k in ("stop_ms", "stop_mb", "reused_tokens", "move_ms", "max_gap_ms", "itl_p50_ms")}
+                     for k in ("stop_ms", "stop_mb", "reused_tokens", "precopy_ms", "move_ms", "max_gap_ms",
+                               "itl_p50_ms")}
                  for p in modes}
             summary.append({"tokens": n, "after": after, **m})
             print(f"{n:>7}{after:>7}{m[a]['stop_ms']:>16.1f}{m[b]['stop_ms']:>16.1f}{m[a]['stop_mb']:>14.1f}"
-                  f"{m[b]['stop_mb']:>14.1f}{m[b]['move_ms']:>16.1f}{m[b]['itl_p50_ms']:>9.1f}")
+                  f"{m[b]['stop_mb']:>14.1f}{m[a]['precopy_ms']:>20.1f}{m[b]['precopy_ms']:>20.1f}"
+                  f"{m[a]['max_gap_ms']:>20.1f}{m[b]['max_gap_ms']:>20.1f}{m[b]['itl_p50_ms']:>9.1f}")
     write_report(args.out, {"summary": summary, "runs": rows, "mismatches": bad})
     if bad:
         print(f"MISMATCH: migrated tokens differ from unmigrated in {bad}")
