@@ -344,6 +344,9 @@ class Engine:
                 self._grammar.shutdown()
             self._grammar = None
         self.sampler.close()
+        l3 = getattr(self.kv.cache, "l3", None)
+        if l3 is not None:   # the shared L3 tier's client: unmounted now, not whenever it is collected
+            l3.store.close()
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, chunks: list[StreamChunk]) -> None:

@@ -249,7 +249,10 @@ class L3Store:
         return payload
 
     def close(self) -> None:
-        """Close the store client (bounded by the timeout; a dead store is not waited for)."""
+        """Close the store client (bounded by the timeout; a dead store is not waited for).
+        Idempotent: a closed store is down for good."""
+        if self.backend is None:
+            return
         self.flush(self.timeout_s)
         if self._writer is not None:
             try:

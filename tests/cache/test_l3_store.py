@@ -86,7 +86,10 @@ def test_a_corrupted_page_is_a_miss_counted(two):
 
 
 def test_a_killed_store_is_a_miss_within_the_timeout():
+    import threading
+
     m = mc.MasterProcess()
+    others = set(threading.enumerate())
     s = _client(m, timeout_s=0.5, backoff_s=60)
     h = page_hashes(list(range(16)), 16)[0]
     assert s.put(h, b"z" * 100)
@@ -97,3 +100,16 @@ def test_a_killed_store_is_a_miss_within_the_timeout():
     assert got[0] in ([True], [False]) and got[3] == [False] and got[2] is False
     assert not s.up  # down for backoff_s after the first failure: later calls cost nothing
     s.close()
+    join_store_threads(others)
+
+
+def join_store_threads(others, timeout: float = 60.0) -> None:
+    """Wait out the calls abandoned to a dead store (each ends when Mooncake gives up on its
+    master; ``others``: threads that were there before), so their teardown does not run on in
+    later tests' time."""
+    import threading
+
+    end = time.monotonic() + timeout
+    for t in set(threading.enumerate()) - others:
+        if t.name.startswith("l3-store"):
+            t.join(max(0.0, end - time.monotonic()))

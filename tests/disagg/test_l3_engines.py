@@ -188,6 +188,9 @@ def test_a_corrupted_page_is_a_miss_not_a_wrong_answer(smollm2_default, master, 
 
 
 def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
+    import threading
+
+    others = set(threading.enumerate())
     m = mc.MasterProcess()
     e = engine(smollm2_default, m, max_total_tokens=160)
     try:
@@ -204,6 +207,10 @@ def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
     finally:
         e.shutdown()
         m.stop()
+    end = time.monotonic() + 60   # the calls abandoned to the dead store end before the next test
+    for t in set(threading.enumerate()) - others:
+        if t.name.startswith("l3-store"):
+            t.join(max(0.0, end - time.monotonic()))
 
 
 def test_retraction_without_a_host_pool_restores_from_l3(smollm2_default, master):

@@ -283,7 +283,10 @@ def test_a_target_killed_mid_migration_leaves_the_stream_on_its_source(cluster):
                                                        params={"rid": rid, "to": target.name}, timeout=60))
     failed0 = _metric(server, "tandem_decode_migrations_total", reason="admin", outcome="failed")
     mover.start()
-    time.sleep(0.01)
+    end = time.monotonic() + 30   # the move is under way (a kill before it arrives is no mid-move kill)
+    while rid not in backend.migrator.moves:
+        assert time.monotonic() < end and mover.is_alive(), "the move never started"
+        time.sleep(0.001)
     ray.kill(target.handle, no_restart=True)
     mover.join(60)
     th.join(120)

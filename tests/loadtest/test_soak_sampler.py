@@ -34,12 +34,13 @@ def test_specs_parse_and_refuse():
 
 
 def test_proc_stats_see_a_process_grow_and_stop():
-    code = ("import sys, threading, time; blob = []; ev = threading.Event()\n"
+    code = ("import sys, threading, time; blob = []; ev = threading.Event(); print('ready', flush=True)\n"
             "for line in sys.stdin:\n"
             "    blob.append(b'x' * (64 << 20)); [threading.Thread(target=ev.wait).start() for _ in range(4)]\n"
             "    fs = [open('/dev/null') for _ in range(8)]; blob.append(fs); print('ok', flush=True)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert p.stdout.readline().strip() == "ready"   # started: its interpreter's own growth is done
         before = sampler.proc_stats(p.pid)
         p.stdin.write("grow\n")
         p.stdin.flush()
