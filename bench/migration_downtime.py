@@ -3,16 +3,24 @@
 On a 1 prefill + 2 decode cluster (SmolLM2, CPU, Ray): one greedy request of ``L`` prompt tokens
 (random ids, a fresh prompt per run so neither decode worker has it cached) decodes; after
 ``--after`` tokens the router moves it to the other decode worker. With pre-copy the target
-first takes the prompt's KV into its cache (from the prefill worker's cache) while the source
-keeps decoding, and the stop copies only the generated tail; without it, the stop copies the
-whole context. Reported per ``L``, medians over ``--repeats``: the stop as the router measures it
-(``tandem_decode_migration_downtime_seconds``: the last token on the source to the first on the
-target), the whole move (request to first token on the target), the client's largest
-inter-token gap, and the median inter-token gap (one decode step at that context: the stop
-includes one). Every run's tokens must equal the same prompt's unmigrated run: a mismatch fails
+first takes the prompt's and the generated tokens' KV into its cache (the prefill worker, whose
+cache holds the prompt, computes the generated part) while the source keeps decoding, and the
+stop copies only the generated tail since; without it, the stop copies the whole context.
+``--generated G1,G2,..`` compares instead the prompt-only pre-copy (``precopy_generated`` off:
+the stop copies every generated token) with the generated one, the move after ``G`` tokens and
+``--tail`` (at least ``1.5 G``) more after it. Reported per row, medians over ``--repeats`` (the two modes
+alternating): the stop as the router measures it (``tandem_decode_migration_downtime_seconds``:
+the last token on the source to the first on the target), the KV bytes the stop copied
+(``tandem_decode_migration_bytes_total``), the pre-copy (the move asked to the request frozen on
+its source: ``migrate`` returned), the whole move (asked to the first token after the client's
+largest inter-token gap: the stop, unless the source stalled longer while it decoded on), that
+largest gap, and the median inter-token gap (one decode step at
+that context: the stop includes one). Every run's tokens must equal the same prompt's unmigrated
+run (run after the migrated one: its cache holds nothing the move could use); a mismatch fails
 the bench.
 
     .venv/bin/python -m tandem.bench.migration_downtime [--lengths 256,1024,2048,4096] [--repeats 3]
+    .venv/bin/python -m tandem.bench.migration_downtime --lengths 1024 --generated 8,256,1024 --repeats 2
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import time
 from tandem.bench.common import bench_parser, write_report
 
 
-async def _one(backend, greq, move_after: int | None) -> tuple[list[int], list[float], float]:
-    """The request's tokens, its token stamps, and when the move was asked (or 0)."""
-    ids, stamps, asked, task = [], [], 0.0, None
+async def _one(backend, greq, move_after: int | None) -> tuple[list[int], list[float], float, float]:
+    """The request's tokens, its token stamps, when the move was asked and when the router's
+    ``migrate`` returned (the pre-copy and the freeze done; both 0 without a move)."""
+    ids, stamps, asked, task, frozen = [], [], 0.0, None, [0.0]
     async for c in backend.generate(greq):
         if c.error:
             raise RuntimeError(f"{greq.rid} failed: {c.error}")
@@ -36,9 +45,10 @@ async def _one(backend, greq, move_after: int | None) -> tuple[list[int], list[f
         if move_after is not None and task is None and len(ids) >= move_after:
             asked = time.perf_counter()
             task = asyncio.ensure_future(backend.migrate(greq.rid))
+            task.add_done_callback(lambda _: frozen.__setitem__(0, time.perf_counter()))
     if task is not None:
         await task
-    return ids, stamps, asked
+    return ids, stamps, asked, frozen[0]
 
 
 def _downtime_sum() -> tuple[float, float]:
@@ -47,6 +57,19 @@ def _downtime_sum() -> tuple[float, float]:
     s = REGISTRY.get_sample_value("tandem_decode_migration_downtime_seconds_sum") or 0.0
     n = REGISTRY.get_sample_value("tandem_decode_migration_downtime_seconds_count") or 0.0
     return s, n
+
+
+def _worker_sums(backend) -> dict[str, float]:
+    """The decode workers' migration bytes and reused tokens, summed (their /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = {"tandem_decode_migration_bytes_total": "bytes", "tandem_decode_migration_reused_tokens_total": "reused"}
+    out = dict.fromkeys(want.values(), 0.0)
+    for f in text_string_to_metric_families(backend.metrics_text().decode()):
+        for smp in f.samples:
+            if smp.name in want:
+                out[want[smp.name]] += smp.value
+    return out
 
 
 def main(argv=None) -> int:
@@ -62,11 +85,25 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="256,1024,2048,4096", help="prompt lengths (tokens)")
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--after", type=int, default=8, help="tokens streamed before the move")
+    ap.add_argument("--generated", default="", help="comma list of tokens generated before the move: "
+                    "compare the prompt-only pre-copy with the pre-copy of the generated tokens too "
+                    "(instead of whole copy vs pre-copy after --after tokens)")
+    ap.add_argument("--tail", type=int, default=256, help="with --generated: tokens decoded after the move, "
+                    "at least 1.5 G (the pre-copy computes the G generated tokens: it must end before the request)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.generated:   # (label, moved after, output tokens, pre-copy, of the generated tokens too)
+        gens = [int(x) for x in args.generated.split(",")]
+        modes = ("prompt", "generated")
+        cases = [(g, g + max(args.tail, 3 * g // 2)) for g in gens]
+        conf = {"prompt": (True, False), "generated": (True, True)}
+    else:
+        modes = ("whole", "pre")
+        cases = [(args.after, args.output_tokens)]
+        conf = {"whole": (False, True), "pre": (True, True)}
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     loaded = load_model("smollm2", device="cpu")
-    tokens = max(lengths) * 2 + 1024
+    tokens = (max(lengths) + max(out for _, out in cases)) * 2 + 1024
     engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(
         page_size=16, max_total_tokens=tokens, max_running_requests=8))
     cfg = ServeConfig(prefill=1, decode=2, transfer_timeout_s=60.0, engine_config=engine,
@@ -74,44 +111,61 @@ def main(argv=None) -> int:
     backend = launch_disaggregated(cfg, loaded=loaded)
     rng = random.Random(args.seed)
     vocab = backend.vocab_size
-    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     rows, bad = [], []
     try:
         for n in lengths:
-            for r in range(args.repeats):
-                for precopy in ((False, True) if r % 2 == 0 else (True, False)):
-                    backend.migrator.cfg = MigrationConfig(policy="off", precopy=precopy, precopy_min_tokens=0,
-                                                           precopy_timeout_s=60.0)
-                    prompt = tuple(rng.randrange(100, vocab) for _ in range(n))
-                    tag = f"{n}-{r}-{'pre' if precopy else 'whole'}"
-                    ref, _, _ = asyncio.run(_one(backend, GenerateRequest(f"ref-{tag}", prompt, params), None))
-                    s0, c0 = _downtime_sum()
-                    ids, stamps, asked = asyncio.run(_one(backend, GenerateRequest(f"mig-{tag}", prompt, params),
-                                                          args.after))
-                    s1, c1 = _downtime_sum()
-                    if ids != ref:
-                        bad.append(tag)
-                    if c1 - c0 != 1:
-                        raise RuntimeError(f"{tag}: {c1 - c0:.0f} migrations recorded, not 1")
-                    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-                    stop_end = stamps[gaps.index(max(gaps)) + 1]   # the first token after the longest gap
-                    rows.append({"tokens": n, "precopy": precopy, "stop_ms": 1e3 * (s1 - s0),
-                                 "move_ms": 1e3 * (stop_end - asked),
-                                 "max_gap_ms": 1e3 * max(gaps),
-                                 "itl_p50_ms": 1e3 * statistics.median(gaps)})
-                    print(f"  L={n:>5} {'pre-copy' if precopy else 'whole   '} stop {rows[-1]['stop_ms']:7.1f} ms"
-                          f"  move {rows[-1]['move_ms']:7.1f} ms", flush=True)
+            for after, out_tokens in cases:
+                params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+                for r in range(args.repeats):
+                    for mode in (modes if r % 2 == 0 else modes[::-1]):
+                        precopy, generated = conf[mode]
+                        backend.migrator.cfg = MigrationConfig(policy="off", precopy=precopy, precopy_min_tokens=0,
+                                                               precopy_generated=generated, precopy_timeout_s=60.0)
+                        prompt = tuple(rng.randrange(100, vocab) for _ in range(n))
+                        tag = f"{n}-{after}-{r}-{mode}"
+                        s0, c0 = _downtime_sum()
+                        w0, r0 = _worker_sums(backend), dict(backend.migrator.counts)
+                        ids, stamps, asked, frozen = asyncio.run(_one(backend, GenerateRequest(f"mig-{tag}", prompt,
+                                                                                               params), after))
+                        s1, c1 = _downtime_sum()
+                        w1 = _worker_sums(backend)
+                        ref, _, _, _ = asyncio.run(_one(backend, GenerateRequest(f"ref-{tag}", prompt, params), None))
+                        if ids != ref:
+                            bad.append(tag)
+                        if c1 - c0 != 1:
+                            raise RuntimeError(f"{tag}: {c1 - c0:.0f} migrations recorded, not 1")
+                        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+                        stop_end = stamps[gaps.index(max(gaps)) + 1]   # the first token after the longest gap
+                        rows.append({"tokens": n, "after": after, "mode": mode, "stop_ms": 1e3 * (s1 - s0),
+                                     "stop_mb": (w1["bytes"] - w0["bytes"]) / 1e6,
+                                     "reused_tokens": w1["reused"] - w0["reused"],
+                                     "precopy_rounds": backend.migrator.counts["precopy_rounds"] - r0["precopy_rounds"],
+                                     "move_ms": 1e3 * (stop_end - asked), "precopy_ms": 1e3 * (frozen - asked),
+                                     "max_gap_ms": 1e3 * max(gaps),
+                                     "itl_p50_ms": 1e3 * statistics.median(gaps)})
+                        x = rows[-1]
+                        print(f"  L={n:>5} after {after:>5} {mode:<9} stop {x['stop_ms']:7.1f} ms  "
+                              f"copied {x['stop_mb']:6.1f} MB  reused {x['reused_tokens']:6.0f}  "
+                              f"rounds {x['precopy_rounds']}  pre-copy {x['precopy_ms']:7.1f} ms  "
+                              f"max gap {x['max_gap_ms']:6.1f} ms", flush=True)
     finally:
         backend.close()
         ray.shutdown()
     summary = []
-    print(f"{'tokens':>7}{'stop whole':>12}{'stop pre':>10}{'move whole':>12}{'move pre':>10}{'ITL p50':>9}")
+    a, b = modes
+    print(f"{'tokens':>7}{'after':>7}{'stop ' + a:>16}{'stop ' + b:>16}{'MB ' + a:>14}{'MB ' + b:>14}"
+          f"{'pre-copy ' + a:>20}{'pre-copy ' + b:>20}{'max gap ' + a:>20}{'max gap ' + b:>20}{'ITL p50':>9}")
     for n in lengths:
-        m = {p: {k: statistics.median(x[k] for x in rows if x["tokens"] == n and x["precopy"] is p)
-                 for k in ("stop_ms", "move_ms", "max_gap_ms", "itl_p50_ms")} for p in (False, True)}
-        summary.append({"tokens": n, "whole": m[False], "precopy": m[True]})
-        print(f"{n:>7}{m[False]['stop_ms']:>12.1f}{m[True]['stop_ms']:>10.1f}"
-              f"{m[False]['move_ms']:>12.1f}{m[True]['move_ms']:>10.1f}{m[True]['itl_p50_ms']:>9.1f}")
+        for after, _ in cases:
+            m = {p: {k: statistics.median(x[k] for x in rows if x["tokens"] == n and x["after"] == after
+                                          and x["mode"] == p)
+                     for k in ("stop_ms", "stop_mb", "reused_tokens", "precopy_ms", "move_ms", "max_gap_ms",
+                               "itl_p50_ms")}
+                 for p in modes}
+            summary.append({"tokens": n, "after": after, **m})
+            print(f"{n:>7}{after:>7}{m[a]['stop_ms']:>16.1f}{m[b]['stop_ms']:>16.1f}{m[a]['stop_mb']:>14.1f}"
+                  f"{m[b]['stop_mb']:>14.1f}{m[a]['precopy_ms']:>20.1f}{m[b]['precopy_ms']:>20.1f}"
+                  f"{m[a]['max_gap_ms']:>20.1f}{m[b]['max_gap_ms']:>20.1f}{m[b]['itl_p50_ms']:>9.1f}")
     write_report(args.out, {"summary": summary, "runs": rows, "mismatches": bad})
     if bad:
         print(f"MISMATCH: migrated tokens differ from unmigrated in {bad}")

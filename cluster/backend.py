@@ -113,7 +113,7 @@ class RayClusterBackend(ClusterObservability):
         self._streamed: dict[str, tuple[int, float]] = {}   # worker-side rid -> (tokens out, last one at)
         self._alias: dict[str, str] = {}   # client rid -> its worker-side rid, once re-dispatched after a stall
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
-                                 router_id=self.router_id)
+                                 router_id=self.router_id, page_size=cc.page_size)
         self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
         self._tasks: set[asyncio.Task] = set()     # fire-and-forget work on the serving loop
         self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, once it served
@@ -207,6 +207,7 @@ class RayClusterBackend(ClusterObservability):
         self.migrator.live[req.rid] = (req, r)
         finished, first, rerouted = False, True, False
         ids, chars, cached = [], 0, 0      # what the client has
+        self.migrator.generated[req.rid] = ids   # grown in place: a pre-copy takes the generated pages
         source = None                      # the worker a migration left, until the new leg streams
         last_token_at = time.monotonic()   # the client-visible stop of a migration
         every, leg_tokens = self.migrator.cfg.debug_migrate_every, 0
@@ -309,6 +310,7 @@ class RayClusterBackend(ClusterObservability):
             self._inflight.pop(req.rid, None)
             self._streamed.pop(req.rid, None)
             self.migrator.live.pop(req.rid, None)
+            self.migrator.generated.pop(req.rid, None)
             m = self.migrator.moves.get(req.rid)
             if m is not None and m.phase != "precopy":   # gone mid-move: free the source's held KV too
                 if m.source.alive:

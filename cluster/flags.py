@@ -153,6 +153,7 @@ YAML_ONLY: frozenset[str] = frozenset({
     "planner.scale_down_fraction", "planner.scale_down_after_s", "planner.drain_timeout_s",
     "responses", "migration.period_s", "migration.high", "migration.low", "migration.spread",
     "migration.precopy", "migration.precopy_min_tokens", "migration.precopy_timeout_s",
+    "migration.precopy_generated", "migration.precopy_again_pages",
 })
 
 

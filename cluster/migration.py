@@ -6,14 +6,22 @@ The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``
 
     migrate(rid, to, reason)  the target: ``to``, else the live, non-draining decode worker with
                            the fewest KV tokens that is not the request's. Pre-copy (``precopy``):
-                           while the source keeps decoding, the target takes the prompt's KV into
-                           its own cache (a one-token request through the prefill worker that holds
-                           it, or recomputed where there is none). Then the stop: the request is
-                           frozen on its worker (its stream there ends "migrated", its KV held)
+                           while the source keeps decoding, the target takes the request's KV into
+                           its own cache: a one-token warm request (``{rid}~precopy``: greedy, no
+                           grammar, never streamed to a client nor routed) of the prompt plus the
+                           tokens generated so far (``precopy_generated``; cut to whole pages, the
+                           cache shares nothing less) through the prefill worker that holds the
+                           prompt (it computes only the generated part, then hands the pages to
+                           the target as any prefill does), or computed on the target where there
+                           is none. A second round (``{rid}~precopy2``) when the source generated
+                           ``precopy_again_pages`` more whole pages meanwhile. Then the stop: the
+                           request is frozen on its worker (its stream there ends "migrated", its
+                           KV held)
     next_leg(...)          the backend's stream loop met "migrated": the request continues on the
                            target, resumed from the tokens and text the client already has; the
-                           target matches its own cache first (the pre-copied prompt) and copies
-                           over NIXL only the KV it lacks, from the source
+                           target matches its own cache first (the pre-copied pages) and copies
+                           over NIXL only the KV it lacks, from the source (the tail generated
+                           since the last round)
     fall_back(...)         the target failed or died before its first chunk: the source resumes
                            it (its KV went to the source's cache: a full prefix hit)
     recompute(...)         the source died mid-copy: the target recomputes what it lacks
@@ -27,7 +35,9 @@ The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``
     rebalance(cfg)         the ``balance`` policy: every ``cfg.period_s`` one move that
                            router/rebalance.py plans (pressure or rebalance)
 
-Fail closed: until the stop, a failed pre-copy leaves the request where it is; after it, the
+Fail closed: until the stop, a failed pre-copy leaves the request where it is (a pre-copy round
+that fails or outlasts ``precopy_timeout_s``, all rounds together, only leaves more for the stop
+to copy; what it did compute stays in the target's cache, evictable); after it, the
 request continues on the target, on the source, or recomputed, and a client that went away
 frees both sides. The client's stream never sees "migrated": the legs are spliced, so no token
 is repeated or missing (the resumed request starts after what was streamed).
@@ -64,7 +74,7 @@ class Move:
     reason: str
     started: float = dataclasses.field(default_factory=time.monotonic)
     phase: str = "precopy"
-    precopied: int = 0       # prompt tokens the target took into its cache before the stop
+    precopied: int = 0       # tokens (prompt, then generated) the target took into its cache before the stop
 
     def view(self) -> dict:
         return {"rid": self.rid, "from": self.source.name, "to": self.target.name, "reason": self.reason,
@@ -74,15 +84,22 @@ class Move:
 
 class Migrator:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, inflight: dict[str, WorkerRef],
-                 supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None):
-        """``router_id``: named on every leg it starts (the workers' lease on this router)."""
+                 supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None,
+                 page_size: int = 16):
+        """``router_id``: named on every leg it starts (the workers' lease on this router);
+        ``page_size``: the workers' KV page (a pre-copy takes whole pages)."""
         self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
         self.router_id = router_id
+        self.page_size = page_size
         self.cfg = cfg or MigrationConfig()
         self.moves: dict[str, Move] = {}
         self.live: dict[str, tuple[GenerateRequest, Route]] = {}   # rid -> (request, route): the backend's
+        self.generated: dict[str, list[int]] = {}   # rid -> the token ids its client has (the backend's list)
+        # precopies: moves with a pre-copy that landed; precopy_rounds: rounds that landed;
+        # precopied_tokens: their tokens (the last landed round's, per move)
         self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0,
-                       "precopies": 0, "pressure": 0, "rebalance": 0, "prestop": 0}
+                       "precopies": 0, "precopy_rounds": 0, "precopied_tokens": 0,
+                       "pressure": 0, "rebalance": 0, "prestop": 0}
 
     def target(self, exclude: set[int]) -> WorkerRef | None:
         """The live, non-draining decode worker with the fewest KV tokens, not in ``exclude``."""
@@ -130,18 +147,44 @@ class Migrator:
         return t.name
 
     async def _precopy(self, m: Move) -> None:
-        """The prompt's KV into the target's cache while the source keeps decoding: a one-token
-        request (the same prompt, greedy, no grammar) through the prefill worker whose cache holds
-        it, or recomputed on the target where there is none. Bounded by ``precopy_timeout_s``; a
-        pre-copy that fails or times out only makes the stop copy more (RayActorError: the target
-        died, and the move is given up)."""
+        """The request's KV into the target's cache while the source keeps decoding (see the
+        module's docstring): round 1 takes :meth:`warm_ids` now; round 2 the same again if the
+        source generated ``precopy_again_pages`` more whole pages meanwhile. All rounds within
+        ``precopy_timeout_s``; a round that fails or times out ends the pre-copy and only makes the
+        stop copy more (RayActorError: the target died, and the move is given up)."""
+        req, r = self.live.get(m.rid, (None, None))
+        if req is None:
+            return
+        end = time.monotonic() + self.cfg.precopy_timeout_s
+        ids = self.warm_ids(req.prompt_ids, self.generated.get(m.rid, ()))
+        if len(ids) < self.cfg.precopy_min_tokens or not await self._warm(m, req, r, ids, "precopy", end):
+            return
+        if not self.cfg.precopy_generated or not self.cfg.precopy_again_pages:
+            return
+        again = self.warm_ids(req.prompt_ids, self.generated.get(m.rid, ()))
+        if len(again) - len(ids) >= self.cfg.precopy_again_pages * self.page_size:
+            await self._warm(m, req, r, again, "precopy2", end)
+
+    def warm_ids(self, prompt: tuple[int, ...], out) -> tuple[int, ...]:
+        """What a pre-copy round takes: the prompt, and with ``precopy_generated`` the generated
+        tokens ``out`` (what the client has) up to the last whole page of the two together."""
+        n = (len(prompt) + len(out)) // self.page_size * self.page_size
+        if not self.cfg.precopy_generated or n <= len(prompt):
+            return tuple(prompt)
+        return tuple(prompt) + tuple(out[:n - len(prompt)])
+
+    async def _warm(self, m: Move, req: GenerateRequest, r: Route, ids: tuple[int, ...], tag: str,
+                    end: float) -> bool:
+        """One pre-copy round: a one-token request of ``ids`` on the target (``{rid}~{tag}``: greedy,
+        no grammar or seed, the request's session for its cache's eviction order), through the
+        route's prefill worker while it lives. Whether it landed by ``end``."""
         import ray
 
-        req, r = self.live.get(m.rid, (None, None))
-        if req is None or len(req.prompt_ids) < self.cfg.precopy_min_tokens:
-            return
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
         p = self.pool.get(r.prefill)
-        warm = GenerateRequest(f"{m.rid}~precopy", req.prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+        warm = GenerateRequest(f"{m.rid}~{tag}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
                                session_id=req.session_id)
         gen = m.target.handle.generate.options(num_returns="streaming").remote(
             warm.to_wire(), p.name if p is not None and p.alive else None, self.router_id)
@@ -153,19 +196,24 @@ class Migrator:
             return last
 
         try:
-            last = await asyncio.wait_for(consume(), self.cfg.precopy_timeout_s)
+            last = await asyncio.wait_for(consume(), left)
         except ray.exceptions.RayActorError:
             raise
-        except Exception as e:  # noqa: BLE001 - a slow or failed pre-copy: the stop copies it all
-            log.info("pre-copy of %s to %s gave up: %s", m.rid, m.target.name, type(e).__name__)
+        except Exception as e:  # noqa: BLE001 - a slow or failed pre-copy: the stop copies the rest
+            log.info("pre-copy %s of %s to %s gave up: %s", tag, m.rid, m.target.name, type(e).__name__)
             try:
                 ray.cancel(gen)
             except Exception:  # already ended
                 pass
-            return
-        if last is not None and not last.error:
-            m.precopied = len(req.prompt_ids)
+            return False
+        if last is None or last.error:
+            return False
+        if not m.precopied:
             self.counts["precopies"] += 1
+        self.counts["precopy_rounds"] += 1
+        self.counts["precopied_tokens"] += len(ids) - m.precopied
+        m.precopied = len(ids)
+        return True
 
     async def next_leg(self, req: GenerateRequest, r: Route, source: WorkerRef, sent: Resume):
         """The request's stream on its new worker (resumed after ``sent``), and that worker."""

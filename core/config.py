@@ -146,11 +146,19 @@ class MigrationConfig(_Strict):
     low: float = Field(0.6, ge=0, lt=1, description="how empty a peer must be to take it")
     spread: float = Field(0.5, gt=0, le=1, description="or move when two decode workers' fullness "
                           "differs by more than this")
-    precopy: bool = Field(True, description="before the stop, the target takes the prompt's KV into "
+    precopy: bool = Field(True, description="before the stop, the target takes the request's KV into "
                           "its cache while the source keeps decoding (the stop then copies only the rest)")
-    precopy_min_tokens: int = Field(128, ge=0, description="pre-copy only prompts at least this long")
-    precopy_timeout_s: float = Field(10.0, gt=0, description="a pre-copy slower than this is given up "
-                                     "(the stop copies everything)")
+    precopy_generated: bool = Field(True, description="the pre-copy takes the tokens generated so far too "
+                                    "(whole pages), not only the prompt: the stop copies only the tail "
+                                    "generated since (off: the prompt only, and the stop copies every "
+                                    "generated token)")
+    precopy_again_pages: int = Field(1, ge=0, description="a second pre-copy round when the source "
+                                     "generated at least this many more whole pages while the first ran "
+                                     "(0: one round only; with precopy_generated)")
+    precopy_min_tokens: int = Field(128, ge=0, description="pre-copy only requests whose pre-copied "
+                                    "tokens (the prompt, plus the generated ones) are at least this many")
+    precopy_timeout_s: float = Field(10.0, gt=0, description="a pre-copy (all its rounds) slower than "
+                                     "this is given up (the stop copies what it lacks)")
     debug_migrate_every: int = Field(0, ge=0, description="test lever: the router moves every running "
                                      "request to another decode worker each time it has streamed this "
                                      "many tokens on one (0: off)")

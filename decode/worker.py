@@ -163,7 +163,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
                                   registry=m)
         self._mig_reused = Counter("tandem_decode_migration_reused_tokens_total",
                                    "Tokens of migrated requests found in this worker's own cache (the "
-                                   "pre-copied prompt, a shared prefix): not copied.", registry=m)
+                                   "pre-copied prompt and generated pages, a shared prefix): not "
+                                   "copied.", registry=m)
         self._wait = Histogram("tandem_kv_receive_seconds",
                                "Decode side: pages reserved to KV received (prefill + transfer).",
                                buckets=_BUCKETS, registry=m)

@@ -54,12 +54,15 @@ def cluster(ray_local, smollm2_default):
     backend.close()
 
 
-def _stream(server, topic: str, out: dict, session: str | None = None, key: str | None = None) -> None:
-    """A streamed chat, its text and finish reason into ``out[key or topic]``."""
+def _stream(server, topic: str, out: dict, session: str | None = None, key: str | None = None,
+            max_tokens: int = OUT, **sampling) -> None:
+    """A streamed chat (greedy unless ``sampling`` says otherwise), its text and finish reason
+    into ``out[key or topic]``."""
     text, finish, err = [], None, None
     try:
         s = server.client.chat.completions.create(
-            model="smollm2", messages=_messages(topic), max_tokens=OUT, temperature=0, stream=True,
+            model="smollm2", messages=_messages(topic), max_tokens=max_tokens, stream=True,
+            **{"temperature": 0, **sampling},
             extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": session or f"m-{topic}"})
         for ev in s:
             if ev.choices:
@@ -211,6 +214,95 @@ def test_a_rolling_restart_of_every_decode_worker_under_load_drops_no_request(cl
     assert _metric(server, "tandem_decode_migrations_total", reason="drain", outcome="ok") > 0
     assert _metric(server, "tandem_decode_migration_downtime_seconds_count") > 0
     _idle(server)
+
+
+LONG, GENERATED = 128, 48   # the generated pre-copy's requests: moved once they generated GENERATED+
+
+
+def test_the_pre_copy_takes_the_generated_pages_so_the_stop_copies_only_the_tail(cluster):
+    """A greedy and a seeded (temperature 0.9) request, each moved to the other decode worker once
+    it generated 48+ tokens: the pre-copy takes the prompt and the generated tokens (whole pages),
+    so at the stop the target finds them in its own cache (reused, not copied), and each text
+    equals the same request's unmigrated one (run after: it caches nothing the move could use)."""
+    backend, server, _ = cluster
+    page = backend.cfg.engine_config.cache.page_size
+    kinds = {"greedy": ("lighthouses", {}), "seeded": ("tide pools", {"temperature": 0.9, "seed": 7})}
+    reused0 = _metric(server, "tandem_decode_migration_reused_tokens_total")
+    c0 = dict(backend.migrator.counts)
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(server, topic, out, f"pg-{k}", k),
+                                kwargs={"max_tokens": LONG, **kw}) for k, (topic, kw) in kinds.items()]
+    for th in threads:
+        th.start()
+    floor, end = 0, time.monotonic() + 120   # floor: what each pre-copy takes at least (whole pages)
+    moved: set[str] = set()
+    while len(moved) < len(kinds):
+        assert time.monotonic() < end, f"only {moved} moved"
+        for rid, (req, _) in list(backend.migrator.live.items()):
+            k = (req.session_id or "").removeprefix("pg-")
+            if k in kinds and k not in moved and backend._streamed.get(rid, (0, 0))[0] >= GENERATED:
+                src = backend._inflight[rid].name
+                _move(server, rid, next(w.name for w in backend.decodes if w.alive and w.name != src))
+                floor += (len(req.prompt_ids) + GENERATED) // page * page
+                moved.add(k)
+        time.sleep(0.02)
+    for th in threads:
+        th.join(120)
+    precopied = backend.migrator.counts["precopied_tokens"] - c0["precopied_tokens"]
+    assert backend.migrator.counts["precopies"] - c0["precopies"] == len(kinds)
+    assert precopied >= floor, (precopied, floor)
+    reused = _metric(server, "tandem_decode_migration_reused_tokens_total") - reused0
+    assert reused >= precopied, (reused, precopied)   # every pre-copied page was found, not copied
+    for k, (topic, kw) in kinds.items():   # the oracle: the same requests, unmigrated
+        _stream(server, topic, out, f"pg-{k}-plain", f"{k}-plain", max_tokens=LONG, **kw)
+        text, finish, err = out[k]
+        assert err is None and finish == "length", (k, out[k])
+        assert text == out[f"{k}-plain"][0] and out[f"{k}-plain"][1] == "length", f"{k}: the migrated text differs"
+    _idle(server)
+
+
+def test_a_pre_copy_that_times_out_only_leaves_more_for_the_stop(cluster):
+    """Every pre-copy round gives up at once (``precopy_timeout_s`` tiny): the move still happens,
+    the stop copies everything, the text is the unmigrated one and nothing is left anywhere."""
+    backend, server, want = cluster
+    old, backend.migrator.cfg = backend.migrator.cfg, MigrationConfig(policy="off", precopy_min_tokens=0,
+                                                                      precopy_timeout_s=1e-4)
+    c0 = dict(backend.migrator.counts)
+    out: dict = {}
+    try:
+        th = threading.Thread(target=_stream, args=(server, TOPICS[1], out, "pg-timeout"))
+        th.start()
+        end = time.monotonic() + 60
+        while True:
+            on = [(rid, backend._inflight[rid].name) for rid, (req, _) in list(backend.migrator.live.items())
+                  if req.session_id == "pg-timeout" and backend._streamed.get(rid, (0, 0))[0] >= 16
+                  and rid in backend._inflight]
+            if on:
+                break
+            assert time.monotonic() < end, "the request never generated enough"
+            time.sleep(0.02)
+        rid, src = on[0]
+        _move(server, rid, next(w.name for w in backend.decodes if w.alive and w.name != src))
+        th.join(120)
+    finally:
+        backend.migrator.cfg = old
+    text, finish, err = out[TOPICS[1]]
+    assert err is None and finish == "length" and text == want[TOPICS[1]], out
+    assert backend.migrator.counts["migrations"] == c0["migrations"] + 1
+    assert backend.migrator.counts["precopy_rounds"] == c0["precopy_rounds"]   # none landed
+    _idle(server)
+
+
+def test_a_pre_copy_takes_whole_pages_of_the_prompt_and_the_generated_tokens():
+    from tandem.cluster.migration import Migrator
+
+    m = Migrator(None, None, {}, cfg=MigrationConfig(policy="off"), page_size=4)
+    prompt = (1, 2, 3, 4, 5)
+    assert m.warm_ids(prompt, [6, 7]) == prompt                      # no whole page past the prompt
+    assert m.warm_ids(prompt, [6, 7, 8, 9, 10]) == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert m.warm_ids(prompt, list(range(6, 14))) == tuple(range(1, 13))
+    m.cfg = MigrationConfig(policy="off", precopy_generated=False)
+    assert m.warm_ids(prompt, list(range(6, 14))) == prompt          # the prompt only, as it is
 
 
 @pytest.fixture

@@ -273,6 +273,49 @@ def test_a_pre_copied_prompt_is_not_copied_again_at_the_stop(cluster, loop):
     run(loop, at_baseline(p, a, b))
 
 
+@pytest.mark.parametrize("via", ["prefill", "local"])
+def test_pre_copied_generated_pages_are_not_copied_at_the_stop(cluster, loop, via):
+    """The pre-copy of a request that generated 48+ tokens takes the prompt and the generated
+    tokens, cut to whole pages, into B's cache: through the prefill worker (which holds the prompt
+    and computes only the generated part), or computed on B (no prefill worker). At the stop B
+    reuses all of it (only the tail generated since crosses NIXL); the tokens are unchanged."""
+    p, a, b, col = cluster
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompt = f"{PROMPT} Answer at length ({via})."
+    ref = col.generate(prompt, params, chat=True)
+    greq = col.make_request(prompt, params, chat=True, rid=f"mig-pregen-{via}")
+    n = len(greq.prompt_ids)
+    warm_len = 0
+
+    async def both():
+        nonlocal warm_len
+        first, out = [], []
+        async for c in a.generate(greq, LocalClient(p)):
+            first.append(c)
+            out += c.token_ids
+            if len(out) >= 48 and not warm_len:   # the pre-copy runs while A decodes on
+                warm_len = (n + len(out)) // PAGE * PAGE
+                warm = GenerateRequest(f"{greq.rid}~precopy", greq.prompt_ids + tuple(out[:warm_len - n]),
+                                       SamplingParams(max_tokens=1, ignore_eos=True))
+                got = await collect(b.generate(warm, LocalClient(p) if via == "prefill" else None))
+                assert got[-1].error is None, got[-1]
+                if via == "prefill":   # it held the prompt: it computed the generated part only
+                    assert got[-1].cached_tokens >= n - n % PAGE - PAGE, (got[-1].cached_tokens, n)
+                await a.freeze(greq.rid)
+        return first
+
+    reused, moved = b.counts["migration_reused_tokens"], b.counts["migration_bytes"]
+    first = run(loop, both())
+    resume = _resume(first)
+    second = run(loop, collect(b.generate(dataclasses.replace(greq, resume=resume), SourceClient(a))))
+    chunks = first[:-1] + second
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids and second[-1].error is None
+    assert warm_len >= n + 48 - PAGE
+    assert b.counts["migration_reused_tokens"] - reused >= warm_len       # prompt + generated pages
+    assert b.counts["migration_bytes"] > moved                             # the tail generated since came
+    run(loop, at_baseline(p, a, b))
+
+
 class _DyingSource(SourceClient):
     """A source that died before writing (its process is gone): PrefillUnavailable."""
 
