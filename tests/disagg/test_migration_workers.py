@@ -289,10 +289,13 @@ def test_pre_copied_generated_pages_are_not_copied_at_the_stop(cluster, loop, vi
 
     async def both():
         nonlocal warm_len
-        first, out = [], []
+        first, out, frozen = [], [], False
         async for c in a.generate(greq, LocalClient(p)):
             first.append(c)
             out += c.token_ids
+            if warm_len and not frozen and n + len(out) > warm_len + PAGE:   # a tail past the warm pages
+                await a.freeze(greq.rid)
+                frozen = True
             if len(out) >= 48 and not warm_len:   # the pre-copy runs while A decodes on
                 warm_len = (n + len(out)) // PAGE * PAGE
                 warm = GenerateRequest(f"{greq.rid}~precopy", greq.prompt_ids + tuple(out[:warm_len - n]),
@@ -301,7 +304,7 @@ def test_pre_copied_generated_pages_are_not_copied_at_the_stop(cluster, loop, vi
                 assert got[-1].error is None, got[-1]
                 if via == "prefill":   # it held the prompt: it computed the generated part only
                     assert got[-1].cached_tokens >= n - n % PAGE - PAGE, (got[-1].cached_tokens, n)
-                await a.freeze(greq.rid)
+        assert frozen, "the source finished before a tail past the warm pages"
         return first
 
     reused, moved = b.counts["migration_reused_tokens"], b.counts["migration_bytes"]
