@@ -27,9 +27,8 @@ from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 from tandem.engine.hybrid import HybridConfig  # noqa: E402
-from tandem.engine.loader import load_model  # noqa: E402
 
-from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402
+from hf_hybrid_support import hybrid_engine_config, tiny_family  # noqa: E402
 from test_l3_engines import flush, idle_and_exact, master  # noqa: E402,F401  (master: the fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -46,9 +45,7 @@ def prompts(tag: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["gemma3", "granite"])
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    (tiny_gemma3_dir if request.param == "gemma3" else tiny_granite_dir)(path)
-    loaded = load_model(str(path), device="cpu", dtype="float32")
+    _, loaded = tiny_family(request.param, tmp_path_factory)
     plain = Engine(hybrid_engine_config(disable=True, max_total_tokens=1024), loaded=loaded)
     yield request.param, loaded, plain
     plain.shutdown()

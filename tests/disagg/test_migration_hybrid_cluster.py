@@ -20,9 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from tandem.core.config import MigrationConfig, ServeConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
-from tandem.engine.loader import load_model  # noqa: E402
 
-from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402
+from hf_hybrid_support import hybrid_engine_config, tiny_family  # noqa: E402
 
 OUT = 32
 EVERY = 4
@@ -36,9 +35,7 @@ def hybrid(request, tmp_path_factory, ray_local):
 
     from serve_support import Server
 
-    path = tmp_path_factory.mktemp(f"mig_{request.param}")
-    (tiny_gemma3_dir if request.param == "gemma3" else tiny_granite_dir)(path)
-    loaded = load_model(str(path), device="cpu", dtype="float32")
+    path, loaded = tiny_family(request.param, tmp_path_factory, "mig_")
     engine = hybrid_engine_config(page_size=4, max_total_tokens=1024).model_copy(
         update={"model": str(path), "dtype": "float32"})
     e = Engine(engine, loaded=loaded)

@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
-from tandem.engine.loader import load_model  # noqa: E402
 
-from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402
+from hf_hybrid_support import hybrid_engine_config, tiny_family  # noqa: E402
 
 FLAGS = ["--threads", "1", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "1024",
          "--max-running-requests", "4", "--chunked-prefill-size", "16", "--host-pool-tokens", "512",
@@ -108,9 +107,7 @@ class Serve:
 
 @pytest.fixture(scope="module", params=["gemma3", "granite"])
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"serve_{request.param}")
-    (tiny_gemma3_dir if request.param == "gemma3" else tiny_granite_dir)(path)
-    loaded = load_model(str(path), device="cpu", dtype="float32")
+    path, loaded = tiny_family(request.param, tmp_path_factory, "serve_")
     e = Engine(hybrid_engine_config(page_size=4), loaded=loaded)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

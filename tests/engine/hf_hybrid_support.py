@@ -167,6 +167,16 @@ def tiny_granite_dir(path):
     return hf
 
 
+def tiny_family(name: str, tmp_path_factory, tag: str = ""):
+    """The tiny random ``name`` ("gemma3" or "granite") saved under a fresh temporary directory
+    and loaded in float32: (its path, the LoadedModel)."""
+    from tandem.engine.loader import load_model
+
+    path = tmp_path_factory.mktemp(f"{tag}{name}")
+    (tiny_gemma3_dir if name == "gemma3" else tiny_granite_dir)(path)
+    return path, load_model(str(path), device="cpu", dtype="float32")
+
+
 def hybrid_engine_config(*, page_size: int = 1, max_total_tokens: int = 512, chunk: int = 16,
                          host_pool_tokens: int = 0, disable: bool = False, retract_every: int = 0,
                          max_running_requests: int = 4) -> EngineConfig:

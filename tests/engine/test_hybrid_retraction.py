@@ -18,9 +18,8 @@ transformers = pytest.importorskip("transformers")
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 from tandem.engine.hybrid import HybridConfig  # noqa: E402
-from tandem.engine.loader import load_model  # noqa: E402
 
-from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402
+from hf_hybrid_support import hybrid_engine_config, tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,9 +30,7 @@ MAX_TOKENS = 14
 
 @pytest.fixture(scope="module", params=["gemma3", "granite"])
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    (tiny_gemma3_dir if request.param == "gemma3" else tiny_granite_dir)(path)
-    loaded = load_model(str(path), device="cpu", dtype="float32")
+    _, loaded = tiny_family(request.param, tmp_path_factory)
     ref = Engine(hybrid_engine_config(disable=True, max_total_tokens=1024), loaded=loaded)
     try:
         outs = [ref.generate(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
