@@ -275,16 +275,23 @@ def _engine(backend):
     return e, tier
 
 
+def _engine_wrote(ids) -> DictBackend:
+    """A backend holding what an engine wrote through after computing ``ids`` (2 tokens more)."""
+    b = DictBackend()
+    writer, tier = _engine(b)
+    d = Driver(writer)
+    d.submit("w", ids, 2)
+    d.run()
+    assert tier.store.flush()
+    ended(tier)
+    return b
+
+
 def test_a_queued_request_is_read_ahead_while_another_runs_and_decodes_the_same():
     """The engine: a request queued behind a running one (one row) has its L3 pages staged by
     then; its admission places them without a store read, and its output is the oracle's."""
-    b = DictBackend()
     long_ = prompt(1, 24)
-    writer, w_tier = _engine(b)
-    d = Driver(writer)
-    d.submit("w", long_, 2)
-    d.run()
-    assert w_tier.store.flush()
+    b = _engine_wrote(long_)
     e, tier = _engine(b)
     d = Driver(e)
     d.submit("busy", prompt(2, 8), 6)
@@ -300,20 +307,14 @@ def test_a_queued_request_is_read_ahead_while_another_runs_and_decodes_the_same(
     assert calls.gets == 0 and tier.stats.prefetch_used_pages == 5
     e.check_invariants()
     ended(tier)
-    ended(w_tier)
 
 
 def test_a_request_admitted_at_once_stops_its_prefetch():
     """Queued and admitted in the same step: the admission stops the job before its fetch, so
     the pages are read about once (the job's call in flight at most), and the output is the
     oracle's."""
-    b = DictBackend()
     long_ = prompt(3, 24)
-    writer, w_tier = _engine(b)
-    d = Driver(writer)
-    d.submit("w", long_, 2)
-    d.run()
-    assert w_tier.store.flush()
+    b = _engine_wrote(long_)
     e, tier = _engine(b)
     calls = Counting(b)
     d = Driver(e)
@@ -327,4 +328,3 @@ def test_a_request_admitted_at_once_stops_its_prefetch():
     assert 5 <= calls.gets <= 6 and tier.stats.hit_pages == 5
     e.check_invariants()
     ended(tier)
-    ended(w_tier)
