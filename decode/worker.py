@@ -489,4 +489,4 @@ class DecodeWorker(MigrationSource, RoleWorker):
             if self.kv_publisher is not None:
                 self.kv_publisher.close()
             if self.l3 is not None:
-                self.l3.store.close()
+                self.l3.close()

@@ -5,7 +5,8 @@ The scheduler (engine/scheduler.py) asks; this decides. Engine thread only, exce
 
 - ``validate(req)``: raises InvalidRequest for a request this engine can never serve.
 - ``track(req, group)``: the request's :class:`SchedReq` (its grammar compile started, its session
-  stamped, its sample group registered, and whether the connector receives its KV).
+  stamped, its sample group registered, whether the connector receives its KV, and the L3 read-ahead
+  of its prefix started: engine/request_kv.py ``prefetch``).
 - ``order(waiting)``: ``fcfs`` (arrival) or ``lpm`` (longest cached prefix first, SGLang's
   policy; engine/queue_policy.py).
 - ``grammar_ready(sr)``: the matcher is made once the compile is done (raises InvalidRequest when
@@ -64,6 +65,7 @@ class Admission:
         if c is not None:
             sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
         self.groups.add(sr, self.kv.holders)
+        self.kv.prefetch(sr)
         return sr
 
     def order(self, waiting) -> list[SchedReq]:

@@ -345,8 +345,8 @@ class Engine:
             self._grammar = None
         self.sampler.close()
         l3 = getattr(self.kv.cache, "l3", None)
-        if l3 is not None:   # the shared L3 tier's client: unmounted now, not whenever it is collected
-            l3.store.close()
+        if l3 is not None:   # the shared L3 tier: prefetch thread and store client end now
+            l3.close()
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, chunks: list[StreamChunk]) -> None:

@@ -91,6 +91,12 @@ def _l3_series(l3, gauge, counter):
     yield counter("tandem_l3_errors", "L3 store calls that failed or timed out", s.errors)
     yield counter("tandem_l3_prefetch_seconds", "time spent fetching L3 pages before prefill",
                   t.prefetch_s)
+    yield counter("tandem_l3_prefetched_pages", "L3 values (KV pages, component values) read ahead "
+                  "into host staging when a request was queued", t.prefetched_pages)
+    yield counter("tandem_l3_prefetch_used_pages", "staged L3 values a fetch took instead of reading "
+                  "the store", t.prefetch_used_pages)
+    yield counter("tandem_l3_prefetch_dropped_pages", "staged L3 values dropped unused (the staging "
+                  "bound)", t.prefetch_dropped_pages)
 
 
 def register_engine_metrics(engine, worker: str, role: str = "colocated", registry=REGISTRY) -> EngineCollector:

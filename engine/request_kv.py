@@ -3,7 +3,8 @@
 The scheduler decides *when* (admit, extend, cache a chunk, release, retract); this class does
 it against the pools and the prefix cache: a row of ``ReqToTokenPool``, slots from the
 ``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, the host tier's
-``restore``, the L3 tier's ``fetch``, and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
+``restore``, the L3 tier's ``prefetch`` (when a request is queued) and ``fetch`` (when it is
+admitted), and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
 of requests holding a row (``holders``: running, reserved for a KV transfer, held for sending),
 which is what the ownership invariant counts.
 
@@ -49,18 +50,19 @@ class RequestKV:
         row = self.r2t.alloc()
         if row is None:
             return False
-        # Reuse at most seq_len - 1 tokens: the last one must be computed to get logits.
-        usable = (r.seq_len - 1) // self.page_size * self.page_size
-        ids = r.all_ids[:usable]
+        ids = self._reusable(sr)
         m = self.cache.match(ids, session_id=r.session_id)
         if m.host_hit_length and self.cache.host is not None:
             if self.cache.host.restore(m.best_match_node) is not None:   # HiCache L2 load-back
                 m = self.cache.match(ids, session_id=r.session_id)
+        job, sr.l3_prefetch = sr.l3_prefetch, None
+        if job is not None:
+            job.stop()          # its reads end here: the fetch takes what it staged, reads the rest
         l3 = getattr(self.cache, "l3", None)
         if l3 is not None and m.prefix_len < len(ids):     # the shared L3 tier: the next pages
             if l3.fetch(ids, m, session_id=r.session_id):
                 m = self.cache.match(ids, session_id=r.session_id)
-        n = min(m.prefix_len, usable)
+        n = min(m.prefix_len, len(ids))
         self.cache.lock(m.last_device_node)
         r.req_pool_idx, r.last_node = row, m.last_device_node
         if not self.hybrid.claim(r, m.components, n):   # hybrid: the working state row
@@ -73,6 +75,28 @@ class RequestKV:
         r.computed_len = sr.locked_len = n
         self.holders[r.rid] = sr
         return True
+
+    def _reusable(self, sr: SchedReq) -> list[int]:
+        """The tokens whose KV a request may reuse: whole pages of all but its last token (the
+        last one must be computed to get logits)."""
+        r = sr.req
+        return r.all_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
+
+    def prefetch(self, sr: SchedReq) -> None:
+        """A request was queued: start reading ahead, off the step, the L3 pages :meth:`admit`
+        would fetch for it now (the tier stages them on the host; admit stops the job and its
+        fetch takes them). Matches the cache (touching the path, as admit will) only when the
+        L3 tier prefetches and the device does not already hold every reusable page; no-op
+        otherwise."""
+        l3 = getattr(self.cache, "l3", None)
+        if l3 is None or not l3.prefetching:
+            return
+        ids = self._reusable(sr)
+        if self.cache.peek(ids) >= len(ids):
+            return
+        m = self.cache.match(ids, session_id=sr.req.session_id)
+        if m.prefix_len < len(ids):
+            sr.l3_prefetch = l3.prefetch(ids, m, session_id=sr.req.session_id)
 
     def unadmit(self, sr: SchedReq) -> None:
         """Undo :meth:`admit` of a request that computed nothing since."""

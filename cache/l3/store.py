@@ -6,8 +6,10 @@ and layout, so only workers whose pages are interchangeable share them. Every va
 blake2b digest of its payload; a page whose digest does not match is a miss, counted in
 ``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
 timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
-timeout, not one per call. Not thread-safe: one caller (the worker loop); the store calls run on
-one private thread so that a call can be abandoned at its deadline. ``put_async`` queues writes
+timeout, not one per call. Reads come from the worker loop and from the L3 tier's prefetch thread
+(cache/l3/tier.py); the store calls of both run on one private thread, in order, so that a call
+can be abandoned at its deadline (that thread is swapped under a lock; the counters are plain
+ints, exact for one caller, best-effort for two). ``put_async`` queues writes
 for a second private (daemon) thread and returns at once: at most ``max_pending`` writes wait,
 more are dropped (counted), so a slow store never holds the caller or its memory.
 
@@ -97,6 +99,7 @@ class L3Store:
         self._clock = clock
         self._down_until = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
+        self._pool_lock = threading.Lock()   # the calling threads (worker loop, prefetch) vs a swap
         self.corrupt_next = False  # the test lever: the next put stores a damaged page
         self.corrupt_all = False   # the test lever: every put stores a damaged page
         self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
@@ -111,9 +114,11 @@ class L3Store:
         while). ``budget_s``: the caller's deadline, when shorter than the timeout; a call past
         it counts as slow too (a page read takes milliseconds; a budget runs out only on a slow
         store)."""
-        if not self.up:
-            return None
-        fut = self._pool.submit(fn, *args)
+        with self._pool_lock:
+            if not self.up:
+                return None
+            pool = self._pool
+            fut = pool.submit(fn, *args)
         limit = self.timeout_s if budget_s is None else max(0.0, min(budget_s, self.timeout_s))
         try:
             return fut.result(timeout=limit)
@@ -126,12 +131,17 @@ class L3Store:
         log.warning("L3 store call %s failed (%s); treated as a miss for %.1fs", getattr(fn, "__name__", fn),
                     why, self.backoff_s)
         if not fut.done():  # a wedged store: abandon the thread, start a fresh one
-            self._replace_pool()
+            self._replace_pool(pool)
         return None
 
-    def _replace_pool(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
+    def _replace_pool(self, pool: ThreadPoolExecutor) -> None:
+        """Abandon ``pool`` (the one a timed-out call used) for a fresh one, unless another
+        caller did already; its queued calls are cancelled (they end as errors at once)."""
+        with self._pool_lock:
+            if self._pool is not pool or self.backend is None:
+                return
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
 
     def exists(self, page_hashes: Sequence[int], kind: str = "") -> list[bool]:
         """Which of the pages the store holds (all False when it is down)."""
@@ -143,8 +153,9 @@ class L3Store:
         if not refs:
             return []
         t0 = time.perf_counter()
-        got = self._call(self.backend.batch_is_exist, [page_key(self.prefix, h, k) for k, h in refs]) \
-            if self.backend is not None else None
+        backend = self.backend      # read once: close() may clear it from another thread
+        got = self._call(backend.batch_is_exist, [page_key(self.prefix, h, k) for k, h in refs]) \
+            if backend is not None else None
         self.stats.read_s += time.perf_counter() - t0
         if got is None or len(got) != len(refs):
             return [False] * len(refs)
@@ -233,8 +244,9 @@ class L3Store:
     def get(self, page_hash: int, budget_s: float | None = None, kind: str = "") -> bytes | None:
         """The page's payload, or None (absent, corrupted, store down, or past ``budget_s``)."""
         t0 = time.perf_counter()
-        value = (self._call(self.backend.get, page_key(self.prefix, page_hash, kind), budget_s=budget_s)
-                 if self.backend else None)
+        backend = self.backend
+        value = (self._call(backend.get, page_key(self.prefix, page_hash, kind), budget_s=budget_s)
+                 if backend else None)
         self.stats.read_s += time.perf_counter() - t0
         if not value:
             self.stats.misses += 1
@@ -262,5 +274,6 @@ class L3Store:
         close = getattr(self.backend, "close", None)
         if close is not None:
             self._call(close)
-        self.backend = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._pool_lock:
+            self.backend = None
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -32,6 +32,19 @@ MAMBA the state at it); the deepest end every component accepts is read into fre
 and rows and inserted into the tree with its component data. A value that is absent, corrupt,
 wrong-sized or past ``deadline_s`` is a miss: the end moves up to where the components accept
 what was read, or the request recomputes. A fetch never leaves the match wrong, only shorter.
+
+Prefetch (SGLang HiCache's idea: the hit travels store -> host -> device before the prefill,
+overlapped with other work): :meth:`prefetch`, called when a request is queued (engine/request_kv.py
+``prefetch``), computes on the engine thread what a fetch would ask for, and the tier's prefetch
+thread asks and reads it into a bounded host staging area (``staging.py``: raw payloads by
+``(kind, hash)``, at most ``staging_bytes``, oldest dropped; at most ``PREFETCH_JOBS`` jobs wait,
+more are not prefetched). A later fetch takes the staged values (each once), counts them as
+stored without asking, and reads only the rest from the store, within the same deadline. The
+store calls of both threads go through the client's bounded calls (timeouts, backoff), so a slow
+or dead store holds the prefetch thread, and a fetch no longer than without a prefetch. Covers
+every component's values (SWA pages, states) as well as FULL pages. A request admitted while its
+job still runs stops it (the handle :meth:`prefetch` returns) and reads what is not staged yet
+itself; a value the job's last call brings after that ages out unused.
 """
 
 from __future__ import annotations
@@ -44,11 +57,14 @@ import torch
 
 from tandem.cache.l3.payload import Payload
 from tandem.cache.l3.reach import FULL, Reach, Rule
+from tandem.cache.l3.staging import Jobs, Staging
 from tandem.cache.l3.store import L3Store
 from tandem.core.page_hash import page_hashes
 
 WRITE_POLICIES = ("write_back", "write_through")
 FULL_LAYOUT = "l2phd"       # a FULL page: [L, 2, page_size, H_kv, D]
+STAGING_REQUESTS = 4        # the default staging bound: this many full budgets of FULL pages
+PREFETCH_JOBS = 16          # prefetch jobs that may wait; more requests are not prefetched
 
 
 def layout(components=()) -> str:
@@ -68,20 +84,47 @@ class L3TierStats:
     #                             (corrupt, wrong size, late, gone since exists)
     prefetch_s: float = 0.0     # seconds spent in fetch (exists + get + copies)
     written_pages: int = 0      # values queued for writing (write-back spills and write-through)
+    prefetches: int = 0         # prefetch jobs queued (one per queued request with pages to ask)
+    prefetch_skipped: int = 0   # prefetches not queued: PREFETCH_JOBS jobs waiting
+    prefetched_pages: int = 0   # values (FULL pages, component values) a prefetch staged
+    prefetch_used_pages: int = 0    # staged values a fetch took instead of reading the store
+    prefetch_dropped_pages: int = 0  # staged values dropped unused (the staging bound)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
+@dataclass
+class Ask:
+    """What a fetch or a prefetch asks the store about, computed from the tree on the engine
+    thread; it holds no tree reference, so a prefetch job carries it to its thread. A prefetch
+    returns its job's Ask as the job's handle: :meth:`stop` ends its store reads."""
+
+    hashes: list[int]               # [P]: page p's hash (FULL-only caches: 0 below s0, never asked)
+    s0: int                         # the device match's end, in pages
+    refs: list[tuple[str, int]]     # (kind, hash): FULL pages [s0, P), then each component's pages
+    rules: list[Rule]               # each component's rule (which pages below s0 it holds)
+    asked: list[list[int]]          # each component's pages among ``refs``, in order
+    stopped: bool = False           # set by the engine thread, read by the prefetch thread
+
+    def stop(self) -> None:
+        """A prefetch job: start no store call after the one running (its request is being
+        admitted: the fetch reads what is not staged yet itself)."""
+        self.stopped = True
+
+
 class L3Tier:
     """``store``: the client; ``kv_data``: the device pool's ``[L, 2, rows, H_kv, D]``;
     ``aux_data``: each auxiliary component's device pool by name, as the host tier takes it
-    (``{"swa": swa_pool.kv_data, "mamba": state_pool.data.unsqueeze(1)}``)."""
+    (``{"swa": swa_pool.kv_data, "mamba": state_pool.data.unsqueeze(1)}``); ``staging_bytes``:
+    the prefetch's staging bound (None: ``STAGING_REQUESTS`` x ``budget_pages`` FULL pages'
+    bytes; 0: no prefetch)."""
 
     def __init__(self, store: L3Store, kv_data: torch.Tensor, page_size: int, *,
                  aux_data: Mapping[str, torch.Tensor] | None = None,
                  write_policy: str = "write_back", budget_pages: int = 256,
-                 deadline_s: float | None = None, remember_pages: int = 1 << 18):
+                 deadline_s: float | None = None, remember_pages: int = 1 << 18,
+                 staging_bytes: int | None = None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown L3 write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
         self.store = store
@@ -97,6 +140,10 @@ class L3Tier:
         self._aux_data = dict(aux_data or {})
         self._aux: list[tuple[int, object, Payload]] = []  # (component index, component, payload)
         self._cache = None
+        if staging_bytes is None:
+            staging_bytes = STAGING_REQUESTS * budget_pages * self._full.nbytes
+        self._staging = Staging(staging_bytes)
+        self._jobs = Jobs(self._prefetch_job, max_pending=PREFETCH_JOBS, name="l3-prefetch")
 
     @property
     def write_through(self) -> bool:
@@ -124,7 +171,8 @@ class L3Tier:
     def as_dict(self) -> dict:
         """The tier's and the store client's counters (``/debug/kv``, ``/metrics``)."""
         return {**self.stats.as_dict(), **{f"store_{k}": v for k, v in self.store.stats.as_dict().items()},
-                "up": self.store.up, "write_policy": self.write_policy}
+                "up": self.store.up, "write_policy": self.write_policy,
+                "staged_bytes": self._staging.nbytes, "staging_bytes": self._staging.cap_bytes}
 
     # -- writes ----------------------------------------------------------------------------------
     def _remember_refs(self, refs) -> None:
@@ -197,43 +245,59 @@ class L3Tier:
         """Continue match ``m`` of ``token_ids`` into the store: read the values of the deepest
         end past ``m``'s device prefix that FULL and every component accept into new device
         slots and rows, and insert them. Returns the tokens added (0: nothing, e.g. a host part
-        not restored, the store down, no room, no end the components accept). Waits on the
-        store at most ``deadline_s`` in all (each get is bounded by what is left, plus the batch
-        ``exists``, bounded by the store's timeout); the caller matches again."""
+        not restored, the store down, no room, no end the components accept). Values a
+        :meth:`prefetch` staged are taken from the staging area (each once) and count as stored
+        without asking; the rest are asked and read as without a prefetch, so the pages placed
+        are the same. Waits on the store at most ``deadline_s`` in all (each get is bounded by
+        what is left, plus the batch ``exists``, bounded by the store's timeout); the caller
+        matches again."""
+        t0 = time.perf_counter()
+        found = self._lookup(token_ids, m)
+        if found is None:
+            return 0
+        key, last, path, ask = found
+        c, t = self._cache, self._cache._tree
+        self.stats.lookups += 1
+        reach = self._reach(ask, self._exists(ask.refs))
+        got = 0
+        if reach.deepest() > reach.s0:
+            t.lock(last, +1)                # the matched prefix stays while we make room
+            try:
+                got = self._read(key, ask, reach, path, m, t0, session_id)
+            finally:
+                t.lock(last, -1)
+                c._after()
+        self.stats.hit_pages += got
+        self.stats.miss_pages += len(ask.hashes) - ask.s0 - got
+        self.stats.prefetch_s += time.perf_counter() - t0
+        return got * self.page_size
+
+    def _lookup(self, token_ids, m) -> tuple[list, object, list, Ask] | None:
+        """``(key, last device node, matched device path, what to ask)`` for the pages after
+        ``m``'s device prefix (at most ``budget_pages``), or None when there is nothing to ask
+        (a host part not restored, the store down, no whole page past the match). Reads the
+        tree: engine thread only."""
         c = self._cache
         t, ps = c._tree, self.page_size
         last = m.last_device_node
         if last is None or m.best_match_node is not last or not self.store.up:
-            return 0
+            return None
         key = c._key(token_ids)
         start = m.prefix_len
         n_pages = min((len(key) - start) // ps, self.budget_pages)
         if n_pages <= 0:
-            return 0
-        t0 = time.perf_counter()
-        self.stats.lookups += 1
+            return None
         path = t.path(last) if self._aux else []
         parent = t.hashes(last)[-1] if last is not t.root else None
         # [P]: page p's hash (FULL-only caches never ask below start: no chain built there)
         before = [h for nd in path for h in t.hashes(nd)] if self._aux else [0] * (start // ps)
         hashes = before + page_hashes(key[start:start + n_pages * ps], ps, parent)
-        reach = self._ask(hashes, start // ps, path)
-        got = 0
-        if reach.deepest() > reach.s0:
-            t.lock(last, +1)                # the matched prefix stays while we make room
-            try:
-                got = self._read(key, hashes, reach, path, m, t0, session_id)
-            finally:
-                t.lock(last, -1)
-                c._after()
-        self.stats.hit_pages += got
-        self.stats.miss_pages += n_pages - got
-        self.stats.prefetch_s += time.perf_counter() - t0
-        return got * ps
+        return key, last, path, self._ask(hashes, start // ps, path)
 
-    def _ask(self, hashes: list[int], s0: int, path: list) -> Reach:
-        """One batch ``exists`` over the FULL pages ``[s0, P)`` and what the components could
-        use there (``path``: the matched device nodes, which may hold a window's first pages)."""
+    def _ask(self, hashes: list[int], s0: int, path: list) -> Ask:
+        """The FULL pages ``[s0, P)`` and what the components could use there (``path``: the
+        matched device nodes, which may hold a window's first pages), as refs for one batch
+        ``exists``."""
         ps, P = self.page_size, len(hashes)
         refs = [("", h) for h in hashes[s0:]]
         rules, asked = [], []
@@ -251,24 +315,49 @@ class L3Tier:
             rules.append(rule)
             asked.append(pages)
             refs += [(pl.kind, hashes[p]) for p in pages]
-        found = self.store.exists_keys(refs)
-        n_full = P - s0
+        return Ask(hashes, s0, refs, rules, asked)
+
+    def _exists(self, refs: list[tuple[str, int]]) -> list[bool]:
+        """Which of ``refs`` are available: staged ones without asking, the rest in one batch
+        ``exists`` (no store call when every one is staged)."""
+        staged = self._staging.holds(refs)
+        answers = iter(self.store.exists_keys([r for r, s in zip(refs, staged) if not s]))
+        return [True if s else next(answers) for s in staged]
+
+    def _reach(self, ask: Ask, found: list[bool]) -> Reach:
+        """The availability ``found`` (one per ref of ``ask``) as a :class:`Reach`."""
+        n_full = len(ask.hashes) - ask.s0
         off = n_full
-        for rule, pages in zip(rules, asked):
+        for rule, pages in zip(ask.rules, ask.asked):
             rule.stored = dict(zip(pages, found[off:off + len(pages)]))
             off += len(pages)
-        return Reach(ps, s0, found[:n_full], rules)
+        return Reach(self.page_size, ask.s0, found[:n_full], ask.rules)
 
-    def _read(self, key: list, hashes: list[int], reach: Reach, path: list, m, t0: float,
+    def _payload(self, j: int) -> Payload:
+        """The codec of a ref's component index (``FULL``: the FULL pages)."""
+        return self._full if j == FULL else self._aux[j][2]
+
+    def _read(self, key: list, ask: Ask, reach: Reach, path: list, m, t0: float,
               session_id) -> int:
         """Read the deepest accepted end's values (shrinking it on each miss), place them in new
         device slots and rows, insert. Returns the FULL pages added."""
         c, ps, s0 = self._cache, self.page_size, reach.s0
-        read: dict[tuple[int, int], torch.Tensor] = {}
-        e = reach.deepest()
-        if c.allocator.available_size() + c._tree.evictable < (e - s0) * ps:
+        if c.allocator.available_size() + c._tree.evictable < (reach.deepest() - s0) * ps:
             return 0                        # no room even after evicting everything unlocked
-        while e > s0:
+        read = self._collect(reach, ask.hashes, t0, self._take)
+        e = reach.deepest()
+        if e <= s0:
+            return 0
+        return self._place(key, ask.hashes, reach, e, read, path, m, session_id)
+
+    def _collect(self, reach: Reach, hashes: list[int], t0: float, load) -> dict:
+        """``{ref: load(ref, page hash, seconds left)}`` for every value the deepest accepted end
+        needs; a ``None`` loaded is lost (the end moves up and the loop asks again), and past
+        ``deadline_s`` from ``t0`` only what was loaded counts. Leaves ``reach.deepest()`` at
+        the end whose values are all loaded (or at ``s0``)."""
+        read: dict[tuple[int, int], object] = {}
+        e = reach.deepest()
+        while e > reach.s0:
             missed = False
             for ref in reach.needs(e):
                 if ref in read:
@@ -278,13 +367,8 @@ class L3Tier:
                     reach.keep_only(set(read))
                     missed = True
                     break
-                j, p = ref
-                pl = self._full if j == FULL else self._aux[j][2]
-                payload = self.store.get(hashes[p], budget_s=left, kind=pl.kind)
-                value = pl.decode(payload) if payload is not None else None
+                value = load(ref, hashes[ref[1]], left)
                 if value is None:
-                    if j != FULL:
-                        self.stats.aux_misses += 1
                     reach.lose(ref)
                     missed = True
                     break
@@ -292,9 +376,21 @@ class L3Tier:
             if not missed:
                 break
             e = reach.deepest()
-        if e <= s0:
-            return 0
-        return self._place(key, hashes, reach, e, read, path, m, session_id)
+        return read
+
+    def _take(self, ref: tuple[int, int], h: int, left: float) -> torch.Tensor | None:
+        """A fetch's read of one value: staged (taken), else from the store within ``left``
+        seconds; decoded, or None (a component's counted in ``aux_misses``)."""
+        pl = self._payload(ref[0])
+        payload = self._staging.take((pl.kind, h))
+        if payload is not None:
+            self.stats.prefetch_used_pages += 1
+        else:
+            payload = self.store.get(h, budget_s=left, kind=pl.kind)
+        value = pl.decode(payload) if payload is not None else None
+        if value is None and ref[0] != FULL:
+            self.stats.aux_misses += 1
+        return value
 
     def _place(self, key, hashes, reach: Reach, e: int, read: dict, path: list, m,
                session_id) -> int:
@@ -357,3 +453,70 @@ class L3Tier:
             c._tree.evict_aux(i, n - alloc.available_size(), backup=backup)
             c._free_aux()
         return alloc.alloc(n)
+
+    # -- prefetch --------------------------------------------------------------------------------
+    def prefetch(self, token_ids, m, *, session_id=None) -> Ask | None:
+        """Start reading, off the calling thread, what :meth:`fetch` would read for match ``m``
+        of ``token_ids`` now: the page hashes and the refs are computed here (the tree is read on
+        this thread only), then a job on the tier's prefetch thread asks the store (one batch
+        ``exists``), picks the deepest end FULL and every component accept, and gets its values
+        (component values first, then FULL pages from ``s0``, the leading run up to the first
+        miss: what a fetch would read, at most ``budget_pages`` FULL pages) into the staging
+        area, within ``deadline_s`` of the job's start, each call bounded by the store's
+        timeout. Values already staged are not read again. Never waits on the store, never
+        touches the tree or device memory off this thread. Returns the job's handle (its
+        :class:`Ask`: call ``stop()`` when the request is admitted, so that the job and the fetch
+        do not both read the rest), or None when no job was queued (prefetch off, the store
+        down, nothing past the device match, a host part not restored, or ``PREFETCH_JOBS``
+        jobs waiting). ``session_id`` is accepted as :meth:`fetch` takes it; staged values are
+        shared, keyed by ``(kind, hash)``."""
+        if not self.prefetching:
+            return None
+        found = self._lookup(token_ids, m)
+        if found is None:
+            return None
+        ask = found[3]
+        if not self._jobs.submit((ask,)):
+            self.stats.prefetch_skipped += 1
+            return None
+        self.stats.prefetches += 1
+        return ask
+
+    @property
+    def prefetching(self) -> bool:
+        """Prefetch is on (``staging_bytes > 0``) and the store is up."""
+        return self._staging.cap_bytes > 0 and self.store.up
+
+    def prefetch_idle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` until every queued prefetch job has run (tests)."""
+        return self._jobs.idle(timeout_s)
+
+    def _prefetch_job(self, ask: Ask) -> None:
+        """The prefetch thread: one job (``ask`` holds no tree reference)."""
+        if ask.stopped:
+            return
+        t0 = time.perf_counter()
+        reach = self._reach(ask, self._exists(ask.refs))
+        self._collect(reach, ask.hashes, t0, lambda ref, h, left: self._stage(ask, ref, h, left))
+
+    def _stage(self, ask: Ask, ref: tuple[int, int], h: int, left: float) -> bytes | None:
+        """The prefetch thread's read of one value: already staged, or got from the store within
+        ``left`` seconds and staged (raw payload, decoded by the fetch that takes it); None once
+        the job is stopped (the loop then ends)."""
+        kind = self._payload(ref[0]).kind
+        if ask.stopped:
+            return None
+        if self._staging.holds([(kind, h)])[0]:
+            return b""
+        payload = self.store.get(h, budget_s=left, kind=kind)
+        if payload is not None:
+            self.stats.prefetched_pages += 1
+            self.stats.prefetch_dropped_pages += self._staging.put((kind, h), payload)
+        return payload
+
+    def close(self) -> None:
+        """Stop the prefetch thread (waiting jobs dropped; the running one ends within its
+        bounds), drop the staged values, close the store client. Idempotent."""
+        self._jobs.close()
+        self._staging.clear()
+        self.store.close()

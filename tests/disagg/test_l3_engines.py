@@ -88,6 +88,7 @@ def test_a_prompt_computed_on_one_worker_is_served_from_l3_on_another(smollm2_de
         assert [c for _, c in second] == usable, "b should reuse every whole page a computed"
         st = b.kv.cache.l3.stats                # the first read the shared system prompt too
         assert st.hit_pages >= usable[0] // PAGE and st.miss_pages == 0, st
+        assert st.prefetches >= 1, st           # queued with a cold device cache: read ahead
         assert b.kv.cache.l3.store.stats.corrupt == 0
         idle_and_exact(a)
         idle_and_exact(b)
