@@ -486,7 +486,5 @@ class DecodeWorker(MigrationSource, RoleWorker):
         try:
             super().close()
         finally:
-            if self.kv_publisher is not None:
+            if self.kv_publisher is not None:   # (the L3 tier: the engine's shutdown closes it)
                 self.kv_publisher.close()
-            if self.l3 is not None:
-                self.l3.close()

@@ -285,7 +285,5 @@ class PrefillWorker(RoleWorker):
         try:
             super().close()
         finally:
-            if self.kv_publisher is not None:
+            if self.kv_publisher is not None:   # (the L3 tier: the engine's shutdown closes it)
                 self.kv_publisher.close()
-            if self.l3 is not None:
-                self.l3.close()
