@@ -11,10 +11,14 @@ sessions per second x turns.
    the highest rate with P99 TTFT <= ``--slo-s`` and no refusal.
 2. **burst**: ``--base`` x the sustained rate for ``--pre-s``, ``--burst`` x for ``--burst-s``,
    then the base rate again for ``--post-s``; a refused turn is retried once after its
-   Retry-After. Per second: turns sent, served, refused, P99 TTFT; from the burst's end, the
+   Retry-After (``--no-retry``: never, so that what follows the burst is the offered load alone,
+   not the burst's refusals coming back). Per second: turns sent, served, refused, P99 TTFT; from the burst's end, the
    seconds until every later second's P99 TTFT is under the SLO again (latency) and until the
    last 429 (the burst's retried and follow-up turns served); served turns per second before,
-   during and after the burst; the retries' success share says whether Retry-After was honest.
+   during and after the burst; the retries' success share says whether Retry-After was honest;
+   the sessions the burst cut mid-way (a later turn refused for good) against the new ones it
+   turned away (a first turn refused), which says whether admission kept the work it had started
+   (``dispatch_prefer_sessions``, on by default; ``--no-prefer-sessions`` turns it off).
 
 Every configuration splits the SLO between admission and the deferred queue, so that a served
 turn's TTFT stays under it: ``admission_max_pending_s`` = ``--admit-share`` x ``--slo-s`` (a
@@ -121,6 +125,10 @@ def series(records: list, pre: float, burst: float, slo: float, total: float) ->
     slow = [b["t"] for b in bins if b["t"] >= end and (b["ttft_p99"] or 0) > slo]
     refused = [b["t"] for b in bins if b["t"] >= end and b["refused"]]
     retries = [r for r in records if r.scheduled is not None]
+    final: dict[tuple, object] = {}
+    for r in records:                    # a turn's last record (its retry, when it had one)
+        final[(r.session, r.turn)] = r
+    lost = [r for r in final.values() if r.status == 429]
     ras = [int(r.retry_after) for r in records if r.status == 429 and (r.retry_after or "").isdigit()]
 
     def served_per_s(lo: float, hi: float) -> float:
@@ -131,6 +139,8 @@ def series(records: list, pre: float, burst: float, slo: float, total: float) ->
             "served_per_s": {"pre": served_per_s(0, pre), "burst": served_per_s(pre, end),
                              "post": served_per_s(end, total)},
             "retries": len(retries), "retries_served": sum(r.ok for r in retries),
+            "sessions_cut": sum(1 for r in lost if r.turn > 0),
+            "sessions_turned_away": sum(1 for r in lost if r.turn == 0),
             "retry_after_s": sorted(set(ras)), "http_5xx": sum(b["http_5xx"] for b in bins)}
 
 
@@ -139,7 +149,8 @@ def run_config(name: str, args, work: str) -> dict:
 
     pending_s = args.slo_s * args.admit_share
     cfg = {**CONFIGS[name], "admission_max_pending_s": pending_s,
-           "dispatch_queue_ttl_s": args.slo_s * args.queue_share}
+           "dispatch_queue_ttl_s": args.slo_s * args.queue_share,
+           "dispatch_prefer_sessions": not args.no_prefer_sessions}
     if cfg.get("engine") == "sim":
         cfg["sim_speedup"] = args.sim_speedup
         # the simulated dispatcher predicts in simulated seconds: the wall seconds, converted
@@ -166,14 +177,15 @@ def run_config(name: str, args, work: str) -> dict:
             phases = [(args.pre_s, base), (args.burst_s, high), (args.post_s, base)]
             total = args.pre_s + args.burst_s + args.post_s
             recs = asyncio.run(drive(router.url, schedule(phases, args.turns, args.seed + 100),
-                                     args.turns, args.seed + 100, args.max_tokens, True))
+                                     args.turns, args.seed + 100, args.max_tokens, not args.no_retry))
             out["burst"] = {"base_rate": base, "burst_rate": high,
                             **series(recs, args.pre_s, args.burst_s, args.slo_s, total + 10)}
             b = out["burst"]
             print(f"{name} burst {base:g} -> {high:g} req/s: P99 TTFT within the SLO "
                   f"{b['latency_recovery_s']:g} s after it, last 429 {b['refusals_end_s']:g} s after it, "
                   f"served/s {b['served_per_s']}, retries "
-                  f"{b['retries_served']}/{b['retries']} served, Retry-After {b['retry_after_s']}",
+                  f"{b['retries_served']}/{b['retries']} served, Retry-After {b['retry_after_s']}, "
+                  f"sessions cut mid-way {b['sessions_cut']}, turned away {b['sessions_turned_away']}",
                   file=sys.stderr)
         return out
     finally:
@@ -234,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pre-s", type=float, default=10.0)
     ap.add_argument("--burst-s", type=float, default=10.0)
     ap.add_argument("--post-s", type=float, default=30.0)
+    ap.add_argument("--no-retry", action="store_true",
+                    help="burst run: a refused turn is not sent again (its session ends)")
+    ap.add_argument("--no-prefer-sessions", action="store_true",
+                    help="dispatch_prefer_sessions off: the deferred queue in arrival order only")
     ap.add_argument("--admit-share", type=float, default=0.25,
                     help="admission limit (a prefill worker's predicted queue) as a share of the SLO")
     ap.add_argument("--queue-share", type=float, default=0.25,
@@ -259,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             line += (f"; burst {b['base_rate']:g} -> {b['burst_rate']:g} req/s: P99 TTFT within the SLO "
                      f"{b['latency_recovery_s']:g} s after it, last 429 {b['refusals_end_s']:g} s after it, "
                      f"5xx {b['http_5xx']}, retries after Retry-After served {b['retries_served']}/{b['retries']}, "
-                     f"Retry-After values {b['retry_after_s']}")
+                     f"Retry-After values {b['retry_after_s']}, served/s before/during/after "
+                     f"{b['served_per_s']['pre']:.2f}/{b['served_per_s']['burst']:.2f}/{b['served_per_s']['post']:.2f}, "
+                     f"sessions cut mid-way {b['sessions_cut']}, turned away {b['sessions_turned_away']}")
         print(line)
     out = Path(args.out)
     write_report(out, {"args": vars(args), "results": results})

@@ -98,7 +98,8 @@ class RayClusterBackend(ClusterObservability):
                                                             l3_block_credit=L3_BLOCK_CREDIT if cfg.kv_store != "off" else 0.0),
                                    AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s))
         self.dispatch.latency.window_s = cfg.planner.window_s
-        self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s)
+        self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s,
+                                      prefer_sessions=cfg.dispatch_prefer_sessions)
         self.autoscaler = None     # cluster/autoscaler.py, with cfg.planner.enabled
         self.feed = None      # KV events into the dispatcher's exact block index
         if launcher.kv_events:

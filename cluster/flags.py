@@ -145,7 +145,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 
 # ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers it all).
 YAML_ONLY: frozenset[str] = frozenset({
-    "admission_max_queue", "admission_max_pending_s", "kv_events", "max_body_bytes", "l3_timeout_s",
+    "admission_max_queue", "admission_max_pending_s", "dispatch_prefer_sessions", "kv_events", "max_body_bytes", "l3_timeout_s",
     "engine_config.seed", "engine_config.cache.session_ttl_s", "engine_config.cache.host_write_policy",
     "engine_config.scheduler.max_batch_tokens",
     "engine_config.hybrid", "engine_config.transfer",

@@ -257,6 +257,8 @@ class ServeConfig(_Strict):
                                      "worker under its admission limits before any 429 (0: refuse at once)")
     dispatch_queue_ttl_s: float = Field(5.0, gt=0, description="a queued request still not admitted "
                                         "after this long is refused (429 with Retry-After)")
+    dispatch_prefer_sessions: bool = Field(True, description="in that queue, a later turn of a session "
+                                           "the router is serving waits ahead of new sessions (same priority)")
     kv_events: bool | None = Field(None, description="workers (prefill and decode) publish KV events "
                                    "in vLLM's format to the router's exact index (default: with the "
                                    "kv_events and session policies on Ray workers)")

@@ -9,7 +9,10 @@ dispatcher's admission (router/dispatch.py):
 
 - With nobody waiting, a request is routed at once (no cost on the normal path).
 - Refused by admission (every prefill worker past its limits), it waits in a bounded queue ordered
-  by ``GenerateRequest.priority`` (lower first, vLLM's convention), then arrival. Only the head
+  by ``GenerateRequest.priority`` (lower first, vLLM's convention), then, with ``prefer_sessions``
+  (the default), sessions in progress (``Dispatcher.in_session``: a later turn of a conversation
+  the cluster is serving) before new ones, then arrival: under overload an agent mid-task keeps
+  going and the newcomers are the ones refused, so the work a burst admitted finishes. Only the head
   of the queue tries again, whenever the dispatcher releases load (``on_capacity``) and at least
   every ``poll_s``; so waiting requests are admitted in order and new arrivals never overtake them.
 - A request that has waited ``ttl_s`` is refused with ``Overloaded``. A full queue refuses the
@@ -64,11 +67,13 @@ class _Waiter:
 class DeferredDispatch:
     def __init__(self, dispatch: Dispatcher, max_size: int = 256, ttl_s: float = 5.0,
                  poll_s: float = POLL_S, refresh: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, prefer_sessions: bool = True):
         """``refresh``: called before every routing attempt (a backend that reports its workers'
         snapshots just in time, as the simulator does). ``clock``: seconds (TTLs, the admission
-        rate); a test's fake clock."""
+        rate); a test's fake clock. ``prefer_sessions``: sessions in progress wait ahead of new
+        ones of the same priority."""
         self.dispatch, self.max_size, self.ttl_s, self.poll_s = dispatch, max_size, ttl_s, poll_s
+        self.prefer_sessions = prefer_sessions
         self.refresh, self.clock = refresh, clock
         self._admitted: deque[float] = deque(maxlen=RATE_WINDOW)   # clock() of recent admissions
         self._promised_until = 0.0  # clock() at which the last promised retry slot ends
@@ -106,7 +111,8 @@ class DeferredDispatch:
         return await self._wait(req)
 
     async def _wait(self, req: GenerateRequest) -> Route:
-        me = _Waiter((req.priority, next(self._seq)), req)
+        fresh = 0 if self.prefer_sessions and self.dispatch.in_session(req) else 1
+        me = _Waiter((req.priority, fresh, next(self._seq)), req)
         if len(self) >= self.max_size:
             worst = max((w for w in self._heap if not w.done), default=None)
             if worst is None or not me < worst:

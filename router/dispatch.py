@@ -203,6 +203,14 @@ class Dispatcher:
                                                r.decision.matched_tokens), g.size - 1)
             return r
 
+    def in_session(self, req: GenerateRequest) -> bool:
+        """Whether ``req`` continues a session the table holds live (a later turn of a
+        conversation the cluster has served), as opposed to one it has not seen."""
+        if req.session_id is None:
+            return False
+        with self.lock:
+            return self.state.sessions.get(req.session_id, self.clock()) is not None
+
     def reroute(self, r: Route, dead: int | Collection[int]) -> Route:
         """``r``'s charges back, then ``r`` routed again without ``dead`` (a worker id, or several:
         every worker an earlier attempt found dead or stalled), admission included."""

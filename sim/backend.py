@@ -111,7 +111,8 @@ class SimServingBackend:
                                      estimator=self.profile.estimator(), seed=ec.seed),
             AdmissionLimits(cfg.admission_max_queue, cfg.admission_max_pending_s), clock=self.now)
         self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s,
-                                      poll_s=0.05, refresh=self._refresh_snapshots)
+                                      poll_s=0.05, refresh=self._refresh_snapshots,
+                                      prefer_sessions=cfg.dispatch_prefer_sessions)
         use_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy == "kv_events"
         self.prefills: list[PrefillWorker] = []
         for i in range(cfg.prefill):

@@ -50,6 +50,40 @@ def test_a_burst_waits_in_priority_order_instead_of_429():
     asyncio.run(main())
 
 
+def test_a_session_in_progress_waits_ahead_of_new_sessions():
+    def req(rid, sid):
+        return GenerateRequest(rid, tuple(range(32)), SamplingParams(max_tokens=4), session_id=sid)
+
+    async def main(prefer):
+        d = Dispatcher("session", limits=AdmissionLimits(max_queue=1, max_pending_s=1e9))
+        d.add_worker(0, "prefill", "prefill-0", 1000)
+        d.add_worker(1, "decode", "decode-0", 1000)
+        q = DeferredDispatch(d, max_size=8, ttl_s=5.0, poll_s=0.01, prefer_sessions=prefer)
+        first = await q.route(req("t0", "old"))               # session "old" is served: the worker is full
+        assert d.in_session(req("x", "old")) and not d.in_session(req("y", "new-1"))
+        order = []
+
+        async def one(rid, sid):
+            r = await q.route(req(rid, sid))
+            order.append(rid)
+            await asyncio.sleep(0.02)
+            d.release(r)
+
+        tasks = [asyncio.create_task(one("new-1", "new-1"))]
+        await asyncio.sleep(0.03)
+        tasks += [asyncio.create_task(one("new-2", "new-2"))]
+        await asyncio.sleep(0.03)
+        tasks += [asyncio.create_task(one("t1", "old"))]       # the session's next turn, last to arrive
+        await asyncio.sleep(0.03)
+        assert len(q) == 3
+        d.release(first)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(main(True)) == ["t1", "new-1", "new-2"]
+    assert asyncio.run(main(False)) == ["new-1", "new-2", "t1"]   # off: arrival order
+
+
 def test_what_still_overflows_gets_overloaded_with_retry_after():
     async def main():
         d = _dispatcher()
