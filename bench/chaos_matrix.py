@@ -47,7 +47,7 @@ def start(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--mode", "disaggregated", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--device", "cpu", "--page-size", "16", "--decode-max-total-tokens", "1024",
            "--debug-retract-every", "11", "--debug-endpoints", *extra]
     log = open(log_path, "w")

@@ -3,9 +3,11 @@ the same file, batch-1 decode and a 1k-token prefill, in one run.
 
 Contenders: Tandem's default numerics on this CPU (bf16 + the file's own Q4_K / Q6_K / Q5_0 / Q8_0
 blocks on the AVX512 kernels where they build), Tandem's exact path (float32, dequantized), and
-transformers (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``, float32). llama.cpp is
-not here: llama-cpp-python needs a 10-20 minute build (bench/engine_vs_cpu_peers.py says how).
-Cases: prefill of a PREFILL-token prompt (tok/s; one new token), one request decoding (16-token
+transformers (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``, float32), and with
+``--llama-bench PATH`` llama.cpp's own ``llama-bench`` on the same file (``-t``/threads, one
+repetition per round: ``pp1024`` and ``tg64``; its decode figure excludes the 16-token prompt that
+Tandem's includes; build it beside llama-server as bench/serve_vs_llamaserver.py says, target
+``llama-bench``). Cases: prefill of a PREFILL-token prompt (tok/s; one new token), one request decoding (16-token
 prompt, DECODE new tokens, EOS ignored; new tok/s, the prompt's prefill included). Every
 contender runs once per round, rounds repeat; the table shows medians and the median per-round
 ratio to transformers.
@@ -14,7 +16,8 @@ ratio to transformers.
 kind in the file (and Q8_0 with bf16 vs int8 activations): microseconds per call and the packed
 weight's read rate, the number a decode step is bound by.
 
-Usage: python bench/gemma3_gguf.py [--threads 2] [--repeats 3] [--no-hf] [--kernels] [--out bench/out/gemma3_gguf.json]
+Usage: python bench/gemma3_gguf.py [--threads 2] [--repeats 3] [--no-hf] [--llama-bench PATH] [--kernels]
+       [--out bench/out/gemma3_gguf.json]
 """
 
 from __future__ import annotations
@@ -75,6 +78,28 @@ class HF:
         pass
 
 
+class LlamaBench:
+    """llama.cpp's ``llama-bench`` on the same file, one repetition per call."""
+
+    def __init__(self, binary: str, path: str, threads: int):
+        self.cmd = [binary, "-m", path, "-t", str(threads), "-p", str(PREFILL), "-n", str(DECODE),
+                    "-r", "1", "-o", "json"]
+        self.precision = "llama.cpp (llama-bench, the file's blocks)"
+
+    def measure(self) -> dict[str, float]:
+        """{"prefill": tok/s of pp1024, "decode": tok/s of tg64}."""
+        import json
+        import subprocess
+
+        out = subprocess.run(self.cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        rows = json.loads(out)
+        pick = {("prefill" if r["n_prompt"] else "decode"): float(r["avg_ts"]) for r in rows}
+        return pick
+
+    def close(self):
+        pass
+
+
 def kernel_rates(path: str, repeats: int) -> dict:
     """Avx512Linear at T = 1 on layer 0's projections: {label: (us per call, GB/s of packed bytes)}."""
     import gguf
@@ -110,6 +135,7 @@ def main() -> None:
     ap = bench_parser(__doc__, "gemma3_gguf", repeats=3, threads=2)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary (a contender)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = gguf_path()
@@ -123,15 +149,21 @@ def main() -> None:
                "tandem exact": Tandem(path, "float32", "dequant", args.threads)}
     if not args.no_hf:
         runners["transformers"] = HF(path)
+    if args.llama_bench:
+        runners["llama.cpp"] = LlamaBench(args.llama_bench, path, args.threads)
     for r in runners.values():                    # warm-up
-        r.run(short_ids, 4)
+        r.measure() if isinstance(r, LlamaBench) else r.run(short_ids, 4)
     samples = {name: {"prefill": [], "decode": []} for name in runners}
     for _ in range(args.repeats):
         for name, r in runners.items():
+            if isinstance(r, LlamaBench):
+                for k, v in r.measure().items():
+                    samples[name][k].append(v)
+                continue
             samples[name]["prefill"].append(PREFILL / timed(lambda: r.run(long_ids, 1)))
             samples[name]["decode"].append(DECODE / timed(lambda: r.run(short_ids, DECODE)))
     print(f"Gemma 3 270M Q4_K_M, {args.threads} threads, {args.repeats} rounds (medians)")
-    print(f"{'contender':16s} {'prefill 1k tok/s':>17s} {'decode tok/s':>13s}  {'x HF':>11s}  precision")
+    print(f"{'contender':16s} {'prefill 1k tok/s':>17s} {'decode tok/s':>13s}  {'x HF':>11s}  {'x llama.cpp':>11s}  precision")
     rows = {}
     for name, r in runners.items():
         s = samples[name]
@@ -139,9 +171,13 @@ def main() -> None:
         if "transformers" in samples:
             hf = samples["transformers"]
             row.update({f"{k}_x_hf": statistics.median(a / b for a, b in zip(s[k], hf[k])) for k in s})
+        if "llama.cpp" in samples:
+            lc = samples["llama.cpp"]
+            row.update({f"{k}_x_llama": statistics.median(a / b for a, b in zip(s[k], lc[k])) for k in s})
         rows[name] = {**row, "precision": r.precision, "samples": s}
         ratio = (f"{row['prefill_x_hf']:.1f}x/{row['decode_x_hf']:.1f}x" if "prefill_x_hf" in row else "-")
-        print(f"{name:16s} {row['prefill']:17.0f} {row['decode']:13.1f}  {ratio:>11s}  {r.precision}")
+        vs_l = (f"{row['prefill_x_llama']:.2f}x/{row['decode_x_llama']:.2f}x" if "prefill_x_llama" in row else "-")
+        print(f"{name:16s} {row['prefill']:17.0f} {row['decode']:13.1f}  {ratio:>11s}  {vs_l:>11s}  {r.precision}")
     for r in runners.values():
         r.close()
     write_report(args.out, {"threads": args.threads, "repeats": args.repeats, "prefill_tokens": PREFILL,

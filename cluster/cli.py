@@ -86,10 +86,13 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from tandem.cluster.config import serve_config_from_args
+    from tandem.cluster.config import choose_mode, serve_config_from_args
     from tandem.cluster.serve import run_serve
 
-    return run_serve(serve_config_from_args(args))
+    cfg, why = choose_mode(serve_config_from_args(args), args)
+    if why is not None:
+        print(f"tandem: {why}", flush=True)
+    return run_serve(cfg)
 
 
 def main(argv: list[str] | None = None, commands: Sequence[Callable] = ()) -> int:

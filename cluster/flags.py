@@ -77,7 +77,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
 
 SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--mode", "mode", "separate prefill and decode workers (disaggregated) or one worker doing "
-                           "both (colocated)"),
+                           "both (colocated); default disaggregated, but a bare `tandem serve` (no "
+                           "--config/--prefill/--decode) on 4 CPU cores or fewer and no GPU: colocated"),
     Flag("--engine", "engine", "the real model (real) or the simulated cost-model engine (sim)"),
     Flag("--prefill", "prefill", "prefill workers"),
     Flag("--decode", "decode", "decode workers"),

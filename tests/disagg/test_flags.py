@@ -63,3 +63,28 @@ def test_no_flags_is_the_defaults_and_flags_land_on_their_fields(tmp_path):
         p.parse_args(["serve", "--policy", "fastest"])
     with pytest.raises(ValueError):                   # pydantic's bounds apply to flags too
         serve_config_from_args(p.parse_args(["serve", "--page-size", "0"]))
+
+
+def test_a_bare_serve_on_few_cores_without_a_gpu_is_colocated(tmp_path):
+    from tandem.cluster.config import AUTO_COLOCATED_MAX_CORES, choose_mode
+
+    p = build_parser()
+
+    def mode(argv, cores=2, cuda=False):
+        args = p.parse_args(["serve", *argv])
+        cfg, why = choose_mode(serve_config_from_args(args), args, cores=cores, cuda=cuda)
+        assert why is None or (cfg.mode == "colocated" and "chosen for this machine" in why)
+        return cfg.mode
+
+    assert mode([]) == "colocated"
+    assert mode(["--port", "8311", "--threads", "2"]) == "colocated"    # flags beside the shape
+    assert mode([], cores=AUTO_COLOCATED_MAX_CORES) == "colocated"
+    assert mode([], cores=AUTO_COLOCATED_MAX_CORES + 1) == "disaggregated"
+    assert mode([], cuda=True) == "disaggregated"
+    for given in (["--mode", "disaggregated"], ["--prefill", "1"], ["--decode", "2"], ["--engine", "sim"],
+                  ["--device", "cuda"]):
+        assert mode(given) == "disaggregated", given       # what the user wrote is taken as written
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("port: 8400\n")
+    assert mode(["--config", str(yaml)]) == "disaggregated"
+    assert mode(["--mode", "colocated"], cores=64) == "colocated"
