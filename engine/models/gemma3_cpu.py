@@ -44,10 +44,10 @@ _NORMS = ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm
 def native(layer) -> bool:
     """Whether ``layer`` (a Gemma3Layer) runs :func:`composed`: its four projections are
     Avx512Linear, gelu is the tanh form, the norm weights float32 and the kernels here."""
-    return (kernel_ops() is not None and layer.gelu == "tanh"
-            and all(isinstance(k, Avx512Linear) for k in layer.kernels()) and len(layer.kernels()) == 4
+    ks = layer.kernels()
+    return (len(ks) == 4 and all(isinstance(k, Avx512Linear) for k in ks) and layer.gelu == "tanh"
             and all(getattr(layer, n).dtype == torch.float32 for n in _NORMS)
-            and layer.d % 16 == 0)
+            and layer.d % 16 == 0 and kernel_ops() is not None)   # last: no build for other kernels
 
 
 def composed(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb, backend) -> torch.Tensor:
