@@ -13,6 +13,10 @@ Matches transformers' ``Gemma3ForCausalLM`` op for op:
 - MLP ``down(gelu_tanh(gate(x)) * up(x))``; final norm; tied head; ``final_logit_softcapping``
   (``cap * tanh(logits / cap)``) when set.
 
+On the CPU kernels (the GGUF's blocks on ``Avx512Linear``, bf16) a layer runs the same ops as C
+routines, or all of them in one C call (engine/models/gemma3_cpu.py), and the final norm is fused
+into the vocab head's kernel.
+
 Engine view: ``layer_types`` "swa" / "full", so the local layers' K/V live in the SWA pool
 (engine/hybrid.py) and the radix cache votes with the SWA component; the model itself only sets
 ``AttnSpec.sliding_window``. Refused (``ModelLoadError``): ``attn_logit_softcapping`` (no Gemma 3
@@ -33,10 +37,13 @@ from tandem.engine.attention.base import AttentionBackend, AttnSpec
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.layers import Rotary, rope_inv_freq
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError, _hf_rope_scaling
+from tandem.engine.models.gemma3_cpu import FusedGemmaLayer, composed, native
 from tandem.engine.models.hf_config import need, special_ids
 from tandem.engine.models.norms import offset_rms_norm, offset_weight
 from tandem.engine.quant.blocks import QuantParts, QuantWeight
+from tandem.engine.quant.avx512 import Avx512Linear
 from tandem.engine.quant.linear import make_linear
+from tandem.engine.quant.preop import PreOp
 
 _PROJ = ("qkv", "o_proj", "gate_up", "down")
 
@@ -235,6 +242,16 @@ class Gemma3Layer(nn.Module):
                     setattr(self, name + "_k", None)
                 self.register_buffer(name, None if w is None else w.contiguous())
 
+        # on the CPU kernels (engine/models/gemma3_cpu.py): the layer as C routines (native_path)
+        # and the whole of it in one C call (fused); found on the first forward (and again after
+        # unpickling), fused None where it does not apply
+        self.native_path, self.fused, self.fused_built = False, None, False
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["fused"], state["fused_built"] = None, False   # raw addresses: rebuilt where it lands
+        return state
+
     def kernels(self) -> list[nn.Module]:
         return [k for n in _PROJ if (k := getattr(self, n + "_k")) is not None]
 
@@ -245,6 +262,13 @@ class Gemma3Layer(nn.Module):
     def forward(self, x: torch.Tensor, rot: dict, fb: ForwardBatch,
                 backend: AttentionBackend) -> torch.Tensor:
         # x: [T, H] residual stream
+        cos, sin = rot[self.rope_kind]                                      # [T, 1, D/2]
+        if not self.fused_built:
+            self.native_path, self.fused, self.fused_built = native(self), FusedGemmaLayer.build(self), True
+        if self.fused is not None and (y := self.fused(x, cos, sin, fb, backend)) is not None:
+            return y                                                        # bitwise composed()
+        if self.native_path:
+            return composed(self, x, cos, sin, fb, backend)
         T, eps = x.shape[0], self.eps
         h = offset_rms_norm(x, self.input_norm, eps)
         qkv = self._lin("qkv", h, self.qkv_bias)                            # [T, (Hq + 2Hkv) * D]
@@ -252,7 +276,6 @@ class Gemma3Layer(nn.Module):
         q = offset_rms_norm(qkv[:, :q_end].view(T, self.n_q, self.d), self.q_norm, eps)
         k = offset_rms_norm(qkv[:, q_end:k_end].view(T, self.n_kv, self.d), self.k_norm, eps)
         v = qkv[:, k_end:].view(T, self.n_kv, self.d)
-        cos, sin = rot[self.rope_kind]                                      # [T, 1, D/2]
         q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         o = backend.forward(q, k, v, self.spec, fb).reshape(T, q_end)       # [T, Hq * D]
         x = x + offset_rms_norm(self._lin("o_proj", o, self.o_bias), self.post_attn_norm, eps)
@@ -354,8 +377,12 @@ class Gemma3ForCausalLM(nn.Module):
             x = layer(x, rot, fb, backend)
         if not return_all_logits:
             x = x[fb.last_token_indices]                                    # [B, H]
-        x = offset_rms_norm(x, self.norm, self.arch.rms_norm_eps)
-        logits = self.head(x) if self.head is not None else F.linear(x, self.lm_head)   # [B | T, V]
+        eps = self.arch.rms_norm_eps
+        if isinstance(self.head, Avx512Linear):                             # the final norm fused
+            logits = self.head(x, pre=PreOp.rmsnorm_f32(self.norm, eps))
+        else:
+            x = offset_rms_norm(x, self.norm, eps)
+            logits = self.head(x) if self.head is not None else F.linear(x, self.lm_head)   # [B | T, V]
         cap = self.extras.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

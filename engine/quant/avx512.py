@@ -14,9 +14,10 @@ Numerics (the C file's docstring has the formulas):
   (the C file's KIND_K8).
 - Q8_0 otherwise (the vocab head): int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
   way. Used for SmolLM2's tied Q8_0 vocab head (its error against a bf16 head: the same section).
-An optional pre-op runs fused in float32 first: RMSNorm with its weight (``PreOp.rmsnorm``) or
-``silu(gate) * up`` over a ``[T, 2K]`` input (``PreOp.silu_mul``). Outputs (+ bias, + residual)
-are rounded once to the output dtype.
+An optional pre-op runs fused in float32 first: RMSNorm with its weight (``PreOp.rmsnorm``; a
+float32 weight: ``PreOp.rmsnorm_f32``, Gemma's ``1 + w``) or ``silu(gate) * up`` /
+``gelu_tanh(gate) * up`` over a ``[T, 2K]`` input (``PreOp.silu_mul`` / ``PreOp.gelu_mul``).
+Outputs (+ bias, + residual) are rounded once to the output dtype.
 
 Every output row depends on its own input row only, bitwise (any row count, any thread count),
 so the prefix cache on/off, batched-vs-alone and disaggregated-vs-colocated oracles hold exactly.
@@ -37,7 +38,7 @@ KIND_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 4, "Q
 _KQ = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 Q8_BF16 = 6    # the C kernel's KIND_K8: Q8_0 blocks with bf16 activations (layer weights)
 _CODE_BIAS = {"Q5_0": 16, "Q6_K": 32, "Q8_0": 128}    # u = code + bias is unsigned
-_PRE_IDS = {None: 0, "rmsnorm": 1, "silu_mul": 2}
+_PRE_IDS = {None: 0, "rmsnorm": 1, "silu_mul": 2, "rmsnorm_f32": 3, "gelu_mul": 4}   # the C file's PRE_*
 
 
 def avx512_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -106,13 +107,15 @@ def pack(w: QuantWeight, q8_bf16: bool = False) -> torch.Tensor:
 
 
 def _nw(pre: PreOp | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The norm weight as the kernel reads it: in x's dtype (rmsnorm) or float32 (rmsnorm_f32)."""
     if pre is None or pre.weight is None:
         return None
-    return pre.weight if pre.weight.dtype == dtype else pre.weight.to(dtype)
+    want = torch.float32 if pre.kind == "rmsnorm_f32" else dtype
+    return pre.weight if pre.weight.dtype == want else pre.weight.to(want)
 
 
 def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel multiplies for x ([T, K], or [T, 2K] for silu_mul; tests): Q8_0 ->
+    """What the kernel multiplies for x ([T, K], or [T, 2K] for silu_mul / gelu_mul; tests): Q8_0 ->
     (xq [T, K] int8, d_x [T, K/32]); others -> (bf16 rows [T, K], per-block sums [T, K/32];
     Q6_K: per 16, [T, K/16])."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -154,15 +157,15 @@ class Avx512Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
-        """x: [T, K] ([T, 2K] with ``pre.kind == "silu_mul"``), float32 or bf16 (+ bias [N])
+        """x: [T, K] ([T, 2K] with a gated ``pre``: silu_mul, gelu_mul), float32 or bf16 (+ bias [N])
         (+ residual [T, N]) -> [T, N] in ``out_dtype`` (default x's dtype)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         t, n, k = x.shape[0], self.out_features, self.in_features
-        silu = pre is not None and pre.kind == "silu_mul"
-        if x.dim() != 2 or x.shape[1] != (2 * k if silu else k):
+        gated = pre is not None and pre.gated
+        if x.dim() != 2 or x.shape[1] != (2 * k if gated else k):
             raise ValueError(f"Avx512Linear [{n}, {k}] got input {tuple(x.shape)} "
-                             f"(wants [T, {2 * k if silu else k}])")
+                             f"(wants [T, {2 * k if gated else k}])")
         out = torch.empty(t, n, dtype=self.out_dtype or x.dtype)
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
@@ -180,6 +183,11 @@ class Avx512Linear(nn.Module):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return [self.packed] if self.packed is not None else list(self.parts)
+
+    @property
+    def part_kinds(self) -> list[int]:
+        """The C kernel's kind of each part, in :meth:`weight_tensors`' order."""
+        return [kind_id for kind_id, _, _ in self._segments]
 
     @property
     def nbytes(self) -> int:

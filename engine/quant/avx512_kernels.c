@@ -3,7 +3,9 @@
  *   tq_linear       y = pre(x) @ W^T on a GGUF weight's own blocks   (engine/quant/avx512.py)
  *   tq_rope         rotary embedding in place, bitwise torch's        (engine/quant/avx512.py)
  *   tq_attention    paged attention: write K/V, attend in place       (engine/attention/cpu_backend.py)
+ *   tq_head_rmsnorm, tq_add_rmsnorm  Gemma's per-head and sandwich RMSNorms (engine/models/gemma3_cpu.py)
  *   tq_llama_layer  a whole Llama layer: the above, composed          (engine/models/llama_cpu.py)
+ *   tq_gemma_layer  a whole Gemma 3 layer, likewise                   (engine/models/gemma3_cpu.py)
  * Threads (OpenMP, torch's runtime) split only independent work -- columns, rows of activations,
  * (query run, kv head) pairs -- so no result depends on the thread count.
  *
@@ -47,8 +49,8 @@
  *   A plane is 16 column lanes of 32 bits: k = 8 i + 2 t (+ 1) of chunk i at bit 4 t + i (+ 16),
  *   so the same shift that aligns chunk i's pair t for the nibbles aligns its high bits.
  *
- * Activations: rows of float32 or bfloat16, with an optional fused pre-op (RMSNorm with a weight,
- * or silu(x[:, :K]) * x[:, K:2K]) applied in float32 first.
+ * Activations: rows of float32 or bfloat16, with an optional fused pre-op (RMSNorm with a weight in
+ * x's dtype or in float32, or silu / gelu_tanh(x[:, :K]) * x[:, K:2K]) applied in float32 first.
  *
  * The entry points are declared in avx512_kernels.h; their callers are native_ops.cpp's torch
  * operators, which check shapes and dtypes first (the functions here trust their arguments).
@@ -63,7 +65,8 @@
 
 enum { KIND_Q4_0 = TQ_KIND_Q4_0, KIND_Q4_1 = TQ_KIND_Q4_1, KIND_Q8_0 = TQ_KIND_Q8_0, KIND_K4 = TQ_KIND_K4,
        KIND_K5 = TQ_KIND_K5, KIND_K6 = TQ_KIND_K6, KIND_K8 = TQ_KIND_K8 };
-enum { PRE_NONE = TQ_PRE_NONE, PRE_RMSNORM = TQ_PRE_RMSNORM, PRE_SILU_MUL = TQ_PRE_SILU_MUL };
+enum { PRE_NONE = TQ_PRE_NONE, PRE_RMSNORM = TQ_PRE_RMSNORM, PRE_SILU_MUL = TQ_PRE_SILU_MUL,
+       PRE_RMSNORM_F32 = TQ_PRE_RMSNORM_F32, PRE_GELU_MUL = TQ_PRE_GELU_MUL };
 
 static inline int record_bytes(int kind) {
     switch (kind) {
@@ -139,17 +142,30 @@ typedef struct {
     float scale;        /* PRE_RMSNORM: 1 / rms of the row */
 } Row;
 
+/* 1 / rms of K values (K % 16 == 0): squares summed in 16 float32 lanes in order, then the lanes */
+static inline float inv_rms(const void *x, int bf16, int64_t K, float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 v = load16((const char *)x + k * (bf16 ? 2 : 4), bf16);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    return 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps);
+}
+
 static inline Row row_begin(const void *x, int bf16, int64_t K, int pre, const void *nw, float eps) {
     Row r = {x, bf16, K, pre, nw, 1.0f};
-    if (pre == PRE_RMSNORM) {
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 16) {
-            __m512 v = load16((const char *)x + k * (bf16 ? 2 : 4), bf16);
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        r.scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps);
-    }
+    if (pre == PRE_RMSNORM || pre == PRE_RMSNORM_F32) r.scale = inv_rms(x, bf16, K, eps);
     return r;
+}
+
+/* gelu_tanh(a) = a (1 + tanh(z)) / 2 = a sigmoid(2 z), z = sqrt(2 / pi) (a + 0.044715 a^3): the
+ * sigmoid form (exp16, as silu's) has no cancellation where tanh(z) nears -1 */
+static inline __m512 gelu_tanh16(__m512 a) {
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    const __m512 z2 = _mm512_mul_ps(a, _mm512_fmadd_ps(a2, _mm512_set1_ps(2.0f * 0.7978845608028654f * 0.044715f),
+                                                       _mm512_set1_ps(2.0f * 0.7978845608028654f)));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z2));
+    return _mm512_mul_ps(a, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
 
 /* 16 values of pre(x) at k (float32) */
@@ -159,6 +175,10 @@ static inline __m512 row_at(const Row *r, int64_t k) {
     if (r->pre == PRE_RMSNORM) {
         a = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(r->scale)),
                           load16((const char *)r->nw + k * es, r->bf16));
+    } else if (r->pre == PRE_RMSNORM_F32) {
+        a = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(r->scale)), _mm512_loadu_ps((const float *)r->nw + k));
+    } else if (r->pre == PRE_GELU_MUL) {
+        a = _mm512_mul_ps(gelu_tanh16(a), load16((const char *)r->x + (r->K + k) * es, r->bf16));
     } else if (r->pre == PRE_SILU_MUL) {
         __m512 up = load16((const char *)r->x + (r->K + k) * es, r->bf16);
         __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
@@ -533,7 +553,7 @@ static int prepare(int kind, const void *x, int64_t x_stride, int x_bf16, int64_
 }
 
 /* out[T, N] = pre(x)[T, K] @ W^T (+ bias[N]) (+ res[T, N]); N % 16 == 0, K % 32 == 0.
- * x: [T, K] ([T, 2K] for PRE_SILU_MUL); strides in elements; *_bf16: bf16 (1) or float32 (0).
+ * x: [T, K] ([T, 2K] for PRE_SILU_MUL / PRE_GELU_MUL); strides in elements; *_bf16: bf16 (1) or float32 (0).
  * Returns 0, -1 for an unknown kind, -2 when the scratch cannot be allocated. */
 int tq_linear(int kind, const uint8_t *wpack, int64_t N, int64_t K, const void *x, int64_t x_stride,
               int x_bf16, int pre, const void *nw, float eps, int64_t T, void *out,
@@ -598,6 +618,41 @@ void tq_rope(void *x, int64_t T, int64_t x_stride, int64_t H, int64_t D, const v
                 store16(p1, o1, bf16);
                 store16(p2, o2, bf16);
             }
+        }
+    }
+}
+
+/* -- Gemma's norms: per-head RMSNorm in place, residual + RMSNorm ------------------------------ */
+/* Both normalize each row (head) by inv_rms, then multiply by the float32 weight, in float32. Rows
+ * are independent and each is computed by one thread in order, so neither depends on the row count
+ * or the thread count. */
+void tq_head_rmsnorm(void *x, int64_t T, int64_t x_stride, int64_t H, int64_t D, const float *w, float eps,
+                     int bf16, int nthreads) {
+    const int64_t es = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            char *p = (char *)x + (t * x_stride + h * D) * es;
+            const __m512 r = _mm512_set1_ps(inv_rms(p, bf16, D, eps));
+            for (int64_t i = 0; i < D; i += 16)
+                store16(p + i * es, _mm512_mul_ps(_mm512_mul_ps(load16(p + i * es, bf16), r),
+                                                  _mm512_loadu_ps(w + i)), bf16);
+        }
+}
+
+void tq_add_rmsnorm(const void *y, int64_t y_stride, const float *w, float eps, const void *res,
+                    int64_t res_stride, void *out, int64_t out_stride, int64_t T, int64_t N, int bf16,
+                    int nthreads) {
+    const int64_t es = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const char *yr = (const char *)y + t * y_stride * es, *rr = (const char *)res + t * res_stride * es;
+        char *o = (char *)out + t * out_stride * es;
+        const __m512 r = _mm512_set1_ps(inv_rms(yr, bf16, N, eps));
+        for (int64_t i = 0; i < N; i += 16) {
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(load16(yr + i * es, bf16), r), _mm512_loadu_ps(w + i));
+            if (bf16) v = round_bf16(v);
+            store16(o + i * es, _mm512_add_ps(load16(rr + i * es, bf16), v), bf16);
         }
     }
 }
@@ -805,6 +860,17 @@ int tq_attention(const void *q, int64_t q_stride, void *out, int64_t T, int64_t 
 static __thread uint8_t *layer_scratch = NULL;
 static __thread size_t layer_scratch_bytes = 0;
 
+/* This thread's layer buffers, at least `need` bytes (64-byte aligned); NULL when memory runs out. */
+static uint8_t *layer_buffers(size_t need) {
+    if (need > layer_scratch_bytes) {
+        free(layer_scratch);
+        layer_scratch_bytes = need > 2 * layer_scratch_bytes ? need : 2 * layer_scratch_bytes;
+        layer_scratch = aligned_alloc(64, (layer_scratch_bytes + 63) / 64 * 64);
+        if (!layer_scratch) layer_scratch_bytes = 0;
+    }
+    return layer_scratch;
+}
+
 /* out[T, H] = the layer applied to x[T, H] (bf16, contiguous), exactly the composition
  * engine/models/llama.py runs with these kernels (same calls, same roundings):
  *   qkv = rmsnorm(x) @ Wqkv; rope(q, k); o = attention(q, k, v) (the K/V written first);
@@ -817,14 +883,9 @@ int tq_llama_layer(const LayerDesc *L, const void *x, void *out, int64_t T, cons
                    const int64_t *rows, const int64_t *lo, const int64_t *hi, const int64_t *imap,
                    int nthreads) {
     const int64_t H = L->n[1], nqkv = L->n[0], nqd = L->n_q * L->d, n2i = L->n[2];
-    const size_t need = (size_t)T * (size_t)(nqkv + nqd + H + n2i) * 2 + 256;
-    if (need > layer_scratch_bytes) {
-        free(layer_scratch);
-        layer_scratch_bytes = need > 2 * layer_scratch_bytes ? need : 2 * layer_scratch_bytes;
-        layer_scratch = aligned_alloc(64, (layer_scratch_bytes + 63) / 64 * 64);
-        if (!layer_scratch) { layer_scratch_bytes = 0; return -2; }
-    }
-    uint16_t *qkv = (uint16_t *)layer_scratch, *att = qkv + T * nqkv, *x2 = att + T * nqd,
+    uint8_t *buf = layer_buffers((size_t)T * (size_t)(nqkv + nqd + H + n2i) * 2 + 256);
+    if (!buf) return -2;
+    uint16_t *qkv = (uint16_t *)buf, *att = qkv + T * nqkv, *x2 = att + T * nqd,
              *gu = x2 + T * H;
     const float eps = (float)L->eps;
     int rc = tq_linear((int)L->kind[0], L->w[0], nqkv, L->k[0], x, H, 1, PRE_RMSNORM, L->in_norm, eps,
@@ -843,4 +904,58 @@ int tq_llama_layer(const LayerDesc *L, const void *x, void *out, int64_t T, cons
     if (rc) return rc;
     return tq_linear((int)L->kind[3], L->w[3], H, L->k[3], gu, n2i, 1, PRE_SILU_MUL, NULL, 0.0f, T,
                      out, H, 1, x2, H, 1, NULL, 0, nthreads);
+}
+
+/* -- one Gemma 3 decoder layer -------------------------------------------------------------- */
+/* One projection: its parts in order, each tq_linear into its columns of out (Avx512Linear's calls). */
+static int proj(const ProjDesc *P, const void *x, int64_t x_stride, int pre, const void *nw, float eps,
+                int64_t T, uint16_t *out, int64_t out_stride, int nthreads) {
+    int64_t c0 = 0;
+    for (int64_t i = 0; i < P->parts; i++) {
+        const int rc = tq_linear((int)P->kind[i], P->w[i], P->n[i], P->k, x, x_stride, 1, pre, nw, eps, T,
+                                 out + c0, out_stride, 1, NULL, 0, 0, NULL, 0, nthreads);
+        if (rc) return rc;
+        c0 += P->n[i];
+    }
+    return 0;
+}
+
+/* out[T, H] = the layer applied to x[T, H] (bf16, contiguous), exactly the composition
+ * engine/models/gemma3.py runs on its native path (same calls, same roundings):
+ *   qkv = rmsnorm_in(x) @ Wqkv; q, k per-head rmsnorm; rope(q, k); o = attention(q, k, v) (the K/V
+ *   written first); x2 = x + rmsnorm_post_attn(o @ Wo); gu = rmsnorm_pre_ff(x2) @ Wgu;
+ *   out = x2 + rmsnorm_post_ff(gelu_tanh(g) * u @ Wd).
+ * cos, sin: [T, D/2] rows at cs_stride; the attention arguments are tq_attention's.
+ * Returns 0, or tq_linear's / tq_attention's error. */
+int tq_gemma_layer(const GemmaLayerDesc *L, const void *x, void *out, int64_t T, const void *cos,
+                   const void *sin, int64_t cs_stride, void *kpool, void *vpool,
+                   const int64_t *wrow, const int32_t *r2t, int64_t r2t_stride,
+                   const int64_t *rows, const int64_t *lo, const int64_t *hi, const int64_t *imap,
+                   int nthreads) {
+    const int64_t nqd = L->n_q * L->d, nkd = L->n_kv * L->d, nqkv = nqd + 2 * nkd;
+    const int64_t n2i = 2 * L->p[3].k;
+    int64_t H = 0;   /* o's (and down's) width: the hidden size */
+    for (int64_t i = 0; i < L->p[1].parts; i++) H += L->p[1].n[i];
+    uint8_t *buf = layer_buffers((size_t)T * (size_t)(nqkv + nqd + 2 * H + n2i) * 2 + 256);
+    if (!buf) return -2;
+    uint16_t *qkv = (uint16_t *)buf, *att = qkv + T * nqkv, *y = att + T * nqd, *x2 = y + T * H,
+             *gu = x2 + T * H;
+    const float eps = (float)L->eps;
+    int rc = proj(&L->p[0], x, H, PRE_RMSNORM_F32, L->in_norm, eps, T, qkv, nqkv, nthreads);
+    if (rc) return rc;
+    tq_head_rmsnorm(qkv, T, nqkv, L->n_q, L->d, L->q_norm, eps, 1, nthreads);
+    tq_head_rmsnorm(qkv + nqd, T, nqkv, L->n_kv, L->d, L->k_norm, eps, 1, nthreads);
+    tq_rope(qkv, T, nqkv, L->n_q + L->n_kv, L->d, cos, sin, cs_stride, 1);
+    rc = tq_attention(qkv, nqkv, att, T, L->n_q, L->n_kv, L->d, kpool, vpool, qkv + nqd, qkv + nqd + nkd,
+                      nqkv, wrow, r2t, r2t_stride, rows, lo, hi, imap, (float)L->scale, 1, nthreads);
+    if (rc) return rc;
+    rc = proj(&L->p[1], att, nqd, PRE_NONE, NULL, 0.0f, T, y, H, nthreads);
+    if (rc) return rc;
+    tq_add_rmsnorm(y, H, L->post_attn_norm, eps, x, H, x2, H, T, H, 1, nthreads);
+    rc = proj(&L->p[2], x2, H, PRE_RMSNORM_F32, L->pre_ff_norm, eps, T, gu, n2i, nthreads);
+    if (rc) return rc;
+    rc = proj(&L->p[3], gu, n2i, PRE_GELU_MUL, NULL, 0.0f, T, y, H, nthreads);
+    if (rc) return rc;
+    tq_add_rmsnorm(y, H, L->post_ff_norm, eps, x2, H, out, H, T, H, 1, nthreads);
+    return 0;
 }

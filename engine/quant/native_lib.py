@@ -1,6 +1,6 @@
 """Build and load the AVX512 BF16/VNNI kernels (``avx512_kernels.c``) as typed torch operators
 (``native_ops.cpp``): ``torch.ops.tandem.linear_``, ``activations``, ``rope_``, ``attention``,
-``llama_layer``.
+``llama_layer``, ``head_rmsnorm_``, ``add_rmsnorm``, ``gemma_layer``.
 
 Each operator's schema is registered with ``torch.library`` (``TORCH_LIBRARY(tandem, ...)``) and
 its C++ body checks every tensor's device, dtype, rank, shape and layout (and the index ranges the

@@ -112,6 +112,33 @@ const int64_t *check_step(const char *op, at::ScalarType dt, int64_t T, int64_t 
   return imap->data_ptr<int64_t>();
 }
 
+// x [T, K] (or [T, 2K] for the gated pre-ops) and the norm weight of pre-op `pre`: given exactly
+// with an RMSNorm, [K] in x's dtype (TQ_PRE_RMSNORM) or float32 (TQ_PRE_RMSNORM_F32).
+void check_pre(const char *op, const Tensor &x, int64_t K, int64_t pre, const optional<Tensor> &nw) {
+  TQ_CHECK(pre >= TQ_PRE_NONE && pre <= TQ_PRE_LAST, "unknown pre-op ", pre);
+  check_float(op, "x", x, 2);
+  const bool gated = pre == TQ_PRE_SILU_MUL || pre == TQ_PRE_GELU_MUL;
+  check_rows(op, "x", x, x.size(0), gated ? 2 * K : K);
+  const bool norm = pre == TQ_PRE_RMSNORM || pre == TQ_PRE_RMSNORM_F32;
+  TQ_CHECK(norm == nw.has_value(), "the norm weight is given exactly with pre-op rmsnorm");
+  if (!nw) return;
+  if (pre == TQ_PRE_RMSNORM) {
+    TQ_CHECK(nw->scalar_type() == x.scalar_type(), "the norm weight must have x's dtype ", x.scalar_type());
+  } else {
+    TQ_CHECK(nw->scalar_type() == at::kFloat, "the norm weight of pre-op rmsnorm_f32 must be float32, got ",
+          nw->scalar_type());
+  }
+  check_float(op, "the norm weight", *nw, 1);
+  TQ_CHECK(nw->size(0) == K, "the norm weight must have ", K, " entries, got ", nw->size(0));
+}
+
+// A float32 norm weight of n entries, contiguous.
+void check_norm_f32(const char *op, const char *name, const Tensor &w, int64_t n) {
+  TQ_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() &&
+            w.size(0) == n,
+        name, " must be a contiguous [", n, "] float32 CPU tensor, got ", w.scalar_type(), " ", w.sizes());
+}
+
 void fail_on(const char *op, int rc) {
   TORCH_CHECK(rc == 0, op, " failed in the kernel (", rc, rc == -2 ? ": out of memory)" : ")");
 }
@@ -122,18 +149,10 @@ void linear_(int64_t kind, const Tensor &wpack, const Tensor &x, Tensor &out, in
              const optional<Tensor> &bias) {
   const char *op = "tandem::linear_";
   auto [N, K] = check_packed(op, "wpack", kind, wpack);
-  TQ_CHECK(pre >= TQ_PRE_NONE && pre <= TQ_PRE_SILU_MUL, "unknown pre-op ", pre);
-  check_float(op, "x", x, 2);
+  check_pre(op, x, K, pre, nw);
   const int64_t T = x.size(0);
-  check_rows(op, "x", x, T, pre == TQ_PRE_SILU_MUL ? 2 * K : K);
   check_float(op, "out", out, 2);
   check_rows(op, "out", out, T, N);
-  TQ_CHECK((pre == TQ_PRE_RMSNORM) == nw.has_value(), "the norm weight is given exactly with pre-op rmsnorm");
-  if (nw) {
-    TQ_CHECK(nw->scalar_type() == x.scalar_type(), "the norm weight must have x's dtype ", x.scalar_type());
-    check_float(op, "the norm weight", *nw, 1);
-    TQ_CHECK(nw->size(0) == K, "the norm weight must have ", K, " entries, got ", nw->size(0));
-  }
   if (residual) {
     check_float(op, "residual", *residual, 2);
     check_rows(op, "residual", *residual, T, N);
@@ -156,16 +175,8 @@ std::tuple<Tensor, Tensor> activations(int64_t kind, const Tensor &x, int64_t K,
   const char *op = "tandem::activations";
   TQ_CHECK(tq_record_bytes((int)kind) > 0, "unknown kernel kind ", kind);
   TQ_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32, got ", K);
-  TQ_CHECK(pre >= TQ_PRE_NONE && pre <= TQ_PRE_SILU_MUL, "unknown pre-op ", pre);
-  check_float(op, "x", x, 2);
+  check_pre(op, x, K, pre, nw);
   const int64_t T = x.size(0);
-  check_rows(op, "x", x, T, pre == TQ_PRE_SILU_MUL ? 2 * K : K);
-  TQ_CHECK((pre == TQ_PRE_RMSNORM) == nw.has_value(), "the norm weight is given exactly with pre-op rmsnorm");
-  if (nw) {
-    TQ_CHECK(nw->scalar_type() == x.scalar_type(), "the norm weight must have x's dtype ", x.scalar_type());
-    check_float(op, "the norm weight", *nw, 1);
-    TQ_CHECK(nw->size(0) == K, "the norm weight must have ", K, " entries, got ", nw->size(0));
-  }
   Tensor xq = at::empty({T, K}, x.options().dtype(kind == TQ_KIND_Q8_0 ? at::kChar : at::kBFloat16));
   Tensor dx = at::empty({T, K / (kind == TQ_KIND_K6 ? 16 : 32)}, x.options().dtype(at::kFloat));
   if (T > 0)
@@ -216,6 +227,37 @@ Tensor attention(const Tensor &q, Tensor &kpool, Tensor &vpool, const Tensor &k,
   return out;
 }
 
+// Per-head RMSNorm of x [T, H, D] in place (heads D apart, unit stride in D) with w [D] float32.
+void head_rmsnorm_(Tensor &x, const Tensor &w, double eps) {
+  const char *op = "tandem::head_rmsnorm_";
+  check_float(op, "x", x, 3);
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TQ_CHECK(D > 0 && D % 16 == 0, "the head dim must be a positive multiple of 16, got ", D);
+  TQ_CHECK(H <= 1 || x.stride(1) == D, "x's heads must be D = ", D, " apart, got strides ", x.strides());
+  check_norm_f32(op, "w", w, D);
+  if (T == 0 || H == 0) return;
+  tq_head_rmsnorm(x.data_ptr(), T, x.stride(0), H, D, w.data_ptr<float>(), (float)eps, is_bf16(x),
+                  at::get_num_threads());
+}
+
+// residual + rmsnorm(y) * w: y, residual [T, N] of one dtype, w [N] float32 -> a new [T, N].
+Tensor add_rmsnorm(const Tensor &y, const Tensor &w, double eps, const Tensor &residual) {
+  const char *op = "tandem::add_rmsnorm";
+  check_float(op, "y", y, 2);
+  const int64_t T = y.size(0), N = y.size(1);
+  TQ_CHECK(N > 0 && N % 16 == 0, "the row width must be a positive multiple of 16, got ", N);
+  check_float(op, "residual", residual, 2);
+  TQ_CHECK(residual.scalar_type() == y.scalar_type(), "residual must have y's dtype ", y.scalar_type(), ", got ",
+        residual.scalar_type());
+  check_rows(op, "residual", residual, T, N);
+  check_norm_f32(op, "w", w, N);
+  Tensor out = at::empty({T, N}, y.options());
+  if (T == 0) return out;
+  tq_add_rmsnorm(y.data_ptr(), y.stride(0), w.data_ptr<float>(), (float)eps, residual.data_ptr(),
+                 residual.stride(0), out.data_ptr(), N, T, N, is_bf16(y), at::get_num_threads());
+  return out;
+}
+
 // One Llama layer on x [T, H] bf16: w = the four packed projections (qkv, o, gate_up, down),
 // meta = their four kinds, then n_q, n_kv, head dim.
 Tensor llama_layer(at::TensorList w, at::IntArrayRef meta, const Tensor &in_norm, const Tensor &post_norm,
@@ -258,6 +300,70 @@ Tensor llama_layer(at::TensorList w, at::IntArrayRef meta, const Tensor &in_norm
   return out;
 }
 
+// One Gemma 3 layer on x [T, H] bf16: w = the projections' packed parts in order (qkv's, o's, gate_up's,
+// down's), meta = the four part counts, then each part's kind, then n_q, n_kv, head dim; norms = the
+// six float32 weights (input, post-attention, pre-FF, post-FF [H]; q, k [D]).
+Tensor gemma_layer(at::TensorList w, at::IntArrayRef meta, at::TensorList norms, double eps, double scale,
+                   const Tensor &x, const Tensor &cos, const Tensor &sin, Tensor &kpool, Tensor &vpool,
+                   const Tensor &wrow, const Tensor &r2t, const Tensor &rows, const Tensor &lo, const Tensor &hi,
+                   const optional<Tensor> &imap) {
+  const char *op = "tandem::gemma_layer";
+  static const char *names[4] = {"qkv", "o", "gate_up", "down"};
+  TQ_CHECK(meta.size() >= 4, "meta must start with the four projections' part counts, got ", meta.size(),
+        " values");
+  GemmaLayerDesc L{};
+  int64_t total = 0;
+  for (int i = 0; i < 4; i++) {
+    TQ_CHECK(meta[i] >= 1 && meta[i] <= TQ_MAX_PARTS, names[i], " must have 1..", TQ_MAX_PARTS, " parts, got ",
+          meta[i]);
+    total += meta[i];
+  }
+  TQ_CHECK((int64_t)w.size() == total && (int64_t)meta.size() == 4 + total + 3, "wants ", total, " weights and ",
+        4 + total + 3, " meta values (4 part counts, ", total, " kinds, n_q, n_kv, d), got ", w.size(), " and ",
+        meta.size());
+  int64_t j = 0, N[4];
+  for (int i = 0; i < 4; i++) {
+    ProjDesc &P = L.p[i];
+    P.parts = meta[i], N[i] = 0;
+    for (int64_t q = 0; q < P.parts; q++, j++) {
+      auto [n, k] = check_packed(op, names[i], meta[4 + j], w[j]);
+      TQ_CHECK(q == 0 || k == P.k, names[i], "'s parts must share one K, got ", P.k, " and ", k);
+      P.kind[q] = meta[4 + j], P.w[q] = w[j].data_ptr<uint8_t>(), P.n[q] = n, P.k = k;
+      N[i] += n;
+    }
+  }
+  L.n_q = meta[4 + total], L.n_kv = meta[5 + total], L.d = meta[6 + total], L.eps = eps, L.scale = scale;
+  const int64_t H = N[1], d = L.d;
+  TQ_CHECK(L.n_kv > 0 && L.n_q > 0 && L.n_q % L.n_kv == 0 && d > 0 && d % 32 == 0 && d <= 256,
+        "heads and head dim must satisfy n_q % n_kv == 0, d % 32 == 0, d <= 256, got ", L.n_q, ", ", L.n_kv,
+        ", ", d);
+  TQ_CHECK(L.p[0].k == H && N[0] == (L.n_q + 2 * L.n_kv) * d && L.p[1].k == L.n_q * d && L.p[2].k == H &&
+            N[2] == 2 * L.p[3].k && N[3] == H,
+        "the projections' shapes do not chain: qkv [", N[0], ", ", L.p[0].k, "], o [", N[1], ", ", L.p[1].k,
+        "], gate_up [", N[2], ", ", L.p[2].k, "], down [", N[3], ", ", L.p[3].k, "]");
+  TQ_CHECK(is_bf16(x) && x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+        "x must be a contiguous 2-dim bfloat16 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t T = x.size(0);
+  check_rows(op, "x", x, T, H);
+  TQ_CHECK(norms.size() == 6, "wants 6 norm weights (input, post-attention, pre-FF, post-FF, q, k), got ",
+        norms.size());
+  static const char *norm_names[6] = {"the input norm", "the post-attention norm", "the pre-FF norm",
+                                      "the post-FF norm", "the q norm", "the k norm"};
+  for (int i = 0; i < 6; i++) check_norm_f32(op, norm_names[i], norms[i], i < 4 ? H : d);
+  L.in_norm = norms[0].data_ptr<float>(), L.post_attn_norm = norms[1].data_ptr<float>();
+  L.pre_ff_norm = norms[2].data_ptr<float>(), L.post_ff_norm = norms[3].data_ptr<float>();
+  L.q_norm = norms[4].data_ptr<float>(), L.k_norm = norms[5].data_ptr<float>();
+  check_cos_sin(op, x, cos, sin, T, d);
+  const int64_t *im = check_step(op, at::kBFloat16, T, L.n_kv, d, kpool, vpool, wrow, r2t, rows, lo, hi, imap);
+  Tensor out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  fail_on(op, tq_gemma_layer(&L, x.data_ptr(), out.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                             kpool.data_ptr(), vpool.data_ptr(), wrow.data_ptr<int64_t>(), r2t.data_ptr<int32_t>(),
+                             r2t.stride(0), rows.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
+                             hi.data_ptr<int64_t>(), im, at::get_num_threads()));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -270,6 +376,11 @@ TORCH_LIBRARY(tandem, m) {
   m.def("llama_layer(Tensor[] w, int[] meta, Tensor in_norm, Tensor post_norm, float eps, float scale, "
         "Tensor x, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, Tensor wrow, Tensor r2t, "
         "Tensor rows, Tensor lo, Tensor hi, Tensor? imap) -> Tensor");
+  m.def("head_rmsnorm_(Tensor(a!) x, Tensor w, float eps) -> ()");
+  m.def("add_rmsnorm(Tensor y, Tensor w, float eps, Tensor residual) -> Tensor");
+  m.def("gemma_layer(Tensor[] w, int[] meta, Tensor[] norms, float eps, float scale, Tensor x, Tensor cos, "
+        "Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, Tensor wrow, Tensor r2t, Tensor rows, Tensor lo, "
+        "Tensor hi, Tensor? imap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -278,4 +389,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("attention", &attention);
   m.impl("llama_layer", &llama_layer);
+  m.impl("head_rmsnorm_", &head_rmsnorm_);
+  m.impl("add_rmsnorm", &add_rmsnorm);
+  m.impl("gemma_layer", &gemma_layer);
 }

@@ -2,10 +2,13 @@
 
 ``PreOp.rmsnorm(weight, eps)``: RMSNorm over the last dim with a weight (the layer's input and
 post-attention norms, the final norm before the vocab head). ``PreOp.silu_mul()``: the MLP's
-``silu(gate) * up`` over a ``[T, 2I]`` gate_up output, giving ``[T, I]``.
+``silu(gate) * up`` over a ``[T, 2I]`` gate_up output, giving ``[T, I]``. Gemma's:
+``PreOp.rmsnorm_f32(scale, eps)``, RMSNorm with a float32 weight (its precomputed ``1 + w``)
+whatever x's dtype, and ``PreOp.gelu_mul()``, ``gelu_tanh(gate) * up``.
 
 :meth:`PreOp.apply` is the plain-torch definition (the numerics the model had before kernels
-fused it: ``layers.rms_norm``, in-place silu then multiply); kernels without a fused form call it.
+fused it: ``layers.rms_norm`` / ``models.norms.offset_rms_norm``, the activation then the
+multiply, each rounded to x's dtype); kernels without a fused form call it.
 :class:`~tandem.engine.quant.q8.Q8Linear` computes the same in float32 before quantizing.
 """
 
@@ -17,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.layers import rms_norm
+from tandem.engine.models.norms import offset_rms_norm
 
 
 @dataclass(frozen=True)
 class PreOp:
-    kind: str                          # "rmsnorm" | "silu_mul"
-    weight: torch.Tensor | None = None  # rmsnorm: [K]
+    kind: str                          # "rmsnorm" | "rmsnorm_f32" | "silu_mul" | "gelu_mul"
+    weight: torch.Tensor | None = None  # rmsnorm: [K]; rmsnorm_f32: [K] float32
     eps: float = 0.0
 
     @staticmethod
@@ -30,16 +34,35 @@ class PreOp:
         return PreOp("rmsnorm", weight, eps)
 
     @staticmethod
+    def rmsnorm_f32(weight: torch.Tensor, eps: float) -> "PreOp":
+        return PreOp("rmsnorm_f32", weight, eps)
+
+    @staticmethod
     def silu_mul() -> "PreOp":
         return _SILU_MUL
 
+    @staticmethod
+    def gelu_mul() -> "PreOp":
+        return _GELU_MUL
+
+    @property
+    def gated(self) -> bool:
+        """Whether the input is ``[T, 2K]`` (gate, up) for a ``[T, K]`` result."""
+        return self.kind in ("silu_mul", "gelu_mul")
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, K] -> [T, K] (rmsnorm) or [T, 2I] -> [T, I] (silu_mul; overwrites x's gate half)."""
+        """x: [T, K] -> [T, K] (rmsnorm, rmsnorm_f32) or [T, 2I] -> [T, I] (silu_mul: overwrites x's
+        gate half; gelu_mul)."""
         if self.kind == "rmsnorm":
             return rms_norm(x, self.weight, self.eps)
+        if self.kind == "rmsnorm_f32":
+            return offset_rms_norm(x, self.weight, self.eps)
         inter = x.shape[-1] // 2
+        if self.kind == "gelu_mul":
+            return F.gelu(x[:, :inter], approximate="tanh") * x[:, inter:]
         act = F.silu(x[:, :inter], inplace=True)                     # [T, I] view of x
         return act.mul_(x[:, inter:])                                # silu(gate) * up, in place
 
 
 _SILU_MUL = PreOp("silu_mul")
+_GELU_MUL = PreOp("gelu_mul")

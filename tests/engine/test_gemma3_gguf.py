@@ -10,8 +10,9 @@ to load it, so its greedy tokens are recorded once in tests/engine/data/gemma3_2
 and ``test_the_record_is_what_transformers_computes`` (marked slow) recomputes them live. The exact
 path (``dtype="float32", weights="dequant"``) gives transformers' tokenization and greedy tokens
 for every prompt; the default numerics (bf16 on the file's own Q4_K / Q6_K / Q5_0 / Q8_0 blocks,
-the AVX512 kernels) stay within SmolLM2's bf16 logit bounds of it (measured here: max |logit diff|
-0.98, per-prompt means 0.05-0.12; bf16 with dense dequantized weights: 0.74, 0.05-0.10).
+the AVX512 kernels, Gemma's norms and gelu as C routines: engine/models/gemma3_cpu.py) stay within
+SmolLM2's bf16 logit bounds of it (measured here: max |logit diff| 0.74, per-prompt means
+0.05-0.10; bf16 with dense dequantized weights: 0.74, 0.05-0.10).
 Skipped, saying so, where the wheels are not installed.
 """
 
