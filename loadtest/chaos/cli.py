@@ -244,7 +244,15 @@ async def run_chaos(args, oracle=None) -> dict:
     own = oracle is None and args.oracle_model != "none"
     oracle = oracle or (Oracle(args.oracle_model, args.oracle_dtype) if own else None)
     try:
-        mismatches = await oracle.check(outcomes) if oracle is not None else []
+        if oracle is None:
+            mismatches = []
+        else:
+            from tqdm import tqdm
+
+            done = sum(1 for o in outcomes if o.kind == "completed")
+            with tqdm(total=done, file=sys.stderr, unit="req", desc="oracle", dynamic_ncols=True,
+                      mininterval=5.0) as bar:
+                mismatches = await oracle.check(outcomes, progress=lambda i, n: bar.update(1))
     finally:
         if own:
             oracle.close()
