@@ -38,9 +38,20 @@ STARTED = "Ray runtime started"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports of 127.0.0.1, all bound at once while they are picked (ports
+    picked one after another may repeat: the kernel may hand a just-released port out again)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -86,16 +97,22 @@ class RayNodes:
                          RAY_OVERRIDE_NODE_ID_FOR_TESTING=FAKE_HEAD_NODE_ID)
         self._start(head, extra, {})
 
-    def _ports(self, manager: int) -> list[str]:
-        return [f"--node-manager-port={manager}", f"--object-manager-port={free_port()}",
-                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+    def _ports(self) -> tuple[int, list[str]]:
+        """A node's port flags, every port distinct and not the head's GCS port (Ray refuses a
+        node whose components share one); (its node manager's port, the flags)."""
+        ports = free_ports(6)
+        while self.port in ports:               # the head's GCS port, picked (and released) earlier
+            ports = free_ports(6)
+        manager, obj, listen, grpc, metrics, env_agent = ports
+        return manager, [f"--node-manager-port={manager}", f"--object-manager-port={obj}",
+                         f"--dashboard-agent-listen-port={listen}", f"--dashboard-agent-grpc-port={grpc}",
+                         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}"]
 
     def _start(self, args: list[str], extra: dict, resources: dict) -> Node:
         log = os.path.join(self.dir, f"node-{len(self.nodes)}.log")
-        manager = free_port()
+        manager, ports = self._ports()
         cmd = [sys.executable, "-c", BOOT, "start", "--block", "--disable-usage-stats",
-               "--object-store-memory=80000000", *self._ports(manager), *args]
+               "--object-store-memory=80000000", *ports, *args]
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, env={**self.env, **extra}, start_new_session=True,
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
