@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention.cpu_backend import CpuKernelAttentionBackend
 from tandem.engine.layers import Rotary
+from tandem.engine.models.llama_cpu import step_args
 from tandem.engine.quant.avx512 import Avx512Linear, rope_
 from tandem.engine.quant.native_lib import kernel_ops
 from tandem.engine.quant.preop import PreOp
@@ -93,11 +93,7 @@ class FusedGemmaLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb,
                  backend) -> torch.Tensor | None:
         """x: [T, H] bf16 -> the layer's output [T, H], or None (run it unfused)."""
-        if (not isinstance(backend, CpuKernelAttentionBackend) or x.dtype != torch.bfloat16
-                or not x.is_contiguous() or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
-                or sin.stride() != cos.stride()):
-            return None
-        args = backend.kernel_args(self.layer.spec, fb, x.dtype)
+        args = step_args(self.layer.spec, x, cos, sin, fb, backend)
         if args is None:
             return None
         return self._op(self.weights, self.meta, self.norms, self.eps, self.scale, x, cos, sin, *args)

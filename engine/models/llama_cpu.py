@@ -44,13 +44,20 @@ class FusedLlamaLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb,
                  backend) -> torch.Tensor | None:
         """x: [T, H] bf16 -> the layer's output [T, H], or None (run it unfused)."""
-        if (not isinstance(backend, CpuKernelAttentionBackend) or x.dtype != torch.bfloat16
-                or not x.is_contiguous() or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
-                or sin.stride() != cos.stride()):
-            return None
-        args = backend.kernel_args(self.layer.spec, fb, x.dtype)
+        args = step_args(self.layer.spec, x, cos, sin, fb, backend)
         if args is None:
             return None
         layer = self.layer
         return self._op(self.weights, self.meta, layer.input_norm, layer.post_norm, self.eps, self.scale,
                         x, cos, sin, *args)
+
+
+def step_args(spec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb, backend) -> tuple | None:
+    """A fused layer op's attention arguments this step (``CpuKernelAttentionBackend.kernel_args``),
+    or None where the step does not fit one: another backend, x not contiguous bf16 [T, H], cos /
+    sin not bf16 rows of unit stride sharing strides, or a layer the backend gives to torch."""
+    if (not isinstance(backend, CpuKernelAttentionBackend) or x.dtype != torch.bfloat16
+            or not x.is_contiguous() or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
+            or sin.stride() != cos.stride()):
+        return None
+    return backend.kernel_args(spec, fb, x.dtype)
