@@ -280,7 +280,9 @@ def test_pre_copied_generated_pages_are_not_copied_at_the_stop(cluster, loop, vi
     and computes only the generated part), or computed on B (no prefill worker). At the stop B
     reuses all of it (only the tail generated since crosses NIXL); the tokens are unchanged."""
     p, a, b, col = cluster
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    # A decodes on while the pre-copy runs (its chunks queue meanwhile): room for ~150 tokens of
+    # that, so A is still decoding at the freeze however slow the pre-copy is on a shared box.
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
     prompt = f"{PROMPT} Answer at length ({via})."
     ref = col.generate(prompt, params, chat=True)
     greq = col.make_request(prompt, params, chat=True, rid=f"mig-pregen-{via}")
