@@ -18,7 +18,9 @@ sessions per second x turns.
    during and after the burst; the retries' success share says whether Retry-After was honest;
    the sessions the burst cut mid-way (a later turn refused for good) against the new ones it
    turned away (a first turn refused), which says whether admission kept the work it had started
-   (``dispatch_prefer_sessions``, on by default; ``--no-prefer-sessions`` turns it off).
+   (``dispatch_prefer_sessions``, on by default; ``--no-prefer-sessions`` turns it off); and,
+   since a closed loop's burst outlives its arrivals, when the last session that started in the
+   burst sent its last turn and the 429s among the turns sent after that (the base load alone).
 
 Every configuration splits the SLO between admission and the deferred queue, so that a served
 turn's TTFT stays under it: ``admission_max_pending_s`` = ``--admit-share`` x ``--slo-s`` (a
@@ -131,6 +133,13 @@ def series(records: list, pre: float, burst: float, slo: float, total: float) ->
     lost = [r for r in final.values() if r.status == 429]
     ras = [int(r.retry_after) for r in records if r.status == 429 and (r.retry_after or "").isdigit()]
 
+    first: dict[str, float] = {}         # a session's first send (its first turn's first try)
+    last: dict[str, float] = {}          # its last send (a later turn, or a retry)
+    for r in records:
+        first[r.session] = min(first.get(r.session, r.start), r.start)
+        last[r.session] = max(last.get(r.session, r.start), r.start)
+    burst_tail = max((last[s] for s, t in first.items() if pre <= t < end), default=end)
+
     def served_per_s(lo: float, hi: float) -> float:
         return sum(b["served"] for b in bins if lo <= b["t"] < hi) / max(hi - lo, 1.0)
 
@@ -141,7 +150,12 @@ def series(records: list, pre: float, burst: float, slo: float, total: float) ->
             "retries": len(retries), "retries_served": sum(r.ok for r in retries),
             "sessions_cut": sum(1 for r in lost if r.turn > 0),
             "sessions_turned_away": sum(1 for r in lost if r.turn == 0),
-            "retry_after_s": sorted(set(ras)), "http_5xx": sum(b["http_5xx"] for b in bins)}
+            "retry_after_s": sorted(set(ras)), "http_5xx": sum(b["http_5xx"] for b in bins),
+            # the closed loop's tail: the burst's sessions send later turns until this long after
+            # the burst, and the refusals once none of them sends any more
+            "burst_sessions_end_s": max(burst_tail - end, 0.0),
+            "refused_after_burst_sessions": sum(1 for r in records if r.status == 429 and r.start > burst_tail),
+            "sent_after_burst_sessions": sum(1 for r in records if r.start > burst_tail)}
 
 
 def run_config(name: str, args, work: str) -> dict:
@@ -185,7 +199,9 @@ def run_config(name: str, args, work: str) -> dict:
                   f"{b['latency_recovery_s']:g} s after it, last 429 {b['refusals_end_s']:g} s after it, "
                   f"served/s {b['served_per_s']}, retries "
                   f"{b['retries_served']}/{b['retries']} served, Retry-After {b['retry_after_s']}, "
-                  f"sessions cut mid-way {b['sessions_cut']}, turned away {b['sessions_turned_away']}",
+                  f"sessions cut mid-way {b['sessions_cut']}, turned away {b['sessions_turned_away']}, "
+                  f"the burst's sessions sent until {b['burst_sessions_end_s']:.1f} s after it, then "
+                  f"{b['refused_after_burst_sessions']}/{b['sent_after_burst_sessions']} refused",
                   file=sys.stderr)
         return out
     finally:
@@ -277,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"5xx {b['http_5xx']}, retries after Retry-After served {b['retries_served']}/{b['retries']}, "
                      f"Retry-After values {b['retry_after_s']}, served/s before/during/after "
                      f"{b['served_per_s']['pre']:.2f}/{b['served_per_s']['burst']:.2f}/{b['served_per_s']['post']:.2f}, "
-                     f"sessions cut mid-way {b['sessions_cut']}, turned away {b['sessions_turned_away']}")
+                     f"sessions cut mid-way {b['sessions_cut']}, turned away {b['sessions_turned_away']}, "
+                     f"refused once the burst's sessions stopped sending ({b['burst_sessions_end_s']:.1f} s "
+                     f"after it) {b['refused_after_burst_sessions']}/{b['sent_after_burst_sessions']}")
         print(line)
     out = Path(args.out)
     write_report(out, {"args": vars(args), "results": results})

@@ -29,3 +29,18 @@ def test_series_counts_recovery_and_the_sessions_a_burst_cut():
     assert (s["sessions_cut"], s["sessions_turned_away"]) == (1, 2)   # c; b and e (d's retry served)
     assert (s["retries"], s["retries_served"]) == (1, 1) and s["retry_after_s"] == [3]
     assert s["bins"][10]["refused"] == 1 and s["bins"][21]["refused"] == 1
+
+
+def test_series_finds_the_end_of_the_bursts_sessions():
+    """A closed loop's burst outlives its arrivals: the refusals counted after the last turn of a
+    session that started in the burst are the base load's alone."""
+    recs = [_ok("a", 0, 1.0),
+            _ok("b", 0, 12.0), _ok("b", 1, 18.0), _refused("b", 2, 27.5),   # started in the burst
+            _ok("c", 0, 15.0), Record("c", 1, 24.0, ttft=0.3),              # ... its last send 27.5
+            _refused("d", 0, 22.0),                                         # base load, before that
+            _ok("e", 0, 28.0), _refused("f", 0, 29.0), _ok("g", 0, 29.5)]
+    s = series(sorted(recs, key=lambda r: r.start), pre=10, burst=10, slo=2.0, total=30)
+    assert s["burst_sessions_end_s"] == 7.5
+    assert (s["refused_after_burst_sessions"], s["sent_after_burst_sessions"]) == (1, 3)   # f of e, f, g
+    quiet = series([_ok("a", 0, 1.0), _ok("h", 0, 25.0)], pre=10, burst=10, slo=2.0, total=30)
+    assert quiet["burst_sessions_end_s"] == 0.0 and quiet["refused_after_burst_sessions"] == 0
