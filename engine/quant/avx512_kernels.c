@@ -496,9 +496,19 @@ static inline __attribute__((always_inline)) void run_panels(const int kind, con
             run_panels(KIND, 1, wpack + p * np_bytes, np_bytes, a, T, 16 * p, e);            \
     }
 
+/* A call that streams less than this (rows x packed weight bytes) runs on one thread: waking the
+ * team costs more than the split saves (a decode row through a small model's projection; libgomp's
+ * workers sleep at once when it manages more threads than there are CPUs). Columns compute the
+ * same on any thread count, so this changes no result. */
+#ifndef TQ_PAR_MIN_WORK
+#define TQ_PAR_MIN_WORK (4 << 20)
+#endif
+
 static int gemm(int kind, const uint8_t *wpack, int64_t N, int64_t K, const Acts *a, int64_t T,
                 const Epilogue *e, int nthreads) {
     const int64_t np = N / 16, np_bytes = (K / 32) * record_bytes(kind);
+    if (T * np * np_bytes < TQ_PAR_MIN_WORK)
+        nthreads = 1;
     const int64_t pair = T >= 2 ? 2 : 1;
     switch (kind) {
     case KIND_Q4_0: PANELS(KIND_Q4_0, pair) return 0;
