@@ -75,6 +75,16 @@ def draw_seed(seed: int, step: int) -> int:
     return _mix64(_mix64(seed & _M64) ^ (step + 1)) >> 1
 
 
+def greedy(logits: torch.Tensor) -> list[int]:
+    """logits [B, V] -> each row's argmax: the first maximal index, a NaN counting as the maximum
+    (torch's and numpy's rule alike). A CPU float32 batch goes through numpy, whose argmax is
+    vectorized (torch's CPU argmax reads one element at a time: a large vocabulary's row costs
+    it a good part of a small model's decode step)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int = 0, grammar: Callable[[], object] | None = None):
         """``grammar``: returns the engine's GrammarCompiler (called only for batches with a
@@ -150,7 +160,7 @@ class Sampler:
         for i in dead:   # no token allowed: draw anything (reported as None)
             logits[i] = 0.0
         if all(r.params.greedy for r in reqs):
-            tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+            tokens: list[int | None] = greedy(logits)
         else:   # the per-request generators are CPU ones (same draws on any device): sample on the host
             host = logits.cpu()
             tokens = [self._one(host[i], r) for i, r in enumerate(reqs)]
@@ -170,7 +180,7 @@ class Sampler:
     def _one(self, row: torch.Tensor, r) -> int:
         p = r.params
         if p.greedy:
-            return int(row.argmax())
+            return greedy(row[None])[0]
         row = row / p.temperature
         if p.top_k > 0 and p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]

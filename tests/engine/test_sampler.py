@@ -123,3 +123,22 @@ def test_cuda_logits_get_the_same_mask_and_logprobs():
         if a is not None:
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_greedy_takes_torchs_argmax_rule_on_every_path():
+    """engine/sampler.py ``greedy`` (numpy on CPU float32, torch otherwise): the first maximal
+    index, a NaN counting as the maximum; rows of a strided view, bf16 rows through torch."""
+    from tandem.engine.sampler import greedy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 10] = x[1, 700] = 50.0             # a tie: the first one
+    x[2, 30] = float("nan")                 # NaN wins, as in torch
+    x[3, 40] = x[3, 41] = float("nan")
+    x[4] = 0.0
+    want = x.argmax(dim=-1).tolist()
+    assert want[1:5] == [10, 30, 40, 0]
+    assert greedy(x) == want
+    assert greedy(x[::2]) == want[::2]      # a strided view
+    assert greedy(x[:, 1:].t().contiguous().t()) == x[:, 1:].argmax(dim=-1).tolist()
+    assert greedy(x.bfloat16()) == x.bfloat16().argmax(dim=-1).tolist()
