@@ -7,7 +7,8 @@
 // (A stride is checked only along a dim of more than one element: a size-1 dim's stride is
 // never used.) Built by native_lib.py with avx512_kernels.c into one library loaded by torch.ops.load_library.
 //
-// Threads: the kernels run at::get_num_threads() OpenMP threads (torch's runtime and setting).
+// Threads: the kernels run at::get_num_threads() OpenMP threads (torch's runtime and setting);
+// a GEMM call streaming little weight runs on one (avx512_kernels.c TQ_PAR_MIN_WORK).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
