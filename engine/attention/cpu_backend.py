@@ -130,3 +130,15 @@ class CpuKernelAttentionBackend:
         if _TORCH_META not in fb.attn_meta:               # the first such layer this step
             self._torch.init_forward(fb)
         return self._torch.forward(q, k, v, spec, fb)
+
+
+def fused_layer_args(backend, spec: AttnSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     fb: ForwardBatch) -> tuple | None:
+    """A fused layer op's attention arguments this step (:meth:`CpuKernelAttentionBackend.kernel_args`),
+    or None where the step does not fit one: another backend, x not contiguous bf16 [T, H], cos /
+    sin not bf16 rows of unit stride sharing strides, or a layer the backend gives to torch."""
+    if (not isinstance(backend, CpuKernelAttentionBackend) or x.dtype != torch.bfloat16
+            or not x.is_contiguous() or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
+            or sin.stride() != cos.stride()):
+        return None
+    return backend.kernel_args(spec, fb, x.dtype)

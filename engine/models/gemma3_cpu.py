@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.attention.cpu_backend import fused_layer_args
 from tandem.engine.layers import Rotary
-from tandem.engine.models.llama_cpu import step_args
 from tandem.engine.quant.avx512 import Avx512Linear, rope_
 from tandem.engine.quant.native_lib import kernel_ops
 from tandem.engine.quant.preop import PreOp
@@ -93,7 +93,7 @@ class FusedGemmaLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb,
                  backend) -> torch.Tensor | None:
         """x: [T, H] bf16 -> the layer's output [T, H], or None (run it unfused)."""
-        args = step_args(self.layer.spec, x, cos, sin, fb, backend)
+        args = fused_layer_args(backend, self.layer.spec, x, cos, sin, fb)
         if args is None:
             return None
         return self._op(self.weights, self.meta, self.norms, self.eps, self.scale, x, cos, sin, *args)

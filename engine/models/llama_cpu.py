@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention.cpu_backend import CpuKernelAttentionBackend
+from tandem.engine.attention.cpu_backend import fused_layer_args
 from tandem.engine.quant.avx512 import Avx512Linear
 from tandem.engine.quant.native_lib import kernel_ops
 
@@ -44,20 +44,10 @@ class FusedLlamaLayer:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb,
                  backend) -> torch.Tensor | None:
         """x: [T, H] bf16 -> the layer's output [T, H], or None (run it unfused)."""
-        args = step_args(self.layer.spec, x, cos, sin, fb, backend)
+        args = fused_layer_args(backend, self.layer.spec, x, cos, sin, fb)
         if args is None:
             return None
         layer = self.layer
         return self._op(self.weights, self.meta, layer.input_norm, layer.post_norm, self.eps, self.scale,
                         x, cos, sin, *args)
 
-
-def step_args(spec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb, backend) -> tuple | None:
-    """A fused layer op's attention arguments this step (``CpuKernelAttentionBackend.kernel_args``),
-    or None where the step does not fit one: another backend, x not contiguous bf16 [T, H], cos /
-    sin not bf16 rows of unit stride sharing strides, or a layer the backend gives to torch."""
-    if (not isinstance(backend, CpuKernelAttentionBackend) or x.dtype != torch.bfloat16
-            or not x.is_contiguous() or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
-            or sin.stride() != cos.stride()):
-        return None
-    return backend.kernel_args(spec, fb, x.dtype)
