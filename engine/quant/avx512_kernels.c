@@ -500,9 +500,7 @@ static inline __attribute__((always_inline)) void run_panels(const int kind, con
  * team costs more than the split saves (a decode row through a small model's projection; libgomp's
  * workers sleep at once when it manages more threads than there are CPUs). Columns compute the
  * same on any thread count, so this changes no result. */
-#ifndef TQ_PAR_MIN_WORK
 #define TQ_PAR_MIN_WORK (4 << 20)
-#endif
 
 static int gemm(int kind, const uint8_t *wpack, int64_t N, int64_t K, const Acts *a, int64_t T,
                 const Epilogue *e, int nthreads) {
