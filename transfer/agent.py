@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # tcp must stay: without it NIXL's UCX backend fails to start (NIXL_ERR_BACKEND). cma writes host
 # memory of a same-host peer with process_vm_writev, one call per descriptor (bench/transfer.py).
 DEFAULT_UCX_TLS = "tcp,sm,cma,self"
+# added to the default when a region is in GPU memory: cuda_copy stages device<->host, cuda_ipc
+# writes straight into another process's device memory on the same node (NVLink / PCIe peer)
+CUDA_UCX_TLS = "cuda_copy,cuda_ipc"
 
 # UCX modules not to load. The wheel's libuct_ib_efa links the system libibverbs/libnl-route-3
 # beside the wheel's vendored copies; with Debian's libibverbs1 + ibverbs-providers installed it
@@ -49,13 +52,30 @@ DEFAULT_UCX_MODULES = "^efa"
 _NIXL_STATE = {"PROC": TransferState.TRANSFERRING, "DONE": TransferState.DONE, "ERR": TransferState.FAILED}
 
 
-def configure_ucx_tls(ucx_tls: str | None, environ: MutableMapping[str, str] = os.environ) -> str:
+def memory_type(device: torch.device) -> tuple[str, int]:
+    """NIXL's memory type and device id for a buffer on ``device``: ``("VRAM", index)`` on a CUDA
+    device (index 0 when unset: the one device a Ray GPU actor sees), ``("DRAM", 0)`` otherwise.
+    The one place the choice is made: registration, region infos and descriptors all use it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "VRAM", device.index or 0
+    return "DRAM", 0
+
+
+def default_ucx_tls(mem_types: Sequence[str] = ()) -> str:
+    """:data:`DEFAULT_UCX_TLS`, plus :data:`CUDA_UCX_TLS` when any of ``mem_types`` is VRAM."""
+    return f"{DEFAULT_UCX_TLS},{CUDA_UCX_TLS}" if "VRAM" in mem_types else DEFAULT_UCX_TLS
+
+
+def configure_ucx_tls(ucx_tls: str | None, environ: MutableMapping[str, str] = os.environ,
+                      mem_types: Sequence[str] = ()) -> str:
     """Set ``UCX_TLS`` for agents created after this call: an explicit value wins, else the
-    user's existing setting is kept, else :data:`DEFAULT_UCX_TLS`. Returns the value in effect.
+    user's existing setting is kept, else :func:`default_ucx_tls` of ``mem_types`` (the
+    regions' memory types). Returns the value in effect.
     UCX reads it when the backend starts, so it must be set before the agent is created."""
     if ucx_tls is not None:
         environ["UCX_TLS"] = ucx_tls
-    return environ.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
+    return environ.setdefault("UCX_TLS", default_ucx_tls(mem_types))
 
 
 def configure_ucx_modules(environ: MutableMapping[str, str] = os.environ) -> str:
@@ -94,9 +114,7 @@ class Region:
             raise ValueError(f"region {self.name!r}: tensor has {nbytes} bytes, layout {self.layout.nbytes}")
 
     def info(self) -> RegionInfo:
-        dev = self.tensor.device
-        mem = "VRAM" if dev.type == "cuda" else "DRAM"
-        dev_id = (dev.index or 0) if mem == "VRAM" else 0
+        mem, dev_id = memory_type(self.tensor.device)
         return RegionInfo(self.name, self.tensor.data_ptr(), dev_id, mem, self.layout)
 
 
@@ -147,7 +165,8 @@ class KVTransferAgent:
         names = [r.name for r in regions]
         if len(set(names)) != len(names):
             raise ValueError(f"region names repeat: {names}")
-        configure_ucx_tls(ucx_tls)
+        self._infos = {r.name: r.info() for r in regions}
+        configure_ucx_tls(ucx_tls, mem_types=[i.mem_type for i in self._infos.values()])
         configure_ucx_modules()
         self.name = name
         self.mode = mode
@@ -156,10 +175,10 @@ class KVTransferAgent:
         self.progress_thread = progress_thread
         self.regions = {r.name: r for r in regions}
         self._nixl = _new_nixl_agent(name, num_threads, progress_thread, progress_delay_us)
-        self._infos = {r.name: r.info() for r in regions}
         # register each distinct buffer once (two regions may view one tensor with different pages)
-        spans = {(r.tensor.data_ptr(), r.layout.nbytes): r.tensor for r in regions}
-        self._reg = [self._nixl.register_memory(t) for t in spans.values()]
+        spans = {(i.base_addr, r.layout.nbytes): i for r, i in zip(regions, self._infos.values())}
+        self._reg = [self._nixl.register_memory([(addr, n, i.dev_id, "")], i.mem_type)
+                     for (addr, n), i in spans.items()]
         self._peers: dict[str, _Peer] = {}
         self._local_prepped: dict[str, object] = {}
         self._leaked: list = []  # xfer handles whose release failed (still in flight); retried later
@@ -429,5 +448,5 @@ def _descs(offsets: np.ndarray, lengths: np.ndarray, base: int, dev_id: int) -> 
     return out
 
 
-__all__ = ["DEFAULT_UCX_MODULES", "DEFAULT_UCX_TLS", "KVTransferAgent", "Region", "TransferHandle",
-           "configure_ucx_modules", "configure_ucx_tls"]
+__all__ = ["CUDA_UCX_TLS", "DEFAULT_UCX_MODULES", "DEFAULT_UCX_TLS", "KVTransferAgent", "Region", "TransferHandle",
+           "configure_ucx_modules", "configure_ucx_tls", "default_ucx_tls", "memory_type"]
