@@ -82,6 +82,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--engine", "engine", "the real model (real) or the simulated cost-model engine (sim)"),
     Flag("--prefill", "prefill", "prefill workers"),
     Flag("--decode", "decode", "decode workers"),
+    Flag("--prefill-num-gpus", "prefill_num_gpus",
+         "GPUs per prefill worker (0.5: two workers share one GPU; default: one each when the "
+         "cluster has a GPU per worker, else none)"),
+    Flag("--decode-num-gpus", "decode_num_gpus", "GPUs per decode worker (as --prefill-num-gpus)"),
     Flag("--host", "host", "HTTP bind address"),
     Flag("--port", "port", "HTTP port"),
     Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY' on /v1/*"),

@@ -5,7 +5,8 @@ their NIXL agents. ``launch_disaggregated(cfg) -> RayClusterBackend`` (the route
    weights once and hand them to every actor through the object store.
 2. ``cfg.prefill`` PrefillActors and ``cfg.decode`` DecodeActors with ``cfg.engine_config``
    (decode's KV pool is ``cfg.decode_max_total_tokens`` when set), placed by
-   cluster/workers.py ``placement``.
+   cluster/workers.py ``placement``, with ``cfg.prefill_num_gpus`` / ``cfg.decode_num_gpus`` GPUs
+   each when set (two workers at 0.5 share one GPU).
 3. Bootstrap: every pair exchanges :class:`Handshake` bytes through Ray calls (NIXL metadata and
    the KV region's layout); each decode actor also gets the prefill actor's handle.
 
@@ -87,6 +88,13 @@ def decode_engine_config(cfg: ServeConfig) -> EngineConfig:
     return EngineConfig.model_validate(d)
 
 
+def role_num_gpus(cfg: ServeConfig, role: str) -> float | None:
+    """The GPUs one worker of ``role`` asks Ray for (``prefill_num_gpus`` / ``decode_num_gpus``),
+    or None: placement decides. Ray hands the actor that share of a GPU (its
+    ``CUDA_VISIBLE_DEVICES``), so an engine with ``device: auto`` puts its pools there."""
+    return cfg.prefill_num_gpus if role == PREFILL else cfg.decode_num_gpus
+
+
 class Launcher:
     """Creates and wires actors for one cluster. ``weights``: an ObjectRef of a shared
     LoadedModel, or None (each actor loads the model itself)."""
@@ -102,8 +110,13 @@ class Launcher:
                          DECODE: decode_engine_config(cfg).cache.max_total_tokens}
 
     def _options(self, role: str, name: str) -> dict:
+        """Ray ``.options()`` of one actor: cluster/workers.py ``placement``, then the role's
+        configured ``num_gpus`` (:func:`role_num_gpus`) when there is one."""
         opts = placement(self.cfg.prefill + self.cfg.decode, role, sim=self.cfg.engine == "sim",
                          role_resource=self.cfg.planner.enabled)
+        gpus = role_num_gpus(self.cfg, role)
+        if gpus is not None:
+            opts["num_gpus"] = gpus
         opts.update(name=name, namespace=self.namespace, max_restarts=0)
         if self.detached:
             opts.update(lifetime="detached", get_if_exists=True)

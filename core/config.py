@@ -222,6 +222,11 @@ class ServeConfig(_Strict):
     engine: Literal["real", "sim"] = "real"
     prefill: int = Field(1, ge=0, description="prefill workers")
     decode: int = Field(1, ge=1, description="decode workers")
+    prefill_num_gpus: float | None = Field(
+        None, ge=0, description="GPUs each prefill worker's Ray actor asks for (a fraction shares one "
+                                "GPU between workers); None: one each when the cluster has a GPU per "
+                                "worker, else none")
+    decode_num_gpus: float | None = Field(None, ge=0, description="likewise, each decode worker")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = None
