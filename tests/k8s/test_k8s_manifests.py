@@ -357,6 +357,22 @@ def test_gpus_only_on_gpu_workers(overlay, resources, config):
     assert config.engine_config.device == ("cuda" if overlay == "gpu" else "cpu")
 
 
+def test_worker_actors_ask_for_their_pods_gpus(overlay, resources, config):
+    """Each role's configured ``num_gpus`` (cluster/launch.py ``role_num_gpus``) is what its
+    group's pod requests as ``nvidia.com/gpu`` and offers Ray as ``num-gpus``: the actor holds
+    the pod's GPU (its pools go to that GPU) and no GPU sits unclaimed. The CPU overlay asks none."""
+    from tandem.cluster.launch import role_num_gpus
+
+    cluster = _cluster(resources)
+    for role in ROLES:
+        g = worker_group(cluster, role)
+        per_pod = g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
+        asked = role_num_gpus(config, role) or 0
+        assert asked == per_pod == int(g["rayStartParams"].get("num-gpus", 0)), (
+            f"{role}: actor asks num_gpus={asked}, the pod has nvidia.com/gpu={per_pod}")
+        assert (per_pod >= 1) == (overlay == "gpu")
+
+
 def test_cpu_workers_pin_torch_threads_to_their_cpu_limit(overlay, resources, config):
     if config.engine_config.device != "cpu":
         pytest.skip("GPU workers do not compute on CPU threads")
