@@ -2,7 +2,7 @@
 # Prepare, on this machine, what the GPU machine lacks, in .gpu/ (git-ignored), each part under one
 # device call's 64 MiB:
 #   .gpu/whl/            the wheels the Engine needs beyond the GPU image (pydantic & co., gguf,
-#                        llguidance: engine/grammar.py imports it)                        ~15 MB
+#                        llguidance: engine/grammar.py imports it; stage.py closure --engine)  ~7 MB
 #   .gpu/gguf_a/         first half of the SmolLM2 GGUF (part_00)                         ~47 MB
 #   .gpu/gguf_b/         second half (part_01) and the file's SHA256                      ~47 MB
 #   .gpu/cluster/part_NN what the disaggregated cluster adds (Ray 2.60.0, nixl + nixl-cu13 1.5.1,
@@ -32,10 +32,8 @@ download() {  # download DIR NAME==VERSION: one wheel for the GPU machine's CPyt
     "${PLATFORMS[@]}" -d "$1" "$2"
 }
 rm -rf .gpu && mkdir -p .gpu/whl .gpu/gguf_a .gpu/gguf_b
-for w in pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-         typing-extensions==4.16.0 gguf==0.19.0 llguidance==1.9.1; do
-  download .gpu/whl "$w"
-done
+PYTHONPATH=. "$PY" bench/gpu/stage.py closure --engine --python 3.12 > .gpu/engine.txt
+while read -r w; do download .gpu/whl "$w"; done < .gpu/engine.txt
 GGUF=$(PYTHONPATH=. "$PY" -c "from tandem.engine.loader import smollm2_path; print(smollm2_path())")
 split -n 2 -d "$GGUF" .gpu/part_
 mv .gpu/part_00 .gpu/gguf_a/ && mv .gpu/part_01 .gpu/gguf_b/

@@ -56,16 +56,25 @@ def launch(cfg):
     return launch_disaggregated(cfg, restart=False, share_weights=False)
 
 
+def _gpu_share(actor) -> float:
+    import ray
+
+    return ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+
+
 def workers_seen(backend) -> dict:
-    """Per worker: its engine's device and the NIXL memory type of each registered region."""
+    """Per worker: the GPU share Ray gave its actor, its engine's device and the NIXL memory type
+    of each registered region."""
     import ray
 
     from tandem.transfer.messages import Handshake
 
     out = {}
     for w in backend.pool.everyone():
-        info, hs = ray.get([w.handle.info.remote(), w.handle.handshake.remote()], timeout=60)
-        out[w.name] = {"device": info["device"], "regions": {r.name: r.mem_type for r in Handshake.decode(hs).regions}}
+        info, hs, gpu = ray.get([w.handle.info.remote(), w.handle.handshake.remote(),
+                                 w.handle.__ray_call__.remote(_gpu_share)], timeout=60)
+        out[w.name] = {"gpu": gpu, "device": info["device"],
+                       "regions": {r.name: r.mem_type for r in Handshake.decode(hs).regions}}
     return out
 
 

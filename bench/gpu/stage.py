@@ -15,8 +15,8 @@ or wrong, reassembles, verifies the tar, unpacks it and verifies every wheel. St
 only: the GPU machine runs it before anything is installed.
 
 ``closure`` (here, in the venv): the pinned ``name==version`` of every package Tandem's runtime
-imports need, walked through the installed metadata for the GPU machine's Python, less what its
-image already has.
+imports need (``--engine``: the Engine's alone), walked through the installed metadata for the GPU
+machine's Python, less what its image already has.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ IMAGE_HAS = frozenset({
     "filelock", "fsspec", "sympy", "mpmath", "networkx", "setuptools", "huggingface-hub", "hf-xet",
     "transformers", "pytest", "nixl-cu12",
 })
+# What the Engine (and bench/gpu_check.py) imports beyond the image: .gpu/whl, installed by bench/gpu_check.sh
+ENGINE_ROOTS = ("pydantic", "gguf", "llguidance")
 # Tandem's runtime imports (pyproject's dependencies) that the Engine and the cluster need
 ROOTS = ("gguf", "pydantic", "pyzmq", "ray", "nixl", "fastapi", "uvicorn", "prometheus-client", "httpx",
          "tqdm", "llguidance", "jsonschema", "msgpack", "tokenizers", "safetensors", "jinja2", "pyyaml", "numpy")
@@ -198,6 +200,7 @@ def main(argv=None) -> int:
     j.add_argument("dest")
     c = sub.add_parser("closure", help="pinned packages to download for the GPU machine")
     c.add_argument("--python", default="3.12")
+    c.add_argument("--engine", action="store_true", help="only what the Engine needs (ENGINE_ROOTS)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "split":
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
         elif args.cmd == "join":
             print(f"{len(join(args.store, args.dest))} wheels verified in {args.dest}")
         else:
-            print("\n".join(closure(python=args.python)))
+            print("\n".join(closure(ENGINE_ROOTS if args.engine else ROOTS, python=args.python)))
     except ValueError as e:
         print(f"stage.py: {e}", file=sys.stderr)
         return 2

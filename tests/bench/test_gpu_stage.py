@@ -5,6 +5,7 @@ wheels built here (no downloads): one with random bytes, so the parts are not co
 from __future__ import annotations
 
 import base64
+import json
 import hashlib
 import os
 import shutil
@@ -104,3 +105,26 @@ def test_closure_pins_the_runtime_deps_the_image_lacks():
     assert not set(pins) & stage.IMAGE_HAS
     with pytest.raises(ValueError, match="not installed"):
         stage.closure(roots=("no-such-package-here",))
+
+
+# Imported when installed, not needed: torch's data pipes try ``import dill``.
+OPTIONAL = {"dill"}
+
+
+def test_every_engine_import_is_staged_or_in_the_gpu_image():
+    """What importing the Engine and bench/gpu_check.py's modules loads, by distribution: each is
+    in the GPU image or in the Engine's staged closure (issue 35: llguidance was not)."""
+    code = ("import json, sys, importlib.metadata as md\n"
+            "import tandem.engine.engine, tandem.bench.gpu.correctness, tandem.bench.gpu.throughput, "
+            "tandem.bench.gpu.kernels, tandem.bench.gpu.models\n"
+            "pd = md.packages_distributions()\n"
+            "tops = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
+            "print(json.dumps(sorted({d for t in tops for d in pd.get(t, [])})))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == 0, p.stderr
+    loaded = {stage._norm(d) for d in json.loads(p.stdout.strip().splitlines()[-1])} - {"tandem"} - OPTIONAL
+    staged = {stage._norm(x.split("==")[0]) for x in stage.closure(stage.ENGINE_ROOTS)}
+    assert "llguidance" in staged
+    assert loaded - staged - stage.IMAGE_HAS == set()
