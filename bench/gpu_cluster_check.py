@@ -39,7 +39,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,20 +79,14 @@ HEADLINE = ("pd_equals_colocated", "nixl_vram_GBps", "device_copy_GBps", "migrat
 
 
 def _phase(report: dict, name: str, fn, plan: Plan, t_start: float):
-    """Run ``fn`` into ``report[name]`` unless the budget is spent; a raise is recorded as a failure."""
+    """bench/gpu_check.py's phase (a raise is recorded as a failure, the run goes on), unless the
+    budget is spent: then the phase is skipped and says so."""
+    from tandem.bench.gpu_check import _phase as recorded
+
     if time.perf_counter() - t_start > plan.budget_s:
         report[name] = {"skipped": f"budget of {plan.budget_s:.0f} s spent"}
         return report[name]
-    t = time.perf_counter()
-    print(f"[gpu_cluster_check] {name} ...", flush=True)
-    try:
-        res = fn()
-    except Exception as e:  # noqa: BLE001 - recorded, then judged
-        res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        print(f"[gpu_cluster_check] {name}: {res['error']}", flush=True)
-    res["seconds"] = round(time.perf_counter() - t, 1)
-    report[name] = res
-    return res
+    return recorded(report, name, fn, required=False)
 
 
 def run(plan: Plan, out: str) -> dict:
@@ -194,7 +187,7 @@ def table(report: dict) -> str:
         v = report.get(k)
         lines.append(f"| {k} | {v if isinstance(v, (bool, list)) or v is None else f(v)} |")
     for s in report.get("handoff", {}).get("sizes", []):
-        lines.append(f"| handoff {s['prompt_tokens']} tokens: {s['bytes'] / 1e6:.1f} MB | NIXL {f(s['nixl_GBps'])} GB/s, "
+        lines.append(f"| handoff {s['prompt_tokens']} tokens: {s['bytes'] / 1e6:.3f} MB | NIXL {f(s['nixl_GBps'])} GB/s, "
                      f"copy {f(s['device_copy_GBps'])} GB/s, {f(100 * s['share_of_ttft'], '{:.1f}')}% of TTFT "
                      f"{f(1e3 * s['ttft_s'], '{:.1f}')} ms |")
     mig = report.get("retraction_migration", {})
