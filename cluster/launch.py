@@ -6,7 +6,8 @@ their NIXL agents. ``launch_disaggregated(cfg) -> RayClusterBackend`` (the route
 2. ``cfg.prefill`` PrefillActors and ``cfg.decode`` DecodeActors with ``cfg.engine_config``
    (decode's KV pool is ``cfg.decode_max_total_tokens`` when set), placed by
    cluster/workers.py ``placement``, with ``cfg.prefill_num_gpus`` / ``cfg.decode_num_gpus`` GPUs
-   each when set (two workers at 0.5 share one GPU).
+   each when set (two workers at 0.5 share one GPU), and an even share of the GPUs when there are
+   fewer than workers (:func:`role_num_gpus`).
 3. Bootstrap: every pair exchanges :class:`Handshake` bytes through Ray calls (NIXL metadata and
    the KV region's layout); each decode actor also gets the prefill actor's handle.
 
@@ -29,6 +30,7 @@ the same one to relaunch a dead worker and to adopt workers another router start
 from __future__ import annotations
 
 import functools
+import math
 import os
 import uuid
 
@@ -88,11 +90,20 @@ def decode_engine_config(cfg: ServeConfig) -> EngineConfig:
     return EngineConfig.model_validate(d)
 
 
-def role_num_gpus(cfg: ServeConfig, role: str) -> float | None:
-    """The GPUs one worker of ``role`` asks Ray for (``prefill_num_gpus`` / ``decode_num_gpus``),
-    or None: placement decides. Ray hands the actor that share of a GPU (its
+def role_num_gpus(cfg: ServeConfig, role: str, cluster_gpus: float = 0.0) -> float | None:
+    """The GPUs one worker of ``role`` asks Ray for: ``prefill_num_gpus`` / ``decode_num_gpus``
+    when set; else, when the cluster has GPUs but fewer than workers (one GPU, 1P+1D) and the real
+    engine may run on CUDA (``device`` auto or cuda), an even share of them (rounded down to 0.01),
+    so that no worker is left on the CPU; else None (cluster/workers.py ``placement`` decides: a
+    GPU each when there are enough). Ray hands the actor that share of a GPU (its
     ``CUDA_VISIBLE_DEVICES``), so an engine with ``device: auto`` puts its pools there."""
-    return cfg.prefill_num_gpus if role == PREFILL else cfg.decode_num_gpus
+    asked = cfg.prefill_num_gpus if role == PREFILL else cfg.decode_num_gpus
+    if asked is not None:
+        return asked
+    workers = cfg.prefill + cfg.decode
+    if cfg.engine != "real" or cfg.engine_config.device == "cpu" or not 0 < cluster_gpus < workers:
+        return None
+    return math.floor(100 * cluster_gpus / workers) / 100
 
 
 class Launcher:
@@ -114,7 +125,9 @@ class Launcher:
         configured ``num_gpus`` (:func:`role_num_gpus`) when there is one."""
         opts = placement(self.cfg.prefill + self.cfg.decode, role, sim=self.cfg.engine == "sim",
                          role_resource=self.cfg.planner.enabled)
-        gpus = role_num_gpus(self.cfg, role)
+        import ray
+
+        gpus = role_num_gpus(self.cfg, role, ray.cluster_resources().get("GPU", 0.0))
         if gpus is not None:
             opts["num_gpus"] = gpus
         opts.update(name=name, namespace=self.namespace, max_restarts=0)

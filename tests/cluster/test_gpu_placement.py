@@ -52,10 +52,23 @@ finally:
 
 def test_role_num_gpus_reads_the_config():
     cfg = ServeConfig(prefill_num_gpus=0.5, decode_num_gpus=0.33)
-    assert role_num_gpus(cfg, PREFILL) == 0.5 and role_num_gpus(cfg, DECODE) == 0.33
+    assert role_num_gpus(cfg, PREFILL, 8.0) == 0.5 and role_num_gpus(cfg, DECODE, 0.0) == 0.33
     assert role_num_gpus(ServeConfig(), PREFILL) is None and role_num_gpus(ServeConfig(), DECODE) is None
     with pytest.raises(ValueError):
         ServeConfig(decode_num_gpus=-1)
+
+
+def test_fewer_gpus_than_workers_are_shared_evenly():
+    """Unset, a worker on a cluster with a GPU but fewer GPUs than workers takes an even share
+    (its pools go to the GPU); with a GPU each, none, a CPU engine or the simulator: placement's."""
+    from tandem.core.config import EngineConfig
+
+    one_one, one_two = ServeConfig(prefill=1, decode=1), ServeConfig(prefill=1, decode=2)
+    assert role_num_gpus(one_one, PREFILL, 1.0) == role_num_gpus(one_one, DECODE, 1.0) == 0.5
+    assert role_num_gpus(one_two, DECODE, 1.0) == 0.33 and role_num_gpus(one_two, DECODE, 2.0) == 0.66
+    assert role_num_gpus(one_two, DECODE, 3.0) is None and role_num_gpus(one_two, DECODE, 0.0) is None
+    assert role_num_gpus(one_one.model_copy(update={"engine_config": EngineConfig(device="cpu")}), DECODE, 1.0) is None
+    assert role_num_gpus(one_one.model_copy(update={"engine": "sim"}), DECODE, 1.0) is None
 
 
 @pytest.mark.timeout(240)
