@@ -95,8 +95,8 @@ def run(plan: Plan, out: str) -> dict:
 
     from tandem.bench.gpu import cluster as c
     from tandem.bench.gpu.models import SMOLLM2_GEOMETRY, TINY_GEOMETRY, _prompt_ids, random_hf_dir
+    from tandem.cluster.launch import load_tokenizer
     from tandem.core.types import SamplingParams
-    from tandem.engine.loader import load_model
 
     t_start = time.perf_counter()
     report: dict = {"plan": asdict(plan), "device_name": _device_name(plan)}
@@ -104,42 +104,44 @@ def run(plan: Plan, out: str) -> dict:
              log_to_driver=False)
     path, hf32 = random_hf_dir(SMOLLM2_GEOMETRY if plan.model == "random-smollm2" else TINY_GEOMETRY,
                                path=tempfile.mkdtemp(prefix="tandem-cluster-model-"))
-    tok = load_model(path, device="cpu", dtype="float32").tokenizer
-    prompts, vocab = _prompt_ids(tok), hf32.config.vocab_size
+    prompts, vocab = _prompt_ids(load_tokenizer(path)), hf32.config.vocab_size
     params = SamplingParams(max_tokens=plan.new_tokens, temperature=0.0, ignore_eos=True)
     report["model"] = {"geometry": plan.model, "path": path, "vocab": vocab, "prompts": len(prompts)}
-    refs, hf, dtype, backend = {}, None, plan.dtypes[-1], None
-    try:
-        for dtype in plan.dtypes:
-            refs[dtype] = c.colocated_tokens(plan, path, dtype, prompts, params)
-            hf = None if dtype == "float32" else hf32.to(device=plan.device, dtype=getattr(torch, dtype))
-            backend = c.launch(c.serve_config(plan, c.engine_config(plan, path, dtype), decode=1,
-                                              share=plan.gpu_share))
-            _phase(report, f"pd_vs_colocated_{dtype}",
-                   lambda: c.pd_vs_colocated(backend, dtype, hf, prompts, params, refs[dtype]), plan, t_start)
-            if dtype != plan.dtypes[-1]:
-                backend.close()
-                backend = None
-        _phase(report, "handoff", lambda: c.handoff(backend, plan, vocab), plan, t_start)
-        backend.close()
-        backend = None
+    refs, hfs, live = {}, {}, {}          # per dtype: colocated tokens, the judge's model; the open cluster
+    dtype = plan.dtypes[-1]
+
+    def close():
+        if live:
+            live.pop("backend").close()
+
+    def pd(dt: str) -> dict:
+        close()
+        refs[dt] = c.colocated_tokens(plan, path, dt, prompts, params)
+        hfs[dt] = None if dt == "float32" else hf32.to(device=plan.device, dtype=getattr(torch, dt))
+        live["backend"] = c.launch(c.serve_config(plan, c.engine_config(plan, path, dt), decode=1,
+                                                  share=plan.gpu_share))
+        return c.pd_vs_colocated(live["backend"], dt, hfs[dt], prompts, params, refs[dt])
+
+    def migration() -> dict:
         ec = c.engine_config(plan, path, dtype, host_pool_tokens=plan.host_pool_tokens,
                              retract_every=plan.retract_every)
+        b = c.launch(c.serve_config(plan, ec, decode=2, share=plan.migration_share))
+        try:
+            return c.retraction_and_migration(b, plan, dtype, hfs[dtype], prompts, params, refs[dtype])
+        finally:
+            b.close()
 
-        def migration():
-            b = c.launch(c.serve_config(plan, ec, decode=2, share=plan.migration_share))
-            try:
-                return c.retraction_and_migration(b, plan, dtype, hf, prompts, params, refs[dtype])
-            finally:
-                b.close()
-
+    try:
+        for dt in plan.dtypes:
+            _phase(report, f"pd_vs_colocated_{dt}", lambda: pd(dt), plan, t_start)
+        _phase(report, "handoff", lambda: c.handoff(live["backend"], plan, vocab), plan, t_start)
+        close()
         _phase(report, "retraction_migration", migration, plan, t_start)
         if plan.serve:
             address = ray.get_runtime_context().gcs_address
             _phase(report, "serve_bench", lambda: c.serve_bench(plan, path, dtype, address, out), plan, t_start)
     finally:
-        if backend is not None:
-            backend.close()
+        close()
         ray.shutdown()
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     report.update(headline(report, plan))
