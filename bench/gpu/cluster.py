@@ -32,10 +32,12 @@ from tandem.bench.gpu.correctness import compare_tokens
 
 
 def engine_config(plan, path: str, dtype: str, **cache):
+    """Every engine of the run: the plan's device, pool and context; no host pool unless asked
+    (pinning decode's default, 4x the device pool, would cost seconds per launch)."""
     from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
     retract = cache.pop("retract_every", 0)
-    c = dict(page_size=16, max_total_tokens=plan.max_total_tokens, max_running_requests=16)
+    c = dict(page_size=16, max_total_tokens=plan.max_total_tokens, max_running_requests=16, host_pool_tokens=0)
     c.update(cache)
     return EngineConfig(model=path, device=plan.device, dtype=dtype, num_threads=plan.threads,
                         context_length=plan.context_length, cache=CacheConfig(**c),
