@@ -28,8 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import bench_parser, write_report  # noqa: E402
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402

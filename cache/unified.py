@@ -36,7 +36,7 @@ from tandem.cache.allocator import PagedAllocator
 from tandem.cache.radix.components import FULL, TreeComponent
 from tandem.cache.radix.events import AllBlocksCleared, KVEventPublisher
 from tandem.cache.radix.eviction import make_policy
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.host import HostTier
 from tandem.cache.radix.sanity import check
 from tandem.cache.radix.tree import Node, RadixTree, concat_values as _concat
 from tandem.core.config import CacheConfig
@@ -163,7 +163,7 @@ class UnifiedRadixCache:
         return cache
 
     def attach_l3(self, tier) -> None:
-        """Give the cache its shared L3 tier (``cache/l3/tier.py``; it carries every component:
+        """Give the cache its shared L3 tier (``cache/tiers/l3/tier.py``; it carries every component:
         the tier raises ValueError when it lacks the device data of one). Call before the
         first request."""
         tier.bind(self)

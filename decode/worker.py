@@ -113,7 +113,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
         decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
         check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
         events too (as prefill's, engine/role_worker.py ``kv_publisher``). ``l3``: the shared L3
-        store's options (cache/l3/connect.py ``l3_options``), or None."""
+        store's options (cache/tiers/l3/connect.py ``l3_options``), or None."""
         self.kv_publisher = None
         if engine is None:
             from tandem.engine.engine import Engine
@@ -124,9 +124,9 @@ class DecodeWorker(MigrationSource, RoleWorker):
                             kv_events=self.kv_publisher, connector=DecodeConnector)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
-        self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
+        self.l3 = None      # the shared L3 tier (cache/tiers/l3/connect.py), when the cluster has a store
         if l3:
-            from tandem.cache.l3.connect import attach_store
+            from tandem.cache.tiers.l3.connect import attach_store
             self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name,
                                    aux_data=engine.hybrid.component_data(), **l3)
         self.handle: DecodeHandle

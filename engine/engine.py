@@ -42,7 +42,7 @@ import torch
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
 from tandem.cache.null import NullCache
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.host import HostTier
 from tandem.cache.req_to_token import ReqToTokenPool
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig

@@ -19,7 +19,7 @@ from tandem.core.types import Req, StreamChunk
 from tandem.engine.output import OutputTracker
 
 if TYPE_CHECKING:
-    from tandem.cache.l3.tier import Ask
+    from tandem.cache.tiers.l3.tier import Ask
     from tandem.engine.grammar import Matcher
 
 

@@ -80,7 +80,7 @@ class PrefillWorker(RoleWorker):
                  debug_transfer_delay_ms: float = 0.0, debug_transfer_stall: bool = False):
         """``kv_events``: publish the prefix cache's KV events (vLLM's format, engine/role_worker.py
         ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers. ``l3``: the
-        shared L3 store's options (cache/l3/connect.py ``l3_options``), or None.
+        shared L3 store's options (cache/tiers/l3/connect.py ``l3_options``), or None.
         ``debug_transfer_delay_ms`` / ``debug_transfer_stall`` (test levers, ServeConfig): wait
         that long before posting each write / never post it (the transfer stalls until aborted;
         nothing is written, so its pages are free the moment it ends)."""
@@ -95,9 +95,9 @@ class PrefillWorker(RoleWorker):
                             role="prefill", name=name, connector=PrefillConnector)
         super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
-        self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
+        self.l3 = None      # the shared L3 tier (cache/tiers/l3/connect.py), when the cluster has a store
         if l3:
-            from tandem.cache.l3.connect import attach_store
+            from tandem.cache.tiers.l3.connect import attach_store
             self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name,
                                    aux_data=engine.hybrid.component_data(), **l3)
         self.handle: PrefillHandle

@@ -10,7 +10,7 @@ Vocabulary (shapes in comments follow the token axis of one edge):
 - ``aux[i]``: data of auxiliary component ``i`` (SWA rows, a MAMBA state row) or None
   (a tombstone). FULL is the tree itself (``value``).
 - ``aux_host[i]``: the host copy of component ``i``'s data, or None (host bookkeeping:
-  :mod:`.host_nodes`).
+  :mod:`tandem.cache.tiers.host_nodes`).
 
 Invariants (proved by :mod:`.sanity` by recount):
 - every non-root node has device or host data; a device node's parent is a device node
@@ -37,7 +37,7 @@ from tandem.core.page_hash import common_pages, page_hashes
 
 from .events import DEVICE, BlockRemoved, BlockStored
 from .eviction import EvictionPolicy, make_policy
-from .host_nodes import HostNodes
+from tandem.cache.tiers.host_nodes import HostNodes
 
 
 class Node:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.cache.l3.staging import Jobs, Staging
-from tandem.cache.l3.store import L3Store
-from tandem.cache.l3.tier import L3Tier
+from tandem.cache.tiers.l3.staging import Jobs, Staging
+from tandem.cache.tiers.l3.store import L3Store
+from tandem.cache.tiers.l3.tier import L3Tier
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
 

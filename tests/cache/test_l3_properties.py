@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
-from tandem.cache.l3.store import L3Store
-from tandem.cache.l3.tier import L3Tier
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.l3.store import L3Store
+from tandem.cache.tiers.l3.tier import L3Tier
+from tandem.cache.tiers.host import HostTier
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import CacheConfig
 

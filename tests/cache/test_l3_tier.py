@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tandem.cache.kv_pool import KVPool
-from tandem.cache.l3.store import L3Store
-from tandem.cache.l3.tier import L3Tier
+from tandem.cache.tiers.l3.store import L3Store
+from tandem.cache.tiers.l3.tier import L3Tier
 from tandem.cache.radix.components import FULL, SWA
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.host import HostTier
 from tandem.core.page_hash import page_hashes
 
 from cache_support import make_cache
@@ -240,7 +240,7 @@ def test_slow_gets_end_a_fetch_within_the_deadline():
 
 def test_attach_store_leaves_cacheless_workers_and_hybrid_ones_without_component_data_without_l3():
     from tandem.cache.allocator import PagedAllocator
-    from tandem.cache.l3.connect import attach_store, l3_options
+    from tandem.cache.tiers.l3.connect import attach_store, l3_options
     from tandem.cache.null import NullCache
 
     assert l3_options("off", 0.5) is None

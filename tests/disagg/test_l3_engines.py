@@ -3,7 +3,7 @@
 computed is served from L3 by another (cached_tokens > 0), as two prefill workers of a cluster
 would; a page corrupted in the store is a miss, not a wrong answer; a store killed mid-run
 costs recompute only (no hang, no leak). Engines attach the store the way workers do
-(cache/l3/connect.py ``attach_store``)."""
+(cache/tiers/l3/connect.py ``attach_store``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402

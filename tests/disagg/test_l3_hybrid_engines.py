@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
-from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
+from tandem.cache.tiers.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 from tandem.engine.hybrid import HybridConfig  # noqa: E402

@@ -16,8 +16,8 @@ import logging
 import os
 from typing import Any, Mapping
 
-from tandem.cache.l3.store import L3Store, key_prefix
-from tandem.cache.l3.tier import L3Tier, layout
+from tandem.cache.tiers.l3.store import L3Store, key_prefix
+from tandem.cache.tiers.l3.tier import L3Tier, layout
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corr
     if missing:
         log.warning("L3 store off: no device data given for the components %s", missing)
         return None
-    from tandem.cache.l3 import mooncake as mc
+    from tandem.cache.tiers.l3 import mooncake as mc
 
     address = mc.MasterAddress.parse(url[len("mooncake://"):])
     try:

@@ -55,10 +55,10 @@ from typing import Mapping
 
 import torch
 
-from tandem.cache.l3.payload import Payload
-from tandem.cache.l3.reach import FULL, Reach, Rule
-from tandem.cache.l3.staging import Jobs, Staging
-from tandem.cache.l3.store import L3Store
+from tandem.cache.tiers.l3.payload import Payload
+from tandem.cache.tiers.l3.reach import FULL, Reach, Rule
+from tandem.cache.tiers.l3.staging import Jobs, Staging
+from tandem.cache.tiers.l3.store import L3Store
 from tandem.core.page_hash import page_hashes
 
 WRITE_POLICIES = ("write_back", "write_through")
