@@ -42,7 +42,7 @@ import torch
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
 from tandem.cache.null import NullCache
-from tandem.cache.tiers.host import HostTier
+from tandem.cache.tiers.factory import TierSite, build_tier
 from tandem.cache.req_to_token import ReqToTokenPool
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
@@ -170,8 +170,7 @@ class Engine:
             n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
                                       cc.page_size)
         if n:   # FULL KV in a host pool, and for hybrid models one host pool per component
-            host = HostTier(h.full_pool if h.active else self.kv_pool, n, cc.host_write_policy,
-                            h.host_stores(n))
+            host = build_tier("host", self.tier_site(), {"tokens": n, "write_policy": cc.host_write_policy})
         self.host_pool_tokens = n
         mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
         self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.numerics}), device KV "
@@ -184,6 +183,13 @@ class Engine:
             return NullCache(self.allocator, self.hybrid.components)
         return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, host=host,
                                  events=self._kv_events)
+
+    def tier_site(self) -> TierSite:
+        """This engine's pools as the tier factory takes them (cache/tiers/factory.py)."""
+        h = self.hybrid
+        return TierSite(self.kv_pool, h.full_pool if h.active else self.kv_pool, self.model_name,
+                        h.component_data(), tuple(c for c in h.components if c.name != "full"),
+                        h.host_stores)
 
     # ------------------------------------------------------------------ public API
     def grammar(self):

@@ -524,7 +524,8 @@ class RadixTree(HostNodes):
             self.aux_evictable[i] += sz
             self.aux_unlocked[i].add(nd)
 
-    def _set_aux(self, nd: Node, i: int, value: Any) -> None:
+    def set_aux(self, nd: Node, i: int, value: Any) -> None:
+        """Give ``nd`` component ``i``'s device data ``value`` (None: a tombstone); sizes follow."""
         self._aux_out(nd, i)
         nd.aux[i] = value
         self._aux_in(nd, i)
@@ -539,7 +540,7 @@ class RadixTree(HostNodes):
             cur = nd.aux[i]
             keep, free = c.reconcile(nd, cur, incoming, a, b, b == n)
             if keep is not cur:
-                self._set_aux(nd, i, keep)
+                self.set_aux(nd, i, keep)
             if free is not None:
                 self.aux_frees.append((i, free))
 
@@ -559,7 +560,7 @@ class RadixTree(HostNodes):
     def _aux_drop(self, nd: Node) -> None:
         for i, v in enumerate(nd.aux):
             if v is not None:
-                self._set_aux(nd, i, None)
+                self.set_aux(nd, i, None)
                 self.aux_frees.append((i, v))
 
     def evict_aux(self, i: int, num: int, backup=None) -> int:
@@ -579,7 +580,7 @@ class RadixTree(HostNodes):
             if self.spills is not None and nd.aux_host[i] is None:      # its last copy
                 self.spill(nd, None, False, [(i, v, False)])
             freed += c.size(v)
-            self._set_aux(nd, i, None)
+            self.set_aux(nd, i, None)
             self.aux_frees.append((i, v))
         return freed
 

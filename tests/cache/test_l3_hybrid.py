@@ -71,7 +71,7 @@ class Rig:
                                             host=self.host)
         self.store = L3Store(backend, "t/" + layout(self.cache._aux), timeout_s=5, backoff_s=60)
         self.tier = L3Tier(self.store, self.full.kv_data, PS, aux_data=data, write_policy=policy)
-        self.cache.attach_l3(self.tier)
+        self.cache.add_tier(self.tier)
 
     # -- an engine-like request --------------------------------------------------------------------
     def load(self, ids):
