@@ -350,9 +350,8 @@ class Engine:
                 self._grammar.shutdown()
             self._grammar = None
         self.sampler.close()
-        l3 = getattr(self.kv.cache, "l3", None)
-        if l3 is not None:   # the shared L3 tier: prefetch thread and store client end now
-            l3.close()
+        for tier in self.kv.cache.tiers:   # the L3 tier's prefetch thread and store client end now
+            tier.close()
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, chunks: list[StreamChunk]) -> None:

@@ -195,7 +195,7 @@ class RoleWorker:
             verdict = "ok"
         except AssertionError as e:
             verdict = str(e)[:4000]
-        l3 = getattr(self.engine.kv.cache, "l3", None)    # the shared L3 tier's counters, if any
+        l3 = self.engine.kv.cache.tier("l3")    # the shared L3 tier's counters, if any
         return {"worker": self.name, "role": self.role, **snap.as_dict(),
                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
                 "l3": l3.as_dict() if l3 is not None else None,
