@@ -111,6 +111,8 @@ class UnifiedRadixCache:
         host: a :class:`HostTier`, or None. It becomes
             :attr:`host`, the collaborator that backs requests up and restores them, and the
             first of :attr:`tiers`.
+        tiers: more tiers (cache/tiers/factory.py ``build_tiers``), bound in order after
+            ``host``; a tier named "host" among them becomes :attr:`host` (it must come first).
         events: a :class:`KVEventPublisher`; stored/removed pages are published after each
             operation.
         clock: wall clock for the session policy's TTL (injectable for tests).
@@ -121,7 +123,7 @@ class UnifiedRadixCache:
     def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
                  components: Sequence[Any] = (FULL,),
                  host: HostTier | None = None, events: KVEventPublisher | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tiers: Sequence[KVTier] = ()):
         if FULL not in components:
             raise ValueError(f"components={components!r} must include FULL")
         aux = [c for c in components if c is not FULL]
@@ -133,8 +135,6 @@ class UnifiedRadixCache:
         ps = config.page_size
         if allocator is not None and allocator.page_size != ps:
             raise ValueError(f"allocator page_size={allocator.page_size} != config page_size={ps}")
-        if host is not None and (allocator is None or host.page_size != ps):
-            raise ValueError("a host tier needs a device allocator with the same page_size")
         self.config = config
         self.page_size = ps
         self.allocator = allocator
@@ -146,11 +146,11 @@ class UnifiedRadixCache:
         self.policy = make_policy(config.eviction_policy, session_ttl_s=config.session_ttl_s,
                                   clock=clock)
         self._tree = RadixTree(ps, self.policy, aux, record_events=events is not None)
-        self.host = host
+        self.host: HostTier | None = None
         self.tiers: tuple[KVTier, ...] = ()
         self._port = TierPort(self)
-        if host is not None:
-            self.add_tier(host)
+        for tier in ((host,) if host is not None else ()) + tuple(tiers):
+            self.add_tier(tier)
         if events is not None:
             events.publish([AllBlocksCleared()])
 
@@ -173,8 +173,12 @@ class UnifiedRadixCache:
         first request."""
         if self.tier(tier.name) is not None:
             raise ValueError(f"the cache already has a {tier.name!r} tier")
+        if tier.name == "host" and self.tiers:
+            raise ValueError("the host tier comes before every other tier")
         tier.bind(self._port)
         self.tiers += (tier,)
+        if tier.name == "host":
+            self.host = tier
 
     @property
     def aux_components(self) -> tuple:

@@ -109,6 +109,8 @@ class HostTier:
         """Attach to the one cache whose nodes this tier holds (called by the cache)."""
         if self._port is not None and self._port is not port:
             raise ValueError("a HostTier serves one cache")
+        if port.allocator is None or port.page_size != self.page_size:
+            raise ValueError("a host tier needs a device allocator with the same page_size")
         comps = {c.name: (i, c) for i, c in enumerate(port.components)}
         unknown = set(self.stores) - set(comps)
         if unknown:
