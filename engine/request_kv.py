@@ -4,9 +4,10 @@ The scheduler decides *when* (admit, extend, cache a chunk, release, retract); t
 it against the pools and the prefix cache: a row of ``ReqToTokenPool``, slots from the
 ``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, its tiers (host, L3:
 ``cache.tiers``, walked once in order: ``prefetch`` when a request is queued, ``lookup``/``load``
-when it is admitted), the host tier's ``backup`` (retraction), and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
-of requests holding a row (``holders``: running, reserved for a KV transfer, held for sending),
-which is what the ownership invariant counts.
+when it is admitted), the host tier's ``backup`` (retraction), and the per-variant hooks of
+hybrid models (engine/hybrid.py). It also keeps the set of requests holding a row (``holders``:
+running, reserved for a KV transfer, held for sending), which is what the ownership invariant
+counts.
 
 Ownership rule (proved by :meth:`check`): every allocated slot is owned exactly once, by the
 allocator's free list, by the cache, or by one holder's row range ``[locked_len, computed_len)``.
