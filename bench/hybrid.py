@@ -116,7 +116,7 @@ def bytes_per_request(paths: dict[str, str], threads: int) -> list[dict]:
     from tandem.core.messages import GenerateRequest
     from tandem.core.types import SamplingParams
     from tandem.decode.worker import DecodeWorker
-    from tandem.engine.kv_regions import transfer_bytes
+    from tandem.worker.kv_regions import transfer_bytes
     from tandem.engine.loader import load_model
     from tandem.prefill.worker import PrefillWorker
 

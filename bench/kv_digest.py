@@ -5,7 +5,7 @@ NIXL over UCX, page size 16, decode with ``kv_digest=True``) serve prompts of ea
 length (one request at a time, each prompt new so the whole prompt moves). For every request:
 the NIXL write's time (post -> DONE, the prefill worker's ``transfer_s``) and bytes, and the
 digest of the same pages timed on each side (BLAKE2b over the gathered K/V of every layer:
-engine/kv_digest.py). Medians over ``--repeats``; the figure is digest seconds per MB and the
+worker/kv_digest.py). Medians over ``--repeats``; the figure is digest seconds per MB and the
 digest's share of (transfer + digests).
 
 Usage: python bench/kv_digest.py [--sizes 256,1024,2048] [--repeats 5] [--threads 1]
@@ -26,7 +26,7 @@ async def _run(sizes: list[int], repeats: int, threads: int) -> list[dict]:
     from tandem.core.config import CacheConfig, EngineConfig
     from tandem.core.types import SamplingParams
     from tandem.decode.worker import DecodeWorker
-    from tandem.engine.kv_digest import page_digest
+    from tandem.worker.kv_digest import page_digest
     from tandem.engine.loader import load_model
     from tandem.prefill.worker import PrefillWorker
 

@@ -20,8 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import bench_parser, write_report  # noqa: E402
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.store import L3Store, key_prefix  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.store import L3Store, key_prefix  # noqa: E402
 from tandem.core.page_hash import page_hashes  # noqa: E402
 
 

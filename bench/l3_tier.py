@@ -28,8 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import bench_parser, write_report  # noqa: E402
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
@@ -77,17 +77,17 @@ def one_run(loaded, args, with_l3: bool) -> dict:
             for s, ids in enumerate(row):
                 e = workers[(s + t) % 2 if args.route == "alternate" else s % 2]
                 dt, c = ask(e, ids)
-                if e.kv.cache.l3 is not None:
-                    e.kv.cache.l3.store.flush(10.0)
+                if e.kv.cache.tier("l3") is not None:
+                    e.kv.cache.tier("l3").store.flush(10.0)
                 if t:                                    # the first turn is cold in both modes
                     ttft.append(dt)
                     cached += c
                     total += len(ids)
-        l3 = [w.kv.cache.l3.as_dict() for w in workers if w.kv.cache.l3 is not None]
+        l3 = [w.kv.cache.tier("l3").as_dict() for w in workers if w.kv.cache.tier("l3") is not None]
         if args.writers_gone:
             for w in workers:
-                if w.kv.cache.l3 is not None:
-                    w.kv.cache.l3.store.close()
+                if w.kv.cache.tier("l3") is not None:
+                    w.kv.cache.tier("l3").store.close()
         fresh = make(loaded, args, master)
         try:
             warm = [ask(fresh, ids) for ids in turns[-1]]

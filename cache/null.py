@@ -7,7 +7,7 @@ whether caching is on:
 - ``cache(ids, slots, node)`` keeps nothing and returns ``(empty, None)``: the request keeps owning
   every slot of its row (a component-data callable is never called, so nothing is handed over);
 - ``insert`` takes the slots and frees them at once (returns 0);
-- ``lock``/``unlock``/``evict`` do nothing; ``stats`` is all zeros; ``host`` and ``l3`` are None;
+- ``lock``/``unlock``/``evict`` do nothing; ``stats`` is all zeros; ``host`` is None and ``tiers`` empty;
 - ``check(extra_owned)`` proves that requests own exactly the allocated pages of every pool.
 """
 
@@ -31,11 +31,14 @@ class NullCache:
 
     retains = False
     host = None
-    l3 = None
+    tiers = ()
 
     def __init__(self, allocator=None, components: Sequence[Any] = (FULL,)):
         self.allocator = allocator
         self._aux = tuple(c for c in components if c is not FULL)
+
+    def tier(self, name: str) -> None:
+        return None
 
     def match(self, token_ids, *, session_id=None, priority=None) -> MatchResult:
         return _MISS

@@ -19,6 +19,8 @@ Protocol (mirrors SGLang's cache_unfinished_req / cache_finished_req)::
                                   already cached
     cache.evict(n, component)     free unlocked cache
     cache.stats() -> CacheStats   sizes;  cache.check(extra_owned)  the invariant recount
+    cache.tiers                   the tiers past the device, in admission order (cache/tiers/)
+    cache.tier(name)              one of them by name ("host", "l3"), or None
     cache.host                    the host tier (backup / restore), or None
 
 Handles (nodes) are opaque; one stays valid while it is locked.
@@ -36,7 +38,8 @@ from tandem.cache.allocator import PagedAllocator
 from tandem.cache.radix.components import FULL, TreeComponent
 from tandem.cache.radix.events import AllBlocksCleared, KVEventPublisher
 from tandem.cache.radix.eviction import make_policy
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.base import KVTier
+from tandem.cache.tiers.host import HostTier
 from tandem.cache.radix.sanity import check
 from tandem.cache.radix.tree import Node, RadixTree, concat_values as _concat
 from tandem.core.config import CacheConfig
@@ -106,7 +109,10 @@ class UnifiedRadixCache:
         components: ``(FULL,)`` plus optional :class:`SWA` / :class:`Mamba` instances that own
             their pools' allocators.
         host: a :class:`HostTier`, or None. It becomes
-            :attr:`host`, the collaborator that backs requests up and restores them.
+            :attr:`host`, the collaborator that backs requests up and restores them, and the
+            first of :attr:`tiers`.
+        tiers: more tiers (cache/tiers/factory.py ``build_tiers``), bound in order after
+            ``host``; a tier named "host" among them becomes :attr:`host` (it must come first).
         events: a :class:`KVEventPublisher`; stored/removed pages are published after each
             operation.
         clock: wall clock for the session policy's TTL (injectable for tests).
@@ -117,7 +123,7 @@ class UnifiedRadixCache:
     def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
                  components: Sequence[Any] = (FULL,),
                  host: HostTier | None = None, events: KVEventPublisher | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tiers: Sequence[KVTier] = ()):
         if FULL not in components:
             raise ValueError(f"components={components!r} must include FULL")
         aux = [c for c in components if c is not FULL]
@@ -129,8 +135,6 @@ class UnifiedRadixCache:
         ps = config.page_size
         if allocator is not None and allocator.page_size != ps:
             raise ValueError(f"allocator page_size={allocator.page_size} != config page_size={ps}")
-        if host is not None and (allocator is None or host.page_size != ps):
-            raise ValueError("a host tier needs a device allocator with the same page_size")
         self.config = config
         self.page_size = ps
         self.allocator = allocator
@@ -142,10 +146,11 @@ class UnifiedRadixCache:
         self.policy = make_policy(config.eviction_policy, session_ttl_s=config.session_ttl_s,
                                   clock=clock)
         self._tree = RadixTree(ps, self.policy, aux, record_events=events is not None)
-        self.host = host
-        if host is not None:
-            host.bind(self)
-        self.l3 = None
+        self.host: HostTier | None = None
+        self.tiers: tuple[KVTier, ...] = ()
+        self._port = TierPort(self)
+        for tier in ((host,) if host is not None else ()) + tuple(tiers):
+            self.add_tier(tier)
         if events is not None:
             events.publish([AllBlocksCleared()])
 
@@ -162,12 +167,27 @@ class UnifiedRadixCache:
         cache._capacity = capacity_tokens
         return cache
 
-    def attach_l3(self, tier) -> None:
-        """Give the cache its shared L3 tier (``cache/l3/tier.py``; it carries every component:
-        the tier raises ValueError when it lacks the device data of one). Call before the
+    def add_tier(self, tier: KVTier) -> None:
+        """Bind ``tier`` and append it to :attr:`tiers` (admission order: after the ones already
+        there). The tier raises ValueError when it cannot serve this cache. Call before the
         first request."""
-        tier.bind(self)
-        self.l3 = tier
+        if self.tier(tier.name) is not None:
+            raise ValueError(f"the cache already has a {tier.name!r} tier")
+        if tier.name == "host" and self.tiers:
+            raise ValueError("the host tier comes before every other tier")
+        tier.bind(self._port)
+        self.tiers += (tier,)
+        if tier.name == "host":
+            self.host = tier
+
+    @property
+    def aux_components(self) -> tuple:
+        """The auxiliary components (SWA, MAMBA), in tree order; empty for FULL-only caches."""
+        return self._aux
+
+    def tier(self, name: str) -> KVTier | None:
+        """The tier called ``name``, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
 
     # -- matching --------------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int], *, session_id: Hashable | None = None,
@@ -277,11 +297,9 @@ class UnifiedRadixCache:
                 cached = cached2
         else:
             cached, node, created = t.insert(key, value, aux, session_id, priority)
-        if created and self.host is not None and self.host.write_through:
-            self.host.copy_node(node)
-        if self.l3 is not None and self.l3.write_through and (created or aux):
-            # hybrid: also when nodes only adopted component data (SWA rows, a checkpoint)
-            self.l3.write_node(node)
+        for tier in self.tiers:
+            # hybrid: nodes may also have adopted component data (SWA rows, a checkpoint)
+            tier.on_insert(node, created, bool(aux))
         return cached, node, created
 
     def _aux_values(self, extra: Mapping[str, Any] | None, n: int) -> list | None:
@@ -363,8 +381,8 @@ class UnifiedRadixCache:
             nd = t.pop_leaf()
             if nd is None:
                 break
-            if self.host is not None and (nd.host is None or self.host.stores):
-                self.host.copy_node(nd)   # FULL KV, then each component's data (same-name)
+            for tier in self.tiers:
+                tier.on_evict(nd)         # the host tier backs it up (same-name transfer)
             freed += t.drop_device(nd)
         return freed
 
@@ -415,12 +433,13 @@ class UnifiedRadixCache:
         return value.to(device="cpu", dtype=torch.int64)
 
     def _spill(self) -> None:
-        """Write the data whose last copy leaves the tree to L3 (before its slots and component
-        rows are freed: every ``_free_*`` drains the spills first)."""
+        """Hand the data whose last copy leaves the tree to the tiers (before its slots and
+        component rows are freed: every ``_free_*`` drains the spills first)."""
         t = self._tree
         if t.spills:
             spills, t.spills = t.spills, []
-            self.l3.spill(spills)
+            for tier in self.tiers:
+                tier.on_spill(spills)
 
     def _free_device(self) -> None:
         t = self._tree
@@ -473,3 +492,52 @@ class UnifiedRadixCache:
             t.events = []
         if self._debug:
             self.check()
+
+
+class TierPort:
+    """The one port a :class:`UnifiedRadixCache` offers its tiers (``cache/tiers/base.py``
+    :class:`~tandem.cache.tiers.base.CachePort`): what a tier may read and the verbs it may call,
+    each executing what the tree decided before it returns."""
+
+    def __init__(self, cache: UnifiedRadixCache):
+        self._cache = cache
+        self.page_size = cache.page_size
+        self.allocator = cache.allocator
+        self.components = cache._aux
+        self.tree = cache._tree
+
+    @property
+    def host(self) -> HostTier | None:
+        return self._cache.host
+
+    def key(self, token_ids: Sequence[int]) -> list:
+        return self._cache._key(token_ids)
+
+    def make_room(self, n: int) -> None:
+        self._cache._evict_device(n)
+        self._cache._free_device()
+
+    def make_room_aux(self, i: int, n: int) -> None:
+        host = self._cache.host
+        self.tree.evict_aux(i, n, backup=host.copy_aux if host is not None else None)
+        self._cache._free_aux()
+
+    def make_room_host(self, n: int, i: int | None = None) -> None:
+        if i is None:
+            self.tree.evict_host(n)
+        else:
+            self.tree.evict_host_aux(i, n)
+        self._cache._free_host()
+
+    def insert_loaded(self, key: list, value, extra, session_id=None) -> int:
+        return self._cache._insert(key, value, extra, session_id, 0)[0]
+
+    def cache(self, token_ids, slots, last_node, *, extra=None, session_id=None):
+        return self._cache.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
+
+    def settle(self) -> None:
+        self._cache._after()
+
+    def record_spills(self) -> None:
+        if self.tree.spills is None:
+            self.tree.spills = []

@@ -23,7 +23,7 @@ def start_kv_store(cfg: ServeConfig) -> tuple[ServeConfig, Callable[[], None]]:
     if cfg.l3_store_bytes == 0 and cfg.l3_worker_segment_bytes == 0:
         raise ValueError("--kv-store mooncake with --l3-store-bytes 0 needs --l3-worker-segment-bytes > 0: "
                          "else no client lends the store memory and every L3 write fails")
-    from tandem.cache.l3.mooncake import LocalStore
+    from tandem.cache.tiers.l3.mooncake import LocalStore
 
     store = LocalStore(cfg.l3_store_bytes)
     url = store.address.url()

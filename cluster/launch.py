@@ -150,7 +150,7 @@ class Launcher:
         from tandem.decode.actor import DecodeActor
         from tandem.prefill.actor import PrefillActor
 
-        from tandem.cache.l3.connect import l3_options
+        from tandem.cache.tiers.l3.connect import l3_options
 
         l3 = l3_options(cfg.kv_store, cfg.l3_timeout_s, cfg.debug_corrupt_l3, cfg.l3_worker_segment_bytes)
         if role == PREFILL:

@@ -77,7 +77,7 @@ class HybridConfig(_Strict):
 class TransferConfig(_Strict):
     """The NIXL agent of a disaggregated worker (transfer/agent.py ``KVTransferAgent``). How long
     one KV transfer may take is ``ServeConfig.transfer_timeout_s`` (the cluster passes it on).
-    The field names are ``KVTransferAgent``'s keywords (engine/role_worker.py passes them on)."""
+    The field names are ``KVTransferAgent``'s keywords (worker/role_worker.py passes them on)."""
 
     mode: Literal["dynamic", "prepped"] = Field(
         "dynamic", description="coalesced descriptors per write, or descriptors prepared once per peer")

@@ -13,18 +13,11 @@ import asyncio
 
 import ray
 
-from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.decode.leases import TICK_S, RouterLeases
 from tandem.decode.worker import DecodeWorker, PrefillUnavailable
-from tandem.engine.role_worker import RoleActorMixin
 from tandem.transfer.messages import PrefillResult
-
-
-def assigned_threads() -> int:
-    """Torch threads for this actor: the CPUs Ray assigned it, at least one."""
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    return max(1, int(cpus))
+from tandem.worker.actor import RoleActorMixin, actor_config
 
 
 class _RayPrefillClient:
@@ -64,9 +57,7 @@ class DecodeActor(RoleActorMixin):
                  local_prefill_threshold: int, loaded=None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
-        cfg = EngineConfig.model_validate(engine_config)
-        if cfg.num_threads is None:
-            cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
+        cfg = actor_config(engine_config)
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                    local_prefill_threshold=local_prefill_threshold,
                                    kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv,
@@ -77,9 +68,6 @@ class DecodeActor(RoleActorMixin):
         self.sources: dict[str, _RayMigrationSource] = {}   # the other decode workers
         self.leases = RouterLeases()
         self._lease_task: asyncio.Task | None = None
-
-    def _extra_info(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id()}
 
     def add_prefill(self, handshake: bytes, handle) -> str:
         name = self.worker.add_peer(handshake)

@@ -34,12 +34,13 @@ from typing import Callable
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TokenLogprob
 from tandem.engine.commands import Activate, Migrate, Release
-from tandem.engine.connector import HeldKV, KVConnector, held_kv
-from tandem.engine.handle import EngineHandle
-from tandem.engine.kv_digest import corrupt_page, regions_digest
-from tandem.engine.kv_regions import KV, kv_regions
+from tandem.engine.connector import KVConnector
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
+from tandem.worker.handle import RoleHandle
+from tandem.worker.held_kv import HeldKV, held_kv
+from tandem.worker.kv_digest import corrupt_page, regions_digest
+from tandem.worker.kv_regions import KV, kv_regions
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,9 @@ class DecodeConnector(KVConnector):
                 return
 
 
-class DecodeHandle(EngineHandle):
-    def __init__(self, engine):
-        super().__init__(engine)
-        if not isinstance(engine.connector, DecodeConnector):
-            raise ValueError(f"a decode worker's engine needs connector=DecodeConnector, "
-                             f"not {type(engine.connector).__name__}")
-        self.connector: DecodeConnector = engine.connector
+class DecodeHandle(RoleHandle):
+    ROLE, CONNECTOR = "decode", DecodeConnector
+    connector: DecodeConnector
 
     def receive(self, greq: GenerateRequest,
                 on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future:

@@ -2,7 +2,7 @@
 
 Plain Python (no Ray; decode/actor.py is the Ray shell). An :class:`Engine` built with the
 :class:`DecodeConnector`, reached through a :class:`DecodeHandle` (decode/connector.py), and a NIXL
-agent over its KV pool (engine/role_worker.py). Decode never imports prefill: it reaches a prefill
+agent over its KV pool (worker/role_worker.py). Decode never imports prefill: it reaches a prefill
 worker through a :class:`PrefillClient`.
 
 One remote request, as named steps (``_generate_remote``)::
@@ -43,10 +43,10 @@ from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
 from tandem.decode.connector import DecodeConnector, DecodeHandle, Reservation
 from tandem.decode.groups import GroupGates
 from tandem.decode.migration import MigrationSource
-from tandem.engine.role_worker import REGION, RoleWorker
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.state import TransferState
+from tandem.worker.role_worker import REGION, RoleWorker, attach_tier, role_engine
 
 log = logging.getLogger(__name__)
 
@@ -112,23 +112,15 @@ class DecodeWorker(MigrationSource, RoleWorker):
         """``kv_digest``: ask prefill for a digest of the pages it writes and verify it before
         decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
         check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
-        events too (as prefill's, engine/role_worker.py ``kv_publisher``). ``l3``: the shared L3
-        store's options (cache/l3/connect.py ``l3_options``), or None."""
+        events too (as prefill's, worker/role_worker.py ``kv_publisher``). ``l3``: the shared L3
+        store's options (cache/tiers/l3/connect.py ``l3_options``), or None."""
         self.kv_publisher = None
         if engine is None:
-            from tandem.engine.engine import Engine
-            if kv_events:
-                from tandem.engine.role_worker import kv_publisher
-                self.kv_publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
-            engine = Engine(config or EngineConfig(), loaded=loaded, role="decode", name=name,
-                            kv_events=self.kv_publisher, connector=DecodeConnector)
+            engine, self.kv_publisher = role_engine(name, "decode", DecodeConnector, config, loaded=loaded,
+                                                    kv_events=kv_events, kv_events_host=kv_events_host)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
-        self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
-        if l3:
-            from tandem.cache.l3.connect import attach_store
-            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name,
-                                   aux_data=engine.hybrid.component_data(), **l3)
+        self.l3 = attach_tier(engine, "l3", l3)    # the shared L3 tier, when the cluster has a store
         self.handle: DecodeHandle
         self.local_prefill_threshold = local_prefill_threshold
         self.kv_digest = kv_digest

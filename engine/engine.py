@@ -42,7 +42,7 @@ import torch
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
 from tandem.cache.null import NullCache
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.factory import TierSite, build_tiers
 from tandem.cache.req_to_token import ReqToTokenPool
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
@@ -160,7 +160,7 @@ class Engine:
         pool for the full layers' KV and, for hybrid models, one per component), or a NullCache
         with ``disable_prefix_cache``."""
         cc = self.config.cache
-        host, h = None, self.hybrid
+        h = self.hybrid
         if cc.disable_prefix_cache:
             n, why = 0, "off: the prefix cache is disabled"
         else:
@@ -169,9 +169,10 @@ class Engine:
                                                   if h.active and h.swa_pool is not None else 0)
             n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
                                       cc.page_size)
-        if n:   # FULL KV in a host pool, and for hybrid models one host pool per component
-            host = HostTier(h.full_pool if h.active else self.kv_pool, n, cc.host_write_policy,
-                            h.host_stores(n))
+        tiers = [] if cc.disable_prefix_cache else build_tiers(self.tier_site(), {
+            # FULL KV in a host pool, and for hybrid models one host pool per component
+            "host": {"tokens": n, "write_policy": cc.host_write_policy} if n else None})
+        host = next((t for t in tiers if t.name == "host"), None)
         self.host_pool_tokens = n
         mb = lambda t: t * self.kv_pool.bytes_per_token / 2**20   # noqa: E731
         self.startup_line = (f"{self.name}: {self.model_name} on {self.device} ({self.numerics}), device KV "
@@ -182,8 +183,15 @@ class Engine:
         log.info("%s", self.startup_line)
         if cc.disable_prefix_cache:
             return NullCache(self.allocator, self.hybrid.components)
-        return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, host=host,
+        return UnifiedRadixCache(cc, self.allocator, components=self.hybrid.components, tiers=tiers,
                                  events=self._kv_events)
+
+    def tier_site(self) -> TierSite:
+        """This engine's pools as the tier factory takes them (cache/tiers/factory.py)."""
+        h = self.hybrid
+        return TierSite(self.kv_pool, h.full_pool if h.active else self.kv_pool, self.model_name,
+                        h.component_data(), tuple(c for c in h.components if c.name != "full"),
+                        h.host_stores, self.config.cache)
 
     # ------------------------------------------------------------------ public API
     def grammar(self):
@@ -344,9 +352,8 @@ class Engine:
                 self._grammar.shutdown()
             self._grammar = None
         self.sampler.close()
-        l3 = getattr(self.kv.cache, "l3", None)
-        if l3 is not None:   # the shared L3 tier: prefetch thread and store client end now
-            l3.close()
+        for tier in self.kv.cache.tiers:   # the L3 tier's prefetch thread and store client end now
+            tier.close()
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, chunks: list[StreamChunk]) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import HybridKVPool, KVPool
-from tandem.cache.radix.host import HostStore
+from tandem.cache.tiers.host import HostStore
 from tandem.cache.state_pool import StatePool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
 from tandem.core.config import HybridConfig   # re-exported: engine code and tests import it here
@@ -88,7 +88,7 @@ class HybridHooks(Protocol):
 
     def component_data(self) -> dict:
         """Each component's device pool by name, ``[L, K, rows, ...]``: what the host tier's
-        pools mirror and the L3 tier reads and writes (cache/l3/connect.py ``attach_store``)."""
+        pools mirror and the L3 tier reads and writes (cache/tiers/l3/connect.py ``attach_store``)."""
 
     def describe(self) -> dict:
         """Component -> its pool, for the startup line."""

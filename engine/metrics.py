@@ -68,8 +68,8 @@ class EngineCollector(Collector):
                       st["restore_seconds"])
         ratio = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
         yield gauge("tandem_worker_cache_hit_ratio", "cached / admitted prompt tokens", ratio)
-        l3 = getattr(e.kv.cache, "l3", None)
-        if l3 is not None:      # the shared L3 tier (cache/l3/tier.py), only with a store
+        l3 = e.kv.cache.tier("l3")
+        if l3 is not None:      # the shared L3 tier (cache/tiers/l3/tier.py), only with a store
             yield from _l3_series(l3, gauge, counter)
 
 

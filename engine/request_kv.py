@@ -2,11 +2,12 @@
 
 The scheduler decides *when* (admit, extend, cache a chunk, release, retract); this class does
 it against the pools and the prefix cache: a row of ``ReqToTokenPool``, slots from the
-``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, the host tier's
-``restore``, the L3 tier's ``prefetch`` (when a request is queued) and ``fetch`` (when it is
-admitted), and the per-variant hooks of hybrid models (engine/hybrid.py). It also keeps the set
-of requests holding a row (``holders``: running, reserved for a KV transfer, held for sending),
-which is what the ownership invariant counts.
+``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, its tiers (host, L3:
+``cache.tiers``, walked once in order: ``prefetch`` when a request is queued, ``lookup``/``load``
+when it is admitted), the host tier's ``backup`` (retraction), and the per-variant hooks of
+hybrid models (engine/hybrid.py). It also keeps the set of requests holding a row (``holders``:
+running, reserved for a KV transfer, held for sending), which is what the ownership invariant
+counts.
 
 Ownership rule (proved by :meth:`check`): every allocated slot is owned exactly once, by the
 allocator's free list, by the cache, or by one holder's row range ``[locked_len, computed_len)``.
@@ -43,24 +44,22 @@ class RequestKV:
 
     # -- taking and giving back a row -------------------------------------------------------------
     def admit(self, sr: SchedReq) -> bool:
-        """Give ``sr`` a row holding its longest reusable cached prefix (locked), loading a
-        host-only prefix back first, then the pages after it that the L3 store holds. False (nothing taken) when no row or no hybrid state row
-        is free. Sets ``computed_len`` and ``locked_len`` to the prefix length."""
+        """Give ``sr`` a row holding its longest reusable cached prefix (locked), after each tier
+        in turn (``cache.tiers``: the host tier's load-back, then the pages the L3 store holds)
+        loaded what it holds past the match. False (nothing taken) when no row or no hybrid state
+        row is free. Sets ``computed_len`` and ``locked_len`` to the prefix length."""
         r = sr.req
         row = self.r2t.alloc()
         if row is None:
             return False
         ids = self._reusable(sr)
         m = self.cache.match(ids, session_id=r.session_id)
-        if m.host_hit_length and self.cache.host is not None:
-            if self.cache.host.restore(m.best_match_node) is not None:   # HiCache L2 load-back
-                m = self.cache.match(ids, session_id=r.session_id)
-        job, sr.l3_prefetch = sr.l3_prefetch, None
-        if job is not None:
-            job.stop()          # its reads end here: the fetch takes what it staged, reads the rest
-        l3 = getattr(self.cache, "l3", None)
-        if l3 is not None and m.prefix_len < len(ids):     # the shared L3 tier: the next pages
-            if l3.fetch(ids, m, session_id=r.session_id):
+        jobs, sr.prefetches = sr.prefetches, None
+        for tier in self.cache.tiers:
+            job = jobs.pop(tier.name, None) if jobs else None
+            if job is not None:
+                job.stop()      # its reads end here: the load takes what it staged, reads the rest
+            if tier.lookup(ids, m) and tier.load(ids, m, session_id=r.session_id):
                 m = self.cache.match(ids, session_id=r.session_id)
         n = min(m.prefix_len, len(ids))
         self.cache.lock(m.last_device_node)
@@ -83,20 +82,24 @@ class RequestKV:
         return r.all_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
 
     def prefetch(self, sr: SchedReq) -> None:
-        """A request was queued: start reading ahead, off the step, the L3 pages :meth:`admit`
-        would fetch for it now (the tier stages them on the host; admit stops the job and its
-        fetch takes them). Matches the cache (touching the path, as admit will) only when the
-        L3 tier prefetches and the device does not already hold every reusable page; no-op
-        otherwise."""
-        l3 = getattr(self.cache, "l3", None)
-        if l3 is None or not l3.prefetching:
+        """A request was queued: start reading ahead, off the step, the pages :meth:`admit`
+        would load for it now from each tier that prefetches (the L3 tier stages them on the
+        host; admit stops the job and its load takes them). Matches the cache (touching the
+        path, as admit will) only when a tier prefetches and the device does not already hold
+        every reusable page; no-op otherwise."""
+        tiers = [t for t in self.cache.tiers if t.prefetching]
+        if not tiers:
             return
         ids = self._reusable(sr)
         if self.cache.peek(ids) >= len(ids):
             return
         m = self.cache.match(ids, session_id=sr.req.session_id)
-        if m.prefix_len < len(ids):
-            sr.l3_prefetch = l3.prefetch(ids, m, session_id=sr.req.session_id)
+        if m.prefix_len >= len(ids):
+            return
+        for tier in tiers:
+            job = tier.prefetch(ids, m, session_id=sr.req.session_id)
+            if job is not None:
+                sr.prefetches = {**(sr.prefetches or {}), tier.name: job}
 
     def unadmit(self, sr: SchedReq) -> None:
         """Undo :meth:`admit` of a request that computed nothing since."""

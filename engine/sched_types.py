@@ -19,7 +19,7 @@ from tandem.core.types import Req, StreamChunk
 from tandem.engine.output import OutputTracker
 
 if TYPE_CHECKING:
-    from tandem.cache.l3.tier import Ask
+    from tandem.cache.tiers.base import Prefetch
     from tandem.engine.grammar import Matcher
 
 
@@ -47,8 +47,9 @@ class SchedReq:
     ``group``: the OpenAI ``n`` group the request samples for (core.messages.SampleGroup).
     ``receive``: a peer writes its prompt's KV (the role's KVConnector said so at ``add``),
     until it is activated (a retracted request is then recomputed here like any other).
-    ``l3_prefetch``: the L3 read-ahead of its prefix in flight (set at ``Scheduler.add``,
-    engine/request_kv.py ``prefetch``; stopped and cleared by its admission's L3 fetch).
+    ``prefetches``: the tiers' read-ahead of its prefix in flight, by tier name (set at
+    ``Scheduler.add``, engine/request_kv.py ``prefetch``; each stopped by its admission when the
+    walk reaches its tier, and cleared).
     """
 
     req: Req
@@ -58,7 +59,7 @@ class SchedReq:
     matcher: Matcher | None = None
     group: SampleGroup | None = None
     receive: bool = False
-    l3_prefetch: Ask | None = None
+    prefetches: dict[str, Prefetch] | None = None
 
     @property
     def rid(self) -> str:

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import ray
 
-from tandem.core.config import EngineConfig
-from tandem.engine.role_worker import RoleActorMixin
 from tandem.prefill.worker import PrefillWorker
-
-
-def assigned_threads() -> int:
-    """Torch threads for this actor: the CPUs Ray assigned it, at least one."""
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    return max(1, int(cpus))
+from tandem.worker.actor import RoleActorMixin, actor_config
 
 
 @ray.remote
@@ -28,17 +21,12 @@ class PrefillActor(RoleActorMixin):
                  debug_transfer_stall: bool = False):
         """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
         all workers of a node), or None to load ``engine_config.model`` here."""
-        cfg = EngineConfig.model_validate(engine_config)
-        if cfg.num_threads is None:
-            cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
+        cfg = actor_config(engine_config)
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                     kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
                                     l3=l3, debug_transfer_delay_ms=debug_transfer_delay_ms,
                                     debug_transfer_stall=debug_transfer_stall)
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
-
-    def _extra_info(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id()}
 
     def add_peer(self, handshake: bytes) -> str:
         return self.worker.add_peer(handshake)

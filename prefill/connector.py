@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 
 from tandem.engine.commands import Release
-from tandem.engine.connector import HeldKV, KVConnector, held_kv
-from tandem.engine.handle import EngineHandle
-from tandem.engine.kv_digest import regions_digest
-from tandem.engine.kv_regions import kv_regions
+from tandem.engine.connector import KVConnector
 from tandem.engine.sched_types import SchedReq
+from tandem.worker.handle import RoleHandle
+from tandem.worker.held_kv import HeldKV, held_kv
+from tandem.worker.kv_digest import regions_digest
+from tandem.worker.kv_regions import kv_regions
 
 
 class PrefillConnector(KVConnector):
@@ -39,13 +40,12 @@ class PrefillConnector(KVConnector):
         return held_kv(self.engine, rid, start)
 
 
-class PrefillHandle(EngineHandle):
+class PrefillHandle(RoleHandle):
+    ROLE, CONNECTOR = "prefill", PrefillConnector
+    connector: PrefillConnector
+
     def __init__(self, engine):
         super().__init__(engine)
-        if not isinstance(engine.connector, PrefillConnector):
-            raise ValueError(f"a prefill worker's engine needs connector=PrefillConnector, "
-                             f"not {type(engine.connector).__name__}")
-        self.connector: PrefillConnector = engine.connector
         self.regions = kv_regions(engine)
 
     async def held_pages(self, rid: str, start: int) -> HeldKV:

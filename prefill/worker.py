@@ -2,7 +2,7 @@
 
 Plain Python (no Ray; prefill/actor.py is the Ray shell): an :class:`Engine` built with the
 :class:`PrefillConnector` (prefill/connector.py: a finished request's KV is held until released),
-reached through a :class:`PrefillHandle`, and a NIXL agent over its pools (engine/role_worker.py).
+reached through a :class:`PrefillHandle`, and a NIXL agent over its pools (worker/role_worker.py).
 
 One request (``prefill``), push model as in SGLang PD; each send is a ``Handoff`` from BOOTSTRAPPED::
 
@@ -18,7 +18,7 @@ in the same WRITE, and counts that differ from the reservation's send nothing.
 
 Contract of :meth:`PrefillWorker.prefill` (decode frees pages on it): it returns (or raises) only
 when no WRITE of this transfer can still be in flight, except a result with ``in_flight=True`` (a
-write neither finished nor failed within ``IN_FLIGHT_LIMIT`` transfer timeouts, engine/role_worker.py: QUARANTINED on both
+write neither finished nor failed within ``IN_FLIGHT_LIMIT`` transfer timeouts, worker/role_worker.py: QUARANTINED on both
 sides; decode never reuses those pages). The source KV stays held until the write has ended.
 """
 from __future__ import annotations
@@ -34,11 +34,11 @@ from prometheus_client import Counter, Histogram
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
-from tandem.engine.role_worker import REGION, RoleWorker
 from tandem.prefill.connector import PrefillConnector, PrefillHandle
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
+from tandem.worker.role_worker import REGION, RoleWorker, attach_tier, role_engine
 
 log = logging.getLogger(__name__)
 
@@ -78,28 +78,20 @@ class PrefillWorker(RoleWorker):
                  transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
                  kv_events: bool = False, kv_events_host: str = "127.0.0.1", l3: dict | None = None,
                  debug_transfer_delay_ms: float = 0.0, debug_transfer_stall: bool = False):
-        """``kv_events``: publish the prefix cache's KV events (vLLM's format, engine/role_worker.py
+        """``kv_events``: publish the prefix cache's KV events (vLLM's format, worker/role_worker.py
         ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers. ``l3``: the
-        shared L3 store's options (cache/l3/connect.py ``l3_options``), or None.
+        shared L3 store's options (cache/tiers/l3/connect.py ``l3_options``), or None.
         ``debug_transfer_delay_ms`` / ``debug_transfer_stall`` (test levers, ServeConfig): wait
         that long before posting each write / never post it (the transfer stalls until aborted;
         nothing is written, so its pages are free the moment it ends)."""
         self.debug_transfer_delay_ms, self.debug_transfer_stall = debug_transfer_delay_ms, debug_transfer_stall
         self.kv_publisher = None
         if engine is None:
-            from tandem.engine.engine import Engine
-            if kv_events:
-                from tandem.engine.role_worker import kv_publisher
-                self.kv_publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
-            engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=self.kv_publisher,
-                            role="prefill", name=name, connector=PrefillConnector)
+            engine, self.kv_publisher = role_engine(name, "prefill", PrefillConnector, config, loaded=loaded,
+                                                    kv_events=kv_events, kv_events_host=kv_events_host)
         super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
-        self.l3 = None      # the shared L3 tier (cache/l3/connect.py), when the cluster has a store
-        if l3:
-            from tandem.cache.l3.connect import attach_store
-            self.l3 = attach_store(engine.kv.cache, engine.kv_pool, engine.model_name,
-                                   aux_data=engine.hybrid.component_data(), **l3)
+        self.l3 = attach_tier(engine, "l3", l3)    # the shared L3 tier, when the cluster has a store
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
         self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort

@@ -1,6 +1,7 @@
 """The dependency directions of README.md's layout, checked by walking every import statement.
 
-cluster -> {router, prefill, decode, sim} -> engine -> {cache, transfer} -> core; sim ->
+cluster -> {router, prefill, decode, sim} -> worker -> {engine, transfer}; engine -> cache ->
+core, transfer -> core (engine and transfer never import each other); sim ->
 {router, cache} (the simulated engine serves through the router's dispatcher); loadtest ->
 {engine, router} (it drives a server over HTTP; its oracle runs a fresh engine behind the real
 front door); workloads (the vendored traces: paths only) imports nothing, and sim and loadtest
@@ -25,12 +26,13 @@ PRODUCT = {
     "core": set(),
     "cache": {"core"},
     "transfer": {"core"},
-    "engine": {"core", "cache", "transfer"},
+    "engine": {"core", "cache"},
+    "worker": {"core", "cache", "transfer", "engine"},
     "router": {"core"},
-    "prefill": {"core", "cache", "transfer", "engine"},
-    "decode": {"core", "cache", "transfer", "engine"},
+    "prefill": {"core", "cache", "transfer", "engine", "worker"},
+    "decode": {"core", "cache", "transfer", "engine", "worker"},
     "sim": {"core", "cache", "router", "workloads"},
-    "cluster": {"core", "cache", "transfer", "engine", "router", "prefill", "decode", "sim"},
+    "cluster": {"core", "cache", "transfer", "engine", "worker", "router", "prefill", "decode", "sim"},
     "workloads": set(),
     "loadtest": {"core", "engine", "router", "workloads"},
 }

@@ -1,15 +1,14 @@
 """The unified radix tree and what hangs off it. Import the cache from ``tandem.cache.unified``.
 
 tree.py (core: nodes, match, split, insert, locks, leaf set, sizes), components.py (FULL, SWA,
-MAMBA), eviction.py (policies), host.py (host pool), copier.py (device <-> host copies), events.py (KV events over ZMQ),
-sanity.py (invariant recount).
+MAMBA), eviction.py (policies), copier.py (device <-> host copies), events.py (KV events over ZMQ),
+sanity.py (invariant recount). The tiers (host, L3) are in ``tandem.cache.tiers``.
 """
 
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy, TreeComponent
 from tandem.cache.radix.copier import KVCopier
 from tandem.cache.radix.eviction import POLICIES, make_policy
-from tandem.cache.radix.host import HostTier
 from tandem.cache.radix.tree import Node, RadixTree
 
 __all__ = ["FULL", "SWA", "Mamba", "StateCopy", "TreeComponent", "POLICIES", "make_policy",
-           "HostTier", "KVCopier", "Node", "RadixTree"]
+           "KVCopier", "Node", "RadixTree"]

@@ -7,7 +7,7 @@ path. Auxiliary components (:class:`SWA`, :class:`Mamba`) keep their own data pe
 ``lock_span``. A match ends at the deepest node every component's validator accepts.
 
 Host tier: a node's host copy of component data is ``node.aux_host[index]`` (same format, in the
-component's host pool; see cache/radix/host.py). It needs the node's FULL host copy.
+component's host pool; see cache/tiers/host.py). It needs the node's FULL host copy.
 
 Data (the memory model in full: cache/README.md):
 - SWA: int64 rows ``[len(key)]`` of a separate SWA KV pool with its own allocator, ``-1`` where

@@ -10,7 +10,7 @@ Vocabulary (shapes in comments follow the token axis of one edge):
 - ``aux[i]``: data of auxiliary component ``i`` (SWA rows, a MAMBA state row) or None
   (a tombstone). FULL is the tree itself (``value``).
 - ``aux_host[i]``: the host copy of component ``i``'s data, or None (host bookkeeping:
-  :mod:`.host_nodes`).
+  :mod:`tandem.cache.tiers.host_nodes`).
 
 Invariants (proved by :mod:`.sanity` by recount):
 - every non-root node has device or host data; a device node's parent is a device node
@@ -37,7 +37,7 @@ from tandem.core.page_hash import common_pages, page_hashes
 
 from .events import DEVICE, BlockRemoved, BlockStored
 from .eviction import EvictionPolicy, make_policy
-from .host_nodes import HostNodes
+from tandem.cache.tiers.host_nodes import HostNodes
 
 
 class Node:
@@ -524,7 +524,8 @@ class RadixTree(HostNodes):
             self.aux_evictable[i] += sz
             self.aux_unlocked[i].add(nd)
 
-    def _set_aux(self, nd: Node, i: int, value: Any) -> None:
+    def set_aux(self, nd: Node, i: int, value: Any) -> None:
+        """Give ``nd`` component ``i``'s device data ``value`` (None: a tombstone); sizes follow."""
         self._aux_out(nd, i)
         nd.aux[i] = value
         self._aux_in(nd, i)
@@ -539,7 +540,7 @@ class RadixTree(HostNodes):
             cur = nd.aux[i]
             keep, free = c.reconcile(nd, cur, incoming, a, b, b == n)
             if keep is not cur:
-                self._set_aux(nd, i, keep)
+                self.set_aux(nd, i, keep)
             if free is not None:
                 self.aux_frees.append((i, free))
 
@@ -559,7 +560,7 @@ class RadixTree(HostNodes):
     def _aux_drop(self, nd: Node) -> None:
         for i, v in enumerate(nd.aux):
             if v is not None:
-                self._set_aux(nd, i, None)
+                self.set_aux(nd, i, None)
                 self.aux_frees.append((i, v))
 
     def evict_aux(self, i: int, num: int, backup=None) -> int:
@@ -579,7 +580,7 @@ class RadixTree(HostNodes):
             if self.spills is not None and nd.aux_host[i] is None:      # its last copy
                 self.spill(nd, None, False, [(i, v, False)])
             freed += c.size(v)
-            self._set_aux(nd, i, None)
+            self.set_aux(nd, i, None)
             self.aux_frees.append((i, v))
         return freed
 

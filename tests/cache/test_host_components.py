@@ -15,7 +15,7 @@ import torch
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
-from tandem.cache.radix.host import HostStore, HostTier
+from tandem.cache.tiers.host import HostStore, HostTier
 from tandem.cache.state_pool import StatePool
 
 from cache_support import make_cache

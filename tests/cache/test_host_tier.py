@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.cache.kv_pool import KVPool
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.host import HostTier
 
 from cache_support import make_cache
 

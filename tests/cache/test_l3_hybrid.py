@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
-from tandem.cache.l3.store import L3Store, page_key
-from tandem.cache.l3.tier import L3Tier, layout
+from tandem.cache.tiers.l3.store import L3Store, page_key
+from tandem.cache.tiers.l3.tier import L3Tier, layout
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
-from tandem.cache.radix.host import HostStore, HostTier
+from tandem.cache.tiers.host import HostStore, HostTier
 from tandem.cache.state_pool import StatePool
 from tandem.core.page_hash import page_hashes
 
@@ -71,7 +71,7 @@ class Rig:
                                             host=self.host)
         self.store = L3Store(backend, "t/" + layout(self.cache._aux), timeout_s=5, backoff_s=60)
         self.tier = L3Tier(self.store, self.full.kv_data, PS, aux_data=data, write_policy=policy)
-        self.cache.attach_l3(self.tier)
+        self.cache.add_tier(self.tier)
 
     # -- an engine-like request --------------------------------------------------------------------
     def load(self, ids):

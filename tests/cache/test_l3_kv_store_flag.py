@@ -36,7 +36,7 @@ def test_a_store_with_no_memory_is_refused():
 
     with pytest.raises(ValueError, match="l3-worker-segment-bytes"):
         start_kv_store(ServeConfig(kv_store="mooncake", l3_store_bytes=0))
-    from tandem.cache.l3.mooncake import MasterAddress, StorageProcess
+    from tandem.cache.tiers.l3.mooncake import MasterAddress, StorageProcess
 
     with pytest.raises(ValueError, match="minimum"):      # before any process starts
         StorageProcess(MasterAddress("127.0.0.1", 1, 2), 1 << 20)
@@ -44,8 +44,8 @@ def test_a_store_with_no_memory_is_refused():
 
 def test_mooncake_starts_a_master_and_a_storage_and_stop_kills_both():
     pytest.importorskip("mooncake.store")
-    from tandem.cache.l3.mooncake import MasterAddress, _listening, connect
-    from tandem.cache.l3.store import L3Store
+    from tandem.cache.tiers.l3.mooncake import MasterAddress, _listening, connect
+    from tandem.cache.tiers.l3.store import L3Store
     from tandem.cluster.kv_store import start_kv_store
 
     off, stop = start_kv_store(ServeConfig())

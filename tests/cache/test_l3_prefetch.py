@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.cache.l3.staging import Jobs, Staging
-from tandem.cache.l3.store import L3Store
-from tandem.cache.l3.tier import L3Tier
+from tandem.cache.tiers.l3.staging import Jobs, Staging
+from tandem.cache.tiers.l3.store import L3Store
+from tandem.cache.tiers.l3.tier import L3Tier
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
 
@@ -271,7 +271,7 @@ def _engine(backend):
     e = make(rows=1)
     tier = L3Tier(L3Store(backend, "p", timeout_s=5), e.kv_pool.kv_data, e.kv_pool.page_size,
                   write_policy="write_through")
-    e.kv.cache.attach_l3(tier)
+    e.kv.cache.add_tier(tier)
     return e, tier
 
 
@@ -321,7 +321,7 @@ def test_a_request_admitted_at_once_stops_its_prefetch():
     d.submit("a", long_, 3)
     d.step()                                                           # queued, then admitted
     sr = e.scheduler.running["a"]
-    assert sr.l3_prefetch is None and tier.stats.prefetches == 1      # stopped and cleared
+    assert sr.prefetches is None and tier.stats.prefetches == 1      # stopped and cleared
     assert tier.prefetch_idle(IDLE_S)
     d.run()
     assert d.tokens("a") == oracle(long_, 3) and d.final("a").cached_tokens == 20

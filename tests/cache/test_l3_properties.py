@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
-from tandem.cache.l3.store import L3Store
-from tandem.cache.l3.tier import L3Tier
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.l3.store import L3Store
+from tandem.cache.tiers.l3.tier import L3Tier
+from tandem.cache.tiers.host import HostTier
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import CacheConfig
 
@@ -46,7 +46,7 @@ def test_l3_tier_against_reference(ps, l3_policy, host_tokens):
         alloc = PagedAllocator(24, ps)
         cache = UnifiedRadixCache(CacheConfig(page_size=ps, debug_invariants=True), alloc, host=host)
         tier = L3Tier(L3Store(DictBackend(), "p", timeout_s=5), pool.kv_data, ps, write_policy=l3_policy)
-        cache.attach_l3(tier)
+        cache.add_tier(tier)
         backups: list = []
         ever: set = set()
 

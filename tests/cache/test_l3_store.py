@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.store import L3Store, key_prefix, page_key, seal, unseal  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.store import L3Store, key_prefix, page_key, seal, unseal  # noqa: E402
 from tandem.core.page_hash import page_hashes  # noqa: E402
 
 PREFIX = key_prefix("smollm2-135m", 16, "bfloat16", "nhd")

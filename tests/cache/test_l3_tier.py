@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tandem.cache.kv_pool import KVPool
-from tandem.cache.l3.store import L3Store
-from tandem.cache.l3.tier import L3Tier
+from tandem.cache.tiers.l3.store import L3Store
+from tandem.cache.tiers.l3.tier import L3Tier
 from tandem.cache.radix.components import FULL, SWA
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.host import HostTier
 from tandem.core.page_hash import page_hashes
 
 from cache_support import make_cache
@@ -61,7 +61,7 @@ def setup(backend, *, policy="write_back", pages=8, page_size=2, host_tokens=0, 
     cache, alloc = make_cache(page_size=page_size, pages=pages, host=host)
     store = L3Store(backend, "t/p2", timeout_s=0.2, backoff_s=60)
     tier = L3Tier(store, pool.kv_data, page_size, write_policy=policy, **kw)
-    cache.attach_l3(tier)
+    cache.add_tier(tier)
     return cache, alloc, pool, tier
 
 
@@ -78,7 +78,7 @@ def kv_tokens(pool, slots):
 def run(cache, alloc, pool, ids):
     """admit (match + L3 fetch) and finish a request; returns the prefix it reused."""
     m = cache.match(ids)
-    if cache.l3.fetch(ids, m):
+    if cache.tier("l3").fetch(ids, m):
         m = cache.match(ids)
     cache.lock(m.last_device_node)
     slots = torch.cat([m.device_indices, compute(pool, alloc, ids[m.prefix_len:])])
@@ -204,13 +204,13 @@ def test_a_hybrid_cache_needs_the_device_data_of_every_component():
     swa = SWA(4, PagedAllocator(16, 1), torch.zeros(20, dtype=torch.int64))
     cache, _ = make_cache(page_size=2, pages=8, components=(FULL, swa))
     with pytest.raises(ValueError, match=r"missing \['swa'\]"):
-        cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2))
+        cache.add_tier(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2))
     with pytest.raises(ValueError, match=r"not components \['mamba'\]"):
-        cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2,
+        cache.add_tier(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2,
                                aux_data={"swa": swa_pool.kv_data, "mamba": swa_pool.kv_data}))
-    assert cache.l3 is None
-    cache.attach_l3(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2, aux_data={"swa": swa_pool.kv_data}))
-    assert cache.l3 is not None
+    assert cache.tier("l3") is None
+    cache.add_tier(L3Tier(L3Store(DictBackend(), "t"), pool.kv_data, 2, aux_data={"swa": swa_pool.kv_data}))
+    assert cache.tier("l3") is not None
 
 
 def test_slow_gets_end_a_fetch_within_the_deadline():
@@ -240,7 +240,7 @@ def test_slow_gets_end_a_fetch_within_the_deadline():
 
 def test_attach_store_leaves_cacheless_workers_and_hybrid_ones_without_component_data_without_l3():
     from tandem.cache.allocator import PagedAllocator
-    from tandem.cache.l3.connect import attach_store, l3_options
+    from tandem.cache.tiers.l3.connect import attach_store, l3_options
     from tandem.cache.null import NullCache
 
     assert l3_options("off", 0.5) is None
@@ -252,5 +252,5 @@ def test_attach_store_leaves_cacheless_workers_and_hybrid_ones_without_component
     hybrid, _ = make_cache(page_size=2, pages=8, components=(FULL, swa))
     for cache in (hybrid, NullCache(PagedAllocator(8, 2))):   # returns before joining any store
         assert attach_store(cache, pool, "m", **opts) is None
-        assert cache.l3 is None
+        assert cache.tier("l3") is None
     assert attach_store(hybrid, pool, "m", aux_data={"mamba": pool.kv_data}, **opts) is None

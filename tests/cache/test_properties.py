@@ -23,7 +23,7 @@ from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
 from tandem.cache.radix.eviction import POLICIES
-from tandem.cache.radix.host import HostTier
+from tandem.cache.tiers.host import HostTier
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import CacheConfig
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from tandem.core.messages import GenerateRequest  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
-from tandem.engine.kv_regions import transfer_bytes  # noqa: E402
+from tandem.worker.kv_regions import transfer_bytes  # noqa: E402
 from tandem.engine.loader import load_model  # noqa: E402
 
 from hf_hybrid_support import hybrid_engine_config, tiny_gemma3_dir, tiny_granite_dir  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("mooncake.store")
 
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
 
 from serve_support import Server  # noqa: E402

@@ -3,7 +3,7 @@
 computed is served from L3 by another (cached_tokens > 0), as two prefill workers of a cluster
 would; a page corrupted in the store is a miss, not a wrong answer; a store killed mid-run
 costs recompute only (no hang, no leak). Engines attach the store the way workers do
-(cache/l3/connect.py ``attach_store``)."""
+(cache/tiers/l3/connect.py ``attach_store``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
@@ -71,7 +71,7 @@ def plain(smollm2_default):
 
 
 def flush(e) -> None:
-    assert e.kv.cache.l3.store.flush(10.0)
+    assert e.kv.cache.tier("l3").store.flush(10.0)
 
 
 def test_a_prompt_computed_on_one_worker_is_served_from_l3_on_another(smollm2_default, master, plain):
@@ -86,10 +86,10 @@ def test_a_prompt_computed_on_one_worker_is_served_from_l3_on_another(smollm2_de
         assert [t for t, _ in second] == [t for t, _ in want], "L3 pages changed the greedy output"
         usable = [(len(x) - 1) // PAGE * PAGE for x in ids]
         assert [c for _, c in second] == usable, "b should reuse every whole page a computed"
-        st = b.kv.cache.l3.stats                # the first read the shared system prompt too
+        st = b.kv.cache.tier("l3").stats                # the first read the shared system prompt too
         assert st.hit_pages >= usable[0] // PAGE and st.miss_pages == 0, st
         assert st.prefetches >= 1, st           # queued with a cold device cache: read ahead
-        assert b.kv.cache.l3.store.stats.corrupt == 0
+        assert b.kv.cache.tier("l3").store.stats.corrupt == 0
         idle_and_exact(a)
         idle_and_exact(b)
     finally:
@@ -105,7 +105,7 @@ def _closed_after_writing(loaded, store, ids, *, segment_bytes):
         flush(a)
         idle_and_exact(a)
     finally:
-        a.kv.cache.l3.store.close()
+        a.kv.cache.tier("l3").store.close()
         a.shutdown()
     return first
 
@@ -123,7 +123,7 @@ def test_pages_in_the_storage_process_outlive_the_worker_that_wrote_them(smollm2
             want = answer(plain, ids)
             assert [t for t, _ in first] == [t for t, _ in second] == [t for t, _ in want]
             assert [c for _, c in second] == [(len(x) - 1) // PAGE * PAGE for x in ids], second
-            assert b.kv.cache.l3.stats.miss_pages == 0 and b.kv.cache.l3.store.stats.errors == 0
+            assert b.kv.cache.tier("l3").stats.miss_pages == 0 and b.kv.cache.tier("l3").store.stats.errors == 0
             idle_and_exact(b)
         finally:
             b.shutdown()
@@ -142,7 +142,7 @@ def test_pages_in_a_workers_own_segment_go_with_it(smollm2_default, plain):
         try:
             (toks, cached), = answer(b, ids)
             assert toks == answer(plain, ids)[0][0] and cached == 0
-            assert b.kv.cache.l3.stats.hit_pages == 0
+            assert b.kv.cache.tier("l3").stats.hit_pages == 0
             idle_and_exact(b)
         finally:
             b.shutdown()
@@ -163,7 +163,7 @@ def test_greedy_with_l3_hits_under_eviction_equals_no_cache(smollm2_default, mas
             want += answer(plain, ids)
         assert [t for t, _ in got] == [t for t, _ in want]
         assert all(c > 0 for _, c in got[3:]), [c for _, c in got]
-        st = e.kv.cache.l3.stats
+        st = e.kv.cache.tier("l3").stats
         assert st.hit_pages > 0 and e.stats()["evicted_tokens"] > 0
         idle_and_exact(e)
     finally:
@@ -181,7 +181,7 @@ def test_a_corrupted_page_is_a_miss_not_a_wrong_answer(smollm2_default, master, 
         # only pages an earlier test stored intact (the chat template's first page) are reused:
         # the first damaged page is a miss and the chain stops there
         assert cached <= PAGE
-        assert b.kv.cache.l3.store.stats.corrupt == 1
+        assert b.kv.cache.tier("l3").store.stats.corrupt == 1
         idle_and_exact(b)
     finally:
         bad.shutdown()
@@ -203,7 +203,7 @@ def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
         got = [answer(e, [x])[0] for x in ids + ids]      # evictions, L3 reads and writes fail
         assert time.monotonic() - t0 < 120
         assert [t for t, _ in got] == [t for t, _ in answer(plain, ids + ids)]
-        assert e.kv.cache.l3.store.stats.errors >= 1   # (up again once its backoff ran out: not asserted)
+        assert e.kv.cache.tier("l3").store.stats.errors >= 1   # (up again once its backoff ran out: not asserted)
         idle_and_exact(e)
     finally:
         e.shutdown()
@@ -235,7 +235,7 @@ def test_retraction_without_a_host_pool_restores_from_l3(smollm2_default, master
         assert run(e) == want
         st = e.stats()
         assert st["retractions"] > 0 and st["retraction_recomputes"] > 0
-        assert e.kv.cache.l3.stats.hit_pages > 0, e.kv.cache.l3.stats
+        assert e.kv.cache.tier("l3").stats.hit_pages > 0, e.kv.cache.tier("l3").stats
         idle_and_exact(e)
     finally:
         alone.shutdown()

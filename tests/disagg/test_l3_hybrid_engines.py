@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
-from tandem.cache.l3.connect import attach_store, l3_options  # noqa: E402
+from tandem.cache.tiers.l3.connect import attach_store, l3_options  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 from tandem.engine.hybrid import HybridConfig  # noqa: E402
@@ -57,7 +57,7 @@ def engine(loaded, master, *, corrupt: bool = False) -> Engine:
     opts = l3_options(master.address.url(), timeout_s=2.0, corrupt=corrupt)
     opts["segment_bytes"] = 32 << 20
     tier = attach_store(e.kv.cache, e.kv_pool, e.model_name, aux_data=e.hybrid.component_data(), **opts)
-    assert tier is not None and tier.write_through and e.kv.cache.l3 is tier
+    assert tier is not None and tier.write_through and e.kv.cache.tier("l3") is tier
     return e
 
 
@@ -75,16 +75,16 @@ def test_a_fresh_hybrid_engine_serves_what_another_computed_from_l3(family, mast
     try:
         first = answer(a, ids)
         flush(a)
-        assert a.kv.cache.l3.stats.written_pages > 0
+        assert a.kv.cache.tier("l3").stats.written_pages > 0
         second = answer(b, ids)
         want = answer(plain, ids)
         for i, (x, y, w) in enumerate(zip(first, second, want)):
             assert x.token_ids == w.token_ids, f"{name} request {i}: the writer differs"
             assert (y.token_ids, y.text) == (w.token_ids, w.text), f"{name} request {i}: L3 changed it"
-        st = b.kv.cache.l3.stats
+        st = b.kv.cache.tier("l3").stats
         assert st.hit_pages > 0 and st.aux_hits > 0 and st.aux_misses == 0, st
         assert all(y.cached_tokens > 0 for y in second), [y.cached_tokens for y in second]
-        assert b.kv.cache.l3.store.stats.corrupt == 0
+        assert b.kv.cache.tier("l3").store.stats.corrupt == 0
         from prometheus_client import CollectorRegistry, generate_latest
 
         from tandem.engine.metrics import register_engine_metrics
@@ -109,7 +109,7 @@ def test_corrupt_component_values_are_misses_with_the_same_output(family, master
         got = answer(b, ids)
         want = answer(plain, ids)
         assert [(c.token_ids, c.text) for c in got] == [(c.token_ids, c.text) for c in want]
-        st, ss = b.kv.cache.l3.stats, b.kv.cache.l3.store.stats
+        st, ss = b.kv.cache.tier("l3").stats, b.kv.cache.tier("l3").store.stats
         # every end B could reach needs a component value: read first, damaged, a miss
         assert st.aux_misses > 0 and ss.corrupt >= st.aux_misses and st.hit_pages == 0, (st, ss)
         idle_and_exact(b)

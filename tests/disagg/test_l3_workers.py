@@ -15,8 +15,8 @@ pytest.importorskip("mooncake.store")
 
 from serve_support import LocalClient, at_baseline, collect  # noqa: E402
 
-from tandem.cache.l3 import mooncake as mc  # noqa: E402
-from tandem.cache.l3.connect import l3_options  # noqa: E402
+from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
+from tandem.cache.tiers.l3.connect import l3_options  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 

@@ -19,7 +19,7 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import Req, ReqStatus, SamplingParams
 from tandem.decode.connector import DecodeConnector
 from tandem.engine.commands import Activate, Release
-from tandem.engine.connector import held_kv
+from tandem.worker.held_kv import held_kv
 from tandem.engine.engine import Engine
 from tandem.engine.sched_types import SchedulerObserver
 from tandem.prefill.connector import PrefillConnector

@@ -502,10 +502,10 @@ def test_dashboard_ships_as_a_grafana_configmap(resources):
 
 
 def test_kv_store_storage_joins_its_master_with_tandems_flags(resources):
-    """The storage container beside the Mooncake master runs cache/l3/mooncake.py's
+    """The storage container beside the Mooncake master runs cache/tiers/l3/mooncake.py's
     ``storage_args`` against the master container's ports, and its memory limit holds the
     segment it lends."""
-    from tandem.cache.l3.mooncake import MasterAddress, storage_args
+    from tandem.cache.tiers.l3.mooncake import MasterAddress, storage_args
 
     pod = one(resources, "Deployment", "tandem-kv-store")["spec"]["template"]["spec"]
     by_name = {c["name"]: c for c in pod["containers"]}

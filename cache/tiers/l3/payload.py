@@ -1,6 +1,6 @@
 """One kind of L3 value: the rows of one pool that a page (or a page's end) needs, as raw bytes.
 
-Every pool the cache keeps is laid out like the host tier's (cache/radix/host.py ``HostStore``):
+Every pool the cache keeps is laid out like the host tier's (cache/tiers/host.py ``HostStore``):
 ``data [L, K, rows, *rest]``, rows on axis 2. A :class:`Payload` names one of them and how many
 rows a value holds:
 
@@ -22,7 +22,7 @@ import torch
 
 
 class Payload:
-    """``kind``: the key's namespace (``cache/l3/store.py`` ``page_key``); ``data``: the device
+    """``kind``: the key's namespace (``cache/tiers/l3/store.py`` ``page_key``); ``data``: the device
     pool ``[L, K, rows, *rest]``; ``units``: rows per value."""
 
     def __init__(self, kind: str, data: torch.Tensor, units: int):

@@ -3,7 +3,8 @@
 ``l3_options(kv_store, timeout_s, corrupt)`` is what the launcher hands each worker (a plain
 dict, or None when the store is off); :func:`attach_store` connects an :class:`L3Store` under the
 key prefix of the worker's pages (model, page size, dtype, layout: FULL's and the names of the
-cache's components) and attaches an :class:`L3Tier` to its cache; a hybrid model's worker also
+cache's components) and adds an :class:`L3Tier` to its cache's tiers (:func:`connect_tier`, the
+tier factory's ``l3`` entry, builds it); a hybrid model's worker also
 hands the device data of each component (``aux_data``, engine/hybrid.py ``component_data``). A
 store that cannot be reached, a hybrid cache without its components' data, or a cache that keeps
 nothing leaves the worker without L3, with a log line: L3 is an optimisation, never a reason for
@@ -16,8 +17,8 @@ import logging
 import os
 from typing import Any, Mapping
 
-from tandem.cache.l3.store import L3Store, key_prefix
-from tandem.cache.l3.tier import L3Tier, layout
+from tandem.cache.tiers.l3.store import L3Store, key_prefix
+from tandem.cache.tiers.l3.tier import L3Tier, layout
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +38,32 @@ def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_b
     return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt, "segment_bytes": segment_bytes}
 
 
-def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corrupt: bool = False,
-                 write_policy: str = WORKER_WRITE_POLICY, segment_bytes: int = 0,
-                 aux_data: Mapping[str, Any] | None = None) -> L3Tier | None:
-    """Connect to the store at ``url`` and attach an L3 tier to ``cache`` (None: not attached).
-    ``segment_bytes``: the memory this worker lends to the store (0: none; its pages then live
-    in the storage process's segment and outlive this worker). ``aux_data``: each auxiliary
-    component's device pool by name (hybrid caches; the host tier's layout)."""
-    if not hasattr(cache, "attach_l3"):
+def attach_store(cache, kv_pool, model: str, *, aux_data: Mapping[str, Any] | None = None,
+                 **options) -> L3Tier | None:
+    """Connect to the store (``options``: :func:`connect_tier`'s) and add the L3 tier to
+    ``cache``'s tiers (None: not attached). ``aux_data``: each auxiliary component's device pool
+    by name (hybrid caches; the host tier's layout)."""
+    if not hasattr(cache, "add_tier"):
         log.info("L3 store off: the prefix cache is disabled")
         return None
-    comps = getattr(cache, "_aux", ())
+    tier = connect_tier(kv_pool, model, cache.aux_components, aux_data, **options)
+    if tier is not None:
+        cache.add_tier(tier)
+    return tier
+
+
+def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None, *, url: str,
+                 timeout_s: float, corrupt: bool = False, write_policy: str = WORKER_WRITE_POLICY,
+                 segment_bytes: int = 0) -> L3Tier | None:
+    """An :class:`L3Tier` over the store at ``url`` for a cache with auxiliary components
+    ``comps`` (None: no store joined, or a component without its device data).
+    ``segment_bytes``: the memory this worker lends to the store (0: none; its pages then live
+    in the storage process's segment and outlive this worker)."""
     missing = [c.name for c in comps if c.name not in (aux_data or {})]
     if missing:
         log.warning("L3 store off: no device data given for the components %s", missing)
         return None
-    from tandem.cache.l3 import mooncake as mc
+    from tandem.cache.tiers.l3 import mooncake as mc
 
     address = mc.MasterAddress.parse(url[len("mooncake://"):])
     try:
@@ -66,6 +77,5 @@ def attach_store(cache, kv_pool, model: str, *, url: str, timeout_s: float, corr
     store.corrupt_all = corrupt
     tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy,
                   aux_data={c.name: aux_data[c.name] for c in comps})
-    cache.attach_l3(tier)
     log.info("L3 store joined at %s (%s, prefix %s)", url, write_policy, store.prefix)
     return tier

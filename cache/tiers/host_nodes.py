@@ -25,7 +25,7 @@ from __future__ import annotations
 from heapq import heapify, heappop, heappush
 from typing import Any
 
-from .events import HOST
+from tandem.cache.radix.events import HOST
 
 
 class HostNodes:

@@ -11,7 +11,9 @@ and the request's lock need. A component whose host pool is full (after evicting
 copies) leaves that node without a host copy of its data: the node still serves the FULL vote.
 
 The tree decides which nodes live where (device, host, both); :class:`UnifiedRadixCache`
-executes through a :class:`HostTier` bound to it alone (``cache.host``), whose verbs are:
+executes through a :class:`HostTier` bound to it alone (``cache.host``, the first of
+``cache.tiers``: a :class:`~tandem.cache.tiers.base.KVTier` that reaches the cache through its
+``CachePort`` only), whose verbs are:
 
 - ``backup(ids, slots, node, extra=)``: retraction — hand the request's KV (and its component
   data, ``extra`` as for ``cache.cache``) to the tree, then move the nodes only that request holds
@@ -70,7 +72,7 @@ def _as_rows(value: Any) -> torch.Tensor:
 
 
 class HostTier:
-    """A host KV pool (``host_pool_tokens`` slots, pinned where CUDA exists), its allocator,
+    """The host (L2) :class:`~tandem.cache.tiers.base.KVTier`: a host KV pool (``host_pool_tokens`` slots, pinned where CUDA exists), its allocator,
     the copier, the write policy, and a :class:`HostStore` per auxiliary component named in
     ``stores`` (components without one never get host copies: host-only nodes fail their vote)."""
 
@@ -93,33 +95,67 @@ class HostTier:
         if len(self.stores) != len(stores):
             raise ValueError(f"host stores repeat a name: {[st.name for st in stores]}")
         self._aux: list[tuple[int, Any, HostStore]] = []   # (component index, component, store)
+        self._port = None
 
     @property
     def write_through(self) -> bool:
         return self.write_policy == "write_through"
 
-    # -- the cache's collaborator ----------------------------------------------------------------
-    # A friend of UnifiedRadixCache: it reaches the cache's tree and device allocator directly
-    # (one object's two halves; nothing else does).
-    def bind(self, cache) -> None:
+    # -- the KVTier port -------------------------------------------------------------------------
+    name = "host"
+    prefetching = False
+
+    def bind(self, port) -> None:
         """Attach to the one cache whose nodes this tier holds (called by the cache)."""
-        if getattr(self, "_cache", None) is not None and self._cache is not cache:
+        if self._port is not None and self._port is not port:
             raise ValueError("a HostTier serves one cache")
-        comps = {c.name: (i, c) for i, c in enumerate(cache._tree.components)}
+        if port.allocator is None or port.page_size != self.page_size:
+            raise ValueError("a host tier needs a device allocator with the same page_size")
+        comps = {c.name: (i, c) for i, c in enumerate(port.components)}
         unknown = set(self.stores) - set(comps)
         if unknown:
             raise ValueError(f"host stores {sorted(unknown)} name no component of the cache "
                              f"({sorted(comps)})")
-        self._cache = cache
+        self._port = port
         self._aux = [(*comps[name], st) for name, st in self.stores.items()]
+
+    def lookup(self, token_ids, m) -> int:
+        """The tokens below ``m``'s device prefix that only the host holds."""
+        return m.host_hit_length
+
+    def load(self, token_ids, m, *, session_id=None) -> bool:
+        """HiCache's load-back: :meth:`restore` of ``m.best_match_node``."""
+        return self.restore(m.best_match_node) is not None
+
+    def prefetch(self, token_ids, m, *, session_id=None) -> None:
+        return None
+
+    def on_insert(self, node, created: bool, adopted: bool) -> None:
+        if created and self.write_through:
+            self.copy_node(node)
+
+    def on_evict(self, node) -> None:
+        """Back ``node`` up before it leaves the device (FULL KV, then each component's data)."""
+        if node.host is None or self.stores:
+            self.copy_node(node)
+
+    def on_spill(self, spills) -> None:
+        pass
+
+    def as_dict(self) -> dict:
+        return {"write_policy": self.write_policy,
+                **{name: {"used": u, "size": n} for name, (u, n) in self.usage().items()}}
+
+    def close(self) -> None:
+        self.synchronize()
 
     def used(self) -> int:
         """Tokens with a host copy."""
-        return self._cache._tree.host_size
+        return self._port.tree.host_size
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """``{"full": (tokens with a host copy, host pool tokens), name: (rows used, rows)}``."""
-        t = self._cache._tree
+        t = self._port.tree
         out = {"full": (t.host_size, self.allocator.size)}
         for i, _, st in self._aux:
             out[st.name] = (t.aux_host_size[i], st.allocator.size)
@@ -140,11 +176,10 @@ class HostTier:
         """Copy what ``nd`` has on the device and not yet on the host to new host slots: its
         FULL KV, then each component's data (same-name transfer), evicting unlocked host copies
         when short. True when ``nd`` has its FULL host copy afterwards (False: no room)."""
-        t = self._cache._tree
+        t = self._port.tree
         if nd.host is None:
             if self.allocator.available_size() < len(nd.key):
-                t.evict_host(len(nd.key) - self.allocator.available_size())
-                self._cache._free_host()
+                self._port.make_room_host(len(nd.key) - self.allocator.available_size())
             host_slots = self.allocator.alloc(len(nd.key))
             if host_slots is None:
                 return False
@@ -165,12 +200,11 @@ class HostTier:
                 self._copy_aux(nd, i, c, st)
 
     def _copy_aux(self, nd, i: int, c, st: HostStore) -> bool:
-        t = self._cache._tree
+        t = self._port.tree
         v = nd.aux[i]
         n = c.size(v)
         if st.allocator.available_size() < n:
-            t.evict_host_aux(i, n - st.allocator.available_size())
-            self._cache._free_host()
+            self._port.make_room_host(n - st.allocator.available_size(), i)
         rows = st.allocator.alloc(n)
         if rows is None:
             return False
@@ -189,9 +223,9 @@ class HostTier:
         are not evicted) until the caller's ``cache.unlock``. Restore with ``cache.match`` +
         :meth:`restore` of its ``best_match_node``. ``freed == 0`` with ``node`` still on the
         device means nothing could move (the host is full)."""
-        c = self._cache
+        c = self._port
         _, node = c.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
-        t = c._tree
+        t = c.tree
         freed = 0
         nd = node
         while nd is not t.root and nd.lock_ref == 1 and nd.value is not None and nd.ndc == 0:
@@ -199,7 +233,7 @@ class HostTier:
                 break
             freed += t.drop_device(nd)
             nd = nd.parent
-        c._after()
+        c.settle()
         return node, freed
 
     def restore(self, node) -> torch.Tensor | None:
@@ -208,8 +242,8 @@ class HostTier:
         ``node.end`` that have it only on the host. Returns the device slots of the whole path,
         or None when the device has no room for the FULL KV (a component without room stays
         a tombstone there). Does not lock ``node``."""
-        c = self._cache
-        t = c._tree
+        c = self._port
+        t = c.tree
         if node.parent is None and node is not t.root:
             raise ValueError(f"restore({node}): the node is not in the tree")
         path = t.path(node)
@@ -220,8 +254,7 @@ class HostTier:
                 need = sum(len(nd.key) for nd in todo)
                 alloc = c.allocator
                 if alloc.available_size() < need:
-                    c._evict_device(need - alloc.available_size())
-                    c._free_device()
+                    c.make_room(need - alloc.available_size())
                 slots = alloc.alloc(need)
                 if slots is None:
                     return None
@@ -234,7 +267,7 @@ class HostTier:
                 self._restore_aux(path, i, comp, st)
         finally:
             t.lock(node, -1)
-            c._after()
+            c.settle()
         return concat_values([nd.value for nd in path])
 
     def _restore_aux(self, path: list, i: int, comp, st: HostStore) -> None:
@@ -242,7 +275,7 @@ class HostTier:
         tokens (device rows from the component's allocator, evicting unlocked device data)."""
         if not path:
             return
-        t, floor = self._cache._tree, path[-1].end - comp.lock_span
+        t, floor = self._port.tree, path[-1].end - comp.lock_span
         todo = []
         for nd in reversed(path):
             if nd.end <= floor:
@@ -255,8 +288,7 @@ class HostTier:
         sizes = [comp.size(nd.aux_host[i]) for nd in todo]
         alloc = comp.allocator
         if alloc.available_size() < sum(sizes):
-            t.evict_aux(i, sum(sizes) - alloc.available_size(), backup=self.copy_aux)
-            self._cache._free_aux()
+            self._port.make_room_aux(i, sum(sizes) - alloc.available_size())
         rows = alloc.alloc(sum(sizes))
         if rows is None:
             return
@@ -266,7 +298,7 @@ class HostTier:
             part = rows[off:off + n]
             off += n
             value = part.clone() if comp.per_token else int(part[0])
-            t._set_aux(nd, i, value)
+            t.set_aux(nd, i, value)
             comp.bind(nd, value)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""L3Tier: the shared store as the radix cache's third tier (the cache's collaborator, like HostTier).
+"""L3Tier: the shared store as the radix cache's third tier (a ``KVTier``, like HostTier).
 
 One more place a node's data can be, beside the device and the host, for every component of the
 cache. Values are named by the page hash chain (``core/page_hash.py``) under the store's key
@@ -55,10 +55,10 @@ from typing import Mapping
 
 import torch
 
-from tandem.cache.l3.payload import Payload
-from tandem.cache.l3.reach import FULL, Reach, Rule
-from tandem.cache.l3.staging import Jobs, Staging
-from tandem.cache.l3.store import L3Store
+from tandem.cache.tiers.l3.payload import Payload
+from tandem.cache.tiers.l3.reach import FULL, Reach, Rule
+from tandem.cache.tiers.l3.staging import Jobs, Staging
+from tandem.cache.tiers.l3.store import L3Store
 from tandem.core.page_hash import page_hashes
 
 WRITE_POLICIES = ("write_back", "write_through")
@@ -114,7 +114,7 @@ class Ask:
 
 
 class L3Tier:
-    """``store``: the client; ``kv_data``: the device pool's ``[L, 2, rows, H_kv, D]``;
+    """The L3 :class:`~tandem.cache.tiers.base.KVTier`. ``store``: the client; ``kv_data``: the device pool's ``[L, 2, rows, H_kv, D]``;
     ``aux_data``: each auxiliary component's device pool by name, as the host tier takes it
     (``{"swa": swa_pool.kv_data, "mamba": state_pool.data.unsqueeze(1)}``); ``staging_bytes``:
     the prefetch's staging bound (None: ``STAGING_REQUESTS`` x ``budget_pages`` FULL pages'
@@ -139,7 +139,7 @@ class L3Tier:
         self._full = Payload("", kv_data, page_size)
         self._aux_data = dict(aux_data or {})
         self._aux: list[tuple[int, object, Payload]] = []  # (component index, component, payload)
-        self._cache = None
+        self._port = None
         if staging_bytes is None:
             staging_bytes = STAGING_REQUESTS * budget_pages * self._full.nbytes
         self._staging = Staging(staging_bytes)
@@ -149,14 +149,16 @@ class L3Tier:
     def write_through(self) -> bool:
         return self.write_policy == "write_through"
 
-    def bind(self, cache) -> None:
-        """Attach to one cache (a friend: it reaches the cache's tree and allocators). Every
-        auxiliary component needs its device data in ``aux_data`` (ValueError otherwise)."""
-        if self._cache is not None and self._cache is not cache:
+    name = "l3"
+
+    def bind(self, port) -> None:
+        """Attach to one cache through its port. Every auxiliary component needs its device
+        data in ``aux_data`` (ValueError otherwise)."""
+        if self._port is not None and self._port is not port:
             raise ValueError("an L3Tier serves one cache")
-        if cache.allocator is None or cache.page_size != self.page_size:
+        if port.allocator is None or port.page_size != self.page_size:
             raise ValueError("the L3 tier needs a device allocator with its page_size")
-        names = [c.name for c in cache._aux]
+        names = [c.name for c in port.components]
         missing = [n for n in names if n not in self._aux_data]
         unknown = sorted(set(self._aux_data) - set(names))
         if missing or unknown:
@@ -164,9 +166,32 @@ class L3Tier:
                              f"({names}); missing {missing}, not components {unknown}")
         ps = self.page_size
         self._aux = [(i, c, Payload(c.name, self._aux_data[c.name], ps if c.per_token else 1))
-                     for i, c in enumerate(cache._aux)]
-        self._cache = cache
-        cache._tree.spills = []
+                     for i, c in enumerate(port.components)]
+        self._port = port
+        port.record_spills()
+
+    # -- the KVTier port -------------------------------------------------------------------------
+    def lookup(self, token_ids, m) -> int:
+        """Tokens past ``m``'s device prefix a :meth:`fetch` would ask the store about (0 when
+        it would not ask: a host part not restored, the store down, no whole page past it)."""
+        last = m.last_device_node
+        if last is None or m.best_match_node is not last or not self.store.up:
+            return 0
+        n_pages = min((len(token_ids) - m.prefix_len) // self.page_size, self.budget_pages)
+        return max(n_pages, 0) * self.page_size
+
+    def load(self, token_ids, m, *, session_id=None) -> bool:
+        return self.fetch(token_ids, m, session_id=session_id) > 0
+
+    def on_insert(self, node, created: bool, adopted: bool) -> None:
+        if self.write_through and (created or adopted):
+            self.write_node(node)
+
+    def on_evict(self, node) -> None:
+        pass            # what leaves the tree for good comes as spills
+
+    def on_spill(self, spills) -> None:
+        self.spill(spills)
 
     def as_dict(self) -> dict:
         """The tier's and the store client's counters (``/debug/kv``, ``/metrics``)."""
@@ -186,7 +211,7 @@ class L3Tier:
         """Write-through: queue ``nd``'s values that the store was not given recently: its FULL
         pages and, with components, each node's component data within the components' spans
         before ``nd``'s end (and the FULL pages of the new nodes above ``nd``)."""
-        t = self._cache._tree
+        t = self._port.tree
         if not self._aux:
             self._write(self._full, t.hashes(nd), nd.value)
             return
@@ -207,7 +232,7 @@ class L3Tier:
         """Write-back: queue the values of the tree's ``spills`` records ``(hashes, FULL slots
         or None, on_host, ((component index, value, on_host), ...))`` before the cache frees
         those slots and rows."""
-        host = self._cache.host
+        host = self._port.host
         if host is not None and any(on_host or any(a[2] for a in aux) for _, _, on_host, aux in spills):
             host.synchronize()              # host rows may still be landing (CUDA)
         by_index = {i: (c, pl) for i, c, pl in self._aux}
@@ -256,7 +281,7 @@ class L3Tier:
         if found is None:
             return 0
         key, last, path, ask = found
-        c, t = self._cache, self._cache._tree
+        c, t = self._port, self._port.tree
         self.stats.lookups += 1
         reach = self._reach(ask, self._exists(ask.refs))
         got = 0
@@ -266,7 +291,7 @@ class L3Tier:
                 got = self._read(key, ask, reach, path, m, t0, session_id)
             finally:
                 t.lock(last, -1)
-                c._after()
+                c.settle()
         self.stats.hit_pages += got
         self.stats.miss_pages += len(ask.hashes) - ask.s0 - got
         self.stats.prefetch_s += time.perf_counter() - t0
@@ -277,12 +302,12 @@ class L3Tier:
         ``m``'s device prefix (at most ``budget_pages``), or None when there is nothing to ask
         (a host part not restored, the store down, no whole page past the match). Reads the
         tree: engine thread only."""
-        c = self._cache
-        t, ps = c._tree, self.page_size
+        c = self._port
+        t, ps = c.tree, self.page_size
         last = m.last_device_node
         if last is None or m.best_match_node is not last or not self.store.up:
             return None
-        key = c._key(token_ids)
+        key = c.key(token_ids)
         start = m.prefix_len
         n_pages = min((len(key) - start) // ps, self.budget_pages)
         if n_pages <= 0:
@@ -341,8 +366,8 @@ class L3Tier:
               session_id) -> int:
         """Read the deepest accepted end's values (shrinking it on each miss), place them in new
         device slots and rows, insert. Returns the FULL pages added."""
-        c, ps, s0 = self._cache, self.page_size, reach.s0
-        if c.allocator.available_size() + c._tree.evictable < (reach.deepest() - s0) * ps:
+        c, ps, s0 = self._port, self.page_size, reach.s0
+        if c.allocator.available_size() + c.tree.evictable < (reach.deepest() - s0) * ps:
             return 0                        # no room even after evicting everything unlocked
         read = self._collect(reach, ask.hashes, t0, self._take)
         e = reach.deepest()
@@ -397,12 +422,11 @@ class L3Tier:
         """Device slots for FULL pages ``[s0, e)`` and rows for the components' values, filled
         from ``read`` and inserted with the component data (``extra``). 0 when there is no room
         (everything taken is given back)."""
-        c, t, ps, s0 = self._cache, self._cache._tree, self.page_size, reach.s0
+        c, ps, s0 = self._port, self.page_size, reach.s0
         alloc = c.allocator
         need = (e - s0) * ps
         if alloc.available_size() < need:
-            c._evict_device(need - alloc.available_size())
-            c._free_device()
+            c.make_room(need - alloc.available_size())
         slots = alloc.alloc(need)
         if slots is None:
             return 0
@@ -437,7 +461,7 @@ class L3Tier:
         self.stats.aux_hits += len(refs)
         self._remember_refs([("", h) for h in hashes[s0:e]] + refs)  # write-through skips them
         value = torch.cat([m.device_indices, slots])
-        cached, _, _ = c._insert(key[:e * ps], value, extra or None, session_id, 0)
+        cached = c.insert_loaded(key[:e * ps], value, extra or None, session_id)
         if cached > m.prefix_len:           # device nodes the vote had not accepted: ours are duplicates
             alloc.free(value[m.prefix_len:cached])
         return e - s0
@@ -447,11 +471,9 @@ class L3Tier:
         an empty tensor for ``n == 0``), or None."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        c, alloc = self._cache, comp.allocator
+        alloc = comp.allocator
         if alloc.available_size() < n:
-            backup = c.host.copy_aux if c.host is not None else None
-            c._tree.evict_aux(i, n - alloc.available_size(), backup=backup)
-            c._free_aux()
+            self._port.make_room_aux(i, n - alloc.available_size())
         return alloc.alloc(n)
 
     # -- prefetch --------------------------------------------------------------------------------

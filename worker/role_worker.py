@@ -2,10 +2,14 @@
 
 Each owns an :class:`~tandem.engine.engine.Engine` reached only through its role's handle
 (``PrefillHandle`` / ``DecodeHandle``, subclasses of :class:`EngineHandle`), a NIXL
-:class:`KVTransferAgent` over the engine's pools (engine/kv_regions.py: ``"kv"``, and for hybrid
+:class:`KVTransferAgent` over the engine's pools (worker/kv_regions.py: ``"kv"``, and for hybrid
 models ``"swa"`` and ``"state"``), the live KV handoffs by request (transfer/handoff.py), its own
 Prometheus registry, and plain counters. Methods run on one asyncio loop
-(the agent is not thread-safe). The Ray shells (``*/actor.py``) share :class:`RoleActorMixin`.
+(the agent is not thread-safe). The Ray shells (``*/actor.py``) share worker/actor.py.
+
+Set-up, for either role: :func:`role_engine` builds the engine (and its KV-event publisher) a
+worker runs when it is not handed one; :func:`attach_tier` adds a tier the cluster configures
+(the shared L3 store) to its cache, through the tier factory (cache/tiers/factory.py).
 
 Bootstrap: ``handshake()`` returns this worker's :class:`Handshake` bytes; ``add_peer(bytes)``
 loads a peer's (a peer already known is kept as it is: several routers may pair the same two
@@ -21,20 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tandem.cache.tiers.factory import build_tier
+from tandem.core.config import EngineConfig
 from tandem.engine.gie_metrics import register_gie_metrics
 from tandem.engine.handle import EngineHandle
-from tandem.engine.kv_regions import KV, kv_regions
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import Handshake, KVTransferRequest
 from tandem.transfer.state import TransferState
+from tandem.worker.kv_regions import KV, kv_regions
 
 REGION = KV
 IN_FLIGHT_LIMIT = 10          # give up waiting for a stuck write after this many transfer timeouts
@@ -63,6 +68,36 @@ def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
 
     return KVEventPublisher(f"tcp://{host}:0", topic=topic_for(name, os.path.basename(model)),
                             replay_endpoint=f"tcp://{host}:0")
+
+
+def role_engine(name: str, role: str, connector, config: EngineConfig | None, *, loaded=None,
+                kv_events: bool = False, kv_events_host: str = "127.0.0.1"):
+    """``(engine, kv publisher or None)``: a new engine of ``role`` whose scheduler runs
+    ``connector``; with ``kv_events``, its cache publishes KV events (:func:`kv_publisher`)."""
+    from tandem.engine.engine import Engine
+
+    publisher = None
+    if kv_events:
+        publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
+    engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=publisher, role=role,
+                    name=name, connector=connector)
+    return engine, publisher
+
+
+def attach_tier(engine, name: str, options: dict | None):
+    """Add tier ``name`` built from ``options`` (cache/tiers/factory.py) to ``engine``'s cache;
+    the tier, or None (``options`` None, a cache that keeps nothing, or a tier that could not
+    start: logged, the worker serves without it)."""
+    if not options:
+        return None
+    cache = engine.kv.cache
+    if not hasattr(cache, "add_tier"):
+        log.info("%s tier off: the prefix cache is disabled", name)
+        return None
+    tier = build_tier(name, engine.tier_site(), options)
+    if tier is not None:
+        cache.add_tier(tier)
+    return tier
 
 
 class RoleWorker:
@@ -160,7 +195,7 @@ class RoleWorker:
             verdict = "ok"
         except AssertionError as e:
             verdict = str(e)[:4000]
-        l3 = getattr(self.engine.kv.cache, "l3", None)    # the shared L3 tier's counters, if any
+        l3 = self.engine.kv.cache.tier("l3")    # the shared L3 tier's counters, if any
         return {"worker": self.name, "role": self.role, **snap.as_dict(),
                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
                 "l3": l3.as_dict() if l3 is not None else None,
@@ -181,64 +216,3 @@ class RoleWorker:
             self.engine.shutdown()
         finally:
             self.agent.close()
-
-
-class RoleActorMixin:
-    """The thin methods every worker's Ray actor has (``self.worker`` is a RoleWorker)."""
-
-    def info(self) -> dict:
-        w, e = self.worker, self.worker.engine
-        pub = getattr(w, "kv_publisher", None)
-        return {"name": w.name, "role": w.role, "model_name": e.model_name,
-                "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
-                "page_size": w.page_size, "device": str(e.device),
-                "regions": sorted(w.regions), "peers": sorted(w.agent.peers),
-                "kv_events": pub.endpoint if pub is not None else None,
-                "kv_replay": pub.replay_endpoint if pub is not None else None,
-                "draining": w.draining, "pid": os.getpid(), **self._extra_info()}
-
-    def _extra_info(self) -> dict:
-        return {}
-
-    def handshake(self) -> bytes:
-        return self.worker.handshake()
-
-    async def abort(self, rid: str, reason: str = "") -> bool:
-        return await self.worker.abort(rid, reason)
-
-    async def stats(self) -> dict:
-        return await self.worker.stats()
-
-    async def debug_kv(self) -> dict:
-        return await self.worker.debug_kv()
-
-    def drain(self) -> bool:
-        """Take no new requests (every router reads ``draining`` from ``stats()``); True."""
-        self.worker.draining = True
-        return True
-
-    def undrain(self) -> bool:
-        """Back in rotation after a drain that did not stop it; True."""
-        self.worker.draining = False
-        return True
-
-    async def ping(self) -> str:
-        self.worker.check_alive()   # a crashed engine thread counts as a dead worker
-        return self.worker.name
-
-    async def progress(self, router: str | None = None) -> float:
-        """The supervisor's heartbeat (answered on the actor's loop, not the engine thread, so a
-        long step does not delay it): seconds the engine has been in its current step (0 between
-        steps); raises like :meth:`ping` when the engine thread died. ``router``: the caller's id
-        (a decode worker renews its lease, decode/leases.py)."""
-        self.worker.check_alive()
-        return self.worker.engine.step_age()
-
-    def metrics_text(self) -> bytes:
-        # imported here: Ray pickles the actor class by value, and a registry holds locks
-        from prometheus_client import REGISTRY, generate_latest
-
-        return self.worker.metrics_text() + generate_latest(REGISTRY)
-
-    def shutdown(self) -> None:
-        self.worker.close()

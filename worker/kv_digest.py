@@ -8,7 +8,7 @@ docs/PERFORMANCE.md, bench/kv_digest.py); on a GPU the rows are gathered and cop
 writes; decode digests its destination pages once the write is done and refuses to decode on a
 mismatch (SGLang and vLLM added the same check after silent-corruption reports).
 
-Hybrid models move several regions (engine/kv_regions.py): :func:`regions_digest` hashes each
+Hybrid models move several regions (worker/kv_regions.py): :func:`regions_digest` hashes each
 region's rows (page rows along the region's row axis) in the transfer's region order; with only
 ``kv`` it equals :func:`page_digest`.
 """
@@ -64,7 +64,7 @@ def page_digest(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> 
 
 def regions_digest(regions: Mapping, named_pages: Sequence[tuple[str, Sequence[int]]]) -> str:
     """Hex digest of several regions' pages: ``named_pages`` is ``[(region, pages)]`` in the
-    transfer's order; ``regions`` maps a name to its ``RegionSpec`` (engine/kv_regions.py)."""
+    transfer's order; ``regions`` maps a name to its ``RegionSpec`` (worker/kv_regions.py)."""
     h = hashlib.blake2b(digest_size=16)
     for name, pages in named_pages:
         spec = regions[name]

@@ -7,7 +7,7 @@ blake2b digest of its payload; a page whose digest does not match is a miss, cou
 ``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
 timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
 timeout, not one per call. Reads come from the worker loop and from the L3 tier's prefetch thread
-(cache/l3/tier.py); the store calls of both run on one private thread, in order, so that a call
+(cache/tiers/l3/tier.py); the store calls of both run on one private thread, in order, so that a call
 can be abandoned at its deadline (that thread is swapped under a lock; the counters are plain
 ints, exact for one caller, best-effort for two). ``put_async`` queues writes
 for a second private (daemon) thread and returns at once: at most ``max_pending`` writes wait,
