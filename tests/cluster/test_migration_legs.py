@@ -1,5 +1,6 @@
 """cluster/migration.py and cluster/legs.py on stand-ins for the pool, the dispatcher and the
-decode actors (no Ray): which leg comes next, each move's phases, and the metric it counts (tandem_decode_migrations_total)."""
+decode actors (no Ray): which leg comes next, each move's phases, and what it adds to
+tandem_decode_migrations_total."""
 
 from __future__ import annotations
 
