@@ -51,6 +51,14 @@ def _cluster(cfg: MigrationConfig | None = None):
     return m, s, t, calls
 
 
+def _streaming(rid: str, first=(5,)):
+    """A cluster and ``rid``'s legs on decode-0, with ``first`` streamed to its client."""
+    m, s, t, calls = _cluster()
+    legs = m.open(_req(rid), "route", s, None)
+    legs.add(_chunk(rid, first))
+    return m, s, t, calls, legs
+
+
 def _req(rid: str) -> GenerateRequest:
     return GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=8))
 
@@ -65,9 +73,7 @@ def _count(reason: str, outcome: str) -> float:
 
 def test_a_move_freezes_continues_on_the_target_and_is_done_when_the_target_streams():
     async def run():
-        m, s, t, calls = _cluster()
-        legs = m.open(_req("r1"), "route", s, None)
-        legs.add(_chunk("r1", (5, 6)))
+        m, s, t, calls, legs = _streaming("r1", (5, 6))
         ok0 = _count("admin", "ok")
         assert await m.migrate("r1") == t.name and m.moves["r1"].phase is Phase.FROZEN
         assert ("freeze", s.name, "r1") in calls
@@ -86,9 +92,7 @@ def test_a_move_freezes_continues_on_the_target_and_is_done_when_the_target_stre
 
 def test_a_target_that_fails_first_falls_back_to_the_source_and_counts_a_failure():
     async def run():
-        m, s, t, calls = _cluster()
-        legs = m.open(_req("r2"), "route", s, None)
-        legs.add(_chunk("r2", (5,)))
+        m, s, t, calls, legs = _streaming("r2")
         failed0 = _count("drain", "failed")
         await m.migrate("r2", reason=MoveReason.DRAIN)
         await legs.next_leg(_chunk("r2", (), "migrated"))
@@ -138,9 +142,7 @@ def test_a_request_that_is_not_decoding_is_refused_and_counts_nothing():
 
 def test_a_stuck_source_resumes_on_a_peer_which_recomputes():
     async def run():
-        m, s, t, calls = _cluster()
-        legs = m.open(_req("r5"), "route", s, None)
-        legs.add(_chunk("r5", (5,)))
+        m, s, t, calls, legs = _streaming("r5")
         assert legs.prestop() and legs.worker is t
         assert calls[-1] == ("generate", t.name, None, True) and m.moves["r5"].reason is MoveReason.PRESTOP
         assert legs.target_died() is None                 # nothing frozen to fall back to
