@@ -15,8 +15,9 @@ reason, a planner (in :data:`PERIODIC` when it runs on the policy's clock) and a
 - :func:`plan_drain` (**drain**): every request on a worker that is not moving already.
 - :func:`plan_forced` (**forced**, the ``debug_migrate_every`` lever): a request that streamed that
   many tokens on one worker.
-- **prestop** (a stuck source: cluster/backend.py's stall watch) and **admin** (POST
-  /admin/migrate) name their request directly: ``MoveRequest(rid, source, None, reason)``.
+- **prestop** (a stuck source: cluster/backend.py's stall watch, ``Migrator.prestop``) and
+  **admin** (POST /admin/migrate, ``Migrator.migrate``) plan nothing: the request and the reason
+  come with the call.
 
 No I/O, no clock.
 """
