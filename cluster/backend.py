@@ -38,12 +38,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from tandem.cluster.migration import Migrator, resume_of
+from tandem.cluster.migration import Migrator
 from tandem.cluster.observe import ClusterObservability
 from tandem.cluster.supervisor import Supervisor
 from tandem.cluster.workers import WorkerPool, WorkerRef
 from tandem.core.config import ServeConfig
-from tandem.core.messages import GenerateRequest, Resume
+from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk
 from tandem.router import metrics as rm
 from tandem.router.deferred import DeferredDispatch
@@ -191,9 +191,9 @@ class RayClusterBackend(ClusterObservability):
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, retry: bool,
                        redispatch: bool = False) -> AsyncIterator[StreamChunk]:
-        """Stream ``req`` from decode worker ``d``, and from each worker it migrates to (the legs
-        spliced: cluster/migration.py). With ``retry``, a worker found dead before anything
-        reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
+        """Stream ``req`` from decode worker ``d``, and from each worker it migrates to (its legs,
+        spliced: cluster/legs.py gives the next one). With ``retry``, a worker found dead before
+        anything reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
         ``generate`` to re-route without that worker). A worker that stops making progress
         (:meth:`_next_or_stall`): with text streamed, the request resumes on a decode peer (its
         KV recomputed there: "prestop"); with nothing streamed and ``redispatch``, it raises
@@ -201,40 +201,25 @@ class RayClusterBackend(ClusterObservability):
         import ray
 
         p = self.pool.get(r.prefill)
-        gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), p.name if p else None,
-                                                                        self.router_id)
-        self._inflight[req.rid] = d
+        legs = self.migrator.open(req, r, d, p.name if p else None)
         self._streamed[req.rid] = (0, time.monotonic())
-        self.migrator.live[req.rid] = (req, r)
-        finished, first, rerouted = False, True, False
-        ids, chars, cached = [], 0, 0      # what the client has
-        self.migrator.generated[req.rid] = ids   # grown in place: a pre-copy takes the generated pages
-        source = None                      # the worker a migration left, until the new leg streams
-        last_token_at = time.monotonic()   # the client-visible stop of a migration
-        every, leg_tokens = self.migrator.cfg.debug_migrate_every, 0
-        err, prestop = "", False          # prestop: resumed off a stuck worker, not streaming yet
+        finished, first, rerouted, err = False, True, False, ""
         try:
             try:
                 while True:
                     try:
-                        c = await self._next_or_stall(gen, req.rid, d, p if first else None)
+                        c = await self._next_or_stall(legs.gen, req.rid, legs.worker, p if first else None)
                     except ray.exceptions.RayActorError:
-                        if source is None or source is d or not source.alive:
+                        c = legs.target_died()   # mid-migration: an empty abort, for next_leg
+                        if c is None:
                             raise
-                        self.supervisor.mark_dead(d, "died during a migration")   # the target
-                        c = StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids),
-                                        error=f"decode worker {d.name} died during a migration")
                     except _Stalled as e:
-                        self._leave_stuck(req.rid, d, gen)
-                        if e.what == "decode" and ids:   # text streamed: resume it on a peer
-                            moved = self.migrator.prestop(req, r, d, Resume(tuple(ids), chars, cached))
-                            if moved is not None:
-                                log.warning("%s; %s resumes on %s", e, req.rid, moved[1].name)
-                                rm.STALL_REDISPATCHES.labels(e.what, "resume").inc()
-                                gen, d = moved
-                                prestop = True
-                                continue
-                        if not ids and redispatch:
+                        self._leave_stuck(req.rid, legs.worker, legs.gen)
+                        if e.what == "decode" and legs.ids and legs.prestop():   # text streamed: a peer
+                            log.warning("%s; %s resumes on %s", e, req.rid, legs.worker.name)
+                            rm.STALL_REDISPATCHES.labels(e.what, "resume").inc()
+                            continue
+                        if not legs.ids and redispatch:
                             finished = rerouted = True   # the caller re-dispatches from the prompt
                             raise
                         rm.STALL_REDISPATCHES.labels(e.what, "failed").inc()
@@ -242,34 +227,11 @@ class RayClusterBackend(ClusterObservability):
                         break
                     if c is None:
                         break
-                    if c.finish_reason == "migrated":     # this leg ended: the request moved
-                        source, leg_tokens = d, 0
-                        gen, d = await self.migrator.next_leg(req, r, d, resume_of(ids, chars, c))
+                    if await legs.next_leg(c):   # the leg ended: the request moved, or falls back
                         continue
-                    if source is not None and source is not d and c.finish_reason == "abort" and not c.token_ids:
-                        sent = resume_of(ids, chars, c)
-                        if source.alive:    # the target failed before streaming: back to the source
-                            log.warning("%s failed on %s after a migration (%s); back to %s",
-                                        req.rid, d.name, c.error, source.name)
-                            gen, d = await self.migrator.fall_back(req, r, source, sent)
-                        else:               # the source died mid-copy: the target recomputes
-                            log.warning("%s: the source %s died mid-migration; %s recomputes",
-                                        req.rid, source.name, d.name)
-                            gen, d = self.migrator.recompute(req, r, d, sent)
-                        self.migrator.finish(req.rid, "failed")
-                        source = None
-                        continue
-                    if c.token_ids or c.finish_reason is not None:
-                        now = time.monotonic()
-                        if source is not None or prestop:   # the new leg streams: the move is done
-                            ok = bool(c.token_ids) or not c.error
-                            self.migrator.finish(req.rid, "ok" if ok else "failed", now - last_token_at)
-                        last_token_at, source, prestop = now, None, False
-                    ids += c.token_ids
-                    chars += len(c.text)
+                    legs.add(c)
                     if c.token_ids:
-                        self._streamed[req.rid] = (len(ids), last_token_at)
-                    cached = c.cached_tokens or cached
+                        self._streamed[req.rid] = (len(legs.ids), legs.last_token_at)
                     finished, lead = c.finish_reason is not None, first
                     if first:
                         self.dispatch.prefill_done(r)      # past its first token: prefill is done
@@ -284,45 +246,37 @@ class RayClusterBackend(ClusterObservability):
                             rerouted = True   # nothing reached the client: route again without it
                             raise _DiedBeforeServing(p)
                     if finished:
-                        c = dataclasses.replace(c, worker=d.name)
+                        c = dataclasses.replace(c, worker=legs.worker.name)
                     yield c
                     if finished:
                         return
-                    leg_tokens += len(c.token_ids)
-                    if every and leg_tokens >= every and req.rid not in self.migrator.moves:
-                        leg_tokens = 0   # the chaos lever: move it now, without holding the stream
-                        self._spawn(self.migrator.force(req.rid))
+                    mv = legs.planned(c)
+                    if mv is not None:   # the chaos lever: move it now, without holding the stream
+                        self._spawn(self.migrator.try_move(mv))
                 if not err:
-                    err = f"decode worker {d.name} ended the stream without a finish reason"
+                    err = f"decode worker {legs.worker.name} ended the stream without a finish reason"
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if first and isinstance(cause, InvalidRequest):
                     raise cause from None
-                err = f"decode worker {d.name} failed: {type(cause or e).__name__}: {str(cause or e)[:300]}"
+                err = f"decode worker {legs.worker.name} failed: {type(cause or e).__name__}: {str(cause or e)[:300]}"
             except ray.exceptions.RayActorError as e:
-                self.supervisor.mark_dead(d, f"died: {type(e).__name__}")
+                self.supervisor.mark_dead(legs.worker, f"died: {type(e).__name__}")
                 if first and retry:
                     finished = rerouted = True   # nothing to abort: the caller re-routes
-                    raise _DiedBeforeServing(d) from None
-                err = f"decode worker {d.name} died during the request"
+                    raise _DiedBeforeServing(legs.worker) from None
+                err = f"decode worker {legs.worker.name} died during the request"
             finished = True
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
-            self._inflight.pop(req.rid, None)
             self._streamed.pop(req.rid, None)
-            self.migrator.live.pop(req.rid, None)
-            self.migrator.generated.pop(req.rid, None)
-            m = self.migrator.moves.get(req.rid)
-            if m is not None and m.phase != "precopy":   # gone mid-move: free the source's held KV too
-                if m.source.alive:
-                    m.source.handle.release_frozen.remote(req.rid)
-                self.migrator.finish(req.rid, "aborted")
+            legs.close()   # gone mid-move: the source's held KV is freed too
             if not rerouted:
                 self.dispatch.release(r)
             if not finished:  # the caller went away: stop the request on its decode worker
-                d.handle.abort.remote(req.rid, "client went away")
+                legs.worker.handle.abort.remote(req.rid, "client went away")
                 try:
-                    ray.cancel(gen)
+                    ray.cancel(legs.gen)
                 except Exception:  # already finished or the worker is gone
                     pass
 

@@ -1,46 +1,15 @@
 """Live migration in the cluster: a running request moves from one decode worker to another.
 
-The router's side; the workers' is decode/worker.py (``freeze``, ``migrate_out``, a resumed
-``generate``). :class:`Migrator` (one per backend, on the router's event loop), one
-:class:`Move` per request in flight (GET /debug/kv lists them):
+The router's side (the workers' is decode/migration.py). :class:`Migrator` (one per backend, on the
+router's event loop) carries out the :class:`MoveRequest` values router/rebalance.py's planners
+return and owns every :class:`Migration` in flight (cluster/moves.py: one object, one
+:class:`Phase`; GET /debug/kv lists them) and every request's :class:`Legs` (cluster/legs.py: the
+stream loop of cluster/backend.py asks them for the next leg). cluster/README.md tells the trail.
 
-    migrate(rid, to, reason)  the target: ``to``, else the live, non-draining decode worker with
-                           the fewest KV tokens that is not the request's. Pre-copy (``precopy``):
-                           while the source keeps decoding, the target takes the request's KV into
-                           its own cache: a one-token warm request (``{rid}~precopy``: greedy, no
-                           grammar, never streamed to a client nor routed) of the prompt plus the
-                           tokens generated so far (``precopy_generated``; cut to whole pages, the
-                           cache shares nothing less) through the prefill worker that holds the
-                           prompt (it computes only the generated part, then hands the pages to
-                           the target as any prefill does), or computed on the target where there
-                           is none. A second round (``{rid}~precopy2``) when the source generated
-                           ``precopy_again_pages`` more whole pages meanwhile. Then the stop: the
-                           request is frozen on its worker (its stream there ends "migrated", its
-                           KV held)
-    next_leg(...)          the backend's stream loop met "migrated": the request continues on the
-                           target, resumed from the tokens and text the client already has; the
-                           target matches its own cache first (the pre-copied pages) and copies
-                           over NIXL only the KV it lacks, from the source (the tail generated
-                           since the last round)
-    fall_back(...)         the target failed or died before its first chunk: the source resumes
-                           it (its KV went to the source's cache: a full prefix hit)
-    recompute(...)         the source died mid-copy: the target recomputes what it lacks
-    prestop(...)           the source stopped making progress (cluster/supervisor.py's deadline):
-                           the request resumes on a peer, which recomputes its KV
-    finish(rid, outcome)   the move ended: ok | failed | aborted (the metric's labels)
-    drain(name)            no new requests for the worker; every live request on it migrates
-                           away; with ``stop``, it is then stopped and relaunched (a rolling
-                           restart), else it stays out of rotation (retiring: not relaunched)
-                           until ``undrain(name)``
-    rebalance(cfg)         the ``balance`` policy: every ``cfg.period_s`` one move that
-                           router/rebalance.py plans (pressure or rebalance)
-
-Fail closed: until the stop, a failed pre-copy leaves the request where it is (a pre-copy round
-that fails or outlasts ``precopy_timeout_s``, all rounds together, only leaves more for the stop
-to copy; what it did compute stays in the target's cache, evictable); after it, the
-request continues on the target, on the source, or recomputed, and a client that went away
-frees both sides. The client's stream never sees "migrated": the legs are spliced, so no token
-is repeated or missing (the resumed request starts after what was streamed).
+Fail closed: until the stop, a failed pre-copy leaves the request where it is (REFUSED, or
+FAILED when the target died); after it, the request continues on the target, on the source
+(FELL_BACK), or recomputed (RECOMPUTED), and a client that went away frees both sides (ABORTED).
+The client's stream never sees "migrated": the legs are spliced, so no token is repeated or missing.
 """
 
 from __future__ import annotations
@@ -50,56 +19,63 @@ import dataclasses
 import logging
 import time
 
+from tandem.cluster.legs import Legs
+from tandem.cluster.moves import Migration, Phase, OUTCOME
 from tandem.cluster.workers import DECODE, WorkerPool, WorkerRef
 from tandem.core.config import MigrationConfig
 from tandem.core.messages import GenerateRequest, Resume
 from tandem.core.types import SamplingParams, StreamChunk
 from tandem.router import metrics as rm
 from tandem.router.dispatch import Dispatcher, Route
-from tandem.router.rebalance import plan_moves
+from tandem.router.rebalance import PERIODIC, MoveReason, MoveRequest, plan_drain
 
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
 
 
-@dataclasses.dataclass
-class Move:
-    """One request on its way from ``source`` to ``target``. ``phase``: precopy (the source still
-    decodes), frozen (its stream there ended), copying (the new leg started)."""
-
-    rid: str
-    source: WorkerRef
-    target: WorkerRef
-    reason: str
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    phase: str = "precopy"
-    precopied: int = 0       # tokens (prompt, then generated) the target took into its cache before the stop
-
-    def view(self) -> dict:
-        return {"rid": self.rid, "from": self.source.name, "to": self.target.name, "reason": self.reason,
-                "phase": self.phase, "precopied_tokens": self.precopied,
-                "age_s": round(time.monotonic() - self.started, 3)}
-
-
 class Migrator:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, inflight: dict[str, WorkerRef],
                  supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None,
                  page_size: int = 16):
-        """``router_id``: named on every leg it starts (the workers' lease on this router);
-        ``page_size``: the workers' KV page (a pre-copy takes whole pages)."""
+        """``inflight``: the backend's rid -> decode worker (kept true across legs); ``router_id``:
+        named on every leg it starts (the workers' lease on this router); ``page_size``: the
+        workers' KV page (a pre-copy takes whole pages)."""
         self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
         self.router_id = router_id
         self.page_size = page_size
         self.cfg = cfg or MigrationConfig()
-        self.moves: dict[str, Move] = {}
-        self.live: dict[str, tuple[GenerateRequest, Route]] = {}   # rid -> (request, route): the backend's
-        self.generated: dict[str, list[int]] = {}   # rid -> the token ids its client has (the backend's list)
+        self.moves: dict[str, Migration] = {}
+        self.streams: dict[str, Legs] = {}   # rid -> its legs, while the backend streams it
         # precopies: moves with a pre-copy that landed; precopy_rounds: rounds that landed;
-        # precopied_tokens: their tokens (the last landed round's, per move)
+        # precopied_tokens: their tokens (the last landed round's, per move); per reason: moves started
         self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0,
                        "precopies": 0, "precopy_rounds": 0, "precopied_tokens": 0,
-                       "pressure": 0, "rebalance": 0, "prestop": 0}
+                       **{r.value: 0 for r in MoveReason}}
+
+    @property
+    def live(self) -> dict[str, tuple[GenerateRequest, Route]]:
+        """rid -> (request, route) of every request the backend streams."""
+        return {rid: (s.req, s.route) for rid, s in list(self.streams.items())}
+
+    def open(self, req: GenerateRequest, r: Route, d: WorkerRef, prefill: str | None) -> Legs:
+        """Start ``req``'s first leg on decode worker ``d`` (``prefill``: its prefill worker's name)."""
+        gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), prefill, self.router_id)
+        self._inflight[req.rid] = d
+        legs = self.streams[req.rid] = Legs(self, req, r, d, gen)
+        return legs
+
+    def close(self, legs: Legs) -> None:
+        """``legs``' request ended: a move it was in the middle of frees the source's held KV (ABORTED)."""
+        rid = legs.req.rid
+        self._inflight.pop(rid, None)
+        if self.streams.get(rid) is legs:
+            del self.streams[rid]
+        m = self.moves.get(rid)
+        if m is not None and m.phase in (Phase.FROZEN, Phase.COPYING):
+            if m.source.alive:
+                m.source.handle.release_frozen.remote(rid)
+            self.end(m, Phase.ABORTED)
 
     def target(self, exclude: set[int]) -> WorkerRef | None:
         """The live, non-draining decode worker with the fewest KV tokens, not in ``exclude``."""
@@ -110,10 +86,26 @@ class Migrator:
             return None
         return self.pool.get(min(live, key=lambda v: (v.running_tokens, v.in_flight)).worker_id)
 
-    async def migrate(self, rid: str, to: str | None = None, reason: str = "admin") -> str:
+    async def move(self, mv: MoveRequest) -> str:
+        """Carry out a planner's ``mv`` (:meth:`migrate` to its target, else the best one)."""
+        t = self.pool.get(mv.target) if mv.target is not None else None
+        return await self.migrate(mv.rid, t.name if t is not None else None, reason=mv.reason)
+
+    async def try_move(self, mv: MoveRequest) -> bool:
+        """:meth:`move`, a refusal logged instead of raised; whether it moved."""
+        try:
+            await self.move(mv)
+        except (LookupError, ValueError) as e:   # not decoding yet, or it just ended
+            log.info("%s move of %s refused: %s", mv.reason.value, mv.rid, e)
+            return False
+        return True
+
+    async def migrate(self, rid: str, to: str | None = None, reason: MoveReason = MoveReason.ADMIN) -> str:
         """Move ``rid`` to ``to`` (a decode worker's name) or the best target; returns its name.
-        LookupError: no such request or no target; ValueError: it is not decoding, already
-        moving, or the target failed during the pre-copy (nothing moved: it decodes on)."""
+        Pre-copy (``cfg.precopy``), then freeze it on its worker (its leg there ends "migrated";
+        :meth:`next_leg` continues it). LookupError: no such request or no target; ValueError: it
+        is not decoding, already moving, or the target failed during the pre-copy (nothing
+        moved: it decodes on)."""
         d = self._inflight.get(rid)
         if d is None:
             raise LookupError(f"no request {rid} in flight on this router")
@@ -122,7 +114,7 @@ class Migrator:
         t = self.pool.named(to) if to else self.target({d.wid})
         if t is None or t.role != DECODE or not t.alive or t.wid == d.wid:
             raise LookupError(f"no decode worker to move {rid} to" + (f" (asked for {to!r})" if to else ""))
-        m = self.moves[rid] = Move(rid, d, t, reason)
+        m = self.moves[rid] = Migration(rid, d, t, MoveReason(reason))
         try:
             if self.cfg.precopy:
                 await self._precopy(m)
@@ -135,33 +127,36 @@ class Migrator:
             if isinstance(e, ray.exceptions.RayActorError):   # the target died during the pre-copy
                 if self.supervisor is not None:
                     self.supervisor.mark_dead(t, "died during a migration's pre-copy")
-                self.finish(rid, "failed")
+                self.end(m, Phase.FAILED)
                 raise ValueError(f"decode worker {t.name} died during the pre-copy of {rid}; "
                                  f"it decodes on {d.name}") from None
-            self.moves.pop(rid, None)
+            self.end(m, Phase.REFUSED)
             self.counts["refused"] += 1
             cause = getattr(e, "cause", e)
             raise (cause if isinstance(cause, (ValueError, LookupError)) else ValueError(str(cause)[:300])) from None
-        m.phase = "frozen"
+        if m.phase is Phase.PRECOPY:   # (its stream may have met "migrated" first)
+            m.to(Phase.FROZEN)
         self.counts["migrations"] += 1
+        self.counts[m.reason.value] += 1
         return t.name
 
-    async def _precopy(self, m: Move) -> None:
+    async def _precopy(self, m: Migration) -> None:
         """The request's KV into the target's cache while the source keeps decoding (see the
         module's docstring): round 1 takes :meth:`warm_ids` now; round 2 the same again if the
         source generated ``precopy_again_pages`` more whole pages meanwhile. All rounds within
         ``precopy_timeout_s``; a round that fails or times out ends the pre-copy and only makes the
         stop copy more (RayActorError: the target died, and the move is given up)."""
-        req, r = self.live.get(m.rid, (None, None))
-        if req is None:
+        s = self.streams.get(m.rid)
+        if s is None:
             return
+        req, r = s.req, s.route
         end = time.monotonic() + self.cfg.precopy_timeout_s
-        ids = self.warm_ids(req.prompt_ids, self.generated.get(m.rid, ()))
+        ids = self.warm_ids(req.prompt_ids, s.ids)
         if len(ids) < self.cfg.precopy_min_tokens or not await self._warm(m, req, r, ids, "precopy", end):
             return
         if not self.cfg.precopy_generated or not self.cfg.precopy_again_pages:
             return
-        again = self.warm_ids(req.prompt_ids, self.generated.get(m.rid, ()))
+        again = self.warm_ids(req.prompt_ids, s.ids)
         if len(again) - len(ids) >= self.cfg.precopy_again_pages * self.page_size:
             await self._warm(m, req, r, again, "precopy2", end)
 
@@ -173,7 +168,7 @@ class Migrator:
             return tuple(prompt)
         return tuple(prompt) + tuple(out[:n - len(prompt)])
 
-    async def _warm(self, m: Move, req: GenerateRequest, r: Route, ids: tuple[int, ...], tag: str,
+    async def _warm(self, m: Migration, req: GenerateRequest, r: Route, ids: tuple[int, ...], tag: str,
                     end: float) -> bool:
         """One pre-copy round: a one-token request of ``ids`` on the target (``{rid}~{tag}``: greedy,
         no grammar or seed, the request's session for its cache's eviction order), through the
@@ -215,58 +210,78 @@ class Migrator:
         m.precopied = len(ids)
         return True
 
-    async def next_leg(self, req: GenerateRequest, r: Route, source: WorkerRef, sent: Resume):
-        """The request's stream on its new worker (resumed after ``sent``), and that worker."""
-        m = self.moves.get(req.rid)
-        if m is None:   # frozen by another router's move: the best peer
-            m = self.moves[req.rid] = Move(req.rid, source, source, "admin")
+    async def next_leg(self, legs: Legs, sent: Resume):
+        """``legs``' leg ended "migrated": (the stream of its next leg, resumed after ``sent``,
+        and that worker). The move's target, else the best peer, else the source itself."""
+        rid, source = legs.req.rid, legs.worker
+        m = self.moves.get(rid)
+        if m is None or m.phase is Phase.COPYING:   # frozen by another router's move: the best peer
+            if m is not None:
+                self.end(m, Phase.FAILED, record=False)
+            m = self.moves[rid] = Migration(rid, source, source, MoveReason.ADMIN, Phase.FROZEN)
+        elif m.phase is Phase.PRECOPY:   # before migrate() saw its freeze answered
+            m.to(Phase.FROZEN)
         t = m.target if m.target.alive and m.target is not source else self.target({source.wid})
-        m.target, m.phase = t or source, "copying"
+        m.target = t or source
+        m.to(Phase.COPYING)
         if t is None:   # no peer left: it resumes where it was, from its own cache
-            await source.handle.release_frozen.remote(req.rid)
-            return self._start(req, r, source, sent, None), source
-        return self._start(req, r, t, sent, source.name), t
+            await source.handle.release_frozen.remote(rid)
+            return self._start(legs, source, sent, None), source
+        return self._start(legs, t, sent, source.name), t
 
-    async def fall_back(self, req: GenerateRequest, r: Route, source: WorkerRef, sent: Resume):
-        """Back to ``source``: its frozen KV goes to its cache first, then it resumes there."""
+    async def fall_back(self, legs: Legs, m: Migration, sent: Resume):
+        """``m``'s target failed before its first chunk: back to its source, whose frozen KV goes
+        to its cache first (a full prefix hit). (stream, worker)."""
         self.counts["fallbacks"] += 1
-        await source.handle.release_frozen.remote(req.rid)
-        return self._start(req, r, source, sent, None), source
+        await m.source.handle.release_frozen.remote(m.rid)
+        out = self._start(legs, m.source, sent, None), m.source
+        self.end(m, Phase.FELL_BACK)
+        return out
 
-    def recompute(self, req: GenerateRequest, r: Route, target: WorkerRef, sent: Resume):
-        """The source died mid-copy: ``target`` recomputes the KV it lacks (its cache first)."""
+    def recompute(self, legs: Legs, m: Migration, sent: Resume):
+        """``m``'s source died mid-copy: its target (``legs.worker``) recomputes the KV it lacks."""
         self.counts["recomputed"] += 1
-        return self._start(req, r, target, sent, None), target
+        out = self._start(legs, legs.worker, sent, None), legs.worker
+        self.end(m, Phase.RECOMPUTED)
+        return out
 
-    def prestop(self, req: GenerateRequest, r: Route, stuck: WorkerRef, sent: Resume):
+    def prestop(self, legs: Legs, stuck: WorkerRef):
         """``stuck`` (a decode worker making no progress) cannot hand over its KV: the request
-        resumes on the best peer after what the client has (``sent``), which recomputes the KV
-        (its own cache first). (stream, worker), or None when no peer is in rotation."""
+        resumes on the best peer after what the client has, which recomputes the KV (its own
+        cache first). (stream, worker), or None when no peer is in rotation."""
         t = self.target({stuck.wid})
         if t is None:
             return None
-        self.moves.pop(req.rid, None)   # a move that was under way is over: its source is stuck
-        m = self.moves[req.rid] = Move(req.rid, stuck, t, "prestop", phase="copying")
-        self.counts["prestop"] += 1
-        return self._start(req, r, t, sent, None), m.target
+        old = self.moves.get(legs.req.rid)
+        if old is not None:   # a move that was under way is over: its source is stuck
+            self.end(old, Phase.FAILED, record=False)
+        self.moves[legs.req.rid] = Migration(legs.req.rid, stuck, t, MoveReason.PRESTOP, Phase.COPYING)
+        self.counts[MoveReason.PRESTOP.value] += 1
+        return self._start(legs, t, legs.sent(), None), t
 
-    def finish(self, rid: str, outcome: str, downtime_s: float | None = None) -> None:
-        """``rid``'s move ended (``outcome``: router/metrics.py MIGRATION_OUTCOMES); ``downtime_s``:
-        the client-visible stop."""
-        m = self.moves.pop(rid, None)
-        if m is None:
+    def end(self, m: Migration, phase: Phase, downtime_s: float | None = None, record: bool = True) -> None:
+        """``m`` ends in terminal ``phase`` (a no-op when it already ended); ``record``: count its
+        outcome (:data:`OUTCOME`) in tandem_migrations_total; ``downtime_s``: the client-visible stop."""
+        if m.ended:
             return
-        rm.MIGRATIONS.labels(m.reason, outcome).inc()
-        if downtime_s is not None:
-            rm.MIGRATION_DOWNTIME.observe(downtime_s)
+        m.to(phase)
+        if self.moves.get(m.rid) is m:
+            del self.moves[m.rid]
+        outcome = OUTCOME.get(phase)
+        if record and outcome is not None:
+            rm.MIGRATIONS.labels(m.reason.value, outcome).inc()
+            if downtime_s is not None:
+                rm.MIGRATION_DOWNTIME.observe(downtime_s)
 
     def in_flight(self) -> list[dict]:
         return [m.view() for m in list(self.moves.values())]
 
-    def _start(self, req, r, t: WorkerRef, sent: Resume, source_name: str | None):
-        self.dispatch.move(r, t.wid)
-        self._inflight[req.rid] = t
-        wire = dataclasses.replace(req, resume=sent).to_wire()
+    def _start(self, legs: Legs, t: WorkerRef, sent: Resume, source_name: str | None):
+        """The request's next leg on ``t``, resumed after ``sent``; ``source_name``: the decode
+        worker its KV is copied from (None: ``t`` recomputes what its cache lacks)."""
+        self.dispatch.move(legs.route, t.wid)
+        self._inflight[legs.req.rid] = t
+        wire = dataclasses.replace(legs.req, resume=sent).to_wire()
         return t.handle.generate.options(num_returns="streaming").remote(wire, source_name, self.router_id)
 
     async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict:
@@ -280,11 +295,12 @@ class Migrator:
         await w.handle.drain.remote()
         moved, failed, end = [], {}, time.monotonic() + timeout_s
         while time.monotonic() < end:
-            left = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid and rid not in self.moves]
+            left = [mv.rid for mv in plan_drain(w.wid, [(rid, d.wid) for rid, d in list(self._inflight.items())],
+                                                self.moves)]
             moving = any(w.wid in (m.target.wid, m.source.wid) for m in list(self.moves.values()))
             if not left and not moving and not any(d.wid == w.wid for d in list(self._inflight.values())):
                 break   # nothing runs here, arrives here, or is still being copied from here
-            results = await asyncio.gather(*(self.migrate(rid, reason="drain") for rid in left),
+            results = await asyncio.gather(*(self.migrate(rid, reason=MoveReason.DRAIN) for rid in left),
                                            return_exceptions=True)
             for rid, res in zip(left, results):
                 if isinstance(res, (LookupError, ValueError)):   # prefilling still, or already ending
@@ -318,7 +334,7 @@ class Migrator:
         return {"worker": name, "draining": False}
 
     async def rebalance(self, cfg: MigrationConfig) -> None:
-        """Forever (a task on the router's loop): the ``balance`` policy."""
+        """Forever (a task on the router's loop): the periodic planners every ``cfg.period_s``."""
         while True:
             await asyncio.sleep(cfg.period_s)
             try:
@@ -327,32 +343,15 @@ class Migrator:
                 log.exception("migration policy round failed")
 
     async def rebalance_once(self, cfg: MigrationConfig) -> list[str]:
-        """One decision and its move; returns the rids moved."""
+        """One round of every planner in router/rebalance.py's PERIODIC and their moves; the rids moved."""
         snaps = self.dispatch.snapshots()
         exclude = {wid for wid, s in snaps.items() if s.draining}
-        running = [(rid, r.decode, r.decode_tokens) for rid, (_, r) in list(self.live.items())
-                   if r.decode_open and rid not in self.moves]
+        running = [(rid, s.route.decode, s.route.decode_tokens) for rid, s in list(self.streams.items())
+                   if s.route.decode_open and rid not in self.moves]
         moved = []
-        for m in plan_moves(self.dispatch.view().decode, running, high=cfg.high, low=cfg.low,
-                            spread=cfg.spread, exclude=exclude):
-            t = self.pool.get(m.target)
-            try:
-                await self.migrate(m.rid, t.name if t is not None else None, reason=m.why)
-            except (LookupError, ValueError) as e:   # not decoding yet, or it just ended
-                log.info("policy move of %s refused: %s", m.rid, e)
-                continue
-            self.counts[m.why] += 1
-            moved.append(m.rid)
+        for plan in PERIODIC:
+            for mv in plan(self.dispatch.view().decode, running, cfg, exclude):
+                if await self.try_move(mv):
+                    moved.append(mv.rid)
         return moved
 
-    async def force(self, rid: str) -> None:
-        """The ``debug_migrate_every`` lever: move ``rid`` to another decode worker, if it can."""
-        try:
-            await self.migrate(rid, reason="forced")
-        except (LookupError, ValueError) as e:
-            log.debug("forced move of %s refused: %s", rid, e)
-
-
-def resume_of(chunks_ids: list[int], chars: int, last: StreamChunk) -> Resume:
-    """What a client holds of a request when its worker's leg ended "migrated"."""
-    return Resume(tuple(chunks_ids), chars, last.cached_tokens)

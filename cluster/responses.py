@@ -68,12 +68,13 @@ class RayResponseStore:
         self.cfg, self.namespace = cfg, namespace
         self.handle = open_store_actor(cfg, namespace)
 
-    async def _call(self, method: str, *args):
+    async def _call(self, call):
+        """``call(handle)``: one call of the store actor; once more on a new handle if it died."""
         import ray
 
         for attempt in (0, 1):
             try:
-                return await getattr(self.handle, method).remote(*args)
+                return await call(self.handle)
             except ray.exceptions.RayActorError:
                 if attempt:
                     raise
@@ -81,15 +82,15 @@ class RayResponseStore:
                 self.handle = open_store_actor(self.cfg, self.namespace)
 
     async def put(self, rec: StoredResponse, unless_cancelled: bool = False) -> StoredResponse:
-        return StoredResponse.from_wire(await self._call("put", rec.to_wire(), unless_cancelled))
+        return StoredResponse.from_wire(await self._call(lambda h: h.put.remote(rec.to_wire(), unless_cancelled)))
 
     async def get(self, rid: str) -> StoredResponse | None:
-        wire = await self._call("get", rid)
+        wire = await self._call(lambda h: h.get.remote(rid))
         return None if wire is None else StoredResponse.from_wire(wire)
 
     async def delete(self, rid: str) -> bool:
-        return bool(await self._call("delete", rid))
+        return bool(await self._call(lambda h: h.delete.remote(rid)))
 
     async def cancel(self, rid: str) -> StoredResponse | None:
-        wire = await self._call("cancel", rid)
+        wire = await self._call(lambda h: h.cancel.remote(rid))
         return None if wire is None else StoredResponse.from_wire(wire)

@@ -1,10 +1,11 @@
 """Thin Ray shell around :class:`DecodeWorker` (an async actor: methods share one event loop).
 
 ``generate`` is an async generator: call it with ``.options(num_returns="streaming")`` and each
-:class:`StreamChunk` arrives as its own object. Prefill workers are reached through their actor
-handles, wrapped as the worker's ``PrefillClient`` (decode never imports prefill); so are the
-other decode workers, as the source of a live migration (their ``migrate_out`` is the
-"prefill" of a resumed request).
+:class:`StreamChunk` arrives as its own object. Prefill workers and the other decode workers are
+reached through their actor handles as KVSources (core/actors.py: ``write_kv``, ``drop_kv``),
+wrapped as the worker's ``PrefillClient`` (decode never imports prefill): a prefill worker
+computes the KV, a decode worker a request migrated away from writes the KV it holds frozen.
+``DecodeActor`` implements decode/api.py's ``DecodeAPI`` and the KVSource.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from tandem.transfer.messages import PrefillResult
 from tandem.worker.actor import RoleActorMixin, actor_config
 
 
-class _RayPrefillClient:
-    """A prefill actor handle as the DecodeWorker's PrefillClient. ``WRITER``: the actor method
-    that writes the KV and answers a PrefillResult."""
-
-    WRITER = "prefill"
+class _RayKVSource:
+    """A KVSource actor (core/actors.py: a prefill worker, or the decode worker a migrated request
+    left) as the DecodeWorker's PrefillClient: ``prefill`` is its ``write_kv``, ``abort`` its ``drop_kv``."""
 
     def __init__(self, name: str, handle):
         self.name, self.handle = name, handle
@@ -32,23 +31,14 @@ class _RayPrefillClient:
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         try:
-            raw = await getattr(self.handle, self.WRITER).remote(req_wire, xfer, dst_prefix_len)
+            raw = await self.handle.write_kv.remote(req_wire, xfer, dst_prefix_len)
         except ray.exceptions.RayActorError as e:
             self.dead = True
             raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
         return PrefillResult.decode(raw)
 
     async def abort(self, rid: str, reason: str) -> None:
-        await self.handle.abort.remote(rid, reason)
-
-
-class _RayMigrationSource(_RayPrefillClient):
-    """Another decode actor as the source of a migrated request's KV (its ``migrate_out``)."""
-
-    WRITER = "migrate_out"
-
-    async def abort(self, rid: str, reason: str) -> None:
-        await self.handle.release_frozen.remote(rid)
+        await self.handle.drop_kv.remote(rid, reason)
 
 
 @ray.remote
@@ -64,22 +54,22 @@ class DecodeActor(RoleActorMixin):
                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
                                    l3=l3)
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
-        self.prefills: dict[str, _RayPrefillClient] = {}
-        self.sources: dict[str, _RayMigrationSource] = {}   # the other decode workers
+        self.prefills: dict[str, _RayKVSource] = {}
+        self.sources: dict[str, _RayKVSource] = {}   # the other decode workers
         self.leases = RouterLeases()
         self._lease_task: asyncio.Task | None = None
 
     def add_prefill(self, handshake: bytes, handle) -> str:
         name = self.worker.add_peer(handshake)
         if name not in self.prefills or self.prefills[name].dead:
-            self.prefills[name] = _RayPrefillClient(name, handle)
+            self.prefills[name] = _RayKVSource(name, handle)
         return name
 
     def add_decode(self, handshake: bytes, handle) -> str:
         """Another decode worker: a peer a migrated request's KV may come from (or go to)."""
         name = self.worker.add_peer(handshake)
         if name not in self.sources or self.sources[name].dead:
-            self.sources[name] = _RayMigrationSource(name, handle)
+            self.sources[name] = _RayKVSource(name, handle)
         return name
 
     def remove_decode(self, name: str) -> None:
@@ -91,8 +81,13 @@ class DecodeActor(RoleActorMixin):
         await self.worker.freeze(rid)
         return True
 
-    async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+    async def write_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+        """KVSource: a frozen request's KV, to the decode worker that continues it (its ``migrate_out``)."""
         return (await self.worker.migrate_out(req_wire, xfer, dst_prefix_len)).encode()
+
+    async def drop_kv(self, rid: str, reason: str) -> None:
+        """KVSource: no copy of frozen ``rid`` will be asked (:meth:`release_frozen`)."""
+        self.worker.release_frozen(rid)
 
     def release_frozen(self, rid: str) -> None:
         self.worker.release_frozen(rid)

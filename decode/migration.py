@@ -1,7 +1,8 @@
 """Live migration, the source side of a decode worker: freeze a running request, hold its KV, and
-WRITE it to the worker that continues it (which calls :meth:`MigrationSource.migrate_out` as its
-"prefill"). A mixin of :class:`~tandem.decode.worker.DecodeWorker` (its ``handle``, ``handoffs``,
-``counts``, ``name``, ``transfer_timeout_s``, ``write_held`` from engine/role_worker.py).
+WRITE it to the worker that continues it (the actor's ``write_kv``, core/actors.py's KVSource, runs
+:meth:`MigrationSource.migrate_out`). A mixin of :class:`~tandem.decode.worker.DecodeWorker` (its
+``handle``, ``handoffs``, ``counts``, ``name``, ``transfer_timeout_s``, ``write_held`` from
+engine/role_worker.py).
 
 Invariant: a frozen request's KV is held until exactly one of ``migrate_out`` (the write ended,
 then its KV goes to this worker's cache), ``release_frozen`` (no copy will come: the target
@@ -18,7 +19,7 @@ from tandem.transfer.state import TransferState
 
 
 class MigrationSource:
-    _frozen: dict[str, asyncio.TimerHandle]   # migrated away, KV held: its expiry
+    _frozen: dict[str, asyncio.TimerHandle]   # the router's FROZEN / COPYING (cluster/moves.py): KV held, its expiry
 
     async def freeze(self, rid: str) -> None:
         """End decoding ``rid`` here (its stream's last chunk says "migrated") and hold its KV for

@@ -3,7 +3,8 @@
 Created by cluster/launch.py with ``.options(num_cpus=..., num_gpus=...)``; torch uses as many
 threads as the actor was given CPUs (at least one). Everything crossing Ray is plain data: the
 engine config as a dict, messages as bytes or wire dicts (the result: PrefillResult bytes).
-The methods every role's actor has come from :class:`RoleActorMixin`.
+The methods every role's actor has come from :class:`RoleActorMixin`. ``PrefillActor`` implements
+prefill/api.py's ``PrefillAPI`` and core/actors.py's ``KVSource`` (decode workers call ``write_kv``).
 """
 
 from __future__ import annotations
@@ -34,5 +35,10 @@ class PrefillActor(RoleActorMixin):
     def remove_peer(self, name: str) -> None:
         self.worker.remove_peer(name)
 
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+    async def write_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+        """KVSource: compute the request's KV and write it into the decode worker's pages."""
         return (await self.worker.prefill(req_wire, xfer, dst_prefix_len)).encode()
+
+    async def drop_kv(self, rid: str, reason: str) -> None:
+        """KVSource: the decode worker will not take ``rid``'s KV: stop it here."""
+        await self.abort(rid, reason)

@@ -40,9 +40,8 @@ class ServingBackend(Protocol):
     - ``health()``: a JSON-able dict with ``"status": "ok"`` when serving (anything else -> 503).
     - ``metrics_text()``: Prometheus text exposition for the whole deployment (may block; the front
       door calls it off the event loop).
-    - optional ``async debug_kv() -> list[dict]``: per worker, its KV accounting (EngineSnapshot
-      fields, ``leaked_tokens``) and the invariant recount's verdict (GET /debug/kv); optional
-      ``async debug_kill(name) -> bool`` (POST /debug/kill, only with ``debug_endpoints``).
+    - optional: :class:`KVDebugBackend` (GET /debug/kv), :class:`AdminBackend` (POST /admin/*,
+      /debug/kill and the live state /debug/kv adds); the front door checks ``isinstance``.
     """
 
     model_name: str
@@ -57,6 +56,37 @@ class ServingBackend(Protocol):
 
     def metrics_text(self) -> bytes: ...
 
+
+@runtime_checkable
+class KVDebugBackend(Protocol):
+    async def debug_kv(self) -> list[dict]:
+        """Per worker: its KV accounting (EngineSnapshot fields, ``leaked_tokens``) and the
+        invariant recount's verdict (GET /debug/kv)."""
+
+
+@runtime_checkable
+class AdminBackend(Protocol):
+    """An operator's levers on a backend whose requests can move between decode workers (live
+    migration). The verbs raise LookupError (no such request or worker: 404) or ValueError (not
+    movable now: 409)."""
+
+    async def migrate(self, rid: str, to: str | None = None) -> str:
+        """Move running ``rid`` to decode worker ``to`` (None: the best one); the target's name."""
+
+    async def drain(self, name: str, stop: bool = False) -> dict:
+        """Every live request off decode worker ``name``; ``stop``: then stop it (a restart)."""
+
+    async def undrain(self, name: str) -> dict:
+        """Decode worker ``name`` back in rotation after a drain without ``stop``."""
+
+    async def debug_kill(self, name: str) -> bool:
+        """Kill worker ``name`` (a chaos lever; POST /debug/kill); False: no live worker of that name."""
+
+    def migrations(self) -> list[dict]:
+        """The live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""
+
+    def in_flight(self) -> list[dict]:
+        """The requests in flight with their worker, tokens streamed and seconds since the last one."""
 
 class LocalEngineBackend:
     """Colocated mode: the in-process ``tandem.engine.engine.Engine`` behind the protocol.

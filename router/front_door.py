@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.core.config import ServeConfig
 from tandem.core.types import TandemError
-from tandem.router.backend import ServingBackend
+from tandem.router.backend import AdminBackend, KVDebugBackend, ServingBackend
 from tandem.router.openai_protocol import APIError, ErrorBody, ErrorResponse
 from tandem.router.openai_responses import ModelCard, ModelList
 from tandem.router.sessions import SessionIdTooLong
@@ -221,16 +221,12 @@ class FrontDoor:
             self.check_auth(request)
         except APIError as e:
             return refusal(e)
-        fn = getattr(self.backend, "debug_kv", None)
-        if fn is None:
+        if not isinstance(self.backend, KVDebugBackend):
             return error_response(404, "this backend has no KV pools to inspect", code="not_found")
-        out = {"workers": await fn()}
-        moves = getattr(self.backend, "migrations", None)   # live migrations in flight, where there are any
-        if moves is not None:
-            out["migrations"] = moves()
-        live = getattr(self.backend, "in_flight", None)   # requests in flight, with their progress
-        if live is not None:
-            out["requests"] = live()
+        out = {"workers": await self.backend.debug_kv()}
+        if isinstance(self.backend, AdminBackend):   # live migrations and requests in flight
+            out["migrations"] = self.backend.migrations()
+            out["requests"] = self.backend.in_flight()
         return JSONResponse(out)
 
     async def debug_kill(self, request: Request, worker: str) -> Response:
@@ -242,33 +238,45 @@ class FrontDoor:
             self.check_auth(request)
         except APIError as e:
             return refusal(e)
-        fn = getattr(self.backend, "debug_kill", None)
-        if fn is None or not await fn(worker):
+        if not isinstance(self.backend, AdminBackend) or not await self.backend.debug_kill(worker):
             return error_response(404, f"no live worker named {worker!r}", param="worker", code="not_found")
         return JSONResponse({"killed": worker})
 
 
-    async def admin(self, request: Request, verb: str, **args) -> Response:
-        """An operator's move, behind the API key: ``drain`` (every live request off a decode
-        worker; ``stop``: then stop it, the supervisor relaunches it) or ``migrate`` (one running
-        request to another decode worker). 404 where the backend cannot; 409 when the request is
-        not movable now (not decoding yet, or no worker to take it)."""
+    async def admin_drain(self, request: Request, worker: str, stop: bool = False) -> Response:
+        """POST /admin/drain: every live request off decode worker ``worker``; ``stop``: then stop
+        it (the supervisor relaunches it)."""
+        return await self._admin(request, "drain", lambda b: b.drain(worker, stop=stop))
+
+    async def admin_undrain(self, request: Request, worker: str) -> Response:
+        """POST /admin/undrain: decode worker ``worker`` back in rotation."""
+        return await self._admin(request, "undrain", lambda b: b.undrain(worker))
+
+    async def admin_migrate(self, request: Request, rid: str, to: str | None = None) -> Response:
+        """POST /admin/migrate: one running request to another decode worker."""
+        async def move(b: AdminBackend) -> dict:
+            return {"rid": rid, "to": await b.migrate(rid, to)}
+
+        return await self._admin(request, "migrate", move)
+
+    async def _admin(self, request: Request, verb: str, call) -> Response:
+        """An operator's move behind the API key: ``call(backend)``, an :class:`AdminBackend`
+        verb. 404 where the backend cannot (or no such request or worker); 409 when the request
+        is not movable now (not decoding yet, or no worker to take it)."""
         try:
             self.check_auth(request)
         except APIError as e:
             return refusal(e)
-        fn = getattr(self.backend, verb, None)
-        if fn is None:
+        if not isinstance(self.backend, AdminBackend):
             return error_response(404, f"this backend cannot {verb} (live migration needs decode workers)",
                                   code="not_found")
         try:
-            out = await fn(**args)
+            out = await call(self.backend)
         except LookupError as e:
             return error_response(404, str(e), code="not_found")
         except ValueError as e:
             return error_response(409, str(e), code="conflict")
-        return JSONResponse(out if isinstance(out, dict) else {"rid": args.get("rid"), "to": out})
-
+        return JSONResponse(out)
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     return APIError(413, f"request body is {'over ' if at_least else ''}{size} bytes; the limit is "

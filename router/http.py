@@ -113,17 +113,17 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     async def admin_drain(request: Request, worker: str = "", stop: bool = False) -> Response:
         """Move every live request off decode worker ``worker`` (live migration); ``stop``: then
         stop it (a rolling restart: the supervisor relaunches it). Behind the API key."""
-        return await door.admin(request, "drain", name=worker, stop=stop)
+        return await door.admin_drain(request, worker, stop)
 
     @app.post("/admin/undrain")
     async def admin_undrain(request: Request, worker: str = "") -> Response:
         """Put decode worker ``worker`` back in rotation after a drain without ``stop``."""
-        return await door.admin(request, "undrain", name=worker)
+        return await door.admin_undrain(request, worker)
 
     @app.post("/admin/migrate")
     async def admin_migrate(request: Request, rid: str = "", to: str = "") -> Response:
         """Move running request ``rid`` to decode worker ``to`` (default: the least loaded one)."""
-        return await door.admin(request, "migrate", rid=rid, to=to or None)
+        return await door.admin_migrate(request, rid, to or None)
 
     @app.post("/debug/kill")
     async def debug_kill(request: Request, worker: str = "") -> Response:

@@ -28,6 +28,8 @@ import threading
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+from tandem.router.rebalance import MoveReason
+
 STATUSES = ("ok", "rejected", "aborted", "error")
 
 # Token latencies of a serving system: sub-millisecond decode steps up to multi-second prefills.
@@ -121,7 +123,7 @@ def count_prompt(prompt_tokens: int, cached_tokens: int) -> None:
 
 # Every label value a series can take is created up front at zero, so a fresh server exports
 # each series (dashboards and alerts see 0, not "no data") before its first event.
-MIGRATION_REASONS = ("pressure", "rebalance", "drain", "admin", "forced", "prestop")   # cluster/migration.py's
+MIGRATION_REASONS = tuple(r.value for r in MoveReason)
 MIGRATION_OUTCOMES = ("ok", "failed", "aborted")
 REJECT_REASONS = ("malformed", "invalid_request", "timeout", "disconnected", "too_large",
                   "unauthorized", "model_not_found", "context_length", "overloaded")

@@ -1,38 +1,61 @@
-"""When to migrate a running request between decode workers: a pure decision over the router's view.
+"""When to migrate a running request between decode workers: pure planners over the router's view.
 
-Utilization is the router's own record: the KV tokens charged to a decode worker's running
-requests (``WorkerView.running_tokens``, grown per token) over its pool (``capacity_tokens``).
-:func:`plan_moves` moves at most one request per call, from the fullest decode worker to the
-emptiest, when
+Every trigger is a planner here that returns :class:`MoveRequest` values with one
+:class:`MoveReason`; cluster/migration.py carries them out and never decides. A new trigger is a
+reason, a planner (in :data:`PERIODIC` when it runs on the policy's clock) and a config field.
 
-- **pressure**: the fullest is at ``high`` or above (its next decode steps would retract) and the
-  emptiest at ``low`` or below;
-- **rebalance** (skew): their utilizations differ by more than ``spread``.
+- :func:`plan_moves` (**pressure**, **rebalance**): utilization is the router's own record, the KV
+  tokens charged to a decode worker's running requests (``WorkerView.running_tokens``, grown per
+  token) over its pool (``capacity_tokens``). At most one request per call, from the fullest decode
+  worker to the emptiest, when the fullest is at ``high`` or above (its next decode steps would
+  retract) and the emptiest at ``low`` or below (pressure), or their utilizations differ by more
+  than ``spread`` (rebalance). The request moved is the one on the fullest worker that fits under
+  ``high`` on the target and leaves the two most even (ties: the larger); one that would not
+  narrow their gap never moves (no ping-pong). Workers in ``exclude`` (draining) are never a target.
+- :func:`plan_drain` (**drain**): every request on a worker that is not moving already.
+- :func:`plan_forced` (**forced**, the ``debug_migrate_every`` lever): a request that streamed that
+  many tokens on one worker.
+- **prestop** (a stuck source: cluster/backend.py's stall watch, ``Migrator.prestop``) and
+  **admin** (POST /admin/migrate, ``Migrator.migrate``) plan nothing: the request and the reason
+  come with the call.
 
-The request moved is the one on the fullest worker that fits under ``high`` on the target and
-leaves the two most even (ties: the larger); one that would not narrow their gap never moves (no
-ping-pong). Workers in ``exclude`` (draining,
-just moved) are never a target. No I/O, no clock: cluster/migration.py applies the plan.
+No I/O, no clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
+from tandem.core.config import MigrationConfig
 from tandem.router.view import WorkerView
 
 
+class MoveReason(str, Enum):
+    """Why a request moves; the values are the ``reason`` label of ``tandem_migrations_total``."""
+
+    PRESSURE = "pressure"
+    REBALANCE = "rebalance"
+    DRAIN = "drain"
+    ADMIN = "admin"
+    FORCED = "forced"
+    PRESTOP = "prestop"
+
+
 @dataclass(frozen=True)
-class Move:
+class MoveRequest:
+    """Move ``rid`` off decode worker ``source`` to ``target`` (worker ids; None: unknown to the
+    planner, or the best peer cluster/migration.py finds)."""
+
     rid: str
-    source: int     # worker id
-    target: int
-    why: str        # "pressure" | "rebalance"
+    source: int | None
+    target: int | None
+    reason: MoveReason
 
 
 def plan_moves(decodes: Sequence[WorkerView], running: Sequence[tuple[str, int, int]], *,
-               high: float, low: float, spread: float, exclude: Collection[int] = ()) -> list[Move]:
+               high: float, low: float, spread: float, exclude: Collection[int] = ()) -> list[MoveRequest]:
     """``running``: ``(rid, decode worker id, KV tokens)`` of every request that could move."""
     util = {w.worker_id: (w.running_tokens, w.capacity_tokens) for w in decodes
             if w.alive and w.capacity_tokens > 0}
@@ -44,9 +67,9 @@ def plan_moves(decodes: Sequence[WorkerView], running: Sequence[tuple[str, int, 
     if not targets:
         return []
     cool = min(targets, key=lambda wid: (frac[wid], wid))
-    why = ("pressure" if frac[hot] >= high and frac[cool] <= low else
-           "rebalance" if frac[hot] - frac[cool] > spread else "")
-    if not why:
+    why = (MoveReason.PRESSURE if frac[hot] >= high and frac[cool] <= low else
+           MoveReason.REBALANCE if frac[hot] - frac[cool] > spread else None)
+    if why is None:
         return []
     (hot_t, _), (cool_t, cool_cap) = util[hot], util[cool]
     room = int(cool_cap * high) - cool_t
@@ -56,4 +79,26 @@ def plan_moves(decodes: Sequence[WorkerView], running: Sequence[tuple[str, int, 
         return []
     gap = hot_t - cool_t
     tokens, rid = min(fits, key=lambda f: (abs(gap - 2 * f[0]), -f[0], f[1]))   # the most even result
-    return [Move(rid, hot, cool, why)]
+    return [MoveRequest(rid, hot, cool, why)]
+
+
+def plan_balance(decodes: Sequence[WorkerView], running: Sequence[tuple[str, int, int]], cfg: MigrationConfig,
+                 exclude: Collection[int]) -> list[MoveRequest]:
+    """The ``balance`` policy's round: :func:`plan_moves` with ``cfg``'s thresholds."""
+    return plan_moves(decodes, running, high=cfg.high, low=cfg.low, spread=cfg.spread, exclude=exclude)
+
+
+# The planners the policy runs every ``period_s``, in order: (decodes, running, cfg, exclude) -> moves.
+PERIODIC = (plan_balance,)
+
+
+def plan_drain(worker: int, running: Sequence[tuple[str, int]], moving: Collection[str]) -> list[MoveRequest]:
+    """Every request of ``running`` (``(rid, decode worker id)``) on ``worker`` not in ``moving``."""
+    return [MoveRequest(rid, wid, None, MoveReason.DRAIN) for rid, wid in running
+            if wid == worker and rid not in moving]
+
+
+def plan_forced(rid: str, worker: int, leg_tokens: int, cfg: MigrationConfig) -> MoveRequest | None:
+    """``rid`` moves once it streamed ``cfg.debug_migrate_every`` tokens on ``worker`` (0: never)."""
+    every = cfg.debug_migrate_every
+    return MoveRequest(rid, worker, None, MoveReason.FORCED) if every and leg_tokens >= every else None

@@ -1,8 +1,9 @@
-"""Thin Ray shells around the simulated workers (sim/remote.py), speaking the real workers'
-actor protocol (prefill/actor.py, decode/actor.py): info, handshake, add_peer / add_prefill,
-remove_peer / remove_prefill, add_decode / remove_decode, prefill / generate, abort, stats,
-debug_kv, ping, drain, metrics_text, shutdown. Simulated decode workers do not migrate requests
-(``freeze`` refuses). Created by cluster/launch.py for ``engine: sim`` on Ray."""
+"""Thin Ray shells around the simulated workers (sim/remote.py), implementing the real workers'
+actor Protocols (core/actors.py's ``RoleAPI``, prefill/api.py's ``PrefillAPI``, decode/api.py's
+``DecodeAPI``; tests/core/test_actor_api.py checks them). A simulated prefill is not a KVSource:
+the simulated decode worker asks it ``prefill(req_wire)`` for the first token only. Simulated
+decode workers do not migrate requests (``freeze`` refuses, nothing is ever frozen). Created by
+cluster/launch.py for ``engine: sim`` on Ray."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ class _Shell:
 
     def drain(self) -> bool:
         self.role.draining = True
+        return True
+
+    def undrain(self) -> bool:
+        self.role.draining = False
         return True
 
     async def abort(self, rid: str, reason: str = "") -> bool:
@@ -110,6 +115,9 @@ class SimDecodeActor(_Shell):
 
     async def freeze(self, rid: str) -> bool:
         raise ValueError(f"simulated decode worker {self.role.name} does not migrate requests")
+
+    def release_frozen(self, rid: str) -> None:
+        pass                              # nothing is ever frozen here
 
     async def generate(self, req_wire: dict, prefill_name: str | None, router: str | None = None):
         client = self.prefills.get(prefill_name) if prefill_name else None

@@ -170,3 +170,11 @@ def test_debug_kv_reports_the_engines_accounting_and_invariants(served, engine):
     (w,) = r.json()["workers"]
     assert w["invariants"] == "ok" and w["leaked_tokens"] == 0 and w["total_tokens"] == engine.allocator.size
     assert httpx.post(served.url + "/debug/kill", params={"worker": "colocated-0"}).status_code == 404  # off
+    assert "migrations" not in r.json()                 # not an AdminBackend: nothing moves here
+
+
+def test_the_admin_verbs_are_404_on_a_backend_that_cannot_move_requests(served):
+    for path, params in (("/admin/migrate", {"rid": "x"}), ("/admin/drain", {"worker": "colocated-0"}),
+                         ("/admin/undrain", {"worker": "colocated-0"})):
+        r = httpx.post(served.url + path, params=params, timeout=30)
+        assert r.status_code == 404 and "live migration needs decode workers" in r.text, (path, r.text)

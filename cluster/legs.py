@@ -1,0 +1,112 @@
+"""One request's stream across decode workers: :class:`Legs`, what cluster/backend.py's stream loop
+asks for the next leg.
+
+A request streams in legs: the first on the decode worker it was routed to, one more on each
+worker it moves to (cluster/migration.py's ``Migrator``). Legs holds the leg it is on (``worker``,
+``gen``), what the client has (``ids``, ``chars``, ``cached``) and the client-visible stop of a
+move; it turns a leg's end into the next leg and never changes a :class:`Migration`'s phase
+itself (the Migrator does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tandem.cluster.moves import Migration, Phase
+from tandem.cluster.workers import WorkerRef
+from tandem.core.messages import GenerateRequest, Resume
+from tandem.core.types import StreamChunk
+from tandem.router.dispatch import Route
+from tandem.router.rebalance import MoveRequest, plan_forced
+
+log = logging.getLogger(__name__)
+
+
+class Legs:
+    """``migrator``: the Migrator that opened it (its ``moves``, ``next_leg``, ``fall_back``,
+    ``recompute``, ``prestop``, ``end``); ``gen``: the streaming ``generate`` of the current leg."""
+
+    def __init__(self, migrator, req: GenerateRequest, route: Route, worker: WorkerRef, gen):
+        self.migrator, self.req, self.route, self.worker, self.gen = migrator, req, route, worker, gen
+        self.ids: list[int] = []   # what the client has (a pre-copy takes its whole pages)
+        self.chars, self.cached = 0, 0
+        self.last_token_at = time.monotonic()   # the client-visible stop of a migration starts here
+        self.leg_tokens = 0                     # streamed on the current leg (the forced lever)
+
+    def sent(self, last: StreamChunk | None = None) -> Resume:
+        return Resume(tuple(self.ids), self.chars, last.cached_tokens if last is not None else self.cached)
+
+    def _move(self) -> Migration | None:
+        return self.migrator.moves.get(self.req.rid)
+
+    def _frozen_source(self) -> tuple[Migration | None, WorkerRef | None]:
+        m = self._move()
+        return m, (m.frozen_source(self.worker) if m is not None else None)
+
+    def target_died(self) -> StreamChunk | None:
+        """The current leg's worker died. Mid-copy from a live source: it is marked dead and an
+        empty abort chunk returned (:meth:`next_leg` then falls back); else None (not a move's to handle)."""
+        _, src = self._frozen_source()
+        if src is None or not src.alive:
+            return None
+        if self.migrator.supervisor is not None:
+            self.migrator.supervisor.mark_dead(self.worker, "died during a migration")
+        return StreamChunk(self.req.rid, (), "", "abort", len(self.req.prompt_ids),
+                           error=f"decode worker {self.worker.name} died during a migration")
+
+    async def next_leg(self, c: StreamChunk) -> bool:
+        """Whether ``c`` ended the current leg and another one streams now (``gen``, ``worker``):
+        "migrated" (the request moved: the Migrator's next leg), or an empty abort from a move's
+        target (back to the source that holds the KV; the source dead: the target recomputes)."""
+        if c.finish_reason == "migrated":
+            self.leg_tokens = 0
+            self.gen, self.worker = await self.migrator.next_leg(self, self.sent(c))
+            return True
+        m, src = self._frozen_source()
+        if src is None or c.finish_reason != "abort" or c.token_ids:
+            return False
+        if src.alive:    # the target failed before streaming: back to the source
+            log.warning("%s failed on %s after a migration (%s); back to %s",
+                        self.req.rid, self.worker.name, c.error, src.name)
+            self.gen, self.worker = await self.migrator.fall_back(self, m, self.sent(c))
+        else:            # the source died mid-copy: the target recomputes
+            log.warning("%s: the source %s died mid-migration; %s recomputes",
+                        self.req.rid, src.name, self.worker.name)
+            self.gen, self.worker = self.migrator.recompute(self, m, self.sent(c))
+        return True
+
+    def prestop(self) -> bool:
+        """The current worker is stuck: whether the request resumes on a peer (the next leg)."""
+        moved = self.migrator.prestop(self, self.worker)
+        if moved is None:
+            return False
+        self.gen, self.worker = moved
+        return True
+
+    def add(self, c: StreamChunk) -> None:
+        """``c`` goes to the client: a move whose new leg streams is over (DONE; FAILED for an
+        error without tokens); what the client has grows."""
+        if c.token_ids or c.finish_reason is not None:
+            now = time.monotonic()
+            m = self._move()
+            if m is not None and m.phase is Phase.COPYING:
+                ok = bool(c.token_ids) or not c.error
+                self.migrator.end(m, Phase.DONE if ok else Phase.FAILED, now - self.last_token_at)
+            self.last_token_at = now
+        self.ids += c.token_ids
+        self.chars += len(c.text)
+        self.cached = c.cached_tokens or self.cached
+
+    def planned(self, c: StreamChunk) -> MoveRequest | None:
+        """After ``c`` reached the client: a move the stream's own planners ask for (the forced lever)."""
+        self.leg_tokens += len(c.token_ids)
+        if self.req.rid in self.migrator.moves:
+            return None
+        mv = plan_forced(self.req.rid, self.worker.wid, self.leg_tokens, self.migrator.cfg)
+        if mv is not None:
+            self.leg_tokens = 0
+        return mv
+
+    def close(self) -> None:
+        self.migrator.close(self)

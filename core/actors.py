@@ -1,0 +1,62 @@
+"""What every worker actor answers, and what a decode worker asks of whoever writes it KV.
+
+Structural Protocols (typing.Protocol): the Ray actors (prefill/actor.py, decode/actor.py) and
+the simulated ones (sim/actor.py) implement them without importing them; tests/core/
+test_actor_api.py checks every implementation against its Protocols. Everything crossing an actor
+boundary is plain data (wire dicts, bytes). A method may be sync or async on the actor: a
+caller always awaits ``handle.<method>.remote(...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class RoleAPI(Protocol):
+    """Every worker's actor: what cluster/ (launch, supervisor, observe, migration) calls."""
+
+    def info(self) -> dict:
+        """name, role, model_name, max_context, vocab_size, page_size, peers, kv_events, draining, ..."""
+
+    def handshake(self) -> bytes:
+        """The worker's NIXL agent metadata (a simulated one: its name)."""
+
+    async def abort(self, rid: str, reason: str = "") -> bool:
+        """Finish ``rid`` here and free its KV; False when it is not here."""
+
+    async def stats(self) -> dict:
+        """The pool accounting snapshot the dispatcher reads (capacity, waiting tokens, draining, ...)."""
+
+    async def debug_kv(self) -> dict:
+        """KV accounting and the invariant recount's verdict (GET /debug/kv)."""
+
+    def drain(self) -> bool:
+        """Take no new requests (True)."""
+
+    def undrain(self) -> bool:
+        """Back in rotation after a drain that did not stop it (True)."""
+
+    async def ping(self) -> str:
+        """The worker's name; raises when its engine died."""
+
+    async def progress(self, router: str | None = None) -> float:
+        """Seconds the engine has been in its current step; ``router`` renews that router's lease."""
+
+    def metrics_text(self) -> bytes:
+        """The worker's Prometheus exposition."""
+
+    def shutdown(self) -> None:
+        """Close the worker (before the actor is killed)."""
+
+
+class KVSource(Protocol):
+    """Whoever writes a request's KV into a decode worker's pages: a prefill worker (it computes
+    the KV) and a decode worker a request migrated away from (it holds the KV frozen). The decode
+    worker calls ``write_kv`` once per request and ``drop_kv`` when no write will be asked."""
+
+    async def write_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+        """WRITE the request's KV from ``dst_prefix_len`` into ``xfer``'s pages (KVTransferRequest
+        bytes); the PrefillResult bytes, once no write is in flight."""
+
+    async def drop_kv(self, rid: str, reason: str) -> None:
+        """No write will be asked for ``rid``: stop computing it, or release its held KV."""

@@ -1,0 +1,153 @@
+"""cluster/migration.py and cluster/legs.py on stand-ins for the pool, the dispatcher and the
+decode actors (no Ray): which leg comes next, each move's phases, and what it adds to
+tandem_decode_migrations_total."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from prometheus_client import REGISTRY
+
+from tandem.cluster.migration import Migrator
+from tandem.cluster.moves import Phase
+from tandem.cluster.workers import DECODE, WorkerRef
+from tandem.core.config import MigrationConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import SamplingParams, StreamChunk
+from tandem.router.rebalance import MoveReason
+
+
+class _Actor:
+    """A decode actor's handle: records every call; ``generate`` answers a stream token."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+        for verb in ("freeze", "release_frozen"):
+            setattr(self, verb, SimpleNamespace(remote=lambda rid, v=verb: self._call(v, rid)))
+        self.generate = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._generate))
+
+    def _call(self, verb: str, rid: str):
+        self.calls.append((verb, self.name, rid))   # sent at once, as Ray sends it; awaiting is optional
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(True)
+        return done
+
+    def _generate(self, wire: dict, source: str | None, router: str | None):
+        self.calls.append(("generate", self.name, source, len(wire.get("resume") or {}) > 0))
+        return f"stream-{self.name}-{len(self.calls)}"
+
+
+def _cluster(cfg: MigrationConfig | None = None):
+    calls: list = []
+    s, t = (WorkerRef(f"decode-{i}", DECODE, i, None) for i in (0, 1))
+    for w in (s, t):
+        w.handle = _Actor(w.name, calls)
+    pool = SimpleNamespace(get={s.wid: s, t.wid: t}.get, named={s.name: s, t.name: t}.get)
+    views = [SimpleNamespace(worker_id=w.wid, alive=True, running_tokens=0, in_flight=0) for w in (s, t)]
+    dispatch = SimpleNamespace(snapshots=dict, view=lambda: SimpleNamespace(decode=views),
+                               move=lambda r, wid: calls.append(("move", wid)))
+    m = Migrator(pool, dispatch, {}, cfg=cfg or MigrationConfig(policy="off", precopy=False))
+    return m, s, t, calls
+
+
+def _streaming(rid: str, first=(5,)):
+    """A cluster and ``rid``'s legs on decode-0, with ``first`` streamed to its client."""
+    m, s, t, calls = _cluster()
+    legs = m.open(_req(rid), "route", s, None)
+    legs.add(_chunk(rid, first))
+    return m, s, t, calls, legs
+
+
+def _req(rid: str) -> GenerateRequest:
+    return GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=8))
+
+
+def _chunk(rid: str, ids=(), finish=None, error=None) -> StreamChunk:
+    return StreamChunk(rid, tuple(ids), "x" * len(ids), finish, 3, error=error)
+
+
+def _count(reason: str, outcome: str) -> float:
+    return REGISTRY.get_sample_value("tandem_decode_migrations_total", {"reason": reason, "outcome": outcome}) or 0.0
+
+
+def test_a_move_freezes_continues_on_the_target_and_is_done_when_the_target_streams():
+    async def run():
+        m, s, t, calls, legs = _streaming("r1", (5, 6))
+        ok0 = _count("admin", "ok")
+        assert await m.migrate("r1") == t.name and m.moves["r1"].phase is Phase.FROZEN
+        assert ("freeze", s.name, "r1") in calls
+        assert await legs.next_leg(_chunk("r1", (), "migrated"))
+        assert legs.worker is t and m.moves["r1"].phase is Phase.COPYING
+        assert calls[-1] == ("generate", t.name, s.name, True)   # resumed, its KV from the source
+        assert not await legs.next_leg(_chunk("r1", (7,)))
+        legs.add(_chunk("r1", (7,)))
+        assert "r1" not in m.moves and _count("admin", "ok") == ok0 + 1 and legs.ids == [5, 6, 7]
+        assert m.counts["migrations"] == 1 and m.counts["admin"] == 1
+        legs.close()
+        assert m.streams == {} and m._inflight == {}
+
+    asyncio.run(run())
+
+
+def test_a_target_that_fails_first_falls_back_to_the_source_and_counts_a_failure():
+    async def run():
+        m, s, t, calls, legs = _streaming("r2")
+        failed0 = _count("drain", "failed")
+        await m.migrate("r2", reason=MoveReason.DRAIN)
+        await legs.next_leg(_chunk("r2", (), "migrated"))
+        assert legs.target_died() is not None             # the target died: an empty abort for next_leg
+        assert await legs.next_leg(_chunk("r2", (), "abort", error="target died"))
+        assert legs.worker is s and ("release_frozen", s.name, "r2") in calls
+        assert calls[-1] == ("generate", s.name, None, True)      # back on the source, from its cache
+        assert "r2" not in m.moves and m.counts["fallbacks"] == 1 and _count("drain", "failed") == failed0 + 1
+
+    asyncio.run(run())
+
+
+def test_a_client_gone_mid_move_releases_the_frozen_kv_and_counts_an_abort():
+    async def run():
+        m, s, t, calls = _cluster()
+        legs = m.open(_req("r3"), "route", s, None)
+        aborted0 = _count("admin", "aborted")
+        await m.migrate("r3")
+        legs.close()
+        assert ("release_frozen", s.name, "r3") in calls and _count("admin", "aborted") == aborted0 + 1
+        assert m.moves == {}
+
+    asyncio.run(run())
+
+
+def test_a_request_that_is_not_decoding_is_refused_and_counts_nothing():
+    async def run():
+        m, s, t, calls = _cluster()
+        m.open(_req("r4"), "route", s, None)
+
+        async def refuse(rid):
+            raise ValueError(f"{rid} is not decoding")
+
+        s.handle.freeze = SimpleNamespace(remote=refuse)
+        before = {o: _count("admin", o) for o in ("ok", "failed", "aborted")}
+        try:
+            await m.migrate("r4")
+        except ValueError as e:
+            assert "not decoding" in str(e)
+        else:
+            raise AssertionError("migrate did not refuse")
+        assert m.moves == {} and m.counts["refused"] == 1 and m.counts["migrations"] == 0
+        assert {o: _count("admin", o) for o in before} == before
+
+    asyncio.run(run())
+
+
+def test_a_stuck_source_resumes_on_a_peer_which_recomputes():
+    async def run():
+        m, s, t, calls, legs = _streaming("r5")
+        assert legs.prestop() and legs.worker is t
+        assert calls[-1] == ("generate", t.name, None, True) and m.moves["r5"].reason is MoveReason.PRESTOP
+        assert legs.target_died() is None                 # nothing frozen to fall back to
+        ok0 = _count("prestop", "ok")
+        legs.add(_chunk("r5", (6,)))
+        assert _count("prestop", "ok") == ok0 + 1 and m.counts["prestop"] == 1
+
+    asyncio.run(run())
