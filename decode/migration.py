@@ -2,7 +2,7 @@
 WRITE it to the worker that continues it (the actor's ``write_kv``, core/actors.py's KVSource, runs
 :meth:`MigrationSource.migrate_out`). A mixin of :class:`~tandem.decode.worker.DecodeWorker` (its
 ``handle``, ``handoffs``, ``counts``, ``name``, ``transfer_timeout_s``, ``write_held`` from
-engine/role_worker.py).
+worker/role_worker.py).
 
 Invariant: a frozen request's KV is held until exactly one of ``migrate_out`` (the write ended,
 then its KV goes to this worker's cache), ``release_frozen`` (no copy will come: the target
