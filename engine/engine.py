@@ -58,7 +58,8 @@ from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.overlap import DeviceLane, Launched, device_sampleable, resolve_overlap
+from tandem.engine.overlap import (DeviceLane, Launched, device_sampleable, fill_indices, fill_inputs,
+                                   resolve_overlap)
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
@@ -480,12 +481,16 @@ class Engine:
             self._settle()
             return plan
         s.advance(plan)
+        fb = self.kv.forward_batch(plan)
         if not device_sampleable(plan):  # grammar, logprobs, sampling: the plain path, settled
+            prev = self._inflight
+            dst, src = fill_indices(plan, prev)      # before the settle appends those tokens
             self._settle()
-            tokens, logprobs = self._forward_sample(plan, self.kv.forward_batch(plan))
+            if dst:
+                fill_inputs(fb, dst, src, prev.device_tokens())
+            tokens, logprobs = self._forward_sample(plan, fb)
             self._emit(s.apply(plan, tokens, logprobs))
             return plan
-        fb = self.kv.forward_batch(plan)
         prev, self._inflight = self._inflight, self._lane.launch(plan, fb, self._inflight)
         if prev is not None:
             self._emit(s.apply(prev.plan, prev.host_tokens()))

@@ -69,6 +69,14 @@ def fill_indices(plan: StepPlan, prev: "Launched | None") -> tuple[list[int], li
     return dst, src
 
 
+def fill_inputs(fb, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:
+    """``fb.input_ids[dst[i]] = tokens[src[i]]`` on the batch's device (no host round trip)."""
+    device = fb.input_ids.device
+    d = torch.tensor(dst, dtype=torch.int64).to(device, non_blocking=True)
+    s = torch.tensor(src, dtype=torch.int64).to(device, non_blocking=True)
+    fb.input_ids[d] = tokens.to(device)[s]
+
+
 @dataclass
 class Launched:
     """A step on the device lane: ``tokens`` ([S] int64 on the device, ``plan.sampling`` order;
@@ -123,10 +131,7 @@ class DeviceLane:
     def _run(self, fb, dst: list[int], src: list[int], prev: Launched | None, rows: list[int],
              all_rows: bool) -> torch.Tensor:
         if dst:
-            ids = prev.device_tokens()
-            d = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
-            s = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
-            fb.input_ids[d] = ids[s]
+            fill_inputs(fb, dst, src, prev.device_tokens())
         logits = self.runner.forward(fb)                              # [B, V]
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
