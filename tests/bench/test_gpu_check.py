@@ -42,6 +42,7 @@ def test_a_failed_check_fails_the_run_and_the_measurements_still_run(tmp_path, m
 
     spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
     gc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gc)     # its dataclasses look themselves up
     spec.loader.exec_module(gc)
     report: dict = {}
     gc._phase(report, "a_check", lambda: {"ok": False}, required=True)
