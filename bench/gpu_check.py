@@ -13,7 +13,9 @@ staged GGUF, then runs this); bench/gpu_stage.sh prepares what it carries. Write
    the measurements still run:
    a. pytest, compiled on the GPU: tests/engine/test_triton_attention.py (decode over pages and
       extend over a cached prefix vs a dense reference, page sizes 1/16, GQA, windows, long and
-      short contexts, fp32 and bf16), tests/engine/test_cuda_graph.py, tests/cache/test_copier.py,
+      short contexts, fp32 and bf16), tests/engine/test_gpu_path.py (the fused layer kernels
+      against their unfused references, the fused Llama path against the composed one),
+      tests/engine/test_cuda_graph.py, tests/cache/test_copier.py,
       tests/cache/test_host_tier.py, tests/cache/test_host_components.py, tests/cache/test_req_to_token.py;
    b. the engine's greedy tokens (bf16, CUDA graphs on) vs transformers' ``generate`` on the same
       GPU for the five prompts of tests/engine/test_model_smollm2.py: equal, or the first

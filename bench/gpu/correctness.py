@@ -24,7 +24,7 @@ from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.types import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_cuda_graph.py",
+GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_gpu_path.py", "tests/engine/test_cuda_graph.py",
              "tests/cache/test_copier.py", "tests/cache/test_host_tier.py", "tests/cache/test_host_components.py",
              "tests/cache/test_req_to_token.py"]
 

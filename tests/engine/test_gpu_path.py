@@ -3,7 +3,7 @@ single-pass decode attention) against their unfused references, the whole path a
 composed layers, and how many device ops one decode step issues.
 
 CPU runs use triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay
-tiny. The op count is what a GPU would launch: every aten op that is not a view or an
+tiny; bench/gpu_check.py runs this file compiled on a GPU too. The op count is what a GPU would launch: every aten op that is not a view or an
 allocation, plus every triton kernel launch; a regression (a new cast, copy or unfused
 elementwise op) changes it."""
 
@@ -110,9 +110,9 @@ def _runner(path, dtype, backend):
     from tandem.engine.loader import load_model
     from tandem.engine.model_runner import ModelRunner
 
-    loaded = load_model(path, device="cpu", dtype=dtype)
+    loaded = load_model(path, device=DEVICE, dtype=dtype)
     return ModelRunner.create(loaded, max_total_tokens=256, page_size=4, max_reqs=4, max_context=64,
-                              backend=make_attention_backend(backend, "cpu"))
+                              backend=make_attention_backend(backend, DEVICE))
 
 
 PROMPTS = [[(7 * i + 3) % 256 for i in range(11)], [(5 * i + 1) % 256 for i in range(6)]]
