@@ -198,3 +198,30 @@ def test_one_decode_step_issues_a_pinned_number_of_device_ops(tiny_dir, monkeypa
                                  + ["matmul", "to"]), ops
     assert launches == 5 * layers + 1
     assert len(ops) + launches == per_layer * layers + 4
+
+
+# ---------------------------------------------------------------------------- device sampling
+def test_sample_kernel_greedy_rows_are_argmax_and_draws_follow_the_cut_distribution():
+    from tandem.engine.attention.triton_kernels.layer_ops import sample, sample_reference_probs
+
+    g = torch.Generator().manual_seed(4)
+    V, n = 12, 200                         # the interpreter runs a program a row; the seeds are fixed
+    row = torch.randn(V, generator=g) * 2
+    logits = row.repeat(n, 1).to(DEVICE)
+    f32 = dict(dtype=torch.float32, device=DEVICE)
+    seeds = torch.arange(n, device=DEVICE, dtype=torch.int64) * 7919 + 1
+    for temp, top_p, top_k in [(0.7, 0.8, 0), (1.3, 1.0, 4)]:
+        got = sample(logits, torch.full((n,), temp, **f32), torch.full((n,), top_p, **f32),
+                     torch.full((n,), top_k, dtype=torch.int32, device=DEVICE), seeds, iters=10)
+        want = sample_reference_probs(row, temp, top_p, top_k)
+        freq = torch.bincount(got.cpu(), minlength=V).float() / n
+        assert (freq[want == 0] == 0).all(), (temp, top_p, top_k, freq, want)      # the cuts hold
+        assert (freq - want).abs().max() < 0.1, (temp, top_p, top_k, freq, want)   # ~4 sigma
+        again = sample(logits[:20], torch.full((20,), temp, **f32), torch.full((20,), top_p, **f32),
+                       torch.full((20,), top_k, dtype=torch.int32, device=DEVICE), seeds[:20], iters=10)
+        assert torch.equal(again, got[:20])                     # a row's draw: its seed and itself
+    mixed = torch.randn(5, 300, generator=g).to(DEVICE)
+    mixed[2, 7] = mixed[2, 9] = mixed[2].max() + 1             # a tie: the first index wins
+    got = sample(mixed, torch.zeros(5, **f32), torch.ones(5, **f32),
+                 torch.zeros(5, dtype=torch.int32, device=DEVICE), seeds[:5])
+    assert torch.equal(got, mixed.argmax(-1)) and int(got[2]) == 7

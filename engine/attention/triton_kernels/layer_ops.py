@@ -185,3 +185,113 @@ def _warps(block: int, t: torch.Tensor) -> int:
     if not t.is_cuda:
         return 1
     return 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+
+
+@triton.jit
+def _sample_kernel(Logits, Out, Temp, TopP, TopK, Seed, stride, V, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = Logits + row * stride
+    offs = tl.arange(0, BLOCK)
+    # pass 1: the row's max, its first index, and its min (greedy needs only the first two)
+    m = float("-inf")
+    lo = float("inf")
+    am = V
+    for off in range(0, V, BLOCK):
+        x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
+        bm = tl.max(x, 0)
+        bi = tl.min(tl.where(x == bm, off + offs, V), 0)
+        am = tl.where(bm > m, bi, am)
+        m = tl.maximum(m, bm)
+        lo = tl.minimum(lo, tl.min(tl.where(off + offs < V, x, float("inf")), 0))
+    temp = tl.load(Temp + row)
+    if temp <= 0.0:
+        tl.store(Out + row, am.to(tl.int64))
+    else:
+        top_k = tl.load(TopK + row)
+        top_p = tl.load(TopP + row)
+        # top-k: the largest threshold t with at least k logits >= t (binary search over values)
+        t_k = lo
+        if top_k > 0:
+            a, b = lo, m
+            for _ in range(ITERS):
+                mid = (a + b) * 0.5
+                n = 0
+                for off in range(0, V, BLOCK):
+                    x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
+                    n += tl.sum((x >= mid).to(tl.int32), 0)
+                a = tl.where(n >= top_k, mid, a)
+                b = tl.where(n >= top_k, b, mid)
+            t_k = a
+        # the softmax's mass over the top-k set, then top-p: the largest probability threshold
+        # whose set (p >= t) still holds more than top_p of that mass
+        denom = 0.0
+        for off in range(0, V, BLOCK):
+            x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
+            denom += tl.sum(tl.where(x >= t_k, tl.exp((x - m) / temp), 0.0), 0)
+        t_p = 0.0
+        if top_p < 1.0:
+            a, b = 0.0, 1.0
+            for _ in range(ITERS):
+                mid = (a + b) * 0.5
+                mass = 0.0
+                for off in range(0, V, BLOCK):
+                    x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
+                    p = tl.where(x >= t_k, tl.exp((x - m) / temp) / denom, 0.0)
+                    mass += tl.sum(tl.where(p >= mid, p, 0.0), 0)
+                a = tl.where(mass >= top_p, mid, a)
+                b = tl.where(mass >= top_p, b, mid)
+            t_p = a
+        # Gumbel-max over the kept set; the noise of token i depends on (seed, i) only
+        seed = tl.load(Seed + row)
+        best = float("-inf")
+        tok = am
+        for off in range(0, V, BLOCK):
+            idx = off + offs
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            z = (x - m) / temp
+            keep = (idx < V) & (x >= t_k) & (tl.exp(z) / denom >= t_p)
+            u = tl.rand(seed, idx)
+            g = z - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+            g = tl.where(keep, g, float("-inf"))
+            bg = tl.max(g, 0)
+            bi = tl.min(tl.where(g == bg, idx, V), 0)
+            tok = tl.where(bg > best, bi, tok)
+            best = tl.maximum(best, bg)
+        tl.store(Out + row, tok.to(tl.int64))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+           seeds: torch.Tensor, iters: int = 24) -> torch.Tensor:
+    """One token per row of logits ``[B, V]``, in one launch: temperature 0 is greedy (the
+    first maximal index, as ``argmax``); otherwise softmax(logits / temperature) cut to the
+    top-k logits (``top_k`` 0: off) and then to the top-p mass (``top_p`` 1: off), drawn by
+    Gumbel-max with noise from ``seeds[b]`` and the token index only (a row's draw does not
+    depend on its batch). The cuts are thresholds found by ``iters`` bisection steps, so a
+    logit within the last step of the k-th (or the top-p edge) may be kept too. Per-row
+    tensors ``[B]`` on the logits' device: temperature, top_p float32; top_k, seeds int."""
+    check_device(_sample_kernel, logits)
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    if logits.stride(-1) != 1:
+        raise ValueError("sample: logits must be contiguous in their last dim")
+    block = min(1024, triton.next_power_of_2(V))
+    _sample_kernel[(B,)](logits, out, temperature, top_p, top_k, seeds, logits.stride(0), V,
+                         ITERS=iters, BLOCK=block, num_warps=4 if logits.is_cuda else 1)
+    return out
+
+
+def sample_reference_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The distribution :func:`sample` draws a row from (engine/sampler.py's ``_one`` cuts)."""
+    row = logits.float() / temperature
+    if 0 < top_k < row.shape[-1]:
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sp, -1) - sp) > top_p
+        sp[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, si, sp)
+    return probs / probs.sum()
