@@ -150,7 +150,7 @@ class Engine:
         self.sampler = Sampler(cfg.seed, grammar=self.grammar)
         self.overlap = resolve_overlap(cfg.overlap_schedule, cfg.disable_overlap_schedule,
                                        self.device, self.hybrid.active)
-        self._lane = DeviceLane(self.runner, self.device) if self.overlap else None
+        self._lane = DeviceLane(self.runner, self.device, cfg.seed) if self.overlap else None
         self._inflight: Launched | None = None     # the launched step not applied yet (overlap)
         self.startup_line += f"; overlap schedule {'on' if self.overlap else 'off'}"
         self._grammar = None
@@ -482,7 +482,7 @@ class Engine:
             return plan
         s.advance(plan)
         fb = self.kv.forward_batch(plan)
-        if not device_sampleable(plan):  # grammar, logprobs, sampling: the plain path, settled
+        if not device_sampleable(plan, self.device):  # grammar, logprobs, seeds: the plain path
             prev = self._inflight
             dst, src = fill_indices(plan, prev)      # before the settle appends those tokens
             self._settle()

@@ -13,10 +13,12 @@ placeholder input id (``RequestKV._new_ids``) with the in-flight token before th
 (:func:`fill_indices`). A request that stops in step N has already been launched in N+1: that
 one extra token is computed and dropped (``Scheduler.apply``), never streamed.
 
-Only batches the device can sample alone overlap (:func:`device_sampleable`: greedy, no grammar,
-no logprobs, no pending min_tokens ban); any other batch takes the plain path for that step (the
-grammar mask needs the previous token accepted, seeded draws need the exact output count), after
-the step in flight is applied. Commands that change requests (abort, handoff, migration,
+Only batches the device can sample alone overlap (:func:`device_sampleable`: no grammar, no
+logprobs, no pending min_tokens ban; greedy, or on CUDA also unseeded temperature / top-k / top-p
+rows, drawn by the one-launch ``sample`` kernel with per-row seeds from the lane's generator);
+any other batch takes the plain path for that step (the grammar mask needs the previous token
+accepted, seeded draws keep the host sampler's exact per-(seed, step) draws), after the step in
+flight is applied. Commands that change requests (abort, handoff, migration,
 inspection) are applied only with no step in flight (the engine settles first), and hybrid
 models (recurrent state, SWA rows) always use the plain loop.
 
@@ -52,11 +54,13 @@ def resolve_overlap(setting: str, disabled: bool, device: torch.device, hybrid: 
     return setting == "on" or device.type == "cuda"
 
 
-def device_sampleable(plan: StepPlan) -> bool:
-    """Every sampling row of ``plan`` is a plain greedy one the device can pick alone."""
+def device_sampleable(plan: StepPlan, device: torch.device) -> bool:
+    """Every sampling row of ``plan`` is one the device can pick alone (module docstring)."""
     for e in plan.sampling:
         sr, p = e.sr, e.sr.req.params
-        if sr.matcher is not None or not p.greedy or p.logprobs:
+        if sr.matcher is not None or p.logprobs:
+            return False
+        if not p.greedy and (device.type != "cuda" or p.seed is not None):
             return False
         if len(sr.req.output_ids) + sr.ahead - 1 < p.min_tokens:   # a ban may apply to this row
             return False
@@ -115,9 +119,10 @@ class Launched:
 class DeviceLane:
     """Runs launched steps (forward + greedy pick) in launch order, off the host's path."""
 
-    def __init__(self, runner, device: torch.device):
+    def __init__(self, runner, device: torch.device, seed: int = 0):
         self.runner = runner
         self.device = device
+        self._gen = torch.Generator().manual_seed(seed)   # per-row seeds of sampled (not greedy) rows
         self._pool: ThreadPoolExecutor | None = None   # the CPU lane's thread, made on first use
 
     def launch(self, plan: StepPlan, fb, prev: Launched | None) -> Launched:
@@ -125,27 +130,42 @@ class DeviceLane:
         dst, src = fill_indices(plan, prev)
         rows = plan.sample_rows
         all_rows = len(rows) == len(plan.entries)
+        draw = self._draw_params(plan)
         if self.device.type != "cuda":
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-device")
                 _cpu_lane_started()
-            return Launched(plan, self._pool.submit(self._run, fb, dst, src, prev, rows, all_rows))
-        tokens = self._run(fb, dst, src, prev, rows, all_rows)
+            return Launched(plan, self._pool.submit(self._run, fb, dst, src, prev, rows, all_rows, draw))
+        tokens = self._run(fb, dst, src, prev, rows, all_rows, draw)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return Launched(plan, tokens, host, event)
 
+    def _draw_params(self, plan: StepPlan) -> tuple[torch.Tensor, ...] | None:
+        """(temperature, top_p, top_k, seed) per sampling row, or None when all are greedy."""
+        ps = [e.sr.req.params for e in plan.sampling]
+        if all(p.greedy for p in ps):
+            return None
+        seeds = torch.randint(0, 2 ** 62, (len(ps),), generator=self._gen)
+        return (torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+                torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+                torch.tensor([p.top_k for p in ps], dtype=torch.int32), seeds)
+
     @torch.inference_mode()
     def _run(self, fb, dst: list[int], src: list[int], prev: Launched | None, rows: list[int],
-             all_rows: bool) -> torch.Tensor:
+             all_rows: bool, draw: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         if dst:
             fill_inputs(fb, dst, src, prev.device_tokens())
         logits = self.runner.forward(fb)                              # [B, V]
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         picked = logits if all_rows else logits[rows]
+        if draw is not None:   # temperature / top-k / top-p rows (CUDA): one launch for all rows
+            from tandem.engine.attention.triton_kernels.layer_ops import sample
+
+            return sample(picked.contiguous(), *(t.to(picked.device, non_blocking=True) for t in draw))
         return argmax_rows(picked)
 
     def close(self) -> None:

@@ -176,3 +176,27 @@ def test_overlap_hides_the_host_work_behind_a_sleeping_forward():
     on, got = engine_seconds(loaded, batch, tokens, "on")
     assert got == want
     assert off / on > 1.2, (off, on, step)
+
+
+def test_which_rows_the_device_samples_alone():
+    """Greedy rows anywhere; unseeded temperature / top-p rows on CUDA only (the one-launch
+    sample kernel); seeded, logprob, constrained and min_tokens-banned rows never."""
+    import torch
+
+    from tandem.engine.overlap import device_sampleable
+    from tandem.engine.sched_types import SchedReq, StepPlan
+    from tandem.core.types import Req
+
+    def plan(**params):
+        sr = SchedReq(Req([1, 2, 3], SamplingParams(**params)), tracker=None)
+        p = StepPlan()
+        p.add(sr, 3, torch.arange(3))
+        sr.ahead = 1
+        return p
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert device_sampleable(plan(), cpu) and device_sampleable(plan(), cuda)
+    assert not device_sampleable(plan(temperature=0.8, top_p=0.9), cpu)
+    assert device_sampleable(plan(temperature=0.8, top_p=0.9), cuda)
+    for bad in (dict(temperature=0.8, seed=3), dict(logprobs=True), dict(min_tokens=4)):
+        assert not device_sampleable(plan(**bad), cuda), bad
