@@ -11,7 +11,11 @@ launch each where torch needs several.
   is reached through one): rope, the KV store and their casts in one launch. Rotation in float32,
   rounded once.
 
-Each has a torch reference beside it (``*_reference``), the unfused ops the GPU path ran before.
+- :func:`sample`: one token per row in one launch: greedy (temperature 0) or temperature /
+  top-k / top-p by Gumbel-max with per-row seeds (overlap scheduling's device sampling on CUDA).
+
+Each has a torch reference beside it (``*_reference``), the unfused ops the GPU path ran before
+(``sample_reference_probs``: the distribution engine/sampler.py draws from).
 """
 
 from __future__ import annotations
