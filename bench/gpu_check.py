@@ -9,23 +9,32 @@ staged GGUF, then runs this); bench/gpu_stage.sh prepares what it carries. Write
 ``OUT/gpu_check.json`` (every number), ``OUT/gpu_check.md`` (the table, also printed last) and
 ``OUT/pytest.log``; ``OUT`` is ``--out``, else ``$OUT``, else bench/out/gpu_check.
 
-1. Correctness, first; the run stops at the first failure (exit 1, the JSON says which):
+1. Correctness, first; a failing check marks the run failed (exit 1, the JSON says which), and
+   the measurements still run:
    a. pytest, compiled on the GPU: tests/engine/test_triton_attention.py (decode over pages and
       extend over a cached prefix vs a dense reference, page sizes 1/16, GQA, windows, long and
-      short contexts, fp32 and bf16), tests/engine/test_cuda_graph.py, tests/cache/test_copier.py,
+      short contexts, fp32 and bf16), tests/engine/test_gpu_path.py (the fused layer kernels
+      against their unfused references, the fused Llama path against the composed one),
+      tests/engine/test_cuda_graph.py, tests/cache/test_copier.py,
       tests/cache/test_host_tier.py, tests/cache/test_host_components.py, tests/cache/test_req_to_token.py;
    b. the engine's greedy tokens (bf16, CUDA graphs on) vs transformers' ``generate`` on the same
       GPU for the five prompts of tests/engine/test_model_smollm2.py: equal, or the first
       divergence, which must be a bf16 near-tie;
    c. CUDA graphs on vs off: the same tokens (8 requests decoding together), and a captured
       graph's logits bitwise equal to its eager stand-in;
-   d. retraction with host backup/restore every 3 decode steps vs the same requests alone.
+   d. retraction with host backup/restore every 3 decode steps vs the same requests alone;
+   e. overlap scheduling on vs off (engine/overlap.py): the same greedy tokens, 8 requests of
+      different lengths.
 2. Measurements, in the same run: the machine's ceilings (device copy GB/s, bf16 GEMM TFLOP/s,
    pinned copy GB/s); prefill tok/s of a 2,048-token prompt and decode tok/s at batch 1, 32 and
-   128 (512-token prompts, 128 steps), Tandem's runner and Engine with and without CUDA graphs,
-   against transformers and the roofline; host-pool backup/restore GB/s against a plain pinned
-   copy; the triton kernels' tuning sweep (best tiles / splits per shape) against SDPA or
-   FlashInfer, last, in the time left.
+   128 (512-token prompts, 128 steps), Tandem's runner and Engine with and without CUDA graphs
+   (the Engine with graphs also with overlap scheduling off: the engine / runner ratio with and
+   without it), against transformers and the roofline; kernel launches per layer of a decode
+   step (torch.profiler, bench/gpu/profile.py); the Llama-3.1-8B geometry with random bf16
+   weights made on the GPU (bench/gpu/llama8b.py: decode at batch 1 / 16 / 64 and an 8,192-token
+   prefill against their rooflines, its launches per layer); host-pool backup/restore GB/s
+   against a plain pinned copy; the triton kernels' tuning sweep (best tiles / splits per shape)
+   against SDPA or FlashInfer, last, in the time left.
 
 What the GPU machine must be given (it has torch, triton, transformers, numpy, pyyaml, jinja2,
 tokenizers, safetensors, msgpack, pytest; no Ray or NIXL, which the Engine does not import):
@@ -78,7 +87,8 @@ SMOKE = Plan(device="cpu", dtype="float32", model="tiny", prefill_len=48, decode
 
 
 def _phase(report: dict, name: str, fn, *, required: bool):
-    """Run ``fn`` into ``report[name]``; a required check that fails (or raises) stops the run."""
+    """Run ``fn`` into ``report[name]``; a required check that fails (or raises) is listed in
+    ``report["failed"]`` (the run ends failed; later phases still run)."""
     t = time.perf_counter()
     print(f"[gpu_check] {name} ...", flush=True)
     try:
@@ -88,16 +98,10 @@ def _phase(report: dict, name: str, fn, *, required: bool):
     res["seconds"] = round(time.perf_counter() - t, 1)
     report[name] = res
     if required and not res.get("ok", False):
-        raise _Failed(name, res)
+        report.setdefault("failed", []).append(name)
     if "error" in res:
         print(f"[gpu_check] {name}: {res['error']}", flush=True)
     return res
-
-
-class _Failed(Exception):
-    def __init__(self, name, res):
-        super().__init__(name)
-        self.name, self.res = name, res
 
 
 def correctness(plan: Plan, pair, out: str, report: dict) -> None:
@@ -108,13 +112,16 @@ def correctness(plan: Plan, pair, out: str, report: dict) -> None:
     _phase(report, "engine_vs_transformers", lambda: c.engine_vs_hf(pair, plan), required=True)
     _phase(report, "graphs_on_off", lambda: c.graphs_on_off(pair, plan), required=True)
     _phase(report, "retraction_restore", lambda: c.retraction(pair, plan), required=True)
+    _phase(report, "overlap_on_off", lambda: c.overlap_on_off(pair, plan), required=True)
 
 
 def measurements(plan: Plan, pair, report: dict, t_start: float) -> None:
     import torch
 
     from tandem.bench.gpu import kernels as k
+    from tandem.bench.gpu import llama8b
     from tandem.bench.gpu import throughput as tp
+    from tandem.bench.gpu.profile import decode_launches as launches
 
     dev, small = plan.device, plan.device == "cpu"
     dtype = getattr(torch, plan.dtype)
@@ -142,17 +149,26 @@ def measurements(plan: Plan, pair, report: dict, t_start: float) -> None:
             row = {"batch": B, "prompt": n, "steps": steps,
                    "runner_graph": tp.runner_decode(pair, B, n, steps, graph),
                    "runner_eager": tp.runner_decode(pair, B, n, steps, None),
-                   "engine_graph": tp.engine_decode(pair, plan, B, n, steps, True),
-                   "engine_eager": tp.engine_decode(pair, plan, B, n, steps, False),
+                   "engine_graph": tp.engine_decode(pair, plan, B, n, steps, True, "on"),
+                   "engine_graph_no_overlap": tp.engine_decode(pair, plan, B, n, steps, True, "off"),
+                   "engine_eager": tp.engine_decode(pair, plan, B, n, steps, False, "on"),
                    "transformers": tp.hf_decode(pair, B, n, steps)}
             if "copy_GBps" in ceil:
                 floor = tp.decode_floor_s(wbytes, kv_bpt, B, n + steps // 2, ceil["copy_GBps"])
                 row["roofline_tok_s"] = round(B / floor, 1)
+            runner = row["runner_graph"]["tok_s"]
+            row["engine_over_runner"] = {k: round(row[k]["tok_s"] / runner, 3)
+                                         for k in ("engine_graph", "engine_graph_no_overlap")}
             rows.append(row)
             print(f"[gpu_check]   decode B={B}: " + ", ".join(
-                f"{key} {row[key]['tok_s']}" for key in row if isinstance(row[key], dict)), flush=True)
+                f"{key} {row[key]['tok_s']}" for key in row if isinstance(row[key], dict) and "tok_s" in row[key])
+                + f"; engine / runner {row['engine_over_runner']}", flush=True)
         return {"rows": rows, "ok": True}
     _phase(report, "decode", decode, required=False)
+    _phase(report, "decode_launches", lambda: {
+        "rows": [launches(pair, B, 32 if small else plan.decode_prompt) for B in plan.decode_batches[:2]],
+        "ok": True}, required=False)
+    _phase(report, "llama8b", lambda: llama8b.measure(dev, dtype, ceil, smoke=small), required=False)
     _phase(report, "host_copies", lambda: dict(tp.host_copies(arch, dev, dtype, plan.host_copy_tokens), ok=True),
            required=False)
     if plan.sweep != "none":
@@ -167,7 +183,8 @@ def table(report: dict) -> str:
     L = [f"# Tandem GPU check: {report.get('device_name', '?')}", "",
          f"model: {report.get('model', '?')}; dtype {report['plan']['dtype']}; "
          f"status: **{report['status']}**", "", "## Correctness", "", "| check | result |", "|---|---|"]
-    for name in ("pytest_gpu", "engine_vs_transformers", "graphs_on_off", "retraction_restore"):
+    for name in ("pytest_gpu", "engine_vs_transformers", "graphs_on_off", "retraction_restore",
+                 "overlap_on_off"):
         r = report.get(name)
         if r is None:
             continue
@@ -181,6 +198,8 @@ def table(report: dict) -> str:
                       f" (max diff {r.get('replay_vs_standin_max_diff', '-')})")
         if name == "retraction_restore" and "stats" in r:
             detail = f"{r['exact']}/{r['requests']} identical; {r['stats']}"
+        if name == "overlap_on_off" and "requests_equal" in r:
+            detail = f"tokens equal: {r['requests_equal']}"
         L.append(f"| {name} | {'PASS' if r.get('ok') else 'FAIL'}: {detail} |")
     c = report.get("ceilings", {})
     if "copy_GBps" in c:
@@ -189,14 +208,34 @@ def table(report: dict) -> str:
     if d.get("rows"):
         r0 = d["rows"][0]
         L += ["", f"## Decode tok/s ({r0['prompt']}-token prompts, {r0['steps']} steps)", "",
-              "| batch | runner graphs | runner eager | engine graphs | engine eager | transformers | roofline | engine graphs / roofline |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| batch | runner graphs | runner eager | engine graphs | engine graphs, no overlap | "
+              "engine eager | transformers | roofline | engine graphs / roofline | engine / runner (overlap on, off) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["rows"]:
             roof = r.get("roofline_tok_s")
             frac = f"{100 * r['engine_graph']['tok_s'] / roof:.1f}%" if roof else "-"
+            ratio = r.get("engine_over_runner", {})
             L.append(f"| {r['batch']} | {r['runner_graph']['tok_s']} | {r['runner_eager']['tok_s']} | "
-                     f"{r['engine_graph']['tok_s']} | {r['engine_eager']['tok_s']} | "
-                     f"{r['transformers']['tok_s']} | {roof or '-'} | {frac} |")
+                     f"{r['engine_graph']['tok_s']} | {r['engine_graph_no_overlap']['tok_s']} | "
+                     f"{r['engine_eager']['tok_s']} | {r['transformers']['tok_s']} | {roof or '-'} | {frac} | "
+                     f"{ratio.get('engine_graph', '-')}, {ratio.get('engine_graph_no_overlap', '-')} |")
+    dl = report.get("decode_launches", {})
+    if dl.get("rows"):
+        L += ["", "## Launches per decode step (torch.profiler, eager runner)", "",
+              "| batch | what | per step | per layer | wall ms/step | busy ms/step |", "|---|---|---|---|---|---|"]
+        for r in dl["rows"]:
+            L.append(f"| {r['batch']} | {r['what']} | {r['kernels_per_step']} | {r['per_layer']} | "
+                     f"{r['wall_ms_per_step']} | {r['busy_ms_per_step']} |")
+    g8 = report.get("llama8b", {})
+    if g8.get("decode"):
+        L += ["", f"## Llama-3.1-8B geometry, random bf16 weights ({g8['weights_GB']} GB; runner, graphs)", "",
+              "| batch | tok/s | roofline tok/s | of roofline |", "|---|---|---|---|"]
+        for r in g8["decode"]:
+            L.append(f"| {r['batch']} | {r['graphs']['tok_s']} | {r.get('roofline_tok_s', '-')} | "
+                     f"{r.get('of_roofline', '-')} |")
+        p8, l8 = g8["prefill"], g8["launches"]
+        L.append(f"\nprefill {p8['tokens']} tokens: {p8['tok_s']} tok/s ({p8.get('of_roofline', '-')} of the "
+                 f"FLOP roofline); decode launches per layer {l8['per_layer']} ({l8['kernels_per_step']} a step)")
     p = report.get("prefill", {})
     if "runner" in p:
         L += ["", f"## Prefill tok/s ({p['tokens']}-token prompt)", "",
@@ -264,10 +303,9 @@ def main(argv=None) -> int:
         print(f"[gpu_check] model: {report['model']}", flush=True)
         correctness(plan, pair, out, report)
         measurements(plan, pair, report, t0)
-        report["status"] = "pass"
-    except _Failed as f:
-        report["status"] = f"FAIL: {f.name}"
-        rc = 1
+        failed = report.get("failed", [])
+        report["status"] = f"FAIL: {', '.join(failed)}" if failed else "pass"
+        rc = 1 if failed else 0
     except BaseException as e:  # noqa: BLE001 - keep what was measured
         report["status"] = f"ERROR: {type(e).__name__}: {e}"
         report["traceback"] = traceback.format_exc()[-4000:]

@@ -57,7 +57,7 @@ class ReqToTokenPool:
             raise ValueError(f"write to positions {start}..{end} exceeds max_context={self.max_context}")
         self._host[row, start:end] = slots.to("cpu", torch.int32)
         if self._host is not self.req_to_token:
-            self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
+            self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32, non_blocking=True)
 
     def write_many(self, rows: list[int], starts: list[int], slots: list[torch.Tensor]) -> None:
         """``write(rows[i], starts[i], slots[i])`` for every i; on a GPU one host-to-device copy
@@ -74,7 +74,7 @@ class ReqToTokenPool:
         r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(n))
         c = torch.cat([torch.arange(st, st + k, dtype=torch.int64) for st, k in zip(starts, n)])
         v = torch.cat([sl.to("cpu", torch.int64) for sl in slots])
-        rcv = torch.stack([r, c, v]).to(self.req_to_token.device)               # [3, total]: one copy
+        rcv = torch.stack([r, c, v]).to(self.req_to_token.device, non_blocking=True)   # [3, total]: one copy
         self.req_to_token[rcv[0], rcv[1]] = rcv[2].to(torch.int32)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:

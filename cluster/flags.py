@@ -73,6 +73,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "decode launches every kernel eagerly instead of replaying CUDA graphs (CUDA only)"),
     Flag("--cuda-graph-max-bs", "cuda_graph_max_bs",
          "largest decode batch captured in a CUDA graph (default: --max-running-requests)"),
+    Flag("--overlap-schedule", "overlap_schedule",
+         "plan step N+1 while the device runs step N: on, off, or auto (on for CUDA devices)"),
+    Flag("--disable-overlap-schedule", "disable_overlap_schedule",
+         "turn overlap scheduling off (the host waits for each step's tokens before the next)"),
 )
 
 SERVE_FLAGS: tuple[Flag, ...] = (

@@ -116,6 +116,11 @@ class EngineConfig(_Strict):
     cuda_graph_max_bs: int | None = Field(
         None, ge=1, description="largest decode batch captured in a CUDA graph; larger batches run "
                                 "eagerly (default: cache.max_running_requests)")
+    overlap_schedule: Literal["auto", "on", "off"] = Field(
+        "auto", description="plan and build step N+1 while the device runs step N (greedy "
+                            "batches; engine/overlap.py); 'auto': on for CUDA devices, off on the CPU")
+    disable_overlap_schedule: bool = Field(
+        False, description="turn overlap scheduling off whatever overlap_schedule says")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     hybrid: HybridConfig = HybridConfig()

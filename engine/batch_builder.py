@@ -28,7 +28,8 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
                         state_pool=None) -> ForwardBatch:
     """The step's ForwardBatch. Its index tensors reach the device in one host-to-device copy
     (views of one packed tensor), and the new slots reach ``req_to_token`` in one more
-    (``write_many``): a constant number of copies per step, whatever the batch size."""
+    (``write_many``): a constant number of copies per step, whatever the batch size. Neither
+    waits for the device (overlap scheduling builds a step while the previous one runs)."""
     if not items:
         raise ValueError("empty plan")
     rows, prefix, ext, ids, pos, locs = [], [], [], [], [], []
@@ -50,7 +51,7 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
     T, B = len(ids), len(items)
     # packed: ids [T] | positions [T] | out_cache_loc [T] | rows, seq, prefix, ext, starts [B] each
     packed = torch.cat([torch.tensor(ids, dtype=torch.int64), *pos, *locs,
-                        torch.tensor(rows + seq + prefix + ext + starts, dtype=torch.int64)]).to(device)
+                        torch.tensor(rows + seq + prefix + ext + starts, dtype=torch.int64)]).to(device, non_blocking=True)
     tok = packed[:3 * T].view(3, T)
     per = packed[3 * T:].view(5, B)
     return ForwardBatch(

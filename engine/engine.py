@@ -22,7 +22,9 @@ run on its thread pool, never on the engine thread.
 The engine thread runs the loop: drain the inbox (typed commands, dispatched with ``match``; an
 unknown one raises), then one step -- ``plan = scheduler.schedule()``;
 ``runner.forward(kv.forward_batch(plan))``; the sampler picks the tokens of ``plan.sample_rows``;
-``scheduler.update(plan, tokens)``; stream the chunks.
+``scheduler.update(plan, tokens)``; stream the chunks. With overlap scheduling
+(``EngineConfig.overlap_schedule``; engine/overlap.py) a step launches the next plan on the device
+lane first and applies the previous step's tokens while it runs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.overlap import (DeviceLane, Launched, device_sampleable, fill_indices, fill_inputs,
+                                   resolve_overlap)
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
@@ -144,6 +148,11 @@ class Engine:
             connector=connector(self) if connector is not None else None)
         self.connector = self.scheduler.connector
         self.sampler = Sampler(cfg.seed, grammar=self.grammar)
+        self.overlap = resolve_overlap(cfg.overlap_schedule, cfg.disable_overlap_schedule,
+                                       self.device, self.hybrid.active)
+        self._lane = DeviceLane(self.runner, self.device, cfg.seed) if self.overlap else None
+        self._inflight: Launched | None = None     # the launched step not applied yet (overlap)
+        self.startup_line += f"; overlap schedule {'on' if self.overlap else 'off'}"
         self._grammar = None
         self._grammar_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -352,6 +361,8 @@ class Engine:
                 self._grammar.shutdown()
             self._grammar = None
         self.sampler.close()
+        if self._lane is not None:
+            self._lane.close()
         for tier in self.kv.cache.tiers:   # the L3 tier's prefetch thread and store client end now
             tier.close()
 
@@ -371,9 +382,18 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                self._apply(self._inbox.get_nowait())
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if not isinstance(cmd, Submit):
+                self._settle()   # commands that touch requests see no step in flight
+            self._apply(cmd)
+
+    def _settle(self) -> None:
+        """Apply the step in flight (overlap), if any, and stream its chunks."""
+        done, self._inflight = self._inflight, None
+        if done is not None:
+            self._emit(self.scheduler.apply(done.plan, done.host_tokens()))
 
     def _apply(self, cmd: Command) -> None:
         match cmd:
@@ -424,7 +444,7 @@ class Engine:
         self._drain_inbox()
         self._step_started = time.monotonic()
         try:
-            return self._step()
+            return self._step_overlap() if self.overlap else self._step()
         finally:
             self._step_started = None
 
@@ -440,25 +460,54 @@ class Engine:
         plan = s.schedule()
         chunks = plan.chunks
         if plan.entries:
-            srs = [e.sr for e in plan.sampling]
-            masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
-            logits = self.runner.forward(self.kv.forward_batch(plan))   # [B, V]
-            rows = plan.sample_rows
-            if rows:
-                sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
-                out = self.sampler.sample(sampled, srs, s.eos, masks)
-                tokens, logprobs = out.tokens, out.logprobs
-            else:
-                tokens, logprobs = [], None
+            tokens, logprobs = self._forward_sample(plan, self.kv.forward_batch(plan))
             chunks = chunks + s.update(plan, tokens, logprobs)
         self._emit(chunks)
+        return plan
+
+    def _forward_sample(self, plan, fb) -> tuple[list, list | None]:
+        """Run ``fb`` (``plan``'s batch) and sample its sampling rows on the host."""
+        srs = [e.sr for e in plan.sampling]
+        masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
+        logits = self.runner.forward(fb)     # [B, V]
+        rows = plan.sample_rows
+        if not rows:
+            return [], None
+        sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
+        out = self.sampler.sample(sampled, srs, self.scheduler.eos, masks)
+        return out.tokens, out.logprobs
+
+    def _step_overlap(self):
+        """Plan and launch step N+1, then apply step N while it runs (engine/overlap.py)."""
+        s = self.scheduler
+        if self._inflight is not None and s.wants_settled():
+            self._settle()               # this schedule may retract: nothing may be in flight
+        plan = s.schedule()
+        self._emit(plan.chunks)
+        if not plan.entries:
+            self._settle()
+            return plan
+        s.advance(plan)
+        fb = self.kv.forward_batch(plan)
+        if not device_sampleable(plan, self.device):  # grammar, logprobs, seeds: the plain path
+            prev = self._inflight
+            dst, src = fill_indices(plan, prev)      # before the settle appends those tokens
+            self._settle()
+            if dst:
+                fill_inputs(fb, dst, src, prev.device_tokens())
+            tokens, logprobs = self._forward_sample(plan, fb)
+            self._emit(s.apply(plan, tokens, logprobs))
+            return plan
+        prev, self._inflight = self._inflight, self._lane.launch(plan, fb, self._inflight)
+        if prev is not None:
+            self._emit(s.apply(prev.plan, prev.host_tokens()))
         return plan
 
     def _loop(self) -> None:
         try:
             while not self._stop:
                 self._drain_inbox()
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and self._inflight is None:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -470,6 +519,11 @@ class Engine:
             log.exception("engine thread crashed")
             self._error = e
         finally:
+            try:
+                self._settle()   # the step in flight ends before its requests are aborted
+            except BaseException:
+                log.exception("the step in flight failed while stopping")
+                self._inflight = None
             error = "engine stopped" if self._error is None else f"engine error: {self._error!r}"
             s = self.scheduler
             for rid in ([sr.rid for sr in s.waiting] + [sr.rid for sr in s.retraction.retracted]

@@ -172,11 +172,13 @@ class RequestKV:
         last_loc = self.r2t.slot(r.req_pool_idx, c - 1) if c else -1
         return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n), received)
 
-    def cache_prefix(self, sr: SchedReq, final: bool = False) -> None:
-        """Hand the page-aligned computed prefix to the cache and adopt its canonical slots (the
-        request then shares them with later requests; its lock moves to the new node)."""
+    def cache_prefix(self, sr: SchedReq, final: bool = False, end: int | None = None) -> None:
+        """Hand the page-aligned computed prefix (of ``[0, end)``; default ``computed_len``) to
+        the cache and adopt its canonical slots (the request then shares them with later
+        requests; its lock moves to the new node)."""
         r = sr.req
-        aligned = r.computed_len // self.page_size * self.page_size
+        end = r.computed_len if end is None else end
+        aligned = end // self.page_size * self.page_size
         if aligned <= sr.locked_len:
             return
         row, locked = r.req_pool_idx, sr.locked_len
@@ -191,12 +193,18 @@ class RequestKV:
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """The device tensors of ``plan`` (the one place a plan becomes tensors)."""
-        items = [PlanItem(e.sr.req.req_pool_idx, e.sr.req.computed_len,
-                          e.sr.req.all_ids[e.sr.req.computed_len: e.sr.req.computed_len + e.n], e.slots)
+        items = [PlanItem(e.sr.req.req_pool_idx, e.start, self._new_ids(e), e.slots)
                  for e in plan.entries]
         state_indices, state_pool = self.hybrid.state_batch([e.sr.req for e in plan.entries])
         return build_forward_batch(items, self.r2t, self.kv_pool, self.device,
                                    state_indices=state_indices, state_pool=state_pool)
+
+    @staticmethod
+    def _new_ids(e) -> list[int]:
+        """The entry's input ids; a token still in flight (overlap scheduling) is a 0 here,
+        which the engine overwrites on the device before the forward."""
+        ids = e.sr.req.all_ids[e.start:e.start + e.n]
+        return ids + [0] * (e.n - len(ids))
 
     def advanced(self, sr: SchedReq) -> None:
         """After the forward moved ``computed_len`` (hybrid: SWA rows that left the window)."""

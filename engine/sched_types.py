@@ -50,6 +50,12 @@ class SchedReq:
     ``prefetches``: the tiers' read-ahead of its prefix in flight, by tier name (set at
     ``Scheduler.add``, engine/request_kv.py ``prefetch``; each stopped by its admission when the
     walk reaches its tier, and cleared).
+
+    Overlap scheduling (engine/overlap.py) plans a step before the previous one's tokens are
+    back: ``inflight`` counts the planned steps that include the request and were not applied
+    yet (``Scheduler.advance`` adds one, ``Scheduler.apply`` takes it back); ``ahead`` counts the
+    tokens those steps sample for it, which are not in ``req.output_ids`` yet (so its next
+    decode's input token lives on the device). Both are 0 between steps of the plain loop.
     """
 
     req: Req
@@ -60,6 +66,8 @@ class SchedReq:
     group: SampleGroup | None = None
     receive: bool = False
     prefetches: dict[str, Prefetch] | None = None
+    inflight: int = 0
+    ahead: int = 0
 
     @property
     def rid(self) -> str:
@@ -68,13 +76,15 @@ class SchedReq:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """``sr`` extends its KV from ``req.computed_len`` by ``n`` tokens into ``slots`` ``[n]``;
-    ``samples``: that reaches ``seq_len``, so its last position's logits pick the next token."""
+    """``sr`` extends its KV from position ``start`` (its ``computed_len`` when planned) by ``n``
+    tokens into ``slots`` ``[n]``; ``samples``: that reaches ``seq_len`` (plus the tokens still
+    in flight, ``sr.ahead``), so its last position's logits pick the next token."""
 
     sr: SchedReq
     n: int
     slots: torch.Tensor
     samples: bool
+    start: int = 0
 
 
 @dataclass
@@ -89,7 +99,8 @@ class StepPlan:
 
     def add(self, sr: SchedReq, n: int, slots: torch.Tensor) -> None:
         r = sr.req
-        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n == r.seq_len))
+        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n == r.seq_len + sr.ahead,
+                                      r.computed_len))
 
     def holds(self, sr: SchedReq) -> bool:
         return any(e.sr is sr for e in self.entries)

@@ -18,6 +18,14 @@ outside the step loop is in :attr:`detached`: received (``WAITING_FOR_KV``, unti
 Activate or an Abort) or held (finished; the role's KVConnector kept it until a Release), both
 applied by :meth:`handoff`.
 
+Overlap scheduling (engine/overlap.py): the engine may plan step N+1 before step N's tokens are
+back. It then calls :meth:`advance` when a plan is made and :meth:`apply` once its tokens are
+back (:meth:`update` is both at once). A request whose sampled token is still in flight
+(``SchedReq.ahead``) decodes it next without knowing it; one that finishes while a step still
+computes for it keeps its KV until that step is applied too (its token is dropped, never
+streamed), and it is never chosen as a retraction victim while in flight
+(:meth:`wants_settled` tells the engine when to apply first).
+
 Constrained decoding: a waiting request is admitted only once its grammar compile (engine/grammar.py,
 off the loop) is done; one that does not compile finishes "abort". OpenAI ``n``
 (engine/sample_groups.py): a member waits while a sibling here computes the shared prompt, then
@@ -65,6 +73,7 @@ class Scheduler:
         self.detached: dict[str, SchedReq] = {}      # holding KV outside the step loop (module doc)
         self.observers: list[SchedulerObserver] = []   # test-facing, empty by default (sched_types.py)
         self._decode_steps = 0
+        self._deferred: list[SchedReq] = []          # finished while in flight: released at apply
         self.groups = SampleGroups()
         self.stats = kv.stats = new_stats()
         self.retraction = Retraction(kv, self.stats, policy=retraction_policy, host_backup=host_backup)
@@ -105,7 +114,31 @@ class Scheduler:
         return None if sr is None else self._finish(sr, "abort", "", error=error)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.retraction.retracted)
+        return bool(self.waiting or self.running or self.retraction.retracted or self._deferred)
+
+    def wants_settled(self) -> bool:
+        """Whether the next :meth:`schedule` may retract a decoding request (the retraction lever
+        is due, or free plus evictable KV is short of a page per decode): with a step in flight,
+        the engine applies it first, since an in-flight request is never a victim."""
+        decodes = [sr for sr in self.running.values() if self._decoding(sr)]
+        if not decodes:
+            return False
+        n = self.debug_retract_every
+        if n and (self._decode_steps + 1) % n == 0:
+            return True
+        need = (len(decodes) + 1) * self.kv.page_size + 1
+        return self.kv.alloc.available_size() < need and self.kv.room() < need
+
+    @staticmethod
+    def _decoding(sr: SchedReq) -> bool:
+        """Its whole sequence (and the tokens still in flight but the last) holds KV."""
+        return sr.req.computed_len == sr.req.seq_len - 1 + sr.ahead
+
+    def _ends_in_flight(self, sr: SchedReq) -> bool:
+        """A token in flight will finish it by length whatever it is: do not decode past it."""
+        r = sr.req
+        return sr.ahead > 0 and (len(r.output_ids) + sr.ahead >= r.params.max_tokens
+                                 or r.seq_len + sr.ahead >= sr.tracker.max_context)
 
     def handoff(self, event: Activate | Migrate | Release) -> StreamChunk | None:
         """The worker side of a KV handoff (engine/commands.py): the chunk it makes (first token,
@@ -152,21 +185,25 @@ class Scheduler:
     def _plan_decodes(self, plan: StepPlan) -> None:
         """(1) One slot per decoding request, oldest first; retract victims when short."""
         decodes = sorted((sr for sr in self.running.values()
-                          if sr.req.computed_len == sr.req.seq_len - 1), key=lambda s: s.req.arrival)
+                          if self._decoding(sr) and not self._ends_in_flight(sr)),
+                         key=lambda s: s.req.arrival)
         if decodes:
             self._decode_steps += 1
             n = self.debug_retract_every
             if n and self._decode_steps % n == 0:   # test lever: retract without pressure
-                victim = self.retraction.choose(decodes, self.admission.session_seen)
-                decodes.remove(victim)
-                self._retract(victim)
+                victim = self.retraction.choose([d for d in decodes if not d.inflight],
+                                                self.admission.session_seen)
+                if victim is not None:
+                    decodes.remove(victim)
+                    self._retract(victim)
         while decodes:
             sr = decodes.pop(0)
             if sr.rid not in self.running:
                 continue
             slots = self.kv.extend(sr, 1)
             while slots is None:
-                cands = [s for s in self.running.values() if s is not sr and not plan.holds(s)]
+                cands = [s for s in self.running.values()
+                         if s is not sr and not plan.holds(s) and not s.inflight]
                 victim = self.retraction.choose(cands, self.admission.session_seen)
                 if victim is None:
                     break
@@ -288,27 +325,56 @@ class Scheduler:
     def update(self, plan: StepPlan, tokens: list[int | None],
                logprobs: list[TokenLogprob | None] | None = None) -> list[StreamChunk]:
         """Apply a step's results: ``tokens[i]`` was sampled for ``plan.sampling[i]`` (None: its
-        grammar allowed no token), with ``logprobs[i]`` when that request asked for them."""
-        out: list[StreamChunk] = []
+        grammar allowed no token), with ``logprobs[i]`` when that request asked for them.
+        :meth:`advance` then :meth:`apply`: the plain loop's one call per step."""
+        self.advance(plan)
+        return self.apply(plan, tokens, logprobs)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The step ``plan`` is launched: its requests' KV counts as computed from now on (its
+        slots are written by the time any later step reads them), and each sampling request is
+        one token ahead of its ``output_ids`` until :meth:`apply`."""
         computed = 0
         for e in plan.entries:
-            r = e.sr.req
-            computed += max(0, min(r.computed_len + e.n, len(r.prompt_ids)) - r.computed_len)
-            r.computed_len += e.n
-            self.kv.advanced(e.sr)
-            if e.n > 1:   # a prompt chunk (not a decode step): share it with later requests now
-                self.kv.cache_prefix(e.sr)
+            sr, r = e.sr, e.sr.req
+            computed += max(0, min(e.start + e.n, len(r.prompt_ids)) - e.start)
+            r.computed_len = e.start + e.n
+            self.kv.advanced(sr)
+            sr.inflight += 1
+            sr.ahead += e.samples
         self.stats["prompt_tokens_computed"] += computed
+
+    def apply(self, plan: StepPlan, tokens: list[int | None],
+              logprobs: list[TokenLogprob | None] | None = None) -> list[StreamChunk]:
+        """The results of the advanced step ``plan`` (as :meth:`update`). A request that finished
+        since it was planned gets nothing: its token is dropped, and its KV is released once no
+        planned step computes for it any more."""
+        out: list[StreamChunk] = []
+        for e in plan.entries:
+            e.sr.inflight -= 1
+            if e.n > 1 and not e.sr.req.finished:   # a prompt chunk: share it with later requests now
+                self.kv.cache_prefix(e.sr, end=e.start + e.n)
         now = time.monotonic()
         for i, (e, tok) in enumerate(zip(plan.sampling, tokens)):
             sr, r = e.sr, e.sr.req
+            sr.ahead -= 1
+            if r.finished:
+                continue   # the step past its stop (overlap): never streamed
             if r.first_token_time is None:
                 r.first_token_time, r.status = now, ReqStatus.RUNNING
             out.append(self._on_token(sr, tok, logprob=logprobs[i] if logprobs is not None else None))
+        self._release_deferred()
         self.stats["steps"] += 1
         if self.debug:
             self.check_invariants()
         return out
+
+    def _release_deferred(self) -> None:
+        done = [sr for sr in self._deferred if not sr.inflight]
+        if done:
+            self._deferred = [sr for sr in self._deferred if sr.inflight]
+            for sr in done:
+                self.kv.release(sr)
 
     def _on_token(self, sr: SchedReq, tok: int | None, sampled: bool = True,
                   logprob: TokenLogprob | None = None) -> StreamChunk:
@@ -378,7 +444,10 @@ class Scheduler:
         else:
             self.groups.remove(sr)
             if r.req_pool_idx is not None:
-                self.kv.release(sr)
+                if sr.inflight:          # a planned step still writes its KV: release it after
+                    self._deferred.append(sr)
+                else:
+                    self.kv.release(sr)
         r.status = _STATUS.get(reason, ReqStatus.FINISHED_ABORT)
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,

@@ -24,7 +24,7 @@ from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.types import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_cuda_graph.py",
+GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_gpu_path.py", "tests/engine/test_cuda_graph.py",
              "tests/cache/test_copier.py", "tests/cache/test_host_tier.py", "tests/cache/test_host_components.py",
              "tests/cache/test_req_to_token.py"]
 
@@ -47,9 +47,9 @@ def run_pytest(log_path: str, timeout_s: float) -> dict:
             "log": os.path.basename(log_path)}
 
 
-def make_engine(pair, plan, *, graphs: bool, **cache_kw):
+def make_engine(pair, plan, *, graphs: bool, overlap: str = "auto", **cache_kw):
     """An Engine over the pair's model. ``graphs``: captured on CUDA; the eager stand-in
-    elsewhere (so the CPU smoke run takes the same path)."""
+    elsewhere (so the CPU smoke run takes the same path). ``overlap``: its overlap_schedule."""
     from tandem.engine.cuda_graph import DecodeGraphRunner, capture_sizes
     from tandem.engine.engine import Engine
 
@@ -57,7 +57,7 @@ def make_engine(pair, plan, *, graphs: bool, **cache_kw):
     cache = dict(max_total_tokens=16384, max_running_requests=16, page_size=16)
     cache.update(cache_kw)
     cfg = EngineConfig(device=plan.device, disable_cuda_graph=not graphs, num_threads=plan.threads,
-                       cache=CacheConfig(**cache), scheduler=sched)
+                       overlap_schedule=overlap, cache=CacheConfig(**cache), scheduler=sched)
     eng = Engine(cfg, loaded=pair.loaded)
     if graphs and eng.runner.decode_graph is None:
         eng.runner.decode_graph = DecodeGraphRunner(eng.runner, capture_sizes(cache["max_running_requests"]),
@@ -143,6 +143,23 @@ def graphs_on_off(pair, plan) -> dict:
     res.update(_replay_vs_standin(pair, plan))
     res["ok"] = res["tokens_equal"] and res["bitwise"] is not False
     return res
+
+
+def overlap_on_off(pair, plan) -> dict:
+    """Greedy tokens with overlap scheduling on vs off (graphs on), 8 requests of different
+    lengths, so requests leave the batch while others decode on (engine/overlap.py)."""
+    toks = {}
+    for mode in ("on", "off"):
+        eng = make_engine(pair, plan, graphs=True, overlap=mode)
+        try:
+            reqs = [eng.make_request(p, SamplingParams(max_tokens=plan.new_tokens // 2 + 3 * i,
+                                                       temperature=0.0, ignore_eos=True), rid=f"o{i}")
+                    for i, p in enumerate(_eight(pair))]
+            toks[mode] = [c.token_ids for c in eng.generate_many(reqs, timeout=600)]
+        finally:
+            eng.shutdown()
+    same = [a == b for a, b in zip(toks["on"], toks["off"])]
+    return {"ok": all(same), "requests_equal": f"{sum(same)}/{len(same)}"}
 
 
 @torch.no_grad()

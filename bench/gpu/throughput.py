@@ -139,12 +139,14 @@ def runner_prefill(pair, T: int) -> dict:
 
 
 # -- Tandem, the Engine ---------------------------------------------------------------------------
-def engine_decode(pair, plan, batch: int, prompt_len: int, steps: int, graphs: bool) -> dict:
-    """tok/s of the Engine decoding ``batch`` requests: (time of ``steps`` tokens - time of 1)."""
+def engine_decode(pair, plan, batch: int, prompt_len: int, steps: int, graphs: bool,
+                  overlap: str = "auto") -> dict:
+    """tok/s of the Engine decoding ``batch`` requests: (time of ``steps`` tokens - time of 1);
+    ``overlap``: its overlap_schedule ("auto": on for CUDA)."""
     V = pair.loaded.arch.vocab_size
     g = torch.Generator().manual_seed(batch + 1)
     prompts = [torch.randint(0, V, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    eng = make_engine(pair, plan, graphs=graphs, max_running_requests=max(batch, 8),
+    eng = make_engine(pair, plan, graphs=graphs, overlap=overlap, max_running_requests=max(batch, 8),
                       max_total_tokens=batch * (prompt_len + steps + 32) + 64, disable_prefix_cache=True)
     try:
         def run(n):

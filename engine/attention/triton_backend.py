@@ -120,6 +120,18 @@ class TritonAttentionBackend:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         layer = fb.kv_pool.layer(spec.layer_id)
         store_kv(k, v, layer.k, layer.v, fb.out_cache_loc, layer.index_map)
+        return self.attend(q, k, v, spec, fb)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+               fb: ForwardBatch) -> torch.Tensor:
+        """:meth:`forward` without the store: this step's K/V are already in the pool (the GPU
+        layer path's ``rope_store`` wrote them; prefill also reads the new ``k``, ``v``).
+        q: [T, H_q, D] (rows may be strided; last dim contiguous) -> o: [T, H_q, D]."""
+        meta = fb.attn_meta.get(META_KEY)
+        if meta is None:
+            raise ValueError("TritonAttentionBackend.attend called before init_forward(fb) for this batch")
+        T = q.shape[0]
+        layer = fb.kv_pool.layer(spec.layer_id)
         o = torch.empty((T, spec.num_q_heads, spec.head_dim), dtype=q.dtype, device=q.device)
         if meta.is_decode:
             decode_attention(

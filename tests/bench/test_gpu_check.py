@@ -23,7 +23,8 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rep["status"] == "pass"
-    for name in ("engine_vs_transformers", "graphs_on_off", "retraction_restore"):
+    for name in ("engine_vs_transformers", "graphs_on_off", "retraction_restore", "overlap_on_off",
+                 "decode", "decode_launches", "llama8b"):
         assert rep[name]["ok"], name
     assert rep["retraction_restore"]["stats"]["retraction_restores"] > 0
     assert [r["batch"] for r in rep["decode"]["rows"]] == [1, 2]
@@ -31,6 +32,22 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     assert len(rep["kernel_sweep"]["shapes"]) == 2
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Decode tok/s" in md and "## Triton kernels" in md and "status: **pass**" in md
+    assert "## Launches per decode step" in md and "## Llama-3.1-8B geometry" in md
+    assert set(rep["decode"]["rows"][0]["engine_over_runner"]) == {"engine_graph", "engine_graph_no_overlap"}
+
+
+def test_a_failed_check_fails_the_run_and_the_measurements_still_run(tmp_path, monkeypatch):
+    """A correctness phase that fails is listed and marks the run failed; later phases run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    gc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gc)     # its dataclasses look themselves up
+    spec.loader.exec_module(gc)
+    report: dict = {}
+    gc._phase(report, "a_check", lambda: {"ok": False}, required=True)
+    gc._phase(report, "a_measurement", lambda: {"ok": True, "x": 1}, required=False)
+    assert report["failed"] == ["a_check"] and report["a_measurement"]["x"] == 1
 
 
 def test_gpu_check_imports_no_ray_nixl_or_transfer():

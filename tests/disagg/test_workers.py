@@ -1,7 +1,8 @@
 """PrefillWorker + DecodeWorker in one process (no Ray): real engines, real NIXL, real model.
 
 Each test ends with both KV pools back at their baseline (no page owned by a request), so a leak
-anywhere on either side fails the test that caused it.
+anywhere on either side fails the test that caused it. The last two run both roles with overlap
+scheduling on (engine/overlap.py) against the colocated engine with it off.
 """
 
 from __future__ import annotations
@@ -65,25 +66,41 @@ def loop():
     lp.close()
 
 
-@pytest.fixture(scope="module")
-def workers(smollm2_default, loop):
+def _pair(cfg: EngineConfig, loaded, loop, name: str):
+    """A prefill and a decode worker of ``cfg``, peered."""
     from tandem.decode.worker import DecodeWorker
-    from tandem.engine.engine import Engine
     from tandem.prefill.worker import PrefillWorker
 
     async def make():
-        p = PrefillWorker("t-prefill", CFG, loaded=smollm2_default, transfer_timeout_s=20)
-        d = DecodeWorker("t-decode", CFG, loaded=smollm2_default, transfer_timeout_s=20)
+        p = PrefillWorker(f"{name}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
+        d = DecodeWorker(f"{name}-decode", cfg, loaded=loaded, transfer_timeout_s=20)
         p.add_peer(d.handshake())
         d.add_peer(p.handshake())
         return p, d
 
-    p, d = loop.run_until_complete(make())
+    return loop.run_until_complete(make())
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2_default, loop):
+    from tandem.engine.engine import Engine
+
+    p, d = _pair(CFG, smollm2_default, loop, "t")
     colocated = Engine(CFG, loaded=smollm2_default)
     yield p, d, colocated
     for w in (p, d):
         w.close()
     colocated.shutdown()
+
+
+@pytest.fixture(scope="module")
+def overlap_workers(smollm2_default, loop, workers):
+    """Both roles with overlap scheduling forced on (engine/overlap.py), beside the colocated
+    engine of ``workers`` (overlap off: "auto" on the CPU)."""
+    p, d = _pair(CFG.model_copy(update={"overlap_schedule": "on"}), smollm2_default, loop, "o")
+    yield p, d, workers[2]
+    for w in (p, d):
+        w.close()
 
 
 def run(loop, coro):
@@ -133,9 +150,10 @@ def test_seeded_sampling_disaggregated_equals_colocated(workers, loop):
     run(loop, at_baseline(p, d))
 
 
-def test_abort_mid_decode_frees_every_page_on_both_sides(workers, loop):
-    p, d, col = workers
-    req = request(col, "a1", max_tokens=200, ignore_eos=True)
+@pytest.mark.parametrize("pair", ["workers", "overlap_workers"])
+def test_abort_mid_decode_frees_every_page_on_both_sides(pair, request, loop):
+    p, d, col = request.getfixturevalue(pair)
+    req = col.make_request(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), chat=True, rid="a1")
     chunks = run(loop, collect(d.generate(req, LocalClient(p)), stop_after=3))
     assert len(chunks) == 3 and chunks[-1].finish_reason is None
     run(loop, at_baseline(p, d))
@@ -274,3 +292,26 @@ def test_kv_digest_verifies_the_handoff_and_catches_a_corrupted_page(workers, lo
         for d in (good, bad):
             p.remove_peer(d.name)
             d.close()
+
+
+# ---------------------------------------------------------------------------------- overlap on
+OVERLAP_PROMPTS = [PROMPT, "Name three colors.", "Count to five."]
+
+
+def test_disaggregated_with_overlap_equals_colocated_without(overlap_workers, loop):
+    p, d, col = overlap_workers
+    assert p.engine.overlap and d.engine.overlap and not col.overlap
+    params = [SamplingParams(max_tokens=6 + 4 * i) for i in range(len(OVERLAP_PROMPTS))]
+    refs = [col.generate(q, sp, chat=True) for q, sp in zip(OVERLAP_PROMPTS, params)]
+
+    async def all_at_once():
+        reqs = [col.make_request(q, sp, chat=True, rid=f"ov{i}")
+                for i, (q, sp) in enumerate(zip(OVERLAP_PROMPTS, params))]
+        return await asyncio.gather(*(collect(d.generate(r, LocalClient(p))) for r in reqs))
+
+    for chunks, ref in zip(run(loop, all_at_once()), refs):
+        assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+        assert "".join(c.text for c in chunks) == ref.text
+        assert chunks[-1].finish_reason == ref.finish_reason and chunks[-1].error is None
+    run(loop, at_baseline(p, d))
+

@@ -27,9 +27,12 @@ from tandem.prefill.connector import PrefillConnector
 from fake_model import fake_loaded, oracle
 
 
+OVERLAP = pytest.mark.parametrize("overlap", ["off", "on"])   # engine/overlap.py: same outputs
+
+
 def make(page_size=4, tokens=256, rows=8, chunk=16, batch=256, host=0, policy="fcfs", cache=True,
-         retract_every=0, retraction_policy="default", connector=None) -> Engine:
-    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, cache=CacheConfig(
+         retract_every=0, retraction_policy="default", connector=None, overlap="off") -> Engine:
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, overlap_schedule=overlap, cache=CacheConfig(
         page_size=page_size, max_total_tokens=tokens, max_running_requests=rows,
         disable_prefix_cache=not cache, host_pool_tokens=host, debug_invariants=True),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_batch_tokens=batch,
@@ -135,11 +138,12 @@ def test_rows_bound_admissions_and_queue_order_is_fcfs():
 
 # ---------------------------------------------------------------------------------- the cache
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_prefix_reuse_equals_no_cache_and_the_oracle(page_size):
+@OVERLAP
+def test_prefix_reuse_equals_no_cache_and_the_oracle(page_size, overlap):
     system = prompt(5, 21)
     out = {}
     for cache in (True, False):
-        e = make(page_size=page_size, cache=cache)
+        e = make(page_size=page_size, cache=cache, overlap=overlap)
         d = Driver(e)
         d.submit("first", system + prompt(1, 5), 4)
         d.run()
@@ -169,8 +173,9 @@ def test_lpm_admits_the_cached_prefix_first_and_waits_for_an_in_step_sharer():
     idle(e)
 
 
-def test_eviction_makes_room_and_outputs_stay_exact():
-    e = make(tokens=64, chunk=64)
+@OVERLAP
+def test_eviction_makes_room_and_outputs_stay_exact(overlap):
+    e = make(tokens=64, chunk=64, overlap=overlap)
     d = Driver(e)
     for i in range(6):                             # each needs ~8 pages; the cache must evict
         d.submit(f"r{i}", prompt(i, 26), 4)
@@ -195,8 +200,9 @@ def _pressure(e: Engine, n_req=5, plen=14, out=20):
 
 
 @pytest.mark.parametrize("host", [0, 512])
-def test_retraction_under_pressure_restores_or_recomputes_exactly(host):
-    e = make(tokens=96, page_size=4, chunk=64, host=host)
+@OVERLAP
+def test_retraction_under_pressure_restores_or_recomputes_exactly(host, overlap):
+    e = make(tokens=96, page_size=4, chunk=64, host=host, overlap=overlap)
     _pressure(e)
     st = e.scheduler.stats
     assert st["retractions"] > 0
@@ -234,8 +240,9 @@ def test_the_victim_is_the_request_with_fewest_outputs_then_longest_prompt():
 
 
 @pytest.mark.parametrize("host", [0, 512])
-def test_forced_retraction_lever_keeps_outputs_exact(host):
-    e = make(tokens=1024, host=host, retract_every=3)
+@OVERLAP
+def test_forced_retraction_lever_keeps_outputs_exact(host, overlap):
+    e = make(tokens=1024, host=host, retract_every=3, overlap=overlap)
     _pressure(e, n_req=3, out=12)
     st = e.scheduler.stats
     assert st["retractions"] >= 3
@@ -243,8 +250,9 @@ def test_forced_retraction_lever_keeps_outputs_exact(host):
     idle(e)
 
 
-def test_abort_while_waiting_running_and_retracted_frees_everything():
-    e = make(tokens=96, page_size=4, chunk=64, host=512, retract_every=2, rows=3)
+@OVERLAP
+def test_abort_while_waiting_running_and_retracted_frees_everything(overlap):
+    e = make(tokens=96, page_size=4, chunk=64, host=512, retract_every=2, rows=3, overlap=overlap)
     d = Driver(e)
     for i in range(3):
         d.submit(f"r{i}", prompt(i, 12), 40)
@@ -266,12 +274,13 @@ def test_abort_while_waiting_running_and_retracted_frees_everything():
 
 
 # ---------------------------------------------------------------------------------- roles
-def test_decode_receive_activate_cancel_through_the_connectors():
+@OVERLAP
+def test_decode_receive_activate_cancel_through_the_connectors(overlap):
     """The roles' sequence on stopped engines: prefill holds a finished prompt's KV (its
     connector), decode reserves a row + cached prefix + pages for a request it expects, the
     prompt's KV is copied as the NIXL WRITE would, Release frees prefill's copy, Activate decodes
     from the first token; a cancelled (aborted) reservation frees its pages."""
-    pre, dec = make(connector=PrefillConnector), make(connector=DecodeConnector)
+    pre, dec = make(connector=PrefillConnector, overlap=overlap), make(connector=DecodeConnector, overlap=overlap)
     p = prompt(4, 19)
     # prefill: run the prompt to its first token; the connector holds the KV
     dp = Driver(pre)
@@ -377,7 +386,8 @@ def test_snapshot_counts_every_token_class():
 
 # ---------------------------------------------------------------------------------- random schedules
 @pytest.mark.parametrize("seed", range(24))
-def test_random_schedules_match_the_oracle(seed):
+@OVERLAP
+def test_random_schedules_match_the_oracle(seed, overlap):
     """Seeded random workloads over random pool sizes, page sizes, chunk budgets, host tiers,
     retraction levers, shared prefixes, arrivals and aborts: every request that completes
     equals the oracle (tokens and streamed text), every aborted one ends "abort", and at the
@@ -390,7 +400,7 @@ def test_random_schedules_match_the_oracle(seed):
              chunk=rng.choice([16, 32, 64]), batch=rng.choice([48, 256]),
              host=rng.choice([0, 0, 64, 1024]), policy=rng.choice(["fcfs", "lpm"]),
              cache=rng.random() < 0.85, retract_every=rng.choice([0, 0, 3, 7]),
-             retraction_policy=rng.choice(["default", "session"]))
+             retraction_policy=rng.choice(["default", "session"]), overlap=overlap)
     d = Driver(e)
     systems = [prompt(100 + i, rng.randint(8, 24)) for i in range(2)]
     want, aborted = {}, set()
@@ -452,12 +462,12 @@ def _copy_pages(src: Engine, dst: Engine, src_pages, dst_pages) -> None:
     dst.kv_pool.kv_data[:, :, d] = src.kv_pool.kv_data[:, :, s]
 
 
-def _decode_a_while(page_size=4, warm_b=False, steps=5, **params):
+def _decode_a_while(page_size=4, warm_b=False, steps=5, overlap="off", **params):
     """Request "m" decodes on engine A for ``steps`` steps, then migrates to engine B: A ends its
     stream with "migrated" and holds the KV; B reserves what its own cache lacks, the pages are
     copied (what the NIXL WRITE does), A releases, B activates and finishes the request."""
-    a = make(page_size=page_size, connector=DecodeConnector)
-    b = make(page_size=page_size, connector=DecodeConnector)
+    a = make(page_size=page_size, connector=DecodeConnector, overlap=overlap)
+    b = make(page_size=page_size, connector=DecodeConnector, overlap=overlap)
     p, n = prompt(9, 22), 14
     da, db = Driver(a), Driver(b)
     if warm_b:   # B's cache already holds the prompt (another turn of the session ran there)
@@ -491,8 +501,9 @@ def _decode_a_while(page_size=4, warm_b=False, steps=5, **params):
 
 
 @pytest.mark.parametrize("warm_b", [False, True])
-def test_a_migrated_request_continues_on_the_new_worker_exactly(warm_b):
-    a, b, p, n, da, db, res = _decode_a_while(warm_b=warm_b)
+@OVERLAP
+def test_a_migrated_request_continues_on_the_new_worker_exactly(warm_b, overlap):
+    a, b, p, n, da, db, res = _decode_a_while(warm_b=warm_b, overlap=overlap)
     assert res.prefix_len == (20 if warm_b else 0)          # B's cache: the prompt's 5 whole pages
     toks = da.tokens("m") + db.tokens("m")
     assert toks == oracle(p, n) and da.text("m") + db.text("m") == text_of(toks)

@@ -9,6 +9,9 @@ log-sum-exp (base 2). Stage 2 merges the splits of each (b, head).
     stage 1:  q [B, H_q, D] x K/V pool  ->  mid_o [B, H_q, S, D], mid_lse [B, H_q, S]
     stage 2:  mid_o, mid_lse             ->  o [B, H_q, D]
 
+With one split (short contexts, or enough sequences x KV heads to fill the GPU alone) stage 1
+writes ``o`` directly and stage 2 is not launched: a single-pass decode attention.
+
 Keys of sequence b are positions ``lo .. seq_lens[b]-1`` read as slots
 ``req_to_token[req_pool_indices[b], pos]`` (then rows ``index_map[slot]`` when given), where
 ``lo = max(0, seq_lens[b] - window)`` with a sliding window, else 0. The query is at position
@@ -37,6 +40,7 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, BLOCKS_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_INDEX_MAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -95,8 +99,13 @@ def _decode_stage1_kernel(
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     mo = Mid_o + b.to(tl.int64) * stride_mob + split * stride_mos
-    tl.store(mo + heads[:, None] * stride_moh + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(Mid_lse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+    if DIRECT:   # one split: the output itself (Mid_o is o), no stage 2
+        tl.store(mo + heads[:, None] * stride_moh + offs_d[None, :], out.to(Mid_o.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
+    else:
+        tl.store(mo + heads[:, None] * stride_moh + offs_d[None, :], out,
+                 mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(Mid_lse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -180,8 +189,12 @@ def decode_attention(
     blocks_per_kv = triton.cdiv(group, heads_per_prog)
     BD = block_d(D)
 
-    mid_o = torch.empty((B, H_q, num_kv_splits, D), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((B, H_q, num_kv_splits), dtype=torch.float32, device=q.device)
+    direct = num_kv_splits == 1   # single pass: stage 1 writes o, stage 2 is not launched
+    if direct:
+        mid_o, mid_lse = o.unsqueeze(2), o[:, :, 0]     # [B, H_q, 1, D]; lse never written
+    else:
+        mid_o = torch.empty((B, H_q, num_kv_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H_q, num_kv_splits), dtype=torch.float32, device=q.device)
     cfg = tiles or default_tiles(D, q.device)
     has_map = index_map is not None
     _decode_stage1_kernel[(B, H_kv * blocks_per_kv, num_kv_splits)](
@@ -197,9 +210,11 @@ def decode_attention(
         GROUP=group, HEADS_PER_PROG=heads_per_prog, BLOCKS_PER_KV=blocks_per_kv,
         HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=BD, BLOCK_N=cfg.block_n,
         HAS_WINDOW=sliding_window is not None, HAS_INDEX_MAP=has_map,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if direct:
+        return o
     _decode_stage2_kernel[(B, H_q)](
         mid_o, mid_lse, o,
         num_kv_splits,

@@ -1,0 +1,202 @@
+"""Overlap scheduling (engine/overlap.py): the same tokens as the plain loop, at most one extra
+forward past a stop (never streamed), and the host's work hidden behind the device's.
+
+Oracles: the plain loop's own output (real SmolLM2, float32: greedy tokens, texts and finish
+reasons across batch joins and finishes, stops, sampled / logprob rows that fall back to the
+plain path, aborts and retraction), the KV-echo model's pure-Python oracle, and the runner-vs-
+engine timing of a stand-in model whose forward sleeps (bench/overlap.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tandem.bench.overlap import engine_seconds, sleep_loaded
+from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.engine.overlap import resolve_overlap
+
+from fake_model import fake_loaded, oracle
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "Water boils at", "List three fruits:"]
+
+
+def _engine(loaded, overlap: str, **cache) -> Engine:
+    sched = cache.pop("scheduler", SchedulerConfig())
+    cfg = EngineConfig(device="cpu", dtype="float32", overlap_schedule=overlap, scheduler=sched,
+                       cache=CacheConfig(**{"max_total_tokens": 4096, "debug_invariants": True, **cache}))
+    return Engine(cfg, loaded=loaded)
+
+
+def _mixed(e: Engine) -> dict[str, tuple]:
+    """A workload whose requests join and leave a running batch: staggered arrivals, different
+    lengths, EOS / stop-string / stop-token finishes, and rows that take the plain path (seeded
+    sampling, logprobs). Returns rid -> (token ids, text, finish reason)."""
+    out: dict[str, list] = {}
+    done = threading.Event()
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(max_tokens=24, stop=("return",))
+    params[2] = SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(3906,))
+    params[3] = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+    params[4] = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=2, ignore_eos=True)
+    reqs = [e.make_request(p, sp, rid=f"m{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    reqs.append(e.make_request("What is 2+2?", SamplingParams(max_tokens=40), chat=True, rid="eos"))
+
+    def cb(c):
+        got = out.setdefault(c.rid, [[], "", None])
+        got[0].extend(c.token_ids)
+        got[1] += c.text
+        if c.finish_reason is not None:
+            got[2] = c.finish_reason
+            if sum(v[2] is not None for v in out.values()) == len(reqs):
+                done.set()
+
+    for i, r in enumerate(reqs):
+        e.submit(r, cb)
+        time.sleep(0.03 * (i % 3))
+    assert done.wait(300)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2):
+    e = _engine(smollm2, "off")
+    yield _mixed(e)
+    e.shutdown()
+
+
+def test_overlap_defaults_to_cuda_only_and_the_flag_turns_it_off():
+    cpu, cuda = __import__("torch").device("cpu"), __import__("torch").device("cuda")
+    assert not resolve_overlap("auto", False, cpu, False) and resolve_overlap("auto", False, cuda, False)
+    assert resolve_overlap("on", False, cpu, False)
+    assert not resolve_overlap("on", True, cuda, False) and not resolve_overlap("on", False, cuda, True)
+
+
+def test_greedy_tokens_equal_the_plain_loop_across_joins_stops_and_fallbacks(smollm2, plain):
+    e = _engine(smollm2, "on")
+    try:
+        assert e.overlap and "overlap schedule on" in e.startup_line
+        got = _mixed(e)
+        e.check_invariants()
+    finally:
+        e.shutdown()
+    assert got == plain
+    assert {k: v[2] for k, v in plain.items()} == {"m0": "length", "m1": "stop", "m2": "stop", "m3": "length",
+                                                  "m4": "length", "m5": "length", "eos": "stop"}
+
+
+def test_retraction_and_abort_keep_outputs_exact_with_overlap(smollm2, plain):
+    """A small pool with the retraction lever every 3 decode steps and a host tier: the
+    greedy rows equal the plain loop's; an abort mid-stream gives back every slot."""
+    e = _engine(smollm2, "on", max_total_tokens=512, page_size=4, host_pool_tokens=1024,
+                scheduler=SchedulerConfig(debug_retract_every=3))
+    try:
+        greedy = {k: v for k, v in plain.items() if k in ("m0", "m1", "m2", "m5", "eos")}
+        reqs = [e.make_request(PROMPTS[int(k[1])], p, rid=k) if k != "eos" else
+                e.make_request("What is 2+2?", SamplingParams(max_tokens=40), chat=True, rid=k)
+                for k, p in [("m0", SamplingParams(max_tokens=6, ignore_eos=True)),
+                             ("m1", SamplingParams(max_tokens=24, stop=("return",))),
+                             ("m2", SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(3906,))),
+                             ("m5", SamplingParams(max_tokens=21, ignore_eos=True)), ("eos", None)]]
+        done = e.generate_many(reqs, timeout=300)
+        assert {c.rid: (tuple(c.token_ids), c.text, c.finish_reason) for c in done} == \
+            {k: (tuple(v[0]), v[1], v[2]) for k, v in greedy.items()}
+        assert e.stats()["retractions"] > 0
+        free = e.snapshot().available_tokens + e.snapshot().evictable_tokens
+        seen, final = threading.Event(), []
+        req = e.make_request("Count from one to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True))
+        e.submit(req, lambda c: (seen.set() if c.token_ids else None,
+                                 final.append(c) if c.finish_reason else None))
+        assert seen.wait(60)
+        e.abort(req.rid)
+        deadline = time.time() + 30
+        while not final and time.time() < deadline:
+            time.sleep(0.02)
+        assert final and final[0].finish_reason == "abort"
+        snap = e.snapshot()
+        assert snap.available_tokens + snap.evictable_tokens == free and snap.running == 0
+        e.check_invariants()
+    finally:
+        e.shutdown()
+
+
+def _stepped(overlap: str) -> Engine:
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, overlap_schedule=overlap,
+                       cache=CacheConfig(page_size=4, max_total_tokens=256, debug_invariants=True))
+    e = Engine(cfg, loaded=fake_loaded())
+    e.shutdown()          # the test drives e.step()
+    return e
+
+
+def _run(e: Engine, params: SamplingParams, prompt: list[int]) -> list:
+    chunks: list = []
+    e.submit(GenerateRequest("r", tuple(prompt), params), chunks.append)
+    while e.scheduler.has_work() or not e._inbox.empty():
+        e.step()
+    return chunks
+
+
+@pytest.mark.parametrize("stop", ["token", "length"])
+def test_a_stop_costs_at_most_one_extra_forward_and_is_never_streamed(stop):
+    prompt = [(5 + 11 * i) % 94 for i in range(9)]
+    want = oracle(prompt, 12)
+    params = (SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(want[6],))
+              if stop == "token" else SamplingParams(max_tokens=7, ignore_eos=True))
+    runs = {}
+    for mode in ("off", "on"):
+        e = _stepped(mode)
+        chunks = _run(e, params, prompt)
+        runs[mode] = ([t for c in chunks for t in c.token_ids], chunks[-1].finish_reason,
+                      e.loaded.model.forwards)
+        snap = e.snapshot()
+        assert snap.running == 0 and snap.request_tokens == 0 and snap.leaked_tokens == 0
+    toks, reason, fwd = runs["on"]
+    n = want.index(want[6]) + 1 if stop == "token" else 7
+    assert (toks, reason) == (want[:n], "stop" if stop == "token" else "length") == runs["off"][:2]
+    # a stop token is only known once read back: one step past it; a length stop is known ahead
+    assert fwd == runs["off"][2] + (1 if stop == "token" else 0)
+
+
+def test_overlap_hides_the_host_work_behind_a_sleeping_forward():
+    """The stand-in's forward sleeps as long as the plain engine's host work per step took
+    (measured first, with a forward that does not sleep; at least 15 ms): the plain loop then
+    pays both, the overlapped one about the larger (plus at most a GIL switch interval when the
+    lane thread wakes while the host works), so it is clearly faster whatever the load does to
+    the host's share between the runs."""
+    batch, tokens = 48, 24
+    host, _ = engine_seconds(sleep_loaded(0.0), batch, tokens, "off")
+    step = max(host / tokens, 0.015)   # well past the GIL's 5 ms switch interval
+    loaded = sleep_loaded(step)
+    off, want = engine_seconds(loaded, batch, tokens, "off")
+    on, got = engine_seconds(loaded, batch, tokens, "on")
+    assert got == want
+    assert off / on > 1.2, (off, on, step)
+
+
+def test_which_rows_the_device_samples_alone():
+    """Greedy rows anywhere; unseeded temperature / top-p rows on CUDA only (the one-launch
+    sample kernel); seeded, logprob, constrained and min_tokens-banned rows never."""
+    import torch
+
+    from tandem.engine.overlap import device_sampleable
+    from tandem.engine.sched_types import SchedReq, StepPlan
+    from tandem.core.types import Req
+
+    def plan(**params):
+        sr = SchedReq(Req([1, 2, 3], SamplingParams(**params)), tracker=None)
+        p = StepPlan()
+        p.add(sr, 3, torch.arange(3))
+        sr.ahead = 1
+        return p
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert device_sampleable(plan(), cpu) and device_sampleable(plan(), cuda)
+    assert not device_sampleable(plan(temperature=0.8, top_p=0.9), cpu)
+    assert device_sampleable(plan(temperature=0.8, top_p=0.9), cuda)
+    for bad in (dict(temperature=0.8, seed=3), dict(logprobs=True), dict(min_tokens=4)):
+        assert not device_sampleable(plan(**bad), cuda), bad
