@@ -185,7 +185,8 @@ class Migrator:
             return False
         p = self.pool.get(r.prefill)
         warm = GenerateRequest(f"{m.rid}~{tag}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                               session_id=req.session_id)
+                               session_id=req.session_id, tenant=req.tenant, cache_salt=req.cache_salt,
+                               trace=req.trace)
         gen = m.target.handle.generate.options(num_returns="streaming").remote(
             warm.to_wire(), p.name if p is not None and p.alive else None, self.router_id)
 

@@ -80,7 +80,7 @@ class RequestKV:
         """The tokens whose KV a request may reuse: whole pages of all but its last token (the
         last one must be computed to get logits)."""
         r = sr.req
-        return r.all_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
+        return r.cache_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
 
     def prefetch(self, sr: SchedReq) -> None:
         """A request was queued: start reading ahead, off the step, the L3 pages :meth:`admit`
@@ -135,7 +135,7 @@ class RequestKV:
         n, locked = r.computed_len, sr.locked_len
         aligned = n // self.page_size * self.page_size
         node, freed = self.cache.host.backup(
-            r.all_ids[:aligned], self.r2t.read(r.req_pool_idx, 0, aligned), r.last_node,
+            r.cache_ids[:aligned], self.r2t.read(r.req_pool_idx, 0, aligned), r.last_node,
             extra=lambda: self.hybrid.handover(r, locked, aligned, True), session_id=r.session_id)
         r.last_node, sr.locked_len = node, max(aligned, locked)   # the tree owns [0, aligned) now
         self.free_range(sr, sr.locked_len, n)       # the partial last page: recomputed on restore
@@ -179,7 +179,7 @@ class RequestKV:
         row, locked = r.req_pool_idx, sr.locked_len
         slots = self.r2t.read(row, 0, aligned)
         new_slots, node = self.cache.cache(
-            r.all_ids[:aligned], slots, r.last_node, session_id=r.session_id,
+            r.cache_ids[:aligned], slots, r.last_node, session_id=r.session_id,
             extra=lambda: self.hybrid.handover(r, locked, aligned, final))  # hybrid: rows, state
         if not final:
             self.r2t.write(row, 0, new_slots)

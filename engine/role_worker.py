@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tandem.core import tracing
 from tandem.engine.gie_metrics import register_gie_metrics
 from tandem.engine.handle import EngineHandle
 from tandem.engine.kv_regions import KV, kv_regions
@@ -73,6 +74,7 @@ class RoleWorker:
         self.name = name
         self.engine = engine
         self.handle = handle
+        tracing.setup(name)     # on when the launcher gave OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (else a no-op)
         self.page_size = engine.kv_pool.page_size
         self.transfer_timeout_s = transfer_timeout_s
         if agent_opts is None:   # the config's agent options (EngineConfig.transfer)
