@@ -51,6 +51,7 @@ import logging
 import time
 
 from tandem.cluster.workers import DECODE, WorkerPool, WorkerRef
+from tandem.core import tracing
 from tandem.core.config import MigrationConfig
 from tandem.core.messages import GenerateRequest, Resume
 from tandem.core.types import SamplingParams, StreamChunk
@@ -260,6 +261,12 @@ class Migrator:
         rm.MIGRATIONS.labels(m.reason, outcome).inc()
         if downtime_s is not None:
             rm.MIGRATION_DOWNTIME.observe(downtime_s)
+        req = self.live.get(rid, (None, None))[0]
+        if req is not None and req.trace:   # the move's span, in the request's trace
+            tracing.record("migration", req.trace, time.time() - (time.monotonic() - m.started), **{
+                "tandem.rid": rid, "tandem.from": m.source.name, "tandem.to": m.target.name,
+                "tandem.reason": m.reason, "tandem.outcome": outcome, "tandem.downtime_s": downtime_s,
+                "tandem.precopied_tokens": m.precopied})
 
     def in_flight(self) -> list[dict]:
         return [m.view() for m in list(self.moves.values())]

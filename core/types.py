@@ -172,7 +172,7 @@ class SamplingParams:
 class Req:
     """One generation request, as the scheduler sees it.
 
-    Fields set at creation (API layer): rid, prompt_ids, params, session_id, arrival, cache_salt.
+    Fields set at creation (API layer): rid, prompt_ids, params, session_id, arrival, cache_salt, trace.
     Fields owned by the scheduler: status, req_pool_idx, prefix_len, cached_len, computed_len,
     last_node (an opaque cache handle), finish_reason.
     Fields owned by the engine's output step: output_ids, first_token_time, finish_time.
@@ -184,6 +184,7 @@ class Req:
     session_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: int = 0                 # the prefix-cache namespace (core/page_hash.py; 0: shared)
+    trace: str = ""                     # W3C traceparent of its spans (retraction, L3 fetch); "": none
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -225,7 +225,7 @@ class Engine:
         if self._error is not None:
             raise RuntimeError(f"engine thread died: {self._error!r}")
         req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id,
-                  cache_salt=greq.cache_salt)
+                  cache_salt=greq.cache_salt, trace=greq.trace)
         if greq.resume is not None:   # continues another decode worker's tokens
             req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:

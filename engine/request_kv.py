@@ -14,8 +14,11 @@ allocator's free list, by the cache, or by one holder's row range ``[locked_len,
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from tandem.core import tracing
 from tandem.engine.batch_builder import PlanItem, build_forward_batch
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.hybrid import NO_HYBRID
@@ -60,8 +63,12 @@ class RequestKV:
             job.stop()          # its reads end here: the fetch takes what it staged, reads the rest
         l3 = getattr(self.cache, "l3", None)
         if l3 is not None and m.prefix_len < len(ids):     # the shared L3 tier: the next pages
+            t0, before = time.time(), m.prefix_len
             if l3.fetch(ids, m, session_id=r.session_id):
                 m = self.cache.match(ids, session_id=r.session_id)
+            if r.trace:
+                tracing.record("l3 fetch", r.trace, t0, **{"tandem.rid": r.rid, "tandem.prefix_before": before,
+                                                           "tandem.prefix_after": m.prefix_len})
         n = min(m.prefix_len, len(ids))
         self.cache.lock(m.last_device_node)
         r.req_pool_idx, r.last_node = row, m.last_device_node
