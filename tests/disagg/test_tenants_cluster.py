@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import gzip
 import secrets
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -25,7 +22,9 @@ from serve_support import Server
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
-trace_pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+
+from otlp_support import Receiver  # noqa: E402
 
 from tandem.core import tracing  # noqa: E402
 from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
@@ -39,57 +38,11 @@ PROMPT = ("You are a careful assistant. Here is a long shared document about the
           "its trade routes, and the ceremonies built around it in many countries. ") * 6
 
 
-class Receiver:
-    """An OTLP/HTTP traces endpoint: every span it is sent, as (service.name, span) dicts."""
-
-    def __init__(self):
-        self.spans: list[dict] = []
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                req = trace_pb.ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                outer.add(req)
-                out = trace_pb.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1/traces"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def add(self, req) -> None:
-        for rs in req.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes}
-                    with self.lock:
-                        self.spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(),
-                                           "id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                                           "attrs": attrs})
-
-    def of_trace(self, trace_id: str) -> list[dict]:
-        with self.lock:
-            return [s for s in self.spans if s["trace"] == trace_id]
-
-
 @pytest.fixture(scope="module")
 def receiver():
     r = Receiver()
     yield r
-    r.http.shutdown()
+    r.close()
 
 
 @pytest.fixture(scope="module")
