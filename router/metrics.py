@@ -106,17 +106,16 @@ STALL_REDISPATCHES = _metric(Counter, "tandem_stall_redispatches_total",
                              "text; failed: no worker to take it, the client got an error event).",
                              labelnames=("stalled", "how"))
 
-TENANT_REQUESTS = _metric(Counter, "tandem_tenant_requests_total",
-                          "Generation requests per tenant (router/auth.py; 'default' without a key file), "
-                          "counted when admitted past the tenant's rate limit or refused by it.",
-                          labelnames=("tenant",))
-TENANT_RATE_LIMITED = _metric(Counter, "tandem_tenant_rate_limited_total",
-                              "Requests answered 429 because their tenant was over its rate_limit.",
-                              labelnames=("tenant",))
-TENANT_TOKENS = _metric(Counter, "tandem_tenant_tokens_total",
-                        "Tokens of finished requests per tenant: prompt, cached (prompt tokens served "
-                        "from the prefix cache) and output.", labelnames=("tenant", "kind"))
-
+_TENANT_FAMILIES = (   # (name, help, labels): per-tenant counters (router/auth.py's tenants)
+    ("tandem_tenant_requests_total", "Generation requests per tenant ('default' without a key file), "
+     "counted when admitted past the tenant's rate limit or refused by it.", ("tenant",)),
+    ("tandem_tenant_rate_limited_total", "Requests answered 429 because their tenant was over its "
+     "rate_limit.", ("tenant",)),
+    ("tandem_tenant_tokens_total", "Tokens of finished requests per tenant: prompt, cached (prompt "
+     "tokens served from the prefix cache) and output.", ("tenant", "kind")),
+)
+TENANT_REQUESTS, TENANT_RATE_LIMITED, TENANT_TOKENS = (
+    _metric(Counter, name, doc, labelnames=labels) for name, doc, labels in _TENANT_FAMILIES)
 
 def count_tenant(tenant: str, what: str, n: int = 1) -> None:
     """``what``: "requests", "rate_limited", or a token kind ("prompt", "cached", "output")."""
