@@ -8,7 +8,8 @@ transport (no sockets: the app's own cost, not the loopback's). Rounds alternate
 (tracing is turned off and on again between them); each round sends ``--requests`` sequential
 POST /v1/completions; a pair of rounds (one off, one on) gives one on/off ratio of their medians,
 so load that drifts over the run cancels. Reports the median latency of each mode, the median
-of the pairs' ratios, the cost of one
+of the pairs' ratios, the same for this process's CPU time per request (the exporter's thread
+included; steadier than latency on a loaded machine), the cost of one
 worker-side span (``tracing.record``: prefill, KV transfer and decode each record one per
 request) and of ``tracing.current()`` with tracing off (the one call the front door makes then;
 worker call sites test ``if greq.trace`` first).
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     on_app = create_app(backend, ServeConfig())
     lat: dict[str, list[float]] = {"off": [], "on": []}
     ratios: list[float] = []      # per adjacent off/on pair: the machine's load drifts less within one
+    cpu: dict[str, list[float]] = {"off": [], "on": []}    # CPU seconds of this process per request
+    cpu_ratios: list[float] = []
 
     async def run() -> None:
         def client(app):
@@ -115,10 +118,15 @@ def main(argv=None) -> int:
                         tracing.shutdown()
                     else:
                         tracing.setup("router", endpoint)
+                    c0 = time.process_time()
                     got = await _round(off if mode == "off" else on, args.requests)
+                    if mode == "on":
+                        tracing.flush()     # the export's CPU belongs to the round that made the spans
+                    cpu[mode].append((time.process_time() - c0) / args.requests)
                     lat[mode] += got
                     pair[mode] = statistics.median(got)
                 ratios.append(pair["on"] / pair["off"])
+                cpu_ratios.append(cpu["on"][-1] / cpu["off"][-1])
 
     asyncio.run(run())
     parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
@@ -132,6 +140,9 @@ def main(argv=None) -> int:
     rows = [("request latency, tracing off (median)", f"{med['off'] * 1e3:.3f} ms"),
             ("request latency, tracing on (median)", f"{med['on'] * 1e3:.3f} ms"),
             ("on / off, median of the pairs' ratios", f"{statistics.median(ratios):.3f}"),
+            ("CPU per request, off / on (medians)",
+             f"{statistics.median(cpu['off']) * 1e6:.0f} us / {statistics.median(cpu['on']) * 1e6:.0f} us"),
+            ("CPU on / off, median of the pairs' ratios", f"{statistics.median(cpu_ratios):.3f}"),
             ("one worker span (tracing.record), on", f"{record_on * 1e6:.1f} us"),
             ("tracing.current(), tracing off", f"{current_off * 1e9:.0f} ns")]
     width = max(len(r[0]) for r in rows)
@@ -140,6 +151,8 @@ def main(argv=None) -> int:
     write_report(args.out, {"requests_per_round": args.requests, "rounds": args.repeats,
                             "median_off_s": med["off"], "median_on_s": med["on"],
                             "ratio_on_off": statistics.median(ratios), "pair_ratios": ratios,
+                            "cpu_per_request_s": {k: statistics.median(v) for k, v in cpu.items()},
+                            "cpu_ratio_on_off": statistics.median(cpu_ratios),
                             "record_on_s": record_on,
                             "current_off_s": current_off})
     return 0
