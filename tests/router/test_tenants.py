@@ -187,3 +187,63 @@ def test_single_api_key_is_an_admin_of_the_default_tenant():
     who = ring.who("sk-only-admin")
     assert who.admin and who.tenant == "" and ring.who("sk-other") is None and ring.who("") is None
     assert cache_salt(who.tenant) == 0          # the shared cache namespace, as before tenants
+
+
+def test_tandem_serve_reads_the_key_file_again_on_sighup(tmp_path):
+    """The real command (``tandem serve --engine sim --api-keys FILE``): a key added to the file
+    works only after SIGHUP; a broken file on the next SIGHUP keeps the keys in force."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"- key: {ALICE}\n  tenant: acme\n  role: user\n")
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--engine", "sim", "--host", "127.0.0.1",
+           "--port", str(port), "--api-keys", str(keys)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1/models"
+
+    def status(key: str) -> int:
+        return httpx.get(url, headers=auth(key), timeout=5).status_code
+
+    def until(key: str, code: int) -> None:
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if status(key) == code:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < end, f"{key} never got {code}:\n{log.read_text()[-2000:]}"
+            time.sleep(0.2)
+
+    try:
+        until(ALICE, 200)
+        assert status(BOB) == 401
+        keys.write_text(f"- key: {ALICE}\n  tenant: acme\n  role: user\n- key: {BOB}\n  tenant: globex\n  role: user\n")
+        assert status(BOB) == 401                   # not before the signal
+        proc.send_signal(signal.SIGHUP)
+        until(BOB, 200)
+        keys.write_text("not: [a, key, list\n")
+        proc.send_signal(signal.SIGHUP)
+        until_log = time.monotonic() + 30
+        while "kept the previous key set" not in log.read_text():
+            assert time.monotonic() < until_log, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert status(BOB) == 200 and status(ALICE) == 200
+        assert ALICE not in log.read_text() and BOB not in log.read_text()   # keys never logged
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
