@@ -8,7 +8,7 @@ it has one, else a store in this process), GET /v1/models, GET /health, GET /met
 migration between decode workers), POST /debug/kill (only with
 ``ServeConfig.debug_endpoints``). Keys (router/auth.py: ``api_key``, the ``api_keys`` file):
 /v1/* needs a user or admin key (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
-clients send it), checked by each route; every path under /admin/ and /debug/ needs an admin key
+clients send it), checked by each route; every path under /admin and /debug needs an admin key
 (403 with a user key, 401 without one), checked by :class:`AdminGate` before any route, so a
 new route there cannot forget it. With tracing on (core/tracing.py), :class:`TraceRequests`
 opens each request's server span, continuing the client's ``traceparent``.
@@ -44,7 +44,7 @@ from tandem.router.routes_openai import OpenAIRoutes
 
 log = logging.getLogger(__name__)
 
-ADMIN_PREFIXES = ("/admin/", "/debug/")
+ADMIN_PREFIXES = ("/admin", "/debug")     # any path that starts so, routed or not
 
 
 class AdminGate:

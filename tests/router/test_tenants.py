@@ -17,8 +17,6 @@ from tandem.core.config import ServeConfig
 from tandem.core.page_hash import cache_salt
 from tandem.router.auth import KeyRing, load_keys
 
-from conftest import ScriptedBackend
-
 ALICE, BOB, ROOT, LIMITED = "sk-alice-0001", "sk-bob-000002", "sk-root-00003", "sk-slow-00004"
 KEYS = f"""
 - key: {ALICE}
@@ -49,8 +47,8 @@ def keyfile(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tenants(serve, keyfile):
-    return serve(ScriptedBackend(), ServeConfig(api_keys=str(keyfile), debug_endpoints=True))
+def tenants(serve, keyfile, scripted_backend):
+    return serve(scripted_backend(), ServeConfig(api_keys=str(keyfile), debug_endpoints=True))
 
 
 def chat(srv, key, content="hi", **extra):
@@ -59,21 +57,40 @@ def chat(srv, key, content="hi", **extra):
                             "max_tokens": 4, **extra})
 
 
-def admin_routes(app) -> list[tuple[str, str]]:
-    out = []
-    for r in app.routes:
-        path = getattr(r, "path", "")
-        if path.startswith(("/admin", "/debug")):
-            out += [(method, path) for method in sorted(r.methods - {"HEAD"})]
-    return out
+PUBLIC = {"/health", "/metrics"}      # probes and Prometheus: no key
+
+
+def routes(app, *prefixes: str) -> list[tuple[str, str]]:
+    """(method, path) of every route of ``app`` under ``prefixes``, path parameters filled in."""
+    return [(method, re.sub(r"\{[^}]+\}", "x", r.path)) for r in app.routes
+            if r.path.startswith(prefixes) for method in sorted(r.methods - {"HEAD"})]
+
+
+def test_every_route_is_public_v1_or_admin(tenants):
+    """A new route must be one of the three kinds the tests below cover."""
+    app = tenants.server.config.app
+    odd = [r.path for r in app.routes if r.path not in PUBLIC and not r.path.startswith(("/v1/", "/admin/", "/debug/"))]
+    assert not odd, f"routes with no auth class: {odd}"
+
+
+def test_every_v1_route_needs_a_key(tenants):
+    app = tenants.server.config.app
+    v1 = routes(app, "/v1/")
+    assert len(v1) >= 9
+    for method, path in v1:
+        r = httpx.request(method, tenants.url + path, timeout=10, json={})
+        assert r.status_code == 401, (method, path, r.status_code)
+        r = httpx.request(method, tenants.url + path, headers=auth(ALICE), timeout=10, json={})
+        assert r.status_code not in (401, 403), (method, path, r.status_code)
 
 
 def test_every_admin_and_debug_route_needs_an_admin_key(tenants):
     app = tenants.server.config.app
-    routes = admin_routes(app)
-    assert {p for _, p in routes} >= {"/debug/kv", "/debug/kill", "/admin/drain", "/admin/migrate"}
-    for method, path in routes:
-        url = tenants.url + re.sub(r"\{[^}]+\}", "x", path)
+    admin = routes(app, "/admin", "/debug")
+    assert {p for _, p in admin} >= {"/debug/kv", "/debug/kill", "/admin/drain", "/admin/migrate"}
+    assert httpx.get(tenants.url + "/admin/no-such-route", headers=auth(ALICE), timeout=10).status_code == 403
+    for method, path in admin:
+        url = tenants.url + path
         assert httpx.request(method, url, timeout=10).status_code == 401, (method, path)
         assert httpx.request(method, url, headers=auth("sk-unknown-key"), timeout=10).status_code == 401
         r = httpx.request(method, url, headers=auth(ALICE), timeout=10)
