@@ -258,9 +258,5 @@ def test_tandem_serve_reads_the_key_file_again_on_sighup(tmp_path):
         assert status(BOB) == 200 and status(ALICE) == 200
         assert ALICE not in log.read_text() and BOB not in log.read_text()   # keys never logged
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.kill()         # the sim engine runs in the process: nothing outlives it
+        proc.wait()
