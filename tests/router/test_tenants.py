@@ -208,7 +208,9 @@ def test_single_api_key_is_an_admin_of_the_default_tenant():
 
 def test_tandem_serve_reads_the_key_file_again_on_sighup(tmp_path):
     """The real command (``tandem serve --engine sim --api-keys FILE``): a key added to the file
-    works only after SIGHUP; a broken file on the next SIGHUP keeps the keys in force."""
+    works only after SIGHUP; a broken file on the next SIGHUP keeps the keys in force. Its
+    simulated workers' caches are salted too: the new tenant's copy of a prompt the first tenant
+    repeated (a hit) is a miss."""
     import signal
     import socket
     import subprocess
@@ -249,6 +251,14 @@ def test_tandem_serve_reads_the_key_file_again_on_sighup(tmp_path):
         assert status(BOB) == 401                   # not before the signal
         proc.send_signal(signal.SIGHUP)
         until(BOB, 200)
+
+        def cached(key: str) -> int:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=auth(key), timeout=60,
+                           json={"model": "smollm2", "prompt": list(range(1000, 1400)), "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(ALICE) == 0 and cached(ALICE) > 300 and cached(BOB) == 0 and cached(BOB) > 300
         keys.write_text("not: [a, key, list\n")
         proc.send_signal(signal.SIGHUP)
         until_log = time.monotonic() + 30
