@@ -162,8 +162,7 @@ class PrefillWorker(RoleWorker):
         parent = tracing.record("prefill", greq.trace, t0, **{
             "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.prompt_tokens": n,
             "tandem.cached_tokens": cached, "tandem.computed_tokens": n - cached,
-            "tandem.queue_and_compute_s": f.get("prefill_s"), "tandem.dst_prefix_len": start,
-            "tandem.error": f.get("error")})
+            "tandem.queue_and_compute_s": f.get("prefill_s"), "tandem.dst_prefix_len": start})
         if "transfer_s" in f:
             tracing.record("kv transfer", parent, time.time() - f["transfer_s"], **{
                 "tandem.bytes": f.get("bytes"), "tandem.pages": f.get("pages"),
