@@ -42,6 +42,7 @@ from tandem.cluster.migration import Migrator
 from tandem.cluster.observe import ClusterObservability
 from tandem.cluster.supervisor import Supervisor
 from tandem.cluster.workers import WorkerPool, WorkerRef
+from tandem.core import tracing
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk
@@ -159,7 +160,10 @@ class RayClusterBackend(ClusterObservability):
         self._loop = asyncio.get_running_loop()   # the planner's scale-down migrates on it
         if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):   # on the serving loop
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
+        t_route = time.time()
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
+        if req.trace:
+            self._trace_route(req, r, t_route)
         client_rid, excluded, died = req.rid, set(), False
         try:
             for attempt in range(MAX_ATTEMPTS):
@@ -188,6 +192,14 @@ class RayClusterBackend(ClusterObservability):
                 r = self.dispatch.reroute(r, excluded)
         finally:
             self._alias.pop(client_rid, None)
+
+    def _trace_route(self, req: GenerateRequest, r: Route, start_s: float) -> None:
+        """The routing span: the queue wait and policy time, and the workers chosen."""
+        p, d = self.pool.get(r.prefill), self.pool.get(r.decode)
+        tracing.record("route", req.trace, start_s, **{
+            "tandem.rid": req.rid, "tandem.tenant": req.tenant, "tandem.policy": self.cfg.policy,
+            "tandem.route_wait_s": time.time() - start_s, "tandem.prefill": p.name if p else "",
+            "tandem.decode": d.name if d else ""})
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, retry: bool,
                        redispatch: bool = False) -> AsyncIterator[StreamChunk]:

@@ -92,7 +92,11 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--decode-num-gpus", "decode_num_gpus", "GPUs per decode worker (as --prefill-num-gpus)"),
     Flag("--host", "host", "HTTP bind address"),
     Flag("--port", "port", "HTTP port"),
-    Flag("--api-key", "api_key", "require 'Authorization: Bearer KEY' on /v1/*"),
+    Flag("--api-key", "api_key", "one admin key: require 'Authorization: Bearer KEY' on /v1/*, /admin/*, /debug/*"),
+    Flag("--api-keys", "api_keys", "YAML key file of tenants and roles (key or key_sha256, tenant, "
+                                   "role: user|admin, rate_limit); read at start and again on SIGHUP"),
+    Flag("--otlp-endpoint", "otlp_endpoint", "trace requests (OpenTelemetry) to this OTLP/HTTP URL, e.g. "
+                                             "http://127.0.0.1:4318 (default: OTEL_EXPORTER_OTLP_* or off)"),
     Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one"),
     Flag("--ray-namespace", "ray_namespace", "Ray namespace of the workers' named actors"),
     Flag("--worker-lifetime", "worker_lifetime",
@@ -154,6 +158,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 
 # ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers it all).
 YAML_ONLY: frozenset[str] = frozenset({
+    "isolate_tenants",
     "admission_max_queue", "admission_max_pending_s", "dispatch_prefer_sessions", "kv_events", "max_body_bytes", "l3_timeout_s",
     "engine_config.seed", "engine_config.cache.session_ttl_s", "engine_config.cache.host_write_policy",
     "engine_config.scheduler.max_batch_tokens",

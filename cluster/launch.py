@@ -36,6 +36,7 @@ import uuid
 
 from tandem.cluster.backend import RayClusterBackend
 from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerPool, WorkerRef, placement
+from tandem.core import tracing
 from tandem.core.config import EngineConfig, ServeConfig
 from tandem.core.types import TandemError
 
@@ -131,6 +132,9 @@ class Launcher:
         if gpus is not None:
             opts["num_gpus"] = gpus
         opts.update(name=name, namespace=self.namespace, max_restarts=0)
+        traces = self.cfg.otlp_endpoint or tracing.endpoint_from_env()
+        if traces:   # each worker traces under its own service.name (core/tracing.py)
+            opts["runtime_env"] = {"env_vars": {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": tracing.traces_url(traces)}}
         if self.detached:
             opts.update(lifetime="detached", get_if_exists=True)
         return opts

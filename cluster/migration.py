@@ -22,6 +22,7 @@ import time
 from tandem.cluster.legs import Legs
 from tandem.cluster.moves import Migration, Phase, OUTCOME
 from tandem.cluster.workers import DECODE, WorkerPool, WorkerRef
+from tandem.core import tracing
 from tandem.core.config import MigrationConfig
 from tandem.core.messages import GenerateRequest, Resume
 from tandem.core.types import SamplingParams, StreamChunk
@@ -180,7 +181,8 @@ class Migrator:
             return False
         p = self.pool.get(r.prefill)
         warm = GenerateRequest(f"{m.rid}~{tag}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                               session_id=req.session_id)
+                               session_id=req.session_id, tenant=req.tenant, cache_salt=req.cache_salt,
+                               trace=req.trace)
         gen = m.target.handle.generate.options(num_returns="streaming").remote(
             warm.to_wire(), p.name if p is not None and p.alive else None, self.router_id)
 
@@ -272,6 +274,12 @@ class Migrator:
             rm.MIGRATIONS.labels(m.reason.value, outcome).inc()
             if downtime_s is not None:
                 rm.MIGRATION_DOWNTIME.observe(downtime_s)
+        legs = self.streams.get(m.rid)
+        if legs is not None and legs.req.trace:   # the move's span, in the request's trace
+            tracing.record("migration", legs.req.trace, time.time() - (time.monotonic() - m.started), **{
+                "tandem.rid": m.rid, "tandem.from": m.source.name, "tandem.to": m.target.name,
+                "tandem.reason": m.reason.value, "tandem.outcome": outcome or phase.value,
+                "tandem.downtime_s": downtime_s, "tandem.precopied_tokens": m.precopied})
 
     def in_flight(self) -> list[dict]:
         return [m.view() for m in list(self.moves.values())]

@@ -7,7 +7,9 @@ no flags and no files itself.
 from __future__ import annotations
 
 import logging
+import signal
 
+from tandem.core import tracing
 from tandem.core.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ def run_serve(cfg: ServeConfig) -> int:
     from tandem.cluster.kv_store import start_kv_store
     from tandem.router.http import create_app
 
+    if tracing.setup("router", cfg.otlp_endpoint):
+        print("tandem: tracing on (OTLP/HTTP)", flush=True)
     cfg, stop_kv_store = start_kv_store(cfg)
     try:
         backend = build_backend(cfg)
@@ -57,6 +61,8 @@ def run_serve(cfg: ServeConfig) -> int:
         stop_kv_store()
         raise
     app = create_app(backend, cfg)
+    if cfg.api_keys:   # SIGHUP: read the key file again (a bad file keeps the old keys)
+        signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())
     kind = f"sim {cfg.sim_profile} x{cfg.sim_speedup:g}" if cfg.engine == "sim" else cfg.mode
     print(f"tandem: serving {backend.model_name} ({kind}) on http://{cfg.host}:{cfg.port}", flush=True)
     # lifespan "off": the app has no startup/shutdown hooks, and uvicorn's lifespan task would
@@ -73,4 +79,5 @@ def run_serve(cfg: ServeConfig) -> int:
         if close is not None:
             close()
         stop_kv_store()
+        tracing.shutdown()
     return 0

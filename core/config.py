@@ -234,7 +234,13 @@ class ServeConfig(_Strict):
     decode_num_gpus: float | None = Field(None, ge=0, description="likewise, each decode worker")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    api_key: str | None = None
+    api_key: str | None = Field(None, description="one admin key of the default tenant")
+    api_keys: str | None = Field(None, description="YAML key file: a list of {key | key_sha256, tenant, "
+                                 "role: user|admin, rate_limit} (router/auth.py); read at start and on SIGHUP")
+    isolate_tenants: bool = Field(True, description="each tenant's requests reuse only that tenant's "
+                                  "cached prefixes (its name salts the page-hash chain, core/page_hash.py)")
+    otlp_endpoint: str | None = Field(None, description="trace every request with OpenTelemetry, exported "
+                                      "over OTLP/HTTP to this URL (OTEL_EXPORTER_OTLP_* work too)")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting one")
     ray_namespace: str = Field("tandem", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                                description="the Ray namespace of the workers' named actors (every "

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from tandem.core.page_hash import salted
 from tandem.core.types import Constraint, InvalidRequest, SamplingParams
 
 MAX_N = 8   # the most samples one request may ask for (OpenAI ``n``)
@@ -77,7 +78,13 @@ class GenerateRequest:
     """One generation, already tokenized. ``rid`` is unique per request; ``session_id`` groups turns;
     ``group`` ties the n samples of one prompt (None for n = 1); ``priority`` orders requests that
     wait in the router's deferred-dispatch queue (lower first, vLLM's convention; 0 by default);
-    ``resume``: the request continues what another decode worker generated (live migration)."""
+    ``resume``: the request continues what another decode worker generated (live migration).
+
+    Filled by the front door from the caller's API key (router/auth.py): ``tenant`` (who asked;
+    "" when the server has no keys), ``cache_salt`` (the prefix-cache namespace, core/page_hash.py:
+    the tenant's, narrowed by the body's ``cache_salt``; 0: shared) and ``trace`` (a W3C
+    ``traceparent`` the workers continue their spans under; "" when tracing is off). Every copy
+    of the request (a re-route, a retraction, a live migration) keeps them."""
 
     rid: str
     prompt_ids: tuple[int, ...]
@@ -86,6 +93,14 @@ class GenerateRequest:
     group: SampleGroup | None = None
     priority: int = 0
     resume: Resume | None = None
+    tenant: str = ""
+    cache_salt: int = 0
+    trace: str = ""
+
+    @property
+    def cache_key(self) -> tuple[int, ...]:
+        """``prompt_ids`` as the prefix caches and indexes key them (salted by ``cache_salt``)."""
+        return tuple(salted(self.prompt_ids, self.cache_salt)) if self.cache_salt else self.prompt_ids
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -99,7 +114,7 @@ class GenerateRequest:
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "GenerateRequest":
         names = {f.name for f in fields(cls)}
-        # "group", "priority" and "resume" may be absent: a sender that predates them
+        # "group", "priority", "resume", "tenant", "cache_salt", "trace" may be absent: an older sender
         if not isinstance(d, dict) or not ({"rid", "prompt_ids", "params", "session_id"} <= set(d) <= names):
             raise InvalidRequest(f"GenerateRequest fields mismatch: {sorted(d) if isinstance(d, dict) else type(d)}")
         if not isinstance(d["rid"], str):
@@ -113,9 +128,14 @@ class GenerateRequest:
         prio = d.get("priority", 0)
         if isinstance(prio, bool) or not isinstance(prio, int):
             raise InvalidRequest("GenerateRequest.priority must be an int")
+        tenant, salt, trace = d.get("tenant", ""), d.get("cache_salt", 0), d.get("trace", "")
+        if not isinstance(tenant, str) or not isinstance(trace, str) or len(trace) > 512:
+            raise InvalidRequest("GenerateRequest.tenant and trace must be strings (trace at most 512)")
+        if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < 1 << 31:
+            raise InvalidRequest(f"GenerateRequest.cache_salt must be an int in [0, 2**31), got {salt!r}")
         return cls(rid=d["rid"], prompt_ids=tuple(ids), params=_params_from_wire(d["params"]),
                    session_id=sid, group=_group_from_wire(d.get("group")), priority=prio,
-                   resume=_resume_from_wire(d.get("resume")))
+                   resume=_resume_from_wire(d.get("resume")), tenant=tenant, cache_salt=salt, trace=trace)
 
 
 def _params_from_wire(p: Any) -> SamplingParams:

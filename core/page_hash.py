@@ -8,6 +8,11 @@ pin their output to fixed values (tests/core/test_page_hash.py).
   the first 8 digest bytes read as a little-endian unsigned int. A hash names the page's whole
   prefix, so anyone holding the token ids can rebuild it without the worker's slot ids. The
   hashes travel as vLLM ``BlockStored``/``BlockRemoved`` uint64 block hashes.
+- :func:`cache_salt` / :func:`salted`: tenant isolation at the root of the chain. A request's
+  salt (a nonzero 31-bit int; 0: none) is added, shifted past every token id, to its FIRST token
+  id in the key every cache and index sees (never in what the model computes). The first page,
+  and so every hash of the chain, the radix edges, the host and L3 tiers' keys, the KV events and
+  the router's prefix indexes, then differ between salts, while one salt's repeat still matches.
 - :func:`common_pages`: the page-aligned common prefix of a radix edge and a key, found by a
   binary search over slice compares (both radix trees walk edges this way).
 """
@@ -33,6 +38,30 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int | None = None
         d.update(array("q", tokens[i:i + page_size]).tobytes())
         h = int.from_bytes(d.digest(), "little")
         out.append(h)
+    return out
+
+
+SALT_SHIFT = 32     # token ids stay below 2**32; a salted first id stays below 2**63 (int64)
+
+
+def cache_salt(*parts: str | None) -> int:
+    """The salt of a cache namespace named by ``parts`` (tenant, then the request's own
+    ``cache_salt``): a nonzero int below 2**31, the same in every process. No non-empty part:
+    0 (no salt, the shared namespace)."""
+    named = [p for p in parts if p]
+    if not named:
+        return 0
+    d = hashlib.blake2b("\x00".join(named).encode(), digest_size=4).digest()
+    return (int.from_bytes(d, "little") & 0x7FFFFFFF) or 1
+
+
+def salted(ids: Sequence[int], salt: int) -> list[int]:
+    """``ids`` as a cache key under ``salt`` (module docstring): a list, ``ids`` itself when it
+    already is one and ``salt`` is 0; else a copy whose first id carries the salt."""
+    if not salt or not len(ids):
+        return ids if type(ids) is list else list(ids)
+    out = list(ids)
+    out[0] += salt << SALT_SHIFT
     return out
 
 

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.core.page_hash import salted
+
 _req_counter = itertools.count()
 
 
@@ -170,7 +172,7 @@ class SamplingParams:
 class Req:
     """One generation request, as the scheduler sees it.
 
-    Fields set at creation (API layer): rid, prompt_ids, params, session_id, arrival.
+    Fields set at creation (API layer): rid, prompt_ids, params, session_id, arrival, cache_salt, trace.
     Fields owned by the scheduler: status, req_pool_idx, prefix_len, cached_len, computed_len,
     last_node (an opaque cache handle), finish_reason.
     Fields owned by the engine's output step: output_ids, first_token_time, finish_time.
@@ -181,6 +183,8 @@ class Req:
     rid: str = field(default_factory=lambda: f"req-{next(_req_counter)}")
     session_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    cache_salt: int = 0                 # the prefix-cache namespace (core/page_hash.py; 0: shared)
+    trace: str = ""                     # W3C traceparent of its spans (retraction, L3 fetch); "": none
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -197,6 +201,12 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache's key: salted by ``cache_salt`` (a copy; ``all_ids``
+        itself when there is no salt)."""
+        return salted(self.all_ids, self.cache_salt)
 
     @property
     def seq_len(self) -> int:

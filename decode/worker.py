@@ -37,6 +37,7 @@ from typing import Callable, Protocol
 
 from prometheus_client import Counter, Histogram
 
+from tandem.core import tracing
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
@@ -188,7 +189,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
         n = len(greq.prompt_ids)
         remote = prefill is not None and prefill.name in self.agent.peers
         if remote and self.local_prefill_threshold > 0 and greq.resume is None:
-            cached = await self.handle.cached_prefix(list(greq.prompt_ids))
+            cached = await self.handle.cached_prefix(list(greq.cache_key))
             remote = n - cached >= self.local_prefill_threshold
         path = "remote" if remote else "local"
         self.counts[path] += 1
@@ -198,8 +199,12 @@ class DecodeWorker(MigrationSource, RoleWorker):
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
+        t0, first, tokens = time.time(), None, 0
         try:
             async for c in inner:
+                if c.token_ids:
+                    tokens += len(c.token_ids)
+                    first = first or time.time()
                 yield c
         finally:
             await inner.aclose()  # runs the inner cleanup now, not whenever it is collected
@@ -207,6 +212,11 @@ class DecodeWorker(MigrationSource, RoleWorker):
                 self._jobs.pop(greq.rid, None)
                 self.last_timings = job.timings
                 self._groups.open(greq, job.gate)
+            if greq.trace:
+                tracing.record("decode", greq.trace, t0, **{
+                    "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.path": path,
+                    "tandem.tokens": tokens, "tandem.first_token_s": first - t0 if first else None,
+                    "tandem.resumed": greq.resume is not None})
 
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient,
                                alternate=None) -> AsyncIterator[StreamChunk]:

@@ -71,8 +71,8 @@ class Admission:
     def order(self, waiting) -> list[SchedReq]:
         if self.policy != "lpm" or len(waiting) < 2:
             return list(waiting)
-        return order(waiting, lambda sr: self.kv.cache.peek(sr.req.all_ids), "lpm",
-                     token_ids_fn=lambda sr: sr.req.all_ids, page_size=self.kv.page_size)
+        return order(waiting, lambda sr: self.kv.cache.peek(sr.req.cache_ids), "lpm",
+                     token_ids_fn=lambda sr: sr.req.cache_ids, page_size=self.kv.page_size)
 
     @staticmethod
     def grammar_ready(sr: SchedReq) -> bool:

@@ -241,7 +241,8 @@ class Engine:
     def submit(self, greq: GenerateRequest, on_chunk: Callable[[StreamChunk], None]) -> None:
         if self._error is not None:
             raise RuntimeError(f"engine thread died: {self._error!r}")
-        req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id)
+        req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id,
+                  cache_salt=greq.cache_salt, trace=greq.trace)
         if greq.resume is not None:   # continues another decode worker's tokens
             req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:

@@ -15,8 +15,11 @@ allocator's free list, by the cache, or by one holder's row range ``[locked_len,
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from tandem.core import tracing
 from tandem.engine.batch_builder import PlanItem, build_forward_batch
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.hybrid import NO_HYBRID
@@ -59,8 +62,14 @@ class RequestKV:
             job = jobs.pop(tier.name, None) if jobs else None
             if job is not None:
                 job.stop()      # its reads end here: the load takes what it staged, reads the rest
-            if tier.lookup(ids, m) and tier.load(ids, m, session_id=r.session_id):
+            t0, before = time.time(), m.prefix_len
+            if not tier.lookup(ids, m):
+                continue
+            if tier.load(ids, m, session_id=r.session_id):
                 m = self.cache.match(ids, session_id=r.session_id)
+            if r.trace:
+                tracing.record(f"{tier.name} fetch", r.trace, t0, **{
+                    "tandem.rid": r.rid, "tandem.prefix_before": before, "tandem.prefix_after": m.prefix_len})
         n = min(m.prefix_len, len(ids))
         self.cache.lock(m.last_device_node)
         r.req_pool_idx, r.last_node = row, m.last_device_node
@@ -79,7 +88,7 @@ class RequestKV:
         """The tokens whose KV a request may reuse: whole pages of all but its last token (the
         last one must be computed to get logits)."""
         r = sr.req
-        return r.all_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
+        return r.cache_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
 
     def prefetch(self, sr: SchedReq) -> None:
         """A request was queued: start reading ahead, off the step, the pages :meth:`admit`
@@ -138,7 +147,7 @@ class RequestKV:
         n, locked = r.computed_len, sr.locked_len
         aligned = n // self.page_size * self.page_size
         node, freed = self.cache.host.backup(
-            r.all_ids[:aligned], self.r2t.read(r.req_pool_idx, 0, aligned), r.last_node,
+            r.cache_ids[:aligned], self.r2t.read(r.req_pool_idx, 0, aligned), r.last_node,
             extra=lambda: self.hybrid.handover(r, locked, aligned, True), session_id=r.session_id)
         r.last_node, sr.locked_len = node, max(aligned, locked)   # the tree owns [0, aligned) now
         self.free_range(sr, sr.locked_len, n)       # the partial last page: recomputed on restore
@@ -184,7 +193,7 @@ class RequestKV:
         row, locked = r.req_pool_idx, sr.locked_len
         slots = self.r2t.read(row, 0, aligned)
         new_slots, node = self.cache.cache(
-            r.all_ids[:aligned], slots, r.last_node, session_id=r.session_id,
+            r.cache_ids[:aligned], slots, r.last_node, session_id=r.session_id,
             extra=lambda: self.hybrid.handover(r, locked, aligned, final))  # hybrid: rows, state
         if not final:
             self.r2t.write(row, 0, new_slots)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from tandem.core import tracing
 from tandem.core.types import Req, ReqStatus
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sched_types import SchedReq
@@ -72,8 +73,12 @@ class Retraction:
         """Free ``sr``'s device KV (the caller took it out of the running set). True: backed up
         (it waits in :attr:`retracted`); False: it must be recomputed (the caller queues it)."""
         r = sr.req
+        t0 = time.time()
         self.stats["retractions"] += 1
         backed_up = self.host_backup and self._backup(sr)
+        if r.trace:
+            tracing.record("retraction", r.trace, t0, **{"tandem.rid": r.rid, "tandem.backed_up": backed_up,
+                                                         "tandem.seq_len": r.seq_len})
         if backed_up:
             self.retracted.append(sr)
         else:

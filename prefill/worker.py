@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
+from tandem.core import tracing
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
@@ -137,11 +138,27 @@ class PrefillWorker(RoleWorker):
 
     async def _run_job(self, job: _Job, greq: GenerateRequest, req: KVTransferRequest, start: int,
                        out: _Result) -> PrefillResult:
+        t0 = time.time()
         try:
             return self._count(await self._run(job, greq, req, start, out))
         finally:
             del self._jobs[job.rid]
             self.handoffs.pop(job.rid, None)
+            if greq.trace:
+                self._trace(greq, start, out.f, t0)
+
+    def _trace(self, greq: GenerateRequest, start: int, f: dict, t0: float) -> None:
+        """The prefill span (queue and compute, cached and computed tokens) and its KV transfer
+        (bytes, pages, seconds), measured by :meth:`_run`."""
+        n, cached = len(greq.prompt_ids), f.get("cached_tokens", 0)
+        parent = tracing.record("prefill", greq.trace, t0, **{
+            "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.prompt_tokens": n,
+            "tandem.cached_tokens": cached, "tandem.computed_tokens": n - cached,
+            "tandem.queue_and_compute_s": f.get("prefill_s"), "tandem.dst_prefix_len": start})
+        if "transfer_s" in f:
+            tracing.record("kv transfer", parent, time.time() - f["transfer_s"], **{
+                "tandem.bytes": f.get("bytes"), "tandem.pages": f.get("pages"),
+                "tandem.seconds": f["transfer_s"]})
 
     async def _run(self, job: _Job, greq: GenerateRequest, req: KVTransferRequest, start: int,
                    out: _Result) -> PrefillResult:

@@ -212,10 +212,11 @@ class AnthropicRoutes:
                                priority=request_priority(headers, body)), plan
 
     async def _parse(self, request: Request, model):
-        self.door.check_auth(request)
+        who = self.door.check_auth(request)
         body = parse_json_object(await self.door.read_body(request))
         req = parse_request(model, body)
         self.door.check_model(req.model)
+        request.state.principal = who
         return req, body
 
     async def count_tokens(self, request: Request) -> Response:
@@ -232,10 +233,11 @@ class AnthropicRoutes:
         try:
             req, body = await self._parse(request, MessagesRequest)
             greq, plan = await asyncio.to_thread(self.prepare, req, body, request.headers, rid)
+            [greq] = self.door.admit(request.state.principal, [greq], body)
         except APIError as e:
             m.REJECTED.labels(e.reason).inc()
             m.REQUESTS.labels("rejected").inc()
-            return error(e.status, e.message)
+            return error(e.status, e.message, e.headers)
         except Exception as e:
             log.exception("preparing %s failed", rid)
             m.REQUESTS.labels("error").inc()

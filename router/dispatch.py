@@ -182,7 +182,7 @@ class Dispatcher:
         (engine/scheduler.py's group rule). The prompt is charged once to the prefill worker
         (later members: one token each); each member charges its own KV on the decode worker. A
         pinned worker found dead re-routes that member afresh."""
-        rr = RouteRequest(req.rid, req.prompt_ids, len(req.prompt_ids), session_id=req.session_id,
+        rr = RouteRequest(req.rid, req.cache_key, len(req.prompt_ids), session_id=req.session_id,
                           max_tokens=req.params.max_tokens)
         g = req.group
         if g is None or g.size <= 1:

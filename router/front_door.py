@@ -11,10 +11,10 @@ route modules (routes_openai.py, anthropic.py) import this one, never http.py.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -22,8 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from tandem.core import tracing
 from tandem.core.config import ServeConfig
+from tandem.core.messages import GenerateRequest
+from tandem.core.page_hash import cache_salt
 from tandem.core.types import TandemError
+from tandem.router import metrics as m
+from tandem.router.auth import KeyRing, Principal
 from tandem.router.backend import AdminBackend, KVDebugBackend, ServingBackend
 from tandem.router.openai_protocol import APIError, ErrorBody, ErrorResponse
 from tandem.router.openai_responses import ModelCard, ModelList
@@ -55,7 +60,7 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
 
 def refusal(e: APIError) -> Response:
     return error_response(e.status, e.message, param=e.param, code=e.code, type=e.type,
-                          headers={"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
+                          headers={"WWW-Authenticate": "Bearer"} if e.status == 401 else e.headers)
 
 
 def start_failed(e, rid: str) -> Response:
@@ -106,19 +111,38 @@ class FrontDoor:
     def __init__(self, backend: ServingBackend, config: ServeConfig):
         self.backend, self.config = backend, config
         self.created = int(time.time())
-        self._key = config.api_key.encode() if config.api_key else None
+        self.keys = KeyRing(config.api_key, config.api_keys)
         self.tool_format: ToolFormat = choose_format(
             config.tool_parser, getattr(backend.tokenizer, "chat_template", None))
 
     # ---------------------------------------------------------------- checks
-    def check_auth(self, request: Request) -> None:
-        if self._key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not token or not hmac.compare_digest(token.encode(), self._key):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", reason="unauthorized")
+    def check_auth(self, request: Request, admin: bool = False) -> Principal:
+        """The caller of ``request`` (router/auth.py): 401 without a known key; with ``admin``,
+        403 for a user key."""
+        return authorize(self.keys, request.headers, admin)
+
+    def admit(self, who: Principal, greqs: list[GenerateRequest], body: Mapping[str, Any]) -> list[GenerateRequest]:
+        """``greqs`` of one HTTP request stamped with who asked: the tenant, its cache salt
+        (the tenant's unless ``isolate_tenants`` is off, narrowed by the body's ``cache_salt``)
+        and the trace context the workers continue (the router's HTTP span, when tracing is on).
+        429 with Retry-After when the tenant is over its rate limit (router/auth.py)."""
+        own = body.get("cache_salt")
+        if own is not None and (not isinstance(own, str) or not 0 < len(own) <= 256):
+            raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters",
+                           param="cache_salt")
+        prompt = len(greqs[0].prompt_ids) if greqs else 0
+        wait = self.keys.charge(who.tenant, 1, prompt)
+        m.count_tenant(who.label, "requests")
+        if wait:
+            m.count_tenant(who.label, "rate_limited")
+            raise APIError(429, f"tenant {who.label!r} is over its rate limit; retry in {wait} s",
+                           code="rate_limit_exceeded", type="rate_limit_error", reason="rate_limited",
+                           headers={"Retry-After": str(wait)})
+        salt = cache_salt(who.tenant if self.config.isolate_tenants else None, own)
+        trace = tracing.current()
+        if not (who.tenant or salt or trace):
+            return greqs
+        return [replace(g, tenant=who.tenant, cache_salt=salt, trace=trace) for g in greqs]
 
     def check_model(self, name: str) -> None:
         if name != self.backend.model_name:
@@ -216,11 +240,7 @@ class FrontDoor:
         evictable / locked / request-owned / leaked tokens, host pool use, queues) and its
         invariant verdict; the live migrations in flight (backends that move requests); the
         requests in flight with their worker, tokens streamed and seconds since the last one
-        (backends that track it)."""
-        try:
-            self.check_auth(request)
-        except APIError as e:
-            return refusal(e)
+        (backends that track it). Admin only (the gate in router/http.py)."""
         if not isinstance(self.backend, KVDebugBackend):
             return error_response(404, "this backend has no KV pools to inspect", code="not_found")
         out = {"workers": await self.backend.debug_kv()}
@@ -234,10 +254,6 @@ class FrontDoor:
         if not self.config.debug_endpoints:
             return error_response(404, "debug endpoints are off (tandem serve --debug-endpoints)",
                                   code="not_found")
-        try:
-            self.check_auth(request)
-        except APIError as e:
-            return refusal(e)
         if not isinstance(self.backend, AdminBackend) or not await self.backend.debug_kill(worker):
             return error_response(404, f"no live worker named {worker!r}", param="worker", code="not_found")
         return JSONResponse({"killed": worker})
@@ -260,13 +276,9 @@ class FrontDoor:
         return await self._admin(request, "migrate", move)
 
     async def _admin(self, request: Request, verb: str, call) -> Response:
-        """An operator's move behind the API key: ``call(backend)``, an :class:`AdminBackend`
+        """An operator's move, admin only (the gate in router/http.py): ``call(backend)``, an :class:`AdminBackend`
         verb. 404 where the backend cannot (or no such request or worker); 409 when the request
         is not movable now (not decoding yet, or no worker to take it)."""
-        try:
-            self.check_auth(request)
-        except APIError as e:
-            return refusal(e)
         if not isinstance(self.backend, AdminBackend):
             return error_response(404, f"this backend cannot {verb} (live migration needs decode workers)",
                                   code="not_found")
@@ -277,6 +289,25 @@ class FrontDoor:
         except ValueError as e:
             return error_response(409, str(e), code="conflict")
         return JSONResponse(out)
+
+def bearer(headers: Mapping[str, str]) -> str:
+    """The key a client sent: ``Authorization: Bearer <key>``, else ``x-api-key`` (Anthropic's)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
+
+
+def authorize(keys: KeyRing, headers: Mapping[str, str], admin: bool = False) -> Principal:
+    """The principal of the key in ``headers``: APIError 401 when unknown, 403 when ``admin`` is
+    needed and the key is a user's."""
+    who = keys.who(bearer(headers))
+    if who is None:
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key", reason="unauthorized")
+    if admin and not who.admin:
+        raise APIError(403, "this route needs an admin key", code="forbidden", type="permission_error",
+                       reason="forbidden")
+    return who
+
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     return APIError(413, f"request body is {'over ' if at_least else ''}{size} bytes; the limit is "

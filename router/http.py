@@ -5,10 +5,13 @@ Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST
 POST /v1/responses/{id}/cancel (responses/routes.py, over the backend's ``response_store`` when
 it has one, else a store in this process), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
 (each worker's KV accounting and invariant verdict), POST /admin/drain and /admin/migrate (live
-migration between decode workers, behind the API key), POST /debug/kill (only with
-``ServeConfig.debug_endpoints``). /v1/* needs the API key when
-``ServeConfig.api_key`` is set (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
-clients send it).
+migration between decode workers), POST /debug/kill (only with
+``ServeConfig.debug_endpoints``). Keys (router/auth.py: ``api_key``, the ``api_keys`` file):
+/v1/* needs a user or admin key (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
+clients send it), checked by each route; every path under /admin and /debug needs an admin key
+(403 with a user key, 401 without one), checked by :class:`AdminGate` before any route, so a
+new route there cannot forget it. With tracing on (core/tracing.py), :class:`TraceRequests`
+opens each request's server span, continuing the client's ``traceparent``.
 
 :class:`~tandem.router.front_door.FrontDoor` (front_door.py) holds what every route shares: auth,
 the body limits, the model check, the tokenizer and tool-call format, session naming, and
@@ -24,18 +27,63 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from tandem.core import tracing
 from tandem.core.config import ServeConfig
 from tandem.router.anthropic import AnthropicRoutes
+from tandem.router.auth import KeyRing
 from tandem.router.backend import ServingBackend
-from tandem.router.front_door import FrontDoor, error_response
+from tandem.router.front_door import FrontDoor, authorize, error_response, refusal
+from tandem.router.openai_protocol import APIError
 from tandem.router.responses.routes import ResponsesRoutes
 from tandem.router.responses.store import MemoryResponseStore
 from tandem.router.routes_openai import OpenAIRoutes
 
 log = logging.getLogger(__name__)
+
+ADMIN_PREFIXES = ("/admin", "/debug")     # any path that starts so, routed or not
+
+
+class AdminGate:
+    """ASGI middleware: a request for a path under :data:`ADMIN_PREFIXES` goes on only with an
+    admin key (router/auth.py); anything else passes untouched."""
+
+    def __init__(self, app, keys: KeyRing):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(ADMIN_PREFIXES):
+            try:
+                authorize(self.keys, Headers(scope=scope), admin=True)
+            except APIError as e:
+                await refusal(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class TraceRequests:
+    """ASGI middleware (only while tracing is on): one server span per HTTP request, child of
+    the client's ``traceparent`` when it sent one, current while the route runs (so the
+    GenerateRequests carry it to the workers), ended when the response is."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with tracing.span(f"{scope['method']} {scope['path']}", Headers(scope=scope), server=True,
+                          **{"http.request.method": scope["method"], "url.path": scope["path"]}) as sp:
+            async def send_status(msg) -> None:
+                if msg["type"] == "http.response.start":
+                    sp.set("http.response.status_code", msg["status"])
+                await send(msg)
+
+            await self.app(scope, receive, send_status)
 
 
 def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
@@ -47,7 +95,10 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     rc = config.responses
     store = getattr(backend, "response_store", None) or MemoryResponseStore(rc.max_stored, rc.max_bytes, rc.ttl_s)
     responses = ResponsesRoutes(door, store)
-    app.state.front_door, app.state.response_store = door, store
+    app.state.front_door, app.state.response_store, app.state.keys = door, store, door.keys
+    app.add_middleware(AdminGate, keys=door.keys)
+    if tracing.enabled():
+        app.add_middleware(TraceRequests)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

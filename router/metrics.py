@@ -13,6 +13,8 @@ Who records what (router/http.py):
 - ``ITL``: gap between token-carrying chunks, divided evenly over the chunk's tokens.
 - ``PROMPT_TOKENS`` / ``CACHED_PROMPT_TOKENS``: from the final chunk's usage numbers
   (:func:`count_prompt`, which also sets ``CACHE_HIT_RATIO`` = cached / prompt tokens so far).
+- ``TENANT_*{tenant}`` (:func:`count_tenant`): requests and 429s per tenant (FrontDoor.admit),
+  prompt / cached / output tokens per tenant (streaming.metered, at the final chunk).
 
 Recorded by the dispatcher (router/dispatch.py) every serving backend routes through, not by http.py:
 - ``ROUTING_DECISION``: seconds one routing decision (view + policy) took.
@@ -106,6 +108,27 @@ STALL_REDISPATCHES = _metric(Counter, "tandem_stall_redispatches_total",
                              "text; failed: no worker to take it, the client got an error event).",
                              labelnames=("stalled", "how"))
 
+_TENANT_FAMILIES = (   # (name, help, labels): per-tenant counters (router/auth.py's tenants)
+    ("tandem_tenant_requests_total", "Generation requests per tenant ('default' without a key file), "
+     "counted when admitted past the tenant's rate limit or refused by it.", ("tenant",)),
+    ("tandem_tenant_rate_limited_total", "Requests answered 429 because their tenant was over its "
+     "rate_limit.", ("tenant",)),
+    ("tandem_tenant_tokens_total", "Tokens of finished requests per tenant: prompt, cached (prompt "
+     "tokens served from the prefix cache) and output.", ("tenant", "kind")),
+)
+TENANT_REQUESTS, TENANT_RATE_LIMITED, TENANT_TOKENS = (
+    _metric(Counter, name, doc, labelnames=labels) for name, doc, labels in _TENANT_FAMILIES)
+
+def count_tenant(tenant: str, what: str, n: int = 1) -> None:
+    """``what``: "requests", "rate_limited", or a token kind ("prompt", "cached", "output")."""
+    if what == "requests":
+        TENANT_REQUESTS.labels(tenant).inc(n)
+    elif what == "rate_limited":
+        TENANT_RATE_LIMITED.labels(tenant).inc(n)
+    elif n:
+        TENANT_TOKENS.labels(tenant, what).inc(n)
+
+
 _totals = {"prompt": 0, "cached": 0}
 _totals_lock = threading.Lock()
 
@@ -126,7 +149,8 @@ def count_prompt(prompt_tokens: int, cached_tokens: int) -> None:
 MIGRATION_REASONS = tuple(r.value for r in MoveReason)
 MIGRATION_OUTCOMES = ("ok", "failed", "aborted")
 REJECT_REASONS = ("malformed", "invalid_request", "timeout", "disconnected", "too_large",
-                  "unauthorized", "model_not_found", "context_length", "overloaded")
+                  "unauthorized", "forbidden", "rate_limited", "model_not_found", "context_length",
+                  "overloaded")
 for _s in STATUSES:
     REQUESTS.labels(_s)
 for _r in REJECT_REASONS:

@@ -204,10 +204,10 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type: str = "invalid_request_error",
-                 reason: str = "invalid_request"):
+                 reason: str = "invalid_request", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.reason = reason
+        self.reason, self.headers = reason, headers
 
 
 def _reject_constant(name: str) -> Any:

@@ -168,7 +168,7 @@ class OpenAIRoutes:
         arrival = time.perf_counter()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            self.door.check_auth(request)
+            who = self.door.check_auth(request)
             body = parse_json_object(await self.door.read_body(request))
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self.door.check_model(req.model)
@@ -176,6 +176,7 @@ class OpenAIRoutes:
             if refused is not None:
                 raise APIError(400, refused[1], param=refused[0], code="unsupported")
             prep = await asyncio.to_thread(self.prepare, req, body, request.headers, rid)
+            prep.greqs = self.door.admit(who, prep.greqs, body)
         except APIError as e:
             m.REJECTED.labels(e.reason).inc()
             m.REQUESTS.labels("rejected").inc()

@@ -59,11 +59,12 @@ async def metered(backend: ServingBackend, greq: GenerateRequest, arrival: float
     (or cancelled) before the final chunk. Counts tandem_requests_total once per generation, by
     outcome; prompt tokens only for the first sample of a group (the others share its prompt)."""
     chunks = backend.generate(greq)
-    status, finished, last = "aborted", False, None
+    status, finished, last, out = "aborted", False, None, 0
     count_prompt = greq.group is None or greq.group.leader
     try:
         async for c in chunks:
             now = time.perf_counter()
+            out += len(c.token_ids)
             if c.token_ids:
                 if last is None:
                     m.TTFT.observe(now - arrival)
@@ -75,8 +76,12 @@ async def metered(backend: ServingBackend, greq: GenerateRequest, arrival: float
             if c.finish_reason is not None:
                 finished = True
                 status = "error" if c.error else "aborted" if c.finish_reason == "abort" else "ok"
+                tenant = greq.tenant or "default"
                 if count_prompt:
                     m.count_prompt(c.prompt_tokens, c.cached_tokens)
+                    m.count_tenant(tenant, "prompt", c.prompt_tokens)
+                    m.count_tenant(tenant, "cached", c.cached_tokens)
+                m.count_tenant(tenant, "output", out)
             yield c
             if finished:
                 return

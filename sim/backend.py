@@ -302,7 +302,7 @@ class SimServingBackend:
         now = self.now()
         pw, dw = self._by_id[route.prefill], self._by_id[route.decode]
         n = len(req.prompt_ids)
-        sim = SimRequest(next(self._sim_ids), now, n, req.params.max_tokens, list(req.prompt_ids))
+        sim = SimRequest(next(self._sim_ids), now, n, req.params.max_tokens, list(req.cache_key))
         f = _Flight(sim, req, route, pw, dw, rng=random.Random(req.rid),
                     detok=IncrementalDetokenizer(self.tokenizer, list(req.prompt_ids[-5:])))
         self._flights[req.rid] = f

@@ -106,7 +106,7 @@ class SimPrefillRole(_SimRole):
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
         r = SimRequest(next(self._ids), self.now(), len(greq.prompt_ids), greq.params.max_tokens,
-                       list(greq.prompt_ids))
+                       list(greq.cache_key))
         fut = self._done[r.rid] = asyncio.get_running_loop().create_future()
         self.worker.enqueue(r, self.now())
         self._wake.set()

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.cache.tiers.factory import build_tier
 from tandem.core.config import EngineConfig
+from tandem.core import tracing
 from tandem.engine.gie_metrics import register_gie_metrics
 from tandem.engine.handle import EngineHandle
 from tandem.engine.metrics import register_engine_metrics
@@ -108,6 +109,7 @@ class RoleWorker:
         self.name = name
         self.engine = engine
         self.handle = handle
+        tracing.setup(name)     # on when the launcher gave OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (else a no-op)
         self.page_size = engine.kv_pool.page_size
         self.transfer_timeout_s = transfer_timeout_s
         if agent_opts is None:   # the config's agent options (EngineConfig.transfer)

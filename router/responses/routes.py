@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk
 from tandem.router import metrics as m
+from tandem.router.auth import Principal
 from tandem.router.front_door import (FrontDoor, error_response, refusal, request_priority, session_key,
                                       start_failed)
 from tandem.router.openai_protocol import APIError, parse_json_object, parse_request
@@ -95,11 +96,11 @@ class ResponsesRoutes:
         greq = GenerateRequest(rid, tuple(ids), params, session, priority=request_priority(headers, body))
         return Prepared(greq, plan, history)
 
-    async def _previous(self, req: ResponsesRequest) -> StoredResponse | None:
+    async def _previous(self, req: ResponsesRequest, who: Principal) -> StoredResponse | None:
         if req.previous_response_id is None:
             return None
         prev = await self.store.get(req.previous_response_id)
-        if prev is None:
+        if prev is None or prev.tenant != who.tenant:     # another tenant's: as if it did not exist
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
         if prev.status in IN_PROGRESS:
@@ -112,15 +113,16 @@ class ResponsesRoutes:
         arrival = time.perf_counter()
         rid = new_id("resp")
         try:
-            self.door.check_auth(request)
+            who = self.door.check_auth(request)
             body = parse_json_object(await self.door.read_body(request))
             req = parse_request(ResponsesRequest, body)
             self.door.check_model(req.model)
             refused = req.unsupported()
             if refused is not None:
                 raise APIError(400, refused[1], param=refused[0], code="unsupported")
-            prev = await self._previous(req)
+            prev = await self._previous(req, who)
             prep = await asyncio.to_thread(self.prepare, req, body, request.headers, rid, prev)
+            [prep.greq] = self.door.admit(who, [prep.greq], body)
         except APIError as e:
             m.REJECTED.labels(e.reason).inc()
             m.REQUESTS.labels("rejected").inc()
@@ -186,7 +188,8 @@ class ResponsesRoutes:
             status, error = ("incomplete" if last.finish_reason == "length" else "completed"), None
         out = self._response(req, prep, status, b.items, usage, error)
         if req.store:
-            rec = StoredResponse(out["id"], out, prep.history + history_items(b.items), prep.greq.session_id)
+            rec = StoredResponse(out["id"], out, prep.history + history_items(b.items), prep.greq.session_id,
+                                 prep.greq.tenant)
             try:
                 out = (await self.store.put(rec, unless_cancelled)).response
             except Exception:   # the reply still goes out; a later previous_response_id will not find it
@@ -233,7 +236,8 @@ class ResponsesRoutes:
     async def _start_background(self, req: ResponsesRequest, prep: Prepared, arrival: float) -> Response:
         queued = self._response(req, prep, "queued", [])
         try:
-            await self.store.put(StoredResponse(queued["id"], queued, prep.history, prep.greq.session_id))
+            await self.store.put(StoredResponse(queued["id"], queued, prep.history, prep.greq.session_id,
+                                                 prep.greq.tenant))
         except Exception as e:
             log.exception("storing %s failed", queued["id"])
             return error_response(500, f"the response store is unavailable: {type(e).__name__}", type="server_error")
@@ -248,11 +252,11 @@ class ResponsesRoutes:
             runs = await start(self.door.backend, [prep.greq], arrival, _never)
         except StartFailed as e:
             failed = self._response(req, prep, "failed", [], None, {"code": e.kind, "message": e.message[:500]})
-            await self.store.put(StoredResponse(rid, failed, prep.history, prep.greq.session_id), True)
+            await self.store.put(StoredResponse(rid, failed, prep.history, prep.greq.session_id, prep.greq.tenant), True)
             return
         try:
             running = self._response(req, prep, "in_progress", [])
-            if (await self.store.put(StoredResponse(rid, running, prep.history, prep.greq.session_id),
+            if (await self.store.put(StoredResponse(rid, running, prep.history, prep.greq.session_id, prep.greq.tenant),
                                      True)).status == "cancelled":
                 return
             done = await unless_disconnected(collect(runs), self._cancelled(rid))
@@ -285,9 +289,11 @@ class ResponsesRoutes:
 
     # ---------------------------------------------------------------- GET / DELETE / cancel
     async def _record(self, request: Request, rid: str) -> StoredResponse:
-        self.door.check_auth(request)
+        """The record ``rid`` if the caller's tenant owns it; 404 otherwise (another tenant's
+        record is answered as one that does not exist)."""
+        who = self.door.check_auth(request)
         rec = await self.store.get(rid)
-        if rec is None:
+        if rec is None or rec.tenant != who.tenant:
             raise APIError(404, f"Response with id '{rid[:256]}' not found.", param="response_id", code="not_found")
         return rec
 

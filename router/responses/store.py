@@ -33,12 +33,15 @@ IN_PROGRESS = ("queued", "in_progress")
 class StoredResponse:
     """One response: ``response`` is its Response object (JSON-able dict, ``status`` in it),
     ``history`` its conversation's input items up to and including its output, ``session`` the
-    session key its turns are routed by (the KV of the chain is on that session's workers)."""
+    session key its turns are routed by (the KV of the chain is on that session's workers),
+    ``tenant`` the tenant that created it (router/auth.py): only that tenant may read, delete,
+    cancel or continue it (anyone else gets 404)."""
 
     id: str
     response: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     session: str | None = None
+    tenant: str = ""
 
     @property
     def status(self) -> str:
@@ -52,9 +55,10 @@ class StoredResponse:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "StoredResponse":
-        if not isinstance(d, dict) or set(d) != {"id", "response", "history", "session"}:
+        if not isinstance(d, dict) or not {"id", "response", "history", "session"} <= set(d) <= {
+                "id", "response", "history", "session", "tenant"}:
             raise ValueError(f"not a stored response: {sorted(d) if isinstance(d, dict) else type(d).__name__}")
-        return cls(d["id"], d["response"], d["history"], d["session"])
+        return cls(d["id"], d["response"], d["history"], d["session"], d.get("tenant", ""))
 
     def size(self) -> int:
         return len(json.dumps(self.to_wire(), ensure_ascii=False, separators=(",", ":")))

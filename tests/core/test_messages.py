@@ -35,6 +35,26 @@ def test_generate_request_round_trips(params, group):
     assert wire_round_trip(greq) == greq
 
 
+def test_tenant_salt_and_trace_cross_the_wire_and_may_be_absent():
+    greq = GenerateRequest("r", (5, 6), SamplingParams(), tenant="acme", cache_salt=12345,
+                           trace="00-" + "a" * 32 + "-" + "b" * 16 + "-01")
+    assert wire_round_trip(greq) == greq
+    wire = greq.to_wire()
+    for k in ("tenant", "cache_salt", "trace"):
+        del wire[k]
+    old = GenerateRequest.from_wire(wire)             # a sender that predates them
+    assert (old.tenant, old.cache_salt, old.trace, old.cache_key) == ("", 0, "", (5, 6))
+    assert greq.cache_key[1:] == (6,) and greq.cache_key[0] != 5
+
+
+@pytest.mark.parametrize("field, value", [("cache_salt", -1), ("cache_salt", 1 << 31), ("cache_salt", True),
+                                          ("tenant", 3), ("trace", "x" * 513)])
+def test_bad_tenant_fields_are_refused(field, value):
+    wire = {**GenerateRequest("r", (1,), SamplingParams()).to_wire(), field: value}
+    with pytest.raises(InvalidRequest, match=field if field != "tenant" else "tenant and trace"):
+        GenerateRequest.from_wire(wire)
+
+
 def test_a_message_without_group_still_decodes():
     wire = GenerateRequest("r", (1,), SamplingParams()).to_wire()
     del wire["group"]

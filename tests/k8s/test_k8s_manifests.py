@@ -231,6 +231,20 @@ def test_router_mounts_the_config_it_is_given(resources):
     assert SERVE_KEY in one(resources, "ConfigMap", SERVE_CONFIGMAP)["data"]
 
 
+def test_router_reads_its_api_keys_from_a_secret_it_mounts(resources, config):
+    """serve.yaml's key file is the mounted Secret's (read-only, no subPath, so the kubelet can
+    refresh it for a SIGHUP reload), and no key file, Secret or key ships in the manifests."""
+    spec = _router(resources)["spec"]["template"]["spec"]
+    vol = one([{"kind": "v", "metadata": {"name": v["name"]}, **v} for v in spec["volumes"]], "v", "api-keys")
+    assert vol["secret"]["secretName"] == "tandem-api-keys" and "optional" not in vol["secret"]
+    [item] = vol["secret"]["items"]
+    [mount] = [m for m in _router_container(resources)["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["readOnly"] and "subPath" not in mount
+    assert config.api_keys == f"{mount['mountPath']}/{item['path']}"
+    assert not any(r["kind"] == "Secret" for r in resources)
+    assert "key:" not in serve_yaml(resources) and "sk-" not in json.dumps(resources)
+
+
 # --- commands: Tandem's CLI and Ray's ----------------------------------------------------------
 
 _SEPARATORS = {";", "&&", "||", "|", "&"}

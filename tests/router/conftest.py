@@ -156,6 +156,12 @@ def serve():
 
 
 @pytest.fixture(scope="session")
+def scripted_backend():
+    """The ScriptedBackend class, for a module that serves its own config over it."""
+    return ScriptedBackend
+
+
+@pytest.fixture(scope="session")
 def live(serve):
     """Scripted backend, no API key, a 64 KiB body limit."""
     return serve(ScriptedBackend(), ServeConfig(max_body_bytes=64 * 1024))

@@ -1,0 +1,115 @@
+"""Tenants and traces on a real 1 prefill + 1 decode Ray cluster of SmolLM2 (issue 40).
+
+- Isolation: tenant B's prompt, identical to one tenant A just ran, reports 0 cached tokens
+  (the tenant salts the page-hash chain: the radix trees, events and the router's index never
+  match across tenants), while each tenant's own repeat hits; a body ``cache_salt`` isolates
+  further within a tenant.
+- Traces: the OTLP/HTTP exporter of the router and of each worker sends to a receiver this test
+  runs on 127.0.0.1 (it decodes ExportTraceServiceRequest protobufs); one request that arrives
+  with a W3C ``traceparent`` yields, in that one trace, the router's HTTP and routing spans
+  (service.name "router"), the prefill and KV-transfer spans of "prefill-0" and the decode span of
+  "decode-0", with their token, byte and page counts.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import pytest
+
+from serve_support import Server
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+
+from otlp_support import Receiver  # noqa: E402
+
+from tandem.core import tracing  # noqa: E402
+from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE = EngineConfig(device="cpu", num_threads=1,
+                      cache=CacheConfig(page_size=16, max_total_tokens=8192, max_running_requests=8))
+KEYS = {"acme": "sk-acme-tenant-key", "globex": "sk-globex-tenant-key"}
+PROMPT = ("You are a careful assistant. Here is a long shared document about the history of tea, "
+          "its trade routes, and the ceremonies built around it in many countries. ") * 6
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2, ray_local, receiver, tmp_path_factory):
+    from tandem.cluster.launch import launch_disaggregated
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text("".join(f"- key: {k}\n  tenant: {t}\n  role: user\n" for t, k in KEYS.items()))
+    cfg = ServeConfig(prefill=1, decode=1, transfer_timeout_s=20.0, engine_config=ENGINE,
+                      ray_namespace="tenants-e2e", api_keys=str(keys), otlp_endpoint=receiver.url)
+    assert tracing.setup("router", cfg.otlp_endpoint)        # what run_serve does
+    backend = launch_disaggregated(cfg, loaded=smollm2)
+    server = Server(backend, cfg, "tenants")
+    yield server
+    server.stop()
+    backend.close()
+    tracing.shutdown()
+
+
+def _ask(server, tenant: str, content: str = PROMPT, **kw):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=120)
+    return c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
+                                     max_tokens=4, temperature=0, **kw)
+
+
+def _cached(r) -> int:
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_tenants_never_hit_each_others_cache(cluster):
+    a1 = _ask(cluster, "acme")
+    assert a1.usage.prompt_tokens > 100 and _cached(a1) == 0
+    a2 = _ask(cluster, "acme")
+    assert _cached(a2) >= a1.usage.prompt_tokens - 32        # A's repeat: all but the last pages
+    b1 = _ask(cluster, "globex")                             # the same prompt, another tenant
+    assert b1.usage.prompt_tokens == a1.usage.prompt_tokens and _cached(b1) == 0
+    assert _cached(_ask(cluster, "globex")) == _cached(a2)   # B's own repeat hits
+    own = _ask(cluster, "acme", extra_body={"cache_salt": "project-x"})
+    assert _cached(own) == 0                                 # a cache_salt narrows A's namespace
+    assert a2.choices[0].message.content == b1.choices[0].message.content   # same output (greedy)
+
+
+def test_one_trace_spans_router_prefill_and_decode(cluster, receiver):
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    c = openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEYS["acme"], max_retries=0, timeout=120,
+                      default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    r = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=5,
+                                  messages=[{"role": "user", "content": "Name three colours. " * 8}])
+    tracing.flush()
+    want = {("router", "POST /v1/chat/completions"), ("router", "route"), ("prefill-0", "prefill"),
+            ("prefill-0", "kv transfer"), ("decode-0", "decode")}
+    end = time.monotonic() + 60                              # the workers export every 0.5 s
+    while not want <= {(s["service"], s["name"]) for s in receiver.of_trace(trace_id)}:
+        assert time.monotonic() < end, f"spans seen: {[(s['service'], s['name']) for s in receiver.of_trace(trace_id)]}"
+        time.sleep(0.2)
+    spans = {(s["service"], s["name"]): s for s in receiver.of_trace(trace_id)}
+    http = spans[("router", "POST /v1/chat/completions")]
+    assert http["parent"] == parent                          # the client's traceparent continued
+    assert http["attrs"]["http.response.status_code"] == 200
+    route, prefill = spans[("router", "route")], spans[("prefill-0", "prefill")]
+    xfer, decode = spans[("prefill-0", "kv transfer")], spans[("decode-0", "decode")]
+    assert route["parent"] == prefill["parent"] == decode["parent"] == http["id"]
+    assert route["attrs"]["tandem.prefill"] == "prefill-0" and route["attrs"]["tandem.decode"] == "decode-0"
+    p = prefill["attrs"]
+    assert p["tandem.prompt_tokens"] == r.usage.prompt_tokens
+    assert p["tandem.cached_tokens"] + p["tandem.computed_tokens"] == r.usage.prompt_tokens
+    assert xfer["parent"] == prefill["id"]
+    assert xfer["attrs"]["tandem.bytes"] > 0 and xfer["attrs"]["tandem.pages"] >= r.usage.prompt_tokens // 16
+    assert decode["attrs"]["tandem.tokens"] == r.usage.completion_tokens
+    assert decode["attrs"]["tandem.first_token_s"] >= 0
