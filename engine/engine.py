@@ -55,6 +55,7 @@ from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
+from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
@@ -435,7 +436,10 @@ class Engine:
         if plan.entries:
             srs = [e.sr for e in plan.sampling]
             masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
-            logits = self.runner.forward(self.kv.forward_batch(plan))   # [B, V]
+            every = wants_prompt_logprobs(plan.entries)    # [T, V]: prompt logprobs need every position
+            logits = self.runner.forward(self.kv.forward_batch(plan), return_all_logits=every)   # [B, V]
+            if every:
+                logits = take_prompt_logprobs(plan.entries, logits)
             rows = plan.sample_rows
             if rows:
                 sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all

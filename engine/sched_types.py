@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.core.messages import SampleGroup
-from tandem.core.types import Req, StreamChunk
+from tandem.core.types import Req, StreamChunk, TokenLogprob
 from tandem.engine.output import OutputTracker
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class SchedReq:
     until it is activated (a retracted request is then recomputed here like any other).
     ``l3_prefetch``: the L3 read-ahead of its prefix in flight (set at ``Scheduler.add``,
     engine/request_kv.py ``prefetch``; stopped and cleared by its admission's L3 fetch).
+    ``prompt_logprobs``: the prompt tokens' logprobs computed so far (the request asked for them:
+    engine/logprobs.py ``take_prompt_logprobs``), sent with the first token's chunk.
     """
 
     req: Req
@@ -59,6 +61,7 @@ class SchedReq:
     group: SampleGroup | None = None
     receive: bool = False
     l3_prefetch: Ask | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def rid(self) -> str:
