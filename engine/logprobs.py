@@ -8,6 +8,13 @@ sampler receives, the grammar bitmask already applied) and what OpenAI documents
 probability of this token"); it does not depend on the sampling settings, so a greedy token is
 always ``top[0]`` and a sampled one need not be. ``top`` lists at most ``k`` alternatives, most
 likely first, and leaves out forbidden (``-inf``) tokens, so a constrained row may have fewer.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's): for prompt token p >= 1, ``log_softmax``
+in float32 of the model's raw logits at position p - 1 (no grammar, no bans: nothing was sampled
+there), its ``rank`` (1 + the tokens strictly more likely) and the top ``k``. A step whose plan
+holds prompt positions a request still needs keeps every position's logits (``[T, V]``); the
+scheduler (engine/request_kv.py ``_reusable``) matches such a request against the prefix cache at
+depth 0, so cached positions are recomputed, not skipped.
 """
 
 from __future__ import annotations

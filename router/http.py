@@ -71,14 +71,8 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
         return await openai_routes.serve(request, chat=False)
 
     tokenize_routes = TokenizeRoutes(door)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await tokenize_routes.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await tokenize_routes.detokenize(request)
+    app.add_api_route("/tokenize", tokenize_routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenize_routes.detokenize, methods=["POST"])
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
