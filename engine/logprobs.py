@@ -92,7 +92,8 @@ def ranked_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Tok
     lp = torch.log_softmax(logits.float(), dim=-1)                          # [R, V]
     idx = torch.tensor(tokens, dtype=torch.long, device=lp.device).unsqueeze(1)
     chosen = lp.gather(1, idx)                                              # [R, 1]
-    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()                         # [R]
+    # counted in int32: a plain bool sum widens every element to int64 first
+    ranks = (torch.sum(lp > chosen, dim=1, dtype=torch.int32) + 1).tolist()  # [R]
     chosen = chosen.squeeze(1).tolist()
     top_vals = top_ids = None
     if k:
