@@ -221,6 +221,9 @@ class OpenAIRoutes:
         failed = next((c.last for c in done if c.last.error), None)
         if failed is not None:
             return error_response(500, f"generation failed: {failed.error}", type="server_error", headers=headers)
+        missing = next((why for c in done if (why := _prompt_lps_missing(prep, c.prompt_logprobs))), None)
+        if missing is not None:
+            return error_response(500, missing, type="server_error", headers=headers)
         if done[0].last.worker:
             headers["X-Tandem-Worker"] = done[0].last.worker
         return Response(self._body(req, prep, rid, done).model_dump_json(), media_type="application/json",
@@ -296,6 +299,9 @@ class OpenAIRoutes:
                 if c.error:
                     yield sse(_error_json(f"generation failed: {c.error}"))
                     break
+                if not st.started and (missing := _prompt_lps_missing(prep, c.prompt_logprobs)):
+                    yield sse(_error_json(missing))
+                    break
                 if c.finish_reason is not None:
                     st.last = c
                 if not chat:
@@ -334,6 +340,16 @@ class OpenAIRoutes:
         finally:
             await close_all([r.chunks for r in runs])
         yield sse("[DONE]")
+
+
+def _prompt_lps_missing(prep: Prepared, plps) -> str | None:
+    """Why a choice cannot be answered: the request needs its prompt's logprobs and the backend
+    sent not one per prompt token after the first (a backend that does not compute them)."""
+    p = prep.greqs[0].params.prompt_logprobs
+    if p is None or len(plps) == prep.prompt_len - 1:
+        return None
+    return (f"the backend returned {len(plps)} prompt logprobs for a {prep.prompt_len}-token prompt "
+            f"(echo with logprobs and prompt_logprobs need {prep.prompt_len - 1})")
 
 
 def _usage(done: list[Collected], prompt_len: int) -> Usage:

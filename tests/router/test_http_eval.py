@@ -168,3 +168,20 @@ def test_tokenize_and_detokenize(url, engine):
     assert _post(url, "/tokenize", {"prompt": "a", "messages": msgs}, status=400)["error"]["message"]
     assert _post(url, "/detokenize", {"tokens": [tok.vocab_size]}, status=400)["error"]["param"] == "tokens"
     assert _post(url, "/tokenize", {"model": "other", "prompt": "a"}, status=404)["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_backend_without_prompt_logprobs_is_an_error_not_a_short_list(live, stream):
+    """The scripted backend (a test double) computes no prompt logprobs: echo with logprobs must
+    fail loudly rather than answer lists that stop after the first prompt token."""
+    body = {"model": "scripted-model", "prompt": "hello", "max_tokens": 2, "logprobs": 1, "echo": True,
+            "stream": stream}
+    r = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+    if not stream:
+        assert r.status_code == 500 and "0 prompt logprobs for a 5-token prompt" in r.json()["error"]["message"]
+        return
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "0 prompt logprobs for a 5-token prompt" in events[0]["error"]["message"]
+    assert all("choices" not in e for e in events)
