@@ -62,14 +62,13 @@ def take_prompt_logprobs(entries, logits: torch.Tensor) -> torch.Tensor:
     order). Appends to each asking request's ``sr.prompt_logprobs`` the logprobs of the prompt
     tokens this step's positions predict (position p's logits score prompt token p + 1), never one
     it already has (a recompute after retraction adds nothing twice), and returns the [B, V] rows
-    of each entry's last position, what the sampler gets in a normal step. Called before
-    ``Scheduler.update`` (``computed_len`` is still where each entry starts)."""
+    of each entry's last position, what the sampler gets in a normal step."""
     last, start = [], 0
     for e in entries:
         end = start + e.n
         last.append(end - 1)
         if _needs_prompt(e):
-            _append_prompt(e.sr, logits[start:end], e.sr.req.computed_len)
+            _append_prompt(e.sr, logits[start:end], e.start)
         start = end
     return logits[last]
 

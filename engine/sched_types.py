@@ -70,13 +70,15 @@ class SchedReq:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """``sr`` extends its KV from ``req.computed_len`` by ``n`` tokens into ``slots`` ``[n]``;
-    ``samples``: that reaches ``seq_len``, so its last position's logits pick the next token."""
+    """``sr`` extends its KV from position ``start`` (its ``computed_len`` when planned) by ``n``
+    tokens into ``slots`` ``[n]``; ``samples``: that reaches ``seq_len``, so its last position's
+    logits pick the next token."""
 
     sr: SchedReq
     n: int
     slots: torch.Tensor
     samples: bool
+    start: int = 0
 
 
 @dataclass
@@ -91,7 +93,7 @@ class StepPlan:
 
     def add(self, sr: SchedReq, n: int, slots: torch.Tensor) -> None:
         r = sr.req
-        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n == r.seq_len))
+        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n == r.seq_len, r.computed_len))
 
     def holds(self, sr: SchedReq) -> bool:
         return any(e.sr is sr for e in self.entries)
