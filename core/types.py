@@ -108,6 +108,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0    # prompt logprobs: 1 + how many tokens are more likely (0: not computed)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,9 @@ class SamplingParams:
     ``stop_token_ids`` finish with reason "stop"; EOS does too unless ``ignore_eos``.
     ``min_tokens`` suppresses EOS/stop tokens until that many tokens were generated.
     ``logprobs``: report each sampled token's logprob (StreamChunk.logprobs), with the
-    ``top_logprobs`` (0..MAX_TOP_LOGPROBS) most likely alternatives. ``constraint``: decode under a
+    ``top_logprobs`` (0..MAX_TOP_LOGPROBS) most likely alternatives. ``prompt_logprobs`` (None =
+    off, else 0..MAX_TOP_LOGPROBS alternatives): report each prompt token's logprob given the
+    tokens before it (StreamChunk.prompt_logprobs). ``constraint``: decode under a
     grammar (None = unconstrained).
     """
 
@@ -135,6 +138,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -157,6 +161,10 @@ class SamplingParams:
                                  f"got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true")
+        pl = self.prompt_logprobs
+        if pl is not None and (isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(f"prompt_logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {pl!r}")
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequest(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
@@ -224,7 +232,9 @@ class StreamChunk:
     ``prompt_tokens`` / ``cached_tokens`` are reported by the final chunk and by the chunk of the
     first generated token (the same figures, so a stream can state its usage up front); other
     chunks leave them 0. ``logprobs`` (only when the request asked for them): one entry per id in
-    ``token_ids``, same order. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
+    ``token_ids``, same order. ``prompt_logprobs`` (only when the request asked for them, on the
+    chunk of the first generated token): one entry per prompt token after the first (the
+    first has no context), each with its ``rank``. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
     when EOS or a stop token id did.
     """
 
@@ -239,6 +249,7 @@ class StreamChunk:
     worker: str = ""        # final chunk, disaggregated: the decode worker that served it
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_str: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # a failure's final chunk, before any token, because the prefill worker died (the decode
     # worker's Ray client saw it): the router may route the request again without that worker
     prefill_died: bool = False

@@ -86,6 +86,7 @@ class _Job:
 
     rid: str
     logprobs: bool = False     # the request asked for logprobs (prefill must send the first one's)
+    prompt_logprobs: int = 0   # how many prompt logprobs prefill must send (the request asked)
     handoff: Handoff | None = None
     call: asyncio.Future | None = None
     peer: PrefillClient | None = None
@@ -195,7 +196,10 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self.counts[path] += 1
         self._path.labels(path).inc()
         if remote:
-            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs and greq.resume is None)
+            fresh = greq.resume is None
+            plps = len(greq.prompt_ids) - 1 if fresh and greq.params.prompt_logprobs is not None else 0
+            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs and fresh,
+                                              prompt_logprobs=plps)
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
@@ -359,6 +363,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
                 self._groups.open(greq, job.gate)   # the prompt is in the tree once activation ran
                 if c.finish_reason is None:         # the first chunk reports prefill's cache hit
                     c = replace(c, prompt_tokens=len(greq.prompt_ids), cached_tokens=result.cached_tokens)
+                if result.prompt_logprobs and c.token_ids:   # prefill computed the prompt's logprobs
+                    c = replace(c, prompt_logprobs=result.prompt_logprobs)
             elif "first_decode_step_s" not in job.timings:
                 job.timings["first_decode_step_s"] = time.monotonic() - t2 - job.timings["activate_s"]
             if c.finish_reason is not None:
@@ -397,10 +403,13 @@ class DecodeWorker(MigrationSource, RoleWorker):
     async def _verify(self, job: _Job, res: Reservation, result: PrefillResult) -> None:
         """``--kv-digest``: the received pages must hash to what prefill sent (no write is in
         flight any more: the result arrived). A request that asked for logprobs needs the first
-        token's from prefill."""
+        token's from prefill, one that asked for prompt logprobs all of them."""
         if job.logprobs and result.first_logprob is None:
             raise TransferFailed(f"prefill worker {result.worker} sent no logprob for the first "
                                  f"token of {job.rid}, which asked for logprobs")
+        if len(result.prompt_logprobs) != job.prompt_logprobs:
+            raise TransferFailed(f"prefill worker {result.worker} sent {len(result.prompt_logprobs)} prompt "
+                                 f"logprobs for {job.rid}, which needs {job.prompt_logprobs}")
         if not self.kv_digest:
             return
         regions = res.regions or (RegionPages(REGION, res.pages),)

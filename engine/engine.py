@@ -57,6 +57,7 @@ from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
+from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.overlap import (DeviceLane, Launched, device_sampleable, fill_indices, fill_inputs,
                                    resolve_overlap)
@@ -470,7 +471,10 @@ class Engine:
         """Run ``fb`` (``plan``'s batch) and sample its sampling rows on the host."""
         srs = [e.sr for e in plan.sampling]
         masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
-        logits = self.runner.forward(fb)     # [B, V]
+        every = wants_prompt_logprobs(plan.entries)    # [T, V]: prompt logprobs need every position
+        logits = self.runner.forward(fb, return_all_logits=every)     # [B, V]
+        if every:
+            logits = take_prompt_logprobs(plan.entries, logits)
         rows = plan.sample_rows
         if not rows:
             return [], None

@@ -8,6 +8,13 @@ sampler receives, the grammar bitmask already applied) and what OpenAI documents
 probability of this token"); it does not depend on the sampling settings, so a greedy token is
 always ``top[0]`` and a sampled one need not be. ``top`` lists at most ``k`` alternatives, most
 likely first, and leaves out forbidden (``-inf``) tokens, so a constrained row may have fewer.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's): for prompt token p >= 1, ``log_softmax``
+in float32 of the model's raw logits at position p - 1 (no grammar, no bans: nothing was sampled
+there), its ``rank`` (1 + the tokens strictly more likely) and the top ``k``. A step whose plan
+holds prompt positions a request still needs keeps every position's logits (``[T, V]``); the
+scheduler (engine/request_kv.py ``_reusable``) matches such a request against the prefix cache at
+depth 0, so cached positions are recomputed, not skipped.
 """
 
 from __future__ import annotations
@@ -36,3 +43,60 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
                         if v != float("-inf"))
         out.append(TokenLogprob(int(tok), float(value), top))
     return out
+
+
+def wants_prompt_logprobs(entries) -> bool:
+    """Whether a step's plan entries (engine/sched_types.py PlanEntry) hold prompt positions whose
+    logprobs a request still needs: the step must then keep every position's logits."""
+    return any(_needs_prompt(e) for e in entries)
+
+
+def _needs_prompt(e) -> bool:
+    r = e.sr.req
+    return (r.params.prompt_logprobs is not None and not r.output_ids
+            and len(e.sr.prompt_logprobs) < len(r.prompt_ids) - 1)
+
+
+def take_prompt_logprobs(entries, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [T, V]: every new position of the step's ``entries`` (token-major, in entry
+    order). Appends to each asking request's ``sr.prompt_logprobs`` the logprobs of the prompt
+    tokens this step's positions predict (position p's logits score prompt token p + 1), never one
+    it already has (a recompute after retraction adds nothing twice), and returns the [B, V] rows
+    of each entry's last position, what the sampler gets in a normal step."""
+    last, start = [], 0
+    for e in entries:
+        end = start + e.n
+        last.append(end - 1)
+        if _needs_prompt(e):
+            _append_prompt(e.sr, logits[start:end], e.start)
+        start = end
+    return logits[last]
+
+
+def _append_prompt(sr, rows: torch.Tensor, first_pos: int) -> None:
+    """``rows`` [n, V]: the logits of positions ``first_pos ..``; add the ones still missing."""
+    ids, have = sr.req.prompt_ids, sr.prompt_logprobs
+    lo = len(have) - first_pos            # row scoring prompt token len(have) + 1
+    hi = min(rows.shape[0], len(ids) - 1 - first_pos)
+    if lo < 0 or lo >= hi:
+        return
+    targets = ids[first_pos + lo + 1:first_pos + hi + 1]
+    have.extend(ranked_logprobs(rows[lo:hi], targets, sr.req.params.prompt_logprobs))
+
+
+def ranked_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """``logits`` [R, V] -> one TokenLogprob per row for ``tokens[r]``: its logprob
+    (log_softmax in float32), its ``rank`` (1 + the number of tokens strictly more likely) and
+    the ``k`` most likely alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                          # [R, V]
+    idx = torch.tensor(tokens, dtype=torch.long, device=lp.device).unsqueeze(1)
+    chosen = lp.gather(1, idx)                                              # [R, 1]
+    # counted in int32: a plain bool sum widens every element to int64 first
+    ranks = (torch.sum(lp > chosen, dim=1, dtype=torch.int32) + 1).tolist()  # [R]
+    chosen = chosen.squeeze(1).tolist()
+    top_vals = top_ids = None
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)             # [R, k], sorted
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    return [TokenLogprob(int(t), float(v), tuple(zip(top_ids[r], top_vals[r])) if k else (), int(ranks[r]))
+            for r, (t, v) in enumerate(zip(tokens, chosen))]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.logprobs import wants_prompt_logprobs
 from tandem.engine.sched_types import StepPlan
 
 
@@ -55,7 +56,10 @@ def resolve_overlap(setting: str, disabled: bool, device: torch.device, hybrid: 
 
 
 def device_sampleable(plan: StepPlan, device: torch.device) -> bool:
-    """Every sampling row of ``plan`` is one the device can pick alone (module docstring)."""
+    """Every sampling row of ``plan`` is one the device can pick alone (module docstring), and no
+    entry wants its prompt's logprobs (those need every position's logits on the host)."""
+    if wants_prompt_logprobs(plan.entries):
+        return False
     for e in plan.sampling:
         sr, p = e.sr, e.sr.req.params
         if sr.matcher is not None or p.logprobs:

@@ -86,8 +86,11 @@ class RequestKV:
 
     def _reusable(self, sr: SchedReq) -> list[int]:
         """The tokens whose KV a request may reuse: whole pages of all but its last token (the
-        last one must be computed to get logits)."""
+        last one must be computed to get logits); none for a request that still needs its
+        prompt's logprobs and computes the prompt here (every position's logits are needed)."""
         r = sr.req
+        if r.params.prompt_logprobs is not None and not r.output_ids and not sr.receive:
+            return []
         return r.cache_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
 
     def prefetch(self, sr: SchedReq) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.core.messages import SampleGroup
-from tandem.core.types import Req, StreamChunk
+from tandem.core.types import Req, StreamChunk, TokenLogprob
 from tandem.engine.output import OutputTracker
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ class SchedReq:
     yet (``Scheduler.advance`` adds one, ``Scheduler.apply`` takes it back); ``ahead`` counts the
     tokens those steps sample for it, which are not in ``req.output_ids`` yet (so its next
     decode's input token lives on the device). Both are 0 between steps of the plain loop.
+    ``prompt_logprobs``: the prompt tokens' logprobs computed so far (the request asked for them:
+    engine/logprobs.py ``take_prompt_logprobs``), sent with the first token's chunk.
     """
 
     req: Req
@@ -68,6 +70,7 @@ class SchedReq:
     prefetches: dict[str, Prefetch] | None = None
     inflight: int = 0
     ahead: int = 0
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def rid(self) -> str:

@@ -389,11 +389,12 @@ class Scheduler:
             self.stats["generated_tokens"] += 1
         text, finish = sr.tracker.on_token(tok, grammar_done=m is not None and m.is_terminated())
         lps = (logprob,) if logprob is not None else ()
-        if finish is not None:
-            return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps)
         first = len(r.output_ids) == 1   # the first token's chunk reports the prompt's figures too
+        plps = tuple(sr.prompt_logprobs) if first else ()
+        if finish is not None:
+            return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps, prompt_logprobs=plps)
         return StreamChunk(r.rid, (tok,), text, prompt_tokens=len(r.prompt_ids) if first else 0,
-                           cached_tokens=r.cached_len if first else 0, logprobs=lps)
+                           cached_tokens=r.cached_len if first else 0, logprobs=lps, prompt_logprobs=plps)
 
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):
@@ -436,7 +437,7 @@ class Scheduler:
             self.waiting.appendleft(sr)   # recompute: first in line
 
     def _finish(self, sr: SchedReq, reason: str, text: str, last_ids=(), error=None,
-                logprobs=()) -> StreamChunk:
+                logprobs=(), prompt_logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
         if self.connector.finished(sr, reason):   # held: a Release lets it go
@@ -451,7 +452,7 @@ class Scheduler:
         r.status = _STATUS.get(reason, ReqStatus.FINISHED_ABORT)
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
-                           len(r.output_ids), error, logprobs=tuple(logprobs),
+                           len(r.output_ids), error, logprobs=tuple(logprobs), prompt_logprobs=prompt_logprobs,
                            stop_str=sr.tracker.stop_str if reason == "stop" else None)
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:

@@ -182,6 +182,7 @@ class PrefillWorker(RoleWorker):
         if last.logprobs:   # the request asked: the first token's logprob goes to decode with it
             out.f["first_logprob"] = last.logprobs[-1].logprob
             out.f["first_top_logprobs"] = last.logprobs[-1].top
+        out.f["prompt_logprobs"] = last.prompt_logprobs   # () unless the request asked
         # (2) from here the request's KV is held: release it on every path below
         try:
             if job.aborted:

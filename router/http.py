@@ -1,6 +1,7 @@
 """The HTTP front door: ``create_app(backend, config) -> FastAPI``.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /v1/messages and
+Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /tokenize and
+/detokenize (tokenize.py, vLLM's shapes), POST /v1/messages and
 /v1/messages/count_tokens (anthropic.py), POST /v1/responses, GET / DELETE /v1/responses/{id},
 POST /v1/responses/{id}/cancel (responses/routes.py, over the backend's ``response_store`` when
 it has one, else a store in this process), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
@@ -41,6 +42,7 @@ from tandem.router.openai_protocol import APIError
 from tandem.router.responses.routes import ResponsesRoutes
 from tandem.router.responses.store import MemoryResponseStore
 from tandem.router.routes_openai import OpenAIRoutes
+from tandem.router.tokenize import TokenizeRoutes
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,10 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await openai_routes.serve(request, chat=False)
+
+    tokenize_routes = TokenizeRoutes(door)
+    app.add_api_route("/tokenize", tokenize_routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenize_routes.detokenize, methods=["POST"])
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

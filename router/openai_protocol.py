@@ -3,8 +3,8 @@
 Requests are validated strictly (``"1"`` is not an int, ``1`` is not a bool, NaN/inf are not
 numbers) with unknown fields ignored, as OpenAI clients send extras. Fields we parse but cannot
 honour are refused by :meth:`_SamplingFields.unsupported` rather than silently ignored.
-Vendor extensions accepted in the body: top_k, min_tokens, ignore_eos, session_id, and
-response_format types ``regex`` / ``grammar`` (router/structured.py). Response bodies are in
+Vendor extensions accepted in the body: top_k, min_tokens, ignore_eos, session_id,
+prompt_logprobs (vLLM's), and response_format types ``regex`` / ``grammar`` (router/structured.py). Response bodies are in
 openai_responses.py; tools are validated by router/tools/spec.py.
 
 :func:`parse_json_object` and :func:`parse_request` turn a body into a request model or raise
@@ -52,6 +52,7 @@ class _SamplingFields(_Request):
     user: str | None = None
     session_id: str | None = None
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)   # vLLM's extension: alternatives per prompt token
     # parsed only to refuse them when set (see unsupported())
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -67,6 +68,14 @@ class _SamplingFields(_Request):
         """(param, message) for the first field set to something Tandem does not serve."""
         if self.n > MAX_N:
             return "n", f"n must be at most {MAX_N} (Tandem's limit), got n={self.n}"
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs > MAX_TOP_LOGPROBS:
+                return "prompt_logprobs", (f"prompt_logprobs must be at most {MAX_TOP_LOGPROBS}, "
+                                           f"got {self.prompt_logprobs}")
+            if self.stream:
+                return "prompt_logprobs", "prompt_logprobs is not supported with stream: true"
+            if self.n > 1:
+                return "prompt_logprobs", "prompt_logprobs is not supported with n > 1"
         if self.best_of not in (None, 1):
             return "best_of", f"only best_of=1 is supported, got {self.best_of}"
         for name in ("presence_penalty", "frequency_penalty"):
@@ -84,6 +93,10 @@ class _SamplingFields(_Request):
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; else how many alternatives per token (0..MAX_TOP_LOGPROBS)."""
         raise NotImplementedError
+
+    def prompt_logprobs_needed(self) -> int | None:
+        """How many alternatives per prompt token the engine must compute (None: none)."""
+        return self.prompt_logprobs
 
 
 class ContentPart(_Request):
@@ -171,11 +184,18 @@ class CompletionRequest(_SamplingFields):
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_needed(self) -> int | None:
+        """vLLM's rule: echo with logprobs scores the prompt too (with the larger of the two
+        alternative counts when prompt_logprobs is also set)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
             return "logprobs", f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}"
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.n > 1:
+            return "echo", "echo is not supported with n > 1"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()

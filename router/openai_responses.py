@@ -54,12 +54,26 @@ class ChatLogprobs(_Response):
 
 
 class CompletionLogprobs(_Response):
-    """The legacy completions shape: parallel lists, ``top_logprobs`` as {token text: logprob}."""
+    """The legacy completions shape: parallel lists, ``top_logprobs`` as {token text: logprob}.
+    With ``echo`` the prompt's tokens come first, the first of them with ``null`` logprobs."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(_Response):
+    """vLLM's ``Logprob``: one token of a prompt position's ``{token id: PromptLogprob}``."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: one entry per prompt token, the first null (no context)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+_UNLESS_ASKED = dict(default=None, exclude_if=lambda v: v is None)   # left out unless asked for
 
 
 # ------------------------------------------------------------------------------ tool calls
@@ -101,6 +115,7 @@ class ChatCompletion(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(**_UNLESS_ASKED)
 
 
 class ChatDelta(_Response):
@@ -138,6 +153,7 @@ class CompletionChoice(_Response):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(**_UNLESS_ASKED)
 
 
 class Completion(_Response):

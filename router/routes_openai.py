@@ -11,6 +11,11 @@ What this module maps (the rest of the front door is http.py / streaming.py):
   choice it is a 400 (one grammar per request).
 - **logprobs** / **top_logprobs** -> ``SamplingParams.logprobs`` / ``top_logprobs``; the chunks'
   ``logprobs`` are shaped as OpenAI's chat or legacy completions logprobs (router/logprobs.py).
+- **echo** (completions): the choice's text starts with the prompt (its first chunk, streamed);
+  with ``logprobs`` the prompt's tokens lead the legacy lists, the first with null logprobs, from
+  ``SamplingParams.prompt_logprobs`` (vLLM's rule: echo with logprobs scores the prompt).
+- **prompt_logprobs** (vLLM's extension) -> ``SamplingParams.prompt_logprobs``; answered in vLLM's
+  shape, on each completion choice or at the top of a chat completion (router/logprobs.py).
 - **n** (1..MAX_N): n GenerateRequests ``<id>-<i>`` sharing a SampleGroup, seeds ``seed + i``;
   choices carry their index, streamed chunks are per choice; usage counts the prompt once and
   the completion tokens of every choice.
@@ -34,7 +39,8 @@ from tandem.core.messages import GenerateRequest, SampleGroup
 from tandem.core.types import InvalidRequest, SamplingParams
 from tandem.router import metrics as m
 from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key, start_failed
-from tandem.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tandem.router.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined,
+                                    vllm_prompt_logprobs)
 from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorBody,
                                            ErrorResponse, parse_json_object, parse_request)
 from tandem.router.openai_responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
@@ -55,10 +61,15 @@ _SEED_SPAN = 2 ** 64
 
 @dataclass
 class Prepared:
+    """``echo``: the prompt's text when a completion echoes it (None: no echo); ``prompt_top``:
+    vLLM's ``prompt_logprobs`` as asked (None: not asked)."""
+
     greqs: list[GenerateRequest]
     plan: ToolPlan | None
     top_logprobs: int | None
     prompt_len: int
+    echo: str | None = None
+    prompt_top: int | None = None
 
 
 def fan_out(rid: str, prompt_ids: list[int], params: SamplingParams, session: str | None,
@@ -108,6 +119,7 @@ class _ChoiceState:
     tokens: int = 0
     offset: int = 0
     last: Any = None
+    started: bool = False     # a chunk of this choice was seen (the first one echoes the prompt)
 
 
 class OpenAIRoutes:
@@ -139,7 +151,8 @@ class OpenAIRoutes:
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
             stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logprobs=top is not None, top_logprobs=top or 0, constraint=constraint)
+            logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
+            prompt_logprobs=req.prompt_logprobs_needed())
         try:
             params.validate()
         except InvalidRequest as e:
@@ -147,7 +160,11 @@ class OpenAIRoutes:
         prio = request_priority(headers, body)
         greqs = [replace(g, priority=prio) if prio else g
                  for g in fan_out(rid, ids, params, session_key(headers, body, ids), req.n)]
-        return Prepared(greqs, plan, top, len(ids))
+        echo = None
+        if not chat and req.echo:
+            prompt = req.single_prompt()
+            echo = prompt if isinstance(prompt, str) else self.door.backend.tokenizer.decode(ids)
+        return Prepared(greqs, plan, top, len(ids), echo, req.prompt_logprobs)
 
     def _completion_ids(self, req: CompletionRequest) -> list[int]:
         try:
@@ -205,6 +222,9 @@ class OpenAIRoutes:
         failed = next((c.last for c in done if c.last.error), None)
         if failed is not None:
             return error_response(500, f"generation failed: {failed.error}", type="server_error", headers=headers)
+        missing = next((why for c in done if (why := _prompt_lps_missing(prep, c.prompt_logprobs))), None)
+        if missing is not None:
+            return error_response(500, missing, type="server_error", headers=headers)
         if done[0].last.worker:
             headers["X-Tandem-Worker"] = done[0].last.worker
         return Response(self._body(req, prep, rid, done).model_dump_json(), media_type="application/json",
@@ -215,8 +235,7 @@ class OpenAIRoutes:
         model, top = self.door.backend.model_name, prep.top_logprobs
         if isinstance(req, CompletionRequest):
             return Completion(id=rid, model=model, usage=usage, choices=[
-                CompletionChoice(index=i, text=c.text, finish_reason=c.last.finish_reason,
-                                 logprobs=completion_logprobs(self.texts, c.logprobs, top, 0)[0] if top is not None else None)
+                self._completion_choice(i, c.text, c.last.finish_reason, prep, c.logprobs, c.prompt_logprobs)[0]
                 for i, c in enumerate(done)])
         choices = []
         for i, c in enumerate(done):
@@ -230,7 +249,33 @@ class OpenAIRoutes:
                 ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls] or None)
             choices.append(ChatChoice(index=i, message=msg, finish_reason=finish,
                                       logprobs=chat_logprobs(self.texts, c.logprobs, top) if top is not None else None))
-        return ChatCompletion(id=rid, model=model, usage=usage, choices=choices)
+        plps = None if prep.prompt_top is None else vllm_prompt_logprobs(self.texts, done[0].prompt_logprobs,
+                                                                           prep.prompt_top)
+        return ChatCompletion(id=rid, model=model, usage=usage, choices=choices, prompt_logprobs=plps)
+
+    def _completion_choice(self, i: int, text: str, finish: str | None, prep: Prepared, lps, plps,
+                           offset: int = 0, first: bool = True) -> tuple[CompletionChoice, int]:
+        """Choice ``i`` of a completion (or of one streamed chunk of it: ``offset`` is where its
+        text starts in the choice's text, ``first`` whether it is the choice's first chunk, which
+        carries the echoed prompt and vLLM's prompt logprobs); returns it and the offset after it."""
+        top, logprobs = prep.top_logprobs, None
+        echo = prep.echo if first else None
+        if echo is not None:
+            text = echo + text
+        if top is not None:
+            if echo is not None:
+                head = echo_logprobs(self.texts, prep.greqs[0].prompt_ids, plps, top)[0]
+                tail, offset = completion_logprobs(self.texts, lps, top, len(echo))
+                logprobs = joined(head, tail)
+            else:
+                logprobs, offset = completion_logprobs(self.texts, lps, top, offset)
+        elif echo is not None:
+            offset = len(echo)
+        vllm = None
+        if first and prep.prompt_top is not None:
+            vllm = vllm_prompt_logprobs(self.texts, plps, prep.prompt_top)
+        return CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs,
+                                prompt_logprobs=vllm), offset
 
     async def _events(self, req, prep: Prepared, rid: str, runs: list[Running]) -> AsyncIterator[bytes]:
         """SSE events of the choices, ending with ``data: [DONE]``. Once the status line is sent a
@@ -255,14 +300,16 @@ class OpenAIRoutes:
                 if c.error:
                     yield sse(_error_json(f"generation failed: {c.error}"))
                     break
+                if not st.started and (missing := _prompt_lps_missing(prep, c.prompt_logprobs)):
+                    yield sse(_error_json(missing))
+                    break
                 if c.finish_reason is not None:
                     st.last = c
                 if not chat:
-                    lps = None
-                    if top is not None:
-                        lps, st.offset = completion_logprobs(self.texts, c.logprobs, top, st.offset)
-                    if c.text or c.finish_reason is not None or c.logprobs:
-                        choice = CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=lps)
+                    first, st.started = not st.started, True
+                    choice, st.offset = self._completion_choice(i, c.text, c.finish_reason, prep, c.logprobs,
+                                                                c.prompt_logprobs, st.offset, first)
+                    if choice.text or c.finish_reason is not None or c.logprobs:
                         yield sse(Completion(id=rid, created=created, model=model, choices=[choice]).model_dump_json())
                     continue
                 text, deltas = c.text, []
@@ -294,6 +341,16 @@ class OpenAIRoutes:
         finally:
             await close_all([r.chunks for r in runs])
         yield sse("[DONE]")
+
+
+def _prompt_lps_missing(prep: Prepared, plps) -> str | None:
+    """Why a choice cannot be answered: the request needs its prompt's logprobs and the backend
+    sent not one per prompt token after the first (a backend that does not compute them)."""
+    p = prep.greqs[0].params.prompt_logprobs
+    if p is None or len(plps) == prep.prompt_len - 1:
+        return None
+    return (f"the backend returned {len(plps)} prompt logprobs for a {prep.prompt_len}-token prompt "
+            f"(echo with logprobs and prompt_logprobs need {prep.prompt_len - 1})")
 
 
 def _usage(done: list[Collected], prompt_len: int) -> Usage:

@@ -194,12 +194,13 @@ async def merge(runs: list[Running]) -> AsyncIterator[tuple[int, StreamChunk]]:
 
 @dataclass
 class Collected:
-    """One whole generation: its text, final chunk, token count and logprobs."""
+    """One whole generation: its text, final chunk, token count, logprobs and prompt logprobs."""
 
     text: str
     last: StreamChunk
     n_tokens: int
     logprobs: list
+    prompt_logprobs: tuple = ()
 
 
 async def collect(runs: list[Running]) -> list[Collected]:
@@ -207,13 +208,15 @@ async def collect(runs: list[Running]) -> list[Collected]:
     lps: list[list] = [[] for _ in runs]
     counts = [0] * len(runs)
     lasts: list[StreamChunk | None] = [None] * len(runs)
+    plps: list[tuple] = [()] * len(runs)
     async for i, c in merge(runs):
         parts[i].append(c.text)
         lps[i].extend(c.logprobs)
+        plps[i] = c.prompt_logprobs or plps[i]
         counts[i] += len(c.token_ids)
         if c.finish_reason is not None:
             lasts[i] = c
-    return [Collected("".join(p), last, n, lp) for p, last, n, lp in zip(parts, lasts, counts, lps)]
+    return [Collected("".join(p), last, n, lp, pl) for p, last, n, lp, pl in zip(parts, lasts, counts, lps, plps)]
 
 
 class SSEResponse(Response):

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from tandem.core.types import TokenLogprob
 from tandem.transfer.descriptors import PoolLayout
 from tandem.transfer.state import TransferState
 
@@ -234,7 +235,9 @@ class PrefillResult(_Message):
     ``first_logprob`` / ``first_top_logprobs``: when the request asked for logprobs, the first
     token's logprob and its ``(token id, logprob)`` alternatives, most likely first, exactly as
     the prefill engine's sampler computed them (None / () otherwise; alternatives only with a
-    logprob).
+    logprob). ``prompt_logprobs``: when the request asked for them, the prompt tokens' logprobs
+    (core.types.TokenLogprob, from the second prompt token on) as the prefill engine computed
+    them; decode streams them with the first token.
     """
 
     TYPE: ClassVar[str] = "prefill_result"
@@ -252,6 +255,7 @@ class PrefillResult(_Message):
     digest: str = ""
     first_logprob: float | None = None
     first_top_logprobs: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -261,6 +265,8 @@ class PrefillResult(_Message):
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["status"] = self.status.value
         d["first_top_logprobs"] = [[t, v] for t, v in self.first_top_logprobs]
+        d["prompt_logprobs"] = [[lp.token_id, lp.logprob, lp.rank, [[t, v] for t, v in lp.top]]
+                                for lp in self.prompt_logprobs]
         return d
 
     @classmethod
@@ -279,12 +285,7 @@ class PrefillResult(_Message):
         lp = d["first_logprob"]
         if lp is not None:
             lp = _logprob(cls, "first_logprob", lp)
-        top = []
-        for i, pair in enumerate(_list(cls, "first_top_logprobs", d["first_top_logprobs"])):
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise _fail(cls, f"first_top_logprobs[{i}]", "a [token id, logprob] pair", pair)
-            top.append((_int(cls, f"first_top_logprobs[{i}][0]", pair[0]),
-                        _logprob(cls, f"first_top_logprobs[{i}][1]", pair[1])))
+        top = _pairs(cls, "first_top_logprobs", d["first_top_logprobs"])
         if top and lp is None:
             raise _fail(cls, "first_top_logprobs", "empty without a first_logprob", d["first_top_logprobs"])
         if lp is not None and ft is None:
@@ -296,7 +297,30 @@ class PrefillResult(_Message):
                    cached_tokens=_int(cls, "cached_tokens", d["cached_tokens"]),
                    prefill_s=_float(cls, "prefill_s", d["prefill_s"]),
                    transfer_s=_float(cls, "transfer_s", d["transfer_s"]), digest=d["digest"],
-                   first_logprob=lp, first_top_logprobs=tuple(top))
+                   first_logprob=lp, first_top_logprobs=top,
+                   prompt_logprobs=_prompt_logprobs(cls, d["prompt_logprobs"]))
+
+
+def _pairs(cls, name: str, v) -> tuple[tuple[int, float], ...]:
+    """``[[token id, logprob], ...]`` -> a tuple of pairs."""
+    out = []
+    for i, pair in enumerate(_list(cls, name, v)):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _fail(cls, f"{name}[{i}]", "a [token id, logprob] pair", pair)
+        out.append((_int(cls, f"{name}[{i}][0]", pair[0]), _logprob(cls, f"{name}[{i}][1]", pair[1])))
+    return tuple(out)
+
+
+def _prompt_logprobs(cls, v) -> tuple[TokenLogprob, ...]:
+    """``[[token id, logprob, rank, [[token id, logprob], ...]], ...]`` -> TokenLogprobs."""
+    out = []
+    for i, e in enumerate(_list(cls, "prompt_logprobs", v)):
+        name = f"prompt_logprobs[{i}]"
+        if not isinstance(e, (list, tuple)) or len(e) != 4:
+            raise _fail(cls, name, "a [token id, logprob, rank, alternatives] list", e)
+        out.append(TokenLogprob(_int(cls, f"{name}[0]", e[0]), _logprob(cls, f"{name}[1]", e[1]),
+                                _pairs(cls, f"{name}[3]", e[3]), _int(cls, f"{name}[2]", e[2], lo=1)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,47 @@ def test_seeded_sampling_disaggregated_equals_colocated(workers, loop):
     run(loop, at_baseline(p, d))
 
 
+class NoPromptLogprobsClient(LocalClient):
+    """The real prefill worker, its results stripped of the prompt logprobs (a broken peer)."""
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        import dataclasses
+
+        return dataclasses.replace(await super().prefill(req_wire, xfer, dst_prefix_len), prompt_logprobs=())
+
+
+def _prompt_logprobs(chunks) -> tuple:
+    assert chunks[-1].error is None, chunks[-1].error
+    assert [bool(c.prompt_logprobs) for c in chunks] == [True] + [False] * (len(chunks) - 1)
+    return chunks[0].prompt_logprobs
+
+
+def test_prompt_logprobs_cross_the_handoff_and_equal_colocated(workers, loop):
+    """The prefill worker computes the prompt's logprobs, PrefillResult carries them, decode
+    streams them with the first token: equal to the colocated engine's, also on a second run whose
+    prompt both workers hold in their prefix caches; a result without them fails the request."""
+    p, d, col = workers
+    params = dict(max_tokens=6, prompt_logprobs=2)
+    ref = []
+    col.submit(request(col, "plp-ref", **params), ref.append)
+    end = time.monotonic() + 120
+    while not (ref and ref[-1].finish_reason) and time.monotonic() < end:
+        time.sleep(0.05)
+    want = _prompt_logprobs(ref)
+    ref_ids = [t for c in ref for t in c.token_ids]
+    assert len(want) == ref[0].prompt_tokens - 1
+    for rid in ("plp-1", "plp-2"):      # the second finds the prompt cached on both sides
+        chunks = run(loop, collect(d.generate(request(col, rid, **params), LocalClient(p))))
+        got = _prompt_logprobs(chunks)
+        assert [(a.token_id, a.rank, [t for t, _ in a.top]) for a in got] == \
+            [(b.token_id, b.rank, [t for t, _ in b.top]) for b in want]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-5
+        assert [t for c in chunks for t in c.token_ids] == ref_ids
+    chunks = run(loop, collect(d.generate(request(col, "plp-3", **params), NoPromptLogprobsClient(p))))
+    assert chunks[-1].finish_reason == "abort" and "prompt logprobs" in chunks[-1].error
+    run(loop, at_baseline(p, d))
+
+
 @pytest.mark.parametrize("pair", ["workers", "overlap_workers"])
 def test_abort_mid_decode_frees_every_page_on_both_sides(pair, request, loop):
     p, d, col = request.getfixturevalue(pair)

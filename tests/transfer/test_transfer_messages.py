@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from tandem.core.types import TokenLogprob
 from tandem.transfer.descriptors import PoolLayout
 from tandem.transfer.messages import (
     Abort, Handshake, KVTransferRequest, PrefillResult, RegionInfo, RegionPages, decode_message,
@@ -37,6 +38,8 @@ def _bytes(d: dict) -> bytes:
     PrefillResult(7, TransferState.DONE, "prefill-0", first_token=42, first_logprob=-0.25,
                   first_top_logprobs=((42, -0.25), (7, -1.5))),
     PrefillResult(7, TransferState.DONE, "prefill-0", first_token=42, first_logprob=0.0),
+    PrefillResult(7, TransferState.DONE, "prefill-0", first_token=42, prompt_logprobs=(
+        TokenLogprob(5, -1.5, (), 3), TokenLogprob(9, -0.5, ((9, -0.5), (4, -2.0)), 1))),
     Abort(9, "client went away"),
 ])
 def test_round_trip(msg):
@@ -121,6 +124,12 @@ def _mutate(msg, **changes) -> bytes:
              first_top_logprobs=7), "PrefillResult.first_top_logprobs must be a list"),
     (_mutate(PrefillResult(1, TransferState.DONE, "p"), first_logprob=...),
      "PrefillResult: missing field 'first_logprob'"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p", first_token=3), prompt_logprobs=[[5, -1.0, 0, []]]),
+     r"PrefillResult.prompt_logprobs\[0\]\[2\] must be an int >= 1"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p", first_token=3), prompt_logprobs=[[5, -1.0, 1]]),
+     r"PrefillResult.prompt_logprobs\[0\] must be a \[token id, logprob, rank, alternatives\] list"),
+    (_mutate(PrefillResult(1, TransferState.DONE, "p", first_token=3), prompt_logprobs=[[5, 1.0, 1, []]]),
+     r"PrefillResult.prompt_logprobs\[0\]\[1\] must be a log-probability"),
     (_mutate(Abort(1), reason=3), "Abort.reason must be a str"),
     (_mutate(HS, agent_metadata="text"), "Handshake.agent_metadata must be non-empty bytes"),
     (_mutate(HS, regions={"kv": 1}), "Handshake.regions must be a list"),

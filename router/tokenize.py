@@ -1,0 +1,87 @@
+"""POST /tokenize and /detokenize, in vLLM's request and response shapes.
+
+/tokenize takes ``prompt`` (a completion's text; ``add_special_tokens`` default true, as
+/v1/completions encodes it) or ``messages`` (a chat, rendered exactly as /v1/chat/completions
+renders it, so ``count`` is that route's ``prompt_tokens``) and answers ``tokens``, ``count`` and
+``max_model_len`` (plus ``token_strs`` with ``return_token_strs``). /detokenize takes ``tokens``
+and answers ``prompt``, special tokens included (the inverse of /tokenize). Both sit behind the
+API key like /v1/*, check ``model`` when one is given, and refuse with OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pydantic import Field, model_validator
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tandem.router.front_door import FrontDoor, refusal
+from tandem.router.openai_protocol import APIError, ChatMessage, _Request, parse_json_object, parse_request
+from tandem.router.routes_openai import internal_messages
+from tandem.router.tools.render import render_prompt
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None      # a prompt's (default true); messages: the template's own
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeRoutes:
+    def __init__(self, door: FrontDoor):
+        self.door = door
+
+    async def _parse(self, request: Request, model: type[_Request]):
+        self.door.check_auth(request)
+        req = parse_request(model, parse_json_object(await self.door.read_body(request)))
+        if req.model is not None:
+            self.door.check_model(req.model)
+        return req
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = await self._parse(request, TokenizeRequest)
+            ids = await asyncio.to_thread(self._ids, req)
+        except APIError as e:
+            return refusal(e)
+        tok = self.door.backend.tokenizer
+        out = {"count": len(ids), "max_model_len": self.door.backend.max_context, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return Response(json.dumps(out), media_type="application/json")
+
+    def _ids(self, req: TokenizeRequest) -> list[int]:
+        tok = self.door.backend.tokenizer
+        if req.prompt is not None:
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            return list(tok.encode(req.prompt, add_special_tokens=special))
+        msgs = internal_messages(req)
+        return self.door.render(lambda t: render_prompt(t, msgs, None, self.door.tool_format))
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = await self._parse(request, DetokenizeRequest)
+            vocab = self.door.backend.tokenizer.vocab_size
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+            text = await asyncio.to_thread(self.door.backend.tokenizer.decode, req.tokens,
+                                           skip_special_tokens=False)
+        except APIError as e:
+            return refusal(e)
+        return Response(json.dumps({"prompt": text}), media_type="application/json")
