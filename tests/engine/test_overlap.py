@@ -3,8 +3,8 @@ forward past a stop (never streamed), and the host's work hidden behind the devi
 
 Oracles: the plain loop's own output (real SmolLM2, float32: greedy tokens, texts and finish
 reasons across batch joins and finishes, stops, sampled / logprob rows that fall back to the
-plain path, aborts and retraction), the KV-echo model's pure-Python oracle, and the runner-vs-
-engine timing of a stand-in model whose forward sleeps (bench/overlap.py)."""
+plain path, aborts and retraction), the KV-echo model's pure-Python oracle, and a stand-in model
+whose forward watches the host apply steps while it runs (the speed: bench/overlap.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tandem.bench.overlap import engine_seconds, sleep_loaded
+from tandem.bench.overlap import SleepModel, sleep_loaded
 from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
@@ -162,20 +162,51 @@ def test_a_stop_costs_at_most_one_extra_forward_and_is_never_streamed(stop):
     assert fwd == runs["off"][2] + (1 if stop == "token" else 0)
 
 
-def test_overlap_hides_the_host_work_behind_a_sleeping_forward():
-    """The stand-in's forward sleeps as long as the plain engine's host work per step took
-    (measured first, with a forward that does not sleep; at least 15 ms): the plain loop then
-    pays both, the overlapped one about the larger (plus at most a GIL switch interval when the
-    lane thread wakes while the host works), so it is clearly faster whatever the load does to
-    the host's share between the runs."""
-    batch, tokens = 48, 24
-    host, _ = engine_seconds(sleep_loaded(0.0), batch, tokens, "off")
-    step = max(host / tokens, 0.015)   # well past the GIL's 5 ms switch interval
-    loaded = sleep_loaded(step)
-    off, want = engine_seconds(loaded, batch, tokens, "off")
-    on, got = engine_seconds(loaded, batch, tokens, "on")
-    assert got == want
-    assert off / on > 1.2, (off, on, step)
+class _WatchingModel(SleepModel):
+    """The stand-in that watches the host while it computes: a forward that is not the first
+    waits (up to ``wait_s``) for the engine to apply a step (``stats["steps"]`` grows) and counts
+    the forwards that saw it; ``lane`` counts the forwards run off the engine's thread. Only a
+    host that works while the device runs can apply a step during a forward; the plain loop (and
+    a plan that takes the plain path under overlap, such as a prefill) cannot, whatever the load."""
+
+    def __init__(self, wait_s: float):
+        super().__init__(0.0)
+        self.wait_s, self.calls, self.lane, self.saw_host = wait_s, 0, 0, 0
+        self.engine: Engine | None = None
+
+    def forward(self, fb, backend, return_all_logits: bool = False):
+        self.calls += 1
+        on_lane = threading.current_thread() is not self.engine._thread
+        self.lane += on_lane
+        if self.calls > 1 and (on_lane or self.wait_s < 1):
+            stats = self.engine.scheduler.stats
+            start, end = stats["steps"], time.monotonic() + self.wait_s
+            while stats["steps"] == start and time.monotonic() < end:
+                time.sleep(0.001)
+            self.saw_host += stats["steps"] != start
+        return super().forward(fb, backend, return_all_logits)
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_the_host_applies_step_n_while_the_device_runs_step_n_plus_1(overlap):
+    """The overlap itself, structurally (the speed it buys is bench/overlap.py's): with overlap on
+    the steps run off the engine's thread and most find the host applying the previous step
+    meanwhile (not the first, nor one launched after its predecessor was applied); with it off every forward runs on the engine's thread and none does. Tokens
+    equal either way."""
+    loaded = sleep_loaded(0.0)
+    model = loaded.model = _WatchingModel(wait_s=3.0 if overlap == "on" else 0.02)
+    e = model.engine = _engine(loaded, overlap)
+    try:
+        reqs = [e.make_request(p, SamplingParams(max_tokens=8, ignore_eos=True), rid=f"w{i}")
+                for i, p in enumerate(["abc", "hello", "xyz"])]
+        outs = e.generate_many(reqs, timeout=120)
+    finally:
+        e.shutdown()
+    assert all(len(o.token_ids) == 8 for o in outs)
+    if overlap == "on":
+        assert model.lane >= 5 and model.saw_host >= model.lane // 2, (model.saw_host, model.lane, model.calls)
+    else:
+        assert model.lane == 0 and model.calls >= 8 and model.saw_host == 0, (model.saw_host, model.calls)
 
 
 def test_which_rows_the_device_samples_alone():
