@@ -285,6 +285,7 @@ class RayClusterBackend(ClusterObservability):
                             raise _DiedBeforeServing(p)
                     if finished:
                         c = dataclasses.replace(c, worker=d.name)
+                        self.dispatch.reused(r, cached)
                     yield c
                     if finished:
                         return
