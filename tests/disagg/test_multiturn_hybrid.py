@@ -10,7 +10,6 @@ at most the new tokens plus one page. Every pool is owned exactly once after eac
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -24,8 +23,9 @@ from tandem.core.messages import GenerateRequest  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 
-from hf_hybrid_support import hybrid_engine_config, tiny_family  # noqa: E402
+from hf_hybrid_support import hybrid_engine_config  # noqa: E402
 from serve_support import at_baseline, collect  # noqa: E402
+from test_hybrid_workers import family, loop  # noqa: E402,F401  (the module's fixtures: tiny models, one loop)
 from test_workers import LocalClient  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,18 +33,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPLY = 16
 FIRST = list(b"[0] tell me about hybrid models and their windows, please: ")
 NEW = (list(b" and then?"), list(b" why so?"))   # shorter than a reply: the rule prefills here
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module", params=["gemma3", "granite"])
-def family(request, tmp_path_factory):
-    return request.param, tiny_family(request.param, tmp_path_factory, "mt")[1]
 
 
 def _params() -> SamplingParams:
