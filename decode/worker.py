@@ -228,6 +228,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
         cached = await self.handle.cached_prefix(ids)
         if self.local_prefill_threshold is not None:
             return len(ids) - cached < self.local_prefill_threshold
+        if cached < self.engine.kv.page_size:      # nothing held here: no prefill worker holds less
+            return False
         return choose_local(len(ids), cached, self._sent.held(peer, ids), self.prefill_costs,
                             self.engine.kv.page_size)
 
@@ -252,11 +254,11 @@ class DecodeWorker(MigrationSource, RoleWorker):
                 yield StreamChunk(rid, (), "", "abort", n, error=str(e), prefill_died=e.redispatch)
                 return
             self._received(job, res, result, t0, t1)
-            if greq.resume is None:    # what the prefill worker computed and holds; what it cost
-                self._sent.add(job.peer.name, greq.prompt_ids)
-                self.prefill_costs.observe(n - result.cached_tokens, result.prefill_s, job.timings["receive_s"])
             if greq.resume is not None:   # a migrated request: what came over, what was here already
                 self._migrated_in(res, result)
+            else:                         # what the prefill worker computed and holds; what it cost
+                self._sent.add(job.peer.name, greq.prompt_ids)
+                self.prefill_costs.observe(n - result.cached_tokens, result.prefill_s, job.timings["receive_s"])
             self.handle.activate(rid, result.first_token, None if result.first_logprob is None else
                                  TokenLogprob(result.first_token, result.first_logprob,
                                               result.first_top_logprobs))

@@ -38,6 +38,7 @@ from tandem.core.types import Overloaded
 
 from . import metrics as rm
 from .planner import LatencyWindow
+from .prefix_index import block_hashes
 from .policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, predicted_cached, retry_after_s
 from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot, WorkerView
 
@@ -183,8 +184,11 @@ class Dispatcher:
         (engine/scheduler.py's group rule). The prompt is charged once to the prefill worker
         (later members: one token each); each member charges its own KV on the decode worker. A
         pinned worker found dead re-routes that member afresh."""
+        hashes = None
+        if self.state.kv.num_blocks():   # the KV-event index is fed: hash the prompt once, unlocked
+            hashes = tuple(block_hashes(req.prompt_ids, self.state.config.kv_block_size))
         rr = RouteRequest(req.rid, req.prompt_ids, len(req.prompt_ids), session_id=req.session_id,
-                          max_tokens=req.params.max_tokens)
+                          max_tokens=req.params.max_tokens, block_hashes=hashes)
         g = req.group
         if g is None or g.size <= 1:
             return self._route(rr, exclude)
