@@ -77,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = agent_workload(AgentConfig(num_sessions=args.num_sessions, turns=args.turns,
                                           max_tokens=args.max_tokens, seed=args.seed))
     names = [c for c in args.configs.split(",") if c]
-    for c in names:
-        if c not in CONFIGS:
-            p.error(f"unknown config {c!r}")
+    if set(names) - set(CONFIGS):
+        p.error(f"unknown configs {sorted(set(names) - set(CONFIGS))}; choose from {', '.join(CONFIGS)}")
     results: dict[str, dict] = {}
     logdir = Path(tempfile.mkdtemp(prefix="multiturn-"))
     for name in names:
