@@ -259,6 +259,7 @@ class RayClusterBackend(ClusterObservability):
                             raise _DiedBeforeServing(p)
                     if finished:
                         c = dataclasses.replace(c, worker=legs.worker.name)
+                        self.dispatch.reused(r, legs.cached)
                     yield c
                     if finished:
                         return

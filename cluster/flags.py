@@ -117,7 +117,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--debug-transfer-stall", "debug_transfer_stall",
          "test lever: prefill workers never post their KV writes (transfers stall until aborted)"),
     Flag("--local-prefill-threshold", "local_prefill_threshold",
-         "decode prefills an uncached suffix shorter than this itself"),
+         "decode prefills an uncached suffix shorter than this itself (0: never; unset: the measured cost rule)"),
     Flag("--kv-digest", "kv_digest", "verify every prefill -> decode KV handoff with a digest of its pages"),
     Flag("--debug-corrupt-kv", "debug_corrupt_kv",
          "test lever: decode workers corrupt each received KV page before the digest check"),

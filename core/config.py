@@ -264,7 +264,10 @@ class ServeConfig(_Strict):
                                            "this long before posting each KV write")
     debug_transfer_stall: bool = Field(False, description="test lever: prefill workers never post "
                                        "their KV writes (each transfer stalls until aborted)")
-    local_prefill_threshold: int = Field(0, ge=0, description="decode prefills suffixes shorter than this")
+    local_prefill_threshold: int | None = Field(None, ge=0, description="None: a decode worker prefills "
+                                                "a prompt itself when it holds tokens the prefill worker lacks "
+                                                "and the measured cost rule says so (decode/README.md); 0: never; "
+                                                "N: an uncached suffix shorter than N tokens")
     decode_max_total_tokens: int | None = Field(None, ge=16, description="device KV tokens per decode worker")
     admission_max_queue: int = Field(64, ge=0, description="a prefill worker with this many requests "
                                      "waiting takes no new ones; all of them past it -> 429")

@@ -44,7 +44,7 @@ class _RayKVSource:
 @ray.remote
 class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
-                 local_prefill_threshold: int, loaded=None, kv_digest: bool = False,
+                 local_prefill_threshold: int | None, loaded=None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         cfg = actor_config(engine_config)

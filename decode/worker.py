@@ -43,6 +43,7 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
 from tandem.decode.connector import DecodeConnector, DecodeHandle, Reservation
 from tandem.decode.groups import GroupGates
+from tandem.decode.local_prefill import PrefillCosts, SentPrefixes, choose_local
 from tandem.decode.migration import MigrationSource
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
@@ -107,7 +108,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
     role = "decode"
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
-                 transfer_timeout_s: float = 30.0, local_prefill_threshold: int = 0,
+                 transfer_timeout_s: float = 30.0, local_prefill_threshold: int | None = 0,
                  agent_opts: dict | None = None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False,
                  kv_events_host: str = "127.0.0.1", l3: dict | None = None):
@@ -115,7 +116,11 @@ class DecodeWorker(MigrationSource, RoleWorker):
         decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
         check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
         events too (as prefill's, worker/role_worker.py ``kv_publisher``). ``l3``: the shared L3
-        store's options (cache/tiers/l3/connect.py ``l3_options``), or None."""
+        store's options (cache/tiers/l3/connect.py ``l3_options``), or None.
+
+        ``local_prefill_threshold``: None, the cost rule (decode/local_prefill.py
+        ``choose_local``); 0, every prompt goes to the prefill worker; N > 0, an uncached suffix
+        shorter than N tokens is prefilled here."""
         self.kv_publisher = None
         if engine is None:
             engine, self.kv_publisher = role_engine(name, "decode", DecodeConnector, config, loaded=loaded,
@@ -125,6 +130,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self.l3 = attach_tier(engine, "l3", l3)    # the shared L3 tier, when the cluster has a store
         self.handle: DecodeHandle
         self.local_prefill_threshold = local_prefill_threshold
+        self.prefill_costs = PrefillCosts()                   # measured by every remote request
+        self._sent = SentPrefixes(engine.kv.page_size)        # what each prefill worker computed
         self.kv_digest = kv_digest
         self.debug_corrupt_kv = debug_corrupt_kv
         self._jobs: dict[str, _Job] = {}
@@ -189,9 +196,8 @@ class DecodeWorker(MigrationSource, RoleWorker):
         await self.handle.check_constraint(greq.params)   # a grammar that cannot compile: 400
         n = len(greq.prompt_ids)
         remote = prefill is not None and prefill.name in self.agent.peers
-        if remote and self.local_prefill_threshold > 0 and greq.resume is None:
-            cached = await self.handle.cached_prefix(list(greq.cache_key))
-            remote = n - cached >= self.local_prefill_threshold
+        if remote and self.local_prefill_threshold != 0 and greq.resume is None:
+            remote = not await self._prefill_here(greq, prefill.name)
         path = "remote" if remote else "local"
         self.counts[path] += 1
         self._path.labels(path).inc()
@@ -222,6 +228,18 @@ class DecodeWorker(MigrationSource, RoleWorker):
                     "tandem.tokens": tokens, "tandem.first_token_s": first - t0 if first else None,
                     "tandem.resumed": greq.resume is not None})
 
+    async def _prefill_here(self, greq: GenerateRequest, peer: str) -> bool:
+        """Whether this worker prefills ``greq``'s uncached suffix itself instead of ``peer``
+        (``local_prefill_threshold``: None, the measured cost rule; N > 0, a suffix under N)."""
+        ids = list(greq.cache_key)      # the tenant's salted key: what the caches hold
+        cached = await self.handle.cached_prefix(ids)
+        if self.local_prefill_threshold is not None:
+            return len(ids) - cached < self.local_prefill_threshold
+        if cached < self.engine.kv.page_size:      # nothing held here: no prefill worker holds less
+            return False
+        return choose_local(len(ids), cached, self._sent.held(peer, ids), self.prefill_costs,
+                            self.engine.kv.page_size)
+
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient,
                                alternate=None) -> AsyncIterator[StreamChunk]:
         rid, n = greq.rid, len(greq.prompt_ids)
@@ -245,6 +263,9 @@ class DecodeWorker(MigrationSource, RoleWorker):
             self._received(job, res, result, t0, t1)
             if greq.resume is not None:   # a migrated request: what came over, what was here already
                 self._migrated_in(res, result)
+            else:                         # what the prefill worker computed and holds; what it cost
+                self._sent.add(job.peer.name, greq.cache_key)
+                self.prefill_costs.observe(n - result.cached_tokens, result.prefill_s, job.timings["receive_s"])
             self.handle.activate(rid, result.first_token, None if result.first_logprob is None else
                                  TokenLogprob(result.first_token, result.first_logprob,
                                               result.first_top_logprobs))
@@ -483,7 +504,10 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self._failures.labels(reason).inc()
 
     def _extra_stats(self, snap) -> dict:
+        c = self.prefill_costs
         return {"jobs": len(self._jobs), "cleanups": len(self._background),
+                "prefill_costs": {"per_token_s": c.per_token_s, "overhead_s": c.overhead_s,
+                                  "samples": c.samples},
                 "reserved": snap.detached, "last_timings": dict(self.last_timings)}
 
     async def drain(self, timeout_s: float = 10.0) -> None:

@@ -31,14 +31,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Overloaded
 
 from . import metrics as rm
 from .planner import LatencyWindow
-from .policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, retry_after_s
+from .prefix_index import block_hashes
+from .policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, predicted_cached, retry_after_s
 from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot, WorkerView
 
 RATE_EWMA = 0.25        # weight of the newest prefill-rate sample
@@ -57,6 +58,7 @@ class Route:
     prefill_open: bool = False      # still charged on the prefill worker
     routed_at: float = 0.0          # the dispatcher's clock at routing (TTFT)
     last_token_at: float | None = None   # the last ``grow`` (inter-token latency)
+    predicted_cached: int = 0       # prompt tokens the router predicted the pair reuses (policies.py)
 
     @property
     def rid(self) -> str:
@@ -182,8 +184,11 @@ class Dispatcher:
         (engine/scheduler.py's group rule). The prompt is charged once to the prefill worker
         (later members: one token each); each member charges its own KV on the decode worker. A
         pinned worker found dead re-routes that member afresh."""
+        hashes = None
+        if self.state.kv.num_blocks():   # the KV-event index is fed: hash the prompt once, unlocked
+            hashes = tuple(block_hashes(req.cache_key, self.state.config.kv_block_size))
         rr = RouteRequest(req.rid, req.cache_key, len(req.prompt_ids), session_id=req.session_id,
-                          max_tokens=req.params.max_tokens)
+                          max_tokens=req.params.max_tokens, block_hashes=hashes)
         g = req.group
         if g is None or g.size <= 1:
             return self._route(rr, exclude)
@@ -256,6 +261,11 @@ class Dispatcher:
                 if r.last_token_at is not None and tokens > 0 and r.decode_tokens > r.request.prompt_tokens + tokens:
                     self.latency.itl((now - r.last_token_at) / tokens)
                 r.last_token_at = now
+
+    def reused(self, r: Route, cached_tokens: int) -> None:
+        """``r``'s workers reused ``cached_tokens`` of its prompt (its usage): the router's
+        prediction error, in tokens, goes to ``tandem_route_cached_tokens_error``."""
+        rm.ROUTE_CACHED_ERROR.observe(abs(r.predicted_cached - cached_tokens))
 
     def release(self, r: Route) -> None:
         """``r`` ended (finished, failed or aborted): everything it still holds comes back.
@@ -331,7 +341,8 @@ class Dispatcher:
         if d < 0 and view.alive_decode():
             d = min(view.alive_decode(), key=lambda w: (w.running_tokens, w.in_flight)).worker_id
         p = dec.prefill_worker if dec.prefill_worker in alive else -1
-        r = Route(rr, dec, d, p if d >= 0 else -1, routed_at=self.clock())
+        r = Route(rr, dec, d, p if d >= 0 else -1, routed_at=self.clock(),
+                  predicted_cached=predicted_cached(self.state, rr, replace(dec, decode_worker=d)))
         if d < 0:
             return r
         n = rr.prompt_tokens

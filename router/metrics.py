@@ -21,6 +21,9 @@ Recorded by the dispatcher (router/dispatch.py) every serving backend routes thr
 - ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
 - ``QUEUE_DEPTH`` / ``QUEUE_WAIT``: the deferred-dispatch queue (router/deferred.py): requests
   waiting for an admissible worker, and how long each waited (admitted or not).
+- ``ROUTE_CACHED_ERROR``: per finished request, |predicted - actual| prompt tokens reused: the
+  router's prediction (prefix index and KV events, ``policies.predicted_cached``) against the
+  usage's ``cached_tokens`` (what the chosen workers did not compute).
 - ``MIGRATIONS{reason,outcome}`` / ``MIGRATION_DOWNTIME``: live migration (cluster/migration.py).
 """
 
@@ -164,3 +167,8 @@ for _role in ("prefill", "decode"):
 for _st in ("decode", "prefill", "transfer"):
     for _how in ("redispatch", "resume", "failed"):
         STALL_REDISPATCHES.labels(_st, _how)
+
+ROUTE_CACHED_ERROR = _metric(Histogram, "tandem_route_cached_tokens_error",
+                             "Per finished request, |predicted - actual| cached prompt tokens: the "
+                             "router's prediction against what the chosen workers reused.",
+                             buckets=(0, 1, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384))

@@ -189,6 +189,14 @@ def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
     return _matched_tokens(req, state.kv.known_prefix(hashes) * c.kv_block_size)
 
 
+def predicted_cached(state: "RouterState", req: RouteRequest, dec: Decision) -> int:
+    """Prompt tokens the chosen pair is predicted to reuse: the policy's prefill match, or what
+    the exact KV-event index says the decode worker holds when that is more (a decode worker
+    prefills a session's later turn itself when it holds the previous reply: decode/README.md)."""
+    held = _exact(state, req).get(dec.decode_worker, 0) if dec.decode_worker >= 0 else 0
+    return max(dec.matched_tokens, _matched_tokens(req, held))
+
+
 # -- policies ------------------------------------------------------------------------------------
 def round_robin(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
     ps, ds = view.alive_prefill(), view.alive_decode()

@@ -129,7 +129,7 @@ async def _bench(args, workload) -> tuple[list, dict, str]:
 def run(args) -> int:
     """Run the benchmark in ``args``; 0 when at least one request succeeded, else 1."""
     from tandem.loadtest.loadgen import plots
-    from tandem.loadtest.loadgen.report import format_table, summarize, write_json
+    from tandem.loadtest.loadgen.report import by_turn, format_table, format_turns, summarize, write_json
 
     for name in ("concurrency", "max_requests", "num_sessions", "turns", "max_tokens"):
         v = getattr(args, name)
@@ -149,6 +149,9 @@ def run(args) -> int:
     write_json(out / "report.json", config=config, summary=summary, records=records, server=server)
     figures = plots.write_all(records, server["worker_hit_ratio"], out, title)
     print(format_table(summary, f"tandem bench {title}"))
+    if workload.sessions:
+        print("prompt tokens computed vs ideal (new tokens only), TTFT by turn:")
+        print(format_turns(by_turn(records)))
     print(f"report: {out / 'report.json'}; figures: {', '.join(f.name for f in figures)}")
     return 0 if summary["ok"] > 0 else 1
 

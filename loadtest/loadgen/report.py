@@ -107,6 +107,42 @@ def hit_ratio_by_turn(records: list[Record]) -> dict[int, float]:
     return {t: c / p for t, (c, p) in sorted(sums.items())}
 
 
+def by_turn(records: list[Record]) -> dict[int, dict]:
+    """Per turn index, over the sessions whose previous turn succeeded too: ``n``, TTFT p50 and
+    mean (s), and prompt tokens ``computed`` (prompt - cached, the usage's numbers) against
+    ``ideal``: what the cluster did not hold, at best. Turn t > 0 ideally computes only its new
+    tokens (its prompt minus the previous turn's prompt and reply); turn 0, its whole uncached
+    prompt as reported (nothing to compare it with here)."""
+    prev = {(r.session, r.turn): r for r in records if r.ok and r.session is not None}
+    out: dict[int, dict] = {}
+    for (sid, t), r in sorted(prev.items(), key=lambda kv: kv[0][1]):
+        p = prev.get((sid, t - 1)) if t > 0 else None
+        if r.prompt_tokens is None or (t > 0 and (p is None or p.prompt_tokens is None)):
+            continue
+        computed = r.prompt_tokens - (r.cached_tokens or 0)
+        ideal = computed if p is None else r.prompt_tokens - p.prompt_tokens - (p.completion_tokens or 0)
+        row = out.setdefault(t, {"n": 0, "computed": 0, "ideal": 0, "ttft": []})
+        row["n"] += 1
+        row["computed"] += computed
+        row["ideal"] += max(ideal, 0)
+        if r.ttft is not None:
+            row["ttft"].append(r.ttft)
+    for row in out.values():
+        ttft = row.pop("ttft")
+        row["ttft_p50_s"] = percentile(ttft, 50)
+        row["ttft_mean_s"] = sum(ttft) / len(ttft) if ttft else None
+    return out
+
+
+def format_turns(turns: dict[int, dict]) -> str:
+    """``by_turn`` as a text table."""
+    lines = [f"{'turn':>5}{'n':>5}{'computed':>10}{'ideal':>8}{'TTFT p50 ms':>13}{'mean ms':>10}"]
+    for t, row in sorted(turns.items()):
+        lines.append(f"{t:>5}{row['n']:>5}{row['computed']:>10}{row['ideal']:>8}"
+                     f"{_ms(row['ttft_p50_s']):>13}{_ms(row['ttft_mean_s']):>10}")
+    return "\n".join(lines)
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 

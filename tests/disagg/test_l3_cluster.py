@@ -28,7 +28,9 @@ def test_a_repeat_on_the_other_prefill_worker_hits_l3(ray_local, smollm2_default
     engine = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=16, max_total_tokens=2048))
     cfg = ServeConfig(prefill=2, decode=1, policy="round_robin", transfer_timeout_s=20.0,
                       engine_config=engine, kv_store=master.address.url(), kv_events=False,
-                      l3_timeout_s=5.0)   # a loaded CI box: a slow first call would be a miss
+                      l3_timeout_s=5.0,   # a loaded CI box: a slow first call would be a miss
+                      local_prefill_threshold=0)   # the repeat goes to a prefill worker (the decode
+                                                   # worker holds it and would otherwise prefill it)
     backend = launch_disaggregated(cfg, loaded=smollm2_default)
     server = Server(backend, cfg)
     try:

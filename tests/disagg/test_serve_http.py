@@ -146,7 +146,7 @@ def test_second_turn_of_a_session_is_cached_and_moves_fewer_bytes(servers):
     r2 = _chat(disagg, turn2, extra_body={"session_id": "sess-1"})
     b2 = _bytes_moved(disagg)
     assert r2.usage.prompt_tokens_details.cached_tokens > 0
-    assert 0 < b2 - b1 < b1 - b0
+    assert 0 <= b2 - b1 < b1 - b0         # none when the decode worker prefills the turn itself
     _wait_baseline(backend)
 
 

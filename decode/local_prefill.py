@@ -1,0 +1,96 @@
+"""Where a decode worker's next prompt is prefilled: here (local) or on a prefill worker (remote).
+
+Pure bookkeeping (no engine, no asyncio): :class:`PrefillCosts` holds the measured constants,
+:class:`SentPrefixes` remembers which prompt pages each prefill worker computed, and
+:func:`choose_local` is the cost rule the decode worker applies (README.md, "Local prefill").
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# Until the first remote request is measured: the 1P+1D CPU figures of docs/PERFORMANCE.md
+# ("Multi-turn sessions on 1P+1D"); every remote request replaces them (EWMA).
+PRIOR_PER_TOKEN_S = 1e-3
+PRIOR_OVERHEAD_S = 0.03
+_ALPHA = 0.2                  # EWMA weight of one new measurement
+_SENT_PAGES = 1 << 16         # chained page hashes remembered per prefill worker (LRU)
+
+
+@dataclass
+class PrefillCosts:
+    """The two measured constants of the rule: ``per_token_s`` (prefill compute per uncached
+    prompt token, from the prefill worker's own ``prefill_s``) and ``overhead_s`` (a remote
+    request's receive time beyond that compute: reservation, the prefill call, the KV write).
+    Both are EWMAs over remote requests; ``samples`` counts them."""
+
+    per_token_s: float = PRIOR_PER_TOKEN_S
+    overhead_s: float = PRIOR_OVERHEAD_S
+    samples: int = 0
+
+    def observe(self, computed: int, prefill_s: float, receive_s: float) -> None:
+        """One remote request: ``computed`` prompt tokens took ``prefill_s`` on the prefill
+        worker, and ``receive_s`` from the reservation to the landed KV here."""
+        if computed <= 0 or prefill_s <= 0 or receive_s <= 0:
+            return
+        a = 1.0 if self.samples == 0 else _ALPHA
+        self.per_token_s += a * (prefill_s / computed - self.per_token_s)
+        self.overhead_s += a * (max(receive_s - prefill_s, 0.0) - self.overhead_s)
+        self.samples += 1
+
+
+def choose_local(n: int, decode_cached: int, prefill_cached: int, costs: PrefillCosts,
+                 page_size: int) -> bool:
+    """Prefill here when the decode worker holds tokens the prefill worker lacks (at least one
+    page: the previous reply of a session) and computing the uncached suffix here takes no longer
+    than what the remote path would spend beyond computing that same suffix: its handoff overhead
+    plus the recompute of what this worker holds and the prefill worker does not.
+
+    ``n``: prompt tokens; ``decode_cached``: what this worker's cache holds (page-aligned);
+    ``prefill_cached``: what the prefill worker is estimated to hold (:class:`SentPrefixes`).
+    A prompt neither holds more of than the other goes remote, as with no rule at all."""
+    wasted = decode_cached - prefill_cached      # tokens the remote path would recompute
+    if wasted < page_size:
+        return False
+    local = n - decode_cached
+    return costs.per_token_s * local <= costs.overhead_s + costs.per_token_s * wasted
+
+
+class SentPrefixes:
+    """Per prefill worker, the page-aligned prompt prefixes it computed for this decode worker
+    (it caches them), as chained page hashes in a bounded LRU. ``held(peer, ids)`` is an
+    estimate: the prefill worker may have evicted them since (then the rule errs toward remote,
+    today's path) or hold more from other decode workers (then toward local)."""
+
+    def __init__(self, page_size: int, capacity: int = _SENT_PAGES):
+        self.page_size, self.capacity = page_size, capacity
+        self._by_peer: dict[str, OrderedDict[int, None]] = {}
+
+    def _hashes(self, ids) -> list[int]:
+        ps, h, out = self.page_size, 0, []
+        for i in range(0, len(ids) - len(ids) % ps, ps):
+            h = hash((h, tuple(ids[i:i + ps])))
+            out.append(h)
+        return out
+
+    def add(self, peer: str, ids) -> None:
+        """``peer`` computed the prompt ``ids`` (its KV is in that worker's cache now)."""
+        seen = self._by_peer.setdefault(peer, OrderedDict())
+        for h in self._hashes(ids):
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+    def held(self, peer: str, ids) -> int:
+        """Tokens of ``ids`` (whole pages, a prefix) ``peer`` is estimated to hold."""
+        seen = self._by_peer.get(peer)
+        if not seen:
+            return 0
+        pages = 0
+        for h in self._hashes(ids):
+            if h not in seen:
+                break
+            pages += 1
+        return pages * self.page_size
