@@ -24,6 +24,19 @@ if os.environ.get("TRITON_INTERPRET") is None:
         pass
 
 
+RAY_FOLDERS = ("disagg", "cluster")       # every module here starts Ray or a cluster
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``ray`` every test that starts Ray or a cluster: the tests of RAY_FOLDERS and any test
+    that uses the ``ray_local`` fixture (``make test-quick`` runs ``-m "not ray"``)."""
+    for item in items:
+        parts = item.path.parts
+        in_folder = len(parts) >= 2 and parts[-2] in RAY_FOLDERS and "tests" in parts
+        if in_folder or "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
 def pytest_report_header(config):
     """The session header says whether the native AVX512-BF16 kernels run here (else why not), and
     whether this run built them (first use: the compile's time) or found them cached. (pytest

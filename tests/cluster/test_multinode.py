@@ -1,4 +1,4 @@
-"""A real multi-node Ray cluster on this machine (bench/raynodes.py): a head and two worker nodes
+"""A real multi-node Ray cluster on this machine (cluster/raynodes.py): a head and two worker nodes
 started with ``ray start``, offering ``prefill`` and ``decode`` as KubeRay's groups do, Ray token
 authentication on; ``tandem serve`` processes (the routers) join it and serve the real model.
 
@@ -26,9 +26,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
-from tandem.bench.router_restart import (  # noqa: E402
-    CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load)
+from support.multinode import CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load  # noqa: E402
+from tandem.cluster.raynodes import RayNodes, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,135 @@
+"""The soak's machinery in a short run (the soak itself is a benchmark: bench/soak.py, ``make soak``
+and ``make soak-short``): ``tandem chaos --duration`` against a real ``tandem serve --mode
+colocated`` process (SmolLM2, forced retraction, ``--debug-endpoints``), rounds of seeded sessions
+with client aborts, sampled every 1.5 s (the router process's RSS, fds and threads, GET /debug/kv's
+KV totals). Pass: the chaos verdict (every completed text equal to the same request on a fresh
+engine, no leak, no hung request, no failure without a reason, the process flat after the warm-up)
+over several rounds and samples.
+
+The harness's own hang detection is tested without a server of ours: a server that sends one chunk
+and then nothing is reported as hung within the stall timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from tandem.loadtest.chaos.client import Outcome, RunConfig, _one
+from tandem.loadtest.chaos.plan import Turn
+
+STARTUP_TIMEOUT_S = 180
+
+
+def test_a_silent_stream_is_reported_hung_within_the_stall_timeout(tmp_path):
+    import socket
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request):
+        async def body():
+            yield b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+            await asyncio.sleep(3600)                    # a worker that stopped answering
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]),
+                                           log_level="warning", lifespan="off"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.01)
+
+    async def main():
+        import httpx
+
+        cfg = RunConfig(f"http://127.0.0.1:{port}", "m", stall_s=1.0)
+        o = Outcome("s", 0, [{"role": "user", "content": "x"}], 8, "none")
+        async with httpx.AsyncClient(base_url=cfg.url) as http:
+            t0 = time.perf_counter()
+            await _one(http, cfg, o, Turn("x", 8))
+            return o, time.perf_counter() - t0
+
+    try:
+        o, took = asyncio.run(main())
+    finally:
+        server.should_exit = True
+    assert o.kind == "failed" and o.reason == "hung: no byte for 1 s after 1 chunk(s)", o
+    assert 0.9 < took < 5.0
+
+
+@pytest.fixture
+def serve(smollm2_gguf, tmp_path):
+    """``tandem serve --mode colocated`` in a process of its own (the sampler reads it as a soak
+    reads its routers), started at once; the returned function waits for /health and gives its URL
+    (the server loads its model while the test's fixtures load theirs)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tandem.cluster.raynodes import free_port
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--mode", "colocated", "--host", "127.0.0.1",
+           "--port", str(port), "--device", "cpu", "--threads", "1", "--page-size", "16",
+           "--max-total-tokens", "2048", "--max-running-requests", "8", "--debug-retract-every", "11",
+           "--debug-endpoints"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> str:
+        end = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"tandem serve exited {proc.returncode}:\n{log_path.read_text()[-2000:]}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < end, f"tandem serve not healthy:\n{log_path.read_text()[-2000:]}"
+            time.sleep(0.2)
+
+    try:
+        yield healthy
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_short_soak_samples_the_server_and_passes_the_oracle(serve, smollm2_default, tmp_path):
+    from tandem.loadtest.chaos.cli import options, run_chaos, verdict
+    from tandem.loadtest.chaos.oracle import Oracle
+
+    oracle = Oracle("smollm2", "auto", threads=1, loaded=smollm2_default)
+    try:
+        rep = asyncio.run(run_chaos(options(serve(), seed=11, sessions=3, turns=2, max_tokens=8, duration="8s",
+                                            sample_every="1.5s", warmup="3s", stall_timeout=60.0,
+                                            out=str(tmp_path)), oracle=oracle))
+    finally:
+        oracle.close()
+    print("\n" + rep["sample_table"])
+    assert verdict(rep) == [], verdict(rep)
+    assert rep["rounds"] >= 2 and rep["completed"] >= 4 and rep["failed"] == 0, rep["failure_reasons"]
+    assert rep["aborted_mid"] + rep["aborted_early"] >= 1                 # the clients did hang up
+    assert rep["retractions"] > 0                                          # the forced retraction ran
+    assert rep["leaked_tokens"] == 0 and not rep["kv_problems"]
+    samples = rep["samples"]
+    assert list(samples["procs"]) == ["router-0"]                          # the server process, found by its port
+    assert len(samples["procs"]["router-0"]) >= 4 and len(samples["kv"]) >= 4      # sampled all along
+    assert all(kv["leaked_tokens"] == 0 and kv["workers"] == 1 for _, kv in samples["kv"])
+    assert set(rep["growth"]["router-0"]) == {"rss_mb", "fds", "threads"}  # judged after the warm-up
