@@ -26,7 +26,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from support.multinode import CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load  # noqa: E402
+from support.multinode import (  # noqa: E402
+    CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load, wait_in_flight)
 from tandem.cluster.raynodes import RayNodes, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -128,7 +129,7 @@ def test_a_stopped_prefill_node_loses_no_request_and_new_ones_are_served(cluster
     with cf.ThreadPoolExecutor(3) as pool:
         inflight = [pool.submit(chat, b.url, f"s-node-{i}", ["Write a long story. " * 30], 8, 120)
                     for i in range(3)]
-        time.sleep(0.3)
+        wait_in_flight(b.url, inflight)                      # the stop meets requests in flight
         t0 = time.monotonic()
         cluster.stop_node(cluster.prefill)
         outcomes, why = [], []

@@ -1,9 +1,9 @@
 """The soak's machinery in a short run (the soak itself is a benchmark: bench/soak.py, ``make soak``
 and ``make soak-short``): ``tandem chaos --duration`` against a real ``tandem serve --mode
 colocated`` process (SmolLM2, forced retraction, ``--debug-endpoints``), rounds of seeded sessions
-with client aborts, sampled every 1.5 s (the router process's RSS, fds and threads, GET /debug/kv's
+with client aborts, sampled every second (the router process's RSS, fds and threads, GET /debug/kv's
 KV totals). Pass: the chaos verdict (every completed text equal to the same request on a fresh
-engine, no leak, no hung request, no failure without a reason, the process flat after the warm-up)
+engine, no leak, no hung request, no failure without a reason, the process flat from its first sample to its last)
 over several rounds and samples.
 
 The harness's own hang detection is tested without a server of ours: a server that sends one chunk
@@ -82,7 +82,7 @@ def serve(smollm2_gguf, tmp_path):
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--mode", "colocated", "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", "--threads", "1", "--page-size", "16",
-           "--max-total-tokens", "2048", "--max-running-requests", "8", "--debug-retract-every", "11",
+           "--max-total-tokens", "2048", "--max-running-requests", "8", "--debug-retract-every", "5",
            "--debug-endpoints"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -117,19 +117,23 @@ def test_a_short_soak_samples_the_server_and_passes_the_oracle(serve, smollm2_de
 
     oracle = Oracle("smollm2", "auto", threads=1, loaded=smollm2_default)
     try:
-        rep = asyncio.run(run_chaos(options(serve(), seed=11, sessions=3, turns=2, max_tokens=8, duration="8s",
-                                            sample_every="1.5s", warmup="3s", stall_timeout=60.0,
+        rep = asyncio.run(run_chaos(options(serve(), seed=11, sessions=3, turns=2, max_tokens=6, duration="6s",
+                                            sample_every="1s", warmup="0s", stall_timeout=60.0,
                                             out=str(tmp_path)), oracle=oracle))
     finally:
         oracle.close()
     print("\n" + rep["sample_table"])
     assert verdict(rep) == [], verdict(rep)
-    assert rep["rounds"] >= 2 and rep["completed"] >= 4 and rep["failed"] == 0, rep["failure_reasons"]
+    assert rep["requests"] == rep["rounds"] * 3 * 2 and rep["wall_s"] >= 6.0     # rounds until the duration
+    assert rep["completed"] >= 3 and rep["failed"] == 0, rep["failure_reasons"]
     assert rep["aborted_mid"] + rep["aborted_early"] >= 1                 # the clients did hang up
     assert rep["retractions"] > 0                                          # the forced retraction ran
     assert rep["leaked_tokens"] == 0 and not rep["kv_problems"]
     samples = rep["samples"]
     assert list(samples["procs"]) == ["router-0"]                          # the server process, found by its port
-    assert len(samples["procs"]["router-0"]) >= 4 and len(samples["kv"]) >= 4      # sampled all along
+    # sampled during the run and once idle after it (a sample scans every process of the machine:
+    # on a loaded box one takes seconds, so the count is not pinned)
+    assert len(samples["procs"]["router-0"]) >= 2 and len(samples["kv"]) >= 2
+    assert samples["kv"][-1][0] >= rep["wall_s"] and samples["kv"][-1][1]["used_tokens"] == 0
     assert all(kv["leaked_tokens"] == 0 and kv["workers"] == 1 for _, kv in samples["kv"])
-    assert set(rep["growth"]["router-0"]) == {"rss_mb", "fds", "threads"}  # judged after the warm-up
+    assert set(rep["growth"]["router-0"]) == {"rss_mb", "fds", "threads"}  # judged

@@ -48,21 +48,25 @@ def requests_in_flight(url: str) -> int:
     return sum(int(w.get("running") or 0) + int(w.get("waiting") or 0) for w in rows)
 
 
-def kill_under_load(router, session_prefix: str, requests: int = 4, wait_s: float = 60.0) -> float:
-    """SIGKILL ``router`` once the workers hold a request of the ``requests`` longer chats sent
-    through it (waited on through GET /debug/kv, up to ``wait_s``: the kill never races the
-    requests' arrival); they may fail, having run through the dead router. Returns the kill's
-    ``time.monotonic()``; raises AssertionError when no request reached a worker."""
+def wait_in_flight(url: str, futures: list, wait_s: float = 60.0) -> None:
+    """Return once the workers behind router ``url`` hold a request (GET /debug/kv), or every
+    future is done, or ``wait_s`` passed: a fault injected next meets the requests in flight
+    instead of racing their arrival."""
+    end = time.monotonic() + wait_s
+    while requests_in_flight(url) == 0 and not all(f.done() for f in futures) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def kill_under_load(router, session_prefix: str, requests: int = 4) -> float:
+    """SIGKILL ``router`` once the workers hold one of the ``requests`` longer chats sent through
+    it (:func:`wait_in_flight`); they may fail, having run through the dead router. Returns the
+    kill's ``time.monotonic()``."""
     import httpx
 
     with cf.ThreadPoolExecutor(requests) as pool:
         inflight = [pool.submit(chat, router.url, f"{session_prefix}-{k}", [f"Count to {k}."], 24, 30)
                     for k in range(requests)]
-        end = time.monotonic() + wait_s
-        while requests_in_flight(router.url) == 0:
-            assert time.monotonic() < end and not all(f.done() for f in inflight), \
-                "no request reached a worker before the kill"
-            time.sleep(0.05)
+        wait_in_flight(router.url, inflight)
         t_kill = time.monotonic()
         router.kill()
         for f in inflight:
