@@ -42,10 +42,7 @@ def cluster(tmp_path_factory):
         c.prefill = c.add_node({"prefill": 1}, num_cpus=1)
         c.decode = c.add_node({"decode": 2}, num_cpus=2)
         c.work = str(tmp_path_factory.mktemp("routers"))
-        # the default numerics (bf16 + the GGUF's Q4_1 weights where the CPU has native bf16):
-        # each node's workers load and run it faster than the bench's float32
-        c.config = {**CONFIG, "ray_address": c.address,
-                    "engine_config": {**CONFIG["engine_config"], "dtype": "auto"}}
+        c.config = {**CONFIG, "ray_address": c.address}
         c.routers = []
         yield c
     finally:

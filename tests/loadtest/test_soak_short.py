@@ -18,10 +18,9 @@ import time
 
 import pytest
 
+from support.serve import ServeProcess
 from tandem.loadtest.chaos.client import Outcome, RunConfig, _one
 from tandem.loadtest.chaos.plan import Turn
-
-STARTUP_TIMEOUT_S = 180
 
 
 def test_a_silent_stream_is_reported_hung_within_the_stall_timeout(tmp_path):
@@ -69,46 +68,14 @@ def test_a_silent_stream_is_reported_hung_within_the_stall_timeout(tmp_path):
 @pytest.fixture
 def serve(smollm2_gguf, tmp_path):
     """``tandem serve --mode colocated`` in a process of its own (the sampler reads it as a soak
-    reads its routers), started at once; the returned function waits for /health and gives its URL
-    (the server loads its model while the test's fixtures load theirs)."""
-    import subprocess
-    import sys
-
-    import httpx
-
-    from tandem.cluster.raynodes import free_port
-
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--mode", "colocated", "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--threads", "1", "--page-size", "16",
-           "--max-total-tokens", "2048", "--max-running-requests", "8", "--debug-retract-every", "5",
-           "--debug-endpoints"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> str:
-        end = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"tandem serve exited {proc.returncode}:\n{log_path.read_text()[-2000:]}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < end, f"tandem serve not healthy:\n{log_path.read_text()[-2000:]}"
-            time.sleep(0.2)
-
+    reads its routers), started at once: it loads its model while the test's fixtures load theirs."""
+    proc = ServeProcess(["--mode", "colocated", "--device", "cpu", "--threads", "1", "--page-size", "16",
+                         "--max-total-tokens", "2048", "--max-running-requests", "8",
+                         "--debug-retract-every", "5", "--debug-endpoints"], tmp_path / "serve.log")
     try:
-        yield healthy
+        yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop()
 
 
 def test_a_short_soak_samples_the_server_and_passes_the_oracle(serve, smollm2_default, tmp_path):
@@ -117,7 +84,7 @@ def test_a_short_soak_samples_the_server_and_passes_the_oracle(serve, smollm2_de
 
     oracle = Oracle("smollm2", "auto", threads=1, loaded=smollm2_default)
     try:
-        rep = asyncio.run(run_chaos(options(serve(), seed=11, sessions=3, turns=2, max_tokens=6, duration="6s",
+        rep = asyncio.run(run_chaos(options(serve.url(), seed=11, sessions=3, turns=2, max_tokens=6, duration="6s",
                                             sample_every="1s", warmup="0s", stall_timeout=60.0,
                                             out=str(tmp_path)), oracle=oracle))
     finally:
