@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -93,9 +94,10 @@ def missed(rep: dict, killed_worker: bool, killed_router: bool) -> list[str]:
     if killed_worker and not (rep["killed"] and rep["killed"][0].startswith("decode-")):
         why.append(f"no decode worker was killed ({rep['killed']})")
     if killed_router:
-        kill = next((e for e in rep["events"] if "SIGKILL router 1" in e), None)
-        if kill is None or "in flight" not in kill:
-            why.append(f"router 1 was not killed with a request in flight ({kill})")
+        kill = next((e for e in rep["events"] if "SIGKILL router 1" in e), "")
+        n = re.search(r"with (\d+) request\(s\) in flight", kill)
+        if not n or int(n.group(1)) < 1:
+            why.append(f"router 1 was not killed with a request in flight ({kill or 'no kill'})")
         if rep["retried"] < 1 or rep["retried_failed"]:
             why.append(f"resends: {rep['retried']} made, {rep['retried_failed']} failed")
     procs = rep["samples"]["procs"]

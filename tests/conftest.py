@@ -25,16 +25,21 @@ if os.environ.get("TRITON_INTERPRET") is None:
 
 
 RAY_FOLDERS = ("disagg", "cluster")       # every module here starts Ray or a cluster
+RAY_TIMEOUT_S = 600                        # a ``ray`` test's limit unless it marks its own
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark ``ray`` every test that starts Ray or a cluster: the tests of RAY_FOLDERS and any test
-    that uses the ``ray_local`` fixture (``make test-quick`` runs ``-m "not ray"``)."""
+    that uses the ``ray_local`` fixture (``make test-quick`` runs ``-m "not ray"``). Such a test
+    gets RAY_TIMEOUT_S instead of pyproject's default (its time includes its module's cluster
+    set-up, on a loaded 2-core box) unless it or its module marks a limit."""
     for item in items:
         parts = item.path.parts
         in_folder = len(parts) >= 2 and parts[-2] in RAY_FOLDERS and "tests" in parts
         if in_folder or "ray_local" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(RAY_TIMEOUT_S))
 
 
 def pytest_report_header(config):
