@@ -44,11 +44,12 @@ test: setup test-models
 	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
 	$(PY) -m pytest -q -m "not slow" --durations=25 tests
 
-# The inner loop while developing: the unit, engine and cache tests, no Ray and no cluster (the
-# folders below minus the `ray` marker; tests/README.md has its measured time).
+# The inner loop while developing: the unit, engine and cache tests, no Ray, no cluster and no real
+# weights (the folders below minus the `ray` and `model` markers, tests/conftest.py; the engine's
+# scheduler runs on the fake model there). tests/README.md has its measured time.
 QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s tests/test_layering.py
 test-quick: setup
-	$(PY) -m pytest -q -m "not slow and not ray" $(QUICK)
+	$(PY) -m pytest -q -m "not slow and not ray and not model" $(QUICK)
 
 test-slow: setup test-models
 	$(PY) -m pytest -q -m slow tests
