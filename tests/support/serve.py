@@ -4,19 +4,14 @@ over HTTP (tests/loadtest/)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tandem.cluster.raynodes import free_port
+
 STARTUP_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServeProcess:
