@@ -60,10 +60,12 @@ test-all: setup test-models
 # The soak is a benchmark, not a test (bench/soak.py: two routers over a detached 1P+2D SmolLM2
 # cluster, `tandem chaos` rounds with client aborts, retraction and migration, a decode worker
 # killed, router 1 SIGKILLed, a decode worker SIGSTOPped; pass: the chaos oracle and every process
-# flat after the warm-up). `make soak` runs SOAK_MINUTES (30) of it, `make soak-short` 3 minutes.
+# flat after the warm-up). `make soak` runs SOAK_MINUTES (30) of it, flatness judged after
+# SOAK_WARMUP (10m); `make soak-short` 3 minutes with faults and samples scaled to fit.
 SOAK_MINUTES ?= 30
+SOAK_WARMUP  ?= 10m
 soak: setup
-	$(PY) -m tandem.bench.soak --duration $(SOAK_MINUTES)m --sample-every 60s --warmup 10m --sessions 3 \
+	$(PY) -m tandem.bench.soak --duration $(SOAK_MINUTES)m --sample-every 60s --warmup $(SOAK_WARMUP) --sessions 3 \
 	  --turns 4 --kill-at 150 --kill-router-at 240 --stop --stop-at 400 --stop-s 15 --out bench/out/soak
 
 soak-short: setup
