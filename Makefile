@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: setup system-packages serve generate test test-slow test-all test-models bench clean
+.PHONY: setup system-packages serve generate test test-quick test-slow test-all test-models soak soak-short clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -42,13 +42,35 @@ $(VENV)/.test-models: $(VENV)/.installed
 # `make test-slow` runs them, `make test-all` both.
 test: setup test-models
 	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=25 tests
+
+# The inner loop while developing: the unit, engine and cache tests, no Ray, no cluster and no real
+# weights (the folders below minus the `ray` and `model` markers, tests/conftest.py; the engine's
+# scheduler runs on the fake model there). tests/README.md has its measured time.
+QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s tests/test_layering.py
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow and not ray and not model" $(QUICK)
 
 test-slow: setup test-models
 	$(PY) -m pytest -q -m slow tests
 
 test-all: setup test-models
 	$(PY) -m pytest -q tests
+
+# The soak is a benchmark, not a test (bench/soak.py: two routers over a detached 1P+2D SmolLM2
+# cluster, `tandem chaos` rounds with client aborts, retraction and migration, a decode worker
+# killed, router 1 SIGKILLed, a decode worker SIGSTOPped; pass: the chaos oracle and every process
+# flat after the warm-up). `make soak` runs SOAK_MINUTES (30) of it, flatness judged after
+# SOAK_WARMUP (10m); `make soak-short` 3 minutes with faults and samples scaled to fit.
+SOAK_MINUTES ?= 30
+SOAK_WARMUP  ?= 10m
+soak: setup
+	$(PY) -m tandem.bench.soak --duration $(SOAK_MINUTES)m --sample-every 60s --warmup $(SOAK_WARMUP) --sessions 3 \
+	  --turns 4 --kill-at 150 --kill-router-at 240 --stop --stop-at 400 --stop-s 15 --out bench/out/soak
+
+soak-short: setup
+	$(PY) -m tandem.bench.soak --duration 3m --sample-every 10s --warmup 60s --sessions 4 --turns 4 \
+	  --max-tokens 16 --kill-at 20 --kill-router-at 40 --stop --stop-at 70 --stop-s 10 --out bench/out/soak-short
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,6 +1,6 @@
 """Autoscaling through a load step: SLO attainment with the planner vs fixed replicas.
 
-Each scenario gets a fresh Ray cluster on this machine (bench/raynodes.py: a head started with
+Each scenario gets a fresh Ray cluster on this machine (cluster/raynodes.py: a head started with
 Ray's fake multi-node autoscaler, node types ``prefill`` and ``decode`` as KubeRay's groups, token
 auth on) and ``tandem serve --engine sim`` workers (simulated Llama-3-8B on an H100, run at wall
 speed, so prefill time is real waiting). The load is open-loop: ``base_rate`` requests/s, then a
@@ -11,8 +11,8 @@ tokens. Scenarios:
 - ``planner``: the same start, the planner on (TTFT target ``--ttft-slo``), prefill 1..3.
 
 Reported per scenario, over the step's requests: SLO attainment (share with TTFT <= the target),
-TTFT p50/p90/p99, failures, and the planner's history. The load functions are shared with
-tests/cluster/test_autoscale.py (which asserts; this measures).
+TTFT p50/p90/p99, failures, and the planner's history. tests/cluster/test_autoscale.py asserts a
+shorter step (tests/support/autoscale.py holds its copy of the load functions; this measures).
 
     .venv/bin/python -m tandem.bench.autoscale --out bench/out/autoscale.json
 """
@@ -27,28 +27,9 @@ import tempfile
 import time
 
 from tandem.bench.common import bench_parser, write_report
-from tandem.bench.raynodes import RayNodes, start_router
+from tandem.cluster.raynodes import RayNodes, fake_cluster_config, start_router
 
 PROMPT_TOKENS = 10_000
-
-
-def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict:
-    """The fake multi-node provider's cluster: one ``prefill`` and one ``decode`` node at least
-    (each 1 CPU and its role's resource), idle nodes let go after 6 s."""
-    node = {"node_config": {}}
-    return {
-        "cluster_name": "tandem-fake", "max_workers": max_prefill + max_decode, "upscaling_speed": 10.0,
-        "idle_timeout_minutes": 0.1, "docker": {}, "auth": {"ssh_user": "ubuntu"}, "file_mounts": {},
-        "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
-        "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-        "head_node_type": "ray.head.default",
-        "available_node_types": {
-            "ray.head.default": {**node, "resources": {}, "max_workers": 0},
-            "prefill": {**node, "resources": {"CPU": 1, "prefill": 1}, "min_workers": 1, "max_workers": max_prefill},
-            "decode": {**node, "resources": {"CPU": 1, "decode": 1}, "min_workers": 1, "max_workers": max_decode},
-        },
-    }
 
 
 def serve_config(address: str, namespace: str, planner: dict | None) -> dict:

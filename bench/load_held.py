@@ -1,6 +1,6 @@
 """Load held: the highest request rate a cluster sustains under a TTFT SLO, and what happens above.
 
-Each configuration is a real ``tandem serve`` on 127.0.0.1 (bench/raynodes.py ``start_router``),
+Each configuration is a real ``tandem serve`` on 127.0.0.1 (cluster/raynodes.py ``start_router``),
 driven by the agent workload of ``tandem bench`` (loadtest/loadgen: sessions of ``--turns`` turns
 sharing a system prompt and tools, each turn after the previous reply plus its think time), with
 sessions *arriving* as a Poisson process (loadgen ``run_arrivals``): the offered request rate is
@@ -159,7 +159,7 @@ def series(records: list, pre: float, burst: float, slo: float, total: float) ->
 
 
 def run_config(name: str, args, work: str) -> dict:
-    from tandem.bench.raynodes import start_router
+    from tandem.cluster.raynodes import start_router
 
     pending_s = args.slo_s * args.admit_share
     cfg = {**CONFIGS[name], "admission_max_pending_s": pending_s,

@@ -1,7 +1,7 @@
 """Router restart on a real multi-node Ray cluster: how long until requests are served again, and
 does the next turn of a session still hit the cache?
 
-The cluster (bench/raynodes.py, all on this machine, Ray token auth on): a head, a ``prefill``
+The cluster (cluster/raynodes.py, all on this machine, Ray token auth on): a head, a ``prefill``
 node (1 CPU) and a ``decode`` node (2 CPUs); ``tandem serve`` with ``worker_lifetime: cluster``
 (detached workers: real SmolLM2, fp32, KV over UCX/TCP). Per round:
 
@@ -13,7 +13,7 @@ node (1 CPU) and a ``decode`` node (2 CPUs); ``tandem serve`` with ``worker_life
   and the second turn's cached/prompt tokens and decode worker (same as its first turn's?).
 
 Medians over ``--rounds``; the JSON keeps every round. tests/cluster/test_multinode.py asserts the
-same scenario (it shares this module's config and helpers).
+same scenario (tests/support/multinode.py holds the test's copy of the config and helpers).
 
     .venv/bin/python -m tandem.bench.router_restart --rounds 3 --out bench/out/router_restart.json
 """
@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from tandem.bench.common import bench_parser, medians, write_report
-from tandem.bench.raynodes import RayNodes, start_router
+from tandem.cluster.raynodes import RayNodes, start_router
 
 TRANSFER_TIMEOUT_S = 8.0
 CONFIG = {

@@ -1,7 +1,7 @@
 """The soak: ``tandem chaos --duration`` against two routers over one detached worker set, with
 every fault issue 25 names, sampled as it runs.
 
-The cluster (all on 127.0.0.1): a Ray head started with ``ray start`` (bench/raynodes.py; it
+The cluster (all on 127.0.0.1): a Ray head started with ``ray start`` (cluster/raynodes.py; it
 outlives the routers), 1 prefill + 2 decode workers (real SmolLM2, fp32, CPU, page size 16, a
 1024-token decode pool, forced retraction every 11 decode steps, forced live migration every
 ``--migrate-every`` streamed tokens, ``--debug-endpoints``), detached; router 0 starts them,
@@ -17,8 +17,11 @@ router 1 adopts them. ``tandem chaos`` (loadtest/chaos) then runs for ``--durati
 
 Pass: every completed text equal to the same request alone on a fresh engine, 0 leaked tokens,
 no hung request, no failure without a reason, and each process flat after ``--warmup`` (growth
-within ``--rss-growth-mb`` / ``--fd-growth`` / ``--thread-growth``). Writes
+within ``--rss-growth-mb`` / ``--fd-growth`` / ``--thread-growth``); and the run did what it was
+asked (:func:`missed`: clients hung up, the worker and the router were killed, the latter with a
+request in flight, every resend completed, router 0 sampled all along). Writes
 ``bench/out/soak/chaos.json`` and ``soak.png``; prints the table; exit 1 on a failed verdict.
+Not a test: ``make soak`` (30 minutes) and ``make soak-short`` (3 minutes) run it.
 
     .venv/bin/python -m tandem.bench.soak --duration 10m --sample-every 60s [--stop]
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -51,7 +55,7 @@ def soak(duration: str = "2m", sample_every: str = "10s", warmup: str = "30s", s
     """Start the cluster and both routers, run the chaos soak, stop everything; the report dict
     (loadtest/chaos/cli.py ``run_chaos``) with ``verdict`` added. ``bounds``: rss_growth_mb,
     fd_growth, thread_growth."""
-    from tandem.bench.raynodes import RayNodes, start_router
+    from tandem.cluster.raynodes import RayNodes, start_router
     from tandem.loadtest.chaos.cli import options, run_chaos, verdict
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,8 +80,32 @@ def soak(duration: str = "2m", sample_every: str = "10s", warmup: str = "30s", s
         finally:
             for r in routers:
                 r.kill()
-    rep["verdict"] = verdict(rep)
+    rep["verdict"] = verdict(rep) + missed(rep, kill_at is not None, kill_router_at is not None)
     return rep
+
+
+def missed(rep: dict, killed_worker: bool, killed_router: bool) -> list[str]:
+    """What the run was asked to do and did not (an empty list: it did all of it): the clients
+    hung up at least once; the decode worker was killed; router 1 was SIGKILLed with a request in
+    flight and every resend completed; router 0 was sampled all along (every sample)."""
+    why = []
+    if rep["aborted_mid"] + rep["aborted_early"] < 1:
+        why.append("no client hung up")
+    if killed_worker and not (rep["killed"] and rep["killed"][0].startswith("decode-")):
+        why.append(f"no decode worker was killed ({rep['killed']})")
+    if killed_router:
+        kill = next((e for e in rep["events"] if "SIGKILL router 1" in e), "")
+        n = re.search(r"with (\d+) request\(s\) in flight", kill)
+        if not n or int(n.group(1)) < 1:
+            why.append(f"router 1 was not killed with a request in flight ({kill or 'no kill'})")
+        if rep["retried"] < 1 or rep["retried_failed"]:
+            why.append(f"resends: {rep['retried']} made, {rep['retried_failed']} failed")
+    procs = rep["samples"]["procs"]
+    if not any(k.startswith("decode@") for k in procs):
+        why.append("no decode worker was sampled")
+    if len(procs.get("router-0", [])) < len(rep["samples"]["kv"]):
+        why.append("router 0 was not sampled all along")
+    return why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", default="2m")
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--kill-at", type=float, default=60.0)
     ap.add_argument("--kill-router-at", type=float, default=120.0)
     ap.add_argument("--stop", action="store_true", help="include the SIGSTOP of a decode worker")
@@ -100,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--migrate-every", type=int, default=16)
     ap.add_argument("--out", default=str(OUT_DIR / "soak"))
     args = ap.parse_args(argv)
-    rep = soak(args.duration, args.sample_every, args.warmup, args.sessions, args.turns,
+    rep = soak(args.duration, args.sample_every, args.warmup, args.sessions, args.turns, args.max_tokens,
                kill_at=args.kill_at, kill_router_at=args.kill_router_at,
                stop_at=args.stop_at if args.stop else None, stop_s=args.stop_s,
                migrate_every=args.migrate_every, out=args.out, seed=args.seed)

@@ -99,7 +99,7 @@ def reader(endpoint: str, conn, sess: tuple) -> None:
     import torch
 
     faulthandler.enable()
-    from tandem.bench.transfer_bootstrap import BootstrapClient
+    from tandem.transfer.bootstrap import BootstrapClient
 
     torch.set_num_threads(1)
     pool = torch.zeros((LAYERS, 2, ROWS, KV_HEADS, HEAD_DIM))
@@ -145,7 +145,7 @@ def writer(conn, rconn, sess: tuple, repeats: int, quick: bool) -> None:
     import torch
 
     faulthandler.enable()
-    from tandem.bench.transfer_bootstrap import BootstrapServer
+    from tandem.transfer.bootstrap import BootstrapServer
     from tandem.transfer.state import TransferState
 
     torch.set_num_threads(1)

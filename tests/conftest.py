@@ -24,6 +24,33 @@ if os.environ.get("TRITON_INTERPRET") is None:
         pass
 
 
+RAY_FOLDERS = ("disagg", "cluster")       # every module here starts Ray or a cluster
+RAY_TIMEOUT_S = 600                        # a ``ray`` test's limit unless it marks its own
+# the fixtures that load real weights (SmolLM2, HF's view of it, any GGUF through hf_gguf_load)
+MODEL_FIXTURES = {"smollm2_gguf", "smollm2_dir", "smollm2", "smollm2_default", "smollm2_swa16", "hf_smollm2",
+                  "hf_smollm2_bf16", "hf_smollm2_tokenizer", "hf_gguf_load"}
+INTERPRETED = {"test_cuda_graph.py", "test_triton_attention.py"}    # triton kernels in its interpreter
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``ray`` every test that starts Ray or a cluster: the tests of RAY_FOLDERS and any test
+    that uses the ``ray_local`` fixture. Such a test gets RAY_TIMEOUT_S instead of pyproject's
+    default (its time includes its module's cluster set-up, on a loaded 2-core box) unless it or
+    its module marks a limit. Mark ``model`` every test that loads real weights (a fixture of
+    MODEL_FIXTURES) or runs triton kernels in the interpreter (INTERPRETED): seconds each.
+    ``make test-quick`` runs ``-m "not slow and not ray and not model"``; ``make test`` runs all."""
+    for item in items:
+        parts = item.path.parts
+        names = set(getattr(item, "fixturenames", ()))
+        in_folder = len(parts) >= 2 and parts[-2] in RAY_FOLDERS and "tests" in parts
+        if in_folder or "ray_local" in names:
+            item.add_marker(pytest.mark.ray)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(RAY_TIMEOUT_S))
+        if names & MODEL_FIXTURES or item.path.name in INTERPRETED:
+            item.add_marker(pytest.mark.model)
+
+
 def pytest_report_header(config):
     """The session header says whether the native AVX512-BF16 kernels run here (else why not), and
     whether this run built them (first use: the compile's time) or found them cached. (pytest

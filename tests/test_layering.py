@@ -12,6 +12,8 @@ sits above cluster/ and the commands beside it (loadtest/, sim/replay/), and not
 Only the actor shells, cluster/ and bench's cluster benchmarks import Ray; only transfer/ imports
 NIXL; core/ imports no torch. Inside the packages, no two modules import each other, directly
 or round a circle (function-level imports count too); KNOWN_CYCLES names the ones with an owner.
+Tests never import bench/ (their support lives in tests/support/ or, shared with bench/, in the
+product), except bench's own tests in tests/bench/; and bench/ never imports tests/.
 """
 
 from __future__ import annotations
@@ -123,4 +125,20 @@ def test_ray_nixl_torch_confined():
                     bad.append(f"{rel} imports nixl (only transfer/ may)")
                 if top == "torch" and pkg == "core":
                     bad.append(f"{rel} imports torch (core/ must not)")
+    assert not bad, "\n".join(bad)
+
+
+def test_tests_do_not_import_bench_and_bench_does_not_import_tests():
+    bad = []
+    for f in sorted((ROOT / "tests").rglob("*.py")):
+        rel = f.relative_to(ROOT)
+        if rel.parts[1] == "bench":            # bench's own tests
+            continue
+        for name in _imports(f):
+            if name.split(".")[:2] == [TOP, "bench"] or name.split(".")[0] == "bench":
+                bad.append(f"{rel} imports {name} (test support goes in tests/support/)")
+    for f in _files("bench"):
+        for name in _imports(f):
+            if name.split(".")[0] in ("tests", "support", "conftest"):
+                bad.append(f"{f.relative_to(ROOT)} imports {name} (bench/ never imports tests/)")
     assert not bad, "\n".join(bad)

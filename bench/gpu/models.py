@@ -33,7 +33,7 @@ SMOLLM2_GEOMETRY = dict(vocab_size=49152, hidden_size=576, intermediate_size=153
 TINY_GEOMETRY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-# the SmolLM2 prompts of the GPU check and of the CPU tests (tests/engine/smollm2_prompts.py imports them)
+# the SmolLM2 prompts of the GPU check; the CPU tests' oracles run the same five (tests/engine/smollm2_prompts.py)
 PROMPTS = [
     ("chat", "What is the capital of France?"),
     ("raw", "def fibonacci(n):"),

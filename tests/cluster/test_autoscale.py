@@ -17,8 +17,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from tandem.bench.autoscale import fake_cluster_config, open_loop, serve_config  # noqa: E402
-from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
+from support.autoscale import open_loop, serve_config  # noqa: E402
+from tandem.cluster.raynodes import RayNodes, fake_cluster_config, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

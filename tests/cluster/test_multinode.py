@@ -1,4 +1,4 @@
-"""A real multi-node Ray cluster on this machine (bench/raynodes.py): a head and two worker nodes
+"""A real multi-node Ray cluster on this machine (cluster/raynodes.py): a head and two worker nodes
 started with ``ray start``, offering ``prefill`` and ``decode`` as KubeRay's groups do, Ray token
 authentication on; ``tandem serve`` processes (the routers) join it and serve the real model.
 
@@ -26,9 +26,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
-from tandem.bench.router_restart import (  # noqa: E402
-    CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load)
+from support.multinode import (  # noqa: E402
+    CONFIG, TRANSFER_TIMEOUT_S, UCX_ENV, cached, chat, kill_under_load, wait_in_flight)
+from tandem.cluster.raynodes import RayNodes, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,10 +42,7 @@ def cluster(tmp_path_factory):
         c.prefill = c.add_node({"prefill": 1}, num_cpus=1)
         c.decode = c.add_node({"decode": 2}, num_cpus=2)
         c.work = str(tmp_path_factory.mktemp("routers"))
-        # the default numerics (bf16 + the GGUF's Q4_1 weights where the CPU has native bf16):
-        # each node's workers load and run it faster than the bench's float32
-        c.config = {**CONFIG, "ray_address": c.address,
-                    "engine_config": {**CONFIG["engine_config"], "dtype": "auto"}}
+        c.config = {**CONFIG, "ray_address": c.address}
         c.routers = []
         yield c
     finally:
@@ -129,7 +126,7 @@ def test_a_stopped_prefill_node_loses_no_request_and_new_ones_are_served(cluster
     with cf.ThreadPoolExecutor(3) as pool:
         inflight = [pool.submit(chat, b.url, f"s-node-{i}", ["Write a long story. " * 30], 8, 120)
                     for i in range(3)]
-        time.sleep(0.3)
+        wait_in_flight(b.url, inflight)                      # the stop meets requests in flight
         t0 = time.monotonic()
         cluster.stop_node(cluster.prefill)
         outcomes, why = [], []

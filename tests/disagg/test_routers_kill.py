@@ -1,6 +1,6 @@
 """Two routers over one worker set, one SIGKILLed under load (issue 25, item 5).
 
-A Ray head started with ``ray start`` (bench/raynodes.py; it outlives every router) runs detached
+A Ray head started with ``ray start`` (cluster/raynodes.py; it outlives every router) runs detached
 1P+1D workers (real SmolLM2, fp32, CPU); two ``tandem serve`` processes join it: router A starts
 the workers, router B adopts them. Greedy streams run through both; A is SIGKILLed while its
 streams are mid-way. Asserted:
@@ -30,7 +30,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from tandem.bench.raynodes import RayNodes, start_router  # noqa: E402
+from tandem.cluster.raynodes import RayNodes, start_router  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,57 +7,24 @@ import argparse
 import contextlib
 import io
 import json
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
+from support.serve import ServeProcess
 from tandem.loadtest.loadgen.cli import register
 
-STARTUP_TIMEOUT_S = 240
 NO_CACHE_REASON = ("the server reports cached_tokens = 0 for every request: prefix-cache hits are not "
                    "reported by this build (the radix cache is being integrated)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--mode", "colocated", "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--max-total-tokens", "4096", "--max-running-requests", "8"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc = ServeProcess(["--mode", "colocated", "--device", "cpu", "--max-total-tokens", "4096",
+                         "--max-running-requests", "8"], tmp_path_factory.mktemp("serve") / "serve.log")
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tandem serve exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tandem serve not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.3)
-        yield url
+        yield proc.url()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop()
 
 
 def _bench(argv: list[str]) -> tuple[int, str]:

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from tandem.transfer.agent import KVTransferAgent, Region  # noqa: E402
-from tandem.bench.transfer_bootstrap import BootstrapServer  # noqa: E402
+from tandem.transfer.bootstrap import BootstrapServer  # noqa: E402
 from tandem.transfer.messages import Handshake, KVTransferRequest  # noqa: E402
 from tandem.transfer.state import TransferState  # noqa: E402
 

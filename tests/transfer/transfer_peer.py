@@ -45,7 +45,7 @@ def done_notif() -> bytes:
 
 def main(mode: str, endpoint: str, progress_thread: bool) -> int:
     from tandem.transfer.agent import KVTransferAgent, Region
-    from tandem.bench.transfer_bootstrap import BootstrapClient
+    from tandem.transfer.bootstrap import BootstrapClient
     from tandem.transfer.messages import Handshake, KVTransferRequest, RegionPages
 
     pool = torch.zeros(L, 2, DST_ROWS, H, D)

@@ -1,7 +1,6 @@
-"""ZMQ side channel for the transfer benchmark and the two-process transfer tests: the small
-control messages that travel beside the NIXL data path when no Ray calls carry them. (The product
-exchanges handshakes and transfer requests through its Ray actors; this lives in bench/ because
-only bench/transfer.py and tests use it.)
+"""A Ray-free ZMQ side channel: the small control messages that travel beside the NIXL data path
+when no Ray call carries them (two processes without Ray: bench/transfer.py, the two-process
+transfer tests). Serving exchanges handshakes and transfer requests through its Ray actors.
 
 The writer runs a :class:`BootstrapServer` (ZMQ ROUTER) bound to ``host`` on an
 ephemeral port and advertises :attr:`BootstrapServer.endpoint`. Each decode worker connects a

@@ -1,6 +1,6 @@
-"""A real multi-node Ray cluster on one machine, for tests and benchmarks: a head and worker nodes
-started with ``ray start`` (each its own raylet, object store and process group), every node on
-127.0.0.1, Ray token authentication on, nothing else on the machine touched.
+"""A real multi-node Ray cluster on one machine (a development cluster, for benchmarks and tests):
+a head and worker nodes started with ``ray start`` (each its own raylet, object store and process
+group), every node on 127.0.0.1, Ray token authentication on, nothing else on the machine touched.
 
     with RayNodes(token_auth=True) as c:
         c.add_node({"prefill": 1}, num_cpus=1)
@@ -60,6 +60,26 @@ class Node:
     log: str
     resources: dict
     manager_port: int = 0           # unique per node: its processes name it on their command line
+
+
+def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict:
+    """``RayNodes(autoscaling_config=...)`` for the roles: Ray's fake multi-node provider with node
+    types ``prefill`` and ``decode`` as KubeRay's groups (each node 1 CPU and its role's
+    resource), one of each at least, idle nodes let go after 6 s."""
+    node = {"node_config": {}}
+    return {
+        "cluster_name": "tandem-fake", "max_workers": max_prefill + max_decode, "upscaling_speed": 10.0,
+        "idle_timeout_minutes": 0.1, "docker": {}, "auth": {"ssh_user": "ubuntu"}, "file_mounts": {},
+        "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+        "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "head_node_type": "ray.head.default",
+        "available_node_types": {
+            "ray.head.default": {**node, "resources": {}, "max_workers": 0},
+            "prefill": {**node, "resources": {"CPU": 1, "prefill": 1}, "min_workers": 1, "max_workers": max_prefill},
+            "decode": {**node, "resources": {"CPU": 1, "decode": 1}, "min_workers": 1, "max_workers": max_decode},
+        },
+    }
 
 
 class RayNodes:

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from tandem.bench.transfer_bootstrap import BootstrapClient, BootstrapServer
+from tandem.transfer.bootstrap import BootstrapClient, BootstrapServer
 from tandem.transfer.descriptors import PoolLayout
 from tandem.transfer.messages import Handshake, KVTransferRequest, RegionInfo, RegionPages
 
