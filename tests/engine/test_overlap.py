@@ -12,12 +12,15 @@ import threading
 import time
 
 import pytest
+import torch
 
-from tandem.bench.overlap import SleepModel, sleep_loaded
 from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams
 from tandem.engine.engine import Engine
+from tandem.engine.loader import LoadedModel
+from tandem.engine.model_config import ModelArchConfig
+from tandem.engine.models.hybrid import byte_tokenizer
 from tandem.engine.overlap import resolve_overlap
 
 from fake_model import fake_loaded, oracle
@@ -162,15 +165,19 @@ def test_a_stop_costs_at_most_one_extra_forward_and_is_never_streamed(stop):
     assert fwd == runs["off"][2] + (1 if stop == "token" else 0)
 
 
-class _WatchingModel(SleepModel):
+_VOCAB = 258     # the byte tokenizer's
+
+
+class _WatchingModel:
     """The stand-in that watches the host while it computes: a forward that is not the first
     waits (up to ``wait_s``) for the engine to apply a step (``stats["steps"]`` grows) and counts
     the forwards that saw it; ``lane`` counts the forwards run off the engine's thread. Only a
     host that works while the device runs can apply a step during a forward; the plain loop (and
     a plan that takes the plain path under overlap, such as a prefill) cannot, whatever the load."""
 
+    device, dtype = torch.device("cpu"), torch.float32
+
     def __init__(self, wait_s: float):
-        super().__init__(0.0)
         self.wait_s, self.calls, self.lane, self.saw_host = wait_s, 0, 0, 0
         self.engine: Engine | None = None
 
@@ -184,7 +191,18 @@ class _WatchingModel(SleepModel):
             while stats["steps"] == start and time.monotonic() < end:
                 time.sleep(0.001)
             self.saw_host += stats["steps"] != start
-        return super().forward(fb, backend, return_all_logits)
+        last = fb.last_token_indices      # all mass on a printable byte (never EOS) of the input
+        logits = torch.zeros(fb.batch_size, _VOCAB)
+        logits[torch.arange(fb.batch_size), (fb.input_ids[last] * 31 + fb.positions[last] * 7 + 1) % 94] = 1.0
+        return logits
+
+
+def _watching(wait_s: float) -> LoadedModel:
+    """A LoadedModel of :class:`_WatchingModel` over the byte tokenizer."""
+    arch = ModelArchConfig(arch="llama", vocab_size=_VOCAB, hidden_size=2, num_layers=1, num_q_heads=1,
+                           num_kv_heads=1, head_dim=2, intermediate_size=2, max_position=4096,
+                           layer_types=["full"], bos_token_id=256, eos_token_ids=(257,))
+    return LoadedModel(_WatchingModel(wait_s), arch, byte_tokenizer(), "watching-stand-in")
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
@@ -193,8 +211,8 @@ def test_the_host_applies_step_n_while_the_device_runs_step_n_plus_1(overlap):
     the steps run off the engine's thread and most find the host applying the previous step
     meanwhile (not the first, nor one launched after its predecessor was applied); with it off every forward runs on the engine's thread and none does. Tokens
     equal either way."""
-    loaded = sleep_loaded(0.0)
-    model = loaded.model = _WatchingModel(wait_s=3.0 if overlap == "on" else 0.02)
+    loaded = _watching(wait_s=3.0 if overlap == "on" else 0.02)
+    model = loaded.model
     e = model.engine = _engine(loaded, overlap)
     try:
         reqs = [e.make_request(p, SamplingParams(max_tokens=8, ignore_eos=True), rid=f"w{i}")
