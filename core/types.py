@@ -205,6 +205,7 @@ class Req:
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    admitted_time: float | None = None   # the scheduler's first admission (queue wait = it - arrival)
 
     @property
     def all_ids(self) -> list[int]:
@@ -234,7 +235,8 @@ class StreamChunk:
     chunks leave them 0. ``logprobs`` (only when the request asked for them): one entry per id in
     ``token_ids``, same order. ``prompt_logprobs`` (only when the request asked for them, on the
     chunk of the first generated token): one entry per prompt token after the first (the
-    first has no context), each with its ``rank``. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
+    first has no context), each with its ``rank``. ``queue_s`` (the chunks that report the
+    prompt's figures): the seconds the request waited in this engine's queue before its admission. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
     when EOS or a stop token id did.
     """
 
@@ -250,6 +252,7 @@ class StreamChunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_str: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    queue_s: float | None = field(default=None, compare=False)   # seconds queued (docstring)
     # a failure's final chunk, before any token, because the prefill worker died (the decode
     # worker's Ray client saw it): the router may route the request again without that worker
     prefill_died: bool = False

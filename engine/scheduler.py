@@ -394,14 +394,15 @@ class Scheduler:
         if finish is not None:
             return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps, prompt_logprobs=plps)
         return StreamChunk(r.rid, (tok,), text, prompt_tokens=len(r.prompt_ids) if first else 0,
-                           cached_tokens=r.cached_len if first else 0, logprobs=lps, prompt_logprobs=plps)
+                           cached_tokens=r.cached_len if first else 0, logprobs=lps, prompt_logprobs=plps,
+                           queue_s=_queued(r) if first else None)
 
     def _admit(self, sr: SchedReq, running: bool = True) -> bool:
         if not self.kv.admit(sr):
             return False
         r = sr.req
         if r.admissions == 0:
-            r.cached_len = r.computed_len
+            r.cached_len, r.admitted_time = r.computed_len, time.monotonic()
             self.stats["prompt_tokens"] += len(r.prompt_ids)
             self.stats["cached_tokens"] += r.computed_len
         r.admissions += 1
@@ -453,7 +454,7 @@ class Scheduler:
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error, logprobs=tuple(logprobs), prompt_logprobs=prompt_logprobs,
-                           stop_str=sr.tracker.stop_str if reason == "stop" else None)
+                           stop_str=sr.tracker.stop_str if reason == "stop" else None, queue_s=_queued(r))
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
         r = sr.req
@@ -468,3 +469,8 @@ class Scheduler:
         """Every allocated page is owned once: by the cache or one request (running, received or
         held); raises AssertionError listing violations."""
         self.kv.check()
+
+
+def _queued(r: Req) -> float | None:
+    """Seconds ``r`` waited in the queue before its first admission (None: never admitted)."""
+    return None if r.admitted_time is None else r.admitted_time - r.arrival

@@ -64,6 +64,7 @@ class _Result:
 
     def __init__(self, worker: str, transfer_id: int):
         self.f = {"transfer_id": transfer_id, "worker": worker}
+        self.queue_s: float | None = None      # the engine's queue wait (the trace's, not the result's)
 
     def done(self) -> PrefillResult:
         return PrefillResult(status=TransferState.DONE, **self.f)
@@ -145,16 +146,18 @@ class PrefillWorker(RoleWorker):
             del self._jobs[job.rid]
             self.handoffs.pop(job.rid, None)
             if greq.trace:
-                self._trace(greq, start, out.f, t0)
+                self._trace(greq, start, out, t0)
 
-    def _trace(self, greq: GenerateRequest, start: int, f: dict, t0: float) -> None:
-        """The prefill span (queue and compute, cached and computed tokens) and its KV transfer
+    def _trace(self, greq: GenerateRequest, start: int, out: _Result, t0: float) -> None:
+        """The prefill span (queue wait, compute, cached and computed tokens) and its KV transfer
         (bytes, pages, seconds), measured by :meth:`_run`."""
+        f = out.f
         n, cached = len(greq.prompt_ids), f.get("cached_tokens", 0)
         parent = tracing.record("prefill", greq.trace, t0, **{
             "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.prompt_tokens": n,
             "tandem.cached_tokens": cached, "tandem.computed_tokens": n - cached,
-            "tandem.queue_and_compute_s": f.get("prefill_s"), "tandem.dst_prefix_len": start})
+            "tandem.queue_s": out.queue_s, "tandem.compute_s": _less(f.get("prefill_s"), out.queue_s),
+            "tandem.dst_prefix_len": start})
         if "transfer_s" in f:
             tracing.record("kv transfer", parent, time.time() - f["transfer_s"], **{
                 "tandem.bytes": f.get("bytes"), "tandem.pages": f.get("pages"),
@@ -173,6 +176,7 @@ class PrefillWorker(RoleWorker):
             h.fail(str(e))
             return out.fail(f"prefill of {rid} on {self.name} refused: {e}")
         out.f["prefill_s"] = time.monotonic() - t0
+        out.queue_s = last.queue_s
         if last.finish_reason == "abort":  # aborted or failed inside the engine: KV already freed
             h.fail(last.error or "aborted", aborted=bool(job.aborted))
             if job.aborted:
@@ -297,3 +301,7 @@ class PrefillWorker(RoleWorker):
         finally:
             if self.kv_publisher is not None:   # (the L3 tier: the engine's shutdown closes it)
                 self.kv_publisher.close()
+
+
+def _less(total: float | None, part: float | None) -> float | None:
+    return None if total is None else total - (part or 0.0)

@@ -109,6 +109,7 @@ def test_one_trace_spans_router_prefill_and_decode(cluster, receiver):
     p = prefill["attrs"]
     assert p["tandem.prompt_tokens"] == r.usage.prompt_tokens
     assert p["tandem.cached_tokens"] + p["tandem.computed_tokens"] == r.usage.prompt_tokens
+    assert p["tandem.queue_s"] >= 0 and p["tandem.compute_s"] > 0      # the queue wait and the compute apart
     assert xfer["parent"] == prefill["id"]
     assert xfer["attrs"]["tandem.bytes"] > 0 and xfer["attrs"]["tandem.pages"] >= r.usage.prompt_tokens // 16
     assert decode["attrs"]["tandem.tokens"] == r.usage.completion_tokens
