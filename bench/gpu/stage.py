@@ -34,7 +34,7 @@ MANIFEST = "MANIFEST.json"
 CHUNK = "chunk"
 LIMIT_MIB = 45          # a part's chunk: with the working tree beside it, under one call's 64 MiB (as the GGUF halves)
 
-# What the GPU machine's image already has (../shared/gpu/README.md): torch and its dependencies,
+# What the GPU machine's image already has (as read off the H200 run of 674cf90): torch and its dependencies,
 # triton, transformers and its own, numpy, pyyaml, jinja2, tokenizers, safetensors, msgpack,
 # pytest. nixl-cu12: the image is CUDA 13 (nixl picks nixl-cu13).
 IMAGE_HAS = frozenset({
