@@ -17,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from support.autoscale import open_loop, serve_config  # noqa: E402
+from tandem.loadtest.autoscale import open_loop, serve_config  # noqa: E402
 from tandem.cluster.raynodes import RayNodes, fake_cluster_config, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)

@@ -1,7 +1,7 @@
-"""The autoscaling scenario tests/cluster/test_autoscale.py asserts (bench/autoscale.py measures
-a longer one with its own copy; both take Ray's fake multi-node cluster from cluster/raynodes.py
-``fake_cluster_config``): the sim workers' serving config and an open-loop load of distinct long
-prompts."""
+"""The autoscaling scenario, shared by tests/cluster/test_autoscale.py (which asserts a short one)
+and bench/autoscale.py (which measures a longer one); both take Ray's fake multi-node cluster from
+cluster/raynodes.py ``fake_cluster_config``: the sim workers' serving config and an open-loop load
+of distinct long prompts."""
 
 from __future__ import annotations
 
