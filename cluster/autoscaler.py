@@ -170,7 +170,7 @@ class Autoscaler:
         w = self.pool.get(v.worker_id)
         if w is None:
             return
-        w.handle.drain.remote()
+        w.api.drain()
         w.retiring = True
         self._draining[w.wid] = (w, time.monotonic())
         if role == DECODE and self.mover is not None:

@@ -287,7 +287,7 @@ class RayClusterBackend(ClusterObservability):
             if not rerouted:
                 self.dispatch.release(r)
             if not finished:  # the caller went away: stop the request on its decode worker
-                legs.worker.handle.abort.remote(req.rid, "client went away")
+                legs.worker.api.abort(req.rid, "client went away")
                 try:
                     ray.cancel(legs.gen)
                 except Exception:  # already finished or the worker is gone
@@ -323,7 +323,7 @@ class RayClusterBackend(ClusterObservability):
         import ray
 
         d.stale.add(rid)
-        d.handle.abort.remote(rid, "moved to another worker: this attempt stopped making progress")
+        d.api.abort(rid, "moved to another worker: this attempt stopped making progress")
         try:
             ray.cancel(gen)
         except Exception:  # noqa: BLE001 - already ended
@@ -369,7 +369,7 @@ class RayClusterBackend(ClusterObservability):
         if d is None or not d.alive:
             return
         try:
-            await d.handle.abort.remote(rid, "aborted by the client")
+            await d.api.abort(rid, "aborted by the client")
         except Exception as e:  # a dead worker has nothing left to abort
             log.info("abort of %s on %s: %s", rid, d.name, e)
 

@@ -194,7 +194,7 @@ class Launcher:
         import ray
 
         try:
-            infos = ray.get([w.handle.info.remote() for w in workers], timeout=timeout)
+            infos = ray.get([w.api.info() for w in workers], timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             raise TandemError(f"a worker failed to start: {e.cause if hasattr(e, 'cause') else e}") from None
         for w, i in zip(workers, infos):
@@ -206,7 +206,7 @@ class Launcher:
         others are still loading, or dead)."""
         import ray
 
-        refs = {w.handle.info.remote(): w for w in workers}
+        refs = {w.api.info(): w for w in workers}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         out = []
         for r in ready:
@@ -223,16 +223,16 @@ class Launcher:
         Idempotent: a worker keeps a peer it already knows."""
         import ray
 
-        hp, hd = ray.get([p.handle.handshake.remote(), d.handle.handshake.remote()], timeout=PAIR_TIMEOUT_S)
-        ray.get([p.handle.add_peer.remote(hd), d.handle.add_prefill.remote(hp, p.handle)],
+        hp, hd = ray.get([p.api.handshake(), d.api.handshake()], timeout=PAIR_TIMEOUT_S)
+        ray.get([p.prefill_api.add_peer(hd), d.decode_api.add_prefill(hp, p.handle)],
                 timeout=PAIR_TIMEOUT_S)
 
     def pair_decodes(self, a: WorkerRef, b: WorkerRef) -> None:
         """Two decode workers learn each other: a migrated request's KV moves between them."""
         import ray
 
-        ha, hb = ray.get([a.handle.handshake.remote(), b.handle.handshake.remote()], timeout=PAIR_TIMEOUT_S)
-        ray.get([a.handle.add_decode.remote(hb, b.handle), b.handle.add_decode.remote(ha, a.handle)],
+        ha, hb = ray.get([a.api.handshake(), b.api.handshake()], timeout=PAIR_TIMEOUT_S)
+        ray.get([a.decode_api.add_decode(hb, b.handle), b.decode_api.add_decode(ha, a.handle)],
                 timeout=PAIR_TIMEOUT_S)
 
     def pair_missing(self, prefills: list[tuple[WorkerRef, dict]], decodes: list[tuple[WorkerRef, dict]]) -> int:

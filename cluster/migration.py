@@ -61,7 +61,7 @@ class Migrator:
 
     def open(self, req: GenerateRequest, r: Route, d: WorkerRef, prefill: str | None) -> Legs:
         """Start ``req``'s first leg on decode worker ``d`` (``prefill``: its prefill worker's name)."""
-        gen = d.handle.generate.options(num_returns="streaming").remote(req.to_wire(), prefill, self.router_id)
+        gen = d.decode_api.generate(req.to_wire(), prefill, self.router_id)
         self._inflight[req.rid] = d
         legs = self.streams[req.rid] = Legs(self, req, r, d, gen)
         return legs
@@ -75,7 +75,7 @@ class Migrator:
         m = self.moves.get(rid)
         if m is not None and m.phase in (Phase.FROZEN, Phase.COPYING):
             if m.source.alive:
-                m.source.handle.release_frozen.remote(rid)
+                m.source.decode_api.release_frozen(rid)
             self.end(m, Phase.ABORTED)
 
     def target(self, exclude: set[int]) -> WorkerRef | None:
@@ -121,7 +121,7 @@ class Migrator:
                 await self._precopy(m)
             if self._inflight.get(rid) is not d:
                 raise ValueError(f"request {rid} ended or moved during its pre-copy")
-            await d.handle.freeze.remote(rid)
+            await d.decode_api.freeze(rid)
         except Exception as e:
             import ray
 
@@ -183,7 +183,7 @@ class Migrator:
         warm = GenerateRequest(f"{m.rid}~{tag}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
                                session_id=req.session_id, tenant=req.tenant, cache_salt=req.cache_salt,
                                trace=req.trace)
-        gen = m.target.handle.generate.options(num_returns="streaming").remote(
+        gen = m.target.decode_api.generate(
             warm.to_wire(), p.name if p is not None and p.alive else None, self.router_id)
 
         async def consume() -> StreamChunk | None:
@@ -227,7 +227,7 @@ class Migrator:
         m.target = t or source
         m.to(Phase.COPYING)
         if t is None:   # no peer left: it resumes where it was, from its own cache
-            await source.handle.release_frozen.remote(rid)
+            await source.decode_api.release_frozen(rid)
             return self._start(legs, source, sent, None), source
         return self._start(legs, t, sent, source.name), t
 
@@ -235,7 +235,7 @@ class Migrator:
         """``m``'s target failed before its first chunk: back to its source, whose frozen KV goes
         to its cache first (a full prefix hit). (stream, worker)."""
         self.counts["fallbacks"] += 1
-        await m.source.handle.release_frozen.remote(m.rid)
+        await m.source.decode_api.release_frozen(m.rid)
         out = self._start(legs, m.source, sent, None), m.source
         self.end(m, Phase.FELL_BACK)
         return out
@@ -290,7 +290,7 @@ class Migrator:
         self.dispatch.move(legs.route, t.wid)
         self._inflight[legs.req.rid] = t
         wire = dataclasses.replace(legs.req, resume=sent).to_wire()
-        return t.handle.generate.options(num_returns="streaming").remote(wire, source_name, self.router_id)
+        return t.decode_api.generate(wire, source_name, self.router_id)
 
     async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict:
         """Take ``name`` out of rotation and move its live requests away; ``stop``: then stop it.
@@ -300,7 +300,7 @@ class Migrator:
         w = self.pool.named(name)
         if w is None or w.role != DECODE:
             raise LookupError(f"no decode worker named {name!r}")
-        await w.handle.drain.remote()
+        await w.api.drain()
         moved, failed, end = [], {}, time.monotonic() + timeout_s
         while time.monotonic() < end:
             left = [mv.rid for mv in plan_drain(w.wid, [(rid, d.wid) for rid, d in list(self._inflight.items())],
@@ -337,7 +337,7 @@ class Migrator:
         w = self.pool.named(name)
         if w is None or w.role != DECODE or not w.alive:
             raise LookupError(f"no live decode worker named {name!r}")
-        await w.handle.undrain.remote()
+        await w.api.undrain()
         w.retiring = False
         return {"worker": name, "draining": False}
 

@@ -70,7 +70,7 @@ class ClusterObservability:
         if not w.alive:
             return False
         try:
-            await asyncio.wait_for(w.handle.ping.remote(), timeout)
+            await asyncio.wait_for(w.api.ping(), timeout)
             return True
         except asyncio.TimeoutError:
             return False   # busy or hung: reported, not declared dead
@@ -82,7 +82,7 @@ class ClusterObservability:
     def metrics_text(self) -> bytes:
         import ray
 
-        refs = {w.name: w.handle.metrics_text.remote() for w in self._answering()}
+        refs = {w.name: w.api.metrics_text() for w in self._answering()}
         texts = {}
         for name, ref in refs.items():
             try:
@@ -103,7 +103,7 @@ class ClusterObservability:
     async def stats(self) -> dict[str, dict]:
         """Every answering worker's ``stats()`` (pool accounting, counters), by worker name."""
         live = self._answering()
-        out = await self._gather(w.handle.stats.remote() for w in live)
+        out = await self._gather(w.api.stats() for w in live)
         return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
 
     def in_flight(self) -> list[dict]:
@@ -121,7 +121,7 @@ class ClusterObservability:
     async def debug_kv(self) -> list[dict]:
         """Every answering worker's KV accounting and invariant verdict (GET /debug/kv)."""
         live = self._answering()
-        out = await self._gather(w.handle.debug_kv.remote() for w in live)
+        out = await self._gather(w.api.debug_kv() for w in live)
         return [s if not isinstance(s, BaseException) else
                 {"worker": w.name, "role": w.role, "error": f"{type(s).__name__}: {str(s)[:300]}"}
                 for w, s in zip(live, out)]

@@ -161,9 +161,9 @@ class Supervisor:
         try:
             for w in live:
                 if w not in self._pings:
-                    self._pings[w] = w.handle.progress.remote(self.router_id)
+                    self._pings[w] = w.api.progress(self.router_id)
                 if w not in self._stats:
-                    self._stats[w] = w.handle.stats.remote()
+                    self._stats[w] = w.api.stats()
             refs = [self._pings[w] for w in live] + [self._stats[w] for w in live]
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=PROBE_WAIT_S)[0]) if refs else set()
         except BaseException:  # noqa: BLE001 - Ray shut down under us
@@ -234,7 +234,7 @@ class Supervisor:
 
         stale = sorted(w.stale)
         try:
-            ray.get([w.handle.abort.remote(rid, "moved to another worker while this one made no progress")
+            ray.get([w.api.abort(rid, "moved to another worker while this one made no progress")
                      for rid in stale], timeout=PING_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - stuck again, or dead: the next round judges it
             log.info("aborting stale requests on %s: %s", w.name, e)
@@ -299,10 +299,10 @@ class Supervisor:
         import ray
 
         peers = self.pool.alive(DECODE if w.role == PREFILL else PREFILL)
-        calls = [(p.handle.remove_prefill if w.role == PREFILL else p.handle.remove_peer).remote(w.name)
+        calls = [p.decode_api.remove_prefill(w.name) if w.role == PREFILL else p.prefill_api.remove_peer(w.name)
                  for p in peers]
         if w.role == DECODE:
-            calls += [d.handle.remove_decode.remote(w.name) for d in self.pool.alive(DECODE) if d is not w]
+            calls += [d.decode_api.remove_decode(w.name) for d in self.pool.alive(DECODE) if d is not w]
         try:
             ray.get(calls, timeout=FORGET_TIMEOUT_S)
         except Exception as e:  # a peer died too: the monitor finds it

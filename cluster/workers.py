@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tandem.cluster.clients import DecodeClient, PrefillClient, RoleClient
+
 _worker_ids = itertools.count()
 
 PREFILL, DECODE = "prefill", "decode"
@@ -48,6 +50,26 @@ class WorkerRef:
     stale: set = field(default_factory=set)   # rids moved off it while suspect: aborted when it is back
     writing: dict = field(default_factory=dict)   # prefill: rid -> seconds its KV write has waited
     wid: int = field(default_factory=lambda: next(_worker_ids))   # the dispatcher's worker id
+
+    @property
+    def api(self) -> RoleClient:
+        """The verbs every worker answers."""
+        return RoleClient(self.handle)
+
+    @property
+    def prefill_api(self) -> PrefillClient:
+        """A prefill worker's verbs; ValueError for a decode worker."""
+        return PrefillClient(self._as(PREFILL))
+
+    @property
+    def decode_api(self) -> DecodeClient:
+        """A decode worker's verbs; ValueError for a prefill worker."""
+        return DecodeClient(self._as(DECODE))
+
+    def _as(self, role: str):
+        if self.role != role:
+            raise ValueError(f"{self.name} is a {self.role} worker, not a {role} worker")
+        return self.handle
 
 
 class WorkerPool:

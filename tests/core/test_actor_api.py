@@ -1,14 +1,19 @@
 """The actor Protocols (core/actors.py, prefill/api.py, decode/api.py) against every actor that
 claims them: the Ray actors and the simulated ones. A method the Protocol names must exist with
-the Protocol's parameters, in order (extra parameters must have defaults)."""
+the Protocol's parameters, in order (extra parameters must have defaults). The driver's typed
+clients (cluster/clients.py) have exactly the Protocols' methods, and no other product module
+calls one of those methods on an actor handle (``h.<verb>.remote(...)``) or looks it up by name."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 from typing import Protocol
 
 import pytest
 
+from tandem.cluster.clients import DecodeClient, PrefillClient, RoleClient
 from tandem.core.actors import KVSource, RoleAPI
 from tandem.decode.actor import DecodeActor
 from tandem.decode.api import DecodeAPI
@@ -58,3 +63,54 @@ def test_the_protocols_name_what_cluster_calls():
     assert {"freeze", "release_frozen", "generate", "add_decode"} <= set(_members(DecodeAPI))
     assert {"write_kv", "drop_kv"} == set(_members(KVSource))
     assert set(_members(RoleAPI)) <= set(_members(PrefillAPI)) & set(_members(DecodeAPI))
+
+
+CLIENTS = [(RoleClient, RoleAPI), (PrefillClient, PrefillAPI), (DecodeClient, DecodeAPI)]
+
+
+@pytest.mark.parametrize("client,proto", CLIENTS, ids=lambda x: getattr(x, "__name__", ""))
+def test_each_client_has_exactly_its_protocols_methods(client, proto):
+    want = _members(proto)
+    got = {n: inspect.signature(f) for n, f in inspect.getmembers(client, inspect.isfunction)
+           if not n.startswith("_")}
+    assert set(got) == set(want), f"{client.__name__}: extra {set(got) - set(want)}, missing {set(want) - set(got)}"
+    bad = [n for n in want if list(got[n].parameters) != list(want[n].parameters)]
+    assert not bad, f"{client.__name__}: parameters differ from {proto.__name__} in {bad}"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+VERBS = set().union(*(_members(p) for p in (PrefillAPI, DecodeAPI, KVSource)))
+# where an actor method may be named: the driver's clients, and decode's KVSource client
+NAMED_IN = {"cluster/clients.py": VERBS, "decode/actor.py": set(_members(KVSource))}
+
+
+def _actor_verb(call: ast.Call) -> str | None:
+    """``h.<verb>.remote(...)`` / ``h.<verb>.options(...).remote(...)`` / ``getattr(h, "<verb>")``."""
+    f = call.func
+    if isinstance(f, ast.Name) and f.id == "getattr" and len(call.args) >= 2:
+        arg = call.args[1]
+        return arg.value if isinstance(arg, ast.Constant) and arg.value in VERBS else None
+    if not (isinstance(f, ast.Attribute) and f.attr == "remote"):
+        return None
+    target = f.value
+    if isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and target.func.attr == "options":
+        target = target.func.value
+    return target.attr if isinstance(target, ast.Attribute) and target.attr in VERBS else None
+
+
+def test_actor_methods_are_named_only_by_their_clients():
+    bad = []
+    for pkg in ("cluster", "router", "prefill", "decode", "worker", "sim", "loadtest", "tandem"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(f.relative_to(ROOT))
+            for node in ast.walk(ast.parse(f.read_text())):
+                verb = _actor_verb(node) if isinstance(node, ast.Call) else None
+                if verb is not None and verb not in NAMED_IN.get(rel, set()):
+                    bad.append(f"{rel}:{node.lineno} calls {verb!r} on an actor")
+    assert not bad, "use cluster/clients.py's typed clients:\n" + "\n".join(bad)
+
+
+def test_the_check_sees_a_string_call():
+    tree = ast.parse("h.freeze.remote(rid); h.generate.options(num_returns=1).remote(w); getattr(h, 'stats')")
+    assert [_actor_verb(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and _actor_verb(n)] == \
+        ["freeze", "generate", "stats"]
