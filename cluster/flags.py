@@ -156,7 +156,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--max-decode", "planner.max_decode", "the planner's most decode workers"),
 )
 
-# ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers it all).
+# ServeConfig fields set only through ``--config`` YAML (dotted paths; a section name covers its
+# fields that have no Flag).
 YAML_ONLY: frozenset[str] = frozenset({
     "isolate_tenants",
     "admission_max_queue", "admission_max_pending_s", "dispatch_prefer_sessions", "kv_events", "max_body_bytes", "l3_timeout_s",
@@ -165,9 +166,7 @@ YAML_ONLY: frozenset[str] = frozenset({
     "engine_config.hybrid", "engine_config.transfer",
     "planner.percentile", "planner.window_s", "planner.period_s", "planner.queue_per_prefill",
     "planner.scale_down_fraction", "planner.scale_down_after_s", "planner.drain_timeout_s",
-    "responses", "migration.period_s", "migration.high", "migration.low", "migration.spread",
-    "migration.precopy", "migration.precopy_min_tokens", "migration.precopy_timeout_s",
-    "migration.precopy_generated", "migration.precopy_again_pages",
+    "responses", "migration",
 })
 
 

@@ -12,29 +12,54 @@ recomputes, or the move was given up) or the expiry (two transfer timeouts: its 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.state import TransferState
 
 
+class FrozenRequests:
+    """The requests frozen on this worker and not yet being copied (the router's FROZEN,
+    cluster/moves.py), each with its expiry: ``expire(rid)`` runs ``ttl_s`` after :meth:`hold`
+    unless :meth:`end` came first. Event-loop only."""
+
+    def __init__(self, expire: Callable[[str], None], ttl_s: float):
+        self._expire, self.ttl_s = expire, ttl_s
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    def hold(self, rid: str) -> None:
+        self.end(rid)
+        self._timers[rid] = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, rid)
+
+    def end(self, rid: str) -> bool:
+        """``rid``'s expiry is off (copied, or released); whether it was held."""
+        timer = self._timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
+        return timer is not None
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._timers
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+
 class MigrationSource:
-    _frozen: dict[str, asyncio.TimerHandle]   # the router's FROZEN / COPYING (cluster/moves.py): KV held, its expiry
+    frozen: FrozenRequests   # the worker's: ``FrozenRequests(self.release_frozen, 2 * transfer_timeout_s)``
 
     async def freeze(self, rid: str) -> None:
         """End decoding ``rid`` here (its stream's last chunk says "migrated") and hold its KV for
         :meth:`migrate_out`; ValueError, changing nothing, when it is not decoding here. A frozen
-        request nobody copies within two transfer timeouts (its router died) goes to the cache."""
+        request nobody copies within ``frozen.ttl_s`` (its router died) goes to the cache."""
         await self.handle.migrate(rid)
-        self._frozen[rid] = asyncio.get_running_loop().call_later(
-            2 * self.transfer_timeout_s, self.release_frozen, rid)
+        self.frozen.hold(rid)
 
     def release_frozen(self, rid: str) -> None:
         """A frozen request whose KV will not be copied from here (the new worker recomputes it,
         or the move was given up): its KV goes to this worker's cache. A no-op if none is held."""
-        timer = self._frozen.pop(rid, None)
-        if timer is not None:
-            timer.cancel()
+        self.frozen.end(rid)
         self.handle.release_held(rid)
 
     async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
@@ -43,9 +68,7 @@ class MigrationSource:
         ``xfer``'s pages, then release it to this worker's cache. Returns, like a prefill, only
         when no write is in flight (except ``in_flight=True``); ``first_token`` is None."""
         rid, req = req_wire["rid"], KVTransferRequest.decode(xfer)
-        timer = self._frozen.pop(rid, None)   # being copied: no expiry from here on
-        if timer is not None:
-            timer.cancel()
+        self.frozen.end(rid)   # being copied: no expiry from here on
         h = self.handoffs[rid] = Handoff(rid, req.transfer_id, TransferState.BOOTSTRAPPED)
 
         def answer(status: TransferState, error: str = "", **f) -> PrefillResult:

@@ -44,7 +44,7 @@ from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
 from tandem.decode.connector import DecodeConnector, DecodeHandle, Reservation
 from tandem.decode.groups import GroupGates
 from tandem.decode.local_prefill import PrefillCosts, SentPrefixes, choose_local
-from tandem.decode.migration import MigrationSource
+from tandem.decode.migration import FrozenRequests, MigrationSource
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.state import TransferState
@@ -135,7 +135,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self.kv_digest = kv_digest
         self.debug_corrupt_kv = debug_corrupt_kv
         self._jobs: dict[str, _Job] = {}
-        self._frozen: dict[str, asyncio.TimerHandle] = {}   # migrated away, KV held: its expiry
+        self.frozen = FrozenRequests(self.release_frozen, 2 * transfer_timeout_s)
         self._pump: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,

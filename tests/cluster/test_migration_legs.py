@@ -4,18 +4,22 @@ tandem_decode_migrations_total."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 from prometheus_client import REGISTRY
 
+from tandem.cluster import migration
 from tandem.cluster.migration import Migrator
 from tandem.cluster.moves import Phase
 from tandem.cluster.workers import DECODE, WorkerRef
 from tandem.core.config import MigrationConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams, StreamChunk
-from tandem.router.rebalance import MoveReason
+from tandem.router import rebalance
+from tandem.router.rebalance import MoveReason, MoveRequest
 
 
 class _Actor:
@@ -54,7 +58,8 @@ def _cluster(cfg: MigrationConfig | None = None):
 def _streaming(rid: str, first=(5,)):
     """A cluster and ``rid``'s legs on decode-0, with ``first`` streamed to its client."""
     m, s, t, calls = _cluster()
-    legs = m.open(_req(rid), "route", s, None)
+    route = SimpleNamespace(decode=s.wid, decode_tokens=3, decode_open=True)
+    legs = m.open(_req(rid), route, s, None)
     legs.add(_chunk(rid, first))
     return m, s, t, calls, legs
 
@@ -151,3 +156,48 @@ def test_a_stuck_source_resumes_on_a_peer_which_recomputes():
         assert _count("prestop", "ok") == ok0 + 1 and m.counts["prestop"] == 1
 
     asyncio.run(run())
+
+
+# A new migration trigger touches two files (cluster/README.md): router/rebalance.py (its
+# MoveReason, its planner, in PERIODIC when it runs on the policy's clock) and core/config.py
+# (its MigrationConfig field). The two tests below hold the rest of the product to that.
+
+def test_a_planner_in_periodic_is_carried_out_and_counted_under_its_reason(monkeypatch):
+    def plan_every(decodes, running, cfg, exclude):   # a trigger written only where planners live
+        return [MoveRequest(rid, wid, None, MoveReason.PRESSURE) for rid, wid, _ in running]
+
+    monkeypatch.setattr(migration, "PERIODIC", (plan_every,))
+
+    async def run():
+        m, s, t, calls, legs = _streaming("r6")
+        assert await m.rebalance_once(MigrationConfig()) == ["r6"]
+        assert ("freeze", s.name, "r6") in calls and m.moves["r6"].reason is MoveReason.PRESSURE
+        assert m.counts["pressure"] == 1
+        await legs.next_leg(_chunk("r6", (), "migrated"))
+        ok0 = _count("pressure", "ok")
+        legs.add(_chunk("r6", (6,)))
+        assert _count("pressure", "ok") == ok0 + 1
+
+    asyncio.run(run())
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_only_the_planners_module_and_the_config_name_a_periodic_trigger():
+    """The periodic triggers' reasons, planners and thresholds are named in no other product file:
+    everything else (the Migrator, its counts, the metric's labels) is generic over MoveReason."""
+    attrs = {"PRESSURE", "REBALANCE", "high", "low", "spread"}   # MoveReason.X, cfg.x
+    names = {p.__name__ for p in rebalance.PERIODIC} | {"plan_moves"}
+    strings = {r.value for r in (MoveReason.PRESSURE, MoveReason.REBALANCE)}
+    home = {"router/rebalance.py", "core/config.py"}
+    bad = []
+    for pkg in ("cluster", "router", "core", "decode", "prefill", "sim", "worker"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(f.relative_to(ROOT))
+            for node in ast.walk(ast.parse(f.read_text())) if rel not in home else ():
+                if (isinstance(node, ast.Attribute) and node.attr in attrs
+                        or isinstance(node, ast.Name) and node.id in names
+                        or isinstance(node, ast.Constant) and node.value in strings):
+                    bad.append(f"{rel}:{node.lineno} names {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
