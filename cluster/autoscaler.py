@@ -1,25 +1,5 @@
-"""The planner's hands: sizes the prefill and decode worker groups from router/planner.py's plans.
-
-A thread wakes every ``PlannerConfig.period_s``:
-
-1. **Lease.** Only one router plans at a time: a detached named actor (``tandem-planner-lease``
-   in the workers' namespace) grants a lease of three periods to whoever asks while it is free
-   or theirs; a router that dies loses it when it expires.
-2. **Observe.** Workers in rotation per role (the dispatcher's: alive, not draining), the
-   TTFT and inter-token latency percentiles of this router's latency window (a sample of all
-   traffic when a load balancer spreads it over the routers), and the prefill queue depth the
-   workers themselves report (every router's traffic).
-3. **Plan** (router/planner.py), then **ask Ray**: ``ray.autoscaler.sdk.request_resources`` with
-   one ``{"prefill": 1}`` / ``{"decode": 1}`` bundle per wanted worker (KubeRay's worker groups,
-   or the fake multi-node provider, add or keep nodes for them; a lower request lets idle nodes go).
-4. **Scale up**: new workers (next free slot names) that ask for their role's resource, so they
-   wait for a node; the supervisor's discovery adopts each once it answers (paired, registered,
-   KV events followed): new workers join routing when healthy.
-5. **Scale down**: the worker of the role with the least in flight is drained (``drain()``: every
-   router stops sending it requests); once it runs nothing (or after ``drain_timeout_s``) it is
-   stopped and retired. Requests it held finish first.
-
-While workers are being added or drained the planner waits (``Observation.pending``).
+"""The planner's hands: sizes the prefill and decode worker groups from router/planner.py's plans
+(one leader router at a time, by a Ray lease; cluster/README.md).
 """
 
 from __future__ import annotations
@@ -37,8 +17,8 @@ from tandem.router.planner import Observation, Plan, Planner
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "tandem-planner-lease"
-SPAWN_TIMEOUT_S = 300.0          # a new worker that never gets a node is given up
-MIN_DRAIN_S = 2.5                # every router sees ``draining`` (one monitor period) before the stop
+SPAWN_TIMEOUT_S = 300.0
+MIN_DRAIN_S = 2.5
 
 
 def _lease_class():
@@ -73,7 +53,7 @@ class Autoscaler:
         self.me = uuid.uuid4().hex[:8]
         self.leader = False
         self.last: Plan | None = None
-        self.history: deque = deque(maxlen=64)        # (time, prefill, decode, reason)
+        self.history: deque = deque(maxlen=64)
         self._spawning: dict[str, tuple[WorkerRef, float]] = {}
         self._draining: dict[int, tuple[WorkerRef, float]] = {}
         self._stop = threading.Event()
@@ -91,7 +71,7 @@ class Autoscaler:
         if self._lease is not None and self.leader:
             try:
                 self._lease.release.remote(self.me)
-            except Exception:  # noqa: BLE001 - Ray is going down
+            except Exception:  # noqa: BLE001
                 pass
 
     def status(self) -> dict:
@@ -100,12 +80,11 @@ class Autoscaler:
                 "spawning": sorted(self._spawning), "draining": sorted(w.name for w, _ in self._draining.values()),
                 "history": [list(h) for h in self.history]}
 
-    # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.period_s):
             try:
                 self._round()
-            except BaseException as e:  # noqa: BLE001 - Ray shut down under us, or a transient error
+            except BaseException as e:  # noqa: BLE001
                 if self._stop.is_set():
                     return
                 log.warning("planner round failed: %s", e)
@@ -149,7 +128,7 @@ class Autoscaler:
             from ray.autoscaler.sdk import request_resources
 
             request_resources(bundles=[{PREFILL: 1}] * plan.prefill + [{DECODE: 1}] * plan.decode)
-        except Exception as e:  # noqa: BLE001 - no autoscaler on this cluster: nodes are fixed
+        except Exception as e:  # noqa: BLE001
             log.info("request_resources: %s", e)
 
     def _spawn(self, role: str) -> None:
@@ -197,7 +176,7 @@ class Autoscaler:
             if (idle and now - t0 >= MIN_DRAIN_S) or now - t0 > self.cfg.drain_timeout_s or not w.alive:
                 try:
                     ray.kill(w.handle, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
+                except Exception:  # noqa: BLE001
                     pass
                 self.supervisor.mark_dead(w, "drained by the planner")
                 del self._draining[wid]

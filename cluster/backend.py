@@ -1,30 +1,5 @@
-"""``RayClusterBackend``: the router's ServingBackend over Ray prefill and decode actors.
-
-Per request: the :class:`Dispatcher` (router/dispatch.py) admits it (or raises
-:class:`Overloaded`, the front door's 429), picks a prefill and a decode worker with
-``cfg.policy`` and charges them; the decode actor's streaming ``generate`` drives everything else
-(it asks the prefill actor for the KV). The backend only moves the request: it streams the
-chunks, tells the dispatcher when the first token is out (``prefill_done``), how the KV grows
-(``grow``) and when it ended (``release``). No live prefill worker: decode prefills locally
-(``tandem_decode_prefill_total{path="local"}``; /health says ``degraded``). A decode worker
-found dead before its first chunk costs one re-route (``Dispatcher.reroute``); a prefill worker
-that dies before its write is replaced by another one by the decode worker itself. A request may
-move between decode workers while it runs (live migration, cluster/migration.py): its stream is
-spliced across the legs.
-
-Admission goes through the deferred-dispatch queue (router/deferred.py): a burst waits up to
-``cfg.dispatch_queue_ttl_s`` in priority order before a 429.
-
-KV events (``cfg.kv_events``, default with the kv_events and session policies): prefill and
-decode workers publish their caches' events in vLLM's format; cluster/kv_feed.py replays and
-applies them to the dispatcher's exact block index. Health, relaunches and adopting workers other
-routers started are the :class:`Supervisor`'s (cluster/supervisor.py); with ``cfg.planner.enabled``
-the :class:`Autoscaler` (cluster/autoscaler.py) sizes the worker groups.
-
-Workers outlive this router when they are detached (``cfg.detached_workers``): ``close`` then
-leaves them running, and the next router (or the other replicas) keeps serving from them. Their
-Responses API store (``response_store``, cluster/responses.py) is a detached named actor beside
-them; a router's private workers leave the store to the router's memory (None here).
+"""``RayClusterBackend``: the router's ServingBackend over Ray prefill and decode actors
+(the dispatcher routes and admits; this backend streams; cluster/README.md).
 """
 
 from __future__ import annotations
@@ -53,8 +28,8 @@ from tandem.router.policies import L3_BLOCK_CREDIT, AdmissionLimits, PolicyConfi
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3      # a request's routes: the first and at most two re-routes (dead or stalled workers)
-STALL_POLL_S = 0.25   # how often a waiting stream looks at its workers' progress
+MAX_ATTEMPTS = 3
+STALL_POLL_S = 0.25
 
 
 class _DiedBeforeServing(Exception):
@@ -75,9 +50,8 @@ class _Stalled(Exception):
 
 
 class RayClusterBackend(ClusterObservability):
-    """ServingBackend over Ray actors. ``generate``/``abort``/``health`` run on the caller's
-    asyncio loop; ``metrics_text``/``close`` block (the front door calls metrics off the loop).
-    ``launcher``: cluster/launch.py's Launcher (creates and pairs the actors)."""
+    """ServingBackend over Ray actors. ``generate``/``abort``/``health`` run on the caller's loop;
+    ``metrics_text``/``close`` block."""
 
     def __init__(self, cfg: ServeConfig, launcher, tokenizer, *, started_ray: bool = False,
                  restart: bool = True):
@@ -89,8 +63,8 @@ class RayClusterBackend(ClusterObservability):
         self.max_context = 0
         self.vocab_size = 0
         self.pool = WorkerPool()
-        self.router_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"   # its workers' lease
-        cc = cfg.engine_config.cache   # the approximate prefix index holds at most a cache's worth
+        self.router_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        cc = cfg.engine_config.cache
         self.dispatch = Dispatcher(cfg.policy, PolicyConfig(kv_block_size=cc.page_size,
                                                             index_capacity=cc.max_total_tokens,
                                                             rendezvous=launcher.detached,
@@ -101,8 +75,8 @@ class RayClusterBackend(ClusterObservability):
         self.dispatch.latency.window_s = cfg.planner.window_s
         self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s,
                                       prefer_sessions=cfg.dispatch_prefer_sessions)
-        self.autoscaler = None     # cluster/autoscaler.py, with cfg.planner.enabled
-        self.feed = None      # KV events into the dispatcher's exact block index
+        self.autoscaler = None
+        self.feed = None
         if launcher.kv_events:
             from tandem.cluster.kv_feed import KVEventFeed
 
@@ -111,15 +85,15 @@ class RayClusterBackend(ClusterObservability):
                                      discover=launcher.detached or cfg.planner.enabled,
                                      progress_timeout_s=cfg.progress_timeout_s,
                                      progress_replace_s=cfg.progress_replace_s, router_id=self.router_id)
-        self._inflight: dict[str, WorkerRef] = {}   # worker-side rid -> its decode worker
-        self._streamed: dict[str, tuple[int, float]] = {}   # worker-side rid -> (tokens out, last one at)
-        self._alias: dict[str, str] = {}   # client rid -> its worker-side rid, once re-dispatched after a stall
+        self._inflight: dict[str, WorkerRef] = {}
+        self._streamed: dict[str, tuple[int, float]] = {}
+        self._alias: dict[str, str] = {}
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
                                  router_id=self.router_id, page_size=cc.page_size)
-        self._policy: asyncio.Task | None = None   # the migration policy's loop (cfg.migration)
-        self._tasks: set[asyncio.Task] = set()     # fire-and-forget work on the serving loop
-        self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, once it served
-        self.response_store = None   # cluster/responses.py's store actor, once started
+        self._policy: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.response_store = None
 
     @property
     def prefills(self) -> list[WorkerRef]:
@@ -137,7 +111,7 @@ class RayClusterBackend(ClusterObservability):
         self.vocab_size = int(info["vocab_size"])
         for w, i in zip(self.pool.everyone(), infos):
             self.supervisor.register(w, i)
-        if self.launcher.detached:   # shared by every router of these workers (else the router's own)
+        if self.launcher.detached:
             from tandem.cluster.responses import RayResponseStore
 
             self.response_store = RayResponseStore(self.cfg.responses, self.launcher.namespace)
@@ -149,19 +123,15 @@ class RayClusterBackend(ClusterObservability):
                                          self.supervisor, mover=self._migrate_off)
             self.autoscaler.start()
 
-    # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        """Route, then stream from the decode worker. A decode worker found dead before it sent
-        anything (killed, not yet noticed by the monitor), or a prefill worker found dead when the
-        request failed before its first token, costs one re-route without that worker (with no
-        prefill worker left, the decode worker prefills locally). A worker or transfer that stops
-        making progress before anything was streamed costs a re-dispatch from the prompt without
-        it, under a new worker-side id (the stuck attempt's cleanup can never touch the new one)."""
-        self._loop = asyncio.get_running_loop()   # the planner's scale-down migrates on it
-        if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):   # on the serving loop
+        """Route, then stream from the decode worker. A worker found dead before anything was sent costs
+        one re-route without it; one that stops making progress before anything was streamed, a
+        re-dispatch from the prompt under a new worker-side id."""
+        self._loop = asyncio.get_running_loop()
+        if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         t_route = time.time()
-        r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
+        r = await self.queue.route(req)
         if req.trace:
             self._trace_route(req, r, t_route)
         client_rid, excluded, died = req.rid, set(), False
@@ -203,13 +173,9 @@ class RayClusterBackend(ClusterObservability):
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, retry: bool,
                        redispatch: bool = False) -> AsyncIterator[StreamChunk]:
-        """Stream ``req`` from decode worker ``d``, and from each worker it migrates to (its legs,
-        spliced: cluster/legs.py gives the next one). With ``retry``, a worker found dead before
-        anything reached the client raises :class:`_DiedBeforeServing` (the route is kept, for
-        ``generate`` to re-route without that worker). A worker that stops making progress
-        (:meth:`_next_or_stall`): with text streamed, the request resumes on a decode peer (its
-        KV recomputed there: "prestop"); with nothing streamed and ``redispatch``, it raises
-        :class:`_Stalled` for ``generate`` to re-dispatch; else the stream ends with an error."""
+        """Stream ``req`` from ``d`` and each worker it migrates to. ``retry``: a worker dead before
+        anything reached the client raises :class:`_DiedBeforeServing`; a stalled worker: resumed on a
+        peer when text was streamed, else :class:`_Stalled` (``redispatch``) or an error chunk."""
         import ray
 
         p = self.pool.get(r.prefill)
@@ -222,40 +188,40 @@ class RayClusterBackend(ClusterObservability):
                     try:
                         c = await self._next_or_stall(legs.gen, req.rid, legs.worker, p if first else None)
                     except ray.exceptions.RayActorError:
-                        c = legs.target_died()   # mid-migration: an empty abort, for next_leg
+                        c = legs.target_died()
                         if c is None:
                             raise
                     except _Stalled as e:
                         self._leave_stuck(req.rid, legs.worker, legs.gen)
-                        if e.what == "decode" and legs.ids and legs.prestop():   # text streamed: a peer
+                        if e.what == "decode" and legs.ids and legs.prestop():
                             log.warning("%s; %s resumes on %s", e, req.rid, legs.worker.name)
                             rm.STALL_REDISPATCHES.labels(e.what, "resume").inc()
                             continue
                         if not legs.ids and redispatch:
-                            finished = rerouted = True   # the caller re-dispatches from the prompt
+                            finished = rerouted = True
                             raise
                         rm.STALL_REDISPATCHES.labels(e.what, "failed").inc()
                         err = f"{e.worker.role} worker {e.worker.name} stopped making progress"
                         break
                     if c is None:
                         break
-                    if await legs.next_leg(c):   # the leg ended: the request moved, or falls back
+                    if await legs.next_leg(c):
                         continue
                     legs.add(c)
                     if c.token_ids:
                         self._streamed[req.rid] = (len(legs.ids), legs.last_token_at)
                     finished, lead = c.finish_reason is not None, first
                     if first:
-                        self.dispatch.prefill_done(r)      # past its first token: prefill is done
+                        self.dispatch.prefill_done(r)
                     first = False
                     self.dispatch.grow(r, len(c.token_ids))
                     if finished and c.error and p is not None:
-                        if lead and c.prefill_died:       # the decode worker saw it die: believe it
+                        if lead and c.prefill_died:
                             self.supervisor.mark_dead(p, "died (its decode peer's call failed)")
                         else:
-                            await self._ping(p, timeout=1.0)   # a dead prefill leaves rotation now
+                            await self._ping(p, timeout=1.0)
                         if lead and retry and not p.alive and not c.token_ids:
-                            rerouted = True   # nothing reached the client: route again without it
+                            rerouted = True
                             raise _DiedBeforeServing(p)
                     if finished:
                         c = dataclasses.replace(c, worker=legs.worker.name)
@@ -264,7 +230,7 @@ class RayClusterBackend(ClusterObservability):
                     if finished:
                         return
                     mv = legs.planned(c)
-                    if mv is not None:   # the chaos lever: move it now, without holding the stream
+                    if mv is not None:
                         self._spawn(self.migrator.try_move(mv))
                 if not err:
                     err = f"decode worker {legs.worker.name} ended the stream without a finish reason"
@@ -276,28 +242,26 @@ class RayClusterBackend(ClusterObservability):
             except ray.exceptions.RayActorError as e:
                 self.supervisor.mark_dead(legs.worker, f"died: {type(e).__name__}")
                 if first and retry:
-                    finished = rerouted = True   # nothing to abort: the caller re-routes
+                    finished = rerouted = True
                     raise _DiedBeforeServing(legs.worker) from None
                 err = f"decode worker {legs.worker.name} died during the request"
             finished = True
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             self._streamed.pop(req.rid, None)
-            legs.close()   # gone mid-move: the source's held KV is freed too
+            legs.close()
             if not rerouted:
                 self.dispatch.release(r)
-            if not finished:  # the caller went away: stop the request on its decode worker
+            if not finished:
                 legs.worker.api.abort(req.rid, "client went away")
                 try:
                     ray.cancel(legs.gen)
-                except Exception:  # already finished or the worker is gone
+                except Exception:
                     pass
 
     async def _next_or_stall(self, gen, rid: str, d: WorkerRef, p: WorkerRef | None) -> StreamChunk | None:
-        """The next chunk of ``gen`` (None when it ended), or :class:`_Stalled` once decode worker
-        ``d`` is suspect, or (``p``: the first token is still due) prefill worker ``p`` is, or
-        ``p`` has held the request's KV write for ``progress_timeout_s`` without posting or
-        finishing it (its ``stats()["writing"]``)."""
+        """The next chunk of ``gen`` (None at its end), or :class:`_Stalled` once ``d``, or ``p`` while the
+        first token is due, is suspect or has held the KV write for ``progress_timeout_s``."""
         nxt = asyncio.ensure_future(self._next_chunk(gen))
         limit = self.cfg.progress_timeout_s
         try:
@@ -316,17 +280,14 @@ class RayClusterBackend(ClusterObservability):
                 nxt.cancel()
 
     def _leave_stuck(self, rid: str, d: WorkerRef, gen) -> None:
-        """``rid`` leaves decode worker ``d`` (stuck, or waiting on a stuck peer): its stream
-        there is cancelled and an abort sent (it runs when ``d`` answers again: the attempt's
-        pages are freed there, or kept until a stuck write into them provably ended); the
-        supervisor aborts it there again when ``d`` rejoins."""
+        """``rid`` leaves stuck decode worker ``d``: its stream is cancelled and an abort sent there."""
         import ray
 
         d.stale.add(rid)
         d.api.abort(rid, "moved to another worker: this attempt stopped making progress")
         try:
             ray.cancel(gen)
-        except Exception:  # noqa: BLE001 - already ended
+        except Exception:  # noqa: BLE001
             pass
 
     def _migrate_off(self, w: WorkerRef) -> None:
@@ -370,7 +331,7 @@ class RayClusterBackend(ClusterObservability):
             return
         try:
             await d.api.abort(rid, "aborted by the client")
-        except Exception as e:  # a dead worker has nothing left to abort
+        except Exception as e:
             log.info("abort of %s on %s: %s", rid, d.name, e)
 
     def close(self) -> None:

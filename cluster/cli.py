@@ -1,14 +1,5 @@
-"""The cluster's side of the ``tandem`` command line: ``generate`` and ``serve``, the parser frame
-and its error handling. The ``tandem`` entry point is tandem/cli.py, which adds the other commands
-(``bench``, ``chaos``: loadtest/; ``simulate``: sim/replay/) through ``build_parser(commands)``:
-cluster/ never imports them.
-
-    tandem generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model M] [--json]
-    tandem serve [--config FILE] [flags]          (OpenAI-compatible HTTP server)
-
-The model, engine and serve flags are generated from the config fields (cluster/flags.py).
-Errors a user can cause (bad flags, a missing model file, a prompt that does not fit) print one
-line to stderr and exit with status 2; nothing prints a traceback for them.
+"""The cluster's ``tandem`` commands, ``generate`` and ``serve``, and the parser frame. A user's error
+(bad flag, missing model file, prompt too long) prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -103,7 +94,7 @@ def main(argv: list[str] | None = None, commands: Sequence[Callable] = ()) -> in
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (TandemError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+    except (TandemError, ValueError) as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,9 +1,7 @@
-"""Typed clients of the worker actors: the one place the driver names a worker's Ray methods.
+"""Typed clients of the worker actors: the only module naming a worker's Ray methods.
 
-Each method has its Protocol's name and parameters (core/actors.py ``RoleAPI``, prefill/api.py
-``PrefillAPI``, decode/api.py ``DecodeAPI``) and returns the call's ObjectRef: ``await`` it on an
-event loop, ``ray.get`` it on a thread. tests/core/test_actor_api.py holds the clients, the Ray
-actors and the simulated actors to the Protocols, and this module to being the only caller.
+Each method has its Protocol's name and parameters (core/actors.py, prefill/api.py,
+decode/api.py) and returns the call's ObjectRef (``await`` it, or ``ray.get`` it on a thread).
 """
 
 from __future__ import annotations

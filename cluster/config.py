@@ -1,9 +1,4 @@
-"""Loads ServeConfig from ``--config FILE`` (YAML) and lets command-line flags override it, and
-picks the bare ``tandem serve``'s mode for the machine (:func:`choose_mode`).
-
-This is the one place configuration is read; everything downstream receives validated models.
-The flags themselves, and how a given one lands on its field, are cluster/flags.py's.
-"""
+"""The one place configuration is read: ServeConfig from ``--config`` YAML with the given flags on top."""
 
 from __future__ import annotations
 
@@ -40,7 +35,7 @@ def serve_config_from_args(args) -> ServeConfig:
     return override(load_serve_config(args.config), serve_overrides(args))
 
 
-AUTO_COLOCATED_MAX_CORES = 4    # the bare command serves colocated on this many usable cores or fewer
+AUTO_COLOCATED_MAX_CORES = 4
 
 
 def usable_cores() -> int:
@@ -53,13 +48,9 @@ def usable_cores() -> int:
 
 def choose_mode(cfg: ServeConfig, args, cores: int | None = None,
                 cuda: bool | None = None) -> tuple[ServeConfig, str | None]:
-    """The mode of a bare ``tandem serve`` (``make serve``): with no ``--config``, ``--mode``,
-    ``--prefill``, ``--decode`` or ``--device cuda``, the real engine, no CUDA GPU and at most
-    :data:`AUTO_COLOCATED_MAX_CORES` usable cores, one colocated worker (on a few cores the two
-    workers of a split cluster and the router contend for them: docs/PERFORMANCE.md, "Serving on
-    the CPU"); anything the user wrote is taken as written. Returns the config and the startup
-    line's reason when the mode was chosen here (None otherwise). ``cores`` / ``cuda``: the
-    machine's, unless a test says."""
+    """The mode of a bare ``tandem serve``: colocated on the real engine with no CUDA GPU and at most
+    :data:`AUTO_COLOCATED_MAX_CORES` cores, when the user chose nothing; else as written. Returns the
+    config and the reason when chosen here (else None)."""
     given = (getattr(args, "config", None), getattr(args, "mode", None), getattr(args, "prefill", None),
              getattr(args, "decode", None))
     if any(v is not None for v in given) or cfg.engine != "real" or cfg.engine_config.device == "cuda":

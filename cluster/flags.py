@@ -1,13 +1,6 @@
-"""Command-line flags generated from the config models (core/config.py), so a default lives in one
-place: the pydantic field. Each :class:`Flag` names the field it sets; its type, choices and the
-"(default X)" of its help come from that field.
+"""Command-line flags generated from the config fields (a default lives only in its pydantic field).
 
-    add_flags(parser_group, ENGINE_FLAGS, EngineConfig)      # every flag defaults to None
-    cfg = override(base_cfg, args, ENGINE_FLAGS)             # the flags that were given, on top
-
-A flag left out keeps the base's value (the YAML's, or the field default), which is why argparse
-defaults are always None. Fields with no flag are listed in :data:`YAML_ONLY`;
-tests/disagg/test_flags.py checks that every field of ServeConfig is one or the other.
+A flag not given is None and keeps the base's value; a field with no flag is in :data:`YAML_ONLY`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
-"""The router's KV-event feed: ZMQ SUB sockets to every worker's KV-event publisher (prefill and
-decode), one background thread, events applied to the dispatcher's exact :class:`GlobalBlockIndex`.
-
-Each worker's publisher binds ``tcp://<its node's IP>:<ephemeral>`` and names its PUB and replay
-endpoints in ``info()``; the supervisor calls :meth:`KVEventFeed.add` with the worker's policy id.
-Messages are vLLM's (``[topic, seq, msgpack batch]``, router/kv_wire.py reads them; never pickle).
-
-Per worker, a :class:`SequenceCheck` says what each message is:
-
-- on ``add`` (a worker found by a router that just started, or a new worker) the feed first asks
-  the replay socket for everything from sequence 0: the buffered history, or a snapshot of every
-  block held now when the buffer no longer reaches back that far; so a restarted router rebuilds
-  the index of workers that have been running for hours;
-- a **gap** (PUB drops messages for slow subscribers) is fetched from the replay socket before the
-  message that revealed it is applied;
-- a **restarted publisher** (sequence numbers back at 0) has its old entries dropped and is
-  synchronised again from 0;
-- when the replay socket does not answer, that worker's entries are dropped (the index then only
-  under-reports: never a route to a block that is not there) and it is tried again at its next
-  message.
-
-Anything malformed is dropped and counted. The sockets belong to the thread; add/remove go through
-a queue.
+"""The router's KV-event feed: every worker's publisher applied to the dispatcher's exact block
+index by one thread (replay on add, gap repair, publisher restarts). The index may under-report,
+never over-report: a worker whose replay does not answer has its entries dropped.
 """
 
 from __future__ import annotations
@@ -87,7 +67,6 @@ class KVEventFeed:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    # ------------------------------------------------------------------ the thread
     def _commands(self, poller) -> None:
         zmq = self._zmq
         while True:
@@ -99,7 +78,7 @@ class KVEventFeed:
             if old is not None:
                 poller.unregister(old.sock)
                 old.sock.close(0)
-            with self.lock:        # a new subscription starts from the replayed history
+            with self.lock:
                 self.index.remove_worker(wid)
             if op == "add":
                 src = _Source(*arg)
@@ -124,7 +103,7 @@ class KVEventFeed:
                 for wid, src in list(self._sources.items()):
                     if src.sock in ready:
                         self._drain(wid, src)
-        except Exception:  # noqa: BLE001 - the feed is advisory; routing goes on without it
+        except Exception:  # noqa: BLE001
             log.exception("KV event feed stopped")
         finally:
             for src in self._sources.values():
@@ -202,7 +181,7 @@ class KVEventFeed:
             if len(seq_b) != 8:
                 raise ValueError(f"sequence frame of {len(seq_b)} bytes")
             events = decode_payload(wid, payload)
-        except Exception as ex:  # noqa: BLE001 - anything a peer sends that we cannot read
+        except Exception as ex:  # noqa: BLE001
             self.counts["malformed"] += 1
             log.warning("dropped a malformed KV event message from worker %d: %s", wid, ex)
             return None

@@ -1,11 +1,5 @@
-"""``--kv-store``: the cluster's Mooncake Store, a master and a storage process (issue 26).
-
-``mooncake`` starts a master beside the router and a storage process that lends the store
-``l3_store_bytes`` of memory (local child processes on free ports, killed on shutdown), and
-rewrites the config to ``mooncake://HOST:PORT/METAPORT`` so every worker joins the same store;
-workers lend ``l3_worker_segment_bytes`` (0 by default), so the pages live in the storage's
-segment and outlive any worker. ``mooncake://...`` joins an existing master and its storage and
-starts nothing; ``off`` does nothing.
+"""``--kv-store``: the cluster's Mooncake Store (``mooncake``: start a master and a storage process
+here; ``mooncake://...``: join one; ``off``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,5 @@
-"""Disaggregated serving on Ray: start (or join) Ray, create the prefill and decode actors, wire
-their NIXL agents. ``launch_disaggregated(cfg) -> RayClusterBackend`` (the router's ServingBackend):
-
-1. ``ray.init`` (a fresh local instance, or ``cfg.ray_address``). On CPU the driver can load the
-   weights once and hand them to every actor through the object store.
-2. ``cfg.prefill`` PrefillActors and ``cfg.decode`` DecodeActors with ``cfg.engine_config``
-   (decode's KV pool is ``cfg.decode_max_total_tokens`` when set), placed by
-   cluster/workers.py ``placement``, with ``cfg.prefill_num_gpus`` / ``cfg.decode_num_gpus`` GPUs
-   each when set (two workers at 0.5 share one GPU), and an even share of the GPUs when there are
-   fewer than workers (:func:`role_num_gpus`).
-3. Bootstrap: every pair exchanges :class:`Handshake` bytes through Ray calls (NIXL metadata and
-   the KV region's layout); each decode actor also gets the prefill actor's handle.
-
-Workers are named actors in a Ray namespace (``prefill-0``, ``decode-1``, a relaunch
-``prefill-0-r1``). With ``cfg.detached_workers`` (joining a Ray cluster, or ``worker_lifetime:
-cluster``) they are detached actors of ``cfg.ray_namespace``: they outlive the router, and a
-router that starts **discovers** the running ones (:meth:`Launcher.discover`), pairs any pair
-that is not yet paired and rebuilds its view from their snapshots and KV events; only a namespace
-with no worker at all gets ``cfg.prefill`` + ``cfg.decode`` new ones. Creation uses
-``get_if_exists``, so two routers that start (or relaunch a dead worker) at once converge on the
-same actor. Otherwise (a router's private workers) they live in a namespace of their own and die
-with the router.
-
-The :class:`Launcher` does steps 2 and 3 for one actor or pair at a time; the supervisor uses
-the same one to relaunch a dead worker and to adopt workers another router started. Routing, admission and re-routing are the dispatcher's
-(router/dispatch.py); the backend (cluster/backend.py) streams; the supervisor
-(cluster/supervisor.py) watches health.
+"""Disaggregated serving on Ray: ``launch_disaggregated(cfg) -> RayClusterBackend``, and the
+:class:`Launcher` that spawns, discovers and pairs worker actors (cluster/README.md).
 """
 
 from __future__ import annotations
@@ -42,16 +17,12 @@ from tandem.core.types import TandemError
 
 STARTUP_TIMEOUT_S = 600.0
 PAIR_TIMEOUT_S = 60.0
-ADOPT_TIMEOUT_S = 5.0        # a discovered worker that does not answer info() yet is still starting
+ADOPT_TIMEOUT_S = 5.0
 
 
 def load_tokenizer(model: str):
-    """The model's tokenizer without its weights (the driver tokenizes; workers hold weights).
-
-    Built once per process for each model as its files are on disk (a GGUF's tokenizer is rebuilt
-    from its vocabulary and merges in Python: seconds per build); a file changed since (the GGUF,
-    or a directory's tokenizer and config files) gets a new one. The tokenizer is shared: callers
-    only read it."""
+    """The model's tokenizer without its weights; cached per model until its files change. Shared:
+    callers only read it."""
     from tandem.engine.loader import smollm2_path
 
     path = smollm2_path() if model == "smollm2" else os.path.expanduser(model)
@@ -92,12 +63,9 @@ def decode_engine_config(cfg: ServeConfig) -> EngineConfig:
 
 
 def role_num_gpus(cfg: ServeConfig, role: str, cluster_gpus: float = 0.0) -> float | None:
-    """The GPUs one worker of ``role`` asks Ray for: ``prefill_num_gpus`` / ``decode_num_gpus``
-    when set; else, when the cluster has GPUs but fewer than workers (one GPU, 1P+1D) and the real
-    engine may run on CUDA (``device`` auto or cuda), an even share of them (rounded down to 0.01),
-    so that no worker is left on the CPU; else None (cluster/workers.py ``placement`` decides: a
-    GPU each when there are enough). Ray hands the actor that share of a GPU (its
-    ``CUDA_VISIBLE_DEVICES``), so an engine with ``device: auto`` puts its pools there."""
+    """The GPUs one worker of ``role`` asks for: ``prefill_num_gpus`` / ``decode_num_gpus`` when set;
+    else an even share (rounded down to 0.01) when there are fewer GPUs than workers and CUDA may be
+    used; else None (``placement`` decides)."""
     asked = cfg.prefill_num_gpus if role == PREFILL else cfg.decode_num_gpus
     if asked is not None:
         return asked
@@ -115,7 +83,7 @@ class Launcher:
         self.cfg = cfg
         self.weights = weights
         self.kv_events = kv_events
-        self.tokenizer = tokenizer          # the simulated decode workers' (engine: sim)
+        self.tokenizer = tokenizer
         self.detached = cfg.detached_workers
         self.namespace = cfg.ray_namespace if self.detached else f"tandem-{uuid.uuid4().hex[:12]}"
         self.capacity = {PREFILL: cfg.engine_config.cache.max_total_tokens,
@@ -133,7 +101,7 @@ class Launcher:
             opts["num_gpus"] = gpus
         opts.update(name=name, namespace=self.namespace, max_restarts=0)
         traces = self.cfg.otlp_endpoint or tracing.endpoint_from_env()
-        if traces:   # each worker traces under its own service.name (core/tracing.py)
+        if traces:
             opts["runtime_env"] = {"env_vars": {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": tracing.traces_url(traces)}}
         if self.detached:
             opts.update(lifetime="detached", get_if_exists=True)
@@ -183,7 +151,7 @@ class Launcher:
                 continue
             try:
                 h = ray.get_actor(a["name"], namespace=self.namespace)
-            except ValueError:            # gone since the listing
+            except ValueError:
                 continue
             found.append(WorkerRef(a["name"], m[1], int(m[2]), h))
         return sorted(found, key=lambda w: (w.role != PREFILL, w.slot, w.name))
@@ -212,7 +180,7 @@ class Launcher:
         for r in ready:
             try:
                 info = ray.get(r)
-            except Exception:  # noqa: BLE001 - a worker that failed: the monitor finds it
+            except Exception:  # noqa: BLE001
                 continue
             refs[r].node_id = info.get("node_id", "")
             out.append((refs[r], info))
@@ -236,9 +204,7 @@ class Launcher:
                 timeout=PAIR_TIMEOUT_S)
 
     def pair_missing(self, prefills: list[tuple[WorkerRef, dict]], decodes: list[tuple[WorkerRef, dict]]) -> int:
-        """Pair every prefill worker with every decode worker, and the decode workers with each
-        other, where they do not know each other yet (their ``info()["peers"]``); returns how many
-        pairs were made."""
+        """Pair every unpaired prefill-decode and decode-decode couple; returns how many were paired."""
         n = 0
         for p, pi in prefills:
             for d, di in decodes:
@@ -253,9 +219,8 @@ class Launcher:
         return n
 
     def bootstrap(self, pool: WorkerPool) -> list[dict]:
-        """Fill ``pool``: the running workers of the namespace when there are any (a router that
-        restarted, or a second router), else ``cfg.prefill`` + ``cfg.decode`` new ones; wait for
-        them and pair what is not paired yet. Returns their ``info()`` in pool order."""
+        """Fill ``pool`` with the namespace's running workers, else new ones; pair them. Returns their
+        ``info()`` in pool order."""
         found = self.discover() if self.detached else []
         if not found:
             found = [self.spawn(PREFILL, i, f"prefill-{i}") for i in range(self.cfg.prefill)]
@@ -295,12 +260,7 @@ def start_ray(cfg: ServeConfig) -> bool:
 def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded=None,
                          share_weights: bool | None = None) -> RayClusterBackend:
     """Start (or join) Ray, launch and bootstrap the workers; returns the serving backend.
-
-    ``loaded``: a LoadedModel (CPU) to hand every worker through the object store instead of
-    each loading the model itself. ``share_weights`` (default: when Ray runs here, without GPUs,
-    with more than one worker) makes the driver load the model once for that purpose.
-    ``restart``: the supervisor relaunches dead workers.
-    """
+    ``loaded``: weights to hand every worker; ``restart``: relaunch dead workers."""
     import ray
 
     started = start_ray(cfg)

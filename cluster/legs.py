@@ -1,11 +1,5 @@
-"""One request's stream across decode workers: :class:`Legs`, what cluster/backend.py's stream loop
-asks for the next leg.
-
-A request streams in legs: the first on the decode worker it was routed to, one more on each
-worker it moves to (cluster/migration.py's ``Migrator``). Legs holds the leg it is on (``worker``,
-``gen``), what the client has (``ids``, ``chars``, ``cached``) and the client-visible stop of a
-move; it turns a leg's end into the next leg and never changes a :class:`Migration`'s phase
-itself (the Migrator does).
+"""One request's stream across decode workers: :class:`Legs`. It turns a leg's end into the next
+leg; it never changes a :class:`Migration`'s phase itself (the Migrator does).
 """
 
 from __future__ import annotations
@@ -29,10 +23,10 @@ class Legs:
 
     def __init__(self, migrator, req: GenerateRequest, route: Route, worker: WorkerRef, gen):
         self.migrator, self.req, self.route, self.worker, self.gen = migrator, req, route, worker, gen
-        self.ids: list[int] = []   # what the client has (a pre-copy takes its whole pages)
+        self.ids: list[int] = []
         self.chars, self.cached = 0, 0
-        self.last_token_at = time.monotonic()   # the client-visible stop of a migration starts here
-        self.leg_tokens = 0                     # streamed on the current leg (the forced lever)
+        self.last_token_at = time.monotonic()
+        self.leg_tokens = 0
 
     def sent(self, last: StreamChunk | None = None) -> Resume:
         return Resume(tuple(self.ids), self.chars, last.cached_tokens if last is not None else self.cached)
@@ -56,9 +50,8 @@ class Legs:
                            error=f"decode worker {self.worker.name} died during a migration")
 
     async def next_leg(self, c: StreamChunk) -> bool:
-        """Whether ``c`` ended the current leg and another one streams now (``gen``, ``worker``):
-        "migrated" (the request moved: the Migrator's next leg), or an empty abort from a move's
-        target (back to the source that holds the KV; the source dead: the target recomputes)."""
+        """Whether ``c`` ended the current leg and another one streams now ("migrated", or a move's
+        target failing: back to the source, or recomputed)."""
         if c.finish_reason == "migrated":
             self.leg_tokens = 0
             self.gen, self.worker = await self.migrator.next_leg(self, self.sent(c))
@@ -66,11 +59,11 @@ class Legs:
         m, src = self._frozen_source()
         if src is None or c.finish_reason != "abort" or c.token_ids:
             return False
-        if src.alive:    # the target failed before streaming: back to the source
+        if src.alive:
             log.warning("%s failed on %s after a migration (%s); back to %s",
                         self.req.rid, self.worker.name, c.error, src.name)
             self.gen, self.worker = await self.migrator.fall_back(self, m, self.sent(c))
-        else:            # the source died mid-copy: the target recomputes
+        else:
             log.warning("%s: the source %s died mid-migration; %s recomputes",
                         self.req.rid, src.name, self.worker.name)
             self.gen, self.worker = self.migrator.recompute(self, m, self.sent(c))

@@ -1,10 +1,6 @@
-"""Cluster-wide /metrics: merge the workers' Prometheus expositions with the driver's.
-
-Each worker's text is parsed and every sample gets a ``worker="<name>"`` label; samples of the
-same metric family from all sources are re-emitted under one HELP/TYPE header (a valid
-exposition, unlike plain concatenation). The driver's own samples (the front door's counters)
-keep their labels unchanged. A family whose type differs between sources keeps the first one
-seen; the rest of it is dropped (and logged), never emitted twice.
+"""Cluster-wide /metrics: the workers' expositions (each sample labelled ``worker``) and the
+driver's, merged into one valid exposition (one HELP/TYPE per family; a family whose type
+differs keeps the first source's).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ def merge_expositions(workers: Mapping[str, bytes], driver: bytes = b"") -> byte
                 if worker is not None:
                     labels["worker"] = worker
                 key = (s.name, tuple(sorted(labels.items())))
-                if key in seen:  # the same series twice (e.g. two workers in one process)
+                if key in seen:
                     continue
                 seen.add(key)
                 out.samples.append(s._replace(labels=labels))

@@ -1,15 +1,9 @@
-"""Live migration in the cluster: a running request moves from one decode worker to another.
+"""The router's side of live migration: :class:`Migrator` carries out planners' MoveRequests and
+owns every Migration and every request's Legs (cluster/README.md has the trail).
 
-The router's side (the workers' is decode/migration.py). :class:`Migrator` (one per backend, on the
-router's event loop) carries out the :class:`MoveRequest` values router/rebalance.py's planners
-return and owns every :class:`Migration` in flight (cluster/moves.py: one object, one
-:class:`Phase`; GET /debug/kv lists them) and every request's :class:`Legs` (cluster/legs.py: the
-stream loop of cluster/backend.py asks them for the next leg). cluster/README.md tells the trail.
-
-Fail closed: until the stop, a failed pre-copy leaves the request where it is (REFUSED, or
-FAILED when the target died); after it, the request continues on the target, on the source
-(FELL_BACK), or recomputed (RECOMPUTED), and a client that went away frees both sides (ABORTED).
-The client's stream never sees "migrated": the legs are spliced, so no token is repeated or missing.
+Fail closed: before the stop a failed pre-copy leaves the request where it is; after it the request
+continues on the target, the source or recomputed. The client never sees "migrated": no token is
+repeated or missing.
 """
 
 from __future__ import annotations
@@ -39,17 +33,14 @@ class Migrator:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, inflight: dict[str, WorkerRef],
                  supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None,
                  page_size: int = 16):
-        """``inflight``: the backend's rid -> decode worker (kept true across legs); ``router_id``:
-        named on every leg it starts (the workers' lease on this router); ``page_size``: the
-        workers' KV page (a pre-copy takes whole pages)."""
+        """``inflight``: the backend's rid -> decode worker; ``router_id``: the workers' lease on this
+        router; ``page_size``: a pre-copy takes whole pages."""
         self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
         self.router_id = router_id
         self.page_size = page_size
         self.cfg = cfg or MigrationConfig()
         self.moves: dict[str, Migration] = {}
-        self.streams: dict[str, Legs] = {}   # rid -> its legs, while the backend streams it
-        # precopies: moves with a pre-copy that landed; precopy_rounds: rounds that landed;
-        # precopied_tokens: their tokens (the last landed round's, per move); per reason: moves started
+        self.streams: dict[str, Legs] = {}
         self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0,
                        "precopies": 0, "precopy_rounds": 0, "precopied_tokens": 0,
                        **{r.value: 0 for r in MoveReason}}
@@ -96,17 +87,14 @@ class Migrator:
         """:meth:`move`, a refusal logged instead of raised; whether it moved."""
         try:
             await self.move(mv)
-        except (LookupError, ValueError) as e:   # not decoding yet, or it just ended
+        except (LookupError, ValueError) as e:
             log.info("%s move of %s refused: %s", mv.reason.value, mv.rid, e)
             return False
         return True
 
     async def migrate(self, rid: str, to: str | None = None, reason: MoveReason = MoveReason.ADMIN) -> str:
-        """Move ``rid`` to ``to`` (a decode worker's name) or the best target; returns its name.
-        Pre-copy (``cfg.precopy``), then freeze it on its worker (its leg there ends "migrated";
-        :meth:`next_leg` continues it). LookupError: no such request or no target; ValueError: it
-        is not decoding, already moving, or the target failed during the pre-copy (nothing
-        moved: it decodes on)."""
+        """Move ``rid`` to ``to`` or the best target; returns its name. LookupError: no such request or
+        target; ValueError: not decoding, already moving, or the target failed in the pre-copy."""
         d = self._inflight.get(rid)
         if d is None:
             raise LookupError(f"no request {rid} in flight on this router")
@@ -125,7 +113,7 @@ class Migrator:
         except Exception as e:
             import ray
 
-            if isinstance(e, ray.exceptions.RayActorError):   # the target died during the pre-copy
+            if isinstance(e, ray.exceptions.RayActorError):
                 if self.supervisor is not None:
                     self.supervisor.mark_dead(t, "died during a migration's pre-copy")
                 self.end(m, Phase.FAILED)
@@ -135,18 +123,15 @@ class Migrator:
             self.counts["refused"] += 1
             cause = getattr(e, "cause", e)
             raise (cause if isinstance(cause, (ValueError, LookupError)) else ValueError(str(cause)[:300])) from None
-        if m.phase is Phase.PRECOPY:   # (its stream may have met "migrated" first)
+        if m.phase is Phase.PRECOPY:
             m.to(Phase.FROZEN)
         self.counts["migrations"] += 1
         self.counts[m.reason.value] += 1
         return t.name
 
     async def _precopy(self, m: Migration) -> None:
-        """The request's KV into the target's cache while the source keeps decoding (see the
-        module's docstring): round 1 takes :meth:`warm_ids` now; round 2 the same again if the
-        source generated ``precopy_again_pages`` more whole pages meanwhile. All rounds within
-        ``precopy_timeout_s``; a round that fails or times out ends the pre-copy and only makes the
-        stop copy more (RayActorError: the target died, and the move is given up)."""
+        """Pre-copy rounds within ``precopy_timeout_s``; a failed round only leaves more for the stop.
+        RayActorError: the target died."""
         s = self.streams.get(m.rid)
         if s is None:
             return
@@ -171,9 +156,7 @@ class Migrator:
 
     async def _warm(self, m: Migration, req: GenerateRequest, r: Route, ids: tuple[int, ...], tag: str,
                     end: float) -> bool:
-        """One pre-copy round: a one-token request of ``ids`` on the target (``{rid}~{tag}``: greedy,
-        no grammar or seed, the request's session for its cache's eviction order), through the
-        route's prefill worker while it lives. Whether it landed by ``end``."""
+        """One pre-copy round (a one-token request ``{rid}~{tag}`` on the target); whether it landed by ``end``."""
         import ray
 
         left = end - time.monotonic()
@@ -196,11 +179,11 @@ class Migrator:
             last = await asyncio.wait_for(consume(), left)
         except ray.exceptions.RayActorError:
             raise
-        except Exception as e:  # noqa: BLE001 - a slow or failed pre-copy: the stop copies the rest
+        except Exception as e:  # noqa: BLE001
             log.info("pre-copy %s of %s to %s gave up: %s", tag, m.rid, m.target.name, type(e).__name__)
             try:
                 ray.cancel(gen)
-            except Exception:  # already ended
+            except Exception:
                 pass
             return False
         if last is None or last.error:
@@ -217,16 +200,16 @@ class Migrator:
         and that worker). The move's target, else the best peer, else the source itself."""
         rid, source = legs.req.rid, legs.worker
         m = self.moves.get(rid)
-        if m is None or m.phase is Phase.COPYING:   # frozen by another router's move: the best peer
+        if m is None or m.phase is Phase.COPYING:
             if m is not None:
                 self.end(m, Phase.FAILED, record=False)
             m = self.moves[rid] = Migration(rid, source, source, MoveReason.ADMIN, Phase.FROZEN)
-        elif m.phase is Phase.PRECOPY:   # before migrate() saw its freeze answered
+        elif m.phase is Phase.PRECOPY:
             m.to(Phase.FROZEN)
         t = m.target if m.target.alive and m.target is not source else self.target({source.wid})
         m.target = t or source
         m.to(Phase.COPYING)
-        if t is None:   # no peer left: it resumes where it was, from its own cache
+        if t is None:
             await source.decode_api.release_frozen(rid)
             return self._start(legs, source, sent, None), source
         return self._start(legs, t, sent, source.name), t
@@ -248,14 +231,13 @@ class Migrator:
         return out
 
     def prestop(self, legs: Legs, stuck: WorkerRef):
-        """``stuck`` (a decode worker making no progress) cannot hand over its KV: the request
-        resumes on the best peer after what the client has, which recomputes the KV (its own
-        cache first). (stream, worker), or None when no peer is in rotation."""
+        """Resume the request off ``stuck`` on the best peer, which recomputes its KV. (stream, worker),
+        or None when no peer is in rotation."""
         t = self.target({stuck.wid})
         if t is None:
             return None
         old = self.moves.get(legs.req.rid)
-        if old is not None:   # a move that was under way is over: its source is stuck
+        if old is not None:
             self.end(old, Phase.FAILED, record=False)
         self.moves[legs.req.rid] = Migration(legs.req.rid, stuck, t, MoveReason.PRESTOP, Phase.COPYING)
         self.counts[MoveReason.PRESTOP.value] += 1
@@ -275,7 +257,7 @@ class Migrator:
             if downtime_s is not None:
                 rm.MIGRATION_DOWNTIME.observe(downtime_s)
         legs = self.streams.get(m.rid)
-        if legs is not None and legs.req.trace:   # the move's span, in the request's trace
+        if legs is not None and legs.req.trace:
             tracing.record("migration", legs.req.trace, time.time() - (time.monotonic() - m.started), **{
                 "tandem.rid": m.rid, "tandem.from": m.source.name, "tandem.to": m.target.name,
                 "tandem.reason": m.reason.value, "tandem.outcome": outcome or phase.value,
@@ -293,10 +275,8 @@ class Migrator:
         return t.decode_api.generate(wire, source_name, self.router_id)
 
     async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict:
-        """Take ``name`` out of rotation and move its live requests away; ``stop``: then stop it.
-        Done when every move from it has streamed on its target (nothing is copied from it any
-        more). Returns what moved and what did not (requests that were not decoding yet are
-        retried until they are, or until ``timeout_s``)."""
+        """Take ``name`` out of rotation and move its requests away (``stop``: then stop it), within
+        ``timeout_s``. Returns what moved and what did not."""
         w = self.pool.named(name)
         if w is None or w.role != DECODE:
             raise LookupError(f"no decode worker named {name!r}")
@@ -307,11 +287,11 @@ class Migrator:
                                                 self.moves)]
             moving = any(w.wid in (m.target.wid, m.source.wid) for m in list(self.moves.values()))
             if not left and not moving and not any(d.wid == w.wid for d in list(self._inflight.values())):
-                break   # nothing runs here, arrives here, or is still being copied from here
+                break
             results = await asyncio.gather(*(self.migrate(rid, reason=MoveReason.DRAIN) for rid in left),
                                            return_exceptions=True)
             for rid, res in zip(left, results):
-                if isinstance(res, (LookupError, ValueError)):   # prefilling still, or already ending
+                if isinstance(res, (LookupError, ValueError)):
                     failed[rid] = str(res)
                 elif isinstance(res, BaseException):
                     raise res
@@ -321,7 +301,7 @@ class Migrator:
             await asyncio.sleep(DRAIN_POLL_S)
         still = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid]
         still += [rid for rid, m in list(self.moves.items()) if m.target.wid == w.wid]
-        if stop and not still:   # a restart: out of the pool now, then relaunched like a dead one
+        if stop and not still:
             import ray
 
             ray.kill(w.handle)
@@ -347,7 +327,7 @@ class Migrator:
             await asyncio.sleep(cfg.period_s)
             try:
                 await self.rebalance_once(cfg)
-            except Exception:  # noqa: BLE001 - a bad round must not stop the policy
+            except Exception:  # noqa: BLE001
                 log.exception("migration policy round failed")
 
     async def rebalance_once(self, cfg: MigrationConfig) -> list[str]:

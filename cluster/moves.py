@@ -2,11 +2,6 @@
 
     PRECOPY ──► FROZEN ──► COPYING ──► DONE | FELL_BACK | RECOMPUTED | FAILED | ABORTED
        └──► FAILED | REFUSED           └──► ABORTED
-
-A move starts in PRECOPY (``Migrator.migrate``: the source still decodes), in FROZEN (a request
-another router froze: its leg ended "migrated" here first) or in COPYING (a pre-stop: the source is
-stuck, nothing is frozen there). The terminal phase names the outcome the metric counts
-(:data:`OUTCOME`); REFUSED (nothing moved, the request decodes on) counts none.
 """
 
 from __future__ import annotations
@@ -20,15 +15,15 @@ from tandem.router.rebalance import MoveReason
 
 
 class Phase(Enum):
-    PRECOPY = "precopy"        # the target takes the KV into its cache; the source decodes on
-    FROZEN = "frozen"          # the source ended the request's leg ("migrated") and holds its KV
-    COPYING = "copying"        # the new leg started; it copies what its cache lacks
-    DONE = "done"              # the new leg streamed
-    FELL_BACK = "fell_back"    # the target failed first: the request resumed on the source
-    RECOMPUTED = "recomputed"  # the source died mid-copy: the target recomputed the KV
-    FAILED = "failed"          # the target died in the pre-copy, or the new leg failed
-    ABORTED = "aborted"        # the request ended (client gone, error) mid-move
-    REFUSED = "refused"        # nothing moved: not decoding, ended, or the target refused
+    PRECOPY = "precopy"
+    FROZEN = "frozen"
+    COPYING = "copying"
+    DONE = "done"
+    FELL_BACK = "fell_back"
+    RECOMPUTED = "recomputed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    REFUSED = "refused"
 
 
 class IllegalTransition(RuntimeError):
@@ -57,7 +52,7 @@ class Migration:
     reason: MoveReason
     phase: Phase = Phase.PRECOPY
     started: float = dataclasses.field(default_factory=time.monotonic)
-    precopied: int = 0       # tokens (prompt, then generated) the target took into its cache before the stop
+    precopied: int = 0
     froze: bool = False
 
     def __post_init__(self):

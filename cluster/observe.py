@@ -1,11 +1,5 @@
-"""The read side of :class:`~tandem.cluster.backend.RayClusterBackend`: what ``/health``,
-``/metrics``, ``/debug/kv`` and the chaos harness see of the cluster. A mixin over the backend's
-``pool``, ``dispatch``, ``supervisor``, ``migrator``, ``cfg``, ``launcher``, ``queue``, ``feed`` and
-``autoscaler``.
-
-A worker the supervisor holds suspect (no answer within the progress deadline) is reported as
-such and left out of every gather, so one hung worker never holds a health check, a metrics
-scrape or a debug read up; every other call is bounded by ``PING_TIMEOUT_S``.
+"""The read side of ``RayClusterBackend`` (/health, /metrics, /debug/kv): a suspect worker is left
+out of every gather; every other call is bounded by ``PING_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -22,17 +16,15 @@ from tandem.cluster.workers import DECODE, PREFILL, WorkerRef
 
 log = logging.getLogger(__name__)
 
-HEALTH_PING_S = 1.0   # /health waits this long for each worker's ping
+HEALTH_PING_S = 1.0
 
 
 class ClusterObservability:
     async def health(self) -> dict:
-        """Per-worker liveness (a ping, at most ``HEALTH_PING_S``) and progress: a suspect worker
-        (no answer within ``progress_timeout_s``) is reported ``suspect`` and does not count as
-        serving."""
+        """Per-worker liveness and progress; a suspect worker does not count as serving."""
         everyone = self.pool.everyone()
         alive = await asyncio.gather(*(self._ping(w, HEALTH_PING_S) for w in everyone))
-        results = [ok and w.suspect_since is None for w, ok in zip(everyone, alive)]   # serving
+        results = [ok and w.suspect_since is None for w, ok in zip(everyone, alive)]
         snaps = self.dispatch.snapshots()
         nodes = self._node_resources({w.node_id for w in everyone})
         workers = {w.name: {"role": w.role, "alive": up, "node_id": w.node_id,
@@ -62,7 +54,7 @@ class ClusterObservability:
                 for n in ray.nodes():
                     cache[n["NodeID"]] = {k: v for k, v in n.get("Resources", {}).items()
                                           if k in ("prefill", "decode", "CPU", "GPU")}
-            except Exception:  # noqa: BLE001 - placement is informative only
+            except Exception:  # noqa: BLE001
                 pass
         return cache
 
@@ -73,12 +65,11 @@ class ClusterObservability:
             await asyncio.wait_for(w.api.ping(), timeout)
             return True
         except asyncio.TimeoutError:
-            return False   # busy or hung: reported, not declared dead
+            return False
         except Exception as e:
             self.supervisor.mark_dead(w, f"ping failed: {type(e).__name__}")
             return False
 
-    # ------------------------------------------------------------------ observability
     def metrics_text(self) -> bytes:
         import ray
 

@@ -1,22 +1,5 @@
-"""A real multi-node Ray cluster on one machine (a development cluster, for benchmarks and tests):
-a head and worker nodes started with ``ray start`` (each its own raylet, object store and process
-group), every node on 127.0.0.1, Ray token authentication on, nothing else on the machine touched.
-
-    with RayNodes(token_auth=True) as c:
-        c.add_node({"prefill": 1}, num_cpus=1)
-        n = c.add_node({"decode": 2}, num_cpus=2)
-        env = c.client_env()            # for a driver (`tandem serve --ray-address c.address`)
-        ...
-        c.stop_node(n)                  # SIGKILL to that node's process group: a node failure
-
-Why the bootstrap line: Ray maps 127.0.0.1 to the machine's routable address when it resolves a
-node's IP (``resolve_ip_for_localhost``), so worker nodes would bind another address than the
-head. The head runs with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray then keeps the loopback
-address); ``ray start`` for a worker node refuses that switch, so worker nodes run Ray's own CLI
-(``ray.scripts.scripts.main``) with its node-IP lookup pinned to 127.0.0.1. Drivers get the switch
-in :meth:`client_env`. Nodes start one after another (two raylets starting at once in one session
-directory race for the same socket names). :meth:`close` kills every process group it started;
-it never runs ``ray stop`` (which would stop every Ray on the machine).
+"""A real multi-node Ray cluster on one machine, every node on 127.0.0.1 (a development cluster).
+:meth:`RayNodes.close` kills only the process groups it started; it never runs ``ray stop``.
 """
 
 from __future__ import annotations
@@ -59,13 +42,11 @@ class Node:
     proc: subprocess.Popen
     log: str
     resources: dict
-    manager_port: int = 0           # unique per node: its processes name it on their command line
+    manager_port: int = 0
 
 
 def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict:
-    """``RayNodes(autoscaling_config=...)`` for the roles: Ray's fake multi-node provider with node
-    types ``prefill`` and ``decode`` as KubeRay's groups (each node 1 CPU and its role's
-    resource), one of each at least, idle nodes let go after 6 s."""
+    """Ray's fake multi-node provider config with ``prefill`` and ``decode`` node types."""
     node = {"node_config": {}}
     return {
         "cluster_name": "tandem-fake", "max_workers": max_prefill + max_decode, "upscaling_speed": 10.0,
@@ -121,7 +102,7 @@ class RayNodes:
         """A node's port flags, every port distinct and not the head's GCS port (Ray refuses a
         node whose components share one); (its node manager's port, the flags)."""
         ports = free_ports(6)
-        while self.port in ports:               # the head's GCS port, picked (and released) earlier
+        while self.port in ports:
             ports = free_ports(6)
         manager, obj, listen, grpc, metrics, env_agent = ports
         return manager, [f"--node-manager-port={manager}", f"--object-manager-port={obj}",
@@ -164,7 +145,7 @@ class RayNodes:
             import psutil
 
             tree = psutil.Process(node.proc.pid).children(recursive=True)
-        except Exception:  # noqa: BLE001 - psutil missing, or the node is already gone
+        except Exception:  # noqa: BLE001
             tree = []
         try:
             os.killpg(node.proc.pid, signal.SIGKILL)
@@ -173,7 +154,7 @@ class RayNodes:
         for p in tree:
             try:
                 p.kill()
-            except Exception:  # noqa: BLE001 - gone already
+            except Exception:  # noqa: BLE001
                 pass
         node.proc.wait(timeout=30)
 

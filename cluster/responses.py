@@ -1,18 +1,6 @@
-"""The Responses API's store on a Ray cluster: one named actor, :data:`STORE_NAME`, in the workers'
-namespace, holding router/responses/store.py's bounded :class:`ResponseTable`;
-:class:`RayResponseStore` is the router's :class:`ResponseStore` over it.
-
-Why an actor and not a database: the Ray cluster is already the one thing every router of a
-worker set shares and reaches (``tandem serve --ray-address``), a stored response is worth keeping
-exactly as long as that cluster (its chain's KV lives on the workers), and the table is small and
-bounded (count, bytes, TTL: ``ServeConfig.responses``), so no new service is needed. It exists
-for detached workers (the ones several routers share) and is detached like them: it outlives
-every router, so a router that restarts, or any other router, finds every stored response; it
-prefers the head node (``node:__internal_head__``), which outlives the worker nodes. A router's
-private workers die with it, and so may its stored responses: it keeps them in its own memory.
-
-Ray runs the actor's methods one at a time, so the table needs no lock. A handle whose actor died
-is resolved again by name once (``get_if_exists`` recreates it, empty) before a call fails.
+"""The Responses API's store on Ray: one detached named actor, :data:`STORE_NAME`, holding a bounded
+``ResponseTable``, and :class:`RayResponseStore`, the router's ``ResponseStore`` over it. A dead
+store actor is looked up again once (recreated empty) before a call fails.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""``tandem serve``: build the serving backend ``cfg`` asks for, serve the HTTP API, stop on Ctrl-C.
-
-Receives a validated :class:`ServeConfig` (cluster/config.py made it from YAML and flags); reads
-no flags and no files itself.
-"""
+"""``tandem serve``: build the backend a validated ServeConfig asks for and serve the HTTP API."""
 
 from __future__ import annotations
 
@@ -16,14 +12,12 @@ log = logging.getLogger(__name__)
 
 
 def build_backend(cfg: ServeConfig):
-    """The router's ServingBackend for ``cfg``: simulated workers (``engine: sim``: in this process,
-    or as Ray actors when joining a Ray cluster or planning), one in-process engine (``mode:
-    colocated``), or Ray prefill/decode workers (``mode: disaggregated``)."""
+    """The router's ServingBackend for ``cfg``: simulated, colocated or disaggregated."""
     if cfg.engine == "sim" and (cfg.ray_address or cfg.planner.enabled):
-        from tandem.cluster.launch import launch_disaggregated   # simulated workers as Ray actors
+        from tandem.cluster.launch import launch_disaggregated
 
         return launch_disaggregated(cfg)
-    if cfg.engine == "sim":   # the real front door and router over cost-model workers: no Ray, no weights
+    if cfg.engine == "sim":
         from tandem.cluster.launch import load_tokenizer
         from tandem.sim.backend import SimServingBackend
 
@@ -61,7 +55,7 @@ def run_serve(cfg: ServeConfig) -> int:
         stop_kv_store()
         raise
     app = create_app(backend, cfg)
-    if cfg.api_keys:   # SIGHUP: read the key file again (a bad file keeps the old keys)
+    if cfg.api_keys:
         signal.signal(signal.SIGHUP, lambda *_: app.state.keys.reload())
     kind = f"sim {cfg.sim_profile} x{cfg.sim_speedup:g}" if cfg.engine == "sim" else cfg.mode
     print(f"tandem: serving {backend.model_name} ({kind}) on http://{cfg.host}:{cfg.port}", flush=True)
@@ -72,7 +66,7 @@ def run_serve(cfg: ServeConfig) -> int:
     try:
         server.run()
     except KeyboardInterrupt:
-        pass   # uvicorn re-raises the signal after its graceful shutdown
+        pass
     finally:
         print("tandem: shutting down", flush=True)
         close = getattr(backend, "close", None)

@@ -1,28 +1,7 @@
-"""The health monitor: finds dead workers, takes them out of rotation, relaunches them, and keeps
-the dispatcher's snapshots of the live ones fresh.
+"""The health monitor: heartbeats, progress deadlines (suspect, then replaced), dead workers out of
+rotation and relaunched, and discovery of workers other routers started (cluster/README.md).
 
-A thread wakes every ``MONITOR_PERIOD_S``: it asks every live worker for its heartbeat
-(``progress()``, answered on the actor's loop: a long engine step does not delay it) and its
-``stats()`` (one of each outstanding per worker; a failed heartbeat is a dead worker) and hands the
-dispatcher a :class:`WorkerSnapshot` of each stats answer (a worker that does not answer keeps its
-last one). Progress deadlines: a worker whose heartbeat went unanswered for
-``progress_timeout_s``, or whose engine is stuck in one step, is *suspect* (``WorkerRef.suspect_since``; out of rotation, the backend moves its requests);
-answering again, it has the requests moved off it aborted there and rejoins; suspect for
-``progress_replace_s`` it is declared dead and replaced. A dead worker leaves rotation at once (:meth:`Supervisor.mark_dead`, also
-called by the backend when a Ray call fails); its peers forget its NIXL agent; with
-``restart`` a replacement named after it (``prefill-0`` -> ``prefill-0-r1``, the same name in
-every router, so routers that relaunch it at once create one actor) is launched in its own
-thread, paired with every live peer, and takes the dead one's place in the pool. A worker seen
-draining (the planner's scale-down) is *retiring*: when it goes, it is not relaunched.
-
-With detached workers the thread also **discovers** workers it does not know every
-``DISCOVER_EVERY`` rounds (started by another router, the planner's new ones) and adopts them:
-paired with every live peer (idempotent), registered with the dispatcher and the KV-event feed.
-
-:meth:`Supervisor.shutdown` ends all of it before Ray goes down: the monitor stops, actors being
-launched and every worker are killed, and the helper threads (relaunches, peers forgetting an
-agent) are joined, so no thread of ours touches Ray after ``ray.shutdown()`` (Ray exits the
-process when one does).
+After :meth:`Supervisor.shutdown` no thread of ours touches Ray.
 """
 
 from __future__ import annotations
@@ -40,12 +19,12 @@ from tandem.router.view import WorkerSnapshot
 log = logging.getLogger(__name__)
 
 MONITOR_PERIOD_S = 1.0
-PROBE_WAIT_S = 0.5           # how long one round waits for heartbeats and stats
-STUCK_STEP_FACTOR = 3.0      # an engine in one step for this many progress timeouts is stuck
+PROBE_WAIT_S = 0.5
+STUCK_STEP_FACTOR = 3.0
 PING_TIMEOUT_S = 10.0
 FORGET_TIMEOUT_S = 30.0
 HELPER_JOIN_S = 10.0
-DISCOVER_EVERY = 2           # monitor rounds between two discoveries (detached workers)
+DISCOVER_EVERY = 2
 
 
 class Supervisor:
@@ -55,22 +34,19 @@ class Supervisor:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
                  feed=None, discover: bool | None = None, progress_timeout_s: float = 5.0,
                  progress_replace_s: float = 60.0, router_id: str | None = None):
-        """``discover``: adopt workers this router did not start (default: with detached workers).
-        ``progress_timeout_s`` / ``progress_replace_s``: ServeConfig's progress deadlines.
-        ``router_id``: sent with each heartbeat (decode workers keep this router's lease on its
-        streams: decode/leases.py)."""
+        """``discover``: adopt workers this router did not start; ``router_id``: sent with each heartbeat."""
         self.router_id = router_id
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
         self.progress_timeout_s, self.progress_replace_s = progress_timeout_s, progress_replace_s
-        self._pings: dict[WorkerRef, object] = {}      # the outstanding heartbeat of each worker
-        self._stats: dict[WorkerRef, object] = {}      # ... and stats() call
+        self._pings: dict[WorkerRef, object] = {}
+        self._stats: dict[WorkerRef, object] = {}
         self.restart = restart
         self.discover = launcher.detached if discover is None else discover
         self.restarts = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._restarting: set[tuple[str, int]] = set()
-        self._launching: dict[tuple[str, int], WorkerRef] = {}   # (role, slot) -> its new actor
+        self._launching: dict[tuple[str, int], WorkerRef] = {}
         self._helpers: set[threading.Thread] = set()
         self._pair_lock = threading.Lock()
         self._adopting: set[str] = set()
@@ -87,15 +63,15 @@ class Supervisor:
 
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=PING_TIMEOUT_S + 2 * MONITOR_PERIOD_S)   # one round at most
+            self._thread.join(timeout=PING_TIMEOUT_S + 2 * MONITOR_PERIOD_S)
         with self.pool.lock:
             doomed = self.pool.everyone() + list(self._launching.values()) if kill else []
         for w in doomed:
             try:
                 ray.kill(w.handle)
-            except Exception:  # noqa: BLE001 - already gone, or Ray is down
+            except Exception:  # noqa: BLE001
                 pass
-        for th in list(self._helpers):     # their Ray calls fail fast now that the actors are gone
+        for th in list(self._helpers):
             th.join(timeout=HELPER_JOIN_S)
 
     def _helper(self, target, w: WorkerRef, name: str) -> None:
@@ -138,7 +114,6 @@ class Supervisor:
         if not self._stop.is_set():
             self._helper(self._forget, w, f"tandem-forget-{w.name}")
 
-    # ------------------------------------------------------------------ the thread
     def _watch(self) -> None:
         while not self._stop.wait(MONITOR_PERIOD_S):
             live = self.pool.everyone(alive_only=True)
@@ -151,11 +126,8 @@ class Supervisor:
                 self._discover()
 
     def _probe(self, live: list[WorkerRef]) -> bool:
-        """One heartbeat (``progress()``) and one ``stats()`` outstanding per worker (a worker that
-        does not answer is not asked again until it does: nothing piles up behind a hang);
-        waits at most ``PROBE_WAIT_S``. A failed heartbeat is a dead worker; an answered one moves
-        its progress clock (``last_answer``, and ``step_s``: how long its engine has been in one
-        step); an answered stats refreshes its snapshot. False: Ray shut down under us."""
+        """One heartbeat and one ``stats()`` outstanding per worker, waiting at most ``PROBE_WAIT_S``.
+        A failed heartbeat is a dead worker. False: Ray shut down under us."""
         import ray
 
         try:
@@ -166,7 +138,7 @@ class Supervisor:
                     self._stats[w] = w.api.stats()
             refs = [self._pings[w] for w in live] + [self._stats[w] for w in live]
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=PROBE_WAIT_S)[0]) if refs else set()
-        except BaseException:  # noqa: BLE001 - Ray shut down under us
+        except BaseException:  # noqa: BLE001
             return False
         now = time.monotonic()
         for w in live:
@@ -192,21 +164,17 @@ class Supervisor:
         try:
             stats = ray.get(ref)
             snap = WorkerSnapshot.from_stats(stats, self.dispatch.clock())
-        except Exception as e:  # noqa: BLE001 - a dying worker; its ping says so next round
+        except Exception as e:  # noqa: BLE001
             log.info("stats of %s unavailable: %s", w.name, e)
             return
         w.writing = dict(stats.get("writing") or {})
-        if snap.draining and w.alive:   # (a worker stopped meanwhile keeps its fate)
+        if snap.draining and w.alive:
             w.retiring = True
         self.dispatch.update_snapshot(w.wid, snap)
 
     def _judge(self, live: list[WorkerRef]) -> None:
-        """Progress deadlines: a worker whose heartbeat went unanswered for ``progress_timeout_s``
-        (stopped, partitioned, its loop blocked), or whose engine has been in one step for
-        ``STUCK_STEP_FACTOR`` times that (a hung device), is suspect (out of rotation; the
-        backend moves its requests, cluster/backend.py); one that answers again with its engine
-        stepping has the requests moved off it aborted there and rejoins; one suspect for
-        ``progress_replace_s`` is declared dead (killed and replaced like a dead one)."""
+        """Progress deadlines: silent for ``progress_timeout_s`` (or one engine step ``STUCK_STEP_FACTOR``
+        times that) is suspect; answering again, it rejoins; suspect for ``progress_replace_s``, replaced."""
         now = time.monotonic()
         for w in live:
             if not w.alive:
@@ -236,7 +204,7 @@ class Supervisor:
         try:
             ray.get([w.api.abort(rid, "moved to another worker while this one made no progress")
                      for rid in stale], timeout=PING_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - stuck again, or dead: the next round judges it
+        except Exception as e:  # noqa: BLE001
             log.info("aborting stale requests on %s: %s", w.name, e)
             return
         w.stale -= set(stale)
@@ -246,12 +214,11 @@ class Supervisor:
         log.warning("%s worker %s answers again: %d stale requests aborted there; back in rotation",
                     w.role, w.name, len(stale))
 
-    # ------------------------------------------------------------------ adoption
     def _discover(self) -> None:
         """Adopt the namespace's workers this router does not know (each in a helper thread)."""
         try:
             found = self.launcher.discover()
-        except BaseException as e:  # noqa: BLE001 - Ray shut down under us, or the GCS is away
+        except BaseException as e:  # noqa: BLE001
             log.info("discovery failed: %s", e)
             return
         with self.pool.lock:
@@ -265,7 +232,7 @@ class Supervisor:
         try:
             got = self.launcher.answering([w])
             if not got or self._stop.is_set():
-                return                                   # still loading: the next round retries
+                return
             info = got[0][1]
             if info.get("draining"):
                 return
@@ -277,7 +244,7 @@ class Supervisor:
                     self.pool.add(w)
                     self.register(w, info)
             log.warning("adopted %s worker %s", w.role, w.name)
-        except BaseException as e:  # noqa: BLE001 - it died meanwhile; the next discovery retries
+        except BaseException as e:  # noqa: BLE001
             if not self._stop.is_set():
                 log.info("adopting %s failed: %s", w.name, e)
         finally:
@@ -305,10 +272,10 @@ class Supervisor:
             calls += [d.decode_api.remove_decode(w.name) for d in self.pool.alive(DECODE) if d is not w]
         try:
             ray.get(calls, timeout=FORGET_TIMEOUT_S)
-        except Exception as e:  # a peer died too: the monitor finds it
+        except Exception as e:
             log.info("forgetting %s: %s", w.name, e)
         if self._stop.is_set():
-            return        # shutdown() kills it
+            return
         try:
             ray.kill(w.handle)
         except Exception:
@@ -336,13 +303,13 @@ class Supervisor:
             new = self.launcher.spawn(w.role, w.slot, name)
             with self.pool.lock:
                 self._launching[(w.role, w.slot)] = new
-            if self._stop.is_set():          # shutdown() may have missed it: kill it here
+            if self._stop.is_set():
                 raise RuntimeError("shutting down")
-            info = self.launcher.info([new])[0]                    # model loads overlap
-            with self._pair_lock:   # pair and register as one step, so two relaunches meet
+            info = self.launcher.info([new])[0]
+            with self._pair_lock:
                 self._pair_with_everyone(new)
                 with self.pool.lock:
-                    adopted = self.pool.named(name)   # discovery found it first (another router's)
+                    adopted = self.pool.named(name)
                     if adopted is not None and not self._stop.is_set():
                         self.pool.remove(w)
                         self.dispatch.remove_worker(w.wid)
@@ -350,24 +317,24 @@ class Supervisor:
                         self._restarting.discard((w.role, w.slot))
                         return
                     stale = self._stop.is_set() or not self.pool.replace(w, new)
-                    if not stale:   # else it stays in _launching, for shutdown() to kill
+                    if not stale:
                         self.restarts += 1
                         self.dispatch.remove_worker(w.wid)
                         self.register(new, info)
                         self._launching.pop((w.role, w.slot), None)
                     self._restarting.discard((w.role, w.slot))
-        except BaseException as e:  # noqa: BLE001 - also Ray's SystemExit at shutdown; retried next round
+        except BaseException as e:  # noqa: BLE001
             with self.pool.lock:
                 self._restarting.discard((w.role, w.slot))
                 self._launching.pop((w.role, w.slot), None)
             if not self._stop.is_set():
                 log.error("relaunching %s failed: %s", w.name, e)
-            if new is not None and ray.is_initialized():   # ray.kill would start a new Ray
+            if new is not None and ray.is_initialized():
                 try:
                     ray.kill(new.handle)
-                except BaseException:  # noqa: BLE001 - it never started
+                except BaseException:  # noqa: BLE001
                     pass
             return
-        if stale:   # closing meanwhile: shutdown() kills the new actor
+        if stale:
             return
         log.warning("%s replaced by %s", w.name, name)

@@ -1,9 +1,5 @@
-"""The driver's workers: a :class:`WorkerRef` per Ray actor, the :class:`WorkerPool` of them by
-role, and where an actor of a role is placed.
-
-The pool is shared by the event loop (the serving backend) and the supervisor's threads; every
-read or change of its lists holds ``pool.lock``. Load (requests and tokens in flight) is not
-kept here: it is the dispatcher's (router/dispatch.py), keyed by ``WorkerRef.wid``.
+"""The driver's workers: :class:`WorkerRef` per actor, the :class:`WorkerPool` by role, placement.
+Every read or change of the pool's lists holds ``pool.lock``.
 """
 
 from __future__ import annotations
@@ -36,20 +32,19 @@ class WorkerRef:
     """One actor as the driver sees it."""
 
     name: str
-    role: str            # PREFILL | DECODE
-    slot: int            # which of cfg.prefill / cfg.decode it fills (kept across restarts)
-    handle: object       # the Ray actor handle
+    role: str
+    slot: int
+    handle: object
     alive: bool = True
-    error: str = ""      # why it was declared dead
-    node_id: str = ""    # the Ray node it runs on (from its info())
-    retiring: bool = False   # seen draining: when it dies it is not relaunched
-    suspect_since: float | None = None   # monotonic time it was found making no progress, or None
+    error: str = ""
+    node_id: str = ""
+    retiring: bool = False
+    suspect_since: float | None = None
     last_answer: float = field(default_factory=time.monotonic)
-    # ^ when it last answered its heartbeat (the supervisor's progress clock)
-    step_s: float = 0.0   # how long its engine had been in one step, at that answer
-    stale: set = field(default_factory=set)   # rids moved off it while suspect: aborted when it is back
-    writing: dict = field(default_factory=dict)   # prefill: rid -> seconds its KV write has waited
-    wid: int = field(default_factory=lambda: next(_worker_ids))   # the dispatcher's worker id
+    step_s: float = 0.0
+    stale: set = field(default_factory=set)
+    writing: dict = field(default_factory=dict)
+    wid: int = field(default_factory=lambda: next(_worker_ids))
 
     @property
     def api(self) -> RoleClient:
@@ -126,13 +121,9 @@ class WorkerPool:
 
 
 def placement(n_workers: int, role: str, *, sim: bool = False, role_resource: bool = False) -> dict:
-    """Ray ``.options()`` for one actor of ``role`` among ``n_workers``: a GPU each when the
-    cluster has one per worker, else an even share of the CPUs (torch threads follow). On a
-    KubeRay cluster each worker group offers a custom resource named after its role
-    (k8s/base/raycluster.yaml): when it is there the actor asks for it, to land on its group.
-    ``role_resource`` (the planner's autoscaling): always ask for it, and one CPU, so a missing
-    node is a resource demand the Ray autoscaler answers. ``sim``: a simulated worker, which
-    computes nothing (a tenth of a CPU)."""
+    """Ray ``.options()`` for one actor of ``role`` among ``n_workers``: a GPU each when there are
+    enough, else an even CPU share; the role's resource when the cluster offers it, always with
+    ``role_resource``; ``sim``: a tenth of a CPU."""
     import ray
 
     res = ray.cluster_resources()
