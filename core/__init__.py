@@ -1,1 +1,1 @@
-"""Shared vocabulary of Tandem. Imports nothing of ours and no torch (see README.md)."""
+"""Shared vocabulary of Tandem: imports nothing of ours and no torch."""

@@ -1,11 +1,4 @@
-"""What every worker actor answers, and what a decode worker asks of whoever writes it KV.
-
-Structural Protocols (typing.Protocol): the Ray actors (prefill/actor.py, decode/actor.py) and
-the simulated ones (sim/actor.py) implement them without importing them; tests/core/
-test_actor_api.py checks every implementation against its Protocols. Everything crossing an actor
-boundary is plain data (wire dicts, bytes). A method may be sync or async on the actor: a
-caller always awaits ``handle.<method>.remote(...)``.
-"""
+"""The worker actors' Protocols: :class:`RoleAPI` and :class:`KVSource`; arguments are plain data."""
 
 from __future__ import annotations
 
@@ -50,13 +43,10 @@ class RoleAPI(Protocol):
 
 
 class KVSource(Protocol):
-    """Whoever writes a request's KV into a decode worker's pages: a prefill worker (it computes
-    the KV) and a decode worker a request migrated away from (it holds the KV frozen). The decode
-    worker calls ``write_kv`` once per request and ``drop_kv`` when no write will be asked."""
+    """A prefill worker or a migration source: ``write_kv`` once per request, else ``drop_kv``."""
 
     async def write_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
-        """WRITE the request's KV from ``dst_prefix_len`` into ``xfer``'s pages (KVTransferRequest
-        bytes); the PrefillResult bytes, once no write is in flight."""
+        """WRITE the KV from ``dst_prefix_len`` into ``xfer``'s pages; PrefillResult bytes once none is in flight."""
 
     async def drop_kv(self, rid: str, reason: str) -> None:
         """No write will be asked for ``rid``: stop computing it, or release its held KV."""

@@ -1,18 +1,4 @@
-"""Configuration models, validated once (pydantic) and loaded in one place (cluster/config.py).
-
-Each package reads only its own section. No environment-variable-only switches. A default lives
-here and only here: the command-line flags (cluster/flags.py) are generated from these fields.
-
-    ServeConfig                    the YAML of ``tandem serve --config``
-      engine_config: EngineConfig  every worker's engine
-        cache: CacheConfig         KV pools, host tier, radix cache
-        scheduler: SchedulerConfig continuous batching
-        hybrid: HybridConfig       extra pools of sliding-window / recurrent models
-        transfer: TransferConfig   the NIXL agent of disaggregated workers
-      planner: PlannerConfig       SLO-driven prefill:decode autoscaling
-      responses: ResponsesConfig   the Responses API's store (bounds)
-      migration: MigrationConfig   when running requests move between decode workers
-"""
+"""Configuration models, validated once, loaded in cluster/config.py; every default lives here."""
 
 from __future__ import annotations
 
@@ -62,11 +48,7 @@ class SchedulerConfig(_Strict):
 
 
 class HybridConfig(_Strict):
-    """Pool sizes of a hybrid model's extra pools (sliding-window and recurrent layers); None: the
-    defaults engine/hybrid.py documents (SWA rows = the full pool's size, state slots =
-    ``2 * max_running_requests + 2``; with a host tier, host SWA rows = its FULL tokens and host
-    state slots = ``state_slots``). Ignored for models with full attention only. The engine reads
-    ``EngineConfig.hybrid`` (``Engine(hybrid=...)`` overrides it)."""
+    """Pool sizes of a hybrid model's extra pools; None: engine/hybrid.py's defaults."""
 
     swa_pool_tokens: int | None = Field(None, ge=1, description="rows of the SWA KV pool")
     state_slots: int | None = Field(None, ge=2, description="rows of the recurrent-state pool")
@@ -75,9 +57,7 @@ class HybridConfig(_Strict):
 
 
 class TransferConfig(_Strict):
-    """The NIXL agent of a disaggregated worker (transfer/agent.py ``KVTransferAgent``). How long
-    one KV transfer may take is ``ServeConfig.transfer_timeout_s`` (the cluster passes it on).
-    The field names are ``KVTransferAgent``'s keywords (worker/role_worker.py passes them on)."""
+    """The NIXL agent's options, named as ``KVTransferAgent``'s keywords."""
 
     mode: Literal["dynamic", "prepped"] = Field(
         "dynamic", description="coalesced descriptors per write, or descriptors prepared once per peer")
@@ -136,10 +116,7 @@ class EngineConfig(_Strict):
 
 
 class MigrationConfig(_Strict):
-    """Live migration of running requests between decode workers (router/rebalance.py decides,
-    cluster/migration.py moves). ``POST /admin/migrate`` and ``/admin/drain`` work whatever the
-    policy; ``balance`` also moves requests by itself, instead of letting a full worker retract;
-    ``auto`` is ``balance`` where there are at least two decode workers."""
+    """Live migration between decode workers (router/rebalance.py decides, cluster/migration.py moves)."""
 
     policy: Literal["auto", "off", "balance"] = Field(
         "auto", description="'balance': every period, move one request from the fullest decode worker "
@@ -174,10 +151,7 @@ class MigrationConfig(_Strict):
 
 
 class PlannerConfig(_Strict):
-    """The router's SLO planner (router/planner.py; cluster/autoscaler.py applies its plans): it
-    turns measured TTFT and inter-token latency against these targets, and the prefill queue
-    depth, into a desired number of prefill and decode workers within the bounds, asks Ray for
-    their resources and drains idle workers. One router acts at a time (a Ray lease)."""
+    """The router's SLO planner (router/planner.py; cluster/autoscaler.py applies its plans)."""
 
     enabled: bool = Field(False, description="run the planner (needs a Ray cluster whose worker "
                           "groups offer the 'prefill' / 'decode' resources and autoscale)")
@@ -208,10 +182,7 @@ class PlannerConfig(_Strict):
 
 
 class ResponsesConfig(_Strict):
-    """The store of the Responses API (``store: true`` responses that ``previous_response_id``,
-    GET and DELETE /v1/responses/{id} find): one per cluster (a detached Ray actor beside Ray
-    workers, else in the router's memory), bounded by count, bytes and age; the least recently
-    used response goes first."""
+    """The Responses API's store, bounded by count, bytes and age (least recently used goes first)."""
 
     max_stored: int = Field(10_000, ge=1, description="responses kept at most")
     max_bytes: int = Field(256 << 20, ge=1 << 16, description="bytes of stored responses kept at most "
@@ -220,8 +191,7 @@ class ResponsesConfig(_Strict):
 
 
 class ServeConfig(_Strict):
-    """``tandem serve``: the whole cluster. The YAML of ``--config`` has exactly these keys;
-    command-line flags override it (cluster/config.py merges them)."""
+    """``tandem serve``'s config: the YAML of ``--config`` has exactly these keys."""
 
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     engine: Literal["real", "sim"] = "real"

@@ -1,20 +1,5 @@
-"""The Gateway API Inference Extension's model-server metrics, under vLLM's names (what the
-reference endpoint picker scrapes by default), for every worker, real or simulated.
-
-The protocol (gateway-api-inference-extension, docs/proposals/003-model-server-protocol) asks a
-model server for gauges of its queue and KV-cache utilisation; the EPP's defaults read them under
-vLLM's names, and the cache-info metric for the page size and pool:
-
-    vllm:num_requests_waiting       gauge   requests queued (TotalQueuedRequests)
-    vllm:num_requests_running       gauge   requests running (TotalRunningRequests)
-    vllm:kv_cache_usage_perc        gauge   device KV in use, 0..1 (KVCacheUtilization)
-    vllm:gpu_cache_usage_perc       gauge   the same, the older name some EPP versions read
-    vllm:cache_config_info          gauge 1 labels block_size, num_gpu_blocks, num_cpu_blocks,
-                                            enable_prefix_caching (the EPP's cache info)
-
-Every family carries ``model_name`` (vLLM's label), ``worker`` and ``role`` (Tandem's, so a
-router's merged exposition keeps one series per worker). :class:`GIECollector` reads a
-:class:`GIESample` at scrape time from a callable (no work on the hot path).
+"""The Gateway API Inference Extension's model-server gauges under vLLM's names, each labelled
+``model_name``, ``worker`` and ``role``; read from a callable at scrape time.
 """
 
 from __future__ import annotations

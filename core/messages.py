@@ -1,13 +1,5 @@
-"""Messages between roles (HTTP front door -> serving backend -> workers). Small, frozen, no torch.
-
-Encoded for the wire with :func:`to_wire` / :func:`from_wire` (msgpack-compatible plain dicts,
-never pickle); ``from_wire`` validates field names and types.
-
-OpenAI's ``n`` (several samples of one prompt) is fanned out by the front door: ``n``
-GenerateRequests with the same prompt, each its own rid, stream and abort, tied by a
-:class:`SampleGroup`. A backend that knows nothing of groups serves them as independent requests
-(correct, but the prompt is computed n times); the engine uses the group to compute it once: a
-member with ``index > 0`` waits for member 0's prompt KV and reuses it (see SampleGroup).
+"""Small frozen messages between roles, encoded as plain dicts (:func:`to_wire`, never pickle);
+``from_wire`` validates field names and types (ValueError).
 """
 
 from __future__ import annotations
@@ -18,22 +10,12 @@ from typing import Any
 from tandem.core.page_hash import salted
 from tandem.core.types import Constraint, InvalidRequest, SamplingParams
 
-MAX_N = 8   # the most samples one request may ask for (OpenAI ``n``)
+MAX_N = 8
 
 
 @dataclass(frozen=True)
 class SampleGroup:
-    """Membership of one of ``size`` samples of one prompt (filled by the front door).
-
-    ``id`` names the group (the HTTP request's id); members are ``index`` 0..size-1, sent to the
-    backend in index order, all with the same prompt_ids and session_id. Contract for a backend
-    that shares the prompt (engine/scheduler.py): a member is not admitted while a sibling on the
-    same worker is still computing the prompt (the leader, or whichever member arrived first),
-    then reuses that sibling's cached prompt KV (all of it but the last, partial page); a member
-    never waits for a sibling that is not on its worker, so a disaggregated backend must route
-    every member to the same prefill and decode workers for the prompt to be computed once.
-    Seeds differ per member (the front door sets seed + index).
-    """
+    """Member ``index`` of ``size`` samples of one prompt; it reuses a sibling's prompt KV on its worker."""
 
     id: str
     index: int = 0
@@ -55,11 +37,7 @@ class SampleGroup:
 
 @dataclass(frozen=True)
 class Resume:
-    """Where a request moved from another decode worker stands: the tokens it has generated
-    (``output_ids``; the last one has no KV yet), how many characters of text its stream has
-    already sent (``streamed_chars``) and the prompt tokens its first worker served from cache
-    (``cached_tokens``, for usage). Sampling needs nothing more: seeded draws are keyed by
-    position, and a grammar's state is the constraint after ``output_ids``."""
+    """A moved request's ``output_ids`` (the last has no KV), ``streamed_chars`` and ``cached_tokens``."""
 
     output_ids: tuple[int, ...]
     streamed_chars: int = 0
@@ -75,16 +53,7 @@ class Resume:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation, already tokenized. ``rid`` is unique per request; ``session_id`` groups turns;
-    ``group`` ties the n samples of one prompt (None for n = 1); ``priority`` orders requests that
-    wait in the router's deferred-dispatch queue (lower first, vLLM's convention; 0 by default);
-    ``resume``: the request continues what another decode worker generated (live migration).
-
-    Filled by the front door from the caller's API key (router/auth.py): ``tenant`` (who asked;
-    "" when the server has no keys), ``cache_salt`` (the prefix-cache namespace, core/page_hash.py:
-    the tenant's, narrowed by the body's ``cache_salt``; 0: shared) and ``trace`` (a W3C
-    ``traceparent`` the workers continue their spans under; "" when tracing is off). Every copy
-    of the request (a re-route, a retraction, a live migration) keeps them."""
+    """One tokenized generation; ``tenant``, ``cache_salt``, ``trace``: the front door's, kept by every copy."""
 
     rid: str
     prompt_ids: tuple[int, ...]

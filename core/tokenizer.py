@@ -1,23 +1,5 @@
-"""Tokenizer and chat template, without torch (the router tokenizes with no model loaded).
-
-Two sources:
-- :meth:`Tokenizer.from_gguf`: a byte-level BPE rebuilt from a GGUF file's ``tokenizer.ggml.*``
-  metadata. It reproduces what Hugging Face transformers builds from the same file
-  (``integrations/gguf/gguf_tokenizer_mapping.py``): GPT-2 byte-level BPE, control tokens
-  (token_type 3) added whole as special tokens, user-defined ones (4) as plain added tokens, and a
-  split regex chosen by ``tokenizer.ggml.pre`` (the GPT-2 regex for "smollm" and unknown names).
-  Gemma's SentencePiece vocabulary (``tokenizer.ggml.model`` "llama" in a gemma* file) is rebuilt as
-  transformers' ``gemma_tokenizer`` does: a byte-fallback BPE whose merges come from the vocabulary
-  in file order; a Gemma file without a chat template gets Gemma's turn format (``GEMMA_TEMPLATE``)
-  and ``<end_of_turn>`` as an end-of-generation id, as llama.cpp treats it.
-- :meth:`Tokenizer.from_hf_dir`: ``tokenizer.json`` plus ``tokenizer_config.json`` (chat template,
-  bos/eos), ``chat_template.jinja`` and ``generation_config.json`` (extra eos ids) when present.
-
-Contract: ``encode`` adds no special tokens unless asked (and only a BOS, when the source says the
-model wants one); ``decode`` skips special tokens by default; ``apply_chat_template`` renders the
-model's Jinja template in a sandbox exactly as transformers does (trim_blocks, lstrip_blocks,
-``raise_exception``, ``strftime_now``, a non-escaping ``tojson``). Errors a user can cause raise
-:class:`TokenizerError` (a :class:`TandemError`) with the file or key named.
+"""Tokenizer and chat template from a GGUF or a Hugging Face directory, without torch; a user's
+error raises :class:`TokenizerError` naming the file or key.
 """
 
 from __future__ import annotations
@@ -33,7 +15,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from tandem.core.types import TandemError
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_CONTROL, _USER_DEFINED = 3, 4
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -123,7 +105,6 @@ class Tokenizer:
         self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
         self.add_bos_token = add_bos_token
 
-    # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, path_or_reader: Any) -> "Tokenizer":
         """Build from a GGUF file path or an open ``gguf.GGUFReader``."""
@@ -193,9 +174,7 @@ class Tokenizer:
     @classmethod
     def _from_gguf_gemma(cls, meta: dict[str, Any], tokens: list[str], types: list[int],
                          source: Any) -> "Tokenizer":
-        """Gemma's vocabulary as transformers' GGUF ``gemma_tokenizer`` + ``GemmaTokenizer`` build
-        it: tokens of two or more spaces respelled as that many U+2581, merges derived from the
-        vocabulary with file order as the score (Gemma files list no merges), byte fallback."""
+        """Gemma's vocabulary as transformers builds it from a GGUF (merges from vocabulary order)."""
         respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {t: i for i, t in enumerate(respelled)}
         merges = _merges_from_vocab(vocab, {t: -i for i, t in enumerate(respelled)})
@@ -239,7 +218,7 @@ class Tokenizer:
             raise TokenizerError(f"model directory {path!r} has no tokenizer.json")
         try:
             tok = _HFTokenizer.from_file(tj)
-        except Exception as e:  # noqa: BLE001 - the library's message is the useful part
+        except Exception as e:  # noqa: BLE001
             raise TokenizerError(f"cannot read {tj!r}: {e}") from None
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen = _read_json(os.path.join(path, "generation_config.json"))
@@ -259,7 +238,6 @@ class Tokenizer:
                    eos_token_ids=eos_ids, chat_template=_hf_chat_template(path, cfg),
                    special_tokens=special, add_bos_token=bool(cfg.get("add_bos_token", False)))
 
-    # -- properties ----------------------------------------------------------------------------
     @property
     def name(self) -> str:
         return self._name
@@ -281,10 +259,8 @@ class Tokenizer:
     def backend(self) -> _HFTokenizer:
         return self._tok
 
-    # -- encode / decode -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. With ``add_special_tokens`` a BOS is prepended when the model
-        wants one (``add_bos_token``) and the post-processor's own specials are added."""
+        """Token ids of ``text``; ``add_special_tokens``: the BOS the model wants and the post-processor's."""
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self._bos is not None \
                 and (not ids or ids[0] != self._bos):
@@ -301,9 +277,7 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8
-        character, so this is not ``decode([id]).encode()``); special tokens give their text.
-        b"" for an id outside the vocabulary."""
+        """The bytes one token stands for (special tokens: their text; b"" outside the vocabulary)."""
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             return b""
@@ -312,13 +286,12 @@ class Tokenizer:
             if all(ch in inverse for ch in piece):
                 return bytes(inverse[ch] for ch in piece)
         elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            try:                            # a byte-fallback token (SentencePiece's <0xE2>)
+            try:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
         return self._tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
-    # -- chat ----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render ``messages`` with the model's chat template (extra ``kwargs`` reach the template)."""
@@ -338,16 +311,9 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turn a stream of token ids into text pieces, holding back incomplete characters.
+    """Ids in, complete text out; pieces plus :meth:`flush` equal ``decode(all ids)``."""
 
-    Feed ids with :meth:`add`; each call returns only the text that became complete. A piece that
-    would end in U+FFFD (a multi-byte character cut short) is held until its remaining bytes
-    arrive. :meth:`flush` returns whatever is held at the end, so the concatenation of every
-    returned piece equals ``tokenizer.decode(all ids)`` (vLLM's prefix/read offset scheme).
-    ``prompt_ids`` (optional) give context for tokenizers whose first piece decodes differently.
-    """
-
-    _CONTEXT = 5  # tokens of context kept before the read offset
+    _CONTEXT = 5
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
                  skip_special_tokens: bool = True):
@@ -356,7 +322,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids or [])
         self._read = len(self._ids)
         self._prefix = max(self._read - self._CONTEXT, 0)
-        self.text = ""  # everything returned so far
+        self.text = ""
 
     @property
     def token_ids(self) -> list[int]:
@@ -384,7 +350,6 @@ class IncrementalDetokenizer:
         return delta
 
 
-# -- helpers -----------------------------------------------------------------------------------
 def _gguf_fields(reader: Any) -> dict[str, Any]:
     """The tokenizer.* and general.name metadata of a GGUFReader as Python values."""
     out: dict[str, Any] = {}
@@ -399,8 +364,7 @@ def _gguf_fields(reader: Any) -> dict[str, Any]:
 
 
 def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """BPE merges a vocabulary implies (transformers' ``generate_merges`` with scores): every
-    split of a token into two tokens, best score first, ties by the pieces' lengths."""
+    """The BPE merges a vocabulary implies (transformers' ``generate_merges``), best first."""
     merges = []
     for merge, score in scores.items():
         local = [(merge[:i], merge[i:], score) for i in range(1, len(merge))
@@ -444,7 +408,7 @@ def _hf_chat_template(path: str, cfg: dict) -> str | None:
     tpl = cfg.get("chat_template")
     if tpl is None:
         tpl = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
-    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
+    if isinstance(tpl, list):
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
         tpl = named.get("default") or next(iter(named.values()), None)
     return tpl if isinstance(tpl, str) else None

@@ -1,14 +1,5 @@
-"""Traces: OpenTelemetry spans exported over OTLP/HTTP, off unless a process turns them on.
-
-:func:`setup` turns tracing on in this process under its own ``service.name`` (router,
-prefill-N, decode-N), exporting to ``endpoint`` (``--otlp-endpoint``) or to what the standard
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT`` variables name. Until
-then every function here is a no-op that imports nothing: opentelemetry is imported only by
-:func:`setup`, so tracing off costs a global read per call.
-
-A trace crosses processes as a W3C ``traceparent`` string (GenerateRequest.trace): the router's
-HTTP span continues the client's ``traceparent``; each worker opens its spans under the one the
-request carries.
+"""OpenTelemetry traces over OTLP/HTTP, off (a no-op that imports nothing) until :func:`setup`.
+A trace crosses processes as a W3C ``traceparent`` (GenerateRequest.trace).
 """
 
 from __future__ import annotations
@@ -17,7 +8,7 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
-_state: dict[str, Any] = {}     # "tracer", "provider", "propagator" once setup() turned tracing on
+_state: dict[str, Any] = {}
 
 
 def endpoint_from_env() -> str | None:
@@ -35,9 +26,7 @@ def traces_url(url: str) -> str:
 
 
 def setup(service_name: str, endpoint: str | None = None) -> bool:
-    """Turn tracing on for this process (idempotent); whether it is on. ``endpoint``: the OTLP/HTTP
-    traces URL (``http://host:4318/v1/traces``; a bare ``http://host:4318`` gets ``/v1/traces``);
-    None: the standard variables', and with none of them tracing stays off."""
+    """Turn tracing on here (idempotent; ``endpoint`` None: the OTEL variables'); whether it is on."""
     if _state:
         return True
     url = endpoint or endpoint_from_env()
@@ -104,8 +93,7 @@ class _Span:
 
 
 def _context(parent: str | Mapping[str, str] | None):
-    """The OpenTelemetry context of ``parent``: a traceparent string, a header mapping, or None
-    (the current context)."""
+    """The OpenTelemetry context of ``parent`` (traceparent, headers, or None: the current one)."""
     if parent is None:
         return None
     carrier = {"traceparent": parent} if isinstance(parent, str) else {
@@ -118,10 +106,7 @@ def _context(parent: str | Mapping[str, str] | None):
 @contextmanager
 def span(name: str, parent: str | Mapping[str, str] | None = None, *, server: bool = False,
          start_s: float | None = None, **attrs: Any) -> Iterator[_Span | _Off]:
-    """A span named ``name`` around the block, child of ``parent`` (a traceparent, request
-    headers, or None: the current span), made current inside the block. ``start_s``: it began
-    earlier, at this ``time.time()``. A parent of "" (a request that carries no trace) and tracing
-    off give a span that records nothing."""
+    """A span around the block under ``parent`` (None: current); records nothing when off or ``parent`` is ""."""
     if not _state or parent == "":
         yield _OFF
         return
@@ -147,10 +132,7 @@ def current() -> str:
 
 
 def record(name: str, parent: str, start_s: float, end_s: float | None = None, **attrs: Any) -> str:
-    """A finished span ``name`` from ``start_s`` to ``end_s`` (``time.time()``; None: now) under
-    traceparent ``parent``, for work measured after the fact (a routing wait, a worker's prefill,
-    a decode stream); its traceparent, for children. No-op ("") when tracing is off or
-    ``parent`` is ""."""
+    """A finished span from ``start_s`` to ``end_s``; its traceparent ("" when off or ``parent`` is "")."""
     if not _state or not parent:
         return ""
     sp = _state["tracer"].start_span(name, context=_context(parent), start_time=int(start_s * 1e9),

@@ -1,11 +1,4 @@
-"""Core request types: who fills which field is noted beside it.
-
-A request's life: the API layer builds a :class:`Req` from a prompt and :class:`SamplingParams`;
-the scheduler moves it WAITING -> PREFILLING -> RUNNING (-> RETRACTED -> RUNNING) -> a finished
-status (a disaggregated decode worker: WAITING_FOR_KV -> RUNNING); the
-engine appends sampled tokens to ``output_ids``. Nothing here imports torch, so the router can use
-these types without a model.
-"""
+"""Core request types; who fills which field is noted beside it. No torch."""
 
 from __future__ import annotations
 
@@ -49,8 +42,7 @@ class InvalidRequest(TandemError, ValueError):
 
 
 class Overloaded(TandemError):
-    """Every eligible worker is past its admission limits: try again in ``retry_after_s``
-    seconds (the front door answers 429 with Retry-After)."""
+    """Every eligible worker is past its admission limits: retry after ``retry_after_s`` (a 429)."""
 
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message)
@@ -63,20 +55,7 @@ CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "structural_t
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match, decoded under a token bitmask (engine/grammar.py enforces it).
-
-    Filled by the front door (response_format, tool_choice); read by the sampler. ``spec`` is text:
-
-    - ``json_schema``: a JSON Schema, serialized JSON (``strict`` below says how unsupported keywords
-      are treated: refused when strict, ignored otherwise);
-    - ``json_object``: any JSON object (``spec`` is ignored, "" by convention);
-    - ``regex``: a regular expression the whole output must match;
-    - ``lark``: a grammar in llguidance's Lark dialect (EBNF-like; may embed ``%json {schema}``);
-    - ``structural_tag``: serialized JSON ``{"tags": [{"begin", "schema", "end"}], "triggers": [..]}``:
-      free text, but whatever follows a trigger must be one of the tags (lazy tool-call grammars).
-
-    The output ends where the grammar is complete (EOS is the only token allowed then).
-    """
+    """What the output must match (engine/grammar.py; kinds: core/README.md); it ends when complete."""
 
     kind: str
     spec: str = ""
@@ -100,10 +79,7 @@ class Constraint:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability and the ``top`` alternatives ((token id, logprob),
-    most likely first). Both come from ``log_softmax`` of the logits the sampler drew from: the
-    model's logits with the constraint's bitmask and min_tokens bans applied, before temperature,
-    top-k and top-p (so a greedy token is always ``top[0]``)."""
+    """A token's logprob and the ``top`` alternatives, most likely first (a greedy token is ``top[0]``)."""
 
     token_id: int
     logprob: float
@@ -113,18 +89,7 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. Validated by :meth:`validate` (raises :class:`InvalidRequest`).
-
-    temperature == 0 means greedy. top_k <= 0 means off; top_p == 1.0 means off.
-    ``stop`` strings are matched on the detokenized output and excluded from the returned text.
-    ``stop_token_ids`` finish with reason "stop"; EOS does too unless ``ignore_eos``.
-    ``min_tokens`` suppresses EOS/stop tokens until that many tokens were generated.
-    ``logprobs``: report each sampled token's logprob (StreamChunk.logprobs), with the
-    ``top_logprobs`` (0..MAX_TOP_LOGPROBS) most likely alternatives. ``prompt_logprobs`` (None =
-    off, else 0..MAX_TOP_LOGPROBS alternatives): report each prompt token's logprob given the
-    tokens before it (StreamChunk.prompt_logprobs). ``constraint``: decode under a
-    grammar (None = unconstrained).
-    """
+    """How to pick tokens; :meth:`validate` raises :class:`InvalidRequest`. Fields: core/README.md."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -178,13 +143,7 @@ class SamplingParams:
 
 @dataclass
 class Req:
-    """One generation request, as the scheduler sees it.
-
-    Fields set at creation (API layer): rid, prompt_ids, params, session_id, arrival, cache_salt, trace.
-    Fields owned by the scheduler: status, req_pool_idx, prefix_len, cached_len, computed_len,
-    last_node (an opaque cache handle), finish_reason.
-    Fields owned by the engine's output step: output_ids, first_token_time, finish_time.
-    """
+    """One generation request, as the scheduler sees it; each field's owner is noted beside it."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -213,8 +172,7 @@ class Req:
 
     @property
     def cache_ids(self) -> list[int]:
-        """``all_ids`` as the prefix cache's key: salted by ``cache_salt`` (a copy; ``all_ids``
-        itself when there is no salt)."""
+        """``all_ids`` salted by ``cache_salt``: the prefix cache's key."""
         return salted(self.all_ids, self.cache_salt)
 
     @property
@@ -228,17 +186,7 @@ class Req:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """What a caller receives per step: the new token ids and text, and the finish reason once.
-
-    ``prompt_tokens`` / ``cached_tokens`` are reported by the final chunk and by the chunk of the
-    first generated token (the same figures, so a stream can state its usage up front); other
-    chunks leave them 0. ``logprobs`` (only when the request asked for them): one entry per id in
-    ``token_ids``, same order. ``prompt_logprobs`` (only when the request asked for them, on the
-    chunk of the first generated token): one entry per prompt token after the first (the
-    first has no context), each with its ``rank``. ``queue_s`` (the chunks that report the
-    prompt's figures): the seconds the request waited in this engine's queue before its admission. ``stop_str``: the stop string that finished the request (finish_reason "stop"), None
-    when EOS or a stop token id did.
-    """
+    """One step's new ids and text and the finish reason once; usage on the first and final chunks."""
 
     rid: str
     token_ids: tuple[int, ...]
