@@ -1,9 +1,4 @@
-"""The Ray actor shell's pieces that a prefill actor and a decode actor share (written once).
-
-:class:`RoleActorMixin`: the thin methods every role's actor has (``self.worker`` is a
-:class:`~tandem.worker.role_worker.RoleWorker`); :func:`actor_config`: the engine config an actor
-was handed, with as many torch threads as Ray gave it CPUs.
-"""
+"""The Ray actor shell's shared pieces: :class:`RoleActorMixin` and :func:`actor_config`."""
 
 from __future__ import annotations
 
@@ -56,24 +51,19 @@ class RoleActorMixin:
         return await self.worker.debug_kv()
 
     def drain(self) -> bool:
-        """Take no new requests (every router reads ``draining`` from ``stats()``); True."""
         self.worker.draining = True
         return True
 
     def undrain(self) -> bool:
-        """Back in rotation after a drain that did not stop it; True."""
         self.worker.draining = False
         return True
 
     async def ping(self) -> str:
-        self.worker.check_alive()   # a crashed engine thread counts as a dead worker
+        self.worker.check_alive()
         return self.worker.name
 
     async def progress(self, router: str | None = None) -> float:
-        """The supervisor's heartbeat (answered on the actor's loop, not the engine thread, so a
-        long step does not delay it): seconds the engine has been in its current step (0 between
-        steps); raises like :meth:`ping` when the engine thread died. ``router``: the caller's id
-        (a decode worker renews its lease, decode/leases.py)."""
+        """Seconds in the current engine step (0 between); raises like :meth:`ping`; ``router`` renews its lease."""
         self.worker.check_alive()
         return self.worker.engine.step_age()
 

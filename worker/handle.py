@@ -1,4 +1,4 @@
-"""RoleHandle: a role's engine handle (written once for prefill's and decode's)."""
+"""RoleHandle: a role's engine handle."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from tandem.engine.handle import EngineHandle
 
 
 class RoleHandle(EngineHandle):
-    """An :class:`EngineHandle` over an engine whose scheduler runs the role's connector
-    (``CONNECTOR``; ValueError otherwise), kept as ``self.connector``."""
+    """An EngineHandle whose engine runs the role's ``CONNECTOR`` (ValueError otherwise)."""
 
     ROLE = "worker"
     CONNECTOR: type[KVConnector] = KVConnector

@@ -1,6 +1,4 @@
-"""What a held request's KV is, for the worker that sends it (prefill's prompt, a migrating
-decode request's prompt and output): source page ids and, for hybrid models, the rows a
-transfer moves besides them. Read on the engine thread (through ``Engine.inspect``)."""
+"""A held request's source page ids (and hybrid rows), read on the engine thread."""
 
 from __future__ import annotations
 
@@ -11,9 +9,9 @@ from tandem.worker.kv_regions import KV
 
 @dataclass(frozen=True)
 class HeldKV:
-    pages: tuple[int, ...]      # source page ids of positions [start, end of its KV)
-    cached_tokens: int          # prompt tokens this worker's prefix cache served
-    rows: dict[str, tuple[int, ...]] = field(default_factory=dict)   # hybrid: "swa", "state"
+    pages: tuple[int, ...]
+    cached_tokens: int
+    rows: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def source(self, region: str) -> tuple[int, ...]:
         """Source ids of ``region`` ("kv": the pages)."""
@@ -21,8 +19,6 @@ class HeldKV:
 
 
 def held_kv(engine, rid: str, start: int) -> HeldKV:
-    """Engine thread: the source ids of held ``rid``'s KV positions ``[start, computed_len)`` (a
-    prefill's prompt; a migrating request's prompt and output but the last token) and, for
-    hybrid models, the rows a transfer moves past ``start``. KeyError if ``rid`` is not held."""
+    """Engine thread: held ``rid``'s source ids from ``start`` (and hybrid rows); KeyError if not held."""
     sr, kv = engine.scheduler.detached[rid], engine.kv
     return HeldKV(kv.pages(sr, start, sr.req.computed_len), sr.req.cached_len, kv.transfer_rows(sr, start))

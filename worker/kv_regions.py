@@ -1,18 +1,4 @@
-"""The memory regions a worker registers for KV transfer, by name (written once, for the agent
-registration in role_worker.py and for the ``--kv-digest`` of both roles).
-
-=========  ==========================================  =========  ==========  ====================
-region     tensor                                      page_size  slab_dims   ids a transfer names
-=========  ==========================================  =========  ==========  ====================
-``kv``     full layers' pool ``[L_full, 2, rows, H, D]``  cache's    2           full pages
-``swa``    SWA pool ``[L_swa, 2, rows, H, D]``         1          2           SWA rows
-``state``  state pool ``[L_mamba, slots + 1, numel]``  1          1           state rows
-=========  ==========================================  =========  ==========  ====================
-
-``kv`` is absent when no layer is "full" (every layer sliding-window): its pool has no bytes.
-FULL-only models have ``kv`` alone. Regions of the two workers of a transfer must agree on
-everything but ``rows`` (transfer/descriptors.py ``PoolLayout.check_compatible``).
-"""
+"""The regions a worker registers for KV transfer; two peers' agree on all but ``rows``."""
 
 from __future__ import annotations
 

@@ -1,25 +1,4 @@
-"""RoleWorker: what a prefill worker and a decode worker share (written once).
-
-Each owns an :class:`~tandem.engine.engine.Engine` reached only through its role's handle
-(``PrefillHandle`` / ``DecodeHandle``, subclasses of :class:`EngineHandle`), a NIXL
-:class:`KVTransferAgent` over the engine's pools (worker/kv_regions.py: ``"kv"``, and for hybrid
-models ``"swa"`` and ``"state"``), the live KV handoffs by request (transfer/handoff.py), its own
-Prometheus registry, and plain counters. Methods run on one asyncio loop
-(the agent is not thread-safe). The Ray shells (``*/actor.py``) share worker/actor.py.
-
-Set-up, for either role: :func:`role_engine` builds the engine (and its KV-event publisher) a
-worker runs when it is not handed one; :func:`attach_tier` adds a tier the cluster configures
-(the shared L3 store) to its cache, through the tier factory (cache/tiers/factory.py).
-
-Bootstrap: ``handshake()`` returns this worker's :class:`Handshake` bytes; ``add_peer(bytes)``
-loads a peer's (a peer already known is kept as it is: several routers may pair the same two
-workers); ``remove_peer(name)`` forgets a dead one.
-
-KV events: :func:`kv_publisher` is the cache's publisher in vLLM's format (topic
-``kv@<worker>@<model>``, PUB and replay sockets on the given host), for either role. A drained
-worker (``drain()``, the planner's) takes no new requests from any router: its ``stats()`` say
-``draining`` and every router's dispatcher leaves it out; what it runs finishes.
-"""
+"""RoleWorker: what both roles share; its methods run on one asyncio loop (NIXL is not thread-safe)."""
 
 from __future__ import annotations
 
@@ -43,15 +22,14 @@ from tandem.transfer.state import TransferState
 from tandem.worker.kv_regions import KV, kv_regions
 
 REGION = KV
-IN_FLIGHT_LIMIT = 10          # give up waiting for a stuck write after this many transfer timeouts
+IN_FLIGHT_LIMIT = 10
 _POLL_S = 0.0005
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WriteOutcome:
-    """How one WRITE of held KV ended: DONE, FAILED (the write ended) or QUARANTINED (still in
-    flight after ``IN_FLIGHT_LIMIT`` transfer timeouts: the destination must never reuse its pages)."""
+    """How a WRITE ended: DONE, FAILED, or QUARANTINED (its destination pages are never reused)."""
 
     state: TransferState
     nbytes: int = 0
@@ -60,9 +38,7 @@ class WriteOutcome:
 
 
 def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
-    """The cache's KV-event publisher for worker ``name``: vLLM's format and replay socket, both
-    bound to ephemeral ports on ``host`` (the worker's node address, so routers on other nodes
-    reach it)."""
+    """Worker ``name``'s KV-event publisher (vLLM's format, replay socket) on ``host``."""
     import os
 
     from tandem.cache.radix.events import KVEventPublisher, topic_for
@@ -73,8 +49,7 @@ def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
 
 def role_engine(name: str, role: str, connector, config: EngineConfig | None, *, loaded=None,
                 kv_events: bool = False, kv_events_host: str = "127.0.0.1"):
-    """``(engine, kv publisher or None)``: a new engine of ``role`` whose scheduler runs
-    ``connector``; with ``kv_events``, its cache publishes KV events (:func:`kv_publisher`)."""
+    """``(engine, publisher or None)``: a new engine of ``role`` running ``connector``."""
     from tandem.engine.engine import Engine
 
     publisher = None
@@ -86,9 +61,7 @@ def role_engine(name: str, role: str, connector, config: EngineConfig | None, *,
 
 
 def attach_tier(engine, name: str, options: dict | None):
-    """Add tier ``name`` built from ``options`` (cache/tiers/factory.py) to ``engine``'s cache;
-    the tier, or None (``options`` None, a cache that keeps nothing, or a tier that could not
-    start: logged, the worker serves without it)."""
+    """Tier ``name`` from ``options`` added to the cache; None when off or it could not start (logged)."""
     if not options:
         return None
     cache = engine.kv.cache
@@ -109,29 +82,27 @@ class RoleWorker:
         self.name = name
         self.engine = engine
         self.handle = handle
-        tracing.setup(name)     # on when the launcher gave OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (else a no-op)
+        tracing.setup(name)
         self.page_size = engine.kv_pool.page_size
         self.transfer_timeout_s = transfer_timeout_s
-        if agent_opts is None:   # the config's agent options (EngineConfig.transfer)
+        if agent_opts is None:
             agent_opts = engine.config.transfer.model_dump()
-        self.regions = kv_regions(engine)   # name -> RegionSpec
+        self.regions = kv_regions(engine)
         self.agent = KVTransferAgent(name, [Region.of(n, r.tensor, r.page_size, r.slab_dims)
                                             for n, r in self.regions.items()], **agent_opts)
-        self.handoffs: dict[str, Handoff] = {}   # rid -> its live KV handoff (transfer/handoff.py)
+        self.handoffs: dict[str, Handoff] = {}
         self.counts: dict[str, int] = {}
         self.draining = False
         self.metrics = CollectorRegistry()
         register_engine_metrics(engine, worker=name, role=self.role, registry=self.metrics)
         register_gie_metrics(engine, worker=name, role=self.role, registry=self.metrics)
 
-    # -- bootstrap -------------------------------------------------------------------------------
     def handshake(self) -> bytes:
         """This worker's Handshake (NIXL metadata + region layout), encoded."""
         return self.agent.handshake_bytes()
 
     def add_peer(self, handshake: bytes) -> str:
-        """Load a peer worker's handshake; returns its agent name. A peer already known stays
-        as it is (re-adding it would cut its transfers in flight)."""
+        """Load a peer's handshake; its agent name. A known peer is kept as it is."""
         name = Handshake.decode(handshake).agent_name
         if name in self.agent.peers:
             return name
@@ -141,19 +112,15 @@ class RoleWorker:
         """Forget a (dead) peer; transfers with it fail from now on."""
         self.agent.remove_peer(name)
 
-    # -- sending held KV (a prefill's prompt; a migrating request) ------------------------------
     async def write_held(self, h: Handoff, req: KVTransferRequest, held) -> WriteOutcome:
-        """One NIXL WRITE of ``held``'s source ids (a HeldKV) into ``req``'s destination ids, region
-        by region, moving ``h`` (BOOTSTRAPPED) to TRANSFERRING and then DONE, FAILED or QUARANTINED.
-        Returns only when no write is in flight, except QUARANTINED. The agent's own deadline is
-        far away: only a transport error or completion ends the write, so "not TRANSFERRING"
-        really means "not in flight"."""
+        """One WRITE of ``held`` into ``req``'s pages, moving ``h`` to DONE, FAILED or QUARANTINED; returns
+        only when no write is in flight (except QUARANTINED)."""
         pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
         limit = self.transfer_timeout_s * IN_FLIGHT_LIMIT
         t0 = time.monotonic()
         try:
             w = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
-        except (KeyError, ValueError) as e:  # unknown peer, bad pages: nothing was posted
+        except (KeyError, ValueError) as e:
             h.fail(str(e))
             return WriteOutcome(TransferState.FAILED, error=f"not posted: {e}")
         h.send()
@@ -164,7 +131,7 @@ class RoleWorker:
                 h.settle(in_flight=True)
                 log.error("transfer %d to %s still in flight after %.0fs; quarantined",
                           h.transfer_id, req.agent_name, limit)
-                self.agent.release(w)  # the agent keeps an in-flight request and retries later
+                self.agent.release(w)
                 return WriteOutcome(TransferState.QUARANTINED, seconds=time.monotonic() - t0,
                                     error=f"still in flight after {limit:.0f}s")
             await asyncio.sleep(_POLL_S)
@@ -178,7 +145,6 @@ class RoleWorker:
         h.land()
         return WriteOutcome(TransferState.DONE, w.nbytes, seconds)
 
-    # -- observability ---------------------------------------------------------------------------
     async def stats(self) -> dict:
         """Pool accounting (:class:`EngineSnapshot` fields), live transfers and counters."""
         snap = await self.handle.snapshot()
@@ -189,15 +155,14 @@ class RoleWorker:
         return {}
 
     async def debug_kv(self) -> dict:
-        """Where every KV slot is (the snapshot), the leak count, and the invariant recount's
-        verdict ("ok" or the violations): what a chaos run checks once the cluster is idle."""
+        """Every KV slot's place, the leak count and the invariant recount's verdict."""
         snap = await self.handle.snapshot()
         try:
             await self.handle.check_invariants()
             verdict = "ok"
         except AssertionError as e:
             verdict = str(e)[:4000]
-        l3 = self.engine.kv.cache.tier("l3")    # the shared L3 tier's counters, if any
+        l3 = self.engine.kv.cache.tier("l3")
         return {"worker": self.name, "role": self.role, **snap.as_dict(),
                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
                 "l3": l3.as_dict() if l3 is not None else None,
