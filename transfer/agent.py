@@ -1,19 +1,6 @@
-"""One NIXL agent per worker: register memory regions once, WRITE pages to peers, poll, notify.
-
-The only module in Tandem that imports NIXL. It knows regions, page ids and peers by name; it
-knows nothing of requests or trees. Not thread-safe: call it from one thread (the worker loop).
-
-    agent = KVTransferAgent("decode-0", [Region.of("kv", pool.kv_data, page_size=16)])
-    hs = agent.handshake()                       # travels over the bootstrap channel
-    other.add_peer(hs.agent_name, hs.agent_metadata, hs.regions)
-    h = other.write_pages("decode-0", "kv", src_pages, dst_pages)
-    while other.poll(h) is TransferState.TRANSFERRING: ...
-    other.release(h)
-
-:meth:`KVTransferAgent.poll` answers in :class:`~tandem.transfer.state.TransferState` (NIXL's
-"PROC" / "DONE" / "ERR" are mapped here and nowhere else). With NIXL's progress thread off, the
-*receiving* agent must keep calling :meth:`progress` while writes to it may be in flight: UCX
-transports that emulate remote writes (tcp) move the bytes only when the target progresses.
+"""One NIXL agent per worker (the only module importing NIXL): register regions, WRITE pages to
+peers, poll. Not thread-safe. Polls answer in :class:`TransferState`; with NIXL's progress thread
+off, the receiving agent must call :meth:`KVTransferAgent.progress` while writes may land.
 """
 
 from __future__ import annotations
@@ -53,9 +40,7 @@ _NIXL_STATE = {"PROC": TransferState.TRANSFERRING, "DONE": TransferState.DONE, "
 
 
 def memory_type(device: torch.device) -> tuple[str, int]:
-    """NIXL's memory type and device id for a buffer on ``device``: ``("VRAM", index)`` on a CUDA
-    device (index 0 when unset: the one device a Ray GPU actor sees), ``("DRAM", 0)`` otherwise.
-    The one place the choice is made: registration, region infos and descriptors all use it."""
+    """NIXL's ``(mem_type, dev_id)`` for ``device``: ``("VRAM", index)`` on CUDA, else ``("DRAM", 0)``."""
     device = torch.device(device)
     if device.type == "cuda":
         return "VRAM", device.index or 0
@@ -69,18 +54,15 @@ def default_ucx_tls(mem_types: Sequence[str] = ()) -> str:
 
 def configure_ucx_tls(ucx_tls: str | None, environ: MutableMapping[str, str] = os.environ,
                       mem_types: Sequence[str] = ()) -> str:
-    """Set ``UCX_TLS`` for agents created after this call: an explicit value wins, else the
-    user's existing setting is kept, else :func:`default_ucx_tls` of ``mem_types`` (the
-    regions' memory types). Returns the value in effect.
-    UCX reads it when the backend starts, so it must be set before the agent is created."""
+    """Set ``UCX_TLS`` for agents created after this call (explicit, else the user's, else the default
+    for ``mem_types``); the value in effect."""
     if ucx_tls is not None:
         environ["UCX_TLS"] = ucx_tls
     return environ.setdefault("UCX_TLS", default_ucx_tls(mem_types))
 
 
 def configure_ucx_modules(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Set ``UCX_MODULES`` to :data:`DEFAULT_UCX_MODULES` unless the user set it (an EFA node sets
-    it to ``all``). UCX reads it when its library first loads: before ``nixl`` is imported."""
+    """Set ``UCX_MODULES`` unless the user did; must run before ``nixl`` is imported."""
     return environ.setdefault("UCX_MODULES", DEFAULT_UCX_MODULES)
 
 
@@ -94,11 +76,7 @@ class Region:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, page_size: int, slab_dims: int = 2) -> "Region":
-        """Region over ``tensor: [*slab_dims, rows, *row_dims]``.
-
-        ``slab_dims=2`` reads ``[L, kinds, rows, ...]`` (the KV pool's ``[L, 2, rows, H_kv, D]``);
-        ``slab_dims=1`` reads ``[L, rows, ...]`` with one kind (e.g. a Mamba state pool).
-        """
+        """Region over ``tensor: [*slab_dims, rows, *row_dims]`` (``slab_dims`` 2: ``[L, kinds, rows, ...]``)."""
         if not tensor.is_contiguous():
             raise ValueError(f"region {name!r}: tensor must be contiguous")
         if slab_dims not in (1, 2) or tensor.dim() < slab_dims + 1:
@@ -125,10 +103,10 @@ class TransferHandle:
     peer: str
     nbytes: int
     num_descs: int
-    deadline: float                   # time.monotonic() seconds
-    parts: list = field(default_factory=list)    # nixl_xfer_handle per part
+    deadline: float
+    parts: list = field(default_factory=list)
     part_done: list = field(default_factory=list)
-    notif: bytes | None = None        # sent once every part is DONE (multi-part writes only)
+    notif: bytes | None = None
     status: TransferState = TransferState.TRANSFERRING
     error: str = ""
 
@@ -137,25 +115,12 @@ class TransferHandle:
 class _Peer:
     name: str
     regions: dict[str, RegionInfo]
-    prepped: dict = field(default_factory=dict)   # region name -> remote prepped dlist handle
+    prepped: dict = field(default_factory=dict)
 
 
 class KVTransferAgent:
-    """Wraps one ``nixl_agent``. Registers ``regions`` at construction.
-
-    ``mode``: "dynamic" builds coalesced byte-range descriptors per write (initialize_xfer);
-    "prepped" prepares one descriptor per (slab, page) per peer once and selects by index
-    (make_prepped_xfer, as vLLM's NixlConnector does). ``parts``: split a write into up to this
-    many concurrent NIXL requests. ``num_threads``: UCX backend worker threads (0 = NIXL default).
-    ``ucx_tls``: UCX transports; None keeps the user's ``UCX_TLS`` or sets ``DEFAULT_UCX_TLS``.
-    ``progress_thread``: off (default), NIXL makes progress only inside this object's calls, so
-    the owner must keep calling :meth:`poll` (writer) and :meth:`get_notifs` (receiver), as the
-    worker loops do; on a CPU host the copy then runs inline in ``write`` (why that is the
-    default: docs/PERFORMANCE.md, bench/transfer.py). On, NIXL progresses in the background too
-    (needed if a receiver can go long without calling in, e.g. UCX over tcp only), waking every
-    ``progress_delay_us`` (rounded up to 1 ms by NIXL) when idle; NIXL's own Python API sets 0,
-    a busy loop.
-    """
+    """One ``nixl_agent`` over ``regions``. Not thread-safe; with the progress thread off (default) the
+    owner keeps calling :meth:`poll` and :meth:`progress`. Options: transfer/README.md."""
 
     def __init__(self, name: str, regions: Sequence[Region], *, mode: str = "dynamic", parts: int = 1,
                  num_threads: int = 0, ucx_tls: str | None = None, timeout_s: float = 30.0,
@@ -181,9 +146,8 @@ class KVTransferAgent:
                      for (addr, n), i in spans.items()]
         self._peers: dict[str, _Peer] = {}
         self._local_prepped: dict[str, object] = {}
-        self._leaked: list = []  # xfer handles whose release failed (still in flight); retried later
+        self._leaked: list = []
 
-    # ---- handshake ---------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info + registered memory)."""
@@ -212,14 +176,13 @@ class KVTransferAgent:
             h.release()
         try:
             self._nixl.remove_remote_agent(name)
-        except Exception as e:  # a dead peer can fail to disconnect cleanly; it is gone either way
+        except Exception as e:
             log.warning("remove_remote_agent(%s) failed: %s", name, e)
 
     @property
     def peers(self) -> list[str]:
         return list(self._peers)
 
-    # ---- data path ---------------------------------------------------------------------------
 
     def write_pages(self, peer: str, region: str, src_pages, dst_pages, notif: bytes = b"",
                     timeout_s: float | None = None) -> TransferHandle:
@@ -228,12 +191,8 @@ class KVTransferAgent:
 
     def write(self, peer: str, pages: Mapping[str, tuple], notif: bytes = b"",
               timeout_s: float | None = None) -> TransferHandle:
-        """WRITE pages of several regions as one transfer; ``notif`` arrives after all of them.
-
-        ``pages``: region name -> (src_pages, dst_pages). Raises KeyError/ValueError for misuse
-        (unknown peer or region, incompatible layouts, bad pages); a transport failure is not
-        raised but reported by :meth:`poll` as "ERR" (see ``handle.error``).
-        """
+        """WRITE pages of several regions (``pages``: region -> (src, dst)) as one transfer. KeyError /
+        ValueError for misuse; a transport failure is reported by :meth:`poll`."""
         p = self._peers.get(peer)
         if p is None:
             raise KeyError(f"unknown peer {peer!r}; known: {sorted(self._peers)}")
@@ -263,7 +222,7 @@ class KVTransferAgent:
             raise ValueError("prepped mode writes one region per call")
         (rname, (sp, dp)), = pages.items()
         local, remote = self._pair(p, rname)
-        byte_ranges(local.layout, remote.layout, sp, dp)  # validates layouts and pages; raises on misuse
+        byte_ranges(local.layout, remote.layout, sp, dp)
         li = page_table_indices(local.layout, sp).astype(np.int32)
         ri = page_table_indices(remote.layout, dp).astype(np.int32)
         h = TransferHandle(p.name, len(li) * local.layout.page_bytes, len(li), deadline)
@@ -275,8 +234,7 @@ class KVTransferAgent:
         return self._post(h, split_even(np.ones(len(li)), self.parts), make, notif)
 
     def _post(self, h: TransferHandle, slices: list[slice], make, notif: bytes) -> TransferHandle:
-        """Create and post one NIXL request per slice. One request carries ``notif`` itself;
-        with none or several, :meth:`poll` sends it alone once all are DONE."""
+        """Post one NIXL request per slice; ``notif`` rides on one, or goes alone once all are DONE."""
         single = len(slices) == 1
         h.notif = None if single else (notif or None)
         try:
@@ -286,13 +244,12 @@ class KVTransferAgent:
                 h.part_done.append(False)
                 if _NIXL_STATE.get(self._nixl.transfer(x)) is TransferState.FAILED:
                     return self._fail(h, "post returned ERR")
-        except Exception as e:  # NIXL raises e.g. nixlRemoteDisconnectError when the peer is gone
+        except Exception as e:
             return self._fail(h, f"{type(e).__name__}: {e}")
         return h
 
     def poll(self, h: TransferHandle) -> TransferState:
-        """DONE once every part finished (and a deferred notif went out), FAILED on a transport
-        error or once the deadline passed, else TRANSFERRING. Terminal answers are sticky."""
+        """DONE, FAILED (transport error or deadline) or TRANSFERRING; terminal answers are sticky."""
         if h.status is not TransferState.TRANSFERRING:
             return h.status
         try:
@@ -327,8 +284,7 @@ class KVTransferAgent:
         return self._nixl.get_new_notifs()
 
     def progress(self) -> int:
-        """Make progress on writes landing here (see the module docstring); returns how many
-        notifications arrived (they are dropped: Tandem's protocol does not use them)."""
+        """Make progress on writes landing here; how many notifications arrived (dropped)."""
         return sum(len(v) for v in self._nixl.get_new_notifs().values())
 
     # ---- peers from handshake bytes (what workers exchange through the bootstrap channel) ----
@@ -365,7 +321,6 @@ class KVTransferAgent:
             self._nixl.deregister_memory(reg)
         self._reg = []
 
-    # ---- internals ---------------------------------------------------------------------------
 
     def _pair(self, p: _Peer, rname: str) -> tuple[Region, RegionInfo]:
         local = self.regions.get(rname)
@@ -409,18 +364,14 @@ class KVTransferAgent:
     def _release(self, x) -> None:
         try:
             x.release()
-        except Exception as e:  # in flight and not cancellable yet: keep it, retry next time
+        except Exception as e:
             log.debug("release of %r deferred: %s", x, e)
             self._leaked.append(x)
 
 
 def _new_nixl_agent(name: str, num_threads: int, progress_thread: bool, delay_us: int):
-    """``nixl_agent`` with the progress thread's idle delay set.
-
-    ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` with ``pthrDelay = 0`` and offers no
-    knob, so the binding's constructor is wrapped for the duration of this call to apply ours.
-    """
-    from nixl import _api  # only transfer/ imports nixl
+    """``nixl_agent`` with the progress thread's idle delay set (the binding offers no knob)."""
+    from nixl import _api
 
     conf = _api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"], num_threads=num_threads)
     bind = getattr(_api, "nixlBind", None)

@@ -1,13 +1,5 @@
-"""A Ray-free ZMQ side channel: the small control messages that travel beside the NIXL data path
-when no Ray call carries them (two processes without Ray: bench/transfer.py, the two-process
-transfer tests). Serving exchanges handshakes and transfer requests through its Ray actors.
-
-The writer runs a :class:`BootstrapServer` (ZMQ ROUTER) bound to ``host`` on an
-ephemeral port and advertises :attr:`BootstrapServer.endpoint`. Each decode worker connects a
-:class:`BootstrapClient` (ZMQ DEALER), sends its :class:`~tandem.transfer.messages.Handshake`
-(the server answers with its own), then one ``KVTransferRequest`` per request. Frames hold only
-``messages.encode()`` bytes; a malformed frame is dropped and counted, never raised into the
-receive loop. Sockets are not thread-safe: one thread per endpoint object.
+"""A Ray-free ZMQ side channel for handshakes and transfer requests; a malformed frame is dropped
+and counted. One thread per endpoint object.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ class _Endpoint:
         self._sock = self._ctx.socket(kind)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        self.dropped = 0  # malformed frames received and discarded
+        self.dropped = 0
 
     def _messages(self, timeout_s: float):
         """Yield raw frames as they arrive until ``timeout_s`` has passed without one to return."""
@@ -62,7 +54,7 @@ class BootstrapServer(_Endpoint):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         super().__init__(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(f"tcp://{host}:{port if port else '*'}")
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 

@@ -1,17 +1,4 @@
-"""Page ids -> byte ranges. Pure numpy; no NIXL, no torch.
-
-A memory region is one contiguous buffer of ``num_layers * kinds`` slabs; each slab holds ``rows``
-rows of ``row_bytes`` bytes, and page ``p`` is rows ``p*page_size .. p*page_size + page_size - 1``
-of every slab. For the KV pool (``cache/kv_pool.py``) ``kv_data: [L, 2, rows, H_kv, D]`` gives
-``kinds = 2`` (K, V) and ``row_bytes = H_kv * D * elem``; a Mamba state pool ``[L, n, ...]`` is
-``kinds = 1, page_size = 1``.
-
-    slab s = layer * kinds + kind
-    offset(s, p) = (s * rows + p * page_size) * row_bytes         page bytes = page_size * row_bytes
-
-Two pages that are consecutive on both sides form one run, so a run of ``n`` pages is one range of
-``n * page_bytes`` bytes per slab.
-"""
+"""Page ids -> byte ranges (pure numpy); consecutive pages on both sides form one range per slab."""
 
 from __future__ import annotations
 
@@ -68,11 +55,7 @@ class PoolLayout:
 
 @dataclass(frozen=True)
 class ByteRanges:
-    """Parallel int64 arrays ``[n]``: copy ``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``.
-
-    Offsets are relative to each region's base address. Ordered slab-major: all runs of slab 0,
-    then all runs of slab 1, ...
-    """
+    """Parallel int64 ``[n]`` arrays: ``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``, slab-major."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -100,11 +83,7 @@ def _as_pages(pages, name: str, num_pages: int) -> np.ndarray:
 
 
 def coalesce(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Group pages into runs consecutive on both sides.
-
-    Returns int64 ``(src_start, dst_start, count)``, one entry per run, in input order.
-    ``coalesce([3, 4, 5, 9], [10, 11, 20, 21]) -> ([3, 5, 9], [10, 20, 21], [2, 1, 1])``.
-    """
+    """Runs of pages consecutive on both sides: int64 ``(src_start, dst_start, count)``, input order."""
     s = np.asarray(src_pages, dtype=np.int64)
     d = np.asarray(dst_pages, dtype=np.int64)
     if s.shape != d.shape or s.ndim != 1:
@@ -120,11 +99,8 @@ def coalesce(src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def byte_ranges(src: PoolLayout, dst: PoolLayout, src_pages, dst_pages) -> ByteRanges:
-    """Byte ranges that copy ``src_pages`` of ``src`` into ``dst_pages`` of ``dst``, every slab.
-
-    Raises ValueError for incompatible layouts, unequal lengths, out-of-range or repeated
-    destination pages.
-    """
+    """Byte ranges copying ``src_pages`` into ``dst_pages`` in every slab. ValueError: incompatible
+    layouts, unequal lengths, out-of-range or repeated destination pages."""
     src.check_compatible(dst)
     s = _as_pages(src_pages, "src_pages", src.num_pages)
     d = _as_pages(dst_pages, "dst_pages", dst.num_pages)
@@ -133,7 +109,7 @@ def byte_ranges(src: PoolLayout, dst: PoolLayout, src_pages, dst_pages) -> ByteR
     if d.size and np.unique(d).size != d.size:
         raise ValueError("dst_pages repeats a page; two sources would write the same destination")
     s0, d0, n = coalesce(s, d)
-    slabs = np.arange(src.num_slabs, dtype=np.int64)[:, None]  # [S, 1] against runs [1, R]
+    slabs = np.arange(src.num_slabs, dtype=np.int64)[:, None]
     pb = src.page_bytes
     src_off = (slabs * src.slab_bytes + s0[None, :] * pb).reshape(-1)
     dst_off = (slabs * dst.slab_bytes + d0[None, :] * pb).reshape(-1)
@@ -142,11 +118,7 @@ def byte_ranges(src: PoolLayout, dst: PoolLayout, src_pages, dst_pages) -> ByteR
 
 
 def split_even(lengths: np.ndarray, parts: int) -> list[slice]:
-    """Cut ``lengths`` (in order) into at most ``parts`` contiguous slices of about equal bytes.
-
-    Never returns an empty slice; fewer slices come back when there are fewer entries than parts.
-    ``split_even([4, 4, 4, 4], 2) -> [slice(0, 2), slice(2, 4)]``.
-    """
+    """At most ``parts`` contiguous, never empty slices of ``lengths`` of about equal bytes."""
     n = len(lengths)
     parts = max(1, min(parts, n))
     if n == 0:
@@ -160,10 +132,7 @@ def split_even(lengths: np.ndarray, parts: int) -> list[slice]:
 
 
 def page_table(layout: PoolLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths of every (slab, page) pair, for a prepared descriptor list.
-
-    Entry ``slab * num_pages + page``; returns int64 ``(offsets [S*P], lengths [S*P])``.
-    """
+    """int64 ``(offsets, lengths)`` of every (slab, page), entry ``slab * num_pages + page``."""
     slabs = np.arange(layout.num_slabs, dtype=np.int64)[:, None]
     pages = np.arange(layout.num_pages, dtype=np.int64)[None, :]
     off = (slabs * layout.slab_bytes + pages * layout.page_bytes).reshape(-1)

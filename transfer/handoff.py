@@ -1,24 +1,6 @@
-"""Handoff: one request's KV handoff on one side (the decode worker receiving, the prefill worker
-sending). Its only state is a :class:`TransferState`, moved by named verbs along the edges of
-``transfer/state.py``; any other move raises :class:`IllegalTransition` naming both states.
-
-Verbs (receiving side; the sending side starts at BOOTSTRAPPED, when the request and its page list
-arrive, and uses send / land / fail / settle)::
-
-    Handoff(rid)                  ALLOCATED      pages reserved
-    bootstrap(transfer_id)        -> BOOTSTRAPPED a transfer id, the page list goes to the writer
-    send()                        -> TRANSFERRING a write may land from now on
-    land()                        -> DONE         the write completed (and was verified)
-    redispatch(transfer_id)       -> BOOTSTRAPPED the writer died before writing: another one, same pages
-    fail(why, aborted)            the request failed: terminal now if nothing was posted, else the
-                                  error waits (the state stays TRANSFERRING) for
-    settle(in_flight)             the writer's call ended: -> FAILED | ABORTED, or QUARANTINED when
-                                  it says a write may still be in flight
-
-The rule every caller relies on lives here and nowhere else: :attr:`Handoff.pages_free` --
-destination pages are freed only in FAILED or ABORTED (no write into them is in flight and they
-never became valid KV); DONE pages belong to the request, QUARANTINED pages are never reused.
-No I/O, no clock of its own: deadlines are the caller's numbers.
+"""Handoff: one request's KV handoff on one side, a :class:`TransferState` moved by named verbs
+along transfer/state.py's edges (:class:`IllegalTransition` otherwise). Destination pages are
+free only in FAILED or ABORTED (:attr:`Handoff.pages_free`). No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -38,9 +20,8 @@ class Handoff:
     state: TransferState = _S.ALLOCATED
     deadline: float = math.inf
     error: str = ""
-    aborted: bool = False          # the error is a client/router abort (ends ABORTED, not FAILED)
+    aborted: bool = False
 
-    # -- verbs ------------------------------------------------------------------------------------
     def bootstrap(self, transfer_id: int) -> None:
         self._move(_S.BOOTSTRAPPED, "bootstrap")
         self.transfer_id = transfer_id
@@ -61,9 +42,8 @@ class Handoff:
         self.transfer_id = transfer_id
 
     def fail(self, why: str, aborted: bool = False) -> bool:
-        """The request failed with ``why`` (the first reason wins). Returns :attr:`pages_free`:
-        True when nothing was posted (the handoff ends now), False while a write may be in
-        flight (TRANSFERRING: :meth:`settle` ends it) or when it had ended already."""
+        """Fail with ``why`` (the first wins); :attr:`pages_free` (False while a write may be in flight:
+        :meth:`settle` ends it)."""
         if self.state.terminal:
             return False
         if not self.error:
@@ -73,8 +53,7 @@ class Handoff:
         return self.pages_free
 
     def settle(self, in_flight: bool) -> bool:
-        """The writer's call for this transfer ended (returned or raised), after :meth:`fail`.
-        ``in_flight``: its answer says a write may still land. Returns :attr:`pages_free`."""
+        """The writer's call ended (``in_flight``: a write may still land); :attr:`pages_free`."""
         if not self.error:
             raise IllegalTransition(f"handoff {self.rid}: settle in {self.state.name} with no failure")
         if self.state is _S.TRANSFERRING:
@@ -82,11 +61,9 @@ class Handoff:
                        "settle")
         return self.pages_free
 
-    # -- what callers may do ----------------------------------------------------------------------
     @property
     def pages_free(self) -> bool:
-        """The destination pages may be freed: no write into them is in flight and they hold no
-        valid KV. The one place this rule is written."""
+        """No write into the destination pages is in flight and they hold no valid KV."""
         return self.state in (_S.FAILED, _S.ABORTED)
 
     @property

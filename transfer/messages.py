@@ -1,18 +1,6 @@
-"""Messages between a decode worker and a prefill worker's transfer layers.
-
-Small frozen dataclasses, encoded with msgpack as ``{"type": <name>, <field>: <value>, ...}``;
-never pickle. ``decode`` validates strictly: an unknown type, a missing or extra field, or a value
-of the wrong type raises ValueError naming the field.
-
-Push model (as in SGLang PD): the decode worker preallocates pages and sends its
-:class:`Handshake` once, then one :class:`KVTransferRequest` per request; the prefill worker
-WRITEs into those pages and answers the request with a :class:`PrefillResult`.
-
-The one completion signal is that result. Why it and not a NIXL notification: it covers every
-outcome (done, failed, aborted, still in flight), carries what decode needs (the first token,
-the KV digest, usage), and its arrival *is* the page-ownership contract -- the prefill worker
-answers only once no write of the transfer can still land. A write is DONE on the writer only
-after UCX flushed it to the target, so the bytes are in decode's pages by then.
+"""Messages between the transfer layers of a decode and a prefill worker: frozen, msgpack-encoded,
+never pickle; ``decode`` raises ValueError naming a bad field. A :class:`PrefillResult` is sent
+only once no write of its transfer can still land.
 """
 
 from __future__ import annotations
@@ -86,10 +74,7 @@ def _fields(cls, d: Any) -> dict:
 
 @dataclass(frozen=True)
 class RegionInfo:
-    """Where one registered region lives in its owner's address space, and its geometry.
-
-    ``mem_type`` is "DRAM" or "VRAM"; ``dev_id`` the GPU index (0 for DRAM).
-    """
+    """Where a registered region lives (``mem_type`` DRAM/VRAM, ``dev_id``) and its geometry."""
 
     name: str
     base_addr: int
@@ -172,13 +157,8 @@ class RegionPages:
 
 @dataclass(frozen=True)
 class KVTransferRequest(_Message):
-    """Decode -> prefill, per request: write this transfer's KV into these preallocated pages.
-
-    ``transfer_id``: the room id both sides know the request by. ``agent_name``: the decode
-    agent to WRITE into (it sent a Handshake before). ``deadline``: wall-clock Unix seconds
-    after which the decode side gives up and may reuse the pages. ``digest``: the answer must
-    carry a digest of the pages written (``--kv-digest``).
-    """
+    """Decode -> prefill: write transfer ``transfer_id``'s KV into these pages of ``agent_name`` before
+    ``deadline`` (Unix seconds)."""
 
     TYPE: ClassVar[str] = "kv_transfer_request"
     transfer_id: int
@@ -224,21 +204,8 @@ _RESULT_STATES = (TransferState.DONE, TransferState.FAILED, TransferState.ABORTE
 
 @dataclass(frozen=True)
 class PrefillResult(_Message):
-    """Prefill -> decode, the answer to one :class:`KVTransferRequest` (the Ray call's return).
-
-    ``status``: DONE (the KV is in the decode pages), FAILED or ABORTED. ``first_token``: the
-    token prefill sampled (None if it did not sample). ``error``: why not DONE ("" when DONE).
-    ``in_flight``: a write that neither finished nor failed within the writer's limit: decode
-    must never reuse those pages. ``digest``: hex digest of the pages written ("" when the
-    digest is off). ``cached_tokens``: prompt tokens prefill's cache served; ``prefill_s``:
-    engine arrival to first token; ``transfer_s``: write posted to DONE.
-    ``first_logprob`` / ``first_top_logprobs``: when the request asked for logprobs, the first
-    token's logprob and its ``(token id, logprob)`` alternatives, most likely first, exactly as
-    the prefill engine's sampler computed them (None / () otherwise; alternatives only with a
-    logprob). ``prompt_logprobs``: when the request asked for them, the prompt tokens' logprobs
-    (core.types.TokenLogprob, from the second prompt token on) as the prefill engine computed
-    them; decode streams them with the first token.
-    """
+    """Prefill -> decode, the answer to a :class:`KVTransferRequest`: DONE, FAILED or ABORTED;
+    ``in_flight``: the pages must never be reused. Fields: transfer/README.md."""
 
     TYPE: ClassVar[str] = "prefill_result"
     transfer_id: int
@@ -352,7 +319,7 @@ def decode_message(data: bytes) -> Message:
     try:
         d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=1 << 26,
                             max_str_len=1 << 20, max_array_len=1 << 24, max_map_len=1 << 16)
-    except Exception as e:  # msgpack raises several types for corrupt input
+    except Exception as e:
         raise ValueError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(d, dict) or "type" not in d:
         raise ValueError("message: missing field 'type'")

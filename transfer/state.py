@@ -1,18 +1,5 @@
-"""The one vocabulary of a KV transfer's state, and its legal edges.
-
-    ALLOCATED ──> BOOTSTRAPPED ──> TRANSFERRING ──> DONE
-        │              │   ^             │ │
-        │              │   └─redispatch──┘ └──> QUARANTINED
-        └──────────────┴─────────────────┴────> FAILED | ABORTED
-
-ALLOCATED: destination pages are reserved. BOOTSTRAPPED: the writer has (or is being sent) the page
-list. TRANSFERRING: a write may be in flight (NIXL's "PROC"). DONE (NIXL's "DONE"): the write
-landed. FAILED (NIXL's "ERR", an error, a deadline) and ABORTED (a client or router abort): the
-handoff ended and no write of it is in flight. QUARANTINED: it ended while a write may still be in
-flight, so its destination pages are never reused. Redispatch (TRANSFERRING -> BOOTSTRAPPED) is
-for a writer that died before writing: nothing of its can land, another writer fills the same
-pages. The same enum is a write's poll answer (transfer/agent.py maps NIXL's strings onto it) and a
-prefill result's status; transfer/handoff.py moves a request's handoff along these edges.
+"""A KV transfer's states and their legal edges (diagram: transfer/README.md). QUARANTINED: a write
+may still be in flight, so the pages are never reused.
 """
 
 from __future__ import annotations
