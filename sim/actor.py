@@ -1,9 +1,6 @@
-"""Thin Ray shells around the simulated workers (sim/remote.py), implementing the real workers'
-actor Protocols (core/actors.py's ``RoleAPI``, prefill/api.py's ``PrefillAPI``, decode/api.py's
-``DecodeAPI``; tests/core/test_actor_api.py checks them). A simulated prefill is not a KVSource:
-the simulated decode worker asks it ``prefill(req_wire)`` for the first token only. Simulated
-decode workers do not migrate requests (``freeze`` refuses, nothing is ever frozen). Created by
-cluster/launch.py for ``engine: sim`` on Ray."""
+"""Thin Ray shells around the simulated workers, implementing the real workers' actor Protocols
+(``freeze`` refuses: simulated workers do not migrate).
+"""
 
 from __future__ import annotations
 
@@ -46,7 +43,7 @@ class _Shell:
         return True
 
     async def abort(self, rid: str, reason: str = "") -> bool:
-        return False                      # a simulated request runs to its end
+        return False
 
     def metrics_text(self) -> bytes:
         return self.role.metrics_text()
@@ -117,7 +114,7 @@ class SimDecodeActor(_Shell):
         raise ValueError(f"simulated decode worker {self.role.name} does not migrate requests")
 
     def release_frozen(self, rid: str) -> None:
-        pass                              # nothing is ever frozen here
+        pass
 
     async def generate(self, req_wire: dict, prefill_name: str | None, router: str | None = None):
         client = self.prefills.get(prefill_name) if prefill_name else None

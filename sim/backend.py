@@ -1,32 +1,4 @@
-"""``tandem serve --engine sim``: the real front door and router over simulated workers.
-
-:class:`SimServingBackend` is a ServingBackend (router/backend.py) whose prefill and decode
-workers are sim/workers.py's (``PrefillWorker`` with a real ``UnifiedRadixCache`` in simulated
-mode, ``DecodeWorker`` with continuous batching), run in real time on the event loop: the forward
-pass and the KV bytes are replaced by ``asyncio.sleep`` of the cost profile's seconds
-(sim/cost_model.py), divided by ``cfg.sim_speedup``. Everything else is the product's:
-tokenization and the HTTP API (router/http.py), and the same :class:`Dispatcher`
-(router/dispatch.py) the Ray backend routes through: admission (the deferred-dispatch queue of
-router/deferred.py, then 429 with Retry-After), the policy ``cfg.policy`` with its session table
-and prefix indexes, the load records and the front door's metrics. Before each decision every
-worker's snapshot is refreshed (the prefill workers report their own ``pending_s``: their compute
-queue or their NIC's transfer backlog, the longer). The dispatcher runs on the simulated clock, so
-its seconds (``admission_max_pending_s``, the session policy's) are simulated seconds; the
-deferred queue's TTL and ``Retry-After`` are wall seconds (what a client waits). No Ray, no
-model weights: only the tokenizer. Per request (times in simulated seconds, as sim/replay/simulate.py has them):
-
-    route (policy over the workers' views) -> prefill worker queue (FCFS) -> prefill of the
-    uncached tokens (cache match + lock at start, insert at end) -> KV room reserved on the decode
-    worker (else wait) -> transfer of prompt_tokens * kv_bytes_per_token over the prefill
-    worker's NIC (one at a time) -> first token -> one token per decode step, the step's length
-    from the batch size and context -> final chunk
-
-Sizes: each prefill cache holds, and each decode worker reserves up to, the profile's KV room
-(``decode_kv_tokens``; ``cfg.decode_max_total_tokens`` overrides decode's); pages are
-``engine_config.cache.page_size`` tokens of the real prompt ids. Outputs are pseudo-random
-non-special token ids seeded by the request id, decoded with the real tokenizer, so a request
-always runs to ``max_tokens`` (finish "length"); stop strings are not applied.
-"""
+"""``tandem serve --engine sim``: the real front door and router over simulated workers."""
 
 from __future__ import annotations
 
@@ -54,7 +26,7 @@ from tandem.sim.workers import DecodeWorker, EventSink, PrefillWorker, SimReques
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONTEXT = 8192      # SmolLM2's and Llama-3-8B's context; --context-length overrides
+DEFAULT_CONTEXT = 8192
 
 
 @dataclass(eq=False)
@@ -63,14 +35,14 @@ class _Flight:
 
     sim: SimRequest
     req: GenerateRequest
-    route: Route                 # what the dispatcher charged for it
+    route: Route
     prefill: PrefillWorker
     decode: DecodeWorker
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     rng: random.Random = field(default_factory=random.Random)
     detok: IncrementalDetokenizer | None = None
     emitted: int = 0
-    stage: str = "queued"        # queued -> prefill -> kv_wait -> transfer -> decode -> done
+    stage: str = "queued"
     aborted: bool = False
 
 
@@ -93,7 +65,7 @@ class SimServingBackend:
         ec = cfg.engine_config
         self.tokenizer = tokenizer
         self.vocab_size = int(tokenizer.vocab_size)
-        self.model_name = ec.model   # the same id the real engines serve under (e.g. "smollm2")
+        self.model_name = ec.model
         self.max_context = int(ec.context_length or DEFAULT_CONTEXT)
         specials = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         bos = getattr(tokenizer, "bos_token_id", None)
@@ -104,7 +76,7 @@ class SimServingBackend:
         self._specials = specials
 
         self.page_size = ec.cache.page_size
-        prefill_cap = self.profile.decode_kv_tokens          # one GPU's KV room, in tokens
+        prefill_cap = self.profile.decode_kv_tokens
         decode_cap = cfg.decode_max_total_tokens or self.profile.decode_kv_tokens
         self.dispatch = Dispatcher(
             cfg.policy, PolicyConfig(kv_block_size=self.page_size, index_capacity=prefill_cap,
@@ -188,7 +160,7 @@ class SimServingBackend:
                 r = pw.current
                 sm.PREFILL_TOKENS.labels(name, "cached").inc(r.cached_tokens)
                 sm.PREFILL_TOKENS.labels(name, "computed").inc(r.prompt_tokens - r.cached_tokens)
-                sm.BUSY.labels(name, "prefill").inc(max(end - start, 0.0))   # (a later now() can be past end)
+                sm.BUSY.labels(name, "prefill").inc(max(end - start, 0.0))
                 await self._sleep_until(end)
                 pw.finish(self.now())
                 self._prefilled(f)
@@ -219,9 +191,9 @@ class SimServingBackend:
         f.sim.ttft_at = self.now()
         wake = dw.join(f.sim, self.now())
         if f.aborted:
-            f.sim.remaining = 0          # leaves at the next step boundary, its KV freed
+            f.sim.remaining = 0
         else:
-            self._emit(f)                # the first token travels with the KV
+            self._emit(f)
             self.dispatch.prefill_done(f.route)
         if wake:
             self._wake[dw.id].set()
@@ -232,7 +204,7 @@ class SimServingBackend:
             await self._wake[dw.id].wait()
             self._wake[dw.id].clear()
             while True:
-                emitting = list(dw.running)         # the batch that ran since the last boundary
+                emitting = list(dw.running)
                 busy = dw.stats.busy_s
                 _, admitted, nxt = dw.step(self.now())
                 sm.BUSY.labels(name, "decode").inc(dw.stats.busy_s - busy)
@@ -298,7 +270,7 @@ class SimServingBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         self._ensure_started()
-        route = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
+        route = await self.queue.route(req)
         now = self.now()
         pw, dw = self._by_id[route.prefill], self._by_id[route.decode]
         n = len(req.prompt_ids)
@@ -334,7 +306,7 @@ class SimServingBackend:
             self._finish_flight(f)
         elif f.stage == "decode":
             if s in f.decode.running:
-                s.remaining = 1          # leaves at the next step boundary, its KV freed
+                s.remaining = 1
             else:
                 s.remaining = 0
             self._finish_flight(f)

@@ -1,20 +1,4 @@
-"""Cost profiles: how long prefill, a decode step and a KV transfer take.
-
-A profile is a roofline model of one serving instance (a GPU or a TP group) running one model:
-FLOPs and bytes from the model's config, peak rates from the datasheet, and achieved-efficiency
-factors. Each number says where it comes from ([sourced] or [assumed]); the efficiencies are
-estimates not yet checked against a measured run.
-
-    prefill_s(new, cached)  = overhead + linear_flops(new) / gemm_rate
-                              + attn_flops(new, cached) / attn_rate
-    decode_step_s(batch, ctx) = overhead + max(bytes read / hbm_rate, flops / gemm_rate)
-    transfer_s(bytes)       = latency + bytes / (link_rate * efficiency)
-
-FLOPs: a dense decoder does ``2 * params`` FLOPs per token in its linear layers; causal attention
-does ``4 * layers * heads * head_dim`` FLOPs per (query, key) pair (QK^T and PV, 2 FLOPs per
-multiply-add), and a new token attends on average to all cached tokens plus half of the new
-ones. Decode reads all weights once per step plus every running request's KV.
-"""
+"""Cost profiles: how long prefill, a decode step and a KV transfer take."""
 
 from __future__ import annotations
 
@@ -26,22 +10,22 @@ from tandem.router.policies import PrefillEstimator
 @dataclass(frozen=True)
 class Profile:
     name: str
-    params: float                   # parameters (linear FLOPs = 2 * params per token)
+    params: float
     layers: int
     q_heads: int
     kv_heads: int
     head_dim: int
-    weight_bytes: float             # bytes read per decode step for the weights
-    gemm_flops: float               # achieved FLOP/s in prefill GEMMs
-    attn_flops: float               # achieved FLOP/s in (flash) attention
-    hbm_bytes_s: float              # achieved HBM bandwidth (decode)
-    prefill_overhead_s: float       # per prefill batch: scheduling, launches, sampling
-    decode_overhead_s: float        # per decode step (CUDA graphs on)
-    link_bytes_s: float             # prefill -> decode KV link, raw
-    link_efficiency: float          # achieved fraction of the raw link rate
-    link_latency_s: float           # per transfer: handshake, descriptor posting
-    kv_dtype_bytes: int             # 2 = bf16
-    decode_kv_tokens: int           # KV tokens a decode instance can hold
+    weight_bytes: float
+    gemm_flops: float
+    attn_flops: float
+    hbm_bytes_s: float
+    prefill_overhead_s: float
+    decode_overhead_s: float
+    link_bytes_s: float
+    link_efficiency: float
+    link_latency_s: float
+    kv_dtype_bytes: int
+    decode_kv_tokens: int
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,6 +1,6 @@
 """Prometheus metrics of the simulated workers (``tandem serve --engine sim``), one series per
-worker name. sim/backend.py counts the events and sets the gauges when /metrics is read; the
-front door's and the dispatcher's metrics (router/metrics.py) are exported beside them."""
+worker name.
+"""
 
 from __future__ import annotations
 

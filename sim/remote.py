@@ -1,21 +1,4 @@
-"""Simulated workers behind the same actor protocol as the real ones (``tandem serve --engine sim``
-on a Ray cluster): what the cluster's launcher, supervisor, KV-event feed and planner do with
-them is exactly what they do with real workers, so autoscaling, router restarts and several
-routers are tested at GPU scale on a CPU. sim/actor.py is their thin Ray shell.
-
-- :class:`SimPrefillRole`: a FCFS queue (sim/workers.py ``PrefillWorker``) over a real
-  ``UnifiedRadixCache`` in simulated mode whose KV events go out in vLLM's format; ``prefill``
-  sleeps the profile's seconds (over ``sim_speedup``) and returns what was cached.
-- :class:`SimDecodeRole`: ``generate`` streams :class:`StreamChunk`s: asks its prefill worker,
-  reserves KV room (waits while full), sleeps the transfer, then continuous batching: one token
-  per running request per step, the step's length from the profile (batch, context).
-
-Both report ``stats()`` as the real workers do (``waiting``, ``running``, ``total_tokens``,
-``available_tokens``; prefill adds its own ``pending_s`` in wall seconds; ``draining``) and the
-Gateway API Inference Extension metrics (core/gie.py). Handshakes are empty (no KV moves).
-Outputs are seeded pseudo-random token ids decoded with the model's tokenizer, run to
-``max_tokens``.
-"""
+"""Simulated workers behind the real workers' actor protocol (``tandem serve --engine sim`` on Ray)."""
 
 from __future__ import annotations
 
@@ -171,7 +154,7 @@ class SimDecodeRole(_SimRole):
         self._room: asyncio.Condition | None = None
         self._stepper: asyncio.Task | None = None
         self.counts = {"ok": 0, "failed": 0}
-        self.active = 0                    # generate() calls in progress
+        self.active = 0
         self.metrics.register(GIECollector(self._gie, cfg.engine_config.model, name, self.role))
 
     def _gie(self) -> GIESample:
@@ -203,7 +186,7 @@ class SimDecodeRole(_SimRole):
             else:
                 await self.sleep(self.profile.prefill_s(n))
                 cached = 0
-        except Exception as e:  # noqa: BLE001 - a prefill worker that died: this request fails
+        except Exception as e:  # noqa: BLE001
             self.counts["failed"] += 1
             yield StreamChunk(greq.rid, (), "", "abort", n, error=f"prefill failed: {type(e).__name__}: {e}"[:300])
             return
@@ -224,7 +207,7 @@ class SimDecodeRole(_SimRole):
             if self._stepper is None or self._stepper.done():
                 self._stepper = asyncio.get_running_loop().create_task(self._steps())
             emitted = 0
-            f.queue.put_nowait(self._token(f))            # the first token comes with the KV
+            f.queue.put_nowait(self._token(f))
             while True:
                 tok = await f.queue.get()
                 emitted += 1
@@ -259,7 +242,7 @@ class SimDecodeRole(_SimRole):
                     f.queue.put_nowait(self._token(f))
 
     def debug_kv(self) -> dict:
-        leaked = self.reserved if self.active == 0 else 0      # idle: nothing may stay reserved
+        leaked = self.reserved if self.active == 0 else 0
         return {"worker": self.name, "role": self.role, "leaked_tokens": leaked, "invariants": "ok",
                 "live_transfers": 0}
 

@@ -1,27 +1,4 @@
-"""Simulated prefill and decode workers. Time is passed in; nothing here sleeps or schedules.
-Driven in real time by sim/backend.py (``tandem serve --engine sim``) and by discrete events in
-sim/replay/simulate.py (``tandem simulate``).
-
-A prefill worker runs one request at a time, first come first served (prefill is compute-bound,
-so batching requests together would not change their summed time in this model). Its prefix
-cache is the real ``UnifiedRadixCache`` in simulated mode (no pools), with a token capacity:
-the request's key is matched when its prefill starts (the matched path locked while it runs)
-and inserted when it ends, evicting LRU leaves past capacity, exactly as the engine does.
-
-A decode worker runs continuous batching: at each step boundary finished requests leave and
-free their KV, requests whose KV has arrived join, and the next step's length comes from the
-cost profile (batch size, total context). KV room is reserved before a transfer starts (as
-SGLang's decode pre-allocation does); a request that does not fit waits.
-
-Key mapping: a request's ``key`` holds one int per cache page and ``unit`` tokens per page
-(see sim/replay/simulate.py ``trace_key``); the cache runs with ``page_size = 1`` over those ints,
-and its capacity is ``capacity_tokens // unit`` pages.
-
-Each worker describes itself two ways: ``view(now)`` (a router WorkerView, for a simulation that
-routes on the workers' own state) and ``snapshot(now)`` (a WorkerSnapshot, what a worker reports
-to the router's Dispatcher; the prefill worker's carries its own ``pending_s`` prediction).
-:class:`EventSink` stands in for a cache's KV-event publisher.
-"""
+"""Simulated prefill and decode workers. Time is passed in; nothing here sleeps or schedules."""
 
 from __future__ import annotations
 
@@ -38,24 +15,24 @@ from tandem.sim.cost_model import Profile
 @dataclass(slots=True)
 class SimRequest:
     rid: int
-    arrival: float                  # seconds (after --speedup)
+    arrival: float
     prompt_tokens: int
     output_tokens: int
-    key: list[int]                  # one int per page
+    key: list[int]
     # filled as the request moves through the cluster
     prefill_worker: int = -1
     decode_worker: int = -1
     reason: str = ""
     cached_tokens: int = 0
-    pred_s: float = 0.0             # the prefill worker's prediction when it was queued
+    pred_s: float = 0.0
     pred_new: int = 0
     prefill_start: float = -1.0
     prefill_end: float = -1.0
-    ttft_at: float = -1.0           # KV at the decode worker: the first token is out
+    ttft_at: float = -1.0
     decode_join: float = -1.0
     finish: float = -1.0
-    remaining: int = 0              # decode tokens still to generate
-    ctx: int = 0                    # KV tokens held on the decode worker
+    remaining: int = 0
+    ctx: int = 0
 
     @property
     def ttft(self) -> float:
@@ -76,7 +53,7 @@ class PrefillWorker:
     def __init__(self, wid: int, profile: Profile, cache, unit: int):
         self.id = wid
         self.profile = profile
-        self.cache = cache              # UnifiedRadixCache.simulated(...); may be shared (global)
+        self.cache = cache
         self.unit = unit
         self.alive = True
         self.queue: deque[SimRequest] = deque()
@@ -170,9 +147,9 @@ class DecodeWorker:
         self.profile = profile
         self.capacity = capacity_tokens
         self.alive = True
-        self.reserved = 0               # KV tokens reserved by admitted requests
-        self.waiting: deque[SimRequest] = deque()   # prefilled, waiting for KV room
-        self.inbound = 0                # reserved, KV in transfer
+        self.reserved = 0
+        self.waiting: deque[SimRequest] = deque()
+        self.inbound = 0
         self.running: list[SimRequest] = []
         self.joining: list[SimRequest] = []
         self.stepping = False
@@ -201,7 +178,7 @@ class DecodeWorker:
         """``req``'s KV arrived. Returns True when the worker was idle (schedule a step now)."""
         self.inbound -= 1
         req.decode_join = now
-        req.remaining = req.output_tokens - 1       # the first token came with the prefill
+        req.remaining = req.output_tokens - 1
         req.ctx = req.prompt_tokens + 1
         self.stats.requests += 1
         self.stats.prompt_tokens += req.prompt_tokens
@@ -232,7 +209,7 @@ class DecodeWorker:
             self.stats.tokens_out += len(self.running)
             self.running = keep
         for r in self.joining:
-            if r.remaining <= 0:                    # one output token: done at its first token
+            if r.remaining <= 0:
                 r.finish = now
                 done.append(r)
                 self.reserved -= self._need(r)

@@ -1,12 +1,4 @@
-"""``tandem simulate``: replay a Mooncake-format trace through a simulated cluster.
-
-    tandem simulate --trace FILE --prefill N --decode M --policy P [--block-size B]
-                    [--capacity-tokens C] [--speedup X] [--profile NAME] [--global-cache]
-                    [--limit K] [--seed S] [--decode-capacity-tokens D]
-
-Prints one JSON object on stdout (see ``simulate.summarize``). Wired into the ``tandem`` command
-by ``register(subparsers)``; nothing heavy is imported until the command runs.
-"""
+"""``tandem simulate``: replay a Mooncake-format trace through a simulated cluster."""
 
 from __future__ import annotations
 

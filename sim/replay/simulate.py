@@ -1,26 +1,4 @@
-"""Discrete-event replay of a Mooncake-format trace through a router policy.
-
-    arrival -> router policy (router/policies.py, on a ClusterView built from the workers)
-            -> prefill worker queue -> prefill (cache match at start, insert at end)
-            -> KV room reserved on the decode worker -> transfer over the prefill worker's NIC
-            -> first token (TTFT) -> continuous-batching decode -> finish
-
-Trace mapping (``trace_key``): the trace names each 512-token block by a prefix-chained hash
-id. With ``block_size`` B dividing 512, block ``h`` becomes ``512 // B`` pages with ids
-``h * (512 // B) + j``; with B a multiple of 512, a page is a run of ``B // 512`` blocks named
-by its last hash id (the chain makes it name the whole prefix). A request keeps
-``ceil(input_length / B)`` pages, its last (partial) page included. The caches and the router
-work on these ints with ``page_size = 1``, one int per page, each worth B tokens; a hit of
-``m`` pages is ``min(m * B, input_length - 1)`` tokens (the last token is always computed).
-The cache capacity is ``capacity_tokens // B`` pages.
-
-TTFT is arrival -> the prompt's KV is on the decode worker (the first token, sampled by the
-prefill worker, leaves with it). The run is deterministic for a given trace, arguments and seed.
-
-The workers and the cost profiles are the product's (sim/, which ``tandem serve --engine sim``
-serves with). This replay calls the policy directly on the workers' own views, with no admission
-(a trace experiment has no 429s); the serving backends route through router/dispatch.py.
-"""
+"""Discrete-event replay of a Mooncake-format trace through a router policy."""
 
 from __future__ import annotations
 
@@ -39,8 +17,8 @@ from tandem.sim.cost_model import DEFAULT_PROFILE, get_profile
 from tandem.sim.workers import DecodeWorker, EventSink, PrefillWorker, SimRequest
 from tandem.workloads import MOONCAKE_SYNTHETIC
 
-TRACE_BLOCK = 512          # tokens per hash id in the Mooncake traces
-DEFAULT_TRACE = MOONCAKE_SYNTHETIC   # vendored: workloads/README.md
+TRACE_BLOCK = 512
+DEFAULT_TRACE = MOONCAKE_SYNTHETIC
 
 _ARRIVE, _PREFILL_DONE, _TRANSFER_DONE, _DECODE_STEP = range(4)
 
@@ -164,7 +142,7 @@ def simulate(trace: list[TraceRecord], *, prefill: int = 8, decode: int = 8, pol
     dcap = decode_capacity_tokens or prof.decode_kv_tokens
     dws = [DecodeWorker(prefill + j, prof, dcap) for j in range(decode)]
     dmap = {d.id: d for d in dws}
-    nic_free = [0.0] * prefill                   # each prefill worker's NIC sends one KV at a time
+    nic_free = [0.0] * prefill
 
     t0 = trace[0].timestamp_ms if trace else 0.0
     reqs = [SimRequest(i, (r.timestamp_ms - t0) / 1000.0 / speedup, r.input_length,
