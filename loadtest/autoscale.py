@@ -1,7 +1,4 @@
-"""The autoscaling scenario, shared by tests/cluster/test_autoscale.py (which asserts a short one)
-and bench/autoscale.py (which measures a longer one); both take Ray's fake multi-node cluster from
-cluster/raynodes.py ``fake_cluster_config``: the sim workers' serving config and an open-loop load
-of distinct long prompts."""
+"""The autoscaling scenario's serving config and open-loop load (tests/cluster/test_autoscale.py, bench/autoscale.py)."""
 
 from __future__ import annotations
 

@@ -1,36 +1,4 @@
-"""``tandem chaos``: break a live server on purpose and prove nothing was lost.
-
-    tandem chaos --url http://127.0.0.1:8000 [--seed 0] [--sessions 8] [--turns 4] [--max-tokens 24]
-                 [--abort-mid 0.15] [--abort-early 0.1] [--kill decode@5] [--out DIR]
-
-Against a running ``tandem serve`` (start it with the levers you want to exercise:
-``--debug-retract-every N`` forces retraction, ``--host-pool-tokens 0 | small | large`` picks
-recompute, mixed or backup-only, ``--debug-migrate-every N`` forces live migrations between decode
-workers, ``--debug-endpoints`` allows ``--kill``; ``--kill target@S`` kills the decode worker a
-live migration is moving a request to):
-
-1. seeded random multi-turn sessions with shared system prompts (loadtest/chaos/plan.py), streamed,
-   greedy, some clients hanging up mid-stream or before the first token (loadtest/chaos/client.py);
-   ``--kill ROLE@SECONDS`` kills a live worker of that role then (POST /debug/kill);
-2. the oracle (loadtest/chaos/oracle.py): every completed request's text must equal the text the
-   same request gets alone on a fresh engine of ``--oracle-model`` / ``--oracle-dtype``;
-3. once idle (``--settle-s``), every worker's KV (GET /debug/kv): nothing running, waiting,
-   retracted or held, no locked or request-owned tokens, no leaked token (allocated but owned by
-   no one), and the invariant recount passes, on the device and the host pool alike.
-
-The soak (loadtest/chaos/soak.py): ``--duration 30m`` repeats the plan (a new seed each round)
-until that time has passed; ``--stop ROLE@S+D`` SIGSTOPs one of this machine's ROLE worker
-processes for D seconds; ``--also-url URL`` adds a router (sessions alternate between them) and
-``--kill-router I@S`` SIGKILLs router I (its clients retry on router 0); ``--sample-every 60s``
-samples every process's RSS, fds and threads and the KV accounting (loadtest/chaos/sampler.py),
-and the run must stay flat after ``--warmup``.
-
-Prints one table (requests, completed, aborted by the client, failed with reasons, retractions,
-restores, recomputes, output mismatches, leaked tokens; with samples, each process's growth) and
-writes ``DIR/chaos.json`` (and ``DIR/soak.png`` with samples). Exit status 1 on any mismatch, leak,
-invariant violation, failure without a stated reason, hung request (a stream silent for
-``--stall-timeout``) or growth past the bounds; 0 otherwise.
-"""
+"""``tandem chaos``: break a live server on purpose and prove nothing was lost."""
 
 from __future__ import annotations
 
@@ -200,7 +168,7 @@ async def run_chaos(args, oracle=None) -> dict:
         killed: list[str] = []
 
         async def on_kill(role: str) -> None:
-            if role == "target":   # the decode worker a live migration is moving a request to
+            if role == "target":
                 victim = await _migration_target(http)
             else:
                 ws = (await http.get("/debug/kv")).json()["workers"]
@@ -231,12 +199,12 @@ async def run_chaos(args, oracle=None) -> dict:
             await asyncio.sleep(0.5)
         after_text = (await http.get("/metrics")).text
         after = _counters(after_text)
-        if soak.sample_every_s(args) > 0:                   # one last sample, idle
+        if soak.sample_every_s(args) > 0:
             live = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
             last = await asyncio.to_thread(sampler.sample_all, live, args.ray_root_pid)
             sk.series.add(time.perf_counter() - t0, last, sampler.kv_totals(workers))
     warmup = soak.parse_seconds(args.warmup)
-    if sk.series.procs:                  # before the oracle, which may take long
+    if sk.series.procs:
         print(sampler.format_table(sk.series, warmup), file=sys.stderr)
     print(f"tandem chaos: {len(outcomes)} requests in {wall:.1f} s"
           + ("; checking completed ones against a fresh engine ..." if args.oracle_model != "none" or oracle
@@ -301,7 +269,7 @@ def format_table(rep: dict) -> str:
     rows = [("requests", rep["requests"]), ("completed", rep["completed"]),
             ("aborted by the client (before the first token)", rep["aborted_early"]),
             ("aborted by the client (mid-stream)", rep["aborted_mid"]), ("failed", rep["failed"])]
-    grouped = Counter()             # the same reason with other numbers counts as one line
+    grouped = Counter()
     for r, n in rep["failure_reasons"].items():
         grouped[re.sub(r"\d+", "N", r)[:90]] += n
     rows += [(f"  - {r}", n) for r, n in grouped.most_common()]

@@ -1,20 +1,4 @@
-"""Drive a chaos plan against a live server over its OpenAI API, hanging up as the plan says.
-
-Each session runs its turns in order (greedy, streamed, ``X-Session-Id`` = the session id); the
-assistant's reply (whole, or what arrived before the hang-up) joins the history. Every request
-ends as one :class:`Outcome`: ``completed`` (a finish_reason arrived), ``aborted_early`` (the
-client hung up before any token), ``aborted_mid`` (after ``abort_after`` content chunks), or
-``failed`` with the server's stated reason (HTTP status and message, an SSE error event, or an
-``abort`` finish with its error). A request that fails without saying why is ``failed`` with
-reason ``"no reason given"`` -- the run counts that as a harness failure. A stream silent for
-``stall_s`` (no byte at all) is ``failed`` with a reason starting ``"hung"``: the run counts that
-too (every fault must be a bounded, visible event).
-
-With several routers (``RunConfig.urls``) session ``i`` talks to router ``i % len(urls)``; a
-request whose connection to a router that the run killed (``RunConfig.dead``) breaks, or that
-cannot connect to it, is sent again, whole, to the first router (a client's retry): it keeps
-``router`` = the first router's index and ``retried`` = True.
-"""
+"""Drive a chaos plan against a live server over its OpenAI API, hanging up as the plan says."""
 
 from __future__ import annotations
 
@@ -34,16 +18,16 @@ class Outcome:
     turn: int
     messages: list[dict]
     max_tokens: int
-    planned: str                    # the plan's abort kind
-    kind: str = "failed"            # completed | aborted_early | aborted_mid | failed
+    planned: str
+    kind: str = "failed"
     text: str = ""
     finish_reason: str | None = None
-    reason: str = ""                # why it failed
+    reason: str = ""
     started: float = 0.0
     seconds: float = 0.0
     chunks: int = 0
-    router: int = 0                 # index in RunConfig.urls of the router that answered
-    retried: bool = False           # sent again to router 0 after its router was killed
+    router: int = 0
+    retried: bool = False
 
     def body(self, stream: bool) -> dict:
         return {"model": "", "messages": self.messages, "max_tokens": self.max_tokens,
@@ -56,11 +40,11 @@ class RunConfig:
     model: str
     api_key: str | None = None
     timeout_s: float = 120.0
-    kill: list[tuple[float, str]] = field(default_factory=list)   # (seconds into the run, role)
-    urls: list[str] = field(default_factory=list)     # the routers (default: [url])
-    stall_s: float | None = None                       # no byte this long: "hung" (default timeout_s)
-    dead: set[int] = field(default_factory=set)        # routers the run has killed (filled as it goes)
-    inflight: dict[int, int] = field(default_factory=dict)   # router index -> requests streaming now
+    kill: list[tuple[float, str]] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    stall_s: float | None = None
+    dead: set[int] = field(default_factory=set)
+    inflight: dict[int, int] = field(default_factory=dict)
 
     def routers(self) -> list[str]:
         return self.urls or [self.url]
@@ -106,7 +90,7 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
                         o.finish_reason = ch["finish_reason"]
                 if turn.abort == "mid" and o.chunks >= turn.abort_after and o.finish_reason is None:
                     o.kind = "aborted_mid"
-                    return              # leaving the block closes the connection: a hang-up
+                    return
             if o.finish_reason == "abort":
                 o.kind, o.reason = "failed", "finish_reason abort without an error message"
             elif o.finish_reason is not None:
@@ -121,7 +105,7 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
         if turn.abort == "early":
             await asyncio.sleep(turn.early_delay_s)
             if not task.done():
-                task.cancel()           # the connection closes with nothing received
+                task.cancel()
                 try:
                     await task
                 except asyncio.CancelledError:
@@ -158,7 +142,7 @@ async def run_session(https: list[httpx.AsyncClient], cfg: RunConfig, plan: Sess
     for i, turn in enumerate(plan.turns):
         msgs = history + [{"role": "user", "content": turn.user}]
         o = Outcome(plan.sid, i, msgs, turn.max_tokens, turn.abort, router=router)
-        if router in cfg.dead:       # its router is gone: the client uses the other one
+        if router in cfg.dead:
             o.router = 0
         await _one(https[o.router], cfg, o, turn, https[0] if o.router else None)
         out.append(o)

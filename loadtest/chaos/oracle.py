@@ -1,11 +1,4 @@
-"""The oracle: every completed chaos request again, alone, on a fresh engine.
-
-A fresh colocated :class:`Engine` of the same model and dtype behind the same front door
-(``create_app`` over ``LocalEngineBackend``, reached in-process through httpx's ASGI transport:
-the prompt is rendered by exactly the code the server ran), one request at a time, greedy. The
-server's text must equal it; anything else is a mismatch (with the first differing character).
-Identical requests (a session's replays) are asked once.
-"""
+"""The oracle: every completed chaos request again, alone, on a fresh engine."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ from tandem.loadtest.chaos.client import Outcome
 class Mismatch:
     sid: str
     turn: int
-    at: int              # first differing character
+    at: int
     got: str
     want: str
 

@@ -1,12 +1,4 @@
-"""The chaos run's schedule, a pure function of its seed: who says what, when, and who hangs up.
-
-:func:`make_plan` decides everything random up front (sessions, their shared system prompts,
-user turns, output lengths, and each turn's client behaviour: finish, abort before the first
-token, or abort after ``abort_after`` content chunks), so the same seed replays the same
-schedule of requests and aborts. (Which requests the server retracts depends on its timing; the
-forced-retraction lever, ``tandem serve --debug-retract-every N``, makes that a function of the
-decode step count.)
-"""
+"""The chaos run's schedule, a pure function of its seed: who says what, when, and who hangs up."""
 
 from __future__ import annotations
 
@@ -28,9 +20,9 @@ SYSTEMS = (
 class Turn:
     user: str
     max_tokens: int
-    abort: str = "none"          # "none" | "early" (before the first token) | "mid" (mid-stream)
-    abort_after: int = 0         # "mid": content chunks read before hanging up
-    early_delay_s: float = 0.0   # "early": seconds after sending before hanging up
+    abort: str = "none"
+    abort_after: int = 0
+    early_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -38,7 +30,7 @@ class SessionPlan:
     sid: str
     system: str
     turns: tuple[Turn, ...]
-    start_s: float               # when the session starts, from the run's start
+    start_s: float
 
 
 def make_plan(seed: int, sessions: int, turns: int, *, max_tokens: int = 24, p_mid: float = 0.15,

@@ -1,19 +1,5 @@
 """The soak's sampler: every process's RSS, open file descriptors and threads, and the cluster's
 KV accounting, over time; and the verdict "flat".
-
-- :func:`local_processes` finds the processes of a cluster running on this machine: each
-  router (the process listening on its URL's port) and each Ray worker process of a Tandem
-  actor (its title ``ray::PrefillActor``, ``ray::DecodeActor``, ``ray::SimPrefillActor``, ...;
-  a busy actor's is ``ray::NAME:Class.method``) that descends from one of the given roots (the
-  routers, which start a local Ray themselves, or a ``ray start`` node's process: other
-  clusters on the machine are not ours).
-  Labels: ``router-I`` (index in the URL list), ``prefill@PID``, ``decode@PID``.
-- :func:`proc_stats` reads one process (psutil when installed, else /proc).
-- :func:`kv_totals` sums GET /debug/kv's worker rows into the figures a leak shows in.
-- :class:`Series` keeps the samples; :func:`growth` and :func:`flat` judge them: after
-  ``warmup_s``, each process's last value minus its first (RSS, fds, threads) must stay within
-  :class:`Bounds`; a process that appears or goes away (a replaced worker, a killed router) is
-  judged over the samples it has.
 """
 
 from __future__ import annotations
@@ -93,7 +79,7 @@ def actor_pids(roots: list[int]) -> dict[str, list[int]]:
     seen = set()
     for root in roots:
         kids = []
-        for _ in range(3):               # a child exiting mid-walk fails the whole walk: again
+        for _ in range(3):
             try:
                 kids = psutil.Process(root).children(recursive=True)
                 break

@@ -1,20 +1,4 @@
-"""The long run of ``tandem chaos``: rounds of the plan for ``--duration``, timed faults, samples.
-
-- rounds: the seeded plan (plan.py) runs again and again, round ``r`` with seed ``seed + r``,
-  until ``--duration`` has passed (one round when it is 0);
-- faults at times from the run's start, beside the rounds: ``--kill ROLE@S`` (POST /debug/kill,
-  cli.py's ``on_kill``), ``--stop ROLE@S+D`` (SIGSTOP the process of one of this machine's
-  ROLE actors for D seconds, then SIGCONT: a worker that hangs instead of dying),
-  ``--stop NAME@S+D`` that worker (found by its busy process title, ``ray::NAME:...``),
-  ``--kill-router I@S`` (SIGKILL the router at ``--url``/``--also-url`` index I >= 1: its
-  clients' requests break and are resent to router 0, client.py);
-- every ``--sample-every``: each process's RSS, fds and threads and the KV accounting of
-  router 0's GET /debug/kv (sampler.py).
-
-Processes are found on this machine (sampler.local_processes): the routers by their ports, the
-actors under them and under ``--ray-root-pid`` (the ``ray start`` process of a cluster the
-routers joined).
-"""
+"""The long run of ``tandem chaos``: rounds of the plan for ``--duration``, timed faults, samples."""
 
 from __future__ import annotations
 
@@ -112,7 +96,7 @@ async def _kill_router(soak: Soak, t0: float, i: int, cfg: RunConfig, wait_s: fl
     if pid is None:
         soak.log(time.perf_counter() - t0, f"kill-router: nothing listens at {cfg.routers()[i]}")
         return
-    cfg.dead.add(i)                      # before the kill: its clients' errors are then retried
+    cfg.dead.add(i)
     os.kill(pid, signal.SIGKILL)
     soak.log(time.perf_counter() - t0, f"SIGKILL router {i} ({cfg.routers()[i]}, pid {pid}) with "
                                        f"{cfg.inflight.get(i, 0)} request(s) in flight")
@@ -123,10 +107,10 @@ async def _sample_loop(soak: Soak, t0: float, every: float, http, cfg: RunConfig
     while True:
         t = time.perf_counter() - t0
         urls = [u for i, u in enumerate(cfg.routers()) if i not in cfg.dead]
-        stats = await asyncio.to_thread(sampler.sample_all, urls, roots)   # psutil scans block
+        stats = await asyncio.to_thread(sampler.sample_all, urls, roots)
         try:
             kv = sampler.kv_totals((await http.get("/debug/kv", timeout=60)).json()["workers"])
-        except Exception as e:  # noqa: BLE001 - a sample missed is a gap, not a failure
+        except Exception as e:  # noqa: BLE001
             kv = None
             soak.log(t, f"sample: GET /debug/kv failed: {type(e).__name__}")
         soak.series.add(t, stats, kv)
@@ -165,7 +149,7 @@ async def run(args, cfg: RunConfig, http, on_kill) -> tuple[list, Soak]:
             if time.perf_counter() - t0 >= duration:
                 break
         for t in tasks:
-            await t                      # faults scheduled past the last round still happen
+            await t
     finally:
         for t in tasks:
             t.cancel()

@@ -1,11 +1,4 @@
-"""``tandem bench``: drive a running server over its HTTP API and write a report.
-
-    tandem bench --url http://127.0.0.1:8000 --workload agent|vllm-multiturn|trace:FILE [--out DIR] [flags]
-
-Prints a short table to stdout (progress goes to stderr) and writes ``DIR/report.json`` and four
-PNGs (see plots.py and docs/BENCH.md). tandem/cli.py adds the subcommand with :func:`register`;
-``python -m tandem.loadtest.loadgen.cli`` runs it standalone.
-"""
+"""``tandem bench``: drive a running server over its HTTP API and write a report."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""The HTTP side: one streamed request -> one :class:`Record`, and the two ways of driving a workload.
-
-Every request streams (``stream: true``, ``stream_options.include_usage``) so the client sees the
-first token and each later chunk as they arrive; prompt / cached / completion token counts come from
-the final usage chunk (``usage.prompt_tokens_details.cached_tokens``).
-
-- closed loop (:func:`run_sessions`): at most ``concurrency`` sessions in flight; a session sends its
-  turns one after another, each after the previous reply plus its think time. A failed turn ends
-  its session (the next turn would need the reply).
-- open loop (:func:`run_timed`): each request is sent at its arrival time whether or not earlier
-  ones finished; ``concurrency`` (if set) caps requests in flight, and a capped request's ``start``
-  is later than its ``scheduled`` time (client-side queueing, visible in the records).
-- sessions arriving on a schedule (:func:`run_arrivals`): session ``i`` starts at ``starts[i]``
-  whether or not earlier ones finished (an open loop of agent sessions, each closed inside); a
-  429 turn may be retried once after its ``Retry-After`` (``retry_429``).
-"""
+"""The HTTP side: one streamed request -> one :class:`Record`, and the two ways of driving a workload."""
 
 from __future__ import annotations
 
@@ -32,12 +17,12 @@ from tandem.loadtest.loadgen.workloads import Session, TimedRequest
 @dataclass(frozen=True)
 class ClientConfig:
     url: str
-    model: str | None = None          # None: the first model /v1/models lists
+    model: str | None = None
     api_key: str | None = None
     temperature: float = 0.0
-    seed: int | None = None           # sampling seed sent with each request
-    timeout_s: float = 300.0          # per request, send -> end of stream
-    session_header: bool = True       # send X-Session-Id for session workloads
+    seed: int | None = None
+    timeout_s: float = 300.0
+    session_header: bool = True
 
 
 def make_http(cfg: ClientConfig) -> httpx.AsyncClient:
@@ -95,7 +80,7 @@ class StreamClient:
         if self.cfg.seed is not None:
             body["seed"] = self.cfg.seed
         if exact:
-            body["min_tokens"] = max_tokens   # vendor extension (Tandem, vLLM, SGLang)
+            body["min_tokens"] = max_tokens
         return body
 
     async def chat(self, messages: list[dict], *, max_tokens: int, exact: bool = False,
@@ -134,7 +119,7 @@ class StreamClient:
         finally:
             rec.e2e = time.perf_counter() - sent
             rec.text = "".join(parts)
-        if rec.ok and rec.completion_tokens is None:   # a server without stream usage: count chunks
+        if rec.ok and rec.completion_tokens is None:
             rec.completion_tokens = len(rec.itl) + (rec.ttft is not None)
         return rec
 
@@ -244,7 +229,7 @@ async def run_timed(client: StreamClient, requests: list[TimedRequest], *, concu
         records.append(rec)
         bar.update(1)
 
-    start = client.t0   # arrival offsets count from the run's start, like Record.start
+    start = client.t0
     with _progress(len(reqs), progress) as bar:
         tasks = []
         for r in reqs:

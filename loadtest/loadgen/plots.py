@@ -1,13 +1,4 @@
-"""The report's figures (PNG, matplotlib's Agg backend; nothing needs a display).
-
-- ``ttft_by_turn.png``: TTFT of each successful request against its turn index (box per turn,
-  points jittered on top). With a prefix cache, turns after the first should not get slower as the
-  context grows.
-- ``ttft_cdf.png``: the empirical CDF of TTFT, with p50/p90/p99 marked.
-- ``throughput.png``: output tokens/s and completed requests/s over the run, in fixed time bins.
-- ``hit_ratio.png``: prefix-cache hit ratio per worker, from /metrics; when the server exports no
-  per-worker cache metric, the cluster-wide cached/prompt token ratio per turn index (the title says so).
-"""
+"""The report's figures (PNG, matplotlib's Agg backend; nothing needs a display)."""
 
 from __future__ import annotations
 

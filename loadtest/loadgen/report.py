@@ -1,10 +1,5 @@
 """Per-request records, the run summary, the printed table, the JSON report, and the per-worker
 cache numbers read from the server's /metrics.
-
-Times are seconds. ``start`` is measured from the start of the run; TTFT is send -> first chunk
-with output text; ITLs are the gaps between output-carrying chunks (a chunk may carry more than
-one token, so ITL is per chunk, not per token); E2E is send -> end of the stream.
-Percentiles interpolate linearly between closest ranks (numpy's default "linear" method).
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ class Record:
     session: str | None
     turn: int
     start: float
-    scheduled: float | None = None       # open loop: the trace's arrival offset (after speedup)
+    scheduled: float | None = None
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
@@ -38,8 +33,8 @@ class Record:
     error_detail: str | None = None
     status: int | None = None
     request_id: str | None = None
-    retry_after: str | None = None       # the Retry-After header of a refusal (429), as sent
-    text: str = field(default="", repr=False)   # the reply; fed to the next turn, not written out
+    retry_after: str | None = None
+    text: str = field(default="", repr=False)
 
     @property
     def ok(self) -> bool:

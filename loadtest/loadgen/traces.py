@@ -1,17 +1,4 @@
-"""Trace replay: public traces turned into open-loop :class:`TimedRequest` lists.
-
-- Mooncake (``*.jsonl``): ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``; each
-  hash id stands for a 512-token block and is mapped to ``block_size`` token ids drawn from a
-  generator seeded by the id alone, so requests that share hash ids share token prefixes exactly.
-  The prompt is those ids, cut to ``ceil(input_length * block_size / 512)`` (the last block is
-  partial, as in the trace), and goes to /v1/completions as a list of ints.
-- Azure LLM inference (``*.csv``): ``TIMESTAMP,ContextTokens,GeneratedTokens``; arrivals and lengths
-  only. Each prompt is fresh word text of ``ContextTokens * scale`` tokens (no shared prefixes: the
-  trace has no prefix information).
-
-Arrival times are relative to the first request and divided by ``speedup``. Output lengths are
-``min(output, max_tokens)`` and asked for exactly (min_tokens = max_tokens).
-"""
+"""Trace replay: public traces turned into open-loop :class:`TimedRequest` lists."""
 
 from __future__ import annotations
 

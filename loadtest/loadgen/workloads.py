@@ -1,15 +1,4 @@
-"""Synthetic workloads: what ``tandem bench`` sends, planned up front from a seed.
-
-Two shapes:
-- closed loop (:class:`Session`): a conversation of turns; the client appends the server's real
-  reply after each turn, so turn ``t+1``'s messages extend turn ``t``'s (the prefix a cache reuses).
-- open loop (:class:`TimedRequest`, built in traces.py): independent requests at fixed arrival times.
-
-Text comes from :data:`WORDS`, common English words that are each exactly one token (with their
-leading space) for the GPT-2-style byte-level BPE tokenizers of SmolLM2, Llama and Qwen, so
-``words(rng, n)`` is about ``n`` prompt tokens. Everything is drawn from ``random.Random`` seeded
-by a string (stable across processes and PYTHONHASHSEED): the same seed gives the same workload.
-"""
+"""Synthetic workloads: what ``tandem bench`` sends, planned up front from a seed."""
 
 from __future__ import annotations
 
@@ -143,10 +132,10 @@ class Turn:
 
     user: str
     max_tokens: int
-    exact_output: bool = False   # ask for exactly max_tokens (min_tokens = max_tokens)
-    think_s: float = 0.0         # pause after the previous reply, before this turn
+    exact_output: bool = False
+    think_s: float = 0.0
     tool_name: str = ""
-    tool_args: str = ""          # JSON
+    tool_args: str = ""
     tool_result: str = ""
 
 
@@ -155,7 +144,7 @@ class Session:
     sid: str
     system: str | None
     turns: tuple[Turn, ...]
-    tools: tuple[dict, ...] = ()   # OpenAI ``tools`` sent with every request of the session
+    tools: tuple[dict, ...] = ()
 
     def messages(self, turn: int, replies: list[str]) -> list[dict]:
         """Chat messages of request ``turn``: the system prompt, turn 0's user text, then for each
@@ -186,7 +175,7 @@ class TimedRequest:
 
     index: int
     arrival_s: float
-    prompt: str | tuple[int, ...]   # text, or token ids
+    prompt: str | tuple[int, ...]
     max_tokens: int
     exact_output: bool = True
 
@@ -194,8 +183,8 @@ class TimedRequest:
 @dataclass
 class Workload:
     name: str
-    sessions: list[Session] = field(default_factory=list)       # closed loop
-    requests: list[TimedRequest] = field(default_factory=list)  # open loop
+    sessions: list[Session] = field(default_factory=list)
+    requests: list[TimedRequest] = field(default_factory=list)
     notes: str = ""
 
     @property
@@ -215,7 +204,7 @@ class AgentConfig:
 
     num_sessions: int = 4
     turns: int = 3
-    system_prompt_tokens: int = 200   # prose; the declared tools add about 300 tokens more
+    system_prompt_tokens: int = 200
     task_tokens: int = 40
     instruction_tokens: int = 12
     tool_result_tokens: Dist = Dist("uniform", 32, 96)
@@ -303,7 +292,7 @@ def vllm_multiturn_workload(conf: dict, *, scale: float = 1.0, seed: int = 0,
     common_n = round(_vllm_dist(pin.get("common_prefix_num_tokens", {"distribution": "constant", "value": 0}))
                      .sample(rng) * scale)
     common = words(rng, common_n)
-    if d_prefix.kind == "lognormal":   # as vLLM: draw uncapped, rescale to the exact average, then cap
+    if d_prefix.kind == "lognormal":
         raw = [Dist("lognormal", d_prefix.a).sample(rng) for _ in range(n)]
         k = d_prefix.a * n / sum(raw)
         raw = [min(x * k, d_prefix.b if d_prefix.b is not None else math.inf) for x in raw]
