@@ -1,10 +1,4 @@
-"""Tandem: a disaggregated prefill/decode LLM serving cluster.
-
-The product's packages sit at the top of the repository (core/, engine/, cache/, ...; see the
-layout in README.md) and are imported as ``tandem.core``, ``tandem.engine`` and so on. In a source
-checkout (and an editable install) the repository root is added to this package's search path so
-that ``tandem.<pkg>`` resolves to ``<root>/<pkg>``; a built wheel installs them under tandem/.
-"""
+"""Tandem's import root: ``tandem.<pkg>`` resolves to the repository's ``<pkg>/`` in a checkout."""
 
 import os as _os
 

@@ -1,11 +1,4 @@
-"""The ``tandem`` command (pyproject's entry point): the composition root of the command line.
-
-It sits above every room: the cluster's commands (``generate``, ``serve``: cluster/cli.py, which
-also owns the parser frame and the exit statuses), the load tests' (``bench``:
-loadtest/loadgen/cli.py, ``chaos``: loadtest/chaos/cli.py) and the trace replay (``simulate``:
-sim/replay/cli.py) meet only here, so cluster/ never imports loadtest/. Nothing of the product
-imports this module.
-"""
+"""The ``tandem`` command: the command line's composition root; nothing of the product imports it."""
 
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ COMMANDS = (register_bench, register_simulate, register_chaos)
 
 
 def build_parser():
-    """``tandem``'s parser with every command (``tandem --help`` lists them)."""
     return cluster_cli.build_parser(COMMANDS)
 
 
