@@ -1,9 +1,4 @@
-"""Public workload files, vendored unchanged (provenance and licenses: README.md beside this file).
-
-Every default and test that replays a public trace reads it from here, so a clone of the
-repository needs nothing beside it. ``FILES`` maps each file to the md5 of the upstream copy;
-``tests/workloads/test_vendored_workloads.py`` checks them.
-"""
+"""Public workload files, vendored unchanged; ``FILES``: each one's upstream md5 (README.md)."""
 
 from __future__ import annotations
 
@@ -11,9 +6,9 @@ from pathlib import Path
 
 DIR = Path(__file__).resolve().parent
 
-MOONCAKE_SYNTHETIC = DIR / "mooncake_synthetic_trace.jsonl"   # Mooncake FAST'25 synthetic trace
-AZURE_CONV_2023 = DIR / "azure_llm_2023_conv.csv"              # Azure LLM inference 2023, conversation
-VLLM_MULTI_TURN = DIR / "vllm_generate_multi_turn.json"       # vLLM's multi-turn generator config
+MOONCAKE_SYNTHETIC = DIR / "mooncake_synthetic_trace.jsonl"
+AZURE_CONV_2023 = DIR / "azure_llm_2023_conv.csv"
+VLLM_MULTI_TURN = DIR / "vllm_generate_multi_turn.json"
 
 FILES = {
     MOONCAKE_SYNTHETIC.name: "cf1d3a0f649d43500616e04eb8126260",
