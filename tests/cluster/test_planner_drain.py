@@ -10,11 +10,12 @@ def test_the_planners_scale_down_hands_a_draining_decode_worker_to_the_mover():
     from types import SimpleNamespace
 
     from tandem.cluster.autoscaler import Autoscaler
+    from tandem.cluster.workers import DECODE, WorkerRef
     from tandem.core.config import PlannerConfig
 
     drained, moved = [], []
-    refs = {wid: SimpleNamespace(wid=wid, name=f"decode-{wid}", retiring=False,
-                                 handle=SimpleNamespace(drain=SimpleNamespace(remote=lambda wid=wid: drained.append(wid))))
+    refs = {wid: WorkerRef(f"decode-{wid}", DECODE, wid, wid=wid,
+                           handle=SimpleNamespace(drain=SimpleNamespace(remote=lambda wid=wid: drained.append(wid))))
             for wid in (0, 1)}
     views = [SimpleNamespace(worker_id=0, alive=True, in_flight=3, running_tokens=300),
              SimpleNamespace(worker_id=1, alive=True, in_flight=1, running_tokens=90)]
