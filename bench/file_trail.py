@@ -120,6 +120,7 @@ def main(argv=None) -> int:
         sys.setprofile(None)
         threading.setprofile(None)
         backend.close()
+        ray.shutdown()
     every = set().union(*per.values())
     print(f"{'process':<24} {'product files':>13}")
     for name, files in sorted(per.items()):
