@@ -41,7 +41,7 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
         prefix.append(it.prefix_len)
         ext.append(n)
         ids.extend(it.new_ids)
-        pos.append(torch.arange(it.prefix_len, it.prefix_len + n, dtype=torch.int64))
+        pos.extend(range(it.prefix_len, it.prefix_len + n))
         locs.append(it.new_slots.to("cpu", torch.int64))
     req_to_token_pool.write_many(rows, prefix, [it.new_slots for it in items])
     seq = [p + e for p, e in zip(prefix, ext)]
@@ -50,7 +50,7 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
         starts.append(starts[-1] + e)
     T, B = len(ids), len(items)
     # packed: ids [T] | positions [T] | out_cache_loc [T] | rows, seq, prefix, ext, starts [B] each
-    packed = torch.cat([torch.tensor(ids, dtype=torch.int64), *pos, *locs,
+    packed = torch.cat([torch.tensor(ids + pos, dtype=torch.int64), *locs,
                         torch.tensor(rows + seq + prefix + ext + starts, dtype=torch.int64)]).to(device, non_blocking=True)
     tok = packed[:3 * T].view(3, T)
     per = packed[3 * T:].view(5, B)

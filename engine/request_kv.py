@@ -184,6 +184,19 @@ class RequestKV:
         last_loc = self.r2t.slot(r.req_pool_idx, c - 1) if c else -1
         return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n), received)
 
+    def extend_decodes(self, srs: list[SchedReq]) -> list[torch.Tensor] | None:
+        """One slot (``[1]``) each for the next position of every request of ``srs``, in one
+        allocation and in ``srs`` order; None (nothing taken) when that would need an eviction,
+        or for hybrid models: the caller then extends them one by one."""
+        ps = self.page_size
+        fresh = [sr.req.computed_len % ps == 0 for sr in srs]
+        if self.hybrid.active or self.alloc.available_size() < (sum(fresh) + 1) * ps:
+            return None
+        pages = iter(self.alloc.alloc_pages(sum(fresh)).tolist())
+        slots = [next(pages) * ps if f else self.r2t.slot(sr.req.req_pool_idx, sr.req.computed_len - 1) + 1
+                 for sr, f in zip(srs, fresh)]
+        return list(torch.tensor(slots, dtype=torch.int64).split(1))
+
     def cache_prefix(self, sr: SchedReq, final: bool = False, end: int | None = None) -> None:
         """Hand the page-aligned computed prefix (of ``[0, end)``; default ``computed_len``) to
         the cache and adopt its canonical slots (the request then shares them with later

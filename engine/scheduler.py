@@ -196,7 +196,10 @@ class Scheduler:
                 if victim is not None:
                     decodes.remove(victim)
                     self._retract(victim)
-        while decodes:
+        batch = self.kv.extend_decodes(decodes)
+        for sr, slots in zip(decodes if batch is not None else (), batch or ()):
+            plan.add(sr, 1, slots)
+        while decodes and batch is None:
             sr = decodes.pop(0)
             if sr.rid not in self.running:
                 continue
