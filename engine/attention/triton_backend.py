@@ -25,6 +25,7 @@ import torch
 import triton
 
 from tandem.engine.attention.base import AttnSpec
+from tandem.engine.attention.split_rule import DEFAULT_SPLITS, SplitTable, choose_splits
 from tandem.engine.attention.triton_kernels import Tiles, decode_attention, extend_attention, store_kv
 from tandem.engine.forward_batch import ForwardBatch
 
@@ -42,23 +43,19 @@ class TritonAttnMeta:
     kv_span: int         # keys the decode split count is sized for (see init_forward)
 
 
-def choose_kv_splits(span: int, batch_size: int, num_kv_heads: int, num_sms: int | None,
-                     max_kv_splits: int, min_split_tokens: int) -> int:
-    """Splits per decode sequence: no split shorter than ``min_split_tokens`` keys of ``span``,
-    at most ``max_kv_splits``, and on a GPU (``num_sms``) just enough programs for about two
-    per SM (``batch_size * num_kv_heads`` programs per split)."""
-    n = min(max_kv_splits, triton.cdiv(max(span, 1), min_split_tokens))
-    if num_sms is not None:
-        n = min(n, triton.cdiv(2 * num_sms, max(1, batch_size * num_kv_heads)))
-    return max(1, n)
+def choose_kv_splits(span: int, max_kv_splits: int, min_split_tokens: int) -> int:
+    """Splits per decode sequence in the interpreter (no tuning table): no split shorter than
+    ``min_split_tokens`` keys of ``span``, at most ``max_kv_splits``."""
+    return max(1, min(max_kv_splits, triton.cdiv(max(span, 1), min_split_tokens)))
 
 
 class TritonAttentionBackend:
     """Triton implementation of :class:`~tandem.engine.attention.base.AttentionBackend`.
 
-    ``max_kv_splits`` caps how many ranges a decode sequence's keys are split into;
-    ``min_split_tokens`` is the fewest keys worth a split of their own (:func:`choose_kv_splits`).
-    ``num_kv_splits`` fixes the split count instead (tuning). ``decode_tiles`` /
+    The decode split count: ``num_kv_splits`` when set (tuning); else on CUDA, or wherever
+    ``split_table`` is given, :func:`~tandem.engine.attention.split_rule.choose_splits` over
+    ``split_table`` (default ``DEFAULT_SPLITS``); else (the interpreter) :func:`choose_kv_splits`
+    with ``max_kv_splits`` and ``min_split_tokens``. ``decode_tiles`` /
     ``extend_tiles``: the kernels' launch tiles (default: per GPU, see the kernels'
     ``default_tiles``).
     """
@@ -69,7 +66,7 @@ class TritonAttentionBackend:
 
     def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128, *,
                  num_kv_splits: int | None = None, decode_tiles: Tiles | None = None,
-                 extend_tiles: Tiles | None = None):
+                 extend_tiles: Tiles | None = None, split_table: SplitTable | None = None):
         if max_kv_splits < 1 or min_split_tokens < 1 or (num_kv_splits is not None and num_kv_splits < 1):
             raise ValueError(f"max_kv_splits={max_kv_splits}, min_split_tokens={min_split_tokens} and "
                              f"num_kv_splits={num_kv_splits} must be >= 1")
@@ -78,6 +75,7 @@ class TritonAttentionBackend:
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
         self.fixed_kv_splits = num_kv_splits
+        self.split_table = split_table
         self.decode_tiles = decode_tiles
         self.extend_tiles = extend_tiles
         self._num_sms: dict[int, int] = {}
@@ -149,12 +147,13 @@ class TritonAttentionBackend:
         return o
 
     def num_kv_splits(self, meta: TritonAttnMeta, spec: AttnSpec, batch_size: int) -> int:
-        """Splits per decode sequence of this layer (:func:`choose_kv_splits` over
-        ``meta.kv_span``, clipped to the layer's window), or the fixed count."""
+        """Splits per decode sequence of this layer over ``meta.kv_span`` keys, clipped to the
+        layer's window (the class docstring says which rule)."""
         if self.fixed_kv_splits is not None:
             return self.fixed_kv_splits
         span = meta.kv_span
         if spec.sliding_window is not None:
             span = min(span, spec.sliding_window)
-        return choose_kv_splits(span, batch_size, spec.num_kv_heads, meta.num_sms,
-                                self.max_kv_splits, self.min_split_tokens)
+        if self.split_table is not None or meta.num_sms is not None:
+            return choose_splits(self.split_table or DEFAULT_SPLITS, span, batch_size, spec.num_kv_heads)
+        return choose_kv_splits(span, self.max_kv_splits, self.min_split_tokens)
