@@ -1,26 +1,4 @@
-"""The in-process engine: model + pools + prefix cache + scheduler, driven by one thread.
-
-API (thread-safe):
-- ``Engine(config)`` loads the model and sizes the pools from ``config.cache``.
-- ``submit(req: GenerateRequest, on_chunk)``: queue a request; ``on_chunk(StreamChunk)`` is called
-  from the engine thread for every step's output and exactly once with a finish_reason.
-- ``stream(req)``: async iterator of StreamChunk (for asyncio servers).
-- ``generate(prompt, params, chat=False)``: blocking, returns a Completion.
-- ``abort(rid)``: finish a request with reason "abort"; its KV is released.
-- ``send(command)``: post a typed command (engine/commands.py: Activate, Release: the worker
-  side of a KV handoff); ``inspect(fn, *args)``: a Future of a read-only ``fn(*args)`` on the engine thread.
-- ``handle()``: the :class:`~tandem.engine.handle.EngineHandle` workers use (typed, async).
-- ``shutdown()``: stop the thread (pending requests finish with "abort").
-Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing; a
-constraint that does not compile raises it from ``stream``'s first ``__anext__`` (and finishes a
-``submit``-ted request as "abort" with the compiler's message).
-
-Constrained decoding: ``grammar()`` is the engine's :class:`~tandem.engine.grammar.GrammarCompiler`,
-built on the first constrained request (an engine that never sees one never builds it). Compiles
-run on its thread pool, never on the engine thread.
-
-The engine thread runs :class:`~tandem.engine.step_loop.StepLoop`'s loop (engine/step_loop.py).
-"""
+"""The in-process engine: model + pools + prefix cache + scheduler, driven by one thread."""
 
 from __future__ import annotations
 
@@ -78,13 +56,9 @@ class Engine(StepLoop):
     def __init__(self, config: EngineConfig | None = None, *, loaded=None,
                  hybrid: HybridConfig | None = None, kv_events=None, role: str = "colocated",
                  name: str | None = None, connector: Callable[["Engine"], KVConnector] | None = None):
-        """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
-        pool sizes for models with sliding-window / recurrent layers (default
-        ``config.hybrid``; engine/hybrid.py);
-        ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to.
-        ``role`` ("colocated" | "prefill" | "decode") picks role defaults (the host pool size:
-        engine/host_sizing.py); ``name`` labels the startup line; ``connector(engine)`` makes the
-        role's KV connector (engine/connector.py; default: nothing crosses workers)."""
+        """``loaded``: a loaded model (else ``config.model``); ``hybrid``: hybrid pool sizes (default
+        ``config.hybrid``); ``kv_events``: the prefix cache's publisher; ``role``: "colocated" |
+        "prefill" | "decode" (its defaults); ``name``: the startup line's; ``connector(engine)``: its KVConnector."""
         self.role, self.name = role, name or role
         self._kv_events = kv_events
         from tandem.engine.loader import load_model
@@ -97,11 +71,11 @@ class Engine(StepLoop):
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=self.dtype,
                                            sliding_window=cfg.sliding_window,
                                            context_length=cfg.context_length, weights=cfg.weights)
-        self.dtype = self.loaded.dtype   # the KV pool holds the model's dtype (a given model wins)
+        self.dtype = self.loaded.dtype
         from tandem.engine.loader import describe_dtype, describe_weights
         dtype_why = describe_dtype(cfg.dtype, self.device) if loaded is None else \
             str(self.dtype).removeprefix("torch.")
-        self.numerics = f"dtype {dtype_why}; weights {describe_weights(self.loaded.model)}"  # startup line
+        self.numerics = f"dtype {dtype_why}; weights {describe_weights(self.loaded.model)}"
         arch = self.loaded.arch
         self.arch = arch
         self.tokenizer = self.loaded.tokenizer
@@ -111,9 +85,6 @@ class Engine(StepLoop):
         num_pages = cc.max_total_tokens // cc.page_size
         self.allocator = PagedAllocator(num_pages, cc.page_size)
         self.req_to_token = ReqToTokenPool(cc.max_running_requests, self.max_context, self.device)
-        # Hybrid models (SWA / recurrent layers): their SWA pool, state pool and per-request
-        # state live in engine/hybrid.py, and the KV pool is a view over the full + SWA pools.
-        # FULL-only models get NO_HYBRID (no-op hooks) and the plain pool.
         self.hybrid = make_hybrid(self.loaded, cc, cfg.scheduler.chunked_prefill_size,
                                   self.allocator, self.req_to_token, self.device, self.dtype,
                                   hybrid or cfg.hybrid)
@@ -135,7 +106,6 @@ class Engine(StepLoop):
         self.scheduler = Scheduler(
             kv=self.kv, tokenizer=self.tokenizer, max_context=self.max_context,
             chunked_prefill_size=sc.chunked_prefill_size, max_batch_tokens=sc.max_batch_tokens,
-            # lpm orders by what the cache holds: with no cache it is fcfs
             schedule_policy=sc.schedule_policy if self.cache.retains else "fcfs",
             retraction_policy=sc.retraction_policy, debug_invariants=cc.debug_invariants,
             debug_retract_every=sc.debug_retract_every, grammar=self.grammar,
@@ -145,7 +115,7 @@ class Engine(StepLoop):
         self.overlap = resolve_overlap(cfg.overlap_schedule, cfg.disable_overlap_schedule,
                                        self.device, self.hybrid.active)
         self._lane = DeviceLane(self.runner, self.device, cfg.seed) if self.overlap else None
-        self._inflight: Launched | None = None     # the launched step not applied yet (overlap)
+        self._inflight: Launched | None = None
         self.startup_line += f"; overlap schedule {'on' if self.overlap else 'off'}"
         self._grammar = None
         self._grammar_lock = threading.Lock()
@@ -154,26 +124,21 @@ class Engine(StepLoop):
         self._wake = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
-        self._step_started: float | None = None   # monotonic start of the step running now
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
     def _make_cache(self):
-        """The radix cache over this engine's pools (with a host tier when configured: a host
-        pool for the full layers' KV and, for hybrid models, one per component), or a NullCache
-        with ``disable_prefix_cache``."""
         cc = self.config.cache
         h = self.hybrid
         if cc.disable_prefix_cache:
             n, why = 0, "off: the prefix cache is disabled"
         else:
-            # a host token also carries its SWA row (hybrid models): count both against the cap
             bpt = self.kv_pool.bytes_per_token + (h.swa_pool.bytes_per_token
                                                   if h.active and h.swa_pool is not None else 0)
             n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
                                       cc.page_size)
         tiers = [] if cc.disable_prefix_cache else build_tiers(self.tier_site(), {
-            # FULL KV in a host pool, and for hybrid models one host pool per component
             "host": {"tokens": n, "write_policy": cc.host_write_policy} if n else None})
         host = next((t for t in tiers if t.name == "host"), None)
         self.host_pool_tokens = n
@@ -196,7 +161,6 @@ class Engine(StepLoop):
                         h.component_data(), tuple(c for c in h.components if c.name != "full"),
                         h.host_stores, self.config.cache)
 
-    # ------------------------------------------------------------------ public API
     def grammar(self):
         """The engine's GrammarCompiler (thread-safe; built on first use: llguidance's tokenizer
         over this model's vocabulary and logits width)."""
@@ -207,8 +171,8 @@ class Engine(StepLoop):
             return self._grammar
 
     async def check_constraint(self, params: SamplingParams) -> None:
-        """Compile ``params.constraint`` (off the event loop and the engine thread; cached);
-        raises InvalidRequest when it does not compile. A no-op without a constraint."""
+        """Compile ``params.constraint`` (off the event loop and the engine thread; cached); raises
+        InvalidRequest when it does not compile. A no-op without a constraint."""
         if params.constraint is not None:
             await asyncio.wrap_future(self.grammar().compile(params.constraint))
 
@@ -224,8 +188,6 @@ class Engine(StepLoop):
             text = prompt
             if chat:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            # a plain prompt gets the BOS a model wants (Gemma), as /v1/completions does; a chat
-            # template writes its own
             ids = self.tokenizer.encode(text, add_special_tokens=not chat)
         else:
             ids = list(prompt)
@@ -237,7 +199,7 @@ class Engine(StepLoop):
             raise RuntimeError(f"engine thread died: {self._error!r}")
         req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id,
                   cache_salt=greq.cache_salt, trace=greq.trace)
-        if greq.resume is not None:   # continues another decode worker's tokens
+        if greq.resume is not None:
             req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:
             if not 0 <= t < self.arch.vocab_size:
@@ -259,7 +221,7 @@ class Engine(StepLoop):
     async def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        await self.check_constraint(greq.params)   # a bad grammar is InvalidRequest here (400)
+        await self.check_constraint(greq.params)
         self.submit(greq, lambda c: loop.call_soon_threadsafe(q.put_nowait, c))
         finished = False
         try:
@@ -268,7 +230,7 @@ class Engine(StepLoop):
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            if not finished:  # the consumer went away mid-stream: free the request's KV
+            if not finished:
                 self.abort(greq.rid)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -307,9 +269,7 @@ class Engine(StepLoop):
         return out
 
     def inspect(self, fn: Callable, *args) -> concurrent.futures.Future:
-        """A Future of ``fn(*args)`` run on the engine thread between steps. ``fn`` only reads
-        (a named read-only method of a handle or a test): it never changes requests or KV, and
-        nothing it returns is streamed. Fails at once if the engine thread is not running."""
+        """A Future of ``fn(*args)`` run on the engine thread between steps; ``fn`` only reads."""
         cmd = Inspect(fn, args)
         if self._error is not None or not self._thread.is_alive():
             cmd.future.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
@@ -329,8 +289,8 @@ class Engine(StepLoop):
         return EngineHandle(self)
 
     def snapshot(self, timeout: float = 30.0):
-        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI),
-        read on the engine thread (directly once that thread has stopped)."""
+        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI), read
+        on the engine thread (directly once that thread has stopped)."""
         from tandem.engine.handle import take_snapshot
         return self._on_thread(take_snapshot, self, timeout=timeout)
 
@@ -344,19 +304,19 @@ class Engine(StepLoop):
 
     def _on_thread(self, fn, *args, timeout: float):
         if not self._thread.is_alive() and self._error is None:
-            return fn(*args)          # stopped cleanly (a test driving step()): nobody else runs
+            return fn(*args)
         return self.inspect(fn, *args).result(timeout)
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
-        with self._grammar_lock:   # a stopped engine driven by step() builds a new one if needed
+        with self._grammar_lock:
             if self._grammar is not None:
                 self._grammar.shutdown()
             self._grammar = None
         self.sampler.close()
         if self._lane is not None:
             self._lane.close()
-        for tier in self.kv.cache.tiers:   # the L3 tier's prefetch thread and store client end now
+        for tier in self.kv.cache.tiers:
             tier.close()

@@ -1,12 +1,5 @@
-"""The engine thread's half of :class:`~tandem.engine.engine.Engine`: drain the inbox (typed
-commands, dispatched with ``match``; an unknown one raises), then one step -- plan, forward,
-sample, update, stream; with overlap scheduling (engine/overlap.py) a step launches the next plan
-on the device lane first and applies the previous step's tokens while it runs.
-
-:class:`StepLoop` holds no state of its own: ``Engine.__init__`` sets every attribute it reads
-(``scheduler``, ``kv``, ``runner``, ``sampler``, ``cache``, ``device``, ``overlap``, ``_lane``,
-``_inflight``, ``_inbox``, ``_callbacks``, ``_wake``, ``_stop``, ``_error``, ``_step_started``).
-"""
+"""The engine thread's half of :class:`~tandem.engine.engine.Engine`: drain the inbox, then one
+step (plan, forward, sample, update, stream; with overlap, launch step N+1, then apply step N)."""
 
 from __future__ import annotations
 
@@ -32,7 +25,7 @@ class StepLoop:
                 del self._callbacks[c.rid]
             try:
                 cb(c)
-            except Exception:  # a consumer's bug must not kill the engine
+            except Exception:
                 log.exception("stream callback for %s failed", c.rid)
 
     def _drain_inbox(self) -> None:
@@ -42,11 +35,10 @@ class StepLoop:
             except queue.Empty:
                 return
             if not isinstance(cmd, Submit):
-                self._settle()   # commands that touch requests see no step in flight
+                self._settle()
             self._apply(cmd)
 
     def _settle(self) -> None:
-        """Apply the step in flight (overlap), if any, and stream its chunks."""
         done, self._inflight = self._inflight, None
         if done is not None:
             self._emit(self.scheduler.apply(done.plan, done.host_tokens()))
@@ -66,7 +58,7 @@ class StepLoop:
             case Activate() | Release():
                 try:
                     c = self.scheduler.handoff(cmd)
-                except ValueError as e:   # a worker's bug: fail that request, keep the engine
+                except ValueError as e:
                     log.error("%s", e)
                     c = StreamChunk(cmd.rid, (), "", "abort", error=f"handoff failed: {e}")
                 if c is not None:
@@ -74,7 +66,7 @@ class StepLoop:
             case Migrate(future=fut):
                 try:
                     c = self.scheduler.handoff(cmd)
-                except ValueError as e:   # not decoding here: nothing changed
+                except ValueError as e:
                     fut.set_exception(e)
                     return
                 self._emit([c])
@@ -84,7 +76,7 @@ class StepLoop:
                     fut.set_result(self.cache.evict(n))
             case Inspect(fn=fn, args=args, future=fut):
                 if not fut.set_running_or_notify_cancel():
-                    return   # the caller gave up on it
+                    return
                 try:
                     fut.set_result(fn(*args))
                 except Exception as e:
@@ -93,10 +85,8 @@ class StepLoop:
                 raise TypeError(f"unknown engine command {cmd!r}")
 
     def step(self):
-        """Drain the inbox, then run one step: plan, forward, sample, update, stream. Returns
-        the :class:`~tandem.engine.sched_types.StepPlan` (empty when nothing could run). Engine
-        thread only -- or a test driving an engine whose thread was stopped (``shutdown()``
-        first; ``submit`` then queues for the next ``step``)."""
+        """Drain the inbox, then run one step: plan, forward, sample, update, stream. Returns the
+        :class:`~tandem.engine.sched_types.StepPlan` (empty when nothing could run)."""
         self._drain_inbox()
         self._step_started = time.monotonic()
         try:
@@ -105,9 +95,8 @@ class StepLoop:
             self._step_started = None
 
     def step_age(self) -> float:
-        """Seconds the engine thread has been inside its current step (0 between steps): a
-        thread that is alive but stuck in one step is what a hung device looks like. Any
-        thread may read it."""
+        """Seconds the engine thread has been inside its current step (0 between steps): a thread
+        that is alive but stuck in one step is what a hung device looks like."""
         started = self._step_started
         return 0.0 if started is None else max(time.monotonic() - started, 0.0)
 
@@ -122,9 +111,8 @@ class StepLoop:
         return plan
 
     def _forward_sample(self, plan, fb) -> tuple[list, list | None]:
-        """Run ``fb`` (``plan``'s batch) and sample its sampling rows on the host."""
         srs = [e.sr for e in plan.sampling]
-        masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
+        masks = self.sampler.prepare(srs)
         every = wants_prompt_logprobs(plan.entries)    # [T, V]: prompt logprobs need every position
         logits = self.runner.forward(fb, return_all_logits=every)     # [B, V]
         if every:
@@ -132,15 +120,14 @@ class StepLoop:
         rows = plan.sample_rows
         if not rows:
             return [], None
-        sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
+        sampled = logits if len(rows) == len(plan.entries) else logits[rows]
         out = self.sampler.sample(sampled, srs, self.scheduler.eos, masks)
         return out.tokens, out.logprobs
 
     def _step_overlap(self):
-        """Plan and launch step N+1, then apply step N while it runs (engine/overlap.py)."""
         s = self.scheduler
         if self._inflight is not None and s.wants_settled():
-            self._settle()               # this schedule may retract: nothing may be in flight
+            self._settle()
         plan = s.schedule()
         self._emit(plan.chunks)
         if not plan.entries:
@@ -148,9 +135,9 @@ class StepLoop:
             return plan
         s.advance(plan)
         fb = self.kv.forward_batch(plan)
-        if not device_sampleable(plan, self.device):  # grammar, logprobs, seeds: the plain path
+        if not device_sampleable(plan, self.device):
             prev = self._inflight
-            dst, src = fill_indices(plan, prev)      # before the settle appends those tokens
+            dst, src = fill_indices(plan, prev)
             self._settle()
             if dst:
                 fill_inputs(fb, dst, src, prev.device_tokens())
@@ -171,15 +158,15 @@ class StepLoop:
                     self._wake.clear()
                     continue
                 plan = self.step()
-                if not (plan.entries or plan.chunks):   # work that cannot run yet: do not spin
+                if not (plan.entries or plan.chunks):
                     self._wake.wait(0.005)
                     self._wake.clear()
-        except BaseException as e:  # surface to callers instead of hanging them
+        except BaseException as e:
             log.exception("engine thread crashed")
             self._error = e
         finally:
             try:
-                self._settle()   # the step in flight ends before its requests are aborted
+                self._settle()
             except BaseException:
                 log.exception("the step in flight failed while stopping")
                 self._inflight = None
@@ -189,17 +176,16 @@ class StepLoop:
                         + list(s.running)):
                 try:
                     c = self.scheduler.abort(rid, error=error)
-                except Exception:  # the scheduler itself is broken: finish the stream anyway
+                except Exception:
                     log.exception("abort of %s failed while stopping", rid)
                     c = StreamChunk(rid, (), "", "abort", error=error)
                 if c is not None:
                     self._emit([c])
-            while True:   # reads queued behind the crash fail instead of hanging their callers
+            while True:
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(cmd, Inspect | Evict | Migrate) and cmd.future.set_running_or_notify_cancel():
                     cmd.future.set_exception(RuntimeError(error))
-            # anyone still waiting (reserved, held, or lost in a crash) gets a final chunk too
             self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

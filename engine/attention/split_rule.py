@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SplitTable:
-    """``splits[i][j]``: the split count for ``spans[i]`` keys and ``programs[j]`` = batch size x
-    KV heads. ``spans`` and ``programs`` strictly ascending, every count >= 1 (else ValueError)."""
+    """``splits[i][j]``: the split count for ``spans[i]`` keys and ``programs[j]`` = batch size x KV
+    heads."""
 
     spans: tuple[int, ...]
     programs: tuple[int, ...]
@@ -50,15 +50,13 @@ class SplitTable:
 
 def choose_splits(table: SplitTable, span: int, batch_size: int, num_kv_heads: int) -> int:
     """The count in the row of the largest tabled span <= ``span`` and the column of the largest
-    tabled programs <= ``batch_size * num_kv_heads`` (the first row / column below the table),
-    never more than ``span`` (one key per split at least)."""
+    tabled programs <= ``batch_size * num_kv_heads`` (the first row / column below the table), never
+    more than ``span`` (one key per split at least)."""
     i = max(bisect_right(table.spans, span) - 1, 0)
     j = max(bisect_right(table.programs, batch_size * num_kv_heads) - 1, 0)
     return max(1, min(table.splits[i][j], span))
 
 
-# Pending the H200 sweep (bench/gpu_check.py's split_sweep writes the measured table): two
-# programs per SM on 132 SMs, no split under 128 keys, at most 16.
 DEFAULT_SPLITS = SplitTable(
     spans=(128, 256, 512, 1024, 2048),
     programs=(8, 32, 64, 128, 256, 512),

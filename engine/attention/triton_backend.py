@@ -1,21 +1,4 @@
-"""TritonAttentionBackend: paged attention with triton kernels (triton_kernels/).
-
-Works on CUDA tensors (compiled kernels) and, when ``TRITON_INTERPRET=1`` was set before triton
-was first imported, on CPU tensors through triton's interpreter (slow: tests only; CPU serving
-uses the torch backend). Per layer and step, :meth:`forward`:
-
-1. stores the new K/V at ``fb.out_cache_loc`` (through the layer's ``index_map``, if any);
-2. runs the split-KV decode kernels when every sequence adds one token (``fb.is_decode``),
-   else the extend kernel (prefill chunks, or a mix of chunks and decodes);
-3. returns ``o: [T, H_q, D]`` in q's dtype.
-
-:meth:`init_forward` reads only host-side values, so neither method synchronizes with the GPU.
-On CUDA the per-step metadata depends on nothing but the batch size (the decode split count is
-sized for the context limit, not this step's longest sequence): a decode step captured in a
-CUDA graph (engine/cuda_graph.py) replays with exactly the launches an eager step of the same
-batch size makes, and reads everything else from the ForwardBatch's device tensors, which the
-graph runner refills in place before each replay.
-"""
+"""TritonAttentionBackend: paged attention with triton kernels (triton_kernels/)."""
 
 from __future__ import annotations
 
@@ -39,8 +22,8 @@ class TritonAttnMeta:
     is_decode: bool
     max_seq_len: int
     max_extend_len: int
-    num_sms: int | None  # streaming multiprocessors of the device; None on the CPU
-    kv_span: int         # keys the decode split count is sized for (see init_forward)
+    num_sms: int | None
+    kv_span: int
 
 
 def choose_kv_splits(span: int, max_kv_splits: int, min_split_tokens: int) -> int:
@@ -50,19 +33,11 @@ def choose_kv_splits(span: int, max_kv_splits: int, min_split_tokens: int) -> in
 
 
 class TritonAttentionBackend:
-    """Triton implementation of :class:`~tandem.engine.attention.base.AttentionBackend`.
+    """Triton implementation of :class:`~tandem.engine.attention.base.AttentionBackend`."""
 
-    The decode split count: ``num_kv_splits`` when set (tuning); else on CUDA, or wherever
-    ``split_table`` is given, :func:`~tandem.engine.attention.split_rule.choose_splits` over
-    ``split_table`` (default ``DEFAULT_SPLITS``); else (the interpreter) :func:`choose_kv_splits`
-    with ``max_kv_splits`` and ``min_split_tokens``. ``decode_tiles`` /
-    ``extend_tiles``: the kernels' launch tiles (default: per GPU, see the kernels'
-    ``default_tiles``).
-    """
+    name = "triton"
 
-    name = "triton"   # what the startup line calls it
-
-    capturable = True   # engine/cuda_graph.py may capture its decode steps (see init_forward)
+    capturable = True
 
     def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128, *,
                  num_kv_splits: int | None = None, decode_tiles: Tiles | None = None,
@@ -81,10 +56,7 @@ class TritonAttentionBackend:
         self._num_sms: dict[int, int] = {}
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        """``fb.attn_meta["triton"]``. The decode split count is sized for ``kv_span`` keys:
-        on CUDA the context limit (``req_to_token``'s width), so it depends on the batch size
-        only and a CUDA graph of a batch size replays what an eager step launches; in the
-        interpreter (tests) the step's longest sequence."""
+        """``fb.attn_meta["triton"]``."""
         device = fb.seq_lens.device
         num_sms = None
         if device.type == "cuda":
@@ -122,9 +94,9 @@ class TritonAttentionBackend:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                fb: ForwardBatch) -> torch.Tensor:
-        """:meth:`forward` without the store: this step's K/V are already in the pool (the GPU
-        layer path's ``rope_store`` wrote them; prefill also reads the new ``k``, ``v``).
-        q: [T, H_q, D] (rows may be strided; last dim contiguous) -> o: [T, H_q, D]."""
+        """:meth:`forward` without the store: this step's K/V are already in the pool (the GPU layer
+        path's ``rope_store`` wrote them; prefill also reads the new ``k``, ``v``). q: [T, H_q, D]
+        (rows may be strided; last dim contiguous) -> o: [T, H_q, D]."""
         meta = fb.attn_meta.get(META_KEY)
         if meta is None:
             raise ValueError("TritonAttentionBackend.attend called before init_forward(fb) for this batch")
@@ -137,7 +109,6 @@ class TritonAttentionBackend:
                 spec.scale, self.num_kv_splits(meta, spec, fb.batch_size),
                 spec.sliding_window, layer.index_map, self.decode_tiles)
         else:
-            # read the new tokens at the pool's precision, as later steps will read them
             if k.dtype != layer.k.dtype:
                 k, v = k.to(layer.k.dtype), v.to(layer.v.dtype)
             extend_attention(
