@@ -168,8 +168,11 @@ class RequestKV:
         fresh = [sr.req.computed_len % ps == 0 for sr in srs]
         if self.hybrid.active or self.alloc.available_size() < (sum(fresh) + 1) * ps:
             return None
-        pages = iter(self.alloc.alloc_pages(sum(fresh)).tolist())
-        slots = [next(pages) * ps if f else self.r2t.slot(sr.req.req_pool_idx, sr.req.computed_len - 1) + 1
+        pages = self.alloc.alloc_pages(sum(fresh))
+        if pages is None:
+            return None
+        it = iter(pages.tolist())
+        slots = [next(it) * ps if f else self.r2t.slot(sr.req.req_pool_idx, sr.req.computed_len - 1) + 1
                  for sr, f in zip(srs, fresh)]
         return list(torch.tensor(slots, dtype=torch.int64).split(1))
 
