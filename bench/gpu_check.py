@@ -33,8 +33,10 @@ staged GGUF, then runs this); bench/gpu_stage.sh prepares what it carries. Write
    step (torch.profiler, bench/gpu/profile.py); the Llama-3.1-8B geometry with random bf16
    weights made on the GPU (bench/gpu/llama8b.py: decode at batch 1 / 16 / 64 and an 8,192-token
    prefill against their rooflines, its launches per layer); host-pool backup/restore GB/s
-   against a plain pinned copy; the triton kernels' tuning sweep (best tiles / splits per shape)
-   against SDPA or FlashInfer, last, in the time left.
+   against a plain pinned copy; the decode attention's split-K sweep (bench/gpu/splits.py: per
+   context length x batch size the fastest split count, and the table
+   engine/attention/split_rule.py reads); the triton kernels' tuning sweep (best tiles / splits
+   per shape) against SDPA or FlashInfer, last, in the time left.
 
 What the GPU machine must be given (it has torch, triton, transformers, numpy, pyyaml, jinja2,
 tokenizers, safetensors, msgpack, pytest; no Ray or NIXL, which the Engine does not import):
@@ -119,7 +121,7 @@ def measurements(plan: Plan, pair, report: dict, t_start: float) -> None:
     import torch
 
     from tandem.bench.gpu import kernels as k
-    from tandem.bench.gpu import llama8b
+    from tandem.bench.gpu import llama8b, splits
     from tandem.bench.gpu import throughput as tp
     from tandem.bench.gpu.profile import decode_launches as launches
 
@@ -172,6 +174,9 @@ def measurements(plan: Plan, pair, report: dict, t_start: float) -> None:
     _phase(report, "host_copies", lambda: dict(tp.host_copies(arch, dev, dtype, plan.host_copy_tokens), ok=True),
            required=False)
     if plan.sweep != "none":
+        left = plan.budget_s - (time.perf_counter() - t_start) - 15
+        _phase(report, "split_sweep", lambda: splits.sweep(dev, dtype, min(90.0, max(left / 2, 10.0)),
+                                                           smoke=plan.sweep == "smoke"), required=False)
         left = plan.budget_s - (time.perf_counter() - t_start) - 15
         _phase(report, "kernel_sweep", lambda: dict(k.sweep(plan.sweep, dev, dtype, max(left, 10.0),
                                                             smoke=plan.sweep == "smoke"), ok=True),
@@ -249,6 +254,16 @@ def table(report: dict) -> str:
               f"{h['backup']['total_ms']}), restore {h['restore']['GBps']} GB/s (held "
               f"{h['restore']['host_held_ms']} of {h['restore']['total_ms']} ms); plain pinned "
               f"d2h {pp.get('d2h_GBps', '-')} / h2d {pp.get('h2d_GBps', '-')} GB/s; exact: {h['round_trip_exact']}"]
+    sp = report.get("split_sweep", {})
+    if sp.get("rows"):
+        counts = sorted({int(n) for r in sp["rows"] for n in r["us"]})
+        L += ["", "## Decode attention split-K sweep (us per split count; the table the backend reads)", "",
+              "| geometry | span | batch | " + " | ".join(f"{n} splits" for n in counts) + " | fastest |",
+              "|---" * (4 + len(counts)) + "|"]
+        for r in sp["rows"]:
+            L.append(f"| {r['geometry']} | {r['span']} | {r['batch']} | "
+                     + " | ".join(str(r["us"].get(str(n), "-")) for n in counts) + f" | {r['best']} |")
+        L.append(f"\ntable: {sp['table']}" + (f"; not reached: {', '.join(sp['skipped'])}" if sp["skipped"] else ""))
     s = report.get("kernel_sweep", {})
     if s.get("shapes"):
         L += ["", f"## Triton kernels ({s['baseline']})", "",

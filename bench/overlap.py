@@ -5,7 +5,8 @@ GPU's kernels leave the host free) and then picks a cheap deterministic next tok
 loop (``ModelRunner.generate_greedy``: build, forward, argmax, nothing else) is the ceiling; the
 Engine adds its scheduler, batch building, detokenizing and streaming. Without overlap that host
 work adds to every step; with it (engine/overlap.py) it hides behind the sleeping forward.
-Reported per step time: tokens/s of each and the engine/runner ratio (medians of ``--repeats``).
+Reported per step time: tokens/s of each (medians of ``--repeats``) and the engine/runner ratio
+(the median of each repeat's ratio).
 
     python -m tandem.bench.overlap                       # bench/out/overlap.json
     python -m tandem.bench.overlap --step-ms 4,10 --batch 32 --tokens 40
@@ -98,7 +99,9 @@ def engine_seconds(loaded, batch: int, tokens: int, overlap: str,
 
 def measure(step_s: float, batch: int, tokens: int, repeats: int = 1) -> dict:
     """Tokens/s of the runner and of the engine with overlap off and on (medians of
-    ``repeats``), the engine/runner ratios, and whether all three produced the same tokens."""
+    ``repeats``), the engine/runner ratios (the median over repeats of each repeat's ratio: the
+    three run back to back, so a change in the machine's load hits them alike), each run's
+    seconds, and whether all three produced the same tokens."""
     loaded = sleep_loaded(step_s)
     runs: dict[str, list[float]] = {"runner": [], "off": [], "on": []}
     same = True
@@ -111,10 +114,11 @@ def measure(step_s: float, batch: int, tokens: int, repeats: int = 1) -> dict:
             same = same and got == want
     n = batch * tokens
     tps = {k: n / statistics.median(v) for k, v in runs.items()}
+    paired = {m: statistics.median(r / x for r, x in zip(runs["runner"], runs[m])) for m in ("off", "on")}
     return {"step_ms": step_s * 1e3, "batch": batch, "tokens": tokens,
             "runner_tok_s": tps["runner"], "engine_off_tok_s": tps["off"], "engine_on_tok_s": tps["on"],
-            "ratio_off": tps["off"] / tps["runner"], "ratio_on": tps["on"] / tps["runner"],
-            "same_tokens": same}
+            "ratio_off": paired["off"], "ratio_on": paired["on"], "same_tokens": same,
+            "seconds": runs}
 
 
 def measure_real(batch: int, tokens: int, repeats: int) -> dict:

@@ -62,18 +62,20 @@ class ReqToTokenPool:
     def write_many(self, rows: list[int], starts: list[int], slots: list[torch.Tensor]) -> None:
         """``write(rows[i], starts[i], slots[i])`` for every i; on a GPU one host-to-device copy
         and one scatter for all of them."""
-        for start, sl in zip(starts, slots, strict=True):
-            if start + len(sl) > self.max_context:
-                raise ValueError(f"write to positions {start}..{start + len(sl)} exceeds "
-                                 f"max_context={self.max_context}")
-        for row, start, sl in zip(rows, starts, slots, strict=True):
-            self._host[row, start:start + len(sl)] = sl.to("cpu", torch.int32)
-        if self._host is self.req_to_token or not rows:
-            return
         n = [len(sl) for sl in slots]
+        for start, k in zip(starts, n, strict=True):
+            if start + k > self.max_context:
+                raise ValueError(f"write to positions {start}..{start + k} exceeds "
+                                 f"max_context={self.max_context}")
+        if not rows:
+            return
         r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(n))
-        c = torch.cat([torch.arange(st, st + k, dtype=torch.int64) for st, k in zip(starts, n)])
+        c = torch.tensor([p for st, k in zip(starts, n, strict=True) for p in range(st, st + k)],
+                         dtype=torch.int64)
         v = torch.cat([sl.to("cpu", torch.int64) for sl in slots])
+        self._host[r, c] = v.to(torch.int32)
+        if self._host is self.req_to_token:
+            return
         rcv = torch.stack([r, c, v]).to(self.req_to_token.device, non_blocking=True)   # [3, total]: one copy
         self.req_to_token[rcv[0], rcv[1]] = rcv[2].to(torch.int32)
 

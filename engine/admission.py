@@ -1,18 +1,4 @@
-"""Admission: which waiting request may take a row, in what order, and with what it starts.
-
-The scheduler (engine/scheduler.py) asks; this decides. Engine thread only, except
-:meth:`Admission.validate` (pure: it reads limits, safe from any thread).
-
-- ``validate(req)``: raises InvalidRequest for a request this engine can never serve.
-- ``track(req, group)``: the request's :class:`SchedReq` (its grammar compile started, its session
-  stamped, its sample group registered, whether the connector receives its KV, and the L3 read-ahead
-  of its prefix started: engine/request_kv.py ``prefetch``).
-- ``order(waiting)``: ``fcfs`` (arrival) or ``lpm`` (longest cached prefix first, SGLang's
-  policy; engine/queue_policy.py).
-- ``grammar_ready(sr)``: the matcher is made once the compile is done (raises InvalidRequest when
-  it failed); False while it compiles.
-- ``fork_prompt(sr)``: no prefix cache, an ``n`` group: copy a computed sibling's prompt KV.
-"""
+"""Admission: which waiting request may take a row, in what order, and with what it starts."""
 
 from __future__ import annotations
 
@@ -35,7 +21,7 @@ class Admission:
                  groups: SampleGroups, stats: dict):
         self.kv, self.tok, self.max_context, self.policy = kv, tokenizer, max_context, policy
         self.grammar, self.connector, self.groups, self.stats = grammar, connector, groups, stats
-        self.session_seen: dict[str, float] = {}   # session id -> when its latest request arrived
+        self.session_seen: dict[str, float] = {}
 
     def validate(self, req: Req) -> None:
         req.params.validate()
@@ -63,7 +49,7 @@ class Admission:
         if resume is not None:
             sr.tracker.sent, req.cached_len, req.admissions = resume.streamed_chars, resume.cached_tokens, 1
         if c is not None:
-            sr.grammar = self.grammar().compile(c)    # a done future on a cache hit
+            sr.grammar = self.grammar().compile(c)
         self.groups.add(sr, self.kv.holders)
         self.kv.prefetch(sr)
         return sr
@@ -80,8 +66,8 @@ class Admission:
             return True
         if not sr.grammar.done():
             return False
-        m = sr.grammar.result().matcher()   # raises InvalidRequest for a failed compile
-        for i, t in enumerate(sr.req.output_ids):   # resumed: the state after what it generated
+        m = sr.grammar.result().matcher()
+        for i, t in enumerate(sr.req.output_ids):
             if not m.accept(t):
                 raise InvalidRequest(f"token {t} at output position {i} is not allowed by the "
                                      f"{m.constraint.kind} constraint: {m.error or 'rejected'}")

@@ -1,10 +1,4 @@
-"""Turns the scheduler's CPU-side plan into a ForwardBatch, in exactly one place.
-
-A plan item is ``(row, prefix_len, new_ids, new_slots)``: request row ``row`` of the
-ReqToTokenPool already holds ``prefix_len`` positions of KV and this step adds ``new_ids`` whose
-K/V go to ``new_slots``. The builder writes ``new_slots`` into the row (so attention finds every
-slot through ``req_to_token``) and lays out the token-major tensors.
-"""
+"""Turns the scheduler's CPU-side plan into a ForwardBatch, in exactly one place."""
 
 from __future__ import annotations
 
@@ -26,10 +20,7 @@ class PlanItem:
 def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
                         device: torch.device | str = "cpu", state_indices=None,
                         state_pool=None) -> ForwardBatch:
-    """The step's ForwardBatch. Its index tensors reach the device in one host-to-device copy
-    (views of one packed tensor), and the new slots reach ``req_to_token`` in one more
-    (``write_many``): a constant number of copies per step, whatever the batch size. Neither
-    waits for the device (overlap scheduling builds a step while the previous one runs)."""
+    """The step's ForwardBatch."""
     if not items:
         raise ValueError("empty plan")
     rows, prefix, ext, ids, pos, locs = [], [], [], [], [], []
@@ -41,7 +32,7 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
         prefix.append(it.prefix_len)
         ext.append(n)
         ids.extend(it.new_ids)
-        pos.append(torch.arange(it.prefix_len, it.prefix_len + n, dtype=torch.int64))
+        pos.extend(range(it.prefix_len, it.prefix_len + n))
         locs.append(it.new_slots.to("cpu", torch.int64))
     req_to_token_pool.write_many(rows, prefix, [it.new_slots for it in items])
     seq = [p + e for p, e in zip(prefix, ext)]
@@ -49,8 +40,7 @@ def build_forward_batch(items: list[PlanItem], req_to_token_pool, kv_pool,
     for e in ext[:-1]:
         starts.append(starts[-1] + e)
     T, B = len(ids), len(items)
-    # packed: ids [T] | positions [T] | out_cache_loc [T] | rows, seq, prefix, ext, starts [B] each
-    packed = torch.cat([torch.tensor(ids, dtype=torch.int64), *pos, *locs,
+    packed = torch.cat([torch.tensor(ids + pos, dtype=torch.int64), *locs,
                         torch.tensor(rows + seq + prefix + ext + starts, dtype=torch.int64)]).to(device, non_blocking=True)
     tok = packed[:3 * T].view(3, T)
     per = packed[3 * T:].view(5, B)

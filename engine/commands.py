@@ -1,20 +1,4 @@
-"""The engine's typed commands: everything another thread asks of the engine thread.
-
-Every message on the engine's inbox is one of these frozen dataclasses; ``Engine`` dispatches
-them with ``match`` and raises on anything else. State changes only through the verbs below;
-``Inspect`` reads (a named, read-only method of the caller's: snapshots, invariant checks, page
-ids of held KV) and never emits chunks.
-
-    Submit(req, group, on_chunk)       queue a request; on_chunk gets every chunk (engine thread)
-    Abort(rid, error)                  finish rid with "abort" wherever it waits, runs or receives
-    Activate(rid, first_token, ...)    decode: rid's KV arrived (with prefill's first token, or
-                                       none for a request resumed from another decode worker)
-    Migrate(rid, future)               decode: end rid here with "migrated"; its KV is held until
-                                       a Release (the new worker copies it first)
-    Release(rid)                       prefill: rid's held KV was sent (or will never be): let it go
-    Evict(tokens, future)              future <- device tokens evicted from unlocked cache
-    Inspect(fn, args, future)          future <- fn(*args) on the engine thread (read-only)
-"""
+"""The engine's typed commands: everything another thread asks of the engine thread."""
 
 from __future__ import annotations
 
@@ -45,8 +29,8 @@ class Abort:
 @dataclass(frozen=True)
 class Activate:
     """The KV of a request in WAITING_FOR_KV landed (no write into it is in flight any more);
-    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked;
-    None for a resumed request (its tokens came with it)."""
+    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked; None
+    for a resumed request (its tokens came with it)."""
 
     rid: str
     first_token: int | None
@@ -56,8 +40,7 @@ class Activate:
 @dataclass(frozen=True)
 class Migrate:
     """Finish decoding ``rid`` here with "migrated" (its stream's last chunk), keeping its KV for
-    the copy to the new worker. ``future``: True once done; ValueError when ``rid`` is not
-    decoding here (nothing changes then)."""
+    the copy to the new worker."""
 
     rid: str
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

@@ -1,28 +1,5 @@
 """CUDA-graph decode: a pure-decode step replays a captured graph instead of launching every
-kernel of every layer from Python (one replay per step, not one launch per kernel).
-
-Graphs are captured once per batch size in :func:`capture_sizes` over static input buffers; a
-step of B sequences replays the smallest captured size S >= B::
-
-    eager ForwardBatch (B rows) --DecodeBuffers.fill--> static int64 buffers [8, max_bs]
-        columns 0 .. B-1   the step's input_ids, positions, out_cache_loc, req_pool_indices,
-                           seq_lens, prefix_lens (extend_lens 1, extend_starts i: constant)
-        columns B .. S-1   padding: token 0 at position 0 into the reserved padding slot 0,
-                           request row 0 (reserved, all slot 0), seq_len 1
-    graph S replays over columns 0 .. S-1  ->  logits [S, V] (the graph's own output)  ->  [:B]
-
-The attention backend's per-step metadata must hold for every replay: a backend opts in with
-``capturable = True`` (the triton backend: on CUDA its metadata depends on the batch size only
-and its kernels read everything else from the buffers above).
-
-What decides graph vs eager (:func:`choose`, pure): every sequence adds one token, no recurrent
-state, the last token's logits only, B <= the largest captured size; anything else runs
-eagerly (mixed prefill/decode steps, prompt chunks, big batches).
-
-Without CUDA, :class:`DecodeGraphRunner` in ``mode="standin"`` runs the same fill / pad /
-slice path eagerly (a stand-in for the graph, named as one), so CPU tests check that padding and
-buffer reuse leave the outputs as they are; ``mode="cuda"`` captures ``torch.cuda.CUDAGraph``s.
-"""
+kernel of every layer from Python (one replay per step, not one launch per kernel)."""
 
 from __future__ import annotations
 
@@ -38,17 +15,16 @@ from tandem.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-# Rows of DecodeBuffers.data; the first FILLED are copied from each step, the rest are constant.
 FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens",
           "extend_lens", "extend_starts")
 FILLED = 6
-PAD_SLOT = 0      # cache/kv_pool.py: page 0 is reserved padding
-PAD_ROW = 0       # cache/req_to_token.py: row 0 is reserved padding (all slot 0)
+PAD_SLOT = 0
+PAD_ROW = 0
 
 
 def capture_sizes(max_bs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, 8, then every 8 up to 128, every 16 up to 256, every
-    32 beyond, and ``max_bs`` itself (the last)."""
+    """Batch sizes to capture: 1, 2, 4, 8, then every 8 up to 128, every 16 up to 256, every 32
+    beyond, and ``max_bs`` itself (the last)."""
     if max_bs < 1:
         raise ValueError(f"max_bs={max_bs} must be >= 1")
     sizes = [s for s in (1, 2, 4) if s < max_bs]
@@ -89,8 +65,8 @@ def choose(fb: ForwardBatch, sizes: list[int], return_all_logits: bool = False) 
 
 
 class DecodeBuffers:
-    """The static inputs every capture and replay reads: ``data: [8, max_bs]`` int64 on the
-    device (rows named by :data:`FIELDS`), written in place by :meth:`fill`."""
+    """The static inputs every capture and replay reads: ``data: [8, max_bs]`` int64 on the device
+    (rows named by :data:`FIELDS`), written in place by :meth:`fill`."""
 
     def __init__(self, max_bs: int, device: torch.device | str):
         pad = torch.zeros((len(FIELDS), max_bs), dtype=torch.int64)
@@ -104,8 +80,7 @@ class DecodeBuffers:
         self.data = self.pad.clone()               # [8, max_bs] the static buffers
 
     def fill(self, fb: ForwardBatch, size: int) -> None:
-        """Columns ``0 .. B-1`` <- the decode step ``fb``; ``B .. size-1`` <- padding (stale
-        columns of an earlier, larger batch are overwritten). No host sync."""
+        """Columns ``0 .."""
         B = fb.batch_size
         if not B <= size <= self.max_bs:
             raise ValueError(f"batch {B} does not fit captured size {size} (max {self.max_bs})")
@@ -115,8 +90,7 @@ class DecodeBuffers:
             self.data[:FILLED, B:size].copy_(self.pad[:FILLED, B:size])
 
     def batch(self, size: int, req_to_token: torch.Tensor, kv_pool, seq_lens_cpu: list[int]) -> ForwardBatch:
-        """A ForwardBatch over columns ``0 .. size-1`` (the same storage every time).
-        ``seq_lens_cpu``: the host mirror (the padded step's, or any list for a capture)."""
+        """A ForwardBatch over columns ``0 .. size-1`` (the same storage every time)."""
         if len(seq_lens_cpu) != size:
             raise ValueError(f"{len(seq_lens_cpu)} host seq_lens for a batch of {size}")
         cols = {f: self.data[i, :size] for i, f in enumerate(FIELDS)}
@@ -126,9 +100,8 @@ class DecodeBuffers:
 
 
 class DecodeGraphRunner:
-    """Pure-decode steps of a ModelRunner through captured graphs (``mode="cuda"``) or their
-    eager stand-in (``mode="standin"``: the same fill / pad / slice, no graph). ``stats``
-    counts replays per size and eager steps per reason."""
+    """Pure-decode steps of a ModelRunner through captured graphs (``mode="cuda"``) or their eager
+    stand-in (``mode="standin"``: the same fill / pad / slice, no graph)."""
 
     def __init__(self, runner, sizes: list[int], *, mode: str):
         if mode not in ("cuda", "standin"):
@@ -140,12 +113,11 @@ class DecodeGraphRunner:
         self.sizes = list(sizes)
         self.buffers = DecodeBuffers(self.sizes[-1], runner.device)
         self.stats: Counter = Counter()
-        self._graphs: dict[int, tuple] = {}       # size -> (CUDAGraph, logits [size, V], its batch)
+        self._graphs: dict[int, tuple] = {}
         self.capture_seconds = 0.0
         if mode == "cuda":
             self._capture_all()
 
-    # -- the runner's hook ----------------------------------------------------------------------
     def size_for(self, fb: ForwardBatch, return_all_logits: bool = False) -> int | None:
         """The captured size to replay ``fb`` with, or None (eager); counts the decision."""
         c = choose(fb, self.sizes, return_all_logits)
@@ -156,8 +128,7 @@ class DecodeGraphRunner:
         return c.size
 
     def run(self, fb: ForwardBatch, size: int) -> torch.Tensor:
-        """Logits ``[B, V]`` (float32) of the decode step ``fb`` through captured size ``size``.
-        On CUDA the tensor is a view of the graph's output: valid until the next replay."""
+        """Logits ``[B, V]`` (float32) of the decode step ``fb`` through captured size ``size``."""
         B = fb.batch_size
         self.buffers.fill(fb, size)
         if self.mode == "cuda":
@@ -177,11 +148,8 @@ class DecodeGraphRunner:
                     f"{self.capture_seconds:.2f} s (--disable-cuda-graph turns it off)")
         return f"cuda graph stand-in (eager, no capture): decode batch sizes {_ranges(self.sizes)}"
 
-    # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """One graph per size, largest first, sharing one memory pool. Capture runs padding
-        rows only (slot 0, row 0), so it writes nothing but the reserved padding page."""
         r = self.runner
         t0 = time.perf_counter()
         self._sync()
@@ -190,7 +158,7 @@ class DecodeGraphRunner:
         for size in reversed(self.sizes):
             self.buffers.data.copy_(self.buffers.pad)
             fb = self.buffers.batch(size, r2t, r.kv_pool, [1] * size)
-            r.backend.init_forward(fb)           # the metadata of every replay of this size
+            r.backend.init_forward(fb)
             graph, logits = self._capture_one(lambda fb=fb: r.model.forward(fb, r.backend), pool)
             pool = graph.pool()
             self._graphs[size] = (graph, logits, fb)
@@ -201,8 +169,6 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.runner.device)
 
     def _capture_one(self, forward, pool):
-        """Warm ``forward`` up on a side stream (triton compiles, cuBLAS picks its kernels),
-        then capture it: ``(graph, its output)``."""
         dev = self.runner.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -222,10 +188,8 @@ def _ranges(sizes: list[int]) -> str:
 
 def make_decode_graph(runner, config, *, hybrid: bool, role: str = "colocated"
                       ) -> tuple[DecodeGraphRunner | None, str | None]:
-    """The engine's graph runner (or None) and its part of the engine's startup line (None on
-    the CPU): graphs need CUDA, a backend with ``capturable = True``, a model without hybrid
-    pools, an engine that decodes (not a prefill worker's) and ``disable_cuda_graph`` off; the
-    line says which sizes were captured and how long it took, or why there are none."""
+    """The engine's graph runner, or None where graphs do not apply, and its clause of the startup
+    line (captured sizes and time, or why none; None on the CPU)."""
     if runner.device.type != "cuda":
         return None, None
     why = None

@@ -1,13 +1,4 @@
-"""The cache half of an engine's startup line: its components and their pools.
-
-``Engine.startup_line`` (which ``tandem serve`` prints for the colocated engine and every Ray
-worker) ends with :func:`components_clause`:
-
-    ...; components full+swa: full 2 layers x 1024 tokens, page 4 (0.5 MiB); swa window 8,
-    1024 rows x 2 layers (0.5 MiB); host swa 512 rows (0.3 MiB)
-    ...; components full+mamba: full 1 layers x 1024 tokens, page 4 (0.3 MiB); mamba 10 state
-    slots x 3 layers (17.6 KiB/slot, 0.2 MiB); host mamba 10 rows (0.2 MiB)
-"""
+"""The cache half of an engine's startup line: its components and their pools."""
 
 from __future__ import annotations
 

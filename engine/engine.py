@@ -1,31 +1,4 @@
-"""The in-process engine: model + pools + prefix cache + scheduler, driven by one thread.
-
-API (thread-safe):
-- ``Engine(config)`` loads the model and sizes the pools from ``config.cache``.
-- ``submit(req: GenerateRequest, on_chunk)``: queue a request; ``on_chunk(StreamChunk)`` is called
-  from the engine thread for every step's output and exactly once with a finish_reason.
-- ``stream(req)``: async iterator of StreamChunk (for asyncio servers).
-- ``generate(prompt, params, chat=False)``: blocking, returns a Completion.
-- ``abort(rid)``: finish a request with reason "abort"; its KV is released.
-- ``send(command)``: post a typed command (engine/commands.py: Activate, Release: the worker
-  side of a KV handoff); ``inspect(fn, *args)``: a Future of a read-only ``fn(*args)`` on the engine thread.
-- ``handle()``: the :class:`~tandem.engine.handle.EngineHandle` workers use (typed, async).
-- ``shutdown()``: stop the thread (pending requests finish with "abort").
-Invalid input raises :class:`InvalidRequest` from ``submit`` / ``generate`` before queueing; a
-constraint that does not compile raises it from ``stream``'s first ``__anext__`` (and finishes a
-``submit``-ted request as "abort" with the compiler's message).
-
-Constrained decoding: ``grammar()`` is the engine's :class:`~tandem.engine.grammar.GrammarCompiler`,
-built on the first constrained request (an engine that never sees one never builds it). Compiles
-run on its thread pool, never on the engine thread.
-
-The engine thread runs the loop: drain the inbox (typed commands, dispatched with ``match``; an
-unknown one raises), then one step -- ``plan = scheduler.schedule()``;
-``runner.forward(kv.forward_batch(plan))``; the sampler picks the tokens of ``plan.sample_rows``;
-``scheduler.update(plan, tokens)``; stream the chunks. With overlap scheduling
-(``EngineConfig.overlap_schedule``; engine/overlap.py) a step launches the next plan on the device
-lane first and applies the previous step's tokens while it runs.
-"""
+"""The in-process engine: model + pools + prefix cache + scheduler, driven by one thread."""
 
 from __future__ import annotations
 
@@ -35,7 +8,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -51,19 +23,18 @@ from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
 from tandem.engine.attention import make_attention_backend
-from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Migrate, Release, Submit
+from tandem.engine.commands import Abort, Command, Evict, Inspect, Submit
 from tandem.engine.connector import KVConnector
 from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
 from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
-from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.overlap import (DeviceLane, Launched, device_sampleable, fill_indices, fill_inputs,
-                                   resolve_overlap)
+from tandem.engine.overlap import DeviceLane, Launched, resolve_overlap
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +52,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _resolve(name, device)
 
 
-class Engine:
+class Engine(StepLoop):
     def __init__(self, config: EngineConfig | None = None, *, loaded=None,
                  hybrid: HybridConfig | None = None, kv_events=None, role: str = "colocated",
                  name: str | None = None, connector: Callable[["Engine"], KVConnector] | None = None):
-        """``loaded``: an already loaded model (else ``config.model`` is loaded); ``hybrid``:
-        pool sizes for models with sliding-window / recurrent layers (default
-        ``config.hybrid``; engine/hybrid.py);
-        ``kv_events``: a cache.radix.events.KVEventPublisher the prefix cache publishes to.
-        ``role`` ("colocated" | "prefill" | "decode") picks role defaults (the host pool size:
-        engine/host_sizing.py); ``name`` labels the startup line; ``connector(engine)`` makes the
-        role's KV connector (engine/connector.py; default: nothing crosses workers)."""
+        """``loaded``: a loaded model (else ``config.model``); ``hybrid``: hybrid pool sizes (default
+        ``config.hybrid``); ``kv_events``: the prefix cache's publisher; ``role``: "colocated" |
+        "prefill" | "decode" (its defaults); ``name``: the startup line's; ``connector(engine)``: its KVConnector."""
         self.role, self.name = role, name or role
         self._kv_events = kv_events
         from tandem.engine.loader import load_model
@@ -104,11 +71,11 @@ class Engine:
         self.loaded = loaded or load_model(cfg.model, device=self.device, dtype=self.dtype,
                                            sliding_window=cfg.sliding_window,
                                            context_length=cfg.context_length, weights=cfg.weights)
-        self.dtype = self.loaded.dtype   # the KV pool holds the model's dtype (a given model wins)
+        self.dtype = self.loaded.dtype
         from tandem.engine.loader import describe_dtype, describe_weights
         dtype_why = describe_dtype(cfg.dtype, self.device) if loaded is None else \
             str(self.dtype).removeprefix("torch.")
-        self.numerics = f"dtype {dtype_why}; weights {describe_weights(self.loaded.model)}"  # startup line
+        self.numerics = f"dtype {dtype_why}; weights {describe_weights(self.loaded.model)}"
         arch = self.loaded.arch
         self.arch = arch
         self.tokenizer = self.loaded.tokenizer
@@ -118,9 +85,6 @@ class Engine:
         num_pages = cc.max_total_tokens // cc.page_size
         self.allocator = PagedAllocator(num_pages, cc.page_size)
         self.req_to_token = ReqToTokenPool(cc.max_running_requests, self.max_context, self.device)
-        # Hybrid models (SWA / recurrent layers): their SWA pool, state pool and per-request
-        # state live in engine/hybrid.py, and the KV pool is a view over the full + SWA pools.
-        # FULL-only models get NO_HYBRID (no-op hooks) and the plain pool.
         self.hybrid = make_hybrid(self.loaded, cc, cfg.scheduler.chunked_prefill_size,
                                   self.allocator, self.req_to_token, self.device, self.dtype,
                                   hybrid or cfg.hybrid)
@@ -142,7 +106,6 @@ class Engine:
         self.scheduler = Scheduler(
             kv=self.kv, tokenizer=self.tokenizer, max_context=self.max_context,
             chunked_prefill_size=sc.chunked_prefill_size, max_batch_tokens=sc.max_batch_tokens,
-            # lpm orders by what the cache holds: with no cache it is fcfs
             schedule_policy=sc.schedule_policy if self.cache.retains else "fcfs",
             retraction_policy=sc.retraction_policy, debug_invariants=cc.debug_invariants,
             debug_retract_every=sc.debug_retract_every, grammar=self.grammar,
@@ -152,7 +115,7 @@ class Engine:
         self.overlap = resolve_overlap(cfg.overlap_schedule, cfg.disable_overlap_schedule,
                                        self.device, self.hybrid.active)
         self._lane = DeviceLane(self.runner, self.device, cfg.seed) if self.overlap else None
-        self._inflight: Launched | None = None     # the launched step not applied yet (overlap)
+        self._inflight: Launched | None = None
         self.startup_line += f"; overlap schedule {'on' if self.overlap else 'off'}"
         self._grammar = None
         self._grammar_lock = threading.Lock()
@@ -161,26 +124,21 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
-        self._step_started: float | None = None   # monotonic start of the step running now
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
     def _make_cache(self):
-        """The radix cache over this engine's pools (with a host tier when configured: a host
-        pool for the full layers' KV and, for hybrid models, one per component), or a NullCache
-        with ``disable_prefix_cache``."""
         cc = self.config.cache
         h = self.hybrid
         if cc.disable_prefix_cache:
             n, why = 0, "off: the prefix cache is disabled"
         else:
-            # a host token also carries its SWA row (hybrid models): count both against the cap
             bpt = self.kv_pool.bytes_per_token + (h.swa_pool.bytes_per_token
                                                   if h.active and h.swa_pool is not None else 0)
             n, why = host_pool_tokens(cc.host_pool_tokens, self.role, self.allocator.size, bpt,
                                       cc.page_size)
         tiers = [] if cc.disable_prefix_cache else build_tiers(self.tier_site(), {
-            # FULL KV in a host pool, and for hybrid models one host pool per component
             "host": {"tokens": n, "write_policy": cc.host_write_policy} if n else None})
         host = next((t for t in tiers if t.name == "host"), None)
         self.host_pool_tokens = n
@@ -203,7 +161,6 @@ class Engine:
                         h.component_data(), tuple(c for c in h.components if c.name != "full"),
                         h.host_stores, self.config.cache)
 
-    # ------------------------------------------------------------------ public API
     def grammar(self):
         """The engine's GrammarCompiler (thread-safe; built on first use: llguidance's tokenizer
         over this model's vocabulary and logits width)."""
@@ -214,8 +171,8 @@ class Engine:
             return self._grammar
 
     async def check_constraint(self, params: SamplingParams) -> None:
-        """Compile ``params.constraint`` (off the event loop and the engine thread; cached);
-        raises InvalidRequest when it does not compile. A no-op without a constraint."""
+        """Compile ``params.constraint`` (off the event loop and the engine thread; cached); raises
+        InvalidRequest when it does not compile. A no-op without a constraint."""
         if params.constraint is not None:
             await asyncio.wrap_future(self.grammar().compile(params.constraint))
 
@@ -231,8 +188,6 @@ class Engine:
             text = prompt
             if chat:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            # a plain prompt gets the BOS a model wants (Gemma), as /v1/completions does; a chat
-            # template writes its own
             ids = self.tokenizer.encode(text, add_special_tokens=not chat)
         else:
             ids = list(prompt)
@@ -244,7 +199,7 @@ class Engine:
             raise RuntimeError(f"engine thread died: {self._error!r}")
         req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id,
                   cache_salt=greq.cache_salt, trace=greq.trace)
-        if greq.resume is not None:   # continues another decode worker's tokens
+        if greq.resume is not None:
             req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:
             if not 0 <= t < self.arch.vocab_size:
@@ -266,7 +221,7 @@ class Engine:
     async def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        await self.check_constraint(greq.params)   # a bad grammar is InvalidRequest here (400)
+        await self.check_constraint(greq.params)
         self.submit(greq, lambda c: loop.call_soon_threadsafe(q.put_nowait, c))
         finished = False
         try:
@@ -275,7 +230,7 @@ class Engine:
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            if not finished:  # the consumer went away mid-stream: free the request's KV
+            if not finished:
                 self.abort(greq.rid)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -314,9 +269,7 @@ class Engine:
         return out
 
     def inspect(self, fn: Callable, *args) -> concurrent.futures.Future:
-        """A Future of ``fn(*args)`` run on the engine thread between steps. ``fn`` only reads
-        (a named read-only method of a handle or a test): it never changes requests or KV, and
-        nothing it returns is streamed. Fails at once if the engine thread is not running."""
+        """A Future of ``fn(*args)`` run on the engine thread between steps; ``fn`` only reads."""
         cmd = Inspect(fn, args)
         if self._error is not None or not self._thread.is_alive():
             cmd.future.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
@@ -336,8 +289,8 @@ class Engine:
         return EngineHandle(self)
 
     def snapshot(self, timeout: float = 30.0):
-        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI),
-        read on the engine thread (directly once that thread has stopped)."""
+        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI), read
+        on the engine thread (directly once that thread has stopped)."""
         from tandem.engine.handle import take_snapshot
         return self._on_thread(take_snapshot, self, timeout=timeout)
 
@@ -351,201 +304,19 @@ class Engine:
 
     def _on_thread(self, fn, *args, timeout: float):
         if not self._thread.is_alive() and self._error is None:
-            return fn(*args)          # stopped cleanly (a test driving step()): nobody else runs
+            return fn(*args)
         return self.inspect(fn, *args).result(timeout)
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
-        with self._grammar_lock:   # a stopped engine driven by step() builds a new one if needed
+        with self._grammar_lock:
             if self._grammar is not None:
                 self._grammar.shutdown()
             self._grammar = None
         self.sampler.close()
         if self._lane is not None:
             self._lane.close()
-        for tier in self.kv.cache.tiers:   # the L3 tier's prefetch thread and store client end now
+        for tier in self.kv.cache.tiers:
             tier.close()
-
-    # ------------------------------------------------------------------ engine thread
-    def _emit(self, chunks: list[StreamChunk]) -> None:
-        for c in chunks:
-            cb = self._callbacks.get(c.rid)
-            if cb is None:
-                continue
-            if c.finish_reason is not None:
-                del self._callbacks[c.rid]
-            try:
-                cb(c)
-            except Exception:  # a consumer's bug must not kill the engine
-                log.exception("stream callback for %s failed", c.rid)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if not isinstance(cmd, Submit):
-                self._settle()   # commands that touch requests see no step in flight
-            self._apply(cmd)
-
-    def _settle(self) -> None:
-        """Apply the step in flight (overlap), if any, and stream its chunks."""
-        done, self._inflight = self._inflight, None
-        if done is not None:
-            self._emit(self.scheduler.apply(done.plan, done.host_tokens()))
-
-    def _apply(self, cmd: Command) -> None:
-        match cmd:
-            case Submit(req=req, on_chunk=cb, group=group, resume=resume):
-                self._callbacks[req.rid] = cb
-                try:
-                    self.scheduler.add(req, group, resume)
-                except InvalidRequest as e:
-                    self._emit([StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=str(e))])
-            case Abort(rid=rid, error=error):
-                c = self.scheduler.abort(rid, error)
-                if c is not None:
-                    self._emit([c])
-            case Activate() | Release():
-                try:
-                    c = self.scheduler.handoff(cmd)
-                except ValueError as e:   # a worker's bug: fail that request, keep the engine
-                    log.error("%s", e)
-                    c = StreamChunk(cmd.rid, (), "", "abort", error=f"handoff failed: {e}")
-                if c is not None:
-                    self._emit([c])
-            case Migrate(future=fut):
-                try:
-                    c = self.scheduler.handoff(cmd)
-                except ValueError as e:   # not decoding here: nothing changed
-                    fut.set_exception(e)
-                    return
-                self._emit([c])
-                fut.set_result(True)
-            case Evict(tokens=n, future=fut):
-                if fut.set_running_or_notify_cancel():
-                    fut.set_result(self.cache.evict(n))
-            case Inspect(fn=fn, args=args, future=fut):
-                if not fut.set_running_or_notify_cancel():
-                    return   # the caller gave up on it
-                try:
-                    fut.set_result(fn(*args))
-                except Exception as e:
-                    fut.set_exception(e)
-            case _:
-                raise TypeError(f"unknown engine command {cmd!r}")
-
-    def step(self):
-        """Drain the inbox, then run one step: plan, forward, sample, update, stream. Returns
-        the :class:`~tandem.engine.sched_types.StepPlan` (empty when nothing could run). Engine
-        thread only -- or a test driving an engine whose thread was stopped (``shutdown()``
-        first; ``submit`` then queues for the next ``step``)."""
-        self._drain_inbox()
-        self._step_started = time.monotonic()
-        try:
-            return self._step_overlap() if self.overlap else self._step()
-        finally:
-            self._step_started = None
-
-    def step_age(self) -> float:
-        """Seconds the engine thread has been inside its current step (0 between steps): a
-        thread that is alive but stuck in one step is what a hung device looks like. Any
-        thread may read it."""
-        started = self._step_started
-        return 0.0 if started is None else max(time.monotonic() - started, 0.0)
-
-    def _step(self):
-        s = self.scheduler
-        plan = s.schedule()
-        chunks = plan.chunks
-        if plan.entries:
-            tokens, logprobs = self._forward_sample(plan, self.kv.forward_batch(plan))
-            chunks = chunks + s.update(plan, tokens, logprobs)
-        self._emit(chunks)
-        return plan
-
-    def _forward_sample(self, plan, fb) -> tuple[list, list | None]:
-        """Run ``fb`` (``plan``'s batch) and sample its sampling rows on the host."""
-        srs = [e.sr for e in plan.sampling]
-        masks = self.sampler.prepare(srs)    # grammar masks on a helper thread, during the forward
-        every = wants_prompt_logprobs(plan.entries)    # [T, V]: prompt logprobs need every position
-        logits = self.runner.forward(fb, return_all_logits=every)     # [B, V]
-        if every:
-            logits = take_prompt_logprobs(plan.entries, logits)
-        rows = plan.sample_rows
-        if not rows:
-            return [], None
-        sampled = logits if len(rows) == len(plan.entries) else logits[rows]  # no copy when all
-        out = self.sampler.sample(sampled, srs, self.scheduler.eos, masks)
-        return out.tokens, out.logprobs
-
-    def _step_overlap(self):
-        """Plan and launch step N+1, then apply step N while it runs (engine/overlap.py)."""
-        s = self.scheduler
-        if self._inflight is not None and s.wants_settled():
-            self._settle()               # this schedule may retract: nothing may be in flight
-        plan = s.schedule()
-        self._emit(plan.chunks)
-        if not plan.entries:
-            self._settle()
-            return plan
-        s.advance(plan)
-        fb = self.kv.forward_batch(plan)
-        if not device_sampleable(plan, self.device):  # grammar, logprobs, seeds: the plain path
-            prev = self._inflight
-            dst, src = fill_indices(plan, prev)      # before the settle appends those tokens
-            self._settle()
-            if dst:
-                fill_inputs(fb, dst, src, prev.device_tokens())
-            tokens, logprobs = self._forward_sample(plan, fb)
-            self._emit(s.apply(plan, tokens, logprobs))
-            return plan
-        prev, self._inflight = self._inflight, self._lane.launch(plan, fb, self._inflight)
-        if prev is not None:
-            self._emit(s.apply(prev.plan, prev.host_tokens()))
-        return plan
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                self._drain_inbox()
-                if not self.scheduler.has_work() and self._inflight is None:
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                plan = self.step()
-                if not (plan.entries or plan.chunks):   # work that cannot run yet: do not spin
-                    self._wake.wait(0.005)
-                    self._wake.clear()
-        except BaseException as e:  # surface to callers instead of hanging them
-            log.exception("engine thread crashed")
-            self._error = e
-        finally:
-            try:
-                self._settle()   # the step in flight ends before its requests are aborted
-            except BaseException:
-                log.exception("the step in flight failed while stopping")
-                self._inflight = None
-            error = "engine stopped" if self._error is None else f"engine error: {self._error!r}"
-            s = self.scheduler
-            for rid in ([sr.rid for sr in s.waiting] + [sr.rid for sr in s.retraction.retracted]
-                        + list(s.running)):
-                try:
-                    c = self.scheduler.abort(rid, error=error)
-                except Exception:  # the scheduler itself is broken: finish the stream anyway
-                    log.exception("abort of %s failed while stopping", rid)
-                    c = StreamChunk(rid, (), "", "abort", error=error)
-                if c is not None:
-                    self._emit([c])
-            while True:   # reads queued behind the crash fail instead of hanging their callers
-                try:
-                    cmd = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, Inspect | Evict | Migrate) and cmd.future.set_running_or_notify_cancel():
-                    cmd.future.set_exception(RuntimeError(error))
-            # anyone still waiting (reserved, held, or lost in a crash) gets a final chunk too
-            self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

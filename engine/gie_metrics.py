@@ -1,6 +1,5 @@
-"""An engine's Gateway API Inference Extension metrics (core/gie.py names them): queue, running
-requests, device KV utilisation and the cache configuration, read from the scheduler and the
-allocator at scrape time, beside the engine's own collector (engine/metrics.py)."""
+"""An engine's Gateway API Inference Extension metrics (core/gie.py names them), read at scrape
+time."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
 """Constrained decoding: a :class:`~tandem.core.types.Constraint` becomes a token bitmask per step,
-computed by llguidance (why llguidance and not xgrammar: engine/README.md).
-
-Pieces, and who calls what (the scheduler, the sampler and the decode hand-off; engine/README.md
-has the flow):
-
-- :class:`GrammarCompiler` (one per engine, built on its first constrained request from the
-  engine's tokenizer and the model's logits width): ``compile(constraint) -> Future[CompiledGrammar]`` runs on a small thread pool, off the
-  step loop, cached per ``Constraint.key()`` (an LRU of compiled grammars plus the futures in flight);
-  a compile error is the future's :class:`InvalidRequest`.
-- :class:`Matcher` (one per request, from ``CompiledGrammar.matcher()``): ``fill_bitmask(bitmask,
-  row)`` before sampling, ``accept(token) -> bool`` after, ``is_terminated()`` when the grammar is
-  complete (only EOS may follow: finish the request), ``rollback(k)``.
-- :func:`allocate_bitmask` / :func:`apply_bitmask`: one int32 ``[B, W]`` bitmask per batch; rows of
-  unconstrained requests are left alone, so constrained and unconstrained requests share a batch.
-  The mask is added as a 0 / -inf bias gathered through a 256-entry byte table
-  (:func:`bitmask_bias`).
-- :meth:`GrammarCompiler.matcher_from` (the disaggregated path): the prefill worker samples the first
-  token under the mask and sends only token ids; the decode worker rebuilds the matcher by replaying
-  them. Matchers hold no state that is not a function of (constraint, accepted ids).
-
-Bit layout (llguidance's, also xgrammar's): token ``t`` is allowed iff bit ``t % 32`` of
-``bitmask[row, t // 32]`` is set. The mask covers ``max(tokenizer vocab, logits width)`` ids; logits
-columns past the tokenizer's vocabulary (padding rows of the embedding) are never allowed.
-"""
+computed by llguidance (why llguidance and not xgrammar: engine/README.md)."""
 
 from __future__ import annotations
 
@@ -39,8 +16,6 @@ import torch
 
 from tandem.core.types import Constraint, InvalidRequest
 
-# JSON layout the grammar allows: no free whitespace (a small model left free to emit whitespace
-# may emit only that), json.dumps' separators. A schema's own "x-guidance" options override these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -68,9 +43,6 @@ def grammar_text(c: Constraint) -> str:
 
 
 def _structural_tag(spec: str) -> str:
-    """``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (xgrammar's and vLLM's
-    structural-tag format): free text, where each trigger starts one of the structures that begin
-    with it (the body is constrained by its JSON schema)."""
     try:
         d = json.loads(spec)
         structures, triggers = d["structures"], d["triggers"]
@@ -93,28 +65,25 @@ def _structural_tag(spec: str) -> str:
     return llg.StructTag.to_grammar(tags, assume_special=False)
 
 
-# ------------------------------------------------------------------------------ bitmasks
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     """``[batch, ceil(vocab_size / 32)]`` int32, every token allowed."""
     return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def _bias_table() -> torch.Tensor:
-    """[256, 8] float32: entry ``[byte, bit]`` is 0 when that bit of the byte is set, else -inf."""
     bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
     return torch.where(bits == 1, 0.0, float("-inf")).float()
 
 
-_BIAS = {"cpu": _bias_table()}   # per device type (a CUDA copy is made on first use)
+_BIAS = {"cpu": _bias_table()}
 
 
 def bitmask_bias(words: torch.Tensor) -> torch.Tensor:
-    """The additive mask of ``words`` ([R, W] int32 bitmask rows, any device): [R, 32 * W] float32 on
-    the same device, 0 for an allowed token and -inf for a forbidden one. One gather over the
-    mask's bytes through a 256-entry table (no unpacking of bits with shifts and ``masked_fill``)."""
+    """The additive mask of ``words`` ([R, W] int32 bitmask rows, any device): [R, 32 * W] float32
+    on the same device, 0 for an allowed token and -inf for a forbidden one."""
     r = words.shape[0]
     by = words.contiguous().view(torch.uint8)                               # [R, 4W]
-    if sys.byteorder != "little":   # the layout is of little-endian int32 words: byte 0 = bits 0-7
+    if sys.byteorder != "little":
         by = by.view(r, -1, 4).flip(-1).reshape(r, -1)
     table = _BIAS.get(str(words.device))
     if table is None:
@@ -123,9 +92,9 @@ def bitmask_bias(words: torch.Tensor) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set ``logits[r, t] = -inf`` for every token ``t`` that ``bitmask[r]`` forbids, for each ``r`` in
-    ``rows`` (in place; other rows are untouched). logits: [B, V] float (any device); bitmask:
-    [B, W] int32 on the CPU, rows aligned with logits. Columns past ``32 * W`` are forbidden."""
+    """Set ``logits[r, t] = -inf`` for every token ``t`` that ``bitmask[r]`` forbids, for each ``r``
+    in ``rows`` (in place; other rows are untouched). logits: [B, V] float (any device); bitmask:
+    [B, W] int32 on the CPU, rows aligned with logits."""
     if not rows:
         return
     b, v = logits.shape
@@ -139,7 +108,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 def add_bias(logits: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> None:
     """``logits[rows[i]] += bias[i]`` in place (bias [R, 32W] from :func:`bitmask_bias`; logits
-    columns past ``32 * W`` become -inf). The other rows are untouched."""
+    columns past ``32 * W`` become -inf)."""
     b, v = logits.shape
     width = min(bias.shape[1], v)
     bias = bias[:, :width].to(device=logits.device, dtype=logits.dtype)
@@ -156,13 +125,8 @@ def add_bias(logits: torch.Tensor, bias: torch.Tensor, rows: list[int]) -> None:
     logits.index_copy_(0, idx, sub)
 
 
-# ------------------------------------------------------------------------------ matchers
 class Matcher:
-    """One request's grammar state. Not thread-safe: the step loop owns it.
-
-    ``accepted`` is every token consumed so far (EOS included when it ended the grammar), which is
-    all :meth:`GrammarCompiler.matcher_from` needs to rebuild the same state elsewhere.
-    """
+    """One request's grammar state."""
 
     def __init__(self, ll: "llg.LLMatcher", eos_ids: frozenset[int], constraint: Constraint):
         self._m = ll
@@ -210,8 +174,7 @@ class Matcher:
 
 @dataclass
 class CompiledGrammar:
-    """A compiled grammar, shared by every request with the same constraint. Never advanced itself:
-    each request gets a copy."""
+    """A compiled grammar, shared by every request with the same constraint."""
 
     constraint: Constraint
     _pristine: "llg.LLMatcher"
@@ -223,16 +186,7 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and logits width; caches them per constraint.
-
-    ``tokenizer``: core/tokenizer.py's Tokenizer (``backend`` is a ``tokenizers.Tokenizer``,
-    ``eos_token_ids``, ``vocab_size``). ``vocab_size``: the model's logits width when it differs
-    from the tokenizer's (the mask covers the larger of the two). ``threads``: compile workers.
-
-    Construction does no tokenizer work: llguidance's tokenizer is built once, by the first
-    compile, on the compile pool, so neither an event loop nor the engine's step loop ever waits
-    for it.
-    """
+    """Compiles constraints for one tokenizer and logits width; caches them per constraint."""
 
     def __init__(self, tokenizer, vocab_size: int | None = None, *, threads: int = 1,
                  cache_size: int = 512):
@@ -251,11 +205,10 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self.hits = self.misses = 0
 
-    # -------------------------------------------------------------- compile
     def compile(self, constraint: Constraint) -> "Future[CompiledGrammar]":
-        """A future of the compiled grammar: already done on a cache hit, else compiled on the
-        pool. Poll ``done()`` from the step loop; ``result()`` raises InvalidRequest for a
-        constraint that does not compile."""
+        """A future of the compiled grammar: already done on a cache hit, else compiled on the pool.
+        Poll ``done()`` from the step loop; ``result()`` raises InvalidRequest for a constraint that
+        does not compile."""
         key = constraint.key()
         with self._lock:
             hit = self._cache.get(key)
@@ -278,7 +231,7 @@ class GrammarCompiler:
         return self.compile(constraint).result()
 
     def _lltokenizer(self) -> "llg.LLTokenizer":
-        with self._tok_lock:   # not self._lock: compile() must never wait for this
+        with self._tok_lock:
             if self._lltok is None:
                 t0 = time.perf_counter()
                 self._lltok = llg.LLTokenizer(self._tok.backend.to_str(), n_vocab=self.vocab_size,
@@ -301,7 +254,7 @@ class GrammarCompiler:
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
             return out
-        except ValueError as e:   # llguidance refuses a spec before compiling (bad schema JSON)
+        except ValueError as e:
             if isinstance(e, InvalidRequest):
                 raise
             raise InvalidRequest(f"the {c.kind} constraint is invalid: {e}"[:1000]) from None
@@ -309,14 +262,13 @@ class GrammarCompiler:
             with self._lock:
                 self._inflight.pop(key, None)
 
-    # -------------------------------------------------------------- matchers
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher (compiling synchronously on a miss)."""
         return self.compile_now(constraint).matcher()
 
     def matcher_from(self, constraint: Constraint, accepted_token_ids) -> Matcher:
-        """The matcher after ``accepted_token_ids`` (e.g. the first token the prefill worker sampled).
-        Raises InvalidRequest when the ids are not a prefix the grammar allows."""
+        """The matcher after ``accepted_token_ids`` (e.g. the first token the prefill worker
+        sampled). Raises InvalidRequest when the ids are not a prefix the grammar allows."""
         m = self.matcher(constraint)
         for i, t in enumerate(accepted_token_ids):
             if not m.accept(t):
@@ -326,14 +278,14 @@ class GrammarCompiler:
 
     def fill_bitmasks(self, matchers: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` for many (matcher, row) pairs in one call: with ``threads > 1``
-        llguidance computes the rows on its own threads with the GIL released; with one thread
-        (or one row) on the calling thread, waking no worker."""
+        llguidance computes the rows on its own threads with the GIL released; with one thread (or
+        one row) on the calling thread, waking no worker."""
         if not matchers:
             return
         if not bitmask.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":
             raise ValueError("bitmask must be a contiguous int32 CPU tensor")
         b, w = bitmask.shape
-        if self._threads == 1 or len(matchers) == 1:   # on this thread: no hand-off to wait for
+        if self._threads == 1 or len(matchers) == 1:
             for m, row in matchers:
                 v = bitmask[row]
                 m._m.unsafe_compute_mask_ptr(v.data_ptr(), w * 4)

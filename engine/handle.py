@@ -1,20 +1,4 @@
-"""EngineHandle: the only way a worker reaches its engine.
-
-A worker (prefill/, decode/) runs on an asyncio loop; its engine runs on its own thread and is
-not thread-safe. Every cross-thread call goes through a handle method that names what it does
-and returns a typed value: changes are typed engine commands (engine/commands.py), reads run a
-named read-only method on the engine thread (``Engine.inspect``); none waits forever on a dead
-engine thread. Role verbs live in the roles' subclasses: ``DecodeHandle`` (decode/connector.py:
-receive, activate, cancel) and ``PrefillHandle`` (prefill/connector.py: held_pages, release_held).
-
-    handle.stream(greq)              async iterator of StreamChunk (a locally run request)
-    handle.abort(rid, error)         finish a request (fire and forget)
-    await handle.cached_prefix(ids)  tokens of ``ids`` the prefix cache holds (no side effect)
-    await handle.check_constraint(p) compile p.constraint (cached); InvalidRequest if it cannot
-    await handle.snapshot()          EngineSnapshot: pool accounting and queue lengths
-    await handle.check_invariants()  the ownership recount (raises AssertionError)
-    handle.check_alive()             raises if the engine thread died
-"""
+"""EngineHandle: the only way a worker reaches its engine."""
 
 from __future__ import annotations
 
@@ -31,23 +15,20 @@ ENGINE_CALL_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """One engine's accounting at one moment (read on the engine thread). Tokens are device KV
-    slots; ``detached``: requests holding KV outside the step loop (reserved for a transfer on a
-    decode worker, held for sending on a prefill worker)."""
+    """One engine's accounting at one moment (read on the engine thread)."""
 
-    available_tokens: int        # free device slots
-    evictable_tokens: int        # cached, unlocked
-    locked_tokens: int           # cached, locked by requests
-    total_tokens: int            # the device pool
-    request_tokens: int          # slots of the pages requests own beyond their locked prefix
-                                 # (a partly used last page counts whole)
-    host_used_tokens: int        # host tier copies (0 without one)
+    available_tokens: int
+    evictable_tokens: int
+    locked_tokens: int
+    total_tokens: int
+    request_tokens: int
+    host_used_tokens: int
     running: int
     waiting: int
     retracted: int
     detached: int
     rows_free: int
-    waiting_prompt_tokens: int   # prompt tokens queued (not yet admitted)
+    waiting_prompt_tokens: int
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -83,13 +64,10 @@ class EngineHandle:
         self.timeout_s = timeout_s
 
     async def _read(self, fn: Callable, *args):
-        """Read-only ``fn(*args)`` on the engine thread. The engine's future is shielded:
-        cancelling the caller must not cancel it (the engine thread would then fail to set it)."""
         self.check_alive()
         fut = self.engine.inspect(fn, *args)
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
 
-    # -- requests the engine runs by itself -------------------------------------------------------
     def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
         return self.engine.stream(greq)
 
@@ -104,10 +82,9 @@ class EngineHandle:
         raises InvalidRequest when it does not compile, before anything is reserved."""
         await self.engine.check_constraint(params)
 
-    # -- reading ---------------------------------------------------------------------------------
     async def cached_prefix(self, ids: list[int]) -> int:
-        """Tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the prefix cache holds on
-        the device. Side-effect free: no split, no LRU touch, no load-back, nothing locked."""
+        """Tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the prefix cache holds on the
+        device."""
         return await self._read(self._cached_prefix, list(ids))
 
     def _cached_prefix(self, ids: list[int]) -> int:

@@ -1,19 +1,4 @@
-"""How big an engine's host (L2) KV pool is, by role, when the config does not say.
-
-``CacheConfig.host_pool_tokens``: an int is used as given (0 = no host tier). None means the
-role's default:
-
-- **decode** workers back retracted requests' KV up to the host instead of recomputing it, so
-  they get ``DECODE_FACTOR`` x their device pool, capped at ``HOST_MEMORY_SHARE`` of the host
-  memory available when the engine starts (several decode workers on one host each take a share
-  of what is left);
-- **prefill** and **colocated** engines get none (their host tier is opt-in: a prefill worker
-  holds KV only until it is sent; a colocated engine's users size it themselves).
-
-The engine prints the result in its startup line. A hybrid model's host SWA rows ride on the
-host tokens (their bytes count in ``bytes_per_token``); its host state checkpoints default to the
-device's slot count, capped by :func:`capped_rows` at the same share of free host memory.
-"""
+"""How big an engine's host (L2) KV pool is, by role, when the config does not say."""
 
 from __future__ import annotations
 
@@ -38,7 +23,7 @@ def available_host_bytes() -> int:
 def host_pool_tokens(configured: int | None, role: str, device_tokens: int, bytes_per_token: int,
                      page_size: int, available_bytes: int | None = None) -> tuple[int, str]:
     """``(tokens, why)``: the host pool size for an engine of ``role`` and the reason, for the
-    startup line. ``tokens`` is a multiple of ``page_size`` (0 = no host tier)."""
+    startup line."""
     if configured is not None:
         return configured // page_size * page_size, "as configured"
     if role != "decode":

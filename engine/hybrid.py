@@ -1,28 +1,5 @@
-"""Per-engine resources of hybrid models: sliding-window (SWA) layers and recurrent ("mamba") layers.
-
-engine/request_kv.py calls one object through the hooks of :class:`HybridHooks`; for FULL-only
-models that object is :data:`NO_HYBRID`, whose hooks do nothing, so the FULL path is unchanged.
-The pools themselves (``StatePool``, ``HybridKVPool``) live in cache/; the memory model in full
-is in engine/README.md ("Hybrid resources").
-
-Invariants:
-- every token of every model has a FULL slot (the tree's values, what attention reads through);
-  ``index_map[full slot] -> SWA row`` (0: the padding row) reaches the SWA layers' K/V;
-- a running request owns the SWA rows of positions ``[max(swa_from, locked_len), computed_len)``
-  and, after each forward, only those at or past ``keep_from(computed_len) =
-  floor_page(floor_page(computed_len) - window)``; rows below ``locked_len`` are the tree's;
-- each running request has one private working state row (zeros, or the matched checkpoint
-  copied in); a checkpoint handed to the tree is the state after its key's last token, and the
-  tree owns every row it keeps;
-- a KV transfer of ``[start, n)`` moves the SWA rows of ``[max(start, keep_from(n)), n)`` (at
-  most ``window + 2 * page_size - 2``) and the working state row: :meth:`HybridResources.transfer_rows`
-  names the same counts on prefill and decode.
-
-Sizing (defaults; ``HybridConfig`` overrides): ``swa_pool_tokens`` = the full pool's size, at
-least one prefill chunk and a window; ``state_slots`` = ``2 * max_running_requests + 2``; with a
-host tier ``host_swa_rows`` = ``host_pool_tokens`` and ``host_state_slots`` = ``state_slots``,
-capped at a quarter of the free host memory (engine/host_sizing.py's ``capped_rows``).
-"""
+"""Per-engine resources of hybrid models: sliding-window (SWA) layers and recurrent ("mamba")
+layers."""
 
 from __future__ import annotations
 
@@ -35,7 +12,7 @@ from tandem.cache.kv_pool import HybridKVPool, KVPool
 from tandem.cache.tiers.host import HostStore
 from tandem.cache.state_pool import StatePool
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy
-from tandem.core.config import HybridConfig   # re-exported: engine code and tests import it here
+from tandem.core.config import HybridConfig
 from tandem.engine.host_sizing import capped_rows
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -44,35 +21,38 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class HybridHooks(Protocol):
     """The per-variant hooks of a model's hybrid resources. engine/request_kv.py calls them, and
     only it, at fixed points of a request's life; ``host_stores`` and ``describe`` are called
-    outside the request path. Implemented by :class:`NoHybrid` and :class:`HybridResources`."""
+    outside the request path."""
 
-    active: bool                        # whether there are pools besides FULL's
-    components: tuple                   # the radix cache's components over these pools, FULL first
-    stats: dict                         # counters (rows released, evicted; checkpoints taken)
+    active: bool
+    components: tuple
+    stats: dict
 
     def attach(self, cache) -> None:
-        """Once, before any request: the prefix cache (``evict(n, name)`` makes room in these pools)."""
+        """Once, before any request: the prefix cache (``evict(n, name)`` makes room in these
+        pools)."""
 
     def claim(self, r, components: Mapping[str, Any], prefix_len: int) -> bool:
-        """After the match is locked: take the working state row (the matched checkpoint copied
-        in); False when none is free (the caller undoes the admission)."""
+        """After the match is locked: take the working state row (the matched checkpoint copied in);
+        False when none is free (the caller undoes the admission)."""
 
     def alloc(self, r, n: int, alloc_full, received: bool = False):
         """SWA rows for ``n`` new positions, then the full slots from ``alloc_full()``, bound in
-        ``index_map``; None (nothing taken) when either is short. ``received``: the positions
-        come by KV transfer (rows of the kept window only)."""
+        ``index_map``; None (nothing taken) when either is short."""
 
     def state_batch(self, reqs) -> tuple[Any, Any]:
         """``(state_indices [B], state_pool)`` of each sequence's state row for the forward."""
 
     def advanced(self, r, locked_len: int) -> None:
-        """After the forward: release SWA rows behind the window, snapshot the state at page boundaries."""
+        """After the forward: release SWA rows behind the window, snapshot the state at page
+        boundaries."""
 
     def handover(self, r, locked_len: int, aligned: int, final: bool) -> dict | None:
-        """The component data ``cache(ids[:aligned])`` takes over: ``{"swa": rows, "mamba": row}``."""
+        """The component data ``cache(ids[:aligned])`` takes over: ``{"swa": rows, "mamba":
+        row}``."""
 
     def drop_range(self, r, start: int, end: int) -> None:
-        """Free the rows of positions ``[start, end)`` (never computed, or a backup's partial page)."""
+        """Free the rows of positions ``[start, end)`` (never computed, or a backup's partial
+        page)."""
 
     def release(self, r, locked_len: int) -> None:
         """Free everything the request still owns."""
@@ -87,8 +67,8 @@ class HybridHooks(Protocol):
         """One host pool per component for a host tier of ``host_tokens`` FULL tokens."""
 
     def component_data(self) -> dict:
-        """Each component's device pool by name, ``[L, K, rows, ...]``: what the host tier's
-        pools mirror and the L3 tier reads and writes (cache/tiers/l3/connect.py ``attach_store``)."""
+        """Each component's device pool by name, ``[L, K, rows, ...]``: what the host tier's pools
+        mirror and the L3 tier reads and writes (cache/tiers/l3/connect.py ``attach_store``)."""
 
     def describe(self) -> dict:
         """Component -> its pool, for the startup line."""
@@ -149,12 +129,10 @@ class HybridResources(HybridHooks):
         n_slots = allocator.num_pages * ps
         self.full_pool = KVPool(n_slots, ps, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                 dtype, device, layer_ids=full_layers)
-        # -- SWA --
         self.window = arch.sliding_window if swa_layers else None
         self.swa_alloc = self.swa_pool = self.index_map = None
         if swa_layers:
             need = chunked_prefill_size + self.window + 2 * ps
-            # default: as many rows as full slots, but never fewer than one chunk and a window
             rows = config.swa_pool_tokens or max(n_slots, need)
             if rows < need:
                 raise ValueError(f"swa_pool_tokens={rows} cannot hold one prefill chunk and a window "
@@ -163,10 +141,8 @@ class HybridResources(HybridHooks):
             self.swa_alloc = PagedAllocator(rows, 1)
             self.swa_pool = KVPool(rows, 1, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                    dtype, device, layer_ids=swa_layers)
-            # index_map: [full pool rows] int64, full slot -> SWA row (0 = the padding row)
             self.index_map = torch.zeros(n_slots + ps, dtype=torch.int64, device=device)
         self.kv_pool = HybridKVPool(self.full_pool, self.swa_pool, self.index_map)
-        # -- recurrent state --
         self.state_alloc = self.state_pool = None
         if mamba_layers:
             shape = getattr(loaded.model, "state_shape", None)
@@ -175,8 +151,6 @@ class HybridResources(HybridHooks):
             slots = config.state_slots or 2 * cache_cfg.max_running_requests + 2
             self.state_alloc = PagedAllocator(slots, 1)
             self.state_pool = StatePool(slots, mamba_layers, tuple(shape), device)
-        # Per request row: first position whose SWA row it may own; working/track state rows
-        # (0 = none) and the length the track row's state is at.
         n_rows = req_to_token_pool.size + 1
         self._swa_from = [0] * n_rows
         self._work = [0] * n_rows
@@ -198,7 +172,6 @@ class HybridResources(HybridHooks):
         """The engine's prefix cache (its ``evict(n, component)`` makes room in these pools)."""
         self.cache = cache
 
-    # -- hooks -----------------------------------------------------------------------------------
     def claim(self, r, components: Mapping[str, Any], prefix_len: int) -> bool:
         """After the match is locked: the request's working state row, holding the matched
         checkpoint's state (copy-on-claim) or zeros. False when no state row is free."""
@@ -221,12 +194,10 @@ class HybridResources(HybridHooks):
         return True
 
     def alloc(self, r, n: int, alloc_full, received: bool = False):
-        """SWA rows for ``n`` new positions (evicting the cache's unlocked SWA data when short;
-        rows first: they free exactly, a half-used full page could not be given back), then the
-        full slots from ``alloc_full()``, bound as ``index_map[slots] = rows``. None (nothing
-        taken) when either is short. ``received``: the positions are filled by a KV transfer,
-        not a forward: only those at or past :meth:`keep_from` of the new length get rows (the
-        rest point at the padding row and the request owns no row there)."""
+        """SWA rows for ``n`` new positions (evicting the cache's unlocked SWA data when short; rows
+        first: they free exactly, a half-used full page could not be given back), then the full
+        slots from ``alloc_full()``, bound as ``index_map[slots] = rows``. None (nothing taken) when
+        either is short."""
         if self.swa_alloc is None:
             return alloc_full()
         row, c = r.req_pool_idx, r.computed_len
@@ -256,7 +227,8 @@ class HybridResources(HybridHooks):
         return keep // ps * ps if keep > 0 else 0
 
     def state_batch(self, reqs) -> tuple[torch.Tensor | None, StatePool | None]:
-        """``(state_indices [B], state_pool)`` for the batch (None, None without recurrent layers)."""
+        """``(state_indices [B], state_pool)`` for the batch (None, None without recurrent
+        layers)."""
         if self.state_pool is None:
             return None, None
         idx = [self._work[r.req_pool_idx] for r in reqs]
@@ -284,7 +256,7 @@ class HybridResources(HybridHooks):
     def handover(self, r, locked_len: int, aligned: int, final: bool) -> dict | None:
         """What ``cache(ids[:aligned], ...)`` takes over besides the full slots: the SWA rows of
         ``[0, aligned)`` (-1 where the request owns none) and a checkpoint at ``aligned`` if the
-        request has the state there. ``final``: the request is done (its working row may go)."""
+        request has the state there."""
         row = r.req_pool_idx
         out: dict = {}
         if self.window is not None:
@@ -310,9 +282,9 @@ class HybridResources(HybridHooks):
         return out or None
 
     def drop_range(self, r, start: int, end: int) -> None:
-        """Free the SWA rows the request owns among positions ``[start, end)`` (the caller then
-        sets ``computed_len = start``): a transfer's range that never became valid KV, or the
-        partial last page of a backed-up request."""
+        """Free the SWA rows the request owns among positions ``[start, end)`` (the caller then sets
+        ``computed_len = start``): a transfer's range that never became valid KV, or the partial
+        last page of a backed-up request."""
         row = r.req_pool_idx
         if self.window is None:
             return
@@ -322,13 +294,9 @@ class HybridResources(HybridHooks):
             self._swa_from[row] = min(self._swa_from[row], start)
 
     def transfer_rows(self, r, start: int) -> dict[str, tuple[int, ...]]:
-        """What a KV transfer of positions ``[start, n)`` (``n = computed_len``) moves besides the
-        full pages, by region: ``"swa"``: the SWA rows of ``[max(start, keep_from(n)), n)`` in
-        position order (the window attention reads from ``n`` on, and the window before
-        ``floor_page(n)`` that lets the decode tree's vote accept the prompt's boundary);
-        ``"state"``: the working state row (the state after position ``n - 1``). The same call
-        names the source rows on prefill and the reserved rows on decode (same ``n``, ``start``,
-        window and page size, so the same counts)."""
+        """What a KV transfer of positions ``[start, computed_len)`` moves besides the full pages:
+        ``"swa"``: the SWA rows decode keeps, in position order; ``"state"``: the working state
+        row."""
         row, n = r.req_pool_idx, r.computed_len
         out: dict[str, tuple[int, ...]] = {}
         if self.window is not None:
@@ -391,10 +359,9 @@ class HybridResources(HybridHooks):
         self._swa_from[row] = self._work[row] = self._track[row] = 0
         self._track_len[row] = -1
 
-    # -- invariants ------------------------------------------------------------------------------
     def owned(self, held) -> dict[str, torch.Tensor]:
-        """Rows each pool's requests own; ``held``: ``(req, locked_len)`` of every request
-        holding a row. For ``cache.check(extra_owned=...)``."""
+        """Rows each pool's requests own; ``held``: ``(req, locked_len)`` of every request holding a
+        row."""
         swa, states = [], []
         for r, locked_len in held:
             row = r.req_pool_idx
@@ -410,7 +377,6 @@ class HybridResources(HybridHooks):
             out["mamba"] = torch.tensor(states, dtype=torch.int64)
         return out
 
-    # -- helpers ---------------------------------------------------------------------------------
     def _alloc_state(self) -> int | None:
         """A free state row, evicting one unlocked cached checkpoint if none is free."""
         if self.state_alloc.available_size() == 0 and self.cache is not None:

@@ -1,8 +1,4 @@
-"""Small building blocks shared by model definitions: RMSNorm and rotary embeddings.
-
-Numerics follow Hugging Face transformers (norms in float32, rotary tables in float32 from the
-same ``inv_freq`` formula) so greedy outputs match token for token.
-"""
+"""Small building blocks shared by model definitions: RMSNorm and rotary embeddings."""
 
 from __future__ import annotations
 
@@ -19,14 +15,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x.dtype == torch.float32:
         if x.numel() < _RMS_NORM_FUSED_MAX:
             return F.rms_norm(x, d, weight, eps)
-        # Same ops, same order as F.rms_norm / transformers (bitwise equal), in place.
         y = torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_())
         return y if weight is None else y.mul_(weight)
     y = F.rms_norm(x.float(), d, None, eps).to(x.dtype)
     return y if weight is None else y * weight
 
 
-_RMS_NORM_FUSED_MAX = 64 * 1024  # elements: fp32 inputs below this go to F.rms_norm, the rest in place
+_RMS_NORM_FUSED_MAX = 64 * 1024
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
@@ -55,10 +50,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
 
 
 class Rotary:
-    """Precomputed cos/sin tables; rotates the two halves of each head ("rotate_half" layout).
-
-    ``cos``/``sin``: [max_position, head_dim // 2] in the model dtype.
-    """
+    """Precomputed cos/sin tables; rotates the two halves of each head ("rotate_half" layout)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_position: int, device, dtype: torch.dtype):
         pos = torch.arange(max_position, dtype=torch.float32)
@@ -78,7 +70,7 @@ class Rotary:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         o1, o2 = out.chunk(2, dim=-1)
         torch.mul(x1, cos, out=o1)
-        o1.sub_(x2 * sin)                                            # x1 * cos - x2 * sin
+        o1.sub_(x2 * sin)
         torch.mul(x2, cos, out=o2)
-        o2.add_(x1 * sin)                                            # x2 * cos + x1 * sin
+        o2.add_(x1 * sin)
         return out

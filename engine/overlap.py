@@ -1,35 +1,4 @@
-"""Overlap scheduling: the host plans and builds step N+1 while the device runs step N.
-
-The plain loop waits for step N's tokens before it plans N+1, so the device idles while the
-host schedules, builds the batch, detokenizes and streams. The overlap loop (``Engine.step`` when
-``overlap`` is on) instead does, per step::
-
-    plan N+1 = scheduler.schedule(); scheduler.advance(plan)     (engine/scheduler.py)
-    launch N+1 on the device lane: its decodes whose input token step N samples read it there
-    apply step N: wait for its token ids (read back asynchronously), update, stream
-
-Sampled ids never leave the device on the way into the next step: the lane overwrites each
-placeholder input id (``RequestKV._new_ids``) with the in-flight token before the forward
-(:func:`fill_indices`). A request that stops in step N has already been launched in N+1: that
-one extra token is computed and dropped (``Scheduler.apply``), never streamed.
-
-Only batches the device can sample alone overlap (:func:`device_sampleable`: no grammar, no
-logprobs, no pending min_tokens ban; greedy, or on CUDA also unseeded temperature / top-k / top-p
-rows, drawn by the one-launch ``sample`` kernel with per-row seeds from the lane's generator);
-any other batch takes the plain path for that step (the grammar mask needs the previous token
-accepted, seeded draws keep the host sampler's exact per-(seed, step) draws), after the step in
-flight is applied. Commands that change requests (abort, handoff, migration,
-inspection) are applied only with no step in flight (the engine settles first), and hybrid
-models (recurrent state, SWA rows) always use the plain loop.
-
-The lane runs steps strictly in launch order: on CUDA the current stream (the token ids come
-back through a pinned buffer and an event); on the CPU one worker thread (the forward releases
-the GIL in torch's kernels; the read-back is a Future). While the CPU lane's thread lives, the
-interpreter's GIL switch interval is 0.5 ms instead of 5 (process-wide; restored when the last
-CPU lane closes):
-otherwise the lane thread, back from a forward that released the GIL, waits up to 5 ms behind
-the host's Python, which costs more than the overlap saves on short steps.
-"""
+"""Overlap scheduling: the host plans and builds step N+1 while the device runs step N."""
 
 from __future__ import annotations
 
@@ -44,7 +13,7 @@ from tandem.engine.logprobs import wants_prompt_logprobs
 from tandem.engine.sched_types import StepPlan
 
 
-LANE_SWITCH_S = 0.0005   # the GIL switch interval while a CPU lane runs (module docstring)
+LANE_SWITCH_S = 0.0005
 
 
 def resolve_overlap(setting: str, disabled: bool, device: torch.device, hybrid: bool) -> bool:
@@ -66,20 +35,20 @@ def device_sampleable(plan: StepPlan, device: torch.device) -> bool:
             return False
         if not p.greedy and (device.type != "cuda" or p.seed is not None):
             return False
-        if len(sr.req.output_ids) + sr.ahead - 1 < p.min_tokens:   # a ban may apply to this row
+        if len(sr.req.output_ids) + sr.ahead - 1 < p.min_tokens:
             return False
     return True
 
 
 def fill_indices(plan: StepPlan, prev: "Launched | None") -> tuple[list[int], list[int]]:
-    """``(dst, src)``: token ``dst[i]`` of ``plan``'s batch is ``prev``'s sampled token
-    ``src[i]`` (entries whose input token is still in flight)."""
+    """``(dst, src)``: token ``dst[i]`` of ``plan``'s batch is ``prev``'s sampled token ``src[i]``
+    (entries whose input token is still in flight)."""
     if prev is None:
         return [], []
     where = {id(e.sr): i for i, e in enumerate(prev.plan.sampling)}
     dst, src, t = [], [], 0
     for e in plan.entries:
-        if e.start >= e.sr.req.seq_len:       # its input token is not in output_ids yet
+        if e.start >= e.sr.req.seq_len:
             dst.append(t + e.n - 1)
             src.append(where[id(e.sr)])
         t += e.n
@@ -96,8 +65,8 @@ def fill_inputs(fb, dst: list[int], src: list[int], tokens: torch.Tensor) -> Non
 
 @dataclass
 class Launched:
-    """A step on the device lane: ``tokens`` ([S] int64 on the device, ``plan.sampling`` order;
-    on the CPU a Future of it), and the host copy being read back."""
+    """A step on the device lane: ``tokens`` ([S] int64 on the device, ``plan.sampling`` order; on
+    the CPU a Future of it), and the host copy being read back."""
 
     plan: StepPlan
     tokens: torch.Tensor | Future
@@ -126,8 +95,8 @@ class DeviceLane:
     def __init__(self, runner, device: torch.device, seed: int = 0):
         self.runner = runner
         self.device = device
-        self._gen = torch.Generator().manual_seed(seed)   # per-row seeds of sampled (not greedy) rows
-        self._pool: ThreadPoolExecutor | None = None   # the CPU lane's thread, made on first use
+        self._gen = torch.Generator().manual_seed(seed)
+        self._pool: ThreadPoolExecutor | None = None
 
     def launch(self, plan: StepPlan, fb, prev: Launched | None) -> Launched:
         """Start ``plan``'s forward (batch ``fb``) and greedy pick; returns at once."""
@@ -166,7 +135,7 @@ class DeviceLane:
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         picked = logits if all_rows else logits[rows]
-        if draw is not None:   # temperature / top-k / top-p rows (CUDA): one launch for all rows
+        if draw is not None:
             from tandem.engine.attention.triton_kernels.layer_ops import sample
 
             return sample(picked.contiguous(), *(t.to(picked.device, non_blocking=True) for t in draw))
@@ -180,7 +149,7 @@ class DeviceLane:
             _cpu_lane_stopped()
 
 
-_lanes = {"running": 0, "switch": 0.0}   # CPU lanes alive, and the interval they replaced
+_lanes = {"running": 0, "switch": 0.0}
 _lanes_lock = threading.Lock()
 
 

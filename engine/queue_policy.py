@@ -1,16 +1,4 @@
-"""Waiting-queue order: ``fcfs`` or ``lpm`` (longest cached prefix first), for the scheduler.
-
-``lpm`` follows SGLang's schedule_policy: requests with the longest prefix already in the cache
-go first. A request whose cached prefix is short (<= ``check_threshold``) is also matched against
-an in-queue simulated tree of the prompts queued before it: if it shares at least
-``deprioritize_threshold`` tokens with one of them, it waits behind the rest of the queue, so the
-first request computes the shared prefix once and the others then hit it in the real cache.
-Ties keep arrival order. Beyond ``max_lpm_queue`` waiting requests, matching every request costs
-more than it saves and ``lpm`` falls back to ``fcfs``.
-
-:class:`InStepPrefixes` applies the same idea within one step: a request whose long prefix is not
-cached yet but is being computed by a request admitted earlier in the step waits a step.
-"""
+"""Waiting-queue order: ``fcfs`` or ``lpm`` (longest cached prefix first), for the scheduler."""
 
 from __future__ import annotations
 
@@ -25,9 +13,7 @@ def order(waiting: Sequence[Any], match_len_fn: Callable[[Any], int], policy: st
           token_ids_fn: Callable[[Any], Sequence[int]] = lambda r: r.prompt_ids,
           check_threshold: int = 32, deprioritize_threshold: int = 32,
           max_lpm_queue: int = 128, page_size: int = 1) -> list:
-    """``waiting`` in the order to admit. ``match_len_fn(req)``: the request's cached prefix
-    length in the real cache (e.g. ``cache.peek(ids)``). Does not modify
-    ``waiting`` or the cache beyond what ``match_len_fn`` does."""
+    """``waiting`` in the order to admit."""
     if policy == "fcfs" or (policy == "lpm" and len(waiting) > max_lpm_queue):
         return list(waiting)
     if policy != "lpm":
@@ -49,11 +35,10 @@ def order(waiting: Sequence[Any], match_len_fn: Callable[[Any], int], policy: st
 
 
 class InStepPrefixes:
-    """lpm within a step: prompts admitted this step, so a request whose long prefix is not
-    cached yet but is being computed by an earlier admission waits a step and then hits the
-    cache instead (``cached_len_fn``: the request's cached prefix in the real cache)."""
+    """lpm within a step: a request whose prefix an earlier admission of this step computes waits a
+    step, then hits the cache."""
 
-    THRESHOLD = 32  # tokens (SGLang's in-queue deprioritize threshold)
+    THRESHOLD = 32
 
     def __init__(self, cached_len_fn: Callable[[Sequence[int]], int], page_size: int):
         self.cached_len = cached_len_fn

@@ -1,17 +1,4 @@
-"""RequestKV: every KV operation on a request's row, in one place.
-
-The scheduler decides *when* (admit, extend, cache a chunk, release, retract); this class does
-it against the pools and the prefix cache: a row of ``ReqToTokenPool``, slots from the
-``PagedAllocator``, the cache's ``match / lock / cache / unlock / evict``, its tiers (host, L3:
-``cache.tiers``, walked once in order: ``prefetch`` when a request is queued, ``lookup``/``load``
-when it is admitted), the host tier's ``backup`` (retraction), and the per-variant hooks of
-hybrid models (engine/hybrid.py). It also keeps the set of requests holding a row (``holders``:
-running, reserved for a KV transfer, held for sending), which is what the ownership invariant
-counts.
-
-Ownership rule (proved by :meth:`check`): every allocated slot is owned exactly once, by the
-allocator's free list, by the cache, or by one holder's row range ``[locked_len, computed_len)``.
-"""
+"""RequestKV: every KV operation on a request's row, in one place."""
 
 from __future__ import annotations
 
@@ -45,12 +32,9 @@ class RequestKV:
         self.stats = stats if stats is not None else {"evicted_tokens": 0}
         self.holders: dict[str, SchedReq] = {}
 
-    # -- taking and giving back a row -------------------------------------------------------------
     def admit(self, sr: SchedReq) -> bool:
-        """Give ``sr`` a row holding its longest reusable cached prefix (locked), after each tier
-        in turn (``cache.tiers``: the host tier's load-back, then the pages the L3 store holds)
-        loaded what it holds past the match. False (nothing taken) when no row or no hybrid state
-        row is free. Sets ``computed_len`` and ``locked_len`` to the prefix length."""
+        """Give ``sr`` a row holding its longest reusable cached prefix (locked; tiers load past the
+        match); False (nothing taken) when no row or no hybrid state row is free."""
         r = sr.req
         row = self.r2t.alloc()
         if row is None:
@@ -61,7 +45,7 @@ class RequestKV:
         for tier in self.cache.tiers:
             job = jobs.pop(tier.name, None) if jobs else None
             if job is not None:
-                job.stop()      # its reads end here: the load takes what it staged, reads the rest
+                job.stop()
             t0, before = time.time(), m.prefix_len
             if not tier.lookup(ids, m):
                 continue
@@ -73,7 +57,7 @@ class RequestKV:
         n = min(m.prefix_len, len(ids))
         self.cache.lock(m.last_device_node)
         r.req_pool_idx, r.last_node = row, m.last_device_node
-        if not self.hybrid.claim(r, m.components, n):   # hybrid: the working state row
+        if not self.hybrid.claim(r, m.components, n):
             self.cache.unlock(m.last_device_node)
             r.last_node = r.req_pool_idx = None
             self.r2t.free(row)
@@ -85,20 +69,17 @@ class RequestKV:
         return True
 
     def _reusable(self, sr: SchedReq) -> list[int]:
-        """The tokens whose KV a request may reuse: whole pages of all but its last token (the
-        last one must be computed to get logits); none for a request that still needs its
-        prompt's logprobs and computes the prompt here (every position's logits are needed)."""
+        """The tokens whose KV a request may reuse: whole pages of all but its last token (the last
+        one must be computed to get logits); none for a request that still needs its prompt's
+        logprobs and computes the prompt here (every position's logits are needed)."""
         r = sr.req
         if r.params.prompt_logprobs is not None and not r.output_ids and not sr.receive:
             return []
         return r.cache_ids[:(r.seq_len - 1) // self.page_size * self.page_size]
 
     def prefetch(self, sr: SchedReq) -> None:
-        """A request was queued: start reading ahead, off the step, the pages :meth:`admit`
-        would load for it now from each tier that prefetches (the L3 tier stages them on the
-        host; admit stops the job and its load takes them). Matches the cache (touching the
-        path, as admit will) only when a tier prefetches and the device does not already hold
-        every reusable page; no-op otherwise."""
+        """A request was queued: start reading ahead, off the step, what :meth:`admit` would load
+        for it from each tier that prefetches; a no-op when none does or the device holds it all."""
         tiers = [t for t in self.cache.tiers if t.prefetching]
         if not tiers:
             return
@@ -140,20 +121,17 @@ class RequestKV:
             self.hybrid.drop_range(sr.req, start, end)
             self.alloc.free(self.r2t.read(sr.req.req_pool_idx, start, end))
 
-    # -- retraction backup (engine/retraction.py) -----------------------------------------------
     def back_up(self, sr: SchedReq):
-        """Hand the request's page-aligned KV (and its component data: SWA rows, the state
-        checkpoint at the aligned length) to the cache and move the nodes only it holds to the
-        host tier; free its partial last page. Returns ``(node, device tokens freed)``: the row
-        now covers ``[0, aligned)`` locked at ``node`` (``computed_len == locked_len``)."""
+        """Hand the request's page-aligned KV to the cache, move what only it holds to the host
+        tier, free its partial last page; returns ``(node, device tokens freed)``."""
         r = sr.req
         n, locked = r.computed_len, sr.locked_len
         aligned = n // self.page_size * self.page_size
         node, freed = self.cache.host.backup(
             r.cache_ids[:aligned], self.r2t.read(r.req_pool_idx, 0, aligned), r.last_node,
             extra=lambda: self.hybrid.handover(r, locked, aligned, True), session_id=r.session_id)
-        r.last_node, sr.locked_len = node, max(aligned, locked)   # the tree owns [0, aligned) now
-        self.free_range(sr, sr.locked_len, n)       # the partial last page: recomputed on restore
+        r.last_node, sr.locked_len = node, max(aligned, locked)
+        self.free_range(sr, sr.locked_len, n)
         r.computed_len = sr.locked_len
         return node, freed
 
@@ -171,23 +149,37 @@ class RequestKV:
         sr.locked_len = 0
         self.holders.pop(r.rid, None)
 
-    # -- growing ---------------------------------------------------------------------------------
     def extend(self, sr: SchedReq, n: int, received: bool = False) -> torch.Tensor | None:
-        """Slots ``[n]`` for positions ``[computed_len, computed_len + n)`` (not yet written to
-        the row), evicting unlocked cache when short; None when there is no room. ``received``:
-        a KV transfer fills them (hybrid: SWA rows only for the window decode keeps)."""
+        """Slots ``[n]`` for positions ``[computed_len, computed_len + n)`` (not yet written to the
+        row), evicting unlocked cache when short; None when there is no room."""
         r = sr.req
-        need = n + self.page_size  # a page of slack for the partial-page rounding
+        need = n + self.page_size
         if self.alloc.available_size() < need:
             self.stats["evicted_tokens"] += self.cache.evict(need - self.alloc.available_size())
         c = r.computed_len
         last_loc = self.r2t.slot(r.req_pool_idx, c - 1) if c else -1
         return self.hybrid.alloc(r, n, lambda: self.alloc.alloc_extend(last_loc, c, n), received)
 
+    def extend_decodes(self, srs: list[SchedReq]) -> list[torch.Tensor] | None:
+        """One slot (``[1]``) each for the next position of every request of ``srs``, in one
+        allocation and in ``srs`` order; None (nothing taken) when that would need an eviction, or
+        for hybrid models: the caller then extends them one by one."""
+        ps = self.page_size
+        fresh = [sr.req.computed_len % ps == 0 for sr in srs]
+        if self.hybrid.active or self.alloc.available_size() < (sum(fresh) + 1) * ps:
+            return None
+        pages = self.alloc.alloc_pages(sum(fresh))
+        if pages is None:
+            return None
+        it = iter(pages.tolist())
+        slots = [next(it) * ps if f else self.r2t.slot(sr.req.req_pool_idx, sr.req.computed_len - 1) + 1
+                 for sr, f in zip(srs, fresh)]
+        return list(torch.tensor(slots, dtype=torch.int64).split(1))
+
     def cache_prefix(self, sr: SchedReq, final: bool = False, end: int | None = None) -> None:
-        """Hand the page-aligned computed prefix (of ``[0, end)``; default ``computed_len``) to
-        the cache and adopt its canonical slots (the request then shares them with later
-        requests; its lock moves to the new node)."""
+        """Hand the page-aligned computed prefix (of ``[0, end)``; default ``computed_len``) to the
+        cache and adopt its canonical slots (the request then shares them with later requests; its
+        lock moves to the new node)."""
         r = sr.req
         end = r.computed_len if end is None else end
         aligned = end // self.page_size * self.page_size
@@ -197,7 +189,7 @@ class RequestKV:
         slots = self.r2t.read(row, 0, aligned)
         new_slots, node = self.cache.cache(
             r.cache_ids[:aligned], slots, r.last_node, session_id=r.session_id,
-            extra=lambda: self.hybrid.handover(r, locked, aligned, final))  # hybrid: rows, state
+            extra=lambda: self.hybrid.handover(r, locked, aligned, final))
         if not final:
             self.r2t.write(row, 0, new_slots)
         r.last_node = node
@@ -213,8 +205,6 @@ class RequestKV:
 
     @staticmethod
     def _new_ids(e) -> list[int]:
-        """The entry's input ids; a token still in flight (overlap scheduling) is a 0 here,
-        which the engine overwrites on the device before the forward."""
         ids = e.sr.req.all_ids[e.start:e.start + e.n]
         return ids + [0] * (e.n - len(ids))
 
@@ -223,11 +213,8 @@ class RequestKV:
         self.hybrid.advanced(sr.req, sr.locked_len)
 
     def fork(self, sr: SchedReq, src: SchedReq, n: int) -> bool:
-        """Copy ``src``'s KV of positions ``[0, n)`` into fresh slots of ``sr`` (just admitted with
-        nothing computed; the same first ``n`` tokens): ``sr`` owns them and ``computed_len``
-        becomes ``n``. How n samples share a prompt when the prefix cache keeps nothing. False
-        (nothing taken) when there is no room, or for hybrid models (their recurrent state and
-        SWA rows are not forked)."""
+        """Copy ``src``'s KV of positions ``[0, n)`` into fresh slots of the just admitted ``sr``;
+        False (nothing taken) when there is no room, or for hybrid models."""
         r = sr.req
         if self.hybrid.active or r.computed_len or n <= 0 or src.req.computed_len < n:
             return False
@@ -239,7 +226,6 @@ class RequestKV:
         r.computed_len = n
         return True
 
-    # -- reading ---------------------------------------------------------------------------------
     def pages(self, sr: SchedReq, start: int, end: int) -> tuple[int, ...]:
         """Page ids of positions ``[start, end)`` (``start`` page-aligned)."""
         slots = self.r2t.read(sr.req.req_pool_idx, start, end)
@@ -257,7 +243,6 @@ class RequestKV:
         """Tokens that could be allocated now (free + evictable cache)."""
         return self.alloc.available_size() + self.cache.stats().evictable
 
-    # -- invariants ------------------------------------------------------------------------------
     def owned_slots(self) -> torch.Tensor:
         """Slots the holders own beyond their tree-locked prefixes."""
         parts = [self.r2t.read(sr.req.req_pool_idx, sr.locked_len, sr.req.computed_len)

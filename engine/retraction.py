@@ -1,29 +1,5 @@
-"""Retraction: what a decode batch gives up when the device KV pool runs out, and how it comes back.
-SGLang's order of choices (its scheduler's decode retraction), with its failure modes designed out:
-
-1. **victim** (:func:`pick_victim`): fewest generated tokens, ties to the longest prompt
-   (``default``), or requests of the least recently active sessions first (``session``);
-2. **backup**: with a host tier the victim's KV is handed to the cache and the nodes only it
-   holds move to the host (``cache.host.backup``); hybrid models hand over their SWA rows and a
-   state checkpoint at the aligned length with it, which go to the components' host pools; they
-   stay locked by the retraction (never evicted from the host) and the request waits in
-   :attr:`Retraction.retracted`;
-3. **restore** when room frees (its whole KV plus a page of headroom, counting evictable cache):
-   a normal admission whose match loads the host-only prefix back (at most the last partial page
-   is recomputed; hybrid: the match's vote needs the window's SWA rows and the checkpoint on
-   the host, and the claim copies the restored checkpoint into a working row; without a
-   checkpoint at the aligned length -- ``page_size > 1`` right after an unaligned prompt -- the
-   vote falls back to an earlier one and the rest is recomputed); the retraction's own host lock
-   is dropped once the admission's lock holds;
-4. **recompute** when there is no host tier, or the host is full even after host eviction: the
-   KV goes to the device cache unlocked and the request is re-prefilled from its tokens (what
-   survives in the cache is reused) -- it re-enters the waiting queue first in line;
-5. **abort** only when the request alone can never fit (the scheduler decides that).
-
-Nothing here picks *when* to retract: the scheduler calls :meth:`Retraction.retract` when a
-decode finds no slot (or every ``debug_retract_every`` decode steps, a test lever). The
-request's :class:`SchedReq` (and so its stream state) is kept throughout.
-"""
+"""Retraction: what a decode batch gives up when the device KV pool runs out, and how it comes
+back."""
 
 from __future__ import annotations
 
@@ -38,10 +14,7 @@ from tandem.engine.sched_types import SchedReq
 
 def pick_victim(cands: list[Req], policy: str = "default",
                 session_seen: dict[str, float] | None = None) -> Req | None:
-    """The request to retract. ``default`` (SGLang's order): fewest generated tokens, ties to the
-    longest prompt. ``session``: requests of the least recently active sessions go first (a request
-    with no session counts as least recent), then the default order; the sessions an agent is
-    actively driving keep their KV longest."""
+    """The request to retract."""
     if not cands:
         return None
     if policy == "session":
@@ -52,8 +25,7 @@ def pick_victim(cands: list[Req], policy: str = "default",
 
 
 class Retraction:
-    """Backups and the queue of retracted requests waiting for room. ``stats``: the scheduler's
-    counters (retractions, restores, recomputes, backup/restore tokens and seconds)."""
+    """Backups and the queue of retracted requests waiting for room."""
 
     def __init__(self, kv: RequestKV, stats: dict, *, policy: str = "default",
                  host_backup: bool = True):
@@ -61,8 +33,8 @@ class Retraction:
         self.stats = stats
         self.policy = policy
         self.host_backup = host_backup and kv.cache.host is not None
-        self.retracted: deque[SchedReq] = deque()    # backed up, waiting for room (oldest first)
-        self.backups: dict[str, object] = {}        # rid -> the host node its backup holds locked
+        self.retracted: deque[SchedReq] = deque()
+        self.backups: dict[str, object] = {}
 
     def choose(self, cands: list[SchedReq], session_seen: dict[str, float]) -> SchedReq | None:
         by_rid = {sr.rid: sr for sr in cands}
@@ -70,8 +42,8 @@ class Retraction:
         return None if victim is None else by_rid[victim.rid]
 
     def retract(self, sr: SchedReq) -> bool:
-        """Free ``sr``'s device KV (the caller took it out of the running set). True: backed up
-        (it waits in :attr:`retracted`); False: it must be recomputed (the caller queues it)."""
+        """Free ``sr``'s device KV (the caller took it out of the running set). True: backed up (it
+        waits in :attr:`retracted`); False: it must be recomputed (the caller queues it)."""
         r = sr.req
         t0 = time.time()
         self.stats["retractions"] += 1
@@ -94,20 +66,18 @@ class Retraction:
         t0 = time.perf_counter()
         node, freed = kv.back_up(sr)
         if not kv.cache.host.host_only(node):
-            # Nothing moved (the host is full even after host eviction): the KV stays as device
-            # cache, unlocked, and the request will be re-prefilled.
             kv.release(sr)
             return False
         self.backups[r.rid] = node
-        kv.drop_backed_up(sr)                        # the backup's lock, not the row's
+        kv.drop_backed_up(sr)
         self.stats["backup_tokens"] += freed
         self.stats["backup_seconds"] += time.perf_counter() - t0
         return True
 
     def restorable(self, anything_held: bool) -> list[SchedReq]:
-        """Retracted requests whose KV fits now, with two pages of headroom each, oldest first.
-        When no request holds any KV (the whole pool is free or evictable) the oldest is tried
-        anyway: if it does not fit then, it never will (the scheduler aborts it)."""
+        """Retracted requests whose KV fits now, with two pages of headroom each, oldest first. When
+        no request holds any KV (the whole pool is free or evictable) the oldest is tried anyway: if
+        it does not fit then, it never will (the scheduler aborts it)."""
         out, room = [], self.kv.room()
         for sr in self.retracted:
             need = sr.req.seq_len + 2 * self.kv.page_size
@@ -120,8 +90,8 @@ class Retraction:
         return out
 
     def restored(self, sr: SchedReq, seconds: float) -> None:
-        """``sr`` was admitted again (its match loaded the host-only KV back): it leaves the
-        queue, and the admission's own lock on the restored path now protects it."""
+        """``sr`` was admitted again (its match loaded the host-only KV back): it leaves the queue,
+        and the admission's own lock on the restored path now protects it."""
         self.retracted.remove(sr)
         self.drop(sr)
         self.stats["retraction_restores"] += 1

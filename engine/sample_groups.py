@@ -1,20 +1,4 @@
-"""OpenAI ``n`` on one worker: the members of a SampleGroup compute their shared prompt once.
-
-The scheduler registers every request that carries a :class:`~tandem.core.messages.SampleGroup`
-(``add`` at ``Scheduler.add``, ``remove`` at its finish; a finished member a
-prefill worker still holds for sending stays, as a fork source, and is pruned by the next ``add``
-once it no longer holds KV). At admission a
-member is held back while :meth:`SampleGroups.prefilling_sibling` finds another member of its
-group running on this worker with the prompt not yet computed; once that sibling's prompt is
-computed its KV is in the prefix cache, and the member's ordinary admission matches all of it but
-the last, partial page. Whoever is admitted first computes the prompt (the leader when members
-arrive in order), so a member never waits for a sibling that is not on this worker. With the
-prefix cache disabled the member forks instead: :meth:`SampleGroups.computed_sibling` names a
-sibling whose prompt KV is computed and ``RequestKV.fork`` copies all of it but the last token
-into the member's own slots (a memory copy, no model compute; not for hybrid models).
-
-Engine thread only; no KV is touched here.
-"""
+"""OpenAI ``n`` on one worker: the members of a SampleGroup compute their shared prompt once."""
 
 from __future__ import annotations
 
@@ -23,7 +7,7 @@ from tandem.engine.sched_types import SchedReq
 
 class SampleGroups:
     def __init__(self) -> None:
-        self._members: dict[str, list[SchedReq]] = {}   # SampleGroup.id -> its members here
+        self._members: dict[str, list[SchedReq]] = {}
 
     def add(self, sr: SchedReq, holders: dict[str, SchedReq]) -> None:
         """Register ``sr``; first forget finished members that hold no KV any more."""
@@ -48,8 +32,8 @@ class SampleGroups:
                 del self._members[sr.group.id]
 
     def prefilling_sibling(self, sr: SchedReq, running: dict[str, SchedReq]) -> SchedReq | None:
-        """Another member of ``sr``'s group that is in ``running`` and has not computed the
-        prompt yet (so ``sr`` should wait for its KV), or None."""
+        """Another member of ``sr``'s group that is in ``running`` and has not computed the prompt
+        yet (so ``sr`` should wait for its KV), or None."""
         if sr.group is None:
             return None
         for m in self._members.get(sr.group.id, ()):
@@ -58,9 +42,9 @@ class SampleGroups:
         return None
 
     def computed_sibling(self, sr: SchedReq, holders: dict[str, SchedReq]) -> SchedReq | None:
-        """Another member of ``sr``'s group holding KV here (``holders``: running, reserved or
-        held for sending) whose whole prompt is computed: the source of a fork (RequestKV.fork)
-        when the prefix cache keeps nothing. None when there is none."""
+        """Another member of ``sr``'s group holding KV here (``holders``: running, reserved or held
+        for sending) whose whole prompt is computed: the source of a fork (RequestKV.fork) when the
+        prefix cache keeps nothing. None when there is none."""
         if sr.group is None:
             return None
         n = len(sr.req.prompt_ids)

@@ -1,29 +1,5 @@
 """Batched sampling: grammar bitmask, min_tokens bans, greedy / temperature / top-k / top-p,
-per-request seeds, logprobs.
-
-``sample(logits [B, V], srs, eos_ids, masks) -> Sampled``; row ``i`` belongs to ``srs[i]`` (a
-SchedReq: its ``req`` and, when the request is constrained, its grammar ``matcher``). Per row, in
-order:
-
-1. the constraint's bitmask (rows with a matcher; one ``[B, W]`` bitmask filled in one llguidance
-   call and turned into an additive 0 / -inf bias, added to those rows only: unconstrained rows are
-   untouched). ``prepare(srs)`` computes that on a helper thread while the model runs (the
-   matchers' state is final once the previous step's tokens were accepted) and returns a
-   future for ``sample``; without one, ``sample`` computes it inline;
-2. the ``min_tokens`` bans of EOS / stop tokens, unless that would leave a constrained row with no
-   token at all (the grammar wins);
-3. logprobs, for rows that asked: engine/logprobs.py's definition (log_softmax of the logits after
-   1 and 2, before 3);
-4. greedy rows take ``argmax``; sampled rows scale by temperature, cut by top-k / top-p and draw with
-   a generator seeded from ``(params.seed, len(output_ids))`` at every draw: the k-th output
-   token's draw depends only on the seed and k, so a seeded request samples the same tokens
-   whatever it is batched with, and wherever its tokens are drawn (the first on a prefill worker,
-   the rest on a decode worker; again after a retraction and recompute). Unseeded requests draw
-   from the engine's generator.
-
-A constrained row whose grammar allows no token gets ``None`` (the scheduler ends the request with
-an error). A batch with no constraint and no logprobs does no work beyond today's min_tokens check.
-"""
+per-request seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -40,8 +16,7 @@ from tandem.engine.logprobs import token_logprobs
 
 @dataclass
 class Sampled:
-    """``tokens[i]``: the token for row i (None: its grammar allowed nothing). ``logprobs``: None
-    when no row that got a token asked, else one entry per row (None for rows that did not ask)."""
+    """``tokens[i]``: the token for row i (None: its grammar allowed nothing)."""
 
     tokens: list[int | None]
     logprobs: list[TokenLogprob | None] | None = None
@@ -62,7 +37,6 @@ _M64 = (1 << 64) - 1
 
 
 def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit ints that scatters nearby inputs."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
     return x ^ (x >> 31)
@@ -70,16 +44,13 @@ def _mix64(x: int) -> int:
 
 def draw_seed(seed: int, step: int) -> int:
     """The generator seed of a seeded request's ``step``-th output token (0-based), in
-    [0, 2**63): distinct (seed, step) pairs do not collide in practice (seed + 1 at step k is not
-    seed at step k + 1, which n > 1 groups' per-member seeds would otherwise hit)."""
+    [0, 2**63)."""
     return _mix64(_mix64(seed & _M64) ^ (step + 1)) >> 1
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
     """logits [B, V] -> each row's argmax: the first maximal index, a NaN counting as the maximum
-    (torch's and numpy's rule alike). A CPU float32 batch goes through numpy, whose argmax is
-    vectorized (torch's CPU argmax reads one element at a time: a large vocabulary's row costs
-    it a good part of a small model's decode step)."""
+    (torch's and numpy's rule alike)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return logits.numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()
@@ -90,14 +61,13 @@ class Sampler:
         """``grammar``: returns the engine's GrammarCompiler (called only for batches with a
         constrained row; it fills the bitmask)."""
         self._gen = torch.Generator().manual_seed(seed)
-        self._seeded = torch.Generator()                 # re-seeded per draw (see _generator)
+        self._seeded = torch.Generator()
         self._grammar = grammar
-        self._pool: ThreadPoolExecutor | None = None   # the mask helper thread, made on first use
+        self._pool: ThreadPoolExecutor | None = None
 
     def prepare(self, srs: list) -> "Future[Masks] | None":
-        """Start computing the grammar masks of the batch ``srs`` (the rows ``sample`` will get)
-        on the helper thread; None when no row is constrained. The matchers must not change
-        until ``sample`` took the result (the engine loop only runs the forward meanwhile)."""
+        """Start computing the grammar masks of the batch ``srs`` (the rows ``sample`` will get) on
+        the helper thread; None when no row is constrained."""
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         if not constrained:
             return None
@@ -111,7 +81,7 @@ class Sampler:
         grammar.fill_bitmasks(constrained, bitmask)
         rows = [i for _, i in constrained]
         words = bitmask[rows]                                          # [R, W]
-        alive = (words != 0).any(dim=1).tolist()                       # any token allowed at all
+        alive = (words != 0).any(dim=1).tolist()
         return Masks(rows, words, bitmask_bias(words), {i for i, ok in zip(rows, alive) if not ok})
 
     def close(self) -> None:
@@ -132,7 +102,7 @@ class Sampler:
         logits = logits.float()
         reqs = [sr.req for sr in srs]
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
-        owned = False  # logits may be the model's (inference-mode) output: copy before editing
+        owned = False
         dead: set[int] = set()
         if constrained:
             m = masks.result() if masks is not None else self._masks(constrained, len(srs))
@@ -144,24 +114,24 @@ class Sampler:
             add_bias(logits, bias, m.rows)
             dead = m.dead
         masked = {i for _, i in constrained}
-        for i, r in enumerate(reqs):  # min_tokens: forbid finishing tokens early
+        for i, r in enumerate(reqs):
             if len(r.output_ids) < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_ids))
                 if banned:
                     if not owned:
                         logits, owned = logits.clone(), True
-                    if i in masked:   # the grammar wins: never ban its only way out
+                    if i in masked:
                         ban = list(banned)
                         rest = logits[i].clone()
                         rest[ban] = float("-inf")
                         if not torch.isfinite(rest).any():
                             continue
                     logits[i, list(banned)] = float("-inf")
-        for i in dead:   # no token allowed: draw anything (reported as None)
+        for i in dead:
             logits[i] = 0.0
         if all(r.params.greedy for r in reqs):
             tokens: list[int | None] = greedy(logits)
-        else:   # the per-request generators are CPU ones (same draws on any device): sample on the host
+        else:
             host = logits.cpu()
             tokens = [self._one(host[i], r) for i, r in enumerate(reqs)]
         lps = None
@@ -189,7 +159,7 @@ class Sampler:
         if p.top_p < 1.0:
             sp, si = torch.sort(probs, descending=True)
             cum = torch.cumsum(sp, dim=-1)
-            drop = (cum - sp) > p.top_p  # keep the smallest set whose mass reaches top_p
+            drop = (cum - sp) > p.top_p
             sp[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, si, sp)
         return int(torch.multinomial(probs, 1, generator=self._generator(r)))

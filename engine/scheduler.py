@@ -1,36 +1,4 @@
-"""Continuous batching with chunked prefill: the scheduler plans, the engine loop executes.
-
-One rule drives every request: each step a scheduled request extends its KV from
-``computed_len`` by ``n <= seq_len - computed_len`` tokens; when that reaches ``seq_len`` the
-logits of its last position sample the next token. A decode step is an extend of 1; a prompt
-chunk an extend of up to the chunk budget; a request restored after retraction starts again from
-its cached prefix. Per step the engine runs ``plan = schedule()``, the forward of
-``kv.forward_batch(plan)``, samples ``plan.sample_rows`` and calls ``update(plan, tokens)``.
-
-``schedule`` order: (1) decodes get one slot each, evicting cache and then
-retracting victims when short (engine/retraction.py); (2) waiting requests whose KV a peer writes
-get their slots reserved; (3) unfinished prefills continue, retracted requests are restored when
-they fit, then waiting requests are admitted, within the step's prompt-token budget.
-
-Invariants: every slot is owned once (free list, cache, or one request's ``[locked_len,
-computed_len)``), proved by :meth:`check_invariants` (engine/request_kv.py). A request holding KV
-outside the step loop is in :attr:`detached`: received (``WAITING_FOR_KV``, until the worker's
-Activate or an Abort) or held (finished; the role's KVConnector kept it until a Release), both
-applied by :meth:`handoff`.
-
-Overlap scheduling (engine/overlap.py): the engine may plan step N+1 before step N's tokens are
-back. It then calls :meth:`advance` when a plan is made and :meth:`apply` once its tokens are
-back (:meth:`update` is both at once). A request whose sampled token is still in flight
-(``SchedReq.ahead``) decodes it next without knowing it; one that finishes while a step still
-computes for it keeps its KV until that step is applied too (its token is dropped, never
-streamed), and it is never chosen as a retraction victim while in flight
-(:meth:`wants_settled` tells the engine when to apply first).
-
-Constrained decoding: a waiting request is admitted only once its grammar compile (engine/grammar.py,
-off the loop) is done; one that does not compile finishes "abort". OpenAI ``n``
-(engine/sample_groups.py): a member waits while a sibling here computes the shared prompt, then
-hits it in the cache (no cache: forks the sibling's KV).
-"""
+"""Continuous batching with chunked prefill: the scheduler plans, the engine loop executes."""
 
 from __future__ import annotations
 
@@ -61,8 +29,8 @@ class Scheduler:
                  retraction_policy: str = "default", host_backup: bool = True,
                  debug_invariants: bool = False, debug_retract_every: int = 0,
                  grammar: Callable[[], object] | None = None, connector: KVConnector | None = None):
-        """``grammar``: the engine's GrammarCompiler, built on first use (None: constraints are
-        refused); ``connector``: the role's (engine/connector.py; default: nothing crosses workers)."""
+        """``grammar``: the engine's GrammarCompiler (None: constraints are refused); ``connector``:
+        the role's (engine/connector.py; default: nothing crosses workers)."""
         self.kv, self.chunk = kv, chunked_prefill_size
         self.max_batch_tokens, self.policy = max_batch_tokens, schedule_policy
         self.debug, self.debug_retract_every = debug_invariants, debug_retract_every
@@ -70,19 +38,18 @@ class Scheduler:
         self.waiting: deque[SchedReq] = deque()
         self.running: dict[str, SchedReq] = {}
         self.connector = connector or KVConnector()
-        self.detached: dict[str, SchedReq] = {}      # holding KV outside the step loop (module doc)
-        self.observers: list[SchedulerObserver] = []   # test-facing, empty by default (sched_types.py)
+        self.detached: dict[str, SchedReq] = {}
+        self.observers: list[SchedulerObserver] = []
         self._decode_steps = 0
-        self._deferred: list[SchedReq] = []          # finished while in flight: released at apply
+        self._deferred: list[SchedReq] = []
         self.groups = SampleGroups()
         self.stats = kv.stats = new_stats()
         self.retraction = Retraction(kv, self.stats, policy=retraction_policy, host_backup=host_backup)
         self.admission = Admission(kv, tokenizer, max_context, schedule_policy, grammar,
                                    self.connector, self.groups, self.stats)
 
-    # ------------------------------------------------------------------ requests in and out
     def validate(self, req: Req) -> None:
-        self.admission.validate(req)   # InvalidRequest: never servable here (any thread)
+        self.admission.validate(req)
 
     def add(self, req: Req, group: SampleGroup | None = None, resume: Resume | None = None) -> SchedReq:
         """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its ``n`` group;
@@ -100,7 +67,7 @@ class Scheduler:
             if sr.req.status is not ReqStatus.WAITING_FOR_KV:
                 return None
             del self.detached[rid]
-            self.kv.free_range(sr, sr.locked_len, sr.req.computed_len)   # the reserved end (resumed: seq_len - 1)
+            self.kv.free_range(sr, sr.locked_len, sr.req.computed_len)
             sr.req.computed_len = sr.locked_len
             return self._finish(sr, "abort", "", error=error)
         for sr in self.waiting:
@@ -117,9 +84,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self.retraction.retracted or self._deferred)
 
     def wants_settled(self) -> bool:
-        """Whether the next :meth:`schedule` may retract a decoding request (the retraction lever
-        is due, or free plus evictable KV is short of a page per decode): with a step in flight,
-        the engine applies it first, since an in-flight request is never a victim."""
+        """Whether the next :meth:`schedule` may retract a decoding request (the retraction lever is
+        due, or free plus evictable KV is short of a page per decode): with a step in flight, the
+        engine applies it first, since an in-flight request is never a victim."""
         decodes = [sr for sr in self.running.values() if self._decoding(sr)]
         if not decodes:
             return False
@@ -131,11 +98,9 @@ class Scheduler:
 
     @staticmethod
     def _decoding(sr: SchedReq) -> bool:
-        """Its whole sequence (and the tokens still in flight but the last) holds KV."""
         return sr.req.computed_len == sr.req.seq_len - 1 + sr.ahead
 
     def _ends_in_flight(self, sr: SchedReq) -> bool:
-        """A token in flight will finish it by length whatever it is: do not decode past it."""
         r = sr.req
         return sr.ahead > 0 and (len(r.output_ids) + sr.ahead >= r.params.max_tokens
                                  or r.seq_len + sr.ahead >= sr.tracker.max_context)
@@ -156,10 +121,10 @@ class Scheduler:
             case Activate(first_token=tok, logprob=lp) if (
                     r.status is ReqStatus.WAITING_FOR_KV and (tok is None) == bool(r.output_ids)):
                 del self.detached[r.rid]
-                sr.receive = False                   # from now on it is computed here (recompute)
+                sr.receive = False
                 r.status, r.first_token_time = ReqStatus.RUNNING, time.monotonic()
                 self.running[r.rid] = sr
-                self.kv.cache_prefix(sr)             # the received prompt is shareable now
+                self.kv.cache_prefix(sr)
                 return None if tok is None else self._on_token(sr, tok, sampled=False, logprob=lp)
             case Release() if r.finished:
                 del self.detached[r.rid]
@@ -167,7 +132,6 @@ class Scheduler:
                 return None
         raise ValueError(f"{type(event).__name__} for {event.rid}, which is {r.status.name}")
 
-    # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
         """Decide the next step (allocating its slots, retracting or aborting as needed)."""
         plan = StepPlan()
@@ -177,26 +141,26 @@ class Scheduler:
         budget = self._plan_prefills(plan, budget)
         budget = self._plan_restores(plan, budget)
         if not self.retraction.retracted:
-            # A retracted request waiting for room goes first: new requests would take that room
-            # (and be retracted in turn), so none are admitted until it is restored.
             self._plan_admissions(plan, budget)
         return plan
 
     def _plan_decodes(self, plan: StepPlan) -> None:
-        """(1) One slot per decoding request, oldest first; retract victims when short."""
         decodes = sorted((sr for sr in self.running.values()
                           if self._decoding(sr) and not self._ends_in_flight(sr)),
                          key=lambda s: s.req.arrival)
         if decodes:
             self._decode_steps += 1
             n = self.debug_retract_every
-            if n and self._decode_steps % n == 0:   # test lever: retract without pressure
+            if n and self._decode_steps % n == 0:
                 victim = self.retraction.choose([d for d in decodes if not d.inflight],
                                                 self.admission.session_seen)
                 if victim is not None:
                     decodes.remove(victim)
                     self._retract(victim)
-        while decodes:
+        batch = self.kv.extend_decodes(decodes)
+        for sr, slots in zip(decodes if batch is not None else (), batch or ()):
+            plan.add(sr, 1, slots)
+        while decodes and batch is None:
             sr = decodes.pop(0)
             if sr.rid not in self.running:
                 continue
@@ -213,9 +177,6 @@ class Scheduler:
                 slots = self.kv.extend(sr, 1)
             if slots is None:
                 if plan.entries or len(self.kv.holders) > 1:
-                    # The rest of the pool is this step's other work, or KV that others hold and
-                    # will give back (reservations being filled, held KV being sent, requests
-                    # not retractable this step): wait a step.
                     continue
                 plan.chunks.append(self._finish(sr, "abort", "", error=(
                     f"KV pool exhausted: {self.kv.alloc.size} tokens cannot hold this request "
@@ -224,16 +185,14 @@ class Scheduler:
             plan.add(sr, 1, slots)
 
     def _plan_receives(self, plan: StepPlan) -> None:
-        """(2) A request a peer fills gets a row, its cached prefix and slots for the rest
-        (memory only: no budget; one that does not fit waits), then waits in :attr:`detached`."""
         for sr in [s for s in self.waiting if s.receive]:
             if self.kv.r2t.available_size() == 0:
                 return
             if not self._grammar_ready(sr, plan) or not self._admit(sr, running=False):
                 continue
             r = sr.req
-            end = r.seq_len - 1 if r.output_ids else r.seq_len   # resumed: its last token has no KV
-            slots = self.kv.extend(sr, end - r.computed_len, received=True)  # hybrid: kept window
+            end = r.seq_len - 1 if r.output_ids else r.seq_len
+            slots = self.kv.extend(sr, end - r.computed_len, received=True)
             if slots is None:
                 self._unadmit(sr, requeue=False)
                 continue
@@ -244,7 +203,6 @@ class Scheduler:
             self.connector.reserved(sr)
 
     def _plan_prefills(self, plan: StepPlan, budget: int) -> int:
-        """(3a) Running requests with prompt left (chunked prefill) continue."""
         for sr in list(self.running.values()):
             if budget <= 0:
                 break
@@ -259,7 +217,6 @@ class Scheduler:
         return budget
 
     def _plan_restores(self, plan: StepPlan, budget: int) -> int:
-        """(3b) Retracted requests that fit again are admitted; their match loads the backup."""
         for sr in self.retraction.restorable(anything_held=bool(self.kv.holders)):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
@@ -271,8 +228,8 @@ class Scheduler:
             slots = self.kv.extend(sr, n)
             if slots is None:
                 alone = not plan.entries and len(self.kv.holders) == 1
-                self._unadmit(sr, requeue=False)    # its backup still holds the host copy
-                if alone:                           # the whole pool cannot hold it: never will
+                self._unadmit(sr, requeue=False)
+                if alone:
                     self.retraction.abort(sr.rid)
                     self.stats["retraction_aborts"] += 1
                     plan.chunks.append(self._finish_unstarted(sr, (
@@ -286,19 +243,18 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: StepPlan, budget: int) -> None:
-        """(3c) Waiting requests, in the queue policy's order, while budget and rows last."""
         in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size) if self.policy == "lpm" else None
         for sr in self.admission.order(self.waiting):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
             if sr.receive:
-                continue   # a peer writes its prompt: (2) reserves it
+                continue
             if not self._grammar_ready(sr, plan):
-                continue   # compiling (off the loop), or failed (finished into plan.chunks)
+                continue
             if self.groups.prefilling_sibling(sr, self.running) is not None:
-                continue   # a sibling computes the shared prompt: hit it in the cache once cached
+                continue
             if in_step is not None and in_step.should_wait(sr.req.all_ids):
-                continue   # an earlier request computes the shared prefix this step: hit it next step
+                continue
             if not self._admit(sr):
                 break
             self.waiting.remove(sr)
@@ -313,7 +269,7 @@ class Scheduler:
             plan.add(sr, n, slots)
             budget -= n
 
-    def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:   # a failed compile: abort
+    def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:
         try:
             return self.admission.grammar_ready(sr)
         except InvalidRequest as e:
@@ -321,19 +277,17 @@ class Scheduler:
             plan.chunks.append(self._finish_unstarted(sr, str(e)))
             return False
 
-    # ------------------------------------------------------------------ after the forward
     def update(self, plan: StepPlan, tokens: list[int | None],
                logprobs: list[TokenLogprob | None] | None = None) -> list[StreamChunk]:
         """Apply a step's results: ``tokens[i]`` was sampled for ``plan.sampling[i]`` (None: its
-        grammar allowed no token), with ``logprobs[i]`` when that request asked for them.
-        :meth:`advance` then :meth:`apply`: the plain loop's one call per step."""
+        grammar allowed no token), with ``logprobs[i]`` when that request asked for them."""
         self.advance(plan)
         return self.apply(plan, tokens, logprobs)
 
     def advance(self, plan: StepPlan) -> None:
-        """The step ``plan`` is launched: its requests' KV counts as computed from now on (its
-        slots are written by the time any later step reads them), and each sampling request is
-        one token ahead of its ``output_ids`` until :meth:`apply`."""
+        """The step ``plan`` is launched: its requests' KV counts as computed from now on (its slots
+        are written by the time any later step reads them), and each sampling request is one token
+        ahead of its ``output_ids`` until :meth:`apply`."""
         computed = 0
         for e in plan.entries:
             sr, r = e.sr, e.sr.req
@@ -346,20 +300,18 @@ class Scheduler:
 
     def apply(self, plan: StepPlan, tokens: list[int | None],
               logprobs: list[TokenLogprob | None] | None = None) -> list[StreamChunk]:
-        """The results of the advanced step ``plan`` (as :meth:`update`). A request that finished
-        since it was planned gets nothing: its token is dropped, and its KV is released once no
-        planned step computes for it any more."""
+        """The results of the advanced step ``plan`` (as :meth:`update`)."""
         out: list[StreamChunk] = []
         for e in plan.entries:
             e.sr.inflight -= 1
-            if e.n > 1 and not e.sr.req.finished:   # a prompt chunk: share it with later requests now
+            if e.n > 1 and not e.sr.req.finished:
                 self.kv.cache_prefix(e.sr, end=e.start + e.n)
         now = time.monotonic()
         for i, (e, tok) in enumerate(zip(plan.sampling, tokens)):
             sr, r = e.sr, e.sr.req
             sr.ahead -= 1
             if r.finished:
-                continue   # the step past its stop (overlap): never streamed
+                continue
             if r.first_token_time is None:
                 r.first_token_time, r.status = now, ReqStatus.RUNNING
             out.append(self._on_token(sr, tok, logprob=logprobs[i] if logprobs is not None else None))
@@ -389,7 +341,7 @@ class Scheduler:
             self.stats["generated_tokens"] += 1
         text, finish = sr.tracker.on_token(tok, grammar_done=m is not None and m.is_terminated())
         lps = (logprob,) if logprob is not None else ()
-        first = len(r.output_ids) == 1   # the first token's chunk reports the prompt's figures too
+        first = len(r.output_ids) == 1
         plps = tuple(sr.prompt_logprobs) if first else ()
         if finish is not None:
             return self._finish(sr, finish, text, last_ids=(tok,), logprobs=lps, prompt_logprobs=plps)
@@ -414,12 +366,11 @@ class Scheduler:
         return True
 
     def _unadmit(self, sr: SchedReq, requeue: bool = True) -> None:
-        """Undo :meth:`_admit` (no slots this step; a forked prompt's slots are freed)."""
         r = sr.req
         if r.computed_len > sr.locked_len:
             self.kv.free_range(sr, sr.locked_len, r.computed_len)
         r.admissions -= 1
-        if r.admissions == 0:  # the first admission is undone: so is its accounting
+        if r.admissions == 0:
             self.stats["prompt_tokens"] -= len(r.prompt_ids)
             self.stats["cached_tokens"] -= r.cached_len
         self.kv.unadmit(sr)
@@ -435,18 +386,18 @@ class Scheduler:
             o.retracted(sr)
         del self.running[sr.rid]
         if not self.retraction.retract(sr):
-            self.waiting.appendleft(sr)   # recompute: first in line
+            self.waiting.appendleft(sr)
 
     def _finish(self, sr: SchedReq, reason: str, text: str, last_ids=(), error=None,
                 logprobs=(), prompt_logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
-        if self.connector.finished(sr, reason):   # held: a Release lets it go
-            self.detached[r.rid] = sr           # (and it stays a fork source for its siblings)
+        if self.connector.finished(sr, reason):
+            self.detached[r.rid] = sr
         else:
             self.groups.remove(sr)
             if r.req_pool_idx is not None:
-                if sr.inflight:          # a planned step still writes its KV: release it after
+                if sr.inflight:
                     self._deferred.append(sr)
                 else:
                     self.kv.release(sr)

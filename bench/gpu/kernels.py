@@ -158,10 +158,10 @@ def _bench(fn, cuda: bool) -> float:
 def sweep(space: str, device, dtype, budget_s: float, smoke: bool = False) -> dict:
     """Per shape: default / best config times, the best config, SDPA and FlashInfer times,
     and the default's error against the fp32 reference."""
+    from tandem.engine.attention.split_rule import DEFAULT_SPLITS, choose_splits
     from tandem.engine.attention.triton_backend import choose_kv_splits
 
     cuda = torch.device(device).type == "cuda"
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
     sp = SPACES[space]
     t0 = time.perf_counter()
     rows, skipped = [], []
@@ -172,7 +172,8 @@ def sweep(space: str, device, dtype, budget_s: float, smoke: bool = False) -> di
         x = Inputs(shape, device, dtype)
         ref = x.reference()
         # what the backend picks: sized for the serving context limit on CUDA (8,192 here)
-        default_splits = choose_kv_splits(8192 if cuda else shape.prefix + 1, shape.batch, x.dims[1], sms, 16, 128)
+        default_splits = (choose_splits(DEFAULT_SPLITS, 8192, shape.batch, x.dims[1]) if cuda
+                          else choose_kv_splits(shape.prefix + 1, 16, 128))
         out = x.run(None, default_splits).clone()
         err = float((out.float() - ref).norm() / ref.norm())
         row = {"shape": shape.name, "rel_err_vs_fp32": round(err, 5),

@@ -9,8 +9,8 @@ BACKENDS = ("auto", "cpu_kernel", "torch", "triton")
 
 
 def make_attention_backend(name: str, device: torch.device):
-    """The backend called ``name`` (``BACKENDS``); 'auto': triton on CUDA, else cpu_kernel where
-    the AVX512 kernels run here, else torch."""
+    """The backend called ``name`` (``BACKENDS``); 'auto': triton on CUDA, else cpu_kernel where the
+    AVX512 kernels run here, else torch."""
     if name == "auto":
         if torch.device(device).type == "cuda":
             name = "triton"

@@ -1,16 +1,4 @@
-"""The attention backend interface used by every model layer.
-
-Contract of :meth:`AttentionBackend.forward` for one layer of one step:
-1. write the new tokens' K/V into the layer's pool at ``fb.out_cache_loc`` (through
-   ``LayerKV.index_map`` when the layer's pool has one);
-2. for each sequence i, attend its new queries (positions ``prefix_lens[i] ..  seq_lens[i]-1``)
-   over keys at positions ``0 .. seq_lens[i]-1`` read through
-   ``fb.req_to_token[fb.req_pool_indices[i]]``, causally (query at position p sees keys <= p);
-   with ``spec.sliding_window = W`` a query at p sees only keys at positions > p - W;
-3. return ``o: [T, H_q, D]``. Grouped-query attention: query head h reads KV head
-   ``h // (H_q // H_kv)``. ``spec.scale`` multiplies q.k (default ``D ** -0.5``).
-The backend never allocates or frees slots.
-"""
+"""The attention backend interface used by every model layer."""
 
 from __future__ import annotations
 
@@ -29,7 +17,7 @@ class AttnSpec:
     num_kv_heads: int
     head_dim: int
     scale: float
-    sliding_window: int | None = None  # None: full attention
+    sliding_window: int | None = None
 
 
 class AttentionBackend(Protocol):

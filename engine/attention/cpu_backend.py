@@ -1,20 +1,5 @@
-"""CpuKernelAttentionBackend: paged attention in one C call per layer (``tq_attention`` in
-engine/quant/avx512_kernels.c, as the typed op ``torch.ops.tandem.attention``, which checks the
-tensors' shapes, dtypes and index ranges first), the CPU default where the AVX512 kernels build.
-
-One call writes the step's new K/V into the layer's pool and attends every query over its keys,
-read in place through ``req_to_token`` (and ``LayerKV.index_map``): no gather, no padding, no
-per-width groups. Each query row is computed by the same instruction sequence whatever else is in
-the step (keys in blocks of 16 absolute positions, online softmax in float32; the C file says the
-exact order), so a query's output is bitwise the same in a prompt chunk, after a cached prefix, or
-as a decode row in any batch, at any thread count, for full and sliding-window layers alike: the
-prefix cache on/off, retraction-recompute and disaggregated-vs-colocated oracles hold exactly.
-
-Per step (``init_forward``): for every new token t, its sequence's ``req_to_token`` row and the
-end of its key range ``hi[t] = position + 1`` (``[T]`` int64 each); a window W makes the range
-``[max(0, hi - W), hi)``. Layers whose shapes or dtypes the kernel does not take (pool dtype other
-than q's, head_dim not a multiple of 16 or above 256) go to :class:`TorchAttentionBackend`.
-"""
+"""CpuKernelAttentionBackend: paged attention in one checked C call per layer
+(``torch.ops.tandem.attention``), the CPU default where the AVX512 kernels build."""
 
 from __future__ import annotations
 
@@ -38,19 +23,18 @@ class _Step:
     """A step's per-token key ranges; per-window lows and per-index-map write rows, lazily."""
 
     def __init__(self, fb: ForwardBatch):
-        if fb.is_decode:                                     # T == B, one token each
+        if fb.is_decode:
             self.rows, self.hi = fb.req_pool_indices, fb.seq_lens
         else:
             ext = fb.extend_lens
             self.rows = torch.repeat_interleave(fb.req_pool_indices, ext)
-            # hi of sequence i's new tokens: prefix_i + 1 .. seq_len_i
             offs = torch.arange(fb.num_tokens, device=ext.device) - torch.repeat_interleave(fb.extend_starts, ext)
             self.hi = torch.repeat_interleave(fb.prefix_lens, ext) + offs + 1
         self.rows = self.rows.to(torch.int64).contiguous()
         self.hi = self.hi.to(torch.int64).contiguous()
         self.lo: dict[int | None, torch.Tensor] = {None: torch.zeros_like(self.hi)}
-        self.wrows: dict[int, torch.Tensor] = {}   # index map address -> this step's write rows
-        self.imaps: dict[int, torch.Tensor] = {}   # index map address -> it as int64, contiguous
+        self.wrows: dict[int, torch.Tensor] = {}
+        self.imaps: dict[int, torch.Tensor] = {}
 
     def low(self, window: int | None) -> torch.Tensor:
         lo = self.lo.get(window)
@@ -81,13 +65,13 @@ class CpuKernelAttentionBackend:
     """Implements :class:`tandem.engine.attention.base.AttentionBackend` with ``tq_attention``
     (``torch.ops.tandem.attention``)."""
 
-    name = "cpu_kernel"   # what the startup line calls it
+    name = "cpu_kernel"
 
     def __init__(self) -> None:
         if (why := kernel_unavailable()) is not None:
             raise RuntimeError(f"the CPU attention kernel cannot run here: {why}")
         self._attention = kernel_ops().attention.default
-        self._torch = TorchAttentionBackend()       # for layers the kernel does not take
+        self._torch = TorchAttentionBackend()
 
     def init_forward(self, fb: ForwardBatch) -> None:
         fb.attn_meta[_META_KEY] = _Step(fb)
@@ -109,7 +93,7 @@ class CpuKernelAttentionBackend:
     def kernel_args(self, spec: AttnSpec, fb: ForwardBatch, dtype: torch.dtype) -> tuple | None:
         """The attention op's pool and key-range tensors for this layer this step: (kpool, vpool,
         write rows, req_to_token, rows, lo, hi, index map or None); None when the kernel does not
-        take the layer (its pool's dtype or layout, the head dim). They live in ``fb`` for the step."""
+        take the layer (its pool's dtype or layout, the head dim)."""
         lkv = fb.kv_pool.layer(spec.layer_id)
         if not self._takes(lkv, dtype, spec.head_dim):
             return None
@@ -127,7 +111,7 @@ class CpuKernelAttentionBackend:
                 and lkv.k.is_contiguous() and lkv.v.is_contiguous())
 
     def _fallback(self, q, k, v, spec, fb):
-        if _TORCH_META not in fb.attn_meta:               # the first such layer this step
+        if _TORCH_META not in fb.attn_meta:
             self._torch.init_forward(fb)
         return self._torch.forward(q, k, v, spec, fb)
 
@@ -135,8 +119,7 @@ class CpuKernelAttentionBackend:
 def fused_layer_args(backend, spec: AttnSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      fb: ForwardBatch) -> tuple | None:
     """A fused layer op's attention arguments this step (:meth:`CpuKernelAttentionBackend.kernel_args`),
-    or None where the step does not fit one: another backend, x not contiguous bf16 [T, H], cos /
-    sin not bf16 rows of unit stride sharing strides, or a layer the backend gives to torch."""
+    or None where the step does not fit one."""
     if (not isinstance(backend, CpuKernelAttentionBackend) or x.dtype != torch.bfloat16
             or not x.is_contiguous() or cos.dtype != torch.bfloat16 or cos.stride(-1) != 1
             or sin.stride() != cos.stride()):

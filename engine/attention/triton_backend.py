@@ -1,21 +1,4 @@
-"""TritonAttentionBackend: paged attention with triton kernels (triton_kernels/).
-
-Works on CUDA tensors (compiled kernels) and, when ``TRITON_INTERPRET=1`` was set before triton
-was first imported, on CPU tensors through triton's interpreter (slow: tests only; CPU serving
-uses the torch backend). Per layer and step, :meth:`forward`:
-
-1. stores the new K/V at ``fb.out_cache_loc`` (through the layer's ``index_map``, if any);
-2. runs the split-KV decode kernels when every sequence adds one token (``fb.is_decode``),
-   else the extend kernel (prefill chunks, or a mix of chunks and decodes);
-3. returns ``o: [T, H_q, D]`` in q's dtype.
-
-:meth:`init_forward` reads only host-side values, so neither method synchronizes with the GPU.
-On CUDA the per-step metadata depends on nothing but the batch size (the decode split count is
-sized for the context limit, not this step's longest sequence): a decode step captured in a
-CUDA graph (engine/cuda_graph.py) replays with exactly the launches an eager step of the same
-batch size makes, and reads everything else from the ForwardBatch's device tensors, which the
-graph runner refills in place before each replay.
-"""
+"""TritonAttentionBackend: paged attention with triton kernels (triton_kernels/)."""
 
 from __future__ import annotations
 
@@ -25,6 +8,7 @@ import torch
 import triton
 
 from tandem.engine.attention.base import AttnSpec
+from tandem.engine.attention.split_rule import DEFAULT_SPLITS, SplitTable, choose_splits
 from tandem.engine.attention.triton_kernels import Tiles, decode_attention, extend_attention, store_kv
 from tandem.engine.forward_batch import ForwardBatch
 
@@ -38,38 +22,26 @@ class TritonAttnMeta:
     is_decode: bool
     max_seq_len: int
     max_extend_len: int
-    num_sms: int | None  # streaming multiprocessors of the device; None on the CPU
-    kv_span: int         # keys the decode split count is sized for (see init_forward)
+    num_sms: int | None
+    kv_span: int
 
 
-def choose_kv_splits(span: int, batch_size: int, num_kv_heads: int, num_sms: int | None,
-                     max_kv_splits: int, min_split_tokens: int) -> int:
-    """Splits per decode sequence: no split shorter than ``min_split_tokens`` keys of ``span``,
-    at most ``max_kv_splits``, and on a GPU (``num_sms``) just enough programs for about two
-    per SM (``batch_size * num_kv_heads`` programs per split)."""
-    n = min(max_kv_splits, triton.cdiv(max(span, 1), min_split_tokens))
-    if num_sms is not None:
-        n = min(n, triton.cdiv(2 * num_sms, max(1, batch_size * num_kv_heads)))
-    return max(1, n)
+def choose_kv_splits(span: int, max_kv_splits: int, min_split_tokens: int) -> int:
+    """Splits per decode sequence in the interpreter (no tuning table): no split shorter than
+    ``min_split_tokens`` keys of ``span``, at most ``max_kv_splits``."""
+    return max(1, min(max_kv_splits, triton.cdiv(max(span, 1), min_split_tokens)))
 
 
 class TritonAttentionBackend:
-    """Triton implementation of :class:`~tandem.engine.attention.base.AttentionBackend`.
+    """Triton implementation of :class:`~tandem.engine.attention.base.AttentionBackend`."""
 
-    ``max_kv_splits`` caps how many ranges a decode sequence's keys are split into;
-    ``min_split_tokens`` is the fewest keys worth a split of their own (:func:`choose_kv_splits`).
-    ``num_kv_splits`` fixes the split count instead (tuning). ``decode_tiles`` /
-    ``extend_tiles``: the kernels' launch tiles (default: per GPU, see the kernels'
-    ``default_tiles``).
-    """
+    name = "triton"
 
-    name = "triton"   # what the startup line calls it
-
-    capturable = True   # engine/cuda_graph.py may capture its decode steps (see init_forward)
+    capturable = True
 
     def __init__(self, max_kv_splits: int = 16, min_split_tokens: int = 128, *,
                  num_kv_splits: int | None = None, decode_tiles: Tiles | None = None,
-                 extend_tiles: Tiles | None = None):
+                 extend_tiles: Tiles | None = None, split_table: SplitTable | None = None):
         if max_kv_splits < 1 or min_split_tokens < 1 or (num_kv_splits is not None and num_kv_splits < 1):
             raise ValueError(f"max_kv_splits={max_kv_splits}, min_split_tokens={min_split_tokens} and "
                              f"num_kv_splits={num_kv_splits} must be >= 1")
@@ -78,15 +50,13 @@ class TritonAttentionBackend:
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
         self.fixed_kv_splits = num_kv_splits
+        self.split_table = split_table
         self.decode_tiles = decode_tiles
         self.extend_tiles = extend_tiles
         self._num_sms: dict[int, int] = {}
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        """``fb.attn_meta["triton"]``. The decode split count is sized for ``kv_span`` keys:
-        on CUDA the context limit (``req_to_token``'s width), so it depends on the batch size
-        only and a CUDA graph of a batch size replays what an eager step launches; in the
-        interpreter (tests) the step's longest sequence."""
+        """``fb.attn_meta["triton"]``."""
         device = fb.seq_lens.device
         num_sms = None
         if device.type == "cuda":
@@ -124,9 +94,9 @@ class TritonAttentionBackend:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                fb: ForwardBatch) -> torch.Tensor:
-        """:meth:`forward` without the store: this step's K/V are already in the pool (the GPU
-        layer path's ``rope_store`` wrote them; prefill also reads the new ``k``, ``v``).
-        q: [T, H_q, D] (rows may be strided; last dim contiguous) -> o: [T, H_q, D]."""
+        """:meth:`forward` without the store: this step's K/V are already in the pool (the GPU layer
+        path's ``rope_store`` wrote them; prefill also reads the new ``k``, ``v``). q: [T, H_q, D]
+        (rows may be strided; last dim contiguous) -> o: [T, H_q, D]."""
         meta = fb.attn_meta.get(META_KEY)
         if meta is None:
             raise ValueError("TritonAttentionBackend.attend called before init_forward(fb) for this batch")
@@ -139,7 +109,6 @@ class TritonAttentionBackend:
                 spec.scale, self.num_kv_splits(meta, spec, fb.batch_size),
                 spec.sliding_window, layer.index_map, self.decode_tiles)
         else:
-            # read the new tokens at the pool's precision, as later steps will read them
             if k.dtype != layer.k.dtype:
                 k, v = k.to(layer.k.dtype), v.to(layer.v.dtype)
             extend_attention(
@@ -149,12 +118,13 @@ class TritonAttentionBackend:
         return o
 
     def num_kv_splits(self, meta: TritonAttnMeta, spec: AttnSpec, batch_size: int) -> int:
-        """Splits per decode sequence of this layer (:func:`choose_kv_splits` over
-        ``meta.kv_span``, clipped to the layer's window), or the fixed count."""
+        """Splits per decode sequence of this layer over ``meta.kv_span`` keys, clipped to the
+        layer's window (the class docstring says which rule)."""
         if self.fixed_kv_splits is not None:
             return self.fixed_kv_splits
         span = meta.kv_span
         if spec.sliding_window is not None:
             span = min(span, spec.sliding_window)
-        return choose_kv_splits(span, batch_size, spec.num_kv_heads, meta.num_sms,
-                                self.max_kv_splits, self.min_split_tokens)
+        if self.split_table is not None or meta.num_sms is not None:
+            return choose_splits(self.split_table or DEFAULT_SPLITS, span, batch_size, spec.num_kv_heads)
+        return choose_kv_splits(span, self.max_kv_splits, self.min_split_tokens)

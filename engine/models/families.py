@@ -1,11 +1,4 @@
-"""Model families with their own config parsing and model class, by HF architecture name.
-
-The Llama family (Llama, Qwen2, Qwen3, Mistral) is parsed by ``ModelArchConfig.from_hf_config``
-and built as ``LlamaForCausalLM``; every other family registers here a ``parse(cfg) -> (arch,
-extras)`` (``arch``: the engine's :class:`ModelArchConfig`, ``extras``: whatever else the model
-needs) and a ``build(arch, extras, get, device, dtype) -> model``. The loader applies
-``sliding_window=`` / ``context_length=`` overrides to ``arch`` between the two.
-"""
+"""Model families with their own config parsing and model class, by HF architecture name."""
 
 from __future__ import annotations
 
@@ -17,9 +10,9 @@ from tandem.engine.model_config import HF_FAMILY_ARCHS
 
 @dataclass(frozen=True)
 class Family:
-    name: str                                   # ModelArchConfig.arch
-    parse: Callable[[dict[str, Any]], tuple]    # config.json -> (ModelArchConfig, extras)
-    build: Callable[..., Any]                   # (arch, extras, get, device, dtype) -> model
+    name: str
+    parse: Callable[[dict[str, Any]], tuple]
+    build: Callable[..., Any]
 
 
 def _gemma3() -> Family:

@@ -1,28 +1,4 @@
-"""Gemma 3 (text): interleaved sliding-window ("local") and global attention layers.
-
-Matches transformers' ``Gemma3ForCausalLM`` op for op:
-
-- the embedding is scaled by ``sqrt(hidden)`` (the scale cast to the weight dtype first);
-- every RMSNorm is Gemma's ``(1 + w)`` form in float32 (``norms.offset_rms_norm``), and each layer
-  is a sandwich: ``x += post_attn_norm(attn(input_norm(x)))``, ``x += post_ff_norm(mlp(pre_ff_norm(x)))``;
-- per-head q/k RMSNorm before rotary; attention scale ``query_pre_attn_scalar ** -0.5``;
-- ``sliding_attention`` layers see a window of W keys (a query at p sees p-W+1 .. p:
-  transformers' ``kv_idx > q_idx - W``) and use rotary base ``rope_local_base_freq`` (10k);
-  ``full_attention`` layers see every key and use ``rope_theta`` (1M) with its scaling (linear
-  x8 on the 4B+ models); the pattern is ``config.layer_types`` (or ``sliding_window_pattern``);
-- MLP ``down(gelu_tanh(gate(x)) * up(x))``; final norm; tied head; ``final_logit_softcapping``
-  (``cap * tanh(logits / cap)``) when set.
-
-On the CPU kernels (the GGUF's blocks on ``Avx512Linear``, bf16) a layer runs the same ops as C
-routines, or all of them in one C call (engine/models/gemma3_cpu.py), and the final norm is fused
-into the vocab head's kernel.
-
-Engine view: ``layer_types`` "swa" / "full", so the local layers' K/V live in the SWA pool
-(engine/hybrid.py) and the radix cache votes with the SWA component; the model itself only sets
-``AttnSpec.sliding_window``. Refused (``ModelLoadError``): ``attn_logit_softcapping`` (no Gemma 3
-checkpoint sets it, and transformers' Gemma 3 attention ignores it), bidirectional attention
-(EmbeddingGemma), activations other than gelu.
-"""
+"""Gemma 3 (text): interleaved sliding-window ("local") and global attention layers."""
 
 from __future__ import annotations
 
@@ -49,8 +25,6 @@ _PROJ = ("qkv", "o_proj", "gate_up", "down")
 
 GetTensor = Callable[[str], torch.Tensor]
 
-# GGUF tensor names (llama.cpp's gemma3) -> HF names; llama.cpp stores every norm weight as 1 + w
-# (its converter's norm_shift), which the loader undoes as transformers does (``w - 1``).
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -65,10 +39,8 @@ GGUF_LAYER_NAMES = {
 
 
 def gemma3_gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """A ``Gemma3ForCausalLM`` config.json equivalent of a gemma3 GGUF's metadata, with what the
-    file does not say at the defaults transformers' Gemma3TextConfig and llama.cpp share: local
-    rotary base 10k, every 6th layer global (llama.cpp's ``n_swa_pattern``), query scale
-    ``head_dim ** -0.5``, gelu-tanh."""
+    """A ``Gemma3ForCausalLM`` config.json equivalent of a gemma3 GGUF's metadata (what the file
+    omits at the defaults transformers and llama.cpp share)."""
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"gemma3.{name}", default)
 
@@ -95,7 +67,7 @@ def gemma3_gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
     pattern = key("attention.sliding_window_pattern")
-    if isinstance(pattern, (list, tuple)):          # per layer: True = sliding
+    if isinstance(pattern, (list, tuple)):
         cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     else:
         cfg["sliding_window_pattern"] = int(pattern or 6)
@@ -110,9 +82,7 @@ _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
 
 @dataclass(frozen=True)
 class Gemma3Extras:
-    """What Gemma 3 needs beyond ModelArchConfig. ``rope_kinds[i]``: "local" | "global" (the
-    layer's kind in config.json: it picks the rotary table even if ``sliding_window=`` overrides
-    make every layer windowed)."""
+    """What Gemma 3 needs beyond ModelArchConfig."""
 
     rope_kinds: tuple[str, ...]
     local_theta: float
@@ -146,8 +116,6 @@ def gemma3_arch(cfg: dict[str, Any]) -> tuple[ModelArchConfig, Gemma3Extras]:
         raise ModelLoadError(f"config.json layer_types {kinds!r} is not supported")
     window = cfg.get("sliding_window")
     layer_types = [mapping[k] if window else "full" for k in kinds]
-    # Rotary: transformers 5 writes rope_parameters per layer kind; older configs have rope_theta,
-    # rope_local_base_freq and rope_scaling (which applies to the global layers only).
     rp = cfg.get("rope_parameters") or {}
     glob = dict(rp.get("full_attention") or {})
     loc = dict(rp.get("sliding_attention") or {})
@@ -176,8 +144,6 @@ def gemma3_arch(cfg: dict[str, Any]) -> tuple[ModelArchConfig, Gemma3Extras]:
     return arch, extras
 
 
-# Gemma3TextConfig's defaults: a Gemma3ForConditionalGeneration config.json's text_config omits
-# the fields at their defaults (transformers writes only the differences).
 _TEXT_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
@@ -217,10 +183,7 @@ def text_weights(get: GetTensor) -> GetTensor:
 
 
 class Gemma3Layer(nn.Module):
-    """One decoder layer. Weights in F.linear's [N, K] layout: qkv [(Hq + 2Hkv) * D, H] (fused at
-    load), o [H, Hq * D], gate_up [2I, H], down [H, I]; norms as float32 ``1 + w``. A projection
-    given as a GGUF's quantized blocks (``native``) runs on a quant/linear.py kernel
-    (``<name>_k``) instead of F.linear; ``dequantized`` lists those that could not, and why."""
+    """One decoder layer."""
 
     def __init__(self, arch: ModelArchConfig, spec: AttnSpec, rope_kind: str, gelu: str,
                  t: dict[str, torch.Tensor | None], native: bool | str = False,
@@ -242,14 +205,11 @@ class Gemma3Layer(nn.Module):
                     setattr(self, name + "_k", None)
                 self.register_buffer(name, None if w is None else w.contiguous())
 
-        # on the CPU kernels (engine/models/gemma3_cpu.py): the layer as C routines (native_path)
-        # and the whole of it in one C call (fused); found on the first forward (and again after
-        # unpickling), fused None where it does not apply
         self.native_path, self.fused, self.fused_built = False, None, False
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["fused"], state["fused_built"] = None, False   # raw addresses: rebuilt where it lands
+        state["fused"], state["fused_built"] = None, False
         return state
 
     def kernels(self) -> list[nn.Module]:
@@ -261,12 +221,11 @@ class Gemma3Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, rot: dict, fb: ForwardBatch,
                 backend: AttentionBackend) -> torch.Tensor:
-        # x: [T, H] residual stream
         cos, sin = rot[self.rope_kind]                                      # [T, 1, D/2]
         if not self.fused_built:
             self.native_path, self.fused, self.fused_built = native(self), FusedGemmaLayer.build(self), True
         if self.fused is not None and (y := self.fused(x, cos, sin, fb, backend)) is not None:
-            return y                                                        # bitwise composed()
+            return y
         if self.native_path:
             return composed(self, x, cos, sin, fb, backend)
         T, eps = x.shape[0], self.eps
@@ -290,8 +249,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, extras: Gemma3Extras, get: GetTensor,
                  device: torch.device, dtype: torch.dtype, native: bool | str = False):
-        """``native``: ``get`` gives a GGUF's projections (and, tied, the head) as QuantWeight,
-        run on their own blocks (engine/quant/); otherwise every tensor is dense."""
+        """``native``: ``get`` gives a GGUF's projections (and, tied, the head) as QuantWeight, run
+        on their own blocks (engine/quant/); otherwise every tensor is dense."""
         super().__init__()
         self.arch, self.extras = arch, extras
         self.device, self.dtype = torch.device(device), dtype
@@ -299,7 +258,7 @@ class Gemma3ForCausalLM(nn.Module):
 
         def cvt(t):
             if native and isinstance(t, (QuantWeight, QuantParts)):
-                return t                      # stays quantized: the layer picks its kernel
+                return t
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         def stack(parts):
@@ -316,7 +275,7 @@ class Gemma3ForCausalLM(nn.Module):
                                  f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}")
         self.register_buffer("embed_scale", torch.tensor(arch.hidden_size ** 0.5).to(self.device, dtype))
         self.register_buffer("norm", norm("model.norm.weight"))
-        self.head = None                      # the head's kernel on the file's blocks (native)
+        self.head = None
         head_q = get("lm_head.weight") if native else None
         if isinstance(head_q, QuantWeight):
             self.head, why = make_linear(head_q, dtype, self.device, native, out_dtype=torch.float32)
@@ -372,13 +331,13 @@ class Gemma3ForCausalLM(nn.Module):
                 return_all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] at ``fb.last_token_indices`` or [T, V] (float32)."""
         x = F.embedding(fb.input_ids, self.embed) * self.embed_scale        # [T, H]
-        rot = {k: r.tables(fb.positions) for k, r in self.rotary.items()}  # kind -> [T, 1, D/2] x2
+        rot = {k: r.tables(fb.positions) for k, r in self.rotary.items()}
         for layer in self.layers:
             x = layer(x, rot, fb, backend)
         if not return_all_logits:
             x = x[fb.last_token_indices]                                    # [B, H]
         eps = self.arch.rms_norm_eps
-        if isinstance(self.head, Avx512Linear):                             # the final norm fused
+        if isinstance(self.head, Avx512Linear):
             logits = self.head(x, pre=PreOp.rmsnorm_f32(self.norm, eps))
         else:
             x = offset_rms_norm(x, self.norm, eps)

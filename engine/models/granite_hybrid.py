@@ -1,24 +1,4 @@
-"""Granite-4.0-H (transformers' ``GraniteMoeHybridForCausalLM``): Mamba2 layers beside attention.
-
-Each layer is one mixer and one MLP, with Granite's multipliers::
-
-    x = x + residual_multiplier * mixer(rms_norm(x))         mixer: Mamba2 | attention
-    h = rms_norm(x)
-    x = x + residual_multiplier * (shared_mlp(h) [+ moe(h)])
-
-- ``layer_types`` (legacy ``layers_block_type``) "mamba" / "linear_attention" -> "mamba",
-  "attention" / "full_attention" -> "full"; the Mamba2 mixer is ``engine/models/mamba2.py``.
-- attention: GQA with scale ``attention_multiplier`` (not ``head_dim ** -0.5``) and rotary only
-  when ``position_embedding_type == "rope"`` (Granite-4.0-H ships "nope": no positions at all);
-- ``shared_mlp``: ``output_linear(silu(a) * b)`` with ``input_linear = [a; b]``; MoE layers
-  (``num_local_experts > 0``, the Tiny/Small models) add ``engine/models/moe.py``'s top-k experts;
-- embeddings times ``embedding_multiplier``; logits divided by ``logits_scaling``.
-
-Engine view: the attention layers' K/V live in the full pool (FULL component); each Mamba2
-layer's state (conv window + SSM state, packed, :class:`StateLayout`) in the state pool (MAMBA
-component: prefix reuse only at checkpoints). ``state_shape`` / ``recurrent_layers`` tell the
-engine how to size the pool.
-"""
+"""Granite-4.0-H (transformers' ``GraniteMoeHybridForCausalLM``): Mamba2 layers beside attention."""
 
 from __future__ import annotations
 
@@ -47,14 +27,14 @@ class GraniteHybridExtras:
     """What Granite-4.0-H needs beyond ModelArchConfig."""
 
     mamba: Mamba2Dims
-    mamba_bias: bool           # in_proj / out_proj biases
+    mamba_bias: bool
     conv_bias: bool
-    rope: bool                 # position_embedding_type == "rope"
+    rope: bool
     attention_multiplier: float
     embedding_multiplier: float
     residual_multiplier: float
     logits_scaling: float
-    num_experts: int           # 0: the shared MLP only
+    num_experts: int
     top_k: int
     expert_intermediate: int
 
@@ -114,7 +94,7 @@ def granite_hybrid_arch(cfg: dict[str, Any]) -> tuple[ModelArchConfig, GraniteHy
 
 class GraniteHybridLayer(nn.Module):
     """One layer: ``mixer`` (a :class:`Mamba2Mixer`, or None for attention with ``qkv``/``o_proj``
-    in ``t``) and the MLP. Matrices in F.linear's [N, K] layout; ``moe_*`` only with experts."""
+    in ``t``) and the MLP."""
 
     def __init__(self, arch: ModelArchConfig, ex: GraniteHybridExtras, spec: AttnSpec | None,
                  mixer: Mamba2Mixer | None, t: dict[str, torch.Tensor | None]):
@@ -126,7 +106,6 @@ class GraniteHybridLayer(nn.Module):
             self.register_buffer(name, None if w is None else w.contiguous())
 
     def forward(self, x: torch.Tensor, rot, fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        # x: [T, H] residual stream; rot: (cos, sin) [T, 1, D/2] or None (no positions)
         h = rms_norm(x, self.input_norm, self.eps)
         m = self.mixer(h, fb) if self.mixer is not None else self._attention(h, rot, fb, backend)
         x = x + m * self.ex.residual_multiplier
@@ -151,9 +130,7 @@ class GraniteHybridLayer(nn.Module):
 
 
 class GraniteHybridForCausalLM(nn.Module):
-    """``forward(fb, backend, return_all_logits) -> logits [B | T, V]`` float32.
-    ``recurrent_layers``: ids of the Mamba2 layers; ``state_shape``: ``(numel,)`` of one
-    request's packed state in each (the engine sizes its state pool from these)."""
+    """``forward(fb, backend, return_all_logits) -> logits [B | T, V]`` float32."""
 
     def __init__(self, arch: ModelArchConfig, ex: GraniteHybridExtras, get: GetTensor,
                  device: torch.device, dtype: torch.dtype):

@@ -1,7 +1,4 @@
-"""Small readers of ``config.json`` fields shared by the family modules (gemma3, granite_hybrid).
-
-Each raises :class:`ModelLoadError` naming the key, never a KeyError from deep inside a model.
-"""
+"""Small readers of ``config.json`` fields shared by the family modules (gemma3, granite_hybrid)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,8 @@ def need(cfg: dict[str, Any], *keys: str) -> None:
 
 
 def hf_float(v: Any) -> float:
-    """A float as config.json writes it: a number, ``Infinity`` (Python's json), or transformers
-    5's ``{"__float__": "Infinity"}``."""
+    """A float as config.json writes it: a number, ``Infinity`` (Python's json), or transformers 5's
+    ``{"__float__": "Infinity"}``."""
     if isinstance(v, dict) and "__float__" in v:
         return float(v["__float__"])
     return float(v)

@@ -1,19 +1,5 @@
 """Hybrid decoder: Llama attention layers ("full" or sliding-window "swa") mixed with recurrent
-("mamba") layers, plus tiny random-initialised test models built in code.
-
-The attention layers are :class:`~tandem.engine.models.llama.LlamaLayer` (their KV goes through the
-attention backend: the full pool, or the SWA pool via ``LayerKV.index_map``); a recurrent layer is
-:class:`MambaBlock`: the real Mamba2 mixer (``engine/models/mamba2.py``, the one Granite-4.0-H
-uses; state rows from ``fb.state_pool`` at ``fb.state_indices``) followed by a SwiGLU MLP, with
-Llama's pre-norms. Per step::
-
-    input_ids [T] -> embed [T, H] -> N x (attention layer | recurrent layer)
-    -> rows at fb.last_token_indices [B, H] (or all T) -> final norm -> lm_head -> logits [B|T, V]
-
-:func:`tiny_hybrid` returns a ``LoadedModel`` (seeded random weights, a byte-level tokenizer) for
-the layouts in :data:`TINY_LAYOUTS`; engine tests use them to exercise every cache-component
-combination (FULL+SWA, FULL+MAMBA, FULL+SWA+MAMBA) on the CPU in seconds.
-"""
+("mamba") layers, plus tiny random-initialised test models built in code."""
 
 from __future__ import annotations
 
@@ -35,8 +21,8 @@ GetTensor = Callable[[str], torch.Tensor]
 
 
 class MambaBlock(nn.Module):
-    """``x += mamba2(rms_norm(x))``, then ``x += down(silu(gate) * up)(rms_norm(x))``; the
-    same call signature as LlamaLayer. Matrices in F.linear's [N, K] layout."""
+    """``x += mamba2(rms_norm(x))``, then ``x += down(silu(gate) * up)(rms_norm(x))``; the same call
+    signature as LlamaLayer."""
 
     def __init__(self, layer_id: int, arch: ModelArchConfig, mixer: Mamba2Mixer,
                  t: dict[str, torch.Tensor]):
@@ -47,18 +33,13 @@ class MambaBlock(nn.Module):
             self.register_buffer(name, w.contiguous())
 
     def forward(self, x: torch.Tensor, cos, sin, fb: ForwardBatch, backend) -> torch.Tensor:
-        # x: [T, H] residual stream (cos, sin, backend: unused)
         x = x + self.mixer(rms_norm(x, self.input_norm, self.eps), fb)
         gu = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up)    # [T, 2I]
         return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], self.down)
 
 
 class HybridForCausalLM(nn.Module):
-    """A decoder whose layers follow ``arch.layer_types`` ("full" | "swa" | "mamba").
-
-    ``recurrent_layers``: ids of the "mamba" layers; ``state_shape``: ``(numel,)`` of one
-    request's packed Mamba2 state (conv window + SSM state) in each of them (the engine sizes its
-    state pool from these)."""
+    """A decoder whose layers follow ``arch.layer_types`` ("full" | "swa" | "mamba")."""
 
     def __init__(self, arch: ModelArchConfig, get: GetTensor, device: torch.device,
                  dtype: torch.dtype, recurrent: Mamba2Dims | None = None):
@@ -118,20 +99,18 @@ def _mamba_block(arch: ModelArchConfig, dims: Mamba2Dims, i: int, get: GetTensor
     return MambaBlock(i, arch, mixer, t)
 
 
-# -- tiny random test models -----------------------------------------------------------------------
 TINY_LAYOUTS: dict[str, list[str]] = {
     "full+swa": ["swa", "full", "swa"],
     "full+mamba": ["mamba", "full", "mamba"],
     "full+swa+mamba": ["swa", "mamba", "full", "swa"],
 }
-TINY_VOCAB = 258                       # 256 bytes, <s> = 256, </s> = 257
+TINY_VOCAB = 258
 
 
 BYTE_CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 
 def _byte_bpe():
-    """The HF ``tokenizers`` object of the tiny models: ids 0..255 are bytes, 256 = <s>, 257 = </s>."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -164,8 +143,7 @@ def save_byte_tokenizer(path) -> None:
 def tiny_hybrid(layout: str | list[str], *, seed: int = 0, sliding_window: int = 8,
                 hidden: int = 64, max_position: int = 2048, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32):
-    """A seeded random hybrid model as a ``LoadedModel``. ``layout``: a key of
-    :data:`TINY_LAYOUTS` or a list of layer types. Weights depend only on (seed, tensor name)."""
+    """A seeded random hybrid model as a ``LoadedModel``."""
     from tandem.engine.loader import LoadedModel
 
     types = list(TINY_LAYOUTS[layout] if isinstance(layout, str) else layout)
@@ -205,9 +183,9 @@ def _random_tensors(arch: ModelArchConfig, d: Mamba2Dims, seed: int) -> GetTenso
         shape = shapes[short]
         if short.endswith("norm.weight"):
             return 1.0 + 0.2 * torch.randn(shape, generator=g)
-        if short == "mamba.A_log":     # A = -exp(A_log) in about -(1..8): realistic decays
+        if short == "mamba.A_log":
             return torch.log(torch.linspace(1, 8, shape[0])) + 0.1 * torch.randn(shape, generator=g)
-        if short == "mamba.dt_bias":   # softplus(dt + dt_bias) around 0.3
+        if short == "mamba.dt_bias":
             return 0.5 * torch.randn(shape, generator=g) - 1.0
         if short == "mamba.D":
             return 1.0 + 0.2 * torch.randn(shape, generator=g)

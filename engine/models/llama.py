@@ -1,15 +1,4 @@
-"""The Llama family: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm), Mistral (sliding window).
-
-Weights arrive under Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...; the
-loader renames GGUF tensors to these) and are fused at load time: q/k/v into one ``qkv`` matrix,
-gate/up into one ``gate_up`` matrix, so one decoder layer is 4 matmuls. Attention goes through an
-:class:`AttentionBackend`; the model never sees the KV pool.
-
-Per step (T new tokens over B sequences, H hidden, V vocab):
-
-    input_ids [T] -> embed [T, H] -> 30 x (norm, qkv, rotary, attention, o_proj, norm, MLP)
-    -> rows at fb.last_token_indices [B, H] (or all T) -> final norm -> lm_head -> logits [B|T, V]
-"""
+"""The Llama family: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm), Mistral (sliding window)."""
 
 from __future__ import annotations
 
@@ -30,7 +19,6 @@ from tandem.engine.quant.linear import DenseLinear, collapse_to_hugepages, make_
 from tandem.engine.quant.preop import PreOp
 from tandem.engine.quant.avx512 import avx512_reason, rope_
 
-# HF tensor name -> tensor, or a GGUF projection's QuantWeight (raises ModelLoadError if absent)
 GetTensor = Callable[[str], "torch.Tensor | QuantWeight"]
 
 
@@ -38,19 +26,13 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous(), requires_grad=False)
 
 
-# Projections are kernels from engine/quant/linear.py, chosen per weight by ``make_linear``: on
-# CPU oneDNN-packed fp32 or bf16 GEMMs, or (``native``) torch's int4 GEMM over the GGUF's own
-# Q4_0 / Q4_1 / Q8_0 blocks; elsewhere plain tensors. Every kernel's output row depends on its
-# own input row only (bitwise), so a request's logits do not depend on its batch.
 WeightOrQuant = torch.Tensor | QuantWeight | QuantParts
 
 
 class LlamaLayer(nn.Module):
-    """One decoder layer with fused projections (qkv [(Hq + 2Hkv) * D, H], o [H, Hq*D],
-    gate_up [2I, H], down [H, I] in F.linear's [N, K] layout as ``_layer_tensors`` gives them;
-    each a dense tensor in the model dtype or, with ``native``, possibly the file's quantized
-    blocks). Each projection becomes a kernel (see ``make_linear``); ``dequantized`` lists the
-    quantized ones that could not run natively, as (name, why)."""
+    """One decoder layer with fused projections (qkv [(Hq + 2Hkv) * D, H], o [H, Hq*D], gate_up [2I,
+    H], down [H, I] in F.linear's [N, K] layout as ``_layer_tensors`` gives them; each a dense
+    tensor in the model dtype or, with ``native``, possibly the file's quantized blocks)."""
 
     _PROJ = ("qkv", "o_proj", "gate_up", "down")
 
@@ -65,18 +47,14 @@ class LlamaLayer(nn.Module):
         self.post_norm = _param(tensors["post_norm"])
         dtype, device = self.input_norm.dtype, self.input_norm.device
         self.dequantized: list[tuple[str, str]] = []
-        for name in self._PROJ:   # down stays [N, K] if plain (K = I > N = H: F.linear's layout)
+        for name in self._PROJ:
             kernel, why = make_linear(tensors[name], dtype, device, native, input_major=name != "down",
-                                      q8_bf16=True)   # Q8_0 layer weights: bf16 activations
+                                      q8_bf16=True)
             setattr(self, name, kernel)
             if why is not None and why != "dequant":
                 self.dequantized.append((name, why))
         self.qkv_bias = _param(tensors["qkv_bias"]) if tensors.get("qkv_bias") is not None else None
-        # qk_norm: [Hq + Hkv, D] -- q's weight repeated per q head, then k's per kv head, so q and k
-        # are normalized in one call on their [T, Hq + Hkv, D] view.
         self.qk_norm = _param(tensors["qk_norm"]) if tensors.get("qk_norm") is not None else None
-        # the whole layer in one C call where its kernels allow (engine/models/llama_cpu.py);
-        # built on the first forward (and again after unpickling), None where it does not apply
         self.fused: FusedLlamaLayer | None = None
         self.fused_built = False
 
@@ -85,30 +63,29 @@ class LlamaLayer(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["fused"], state["fused_built"] = None, False   # raw addresses: rebuilt where it lands
+        state["fused"], state["fused_built"] = None, False
         return state
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        # x: [T, H] residual stream
         if not self.fused_built:
             self.fused, self.fused_built = FusedLlamaLayer.build(self), True
         if self.fused is not None and (y := self.fused(x, cos, sin, fb, backend)) is not None:
-            return y                                                  # bitwise the code below
+            return y
         T = x.shape[0]
         qkv = self.qkv(x, self.qkv_bias, pre=PreOp.rmsnorm(self.input_norm, self.eps))  # [T, (Hq + 2Hkv) * D]
         n_qk = self.n_q + self.n_kv
         qk = qkv[:, : n_qk * self.d].view(T, n_qk, self.d)           # [T, Hq + Hkv, D]
         v = qkv[:, n_qk * self.d:].view(T, self.n_kv, self.d)        # [T, Hkv, D]
         if self.qk_norm is not None:
-            qk = rms_norm(qk, None, self.eps) * self.qk_norm         # per-head norm over D
-        if not rope_(qk, cos, sin):                                   # in place where it can
+            qk = rms_norm(qk, None, self.eps) * self.qk_norm
+        if not rope_(qk, cos, sin):
             qk = Rotary.apply(qk, cos, sin)
         q, k = qk[:, : self.n_q], qk[:, self.n_q:]
         o = backend.forward(q, k, v, self.spec, fb)                   # [T, Hq, D]
         x = self.o_proj(o.reshape(T, self.n_q * self.d), residual=x)
         gu = self.gate_up(x, pre=PreOp.rmsnorm(self.post_norm, self.eps))  # [T, 2I]
-        return self.down(gu, residual=x, pre=PreOp.silu_mul())        # silu(gate) * up -> down
+        return self.down(gu, residual=x, pre=PreOp.silu_mul())
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,9 +93,7 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype, rope_freq_factors: torch.Tensor | None = None,
                  native: bool = False):
         """Build from HF-named tensors; ``get(name)`` returns one (any dtype, on the CPU) or, for a
-        projection of a GGUF file, possibly its :class:`QuantWeight`. ``native``: run quantized
-        projections on their own blocks where a kernel exists (else they are dequantized).
-        ``dequantized`` lists (name, why) for quantized projections that could not."""
+        projection of a GGUF file, possibly its :class:`QuantWeight`."""
         super().__init__()
         if "mamba" in arch.layer_types:
             raise ModelLoadError("mamba layers are not supported by the Llama model")
@@ -127,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
 
         def cvt(t: WeightOrQuant) -> WeightOrQuant:
             if native and isinstance(t, (QuantWeight, QuantParts)):
-                return t                      # stays quantized: the layer picks its kernel
+                return t
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = _param(get("model.embed_tokens.weight").to(device=self.device, dtype=dtype))
@@ -135,13 +110,6 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"embedding shape {tuple(self.embed.shape)} does not match "
                                  f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}")
         self.norm = _param(cvt(get("model.norm.weight")))
-        # The vocab head: [V, H] (F.linear layout; the embedding itself when tied). On CPU a second
-        # copy is kept: an oneDNN-packed kernel (``head``, fp32 or bf16); with other dtypes a
-        # transposed lm_head_t [H, V], the vocab GEMV as x @ W below _HEAD_GEMM_ROWS rows
-        # (decode of a small batch), F.linear over [V, H] from there on.
-        # A quantized head (with ``native``, the loader gives a tied embedding's own blocks as
-        # "lm_head.weight") runs natively, but a Q8_0 one (SmolLM2's) only on Avx512Linear;
-        # elsewhere it is dequantized (bf16-packed), not run as two int4 planes.
         self.dequantized: list[tuple[str, str]] = []
         tied = arch.tie_word_embeddings
         head_src = get("lm_head.weight") if (native or not tied) else None
@@ -190,19 +158,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend,
                 return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] with ``return_all_logits``
-        (float32; computed in the model dtype, as transformers does). ``backend.init_forward(fb)``
-        must have run for this step. With a backend that attends over stored K/V (triton) the
-        GPU path runs instead (engine/models/llama_gpu.py: fused norms, rope + store, silu-mul)."""
+        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] with ``return_all_logits`` (float32;
+        computed in the model dtype, as transformers does)."""
         if llama_gpu.applies(self, backend):
             return llama_gpu.forward(self, fb, backend, return_all_logits)
         x = F.embedding(fb.input_ids, self.embed)                    # [T, H]
         cos, sin = self.rotary.tables(fb.positions)                   # [T, 1, D/2]
         for layer in self.layers:
             x = layer(x, cos, sin, fb, backend)
-        if not return_all_logits and x.shape[0] != fb.batch_size:    # T == B: one token each
+        if not return_all_logits and x.shape[0] != fb.batch_size:
             x = x[fb.last_token_indices]                              # [B, H]
-        # final norm -> vocab head (fused into the head's kernel when it has one)
         if self.head is not None:
             return self.head(x, pre=PreOp.rmsnorm(self.norm, self.arch.rms_norm_eps)).float()
         x = rms_norm(x, self.norm, self.arch.rms_norm_eps)
@@ -213,20 +178,16 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()                                         # [B|T, V]
 
 
-_HEAD_GEMM_ROWS = 4  # from this many rows on, the vocab projection uses the [V, H] layout
+_HEAD_GEMM_ROWS = 4
 
 
 def _stack(parts: list[WeightOrQuant]) -> WeightOrQuant:
-    """Stack [N_i, K] matrices along N; quantized ones stay quantized (of several kinds: a
-    QuantParts, run part by part); with dense ones among them, all are dequantized first."""
     if all(isinstance(p, QuantWeight) for p in parts):
         return QuantParts.stack(parts)
     return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts], 0)
 
 
 def _layer_tensors(arch: ModelArchConfig, i: int, get: GetTensor, cvt) -> dict[str, WeightOrQuant | None]:
-    """Fused tensors of layer ``i`` from its HF-named pieces; matrices in F.linear's [N, K] layout
-    (a projection may be a :class:`QuantWeight` if ``get`` gives them and ``cvt`` keeps them)."""
     p = f"model.layers.{i}."
     att, mlp = p + "self_attn.", p + "mlp."
     q, k, v = get(att + "q_proj.weight"), get(att + "k_proj.weight"), get(att + "v_proj.weight")

@@ -1,19 +1,5 @@
-"""FusedLlamaLayer: a whole Llama decoder layer in one C call on the CPU (``tq_llama_layer`` in
-engine/quant/avx512_kernels.c, as the typed op ``torch.ops.tandem.llama_layer``, which checks the
-weights' packing, the projections' shapes, the activations' and pools' dtypes and the step's
-index ranges before the C code runs), for layers whose four projections are Avx512Linear kernels and
-whose attention backend is CpuKernelAttentionBackend.
-
-It runs exactly the composition ``LlamaLayer.forward`` runs with those kernels -- the same C
-routines on the same buffers, the same roundings (qkv, attention output, the residual stream and
-gate_up in bf16) -- so its output is bitwise the unfused layer's (tests/engine/test_llama_cpu.py);
-what it removes is the Python -> C crossings between those routines (one call per layer).
-
-``FusedLlamaLayer.build(layer)`` returns None where it does not apply statically (another kernel,
-q/k/v biases, q/k norms, a head dim the rotary kernel does not take); ``__call__`` returns None
-where a step does not fit (another backend, a layer that backend gives to torch, strides), and the
-layer then runs unfused.
-"""
+"""FusedLlamaLayer: a whole Llama layer in one checked C call (``torch.ops.tandem.llama_layer``)
+where its four projections are Avx512Linear and the backend is CpuKernelAttentionBackend."""
 
 from __future__ import annotations
 

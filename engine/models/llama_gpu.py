@@ -1,15 +1,4 @@
-"""The Llama family's GPU path: a decoder layer in 9 launches (10 with a split decode attention).
-
-    add_rmsnorm (residual += previous MLP output; norm)  -> qkv GEMM (+ bias)
-    -> rope_store (rope of q and k, K/V into the pool)  -> attention (single pass, or split-K)
-    -> o GEMM -> add_rmsnorm (residual += attention; norm) -> gate_up GEMM -> silu_mul -> down GEMM
-
-The residual stream is updated in place by the next norm (engine/attention/triton_kernels/
-layer_ops.py), so no layer launches a separate add, cast, rotary or store kernel. Taken when the
-attention backend can attend over K/V already stored (``attend``: the triton backend) and the
-layers have no q/k norm (Qwen3 keeps the composed path); otherwise the model runs its composed
-layers (engine/models/llama.py). The same kernels run in triton's interpreter on the CPU (tests).
-"""
+"""The Llama family's GPU path: a decoder layer in 9 launches (10 with a split decode attention)."""
 
 from __future__ import annotations
 
@@ -31,7 +20,7 @@ def forward(model, fb: ForwardBatch, backend, return_all_logits: bool = False) -
     """Logits [B, V] (or [T, V]) as ``LlamaForCausalLM.forward`` computes them."""
     res = F.embedding(fb.input_ids, model.embed)                     # [T, H] residual stream
     eps = model.arch.rms_norm_eps
-    delta = None                                                      # the last MLP's output
+    delta = None
     for layer in model.layers:
         delta = _layer(layer, res, delta, fb, backend, model.rotary, eps)
     if not return_all_logits and res.shape[0] != fb.batch_size:
@@ -49,7 +38,7 @@ def _layer(layer, res: torch.Tensor, delta: torch.Tensor | None, fb: ForwardBatc
            rotary, eps: float) -> torch.Tensor:
     T = res.shape[0]
     n_q, n_kv, d = layer.n_q, layer.n_kv, layer.d
-    y = add_rmsnorm(delta, res, layer.input_norm, eps)                # res += delta
+    y = add_rmsnorm(delta, res, layer.input_norm, eps)
     qkv = layer.qkv(y, layer.qkv_bias)                                # [T, (Hq + 2Hkv) * D]
     qk = qkv[:, : (n_q + n_kv) * d].view(T, n_q + n_kv, d)
     v = qkv[:, (n_q + n_kv) * d:].view(T, n_kv, d)
@@ -58,5 +47,5 @@ def _layer(layer, res: torch.Tensor, delta: torch.Tensor | None, fb: ForwardBatc
                kv.index_map)
     o = backend.attend(qk[:, :n_q], qk[:, n_q:], v, layer.spec, fb)  # [T, Hq, D]
     a = layer.o_proj(o.reshape(T, n_q * d))
-    y = add_rmsnorm(a, res, layer.post_norm, eps)                     # res += attention
+    y = add_rmsnorm(a, res, layer.post_norm, eps)
     return layer.down(_silu_mul(layer.gate_up(y)))

@@ -1,22 +1,4 @@
-"""The Mamba2 mixer over a ForwardBatch, with its state in the engine's state pool.
-
-The same mixer (tensor names ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
-``out_proj``) is used by Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1 and Zamba2; the family
-module says where it sits in a layer. Per token (I = H * P inner channels, G groups of N)::
-
-    in_proj(h) -> z [I] | xBC [I + 2GN] | dt [H]
-    xBC -> causal conv1d (width K, carried window) -> silu -> x [H, P] | B [G, N] | C [G, N]
-    dt -> softplus(dt + dt_bias), clamped to time_step_limit;  A = -exp(A_log)
-    y = SSD scan (engine/models/ssd.py, carried state) + D * x
-    out_proj(gated group RMSNorm(y, z))
-
-State: each request's row of ``fb.state_pool.layer(layer_id)`` (``fb.state_indices``) packs the
-conv window ``[C, K-1]`` and the SSM state ``[H, P, N]`` (:class:`StateLayout`; ``state_shape``
-is ``(layout.numel,)``). The row is read before and written after every forward, so a prompt
-split into chunks continues exactly where the last chunk stopped, and a copy of the row is a
-complete checkpoint. Decode rows (one new token) run batched through ``ssd_step``; each prompt
-chunk runs through the chunked ``ssd_scan``.
-"""
+"""The Mamba2 mixer over a ForwardBatch, with its state in the engine's state pool."""
 
 from __future__ import annotations
 
@@ -39,13 +21,13 @@ class Mamba2Dims:
     """Shape of a Mamba2 mixer (transformers' ``mamba_*`` config fields)."""
 
     hidden: int
-    n_heads: int               # H
-    head_dim: int              # P
-    n_groups: int              # G
-    d_state: int               # N
-    d_conv: int                # K
-    chunk_size: int            # L of the SSD scan
-    eps: float                 # of the gated RMSNorm
+    n_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    chunk_size: int
+    eps: float
     time_step_min: float = 0.0
     time_step_max: float = float("inf")
 
@@ -64,8 +46,7 @@ class Mamba2Dims:
 
 
 def mamba2_tensors(prefix: str, get, cvt, f32, bias: bool, conv_bias: bool) -> dict:
-    """The mixer's tensors under ``prefix`` (e.g. ``model.layers.0.mamba.``): projections in the
-    model dtype (``cvt``), the conv and SSM parameters in float32 (``f32``), on the device."""
+    """The mixer's tensors under ``prefix`` (e.g."""
     return {
         "in_proj": cvt(get(prefix + "in_proj.weight")),                          # [I+C+H, hidden]
         "in_bias": cvt(get(prefix + "in_proj.bias")) if bias else None,
@@ -145,8 +126,6 @@ class Mamba2Mixer(nn.Module):
         return F.linear(o.to(h.dtype), self.out_proj, self.out_bias)              # [T, hidden]
 
     def _ssm_inputs(self, xc: torch.Tensor, dt: torch.Tensor):
-        """xc: [n, C] activated conv output; dt: [n, H] raw -> x [n, H, P], dt [n, H],
-        B, C [n, H, N] (each group's B/C repeated for its H/G heads)."""
         d = self.dims
         n, gn = xc.shape[0], d.n_groups * d.d_state
         x, B, C = xc.split([d.inner, gn, gn], dim=-1)

@@ -1,11 +1,4 @@
-"""A top-k softmax mixture of experts in plain torch (Granite-4.0-H's ``block_sparse_moe``).
-
-Router: float32 logits ``x @ router^T`` [T, E]; each token takes its top-k experts and weights them
-by a softmax over those k logits (transformers' ``GraniteMoeHybridTopKRouter``). Expert e:
-``down_e(act(gate_e(x)) * up_e(x))`` with ``gate_up_e`` [2I, H] (gate rows first) and
-``down_e`` [H, I]. Tokens are grouped per expert (one gather, two GEMMs and an ``index_add_`` per
-expert that any token chose), so the cost follows the routing, not E.
-"""
+"""A top-k softmax mixture of experts in plain torch (Granite-4.0-H's ``block_sparse_moe``)."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ def topk_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down:
     out = torch.zeros_like(x)
     inter = down.shape[-1]
     for e in torch.unique(top_i).tolist():
-        tok, slot = torch.where(top_i == e)                                 # tokens routed to e
+        tok, slot = torch.where(top_i == e)
         gu = F.linear(x[tok], gate_up[e])                                   # [t, 2I]
         h = F.linear(act(gu[:, :inter]) * gu[:, inter:], down[e])           # [t, H]
         out.index_add_(0, tok, h * weights[tok, slot, None])

@@ -1,14 +1,4 @@
-"""RMSNorm variants of the hybrid families, numerically matched to transformers.
-
-- :func:`offset_rms_norm`: Gemma's ``(1 + w)`` RMSNorm (``Gemma3RMSNorm``): statistics *and* the
-  scale in float32, cast to the input dtype last ("(x * w).to(dtype)", unlike Llama's
-  "w * x.to(dtype)"). The caller passes ``1 + w`` precomputed in float32 (:func:`offset_weight`):
-  transformers adds the 1 in float32 on every call, so the result is the same bit for bit.
-- :func:`gated_group_rms_norm`: Mamba2's gated RMSNorm (``MambaRMSNormGated``, ``norm_before_gate
-  =False``): ``y * silu(z)``, then RMSNorm over groups of ``group_size`` channels.
-
-The Llama-style RMSNorm is ``tandem.engine.layers.rms_norm``.
-"""
+"""RMSNorm variants of the hybrid families, numerically matched to transformers."""
 
 from __future__ import annotations
 

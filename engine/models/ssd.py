@@ -1,23 +1,4 @@
-"""Mamba2's two recurrences in plain torch, each carrying its state across calls.
-
-1. A causal depthwise conv1d of width K over the xBC channels. Its state is the *window*: the
-   K-1 inputs before the first new token (zeros at a sequence start, which is exactly the zero
-   left padding transformers' ``causal_conv1d_fn`` uses), so running a prompt in chunks gives
-   the same outputs as running it whole.
-2. The selective state-space scan (SSD, "state space duality") per head h::
-
-       dA_t = exp(dt_t[h] * A[h])                                  (A < 0: a decay in (0, 1))
-       S_t  = dA_t * S_{t-1} + dt_t[h] * x_t[h] (outer) B_t[h]     S: [P, N]
-       y_t  = S_t @ C_t[h]                                         y: [P]
-
-   :func:`ssd_scan` evaluates it in chunks of L tokens the way transformers'
-   ``mamba2_chunk_scan`` fallback does (intra-chunk: a masked [L, L] decay matrix built with the
-   stable cumulative segment sum; inter-chunk: the carried state), starting from any state.
-   :func:`ssd_step` is the one-token update (decode), batched over sequences.
-
-Shapes: one sequence of n new tokens; H heads of P channels; N state dims (groups already
-expanded to heads); C conv channels. Everything is float32; the caller adds the ``D * x`` skip.
-"""
+"""Mamba2's two recurrences in plain torch, each carrying its state across calls."""
 
 from __future__ import annotations
 
@@ -37,8 +18,8 @@ def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
 
 def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of B sequences. x: [B, C]; window: [B, C, K-1] -> (y [B, C], new
-    window [B, C, K-1])."""
+    """One token of each of B sequences. x: [B, C]; window: [B, C, K-1] -> (y [B, C], new window [B,
+    C, K-1])."""
     full = torch.cat([window.to(x.dtype), x[..., None]], dim=-1)               # [B, C, K]
     y = (full * weight).sum(-1)
     if bias is not None:
@@ -47,9 +28,6 @@ def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tens
 
 
 def _segment_sum(a: torch.Tensor) -> torch.Tensor:
-    """a: [..., L] -> [..., L, L] with [t, s] = a[s+1] + ... + a[t] for s <= t, -inf above the
-    diagonal (cumulative sums of masked copies, as transformers' ``segment_sum``: no
-    cancellation from subtracting two long cumulative sums)."""
     L = a.shape[-1]
     x = a[..., None].expand(*a.shape, L)                                        # [..., t, s] = a[t]
     below = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
@@ -60,8 +38,8 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence. x: [n, H, P]; dt: [n, H] (after softplus and clamping); A: [H]; B, C:
-    [n, H, N]; state: [H, P, N] before the first token -> (y [n, H, P], state after the last)."""
+    """One sequence. x: [n, H, P]; dt: [n, H] (after softplus and clamping); A: [H]; B, C: [n, H,
+    N]; state: [H, P, N] before the first token -> (y [n, H, P], state after the last)."""
     ys = []
     for s in range(0, x.shape[0], chunk):
         xs, dts, Bs, Cs = x[s:s + chunk], dt[s:s + chunk], B[s:s + chunk], C[s:s + chunk]
@@ -70,7 +48,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         xdt = xs * dts[..., None]                                               # [L, H, P]
         decay = torch.exp(_segment_sum(a))                                      # [H, t, s]
         scores = torch.einsum("thn,shn->hts", Cs, Bs) * decay                   # [H, L, L]
-        y = torch.einsum("hts,shp->thp", scores, xdt)                           # within the chunk
+        y = torch.einsum("hts,shp->thp", scores, xdt)
         y = y + torch.einsum("thn,hpn->thp", Cs, state) * torch.exp(acum).t()[..., None]
         to_end = torch.exp(acum[:, -1:] - acum)                                 # [H, L] token -> chunk end
         state = state * torch.exp(acum[:, -1])[:, None, None] \
@@ -81,8 +59,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of B sequences. x: [B, H, P]; dt: [B, H]; A: [H]; B, C: [B, H, N];
-    state: [B, H, P, N] -> (y [B, H, P], new state [B, H, P, N])."""
+    """One token of each of B sequences. x: [B, H, P]; dt: [B, H]; A: [H]; B, C: [B, H, N]; state:
+    [B, H, P, N] -> (y [B, H, P], new state [B, H, P, N])."""
     dA = torch.exp(dt * A)                                                      # [B, H]
     state = state * dA[..., None, None] + (x * dt[..., None])[..., None] * B[:, :, None, :]
     y = torch.einsum("bhpn,bhn->bhp", state, C)

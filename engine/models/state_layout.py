@@ -1,18 +1,5 @@
-"""StateLayout: several named state tensors of one recurrent layer packed into one flat state row.
-
-The engine's ``StatePool`` keeps one row per request and layer, ``[num_slots + 1, *state_shape]``,
-and treats a row as opaque: it zeroes it at admission, copies it to make or claim a checkpoint,
-and hands ``fb.state_indices`` to the model. A Mamba2 layer needs two tensors per request (the
-causal-conv window and the SSM state), so a model with such layers declares
-``state_shape = (layout.numel,)`` and views its segments of each row::
-
-    row [numel] float32 = | conv window [C, K-1] | ssm state [H, P, N] |
-                          ^ offset 0             ^ offset C * (K-1)
-
-Zeroing a row zeroes every segment (a fresh request: zero conv padding, zero SSM state, as in
-transformers) and copying a row copies all of them (a checkpoint is the complete state after its
-last token), so the pool needs no per-tensor knowledge.
-"""
+"""StateLayout: several named state tensors of one recurrent layer packed into one flat state
+row."""
 
 from __future__ import annotations
 
@@ -22,7 +9,7 @@ import torch
 
 
 class StateLayout:
-    """Named segments of a flat state row. ``segments``: ``{name: shape}`` in row order."""
+    """Named segments of a flat state row."""
 
     def __init__(self, segments: dict[str, tuple[int, ...]]):
         self.shapes = {k: tuple(int(d) for d in v) for k, v in segments.items()}

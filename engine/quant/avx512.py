@@ -1,27 +1,5 @@
-"""Avx512Linear: a GGUF weight's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks
-on AVX512 (``avx512_kernels.c`` as the typed op ``torch.ops.tandem.linear_``, built by
-``native_lib.py``, which checks every tensor's shape and dtype): the default kernel for a GGUF
-file's quantized weights on CPUs with AVX512 BF16 + VNNI (``weights="native"``; engine/quant/linear.py's :func:`make_linear`).
-
-Numerics (the C file's docstring has the formulas):
-- Q4_0 / Q4_1: bf16 activations (the pre-op's float32 result rounded to bf16 once) times the exact
-  4-bit codes (as the bf16 integers 128 + q), float32 sums per 32-block, the file's float16 scales
-  applied in float32. What a bf16 model with the file's exact weights computes; no activation
-  quantization (why not llama.cpp's int8 activations: docs/PERFORMANCE.md, "Numerics").
-- Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: as Q4_1, with the codes as unsigned u = q (+ 16 for Q5_0,
-  + 32 for Q6_K) and each group's exact float32 scale and offset (``w = s u + o``; Q6_K: per 16).
-- Q8_0 with ``q8_bf16`` (layer weights; engine/models/llama.py asks for it): the same, u = q + 128
-  (the C file's KIND_K8).
-- Q8_0 otherwise (the vocab head): int8 activation blocks (max |x| / 127 per 32) and exact int32 block dots, llama.cpp's
-  way. Used for SmolLM2's tied Q8_0 vocab head (its error against a bf16 head: the same section).
-An optional pre-op runs fused in float32 first: RMSNorm with its weight (``PreOp.rmsnorm``; a
-float32 weight: ``PreOp.rmsnorm_f32``, Gemma's ``1 + w``) or ``silu(gate) * up`` /
-``gelu_tanh(gate) * up`` over a ``[T, 2K]`` input (``PreOp.silu_mul`` / ``PreOp.gelu_mul``).
-Outputs (+ bias, + residual) are rounded once to the output dtype.
-
-Every output row depends on its own input row only, bitwise (any row count, any thread count),
-so the prefix cache on/off, batched-vs-alone and disaggregated-vs-colocated oracles hold exactly.
-"""
+"""Avx512Linear: a GGUF weight's own quantized blocks times bf16 activations on AVX512 BF16 + VNNI
+(the checked op ``torch.ops.tandem.linear_``; native_lib.py builds it)."""
 
 from __future__ import annotations
 
@@ -32,18 +10,16 @@ from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
 from tandem.engine.quant.native_lib import kernel_ops, kernel_unavailable
 from tandem.engine.quant.preop import PreOp
 
-# GGUF kind -> the C kernel's kind: Q5_0 / Q5_1 / Q5_K share one (5-bit codes, float32 scale and
-# offset per 32), Q4_K and Q6_K have their own ("KQ" kinds in the C file's docstring).
 KIND_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 4, "Q5_K": 4, "Q6_K": 5}
 _KQ = ("Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
-Q8_BF16 = 6    # the C kernel's KIND_K8: Q8_0 blocks with bf16 activations (layer weights)
-_CODE_BIAS = {"Q5_0": 16, "Q6_K": 32, "Q8_0": 128}    # u = code + bias is unsigned
-_PRE_IDS = {None: 0, "rmsnorm": 1, "silu_mul": 2, "rmsnorm_f32": 3, "gelu_mul": 4}   # the C file's PRE_*
+Q8_BF16 = 6
+_CODE_BIAS = {"Q5_0": 16, "Q6_K": 32, "Q8_0": 128}
+_PRE_IDS = {None: 0, "rmsnorm": 1, "silu_mul": 2, "rmsnorm_f32": 3, "gelu_mul": 4}
 
 
 def avx512_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> str | None:
-    """None when :class:`Avx512Linear` can run ``w`` with ``dtype`` activations on ``device``,
-    else why not."""
+    """None when :class:`Avx512Linear` can run ``w`` with ``dtype`` activations on ``device``, else
+    why not."""
     n, k = w.shape
     if torch.device(device).type != "cpu":
         return f"{w.kind} on {torch.device(device).type}: the AVX512 kernels are CPU ones"
@@ -57,13 +33,11 @@ def avx512_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> s
 
 
 def _kq_parts(w: QuantWeight, p: int, nb: int) -> list[torch.Tensor]:
-    """The KQ kinds' record (see ``avx512_kernels.c``): nibbles, high-bit planes, float32 s, o."""
     u = w.codes.to(torch.int32) + _CODE_BIAS.get(w.kind, 0)                     # [N, K] 0..63 (Q8_0: 255)
     c = (u & 15).to(torch.uint8).view(p, 16, nb, 4, 8).permute(0, 2, 3, 1, 4)    # [P, nb, i, 16, 8]
     lane = torch.stack([c[..., 0] | (c[..., 2] << 4), c[..., 4] | (c[..., 6] << 4),
                         c[..., 1] | (c[..., 3] << 4), c[..., 5] | (c[..., 7] << 4)], -1)
     parts = [lane.reshape(p, nb, 256)]
-    # plane bit of (chunk i, k = 8 i + e): 4 (e // 2) + i + 16 (e % 2)
     e = torch.arange(8)
     pos = (4 * (e // 2) + 16 * (e % 2))[None, :] + torch.arange(4)[:, None]       # [i, e]
     for bit in (4, 5, 6, 7)[: {"Q4_K": 0, "Q6_K": 2, "Q8_0": 4}.get(w.kind, 1)]:
@@ -72,7 +46,7 @@ def _kq_parts(w: QuantWeight, p: int, nb: int) -> list[torch.Tensor]:
         parts.append(plane.contiguous().view(torch.uint8).view(p, nb, 64))
     scale = w.scale                                                               # [N, K / G]
     offset = w.offset.clone()
-    if w.kind in _CODE_BIAS:                                                      # w = s (u - c)
+    if w.kind in _CODE_BIAS:
         offset = -float(_CODE_BIAS[w.kind]) * scale
     halves = 2 if w.kind == "Q6_K" else 1
     for t in (scale, offset):
@@ -107,7 +81,6 @@ def pack(w: QuantWeight, q8_bf16: bool = False) -> torch.Tensor:
 
 
 def _nw(pre: PreOp | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The norm weight as the kernel reads it: in x's dtype (rmsnorm) or float32 (rmsnorm_f32)."""
     if pre is None or pre.weight is None:
         return None
     want = torch.float32 if pre.kind == "rmsnorm_f32" else dtype
@@ -116,8 +89,8 @@ def _nw(pre: PreOp | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel multiplies for x ([T, K], or [T, 2K] for silu_mul / gelu_mul; tests): Q8_0 ->
-    (xq [T, K] int8, d_x [T, K/32]); others -> (bf16 rows [T, K], per-block sums [T, K/32];
-    Q6_K: per 16, [T, K/16])."""
+    (xq [T, K] int8, d_x [T, K/32]); others -> (bf16 rows [T, K], per-block sums [T, K/32]; Q6_K:
+    per 16, [T, K/16])."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     return kernel_ops().activations(KIND_IDS[kind], x, k, _PRE_IDS[pre.kind if pre is not None else None],
                                     _nw(pre, x.dtype), pre.eps if pre is not None else 0.0)
@@ -125,11 +98,7 @@ def activations(kind: str, x: torch.Tensor, k: int, pre: PreOp | None = None) ->
 
 class Avx512Linear(nn.Module):
     """``y = pre(x) @ W^T (+ bias) (+ residual)`` on a GGUF weight's own blocks (see module
-    docstring). ``out_dtype``: the output's dtype (default: x's), e.g. float32 for logits.
-
-    A :class:`QuantParts` (kinds side by side along N) runs one C call per part, each into its
-    columns of the output (its activations prepared again per part); ``packed`` is then None and
-    ``parts`` holds the packed parts (the fused layer declines such a kernel)."""
+    docstring)."""
 
     def __init__(self, w: QuantWeight | QuantParts, dtype: torch.dtype, out_dtype: torch.dtype | None = None,
                  q8_bf16: bool = False):
@@ -144,11 +113,10 @@ class Avx512Linear(nn.Module):
         def kid(p: QuantWeight) -> int:
             return Q8_BF16 if q8_bf16 and p.kind == "Q8_0" else KIND_IDS[p.kind]
 
-        # (kind id, first column, columns) per part
         self._segments = [(kid(p), sum(q.shape[0] for q in parts[:i]), p.shape[0])
                           for i, p in enumerate(parts)]
         if len(parts) == 1:
-            self.kind_id = kid(w)                                          # the C kernel's kind
+            self.kind_id = kid(w)
             self.packed = nn.Parameter(pack(w, q8_bf16), requires_grad=False)   # [N/16, K/32, record] u8
             self.parts = None
         else:
@@ -157,8 +125,8 @@ class Avx512Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pre: PreOp | None = None) -> torch.Tensor:
-        """x: [T, K] ([T, 2K] with a gated ``pre``: silu_mul, gelu_mul), float32 or bf16 (+ bias [N])
-        (+ residual [T, N]) -> [T, N] in ``out_dtype`` (default x's dtype)."""
+        """x: [T, K] ([T, 2K] with a gated ``pre``: silu_mul, gelu_mul), float32 or bf16 (+ bias
+        [N]) (+ residual [T, N]) -> [T, N] in ``out_dtype`` (default x's dtype)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         t, n, k = x.shape[0], self.out_features, self.in_features
@@ -172,10 +140,10 @@ class Avx512Linear(nn.Module):
         nw = _nw(pre, x.dtype)
         pre_id, eps = _PRE_IDS[pre.kind if pre is not None else None], pre.eps if pre is not None else 0.0
         linear_ = kernel_ops().linear_.default
-        if self.packed is not None:                       # one part: the whole output
+        if self.packed is not None:
             linear_(self.kind_id, self.packed, x, out, pre_id, nw, eps, residual, bias)
             return out
-        for (kind_id, n0, nn_), wp in zip(self._segments, self.parts):   # each into its columns
+        for (kind_id, n0, nn_), wp in zip(self._segments, self.parts):
             linear_(kind_id, wp, x, out[:, n0:n0 + nn_], pre_id, nw, eps,
                     residual[:, n0:n0 + nn_] if residual is not None else None,
                     bias[n0:n0 + nn_] if bias is not None else None)
@@ -196,9 +164,9 @@ class Avx512Linear(nn.Module):
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotary embedding in place, bitwise what ``layers.Rotary.apply`` returns (each bf16 product
-    and sum rounded as torch's separate ops round them). x: [T, H, D] (unit stride in D, heads
-    D apart; rows at any stride); cos, sin: [T, 1, D/2] in x's dtype. Returns False, touching
-    nothing, where the kernel does not apply (no library, another dtype or layout, D/2 % 16)."""
+    and sum rounded as torch's separate ops round them). x: [T, H, D] (unit stride in D, heads D
+    apart; rows at any stride); cos, sin: [T, 1, D/2] in x's dtype. Returns False, touching nothing,
+    where the kernel does not apply (no library, another dtype or layout, D/2 % 16)."""
     t, h, d = x.shape
     if (x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype or x.stride(2) != 1
             or x.stride(1) != d or (d // 2) % 16 or cos.stride(-1) != 1 or sin.stride() != cos.stride()

@@ -1,30 +1,4 @@
-"""QuantWeight: a GGUF tensor's own quantized blocks, unpacked but not dequantized.
-
-GGML's 32-weight block types this file reads (``d``, ``m`` are float16 per block, ``q`` the codes):
-
-    Q4_0  18 bytes: d, 16 bytes of nibbles   w = d * (q - 8)      q in 0..15
-    Q4_1  20 bytes: d, m, 16 bytes of nibbles w = d * q + m        q in 0..15
-    Q8_0  34 bytes: d, 32 int8               w = d * q            q in -128..127
-    Q5_0  22 bytes: d, 32 high bits, nibbles  w = d * (q - 16)     q in 0..31
-    Q5_1  24 bytes: d, m, high bits, nibbles  w = d * q + m        q in 0..31
-
-and the K-quants, 256-weight super-blocks (``d``, ``dmin`` float16; 6-bit scales ``sc``, mins ``m``):
-
-    Q4_K 144 bytes: 8 sub-blocks of 32        w = (d sc) q - (dmin m)   q in 0..15
-    Q5_K 176 bytes: 8 sub-blocks of 32        w = (d sc) q - (dmin m)   q in 0..31
-    Q6_K 210 bytes: 16 sub-blocks of 16       w = (d sc) (q - 32)       q in 0..63, sc int8
-
-Every type is a per-group ``(scale, offset)`` form (groups of 32; Q6_K: 16) whose float32
-``scale = d sc`` and ``offset = -(dmin m)`` are exact (an 11-bit times a 6- or 8-bit integer), so
-``dequantize()`` computes what gguf-py does, in its order.
-
-A block's 16 nibble bytes hold weights 0..15 in their low nibbles and 16..31 in their high ones.
-A matrix ``[N, K]`` (GGUF ``ne = [K, N]``) is N rows of K / 32 blocks (K-quants: K / 256).
-:class:`QuantWeight` keeps the codes ``[N, K]`` and per-group ``scale`` / ``offset`` ``[N, K / G]``
-(float32, exact), so ``dequantize()`` is bit-identical to ``gguf.quants.dequantize``. Rows
-can be reordered (llama.cpp's q/k permutation) and matrices stacked along N (fused qkv) without
-touching a single weight value.
-"""
+"""QuantWeight: a GGUF tensor's own quantized blocks, unpacked but not dequantized."""
 
 from __future__ import annotations
 
@@ -33,12 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GROUP = 32                                    # weights per scale group (Q6_K: 16)
+GROUP = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24,
                "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 BLOCK_WEIGHTS = {k: (256 if k.endswith("_K") else 32) for k in BLOCK_BYTES}
 KINDS = tuple(BLOCK_BYTES)
-SIGNED = ("Q8_0", "Q5_0", "Q6_K")             # codes held as int8 (q - 16 for Q5_0, q - 32 for Q6_K)
+SIGNED = ("Q8_0", "Q5_0", "Q6_K")
 WITH_OFFSET = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
@@ -49,12 +23,7 @@ def group_size(kind: str) -> int:
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A quantized ``[N, K]`` matrix. ``w[n, k] = scale[n, g] * (codes[n, k] - bias) + offset[n, g]``
-    with ``g = k // G`` (:func:`group_size`), ``bias`` 8 for Q4_0 and 0 otherwise, ``offset`` zero
-    but for the kinds in :data:`WITH_OFFSET`.
-
-    codes: [N, K] uint8 (Q4_*: 0..15; Q5_1, Q5_K: 0..31) or int8 (:data:`SIGNED`); scale, offset:
-    [N, K / G] float32 (CPU)."""
+    """A quantized ``[N, K]`` matrix."""
 
     kind: str
     codes: torch.Tensor
@@ -103,7 +72,6 @@ class QuantWeight:
         return QuantWeight(parts[0].kind, torch.cat([p.codes for p in parts]),
                            torch.cat([p.scale for p in parts]), torch.cat([p.offset for p in parts]))
 
-    # -- duck-typing a tensor for code that only wants the dense values ------------------------
     def to(self, device=None, dtype=None) -> torch.Tensor:
         """The dequantized matrix as a dense tensor (``cvt(get(name))`` on a QuantWeight works)."""
         return self.dequantize().to(device=device, dtype=dtype or torch.float32)
@@ -112,8 +80,8 @@ class QuantWeight:
 @dataclass(frozen=True)
 class QuantParts:
     """Quantized ``[N_i, K]`` matrices of different kinds stacked along N (a fused qkv whose v is
-    Q8_0 beside Q5_0 q and k, as llama.cpp's *_M mixes write them): each part keeps its blocks;
-    a kernel runs part by part into its columns of one output."""
+    Q8_0 beside Q5_0 q and k, as llama.cpp's *_M mixes write them): each part keeps its blocks; a
+    kernel runs part by part into its columns of one output."""
 
     parts: tuple[QuantWeight, ...]
 
@@ -154,8 +122,8 @@ class QuantParts:
 
 
 def from_gguf_blocks(kind: str, data: np.ndarray, n: int, k: int) -> QuantWeight:
-    """Unpack ``data`` (the GGUF tensor's raw bytes, ``[N, K / B * block bytes]`` uint8 or flat)
-    of a ``[N, K]`` matrix of type ``kind`` (one of :data:`KINDS`; B = 32, or 256 for K-quants)."""
+    """Unpack ``data`` (the GGUF tensor's raw bytes, ``[N, K / B * block bytes]`` uint8 or flat) of
+    a ``[N, K]`` matrix of type ``kind`` (one of :data:`KINDS`; B = 32, or 256 for K-quants)."""
     if kind not in BLOCK_BYTES:
         raise ValueError(f"quantized type {kind!r} is not supported (supported: {', '.join(KINDS)})")
     bw = BLOCK_WEIGHTS[kind]
@@ -174,17 +142,14 @@ def from_gguf_blocks(kind: str, data: np.ndarray, n: int, k: int) -> QuantWeight
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
-    """[B, 2] uint8 -> [B] float32 (the float16 they hold)."""
     return b.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[B, 16] bytes -> [B, 32] codes: low nibbles are weights 0..15, high ones 16..31."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
 def _unpack_32(kind: str, blocks: np.ndarray):
-    """32-weight blocks [B, bytes] -> (codes [B, 32], scale [B], offset [B])."""
     d = _f16(blocks[:, 0:2])
     offset = np.zeros_like(d)
     if kind == "Q8_0":
@@ -194,7 +159,7 @@ def _unpack_32(kind: str, blocks: np.ndarray):
         if kind == "Q4_1":
             offset = _f16(blocks[:, 2:4])
         return _nibbles(blocks[:, start:]), d, offset
-    start = 4 if kind == "Q5_1" else 2                 # Q5_0 / Q5_1: then 4 bytes of high bits
+    start = 4 if kind == "Q5_1" else 2
     if kind == "Q5_1":
         offset = _f16(blocks[:, 2:4])
     qh = blocks[:, start:start + 4].copy().view(np.uint32)                      # [B, 1]
@@ -206,7 +171,6 @@ def _unpack_32(kind: str, blocks: np.ndarray):
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K 12 scale bytes [B, 12] -> (sc [B, 8], m [B, 8]), 6-bit each (gguf-py's layout)."""
     s = scales.reshape(-1, 3, 4)
     d, m, md = s[:, 0], s[:, 1], s[:, 2]
     sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
@@ -215,7 +179,6 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _unpack_k(kind: str, blocks: np.ndarray):
-    """256-weight super-blocks [B, bytes] -> (codes [B, 256], scale [B, S], offset [B, S])."""
     nbk = blocks.shape[0]
     if kind == "Q6_K":
         ql, qh = blocks[:, :128], blocks[:, 128:192]
@@ -236,7 +199,7 @@ def _unpack_k(kind: str, blocks: np.ndarray):
         qs = blocks[:, 16:144]
         q = qs.reshape(nbk, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
         return (q & 0x0F).reshape(nbk, 256), scale, offset
-    qh, qs = blocks[:, 16:48], blocks[:, 48:176]                                  # Q5_K
+    qh, qs = blocks[:, 16:48], blocks[:, 48:176]
     lo = qs.reshape(nbk, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     lo = (lo & 0x0F).reshape(nbk, 8, 32)
     hi = qh.reshape(nbk, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)

@@ -1,9 +1,4 @@
-"""What the CPU computes natively, for ``dtype="auto"``.
-
-``dtype="auto"`` picks bf16 on a CPU only where it has bf16 dot-product instructions (x86
-AVX512-BF16 or AMX-BF16), which oneDNN's bf16 GEMM runs on; elsewhere oneDNN emulates bf16.
-Read from the CPU's flags (deterministic, no timing noise at start-up) and oneDNN's own check.
-"""
+"""What the CPU computes natively, for ``dtype="auto"``."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
 """Linear kernels: ``y = x @ W^T (+ bias) (+ residual)`` with the weight stored in the layout the
-device, the compute dtype and the weight's own format allow. :func:`make_linear` picks one.
-
-| kernel | weight held as | where | numerics |
-|---|---|---|---|
-| :class:`PackedLinear` | oneDNN's blocked layout, fp32 or bf16 | CPU | the dtype's GEMM |
-| :class:`~tandem.engine.quant.avx512.Avx512Linear` | the GGUF blocks in 16-column panels (codes + fp16 scales) | x86 CPU with AVX512 BF16 + VNNI, bf16 activations | exact codes x bf16 activations (4-bit Q4_0/Q4_1: 5 bits per weight read; Q5_*, K-quants and Q8_0 layer weights with float32 group scales: 6-10; the vocab head's Q8_0: int8 activation blocks, llama.cpp's way) |
-| :class:`Int4Linear` | torch's int4-packed codes + per-32 (scale, zero) in bf16 | CPU, bf16/fp16 activations | reads 4.5 bits per weight |
-| :class:`DenseLinear` | a plain tensor, ``[K, N]`` ("x @ W") or ``[N, K]`` | anywhere else (CUDA, no oneDNN) | |
-
-int4 needs bf16 (or fp16) activations: with fp32 ones torch's int4 CPU kernel is a slow
-reference path.
-
-Every kernel computes each output row from its own input row only, bitwise (oneDNN with fewer
-than ``PACKED_MIN_ROWS`` rows is padded to that many; int4 checked at 1..17 rows), so a request's
-logits do not depend on what it is batched with (the prefix cache on/off and prefill/decode
-disaggregation oracles rely on it).
-
-``native`` picks Avx512Linear where it runs, else Int4Linear (``"int4"`` forces the latter, to compare).
-Every kernel takes an optional :class:`~tandem.engine.quant.preop.PreOp` (RMSNorm or silu-mul of
-its input): Avx512Linear fuses it, the others apply it in torch first.
-
-Q8_0 weights use :class:`Int4Linear` too, exactly: with ``u = q + 128 = 16 * hi + lo``,
-``d * q = 16d * (hi - 8) + d * (lo - 8) + 8d``, two int4 planes over the same bytes.
-"""
+device, the compute dtype and the weight's own format allow."""
 
 from __future__ import annotations
 
@@ -37,9 +14,9 @@ from tandem.engine.quant.blocks import GROUP, QuantParts, QuantWeight
 from tandem.engine.quant.preop import PreOp
 from tandem.engine.quant.avx512 import Avx512Linear, avx512_reason
 
-PACKED_MIN_ROWS = 4     # fewer rows are padded to this many: oneDNN's GEMM path, never its 1-2 row GEMV one
-_PACK_HINT_ROWS = 32    # the batch-size hint oneDNN's weight reorder takes
-_pad_buffers = threading.local()   # (K, dtype, ...) -> [PACKED_MIN_ROWS, K] input buffer, per thread
+PACKED_MIN_ROWS = 4
+_PACK_HINT_ROWS = 32
+_pad_buffers = threading.local()
 _INT4_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -53,8 +30,8 @@ def onednn_packable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def int4_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> str | None:
-    """None when :class:`Int4Linear` can run ``w`` with ``dtype`` activations on ``device``,
-    else why not (said in the startup line)."""
+    """None when :class:`Int4Linear` can run ``w`` with ``dtype`` activations on ``device``, else
+    why not (said in the startup line)."""
     n, k = w.shape
     if torch.device(device).type != "cpu":
         return f"{w.kind} on {torch.device(device).type}: torch's int4 kernel here is the CPU one"
@@ -70,12 +47,9 @@ def int4_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> str
 
 
 class PackedLinear(nn.Module):
-    """oneDNN GEMM with the weight reordered once into oneDNN's blocked layout (fp32 or bf16).
+    """oneDNN GEMM with the weight reordered once into oneDNN's blocked layout (fp32 or bf16)."""
 
-    The packed tensor is opaque (``torch._mkldnn`` layout, no storage): pickling stores the
-    dense weight and re-packs."""
-
-    def __init__(self, w: torch.Tensor):            # w: [N, K] (F.linear layout)
+    def __init__(self, w: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.weight = nn.Parameter(_pack(w), requires_grad=False)
@@ -100,11 +74,9 @@ class PackedLinear(nn.Module):
         if T >= PACKED_MIN_ROWS:
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-            if bias is None:  # fused post-op add: bitwise equal to linear + add in fp32
+            if bias is None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "").add_(residual)
-        # Pad to PACKED_MIN_ROWS rows in a reused per-thread buffer; rows >= T hold stale (finite)
-        # activations whose outputs are dropped -- each output row depends on its own input row only.
         key = (x.shape[1], x.dtype, x.device, torch.is_inference_mode_enabled())
         bufs = _pad_buffers.__dict__
         xp = bufs.get(key)
@@ -126,7 +98,7 @@ class DenseLinear(nn.Module):
     """A plain weight: input-major ``[K, N]`` (``x @ W``) or ``[N, K]`` (``F.linear``); the caller
     chooses (engine/models/llama.py keeps the MLP's down projection, K > N, as ``[N, K]``)."""
 
-    def __init__(self, w: torch.Tensor, input_major: bool = True):   # w: [N, K]
+    def __init__(self, w: torch.Tensor, input_major: bool = True):
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.input_major = input_major
@@ -153,12 +125,7 @@ class DenseLinear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Weight-only int4 GEMM on the GGUF's own blocks (torch's ``_weight_int4pack_mm_for_cpu``:
-    dequantizes a tile at a time in registers and accumulates in fp32).
-
-    torch's int4 formula is ``w = (q - 8) * scale + zero`` per group of 32 along K, so
-    Q4_0: (d, 0); Q4_1: (d, m + 8d); Q8_0: two planes (see the module docstring). ``scale`` and
-    ``zero`` are held in the activation dtype (bf16: 8 significant bits, vs float16's 11 in the
-    file), the one rounding this kernel adds to the dequantized model."""
+    dequantizes a tile at a time in registers and accumulates in fp32)."""
 
     def __init__(self, w: QuantWeight, dtype: torch.dtype):
         super().__init__()
@@ -168,7 +135,7 @@ class Int4Linear(nn.Module):
         self.kind = w.kind
         d = w.scale                                                      # [N, K/32] float32
         if w.kind == "Q8_0":
-            u = (w.codes.to(torch.int32) + 128)                          # 0..255
+            u = (w.codes.to(torch.int32) + 128)
             planes = [(u >> 4, 16 * d, torch.zeros_like(d)), (u & 15, d, 8 * d)]
         else:
             zero = w.offset + 8 * d if w.kind == "Q4_1" else torch.zeros_like(d)
@@ -185,7 +152,7 @@ class Int4Linear(nn.Module):
         """pre(x): [T, K] (bf16) (+ bias [N]) (+ residual [T, N]) -> [T, N] in x's dtype."""
         if pre is not None:
             x = pre.apply(x)
-        x = x.contiguous()                                           # the kernel needs it
+        x = x.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed[0], GROUP, self.scale_zero[0])
         if len(self.packed) > 1:
             y.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed[1], GROUP, self.scale_zero[1]))
@@ -208,14 +175,12 @@ def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, 
                 native: bool | str = False, input_major: bool = True,
                 out_dtype: torch.dtype | None = None, q8_bf16: bool = False) -> tuple[Linear, str | None]:
     """The kernel for weight ``w`` ([N, K]; dense or the file's quantized blocks) computing in
-    ``dtype`` on ``device``. ``native`` (True, or "int4"): run a QuantWeight on its own
-    blocks, on :class:`Avx512Linear` where :func:`avx512_reason` allows (not with "int4"), else on
-    :class:`Int4Linear` where :func:`int4_reason` allows. Returns (kernel, why a QuantWeight was
-    dequantized or None). ``input_major`` picks DenseLinear's layout (see there); ``out_dtype``
-    is Avx512Linear's output dtype (the others return ``dtype``); ``q8_bf16``: Avx512Linear runs
-    Q8_0 with bf16 activations (layer weights) instead of int8 ones (the vocab head)."""
+    ``dtype`` on ``device``. Returns (kernel, why a QuantWeight was dequantized or None).
+    ``input_major`` picks DenseLinear's layout (see there); ``out_dtype`` is Avx512Linear's output
+    dtype (the others return ``dtype``); ``q8_bf16``: Avx512Linear runs Q8_0 with bf16 activations
+    (layer weights) instead of int8 ones (the vocab head)."""
     why = None
-    if isinstance(w, QuantParts):   # kinds side by side: the AVX512 kernels part by part, or dense
+    if isinstance(w, QuantParts):
         why = "dequant"
         if native:
             whys = [avx512_reason(p, dtype, device) for p in w.parts] if native != "int4" \
@@ -232,7 +197,7 @@ def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, 
                 return Avx512Linear(w, dtype, out_dtype, q8_bf16), None
             why = int4_reason(w, dtype, device)
             if why is not None and avx_why is not None and w.kind not in ("Q4_0", "Q4_1", "Q8_0"):
-                why = f"{avx_why}; {why}"       # a kind only the AVX512 kernels take: say why not here
+                why = f"{avx_why}; {why}"
         if why is None:
             return Int4Linear(w, dtype), None
         w = w.dequantize()
@@ -243,10 +208,7 @@ def make_linear(w: torch.Tensor | QuantWeight | QuantParts, dtype: torch.dtype, 
 
 
 def collapse_to_hugepages(kernels: list[nn.Module]) -> None:
-    """Best effort: back the kernels' weights with 2 MiB pages (Linux >= 6.1
-    ``madvise(MADV_COLLAPSE)`` over each allocation's aligned interior), so that decode, which
-    streams every weight once per step, takes fewer TLB misses. Contents are unchanged; on any
-    failure (other OS, old kernel, THP off) nothing happens."""
+    """Best effort: back the kernels' weights with 2 MiB pages (``madvise(MADV_COLLAPSE)``)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -260,7 +222,7 @@ def collapse_to_hugepages(kernels: list[nn.Module]) -> None:
                 ptr, n = t.data_ptr(), t.numel() * t.element_size()
             start, end = -(-ptr // huge) * huge, (ptr + n) // huge * huge
             if end > start and libc.madvise(start, end - start, _MADV_COLLAPSE) != 0:
-                return   # unsupported here: stop trying
+                return
     except Exception:  # noqa: BLE001 - an optimization only
         return
 
@@ -269,5 +231,4 @@ _MADV_COLLAPSE = 25
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
-    """w: [N, K] -> an oneDNN-packed copy (an opaque ``torch._mkldnn`` tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_HINT_ROWS)

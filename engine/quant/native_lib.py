@@ -1,27 +1,5 @@
-"""Build and load the AVX512 BF16/VNNI kernels (``avx512_kernels.c``) as typed torch operators
-(``native_ops.cpp``): ``torch.ops.tandem.linear_``, ``activations``, ``rope_``, ``attention``,
-``llama_layer``, ``head_rmsnorm_``, ``add_rmsnorm``, ``gemma_layer``.
-
-Each operator's schema is registered with ``torch.library`` (``TORCH_LIBRARY(tandem, ...)``) and
-its C++ body checks every tensor's device, dtype, rank, shape and layout (and the index ranges the
-kernels write through) before the C code runs: a wrong argument raises ``ValueError`` naming the
-op and the argument, never reaches the kernels' raw pointers. The C signatures live once, in
-``avx512_kernels.h``, which both the C file and the C++ file include (no hand-kept ctypes
-signatures, no struct mirrored in Python).
-
-Built on first use, once per hash of the sources, flags, compilers and torch version, into
-``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache/tandem/kernels``): gcc compiles the C file with
-the AVX512 flags, g++ the operators against torch's headers, one shared library links both and
-torch's own OpenMP runtime (``libgomp.so.1`` from torch/lib, so the kernels' threads are torch's
-threads), written to a temporary name and renamed into place so several workers starting at once
-race harmlessly. No ninja or Python headers are needed (the library holds no Python bindings;
-``torch.ops.load_library`` registers it), unlike ``torch.utils.cpp_extension.load``.
-
-:func:`kernel_ops` returns ``torch.ops.tandem`` or None; :func:`kernel_unavailable` says why not
-in one line (no x86-64 AVX512 BF16/VNNI, no compiler, a failed build), which the startup line and
-the test session header repeat. Nothing here raises: a machine without the kernels runs the torch
-paths instead.
-"""
+"""Build and load the AVX512 kernels (``avx512_kernels.c``) as typed torch ops
+``torch.ops.tandem.*`` (``native_ops.cpp``)."""
 
 from __future__ import annotations
 
@@ -56,8 +34,8 @@ def cache_dir() -> Path:
 
 
 def kernel_ops():
-    """``torch.ops.tandem`` with the kernels' operators loaded, or None where they cannot run
-    here (see :func:`kernel_unavailable`)."""
+    """``torch.ops.tandem`` with the kernels' operators loaded, or None where they cannot run here
+    (see :func:`kernel_unavailable`)."""
     return _load()[0]
 
 
@@ -76,7 +54,7 @@ def describe() -> str:
     return f"native AVX512-BF16 kernels: on (torch.ops.tandem, {how})"
 
 
-_BUILT_S: list[float] = []    # this process's build time, when it built the library
+_BUILT_S: list[float] = []
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,7 +76,7 @@ def _load():
             t0 = time.perf_counter()
             _build(cc, cxx, out)
             _BUILT_S[:] = [time.perf_counter() - t0]
-        if not hasattr(torch.ops.tandem, "linear_"):   # registered once per process
+        if not hasattr(torch.ops.tandem, "linear_"):
             torch.ops.load_library(str(out))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -108,12 +86,11 @@ def _load():
 
 
 def _run(*cmds: list[str]) -> None:
-    """Run the commands side by side (the C and C++ compiles take the two cores CI has)."""
     procs: list[subprocess.Popen] = []
     try:
         for c in cmds:
             procs.append(subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    except OSError:                      # a missing compiler: stop what already started
+    except OSError:
         for p in procs:
             p.kill()
             p.communicate()
@@ -137,7 +114,7 @@ def _build(cc: str, cxx: str, out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     torch_lib = Path(torch.__file__).parent / "lib"
-    gomp = ["-l:libgomp.so.1"] if (torch_lib / "libgomp.so.1").exists() else ["-fopenmp"]  # torch's runtime
+    gomp = ["-l:libgomp.so.1"] if (torch_lib / "libgomp.so.1").exists() else ["-fopenmp"]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         c_obj, cxx_obj, so = (os.path.join(tmp, n) for n in ("kernels.o", "ops.o", "tandem_ops.so"))

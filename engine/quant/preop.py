@@ -1,16 +1,4 @@
-"""PreOp: what a projection does to its input first, so a kernel can fuse it.
-
-``PreOp.rmsnorm(weight, eps)``: RMSNorm over the last dim with a weight (the layer's input and
-post-attention norms, the final norm before the vocab head). ``PreOp.silu_mul()``: the MLP's
-``silu(gate) * up`` over a ``[T, 2I]`` gate_up output, giving ``[T, I]``. Gemma's:
-``PreOp.rmsnorm_f32(scale, eps)``, RMSNorm with a float32 weight (its precomputed ``1 + w``)
-whatever x's dtype, and ``PreOp.gelu_mul()``, ``gelu_tanh(gate) * up``.
-
-:meth:`PreOp.apply` is the plain-torch definition (the numerics the model had before kernels
-fused it: ``layers.rms_norm`` / ``models.norms.offset_rms_norm``, the activation then the
-multiply, each rounded to x's dtype); kernels without a fused form call it.
-:class:`~tandem.engine.quant.q8.Q8Linear` computes the same in float32 before quantizing.
-"""
+"""PreOp: what a projection does to its input first, so a kernel can fuse it."""
 
 from __future__ import annotations
 
@@ -25,8 +13,8 @@ from tandem.engine.models.norms import offset_rms_norm
 
 @dataclass(frozen=True)
 class PreOp:
-    kind: str                          # "rmsnorm" | "rmsnorm_f32" | "silu_mul" | "gelu_mul"
-    weight: torch.Tensor | None = None  # rmsnorm: [K]; rmsnorm_f32: [K] float32
+    kind: str
+    weight: torch.Tensor | None = None
     eps: float = 0.0
 
     @staticmethod
@@ -61,7 +49,7 @@ class PreOp:
         if self.kind == "gelu_mul":
             return F.gelu(x[:, :inter], approximate="tanh") * x[:, inter:]
         act = F.silu(x[:, :inter], inplace=True)                     # [T, I] view of x
-        return act.mul_(x[:, inter:])                                # silu(gate) * up, in place
+        return act.mul_(x[:, inter:])
 
 
 _SILU_MUL = PreOp("silu_mul")

@@ -30,8 +30,12 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     assert [r["batch"] for r in rep["decode"]["rows"]] == [1, 2]
     assert rep["host_copies"]["round_trip_exact"]
     assert len(rep["kernel_sweep"]["shapes"]) == 2
+    sw = rep["split_sweep"]
+    assert sw["ok"] and len(sw["rows"]) == 4 and sw["table"]["spans"] == [16, 40]
+    assert all(str(r["best"]) == min(r["us"], key=r["us"].get) for r in sw["rows"])
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Decode tok/s" in md and "## Triton kernels" in md and "status: **pass**" in md
+    assert "## Decode attention split-K sweep" in md
     assert "## Launches per decode step" in md and "## Llama-3.1-8B geometry" in md
     assert set(rep["decode"]["rows"][0]["engine_over_runner"]) == {"engine_graph", "engine_graph_no_overlap"}
 
@@ -54,7 +58,7 @@ def test_gpu_check_imports_no_ray_nixl_or_transfer():
     """The GPU machine has no Ray and no NIXL: the Engine and gpu_check's modules must not
     import them (nor transfer/, which imports NIXL) at import time."""
     code = ("import sys; import tandem.engine.engine, tandem.bench.gpu.correctness, tandem.bench.gpu.throughput, "
-            "tandem.bench.gpu.kernels, tandem.bench.gpu.models; "
+            "tandem.bench.gpu.kernels, tandem.bench.gpu.models, tandem.bench.gpu.splits; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'nixl') "
             "or m.startswith('tandem.transfer')); print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),

@@ -169,28 +169,26 @@ _VOCAB = 258     # the byte tokenizer's
 
 
 class _WatchingModel:
-    """The stand-in that watches the host while it computes: a forward that is not the first
-    waits (up to ``wait_s``) for the engine to apply a step (``stats["steps"]`` grows) and counts
-    the forwards that saw it; ``lane`` counts the forwards run off the engine's thread. Only a
-    host that works while the device runs can apply a step during a forward; the plain loop (and
-    a plan that takes the plain path under overlap, such as a prefill) cannot, whatever the load."""
+    """The stand-in that watches the host while it computes: forward ``k`` waits (up to
+    ``wait_s``) for the host to launch step ``k + 1`` (``launched`` reaches ``k + 1``; the engine
+    counts its ``Scheduler.advance`` calls there) and counts the forwards that saw it; ``lane``
+    counts the forwards run off the engine's thread. Only a host that plans while the device runs
+    can launch a step during a forward, and with overlap it always does (planning step ``k + 1``
+    waits for nothing forward ``k`` computes) except past the last step; the plain loop never can."""
 
     device, dtype = torch.device("cpu"), torch.float32
 
     def __init__(self, wait_s: float):
-        self.wait_s, self.calls, self.lane, self.saw_host = wait_s, 0, 0, 0
+        self.wait_s, self.calls, self.lane, self.saw_host, self.launched = wait_s, 0, 0, 0, 0
         self.engine: Engine | None = None
 
     def forward(self, fb, backend, return_all_logits: bool = False):
         self.calls += 1
-        on_lane = threading.current_thread() is not self.engine._thread
-        self.lane += on_lane
-        if self.calls > 1 and (on_lane or self.wait_s < 1):
-            stats = self.engine.scheduler.stats
-            start, end = stats["steps"], time.monotonic() + self.wait_s
-            while stats["steps"] == start and time.monotonic() < end:
-                time.sleep(0.001)
-            self.saw_host += stats["steps"] != start
+        self.lane += threading.current_thread() is not self.engine._thread
+        end = time.monotonic() + self.wait_s
+        while self.launched <= self.calls and time.monotonic() < end:
+            time.sleep(0.001)
+        self.saw_host += self.launched > self.calls
         last = fb.last_token_indices      # all mass on a printable byte (never EOS) of the input
         logits = torch.zeros(fb.batch_size, _VOCAB)
         logits[torch.arange(fb.batch_size), (fb.input_ids[last] * 31 + fb.positions[last] * 7 + 1) % 94] = 1.0
@@ -206,14 +204,21 @@ def _watching(wait_s: float) -> LoadedModel:
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
-def test_the_host_applies_step_n_while_the_device_runs_step_n_plus_1(overlap):
+def test_the_host_launches_step_n_plus_1_while_the_device_runs_step_n(overlap):
     """The overlap itself, structurally (the speed it buys is bench/overlap.py's): with overlap on
-    the steps run off the engine's thread and most find the host applying the previous step
-    meanwhile (not the first, nor one launched after its predecessor was applied); with it off every forward runs on the engine's thread and none does. Tokens
-    equal either way."""
-    loaded = _watching(wait_s=3.0 if overlap == "on" else 0.02)
+    every step runs off the engine's thread and the host launches the next one while it runs (all
+    but the last); with it off every forward runs on the engine's thread and none sees a launch.
+    Tokens equal either way."""
+    loaded = _watching(wait_s=2.0 if overlap == "on" else 0.02)
     model = loaded.model
     e = model.engine = _engine(loaded, overlap)
+    advance = e.scheduler.advance
+
+    def counted(plan):
+        advance(plan)
+        model.launched += 1
+
+    e.scheduler.advance = counted
     try:
         reqs = [e.make_request(p, SamplingParams(max_tokens=8, ignore_eos=True), rid=f"w{i}")
                 for i, p in enumerate(["abc", "hello", "xyz"])]
@@ -222,7 +227,8 @@ def test_the_host_applies_step_n_while_the_device_runs_step_n_plus_1(overlap):
         e.shutdown()
     assert all(len(o.token_ids) == 8 for o in outs)
     if overlap == "on":
-        assert model.lane >= 5 and model.saw_host >= model.lane // 2, (model.saw_host, model.lane, model.calls)
+        assert model.lane == model.calls >= 8 and model.saw_host == model.calls - 1, \
+            (model.saw_host, model.lane, model.calls)
     else:
         assert model.lane == 0 and model.calls >= 8 and model.saw_host == 0, (model.saw_host, model.calls)
 

@@ -288,11 +288,9 @@ def test_matches_torch_backend():
 def test_choose_kv_splits_exact():
     from tandem.engine.attention.triton_backend import choose_kv_splits
 
-    # interpreter / CPU (no SM count): the keys decide, capped by max_kv_splits
-    assert [choose_kv_splits(n, 4, 3, None, 16, 128) for n in (1, 128, 129, 1000, 9000)] == [1, 1, 2, 8, 16]
-    # an H200 (132 SMs), SmolLM2 (3 KV heads), the context limit 8192: the batch decides
-    assert [choose_kv_splits(8192, b, 3, 132, 16, 128) for b in (1, 8, 32, 88, 89, 128)] == [16, 11, 3, 1, 1, 1]
-    assert choose_kv_splits(20, 1, 3, 132, 16, 4) == 5        # a 20-token window
+    # the interpreter's rule (no tuning table): the keys decide, capped by max_kv_splits
+    assert [choose_kv_splits(n, 16, 128) for n in (1, 128, 129, 1000, 9000)] == [1, 1, 2, 8, 16]
+    assert choose_kv_splits(20, 16, 4) == 5        # a 20-token window
 
 
 @pytest.mark.parametrize("tiles", [dict(block_n=16), dict(block_n=64)], ids=["n16", "n64"])
@@ -311,6 +309,25 @@ def test_decode_fixed_kv_splits(splits):
     backend.init_forward(case.fb)
     assert backend.num_kv_splits(case.fb.attn_meta[META_KEY], case.spec, 4) == splits
     _check(case, backend)
+
+
+def test_a_split_table_picks_the_count_and_every_count_it_can_pick_agrees():
+    """The backend takes its decode split count from a tuning table (span = the step's longest
+    sequence here, programs = batch x KV heads), and each count the table holds gives the same
+    output as the single pass, all of them matching the dense reference."""
+    from tandem.engine.attention.split_rule import SplitTable
+
+    table = SplitTable.from_rows([(1, 3, 1), (1, 12, 1), (64, 3, 5), (64, 12, 2),
+                                  (128, 3, 8), (128, 12, 3)], "test")
+    case = Case([0, 6, 32, 69], [1, 1, 1, 1], page_size=1, seed=13)      # span 70, 4 x 3 programs
+    backend = TritonAttentionBackend(split_table=table)
+    backend.init_forward(case.fb)
+    assert backend.num_kv_splits(case.fb.attn_meta[META_KEY], case.spec, 4) == 2
+    one = _check(case, TritonAttentionBackend(num_kv_splits=1))
+    for n in sorted({c for row in table.splits for c in row}):
+        torch.testing.assert_close(_check(case, TritonAttentionBackend(num_kv_splits=n)), one,
+                                   atol=1e-5, rtol=0)
+    torch.testing.assert_close(case.run(backend), one, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("m,n", [(16, 32), (32, 16)])
@@ -401,8 +418,10 @@ def test_gpu_split_count_depends_on_batch_size_only():
         meta = fb.attn_meta[META_KEY]
         assert meta.kv_span == fb.req_to_token.shape[1] and meta.num_sms
         counts.append(backend.num_kv_splits(meta, case.spec, 2))
+    from tandem.engine.attention.split_rule import DEFAULT_SPLITS, choose_splits
+
     width = case.fb.req_to_token.shape[1]
-    assert counts[0] == counts[1] == min(16, -(-width // 128), -(-2 * meta.num_sms // 6))
+    assert counts[0] == counts[1] == choose_splits(DEFAULT_SPLITS, width, 2, case.spec.num_kv_heads)
 
 
 @pytest.mark.gpu

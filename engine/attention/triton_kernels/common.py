@@ -7,16 +7,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
+LOG2E = 1.4426950408889634
 
 
 def check_device(kernel, t: torch.Tensor) -> None:
-    """Raise if ``kernel`` cannot run on ``t``'s device.
-
-    Triton's interpret mode is process-wide and fixed when triton is first imported
-    (``TRITON_INTERPRET=1``): then kernels run in numpy on any tensors (CUDA ones are copied to
-    the host and back); otherwise they compile and need CUDA tensors.
-    """
+    """Raise if ``kernel`` cannot run on ``t``'s device."""
     if t.is_cuda or type(kernel).__name__ == "InterpretedFunction":
         return
     raise ValueError(
@@ -43,9 +38,7 @@ def block_d(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """A kernel's launch tiles. ``block_n``: keys per inner-loop tile; ``block_m``: queries per
-    program (extend only; 0 for decode); ``num_warps`` / ``num_stages``: triton's launch options
-    (ignored by the interpreter). Blocks are powers of two >= 16 (``tl.dot`` needs 16 on GPUs)."""
+    """A kernel's launch tiles."""
 
     block_n: int
     num_warps: int

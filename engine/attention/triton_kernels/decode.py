@@ -1,22 +1,4 @@
-"""Decode attention: one query token per sequence over its paged KV (flash-decoding).
-
-Stage 1 splits each sequence's visible keys into ``num_kv_splits`` contiguous ranges of
-positions; program (b, head block, split) runs an online softmax over its range for all the
-query heads that share one KV head (GQA: those heads are packed into the M dimension of the
-dot, so each K/V tile is loaded once per group). It writes a normalized partial output and its
-log-sum-exp (base 2). Stage 2 merges the splits of each (b, head).
-
-    stage 1:  q [B, H_q, D] x K/V pool  ->  mid_o [B, H_q, S, D], mid_lse [B, H_q, S]
-    stage 2:  mid_o, mid_lse             ->  o [B, H_q, D]
-
-With one split (short contexts, or enough sequences x KV heads to fill the GPU alone) stage 1
-writes ``o`` directly and stage 2 is not launched: a single-pass decode attention.
-
-Keys of sequence b are positions ``lo .. seq_lens[b]-1`` read as slots
-``req_to_token[req_pool_indices[b], pos]`` (then rows ``index_map[slot]`` when given), where
-``lo = max(0, seq_lens[b] - window)`` with a sliding window, else 0. The query is at position
-``seq_lens[b]-1`` so every visible key is causal. Slots outside ``lo ..`` are never read.
-"""
+"""Decode attention: one query token per sequence over its paged KV (flash-decoding)."""
 
 from __future__ import annotations
 
@@ -54,7 +36,6 @@ def _decode_stage1_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    # q: [BLOCK_H, BLOCK_D]
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
 
@@ -78,28 +59,24 @@ def _decode_stage1_kernel(
         slot = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
         if HAS_INDEX_MAP:
             slot = tl.load(Index_map + slot, mask=mask_n, other=0).to(tl.int64)
-        # k: [BLOCK_D, BLOCK_N] (transposed for the dot)
         k = tl.load(K_buf + slot[None, :] * stride_kt + kv_off_k + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        # every tile in start..end has a valid key, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # v: [BLOCK_N, BLOCK_D]
         v = tl.load(V_buf + slot[:, None] * stride_vt + kv_off_v + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # An empty split (short sequence) stores o = 0, lse = -inf: stage 2 gives it weight 0.
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     mo = Mid_o + b.to(tl.int64) * stride_mob + split * stride_mos
-    if DIRECT:   # one split: the output itself (Mid_o is o), no stage 2
+    if DIRECT:
         tl.store(mo + heads[:, None] * stride_moh + offs_d[None, :], out.to(Mid_o.dtype.element_ty),
                  mask=mask_h[:, None] & mask_d[None, :])
     else:
@@ -126,14 +103,14 @@ def _decode_stage2_kernel(
 
     lse = tl.load(Mid_lse + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
                   mask=mask_s, other=float("-inf"))                          # [BLOCK_S]
-    m = tl.max(lse, 0)                        # finite unless seq_len == 0 (a padding entry)
+    m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.exp2(lse - m)                      # 0 for empty and padding splits
+    w = tl.exp2(lse - m)
     parts = tl.load(Mid_o + b.to(tl.int64) * stride_mob + h * stride_moh
                     + offs_s[:, None] * stride_mos + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)        # [BLOCK_S, BLOCK_D]
     w_sum = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)  # seq_len 0 -> zeros
+    out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
              out.to(O.dtype.element_ty), mask=mask_d)
 
@@ -141,11 +118,11 @@ def _decode_stage2_kernel(
 def default_tiles(head_dim: int, device: torch.device) -> Tiles:
     """Stage 1's tiles when the caller gives none (bench/gpu_check.py's sweep tunes them)."""
     major, _ = cuda_capability(device)
-    if major >= 8:  # Ampere / Hopper: cp.async pipelining of the gathered K/V tiles
+    if major >= 8:
         return Tiles(block_n=32 if head_dim <= 128 else 16, num_warps=4, num_stages=2)
     if major > 0:
         return Tiles(block_n=32 if head_dim <= 128 else 16, num_warps=4, num_stages=1)
-    return Tiles(block_n=32, num_warps=1, num_stages=1)  # interpreter: only block_n matters
+    return Tiles(block_n=32, num_warps=1, num_stages=1)
 
 
 def decode_attention(
@@ -162,15 +139,7 @@ def decode_attention(
     index_map: torch.Tensor | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """Decode attention into ``o``.
-
-    q, o: ``[B, H_q, D]`` (last dim contiguous); k_buf, v_buf: ``[rows, H_kv, D]``;
-    req_to_token: int32 ``[R, max_context]``; req_pool_indices, seq_lens: ``[B]`` (seq_lens
-    counts the query token, whose K/V must already be in the pool; a padding row of a CUDA
-    graph has seq_len 1 on row 0, slot 0). ``num_kv_splits`` >= 1. ``tiles``: stage 1's
-    launch tiles (``block_m`` unused; default :func:`default_tiles`). Reads only device
-    tensors and the host ints given, so it can be captured in a CUDA graph.
-    """
+    """Decode attention into ``o``."""
     check_device(_decode_stage1_kernel, q)
     B, H_q, D = q.shape
     H_kv = k_buf.shape[1]
@@ -184,12 +153,12 @@ def decode_attention(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     group = H_q // H_kv
-    block_h = max(16, min(32, triton.next_power_of_2(group)))  # tl.dot needs M >= 16 on GPU
+    block_h = max(16, min(32, triton.next_power_of_2(group)))
     heads_per_prog = min(group, block_h)
     blocks_per_kv = triton.cdiv(group, heads_per_prog)
     BD = block_d(D)
 
-    direct = num_kv_splits == 1   # single pass: stage 1 writes o, stage 2 is not launched
+    direct = num_kv_splits == 1
     if direct:
         mid_o, mid_lse = o.unsqueeze(2), o[:, :, 0]     # [B, H_q, 1, D]; lse never written
     else:
@@ -199,7 +168,7 @@ def decode_attention(
     has_map = index_map is not None
     _decode_stage1_kernel[(B, H_kv * blocks_per_kv, num_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        index_map if has_map else req_pool_indices,  # dummy pointer, never read
+        index_map if has_map else req_pool_indices,
         mid_o, mid_lse,
         num_kv_splits, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1),

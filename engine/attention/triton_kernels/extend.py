@@ -1,19 +1,5 @@
 """Extend (prefill) attention: a chunk of new tokens per sequence attends over the sequence's
-cached prefix plus the new tokens themselves, causally.
-
-Program (b, h, m-block) owns ``BLOCK_M`` new tokens of sequence b and query head h. It runs one
-online softmax over two key ranges:
-
-    positions:  0 ........ prefix_lens[b]-1 | prefix_lens[b] ...... seq_lens[b]-1
-                 cached prefix (pool, read     new tokens (k_new / v_new, contiguous rows
-                 via req_to_token[+index_map]) extend_starts[b] ..), causal mask n <= m
-
-The prefix part needs no causal mask (every prefix key precedes every new query). With a sliding
-window W a query at position p sees keys at positions > p - W; the loops start at the first
-position any query of the block can see, so slots outside the window are never read.
-K/V of the new tokens are read from ``k_new``/``v_new`` rather than the pool; the caller stores
-them into the pool (store_kv) with the same values.
-"""
+cached prefix plus the new tokens themselves, causally."""
 
 from __future__ import annotations
 
@@ -50,22 +36,18 @@ def _extend_kernel(
     row = tl.load(Req_pool_idx + b).to(tl.int64)
     kv_head = h // GROUP
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)          # index among the new tokens
+    offs_m = m_start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < ext_len
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    # q: [BLOCK_M, BLOCK_D]
     q = tl.load(Q + (t0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    q_pos = prefix + offs_m                            # absolute positions
+    q_pos = prefix + offs_m
 
-    # m starts finite so a row whose first tiles are all masked (sliding window) gets
-    # p = exp2(-inf) = 0 and alpha = 1 instead of NaN; each row sees >= 1 key (itself).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # ---- cached prefix: positions lo .. prefix-1 through req_to_token ----
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(prefix + m_start - window + 1, 0)
@@ -91,7 +73,6 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # ---- new tokens: indices lo_e .. min(ext_len, m_start + BLOCK_M)-1, causal ----
     lo_e = 0
     if HAS_WINDOW:
         lo_e = tl.maximum(m_start - window + 1, 0)
@@ -121,21 +102,20 @@ def _extend_kernel(
 
 
 def default_tiles(head_dim: int, elem_size: int, device: torch.device) -> Tiles:
-    """Tiles when the caller gives none. Shared memory holds the q tile plus num_stages K and V
-    tiles (about 49 KB for bf16 at 128/64/D=128, 164 KB for fp32 at the same tiles)."""
+    """Tiles when the caller gives none."""
     major, minor = cuda_capability(device)
-    if major == 0:  # interpreter: small blocks so small tests still cross block boundaries
+    if major == 0:
         return Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    big_smem = major >= 9 or (major, minor) == (8, 0)  # H100/H200: 227 KB, A100: 163 KB
+    big_smem = major >= 9 or (major, minor) == (8, 0)
     small_d = head_dim <= 128
     if major < 8:
         m, n, stages = (64 if small_d else 32), 32, 1
-    elif elem_size <= 2:  # bf16 / fp16
+    elif elem_size <= 2:
         if big_smem:
             m, n, stages = (128, 64, 2) if small_d else (64, 64, 1)
-        else:  # sm86 / sm89: ~100 KB
+        else:
             m, n, stages = (64, 64, 2) if small_d else (32, 64, 1)
-    else:  # fp32: twice the bytes per tile
+    else:
         if big_smem:
             m, n, stages = (64, 64, 2) if small_d else (32, 64, 1)
         else:
@@ -162,14 +142,7 @@ def extend_attention(
     index_map: torch.Tensor | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """Extend attention into ``o``.
-
-    q, o: ``[T, H_q, D]``; k_new, v_new: ``[T, H_kv, D]`` (the new tokens' K/V); k_buf, v_buf:
-    ``[rows, H_kv, D]`` (the pool, holding each sequence's prefix); req_to_token: int32
-    ``[R, max_context]``; req_pool_indices, prefix_lens, extend_lens, extend_starts: ``[B]``.
-    ``max_extend_len`` >= max(extend_lens) (a host int, so the grid needs no device sync).
-    ``tiles``: launch tiles (``block_m`` required; default :func:`default_tiles`).
-    """
+    """Extend attention into ``o``."""
     check_device(_extend_kernel, q)
     T, H_q, D = q.shape
     H_kv = k_buf.shape[1]
@@ -190,7 +163,7 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_new, v_new, o, k_buf, v_buf,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        index_map if has_map else req_pool_indices,  # dummy pointer, never read
+        index_map if has_map else req_pool_indices,
         scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), o.stride(0), o.stride(1),

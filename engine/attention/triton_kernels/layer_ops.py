@@ -1,22 +1,5 @@
 """The fused elementwise kernels of a Llama layer's GPU path (engine/models/llama_gpu.py): one
-launch each where torch needs several.
-
-- :func:`add_rmsnorm`: ``residual += x`` (rounded to the residual's dtype, as a torch add is),
-  then ``rmsnorm(residual) * weight`` (statistics in float32, normalized value cast to the model
-  dtype before the weight, as engine/layers.py's ``rms_norm`` does). ``x=None``: the norm alone.
-- :func:`silu_mul`: ``silu(gate) * up`` of a fused ``[T, 2I]`` gate_up output (silu in float32,
-  rounded to the dtype, then the product, as ``F.silu(g) * u`` rounds).
-- :func:`rope_store`: the rotary embedding ("rotate half") of q and k in place, and the rotated
-  k plus v written into one layer's KV pool at ``out_cache_loc`` (``index_map`` when the pool
-  is reached through one): rope, the KV store and their casts in one launch. Rotation in float32,
-  rounded once.
-
-- :func:`sample`: one token per row in one launch: greedy (temperature 0) or temperature /
-  top-k / top-p by Gumbel-max with per-row seeds (overlap scheduling's device sampling on CUDA).
-
-Each has a torch reference beside it (``*_reference``), the unfused ops the GPU path ran before
-(``sample_reference_probs``: the distribution engine/sampler.py draws from).
-"""
+launch each where torch needs several."""
 
 from __future__ import annotations
 
@@ -196,7 +179,6 @@ def _sample_kernel(Logits, Out, Temp, TopP, TopK, Seed, stride, V, ITERS: tl.con
     row = tl.program_id(0).to(tl.int64)
     base = Logits + row * stride
     offs = tl.arange(0, BLOCK)
-    # pass 1: the row's max, its first index, and its min (greedy needs only the first two)
     m = float("-inf")
     lo = float("inf")
     am = V
@@ -213,7 +195,6 @@ def _sample_kernel(Logits, Out, Temp, TopP, TopK, Seed, stride, V, ITERS: tl.con
     else:
         top_k = tl.load(TopK + row)
         top_p = tl.load(TopP + row)
-        # top-k: the largest threshold t with at least k logits >= t (binary search over values)
         t_k = lo
         if top_k > 0:
             a, b = lo, m
@@ -226,8 +207,6 @@ def _sample_kernel(Logits, Out, Temp, TopP, TopK, Seed, stride, V, ITERS: tl.con
                 a = tl.where(n >= top_k, mid, a)
                 b = tl.where(n >= top_k, b, mid)
             t_k = a
-        # the softmax's mass over the top-k set, then top-p: the largest probability threshold
-        # whose set (p >= t) still holds more than top_p of that mass
         denom = 0.0
         for off in range(0, V, BLOCK):
             x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
@@ -245,7 +224,6 @@ def _sample_kernel(Logits, Out, Temp, TopP, TopK, Seed, stride, V, ITERS: tl.con
                 a = tl.where(mass >= top_p, mid, a)
                 b = tl.where(mass >= top_p, b, mid)
             t_p = a
-        # Gumbel-max over the kept set; the noise of token i depends on (seed, i) only
         seed = tl.load(Seed + row)
         best = float("-inf")
         tok = am
@@ -266,13 +244,10 @@ def _sample_kernel(Logits, Out, Temp, TopP, TopK, Seed, stride, V, ITERS: tl.con
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, iters: int = 24) -> torch.Tensor:
-    """One token per row of logits ``[B, V]``, in one launch: temperature 0 is greedy (the
-    first maximal index, as ``argmax``); otherwise softmax(logits / temperature) cut to the
-    top-k logits (``top_k`` 0: off) and then to the top-p mass (``top_p`` 1: off), drawn by
-    Gumbel-max with noise from ``seeds[b]`` and the token index only (a row's draw does not
-    depend on its batch). The cuts are thresholds found by ``iters`` bisection steps, so a
-    logit within the last step of the k-th (or the top-p edge) may be kept too. Per-row
-    tensors ``[B]`` on the logits' device: temperature, top_p float32; top_k, seeds int."""
+    """One token per row of logits ``[B, V]``, in one launch: temperature 0 is greedy (the first
+    maximal index, as ``argmax``); otherwise softmax(logits / temperature) cut to the top-k logits
+    (``top_k`` 0: off) and then to the top-p mass (``top_p`` 1: off), drawn by Gumbel-max with noise
+    from ``seeds[b]`` and the token index only (a row's draw does not depend on its batch)."""
     check_device(_sample_kernel, logits)
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)

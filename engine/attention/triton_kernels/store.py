@@ -1,8 +1,5 @@
-"""Store the new tokens' K and V into one layer's pool: ``k_buf[row(t)] = k[t]`` (same for v),
-where ``row(t) = out_cache_loc[t]``, or ``index_map[out_cache_loc[t]]`` when the layer's pool
-is reached through an index map. One program per token; K and V, the index-map gather and the
-dtype cast happen in one launch.
-"""
+"""Store the new tokens' K and V: ``k_buf[row(t)] = k[t]`` (v alike), ``row(t) = out_cache_loc[t]``
+or ``index_map[out_cache_loc[t]]``."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ def _store_kv_kernel(
     slot = tl.load(Loc + t).to(tl.int64)
     if HAS_INDEX_MAP:
         slot = tl.load(Index_map + slot).to(tl.int64)
-    offs = tl.arange(0, BLOCK)               # flattened (head, dim)
+    offs = tl.arange(0, BLOCK)
     mask = offs < NUM_HEADS * HEAD_DIM
     h = offs // HEAD_DIM
     d = offs % HEAD_DIM
