@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any, Mapping
 
+from tandem.cache.tiers.l3.budget import PRIOR_PREFILL_TOK_S
 from tandem.cache.tiers.l3.store import L3Store, key_prefix
 from tandem.cache.tiers.l3.tier import L3Tier, layout
 
@@ -28,14 +29,16 @@ log = logging.getLogger(__name__)
 WORKER_WRITE_POLICY = "write_through"
 
 
-def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_bytes: int = 0) -> dict | None:
+def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_bytes: int = 0,
+               prefill_tok_s: float | None = PRIOR_PREFILL_TOK_S) -> dict | None:
     """The workers' L3 options for ``ServeConfig.kv_store`` once a master is known
-    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``. ``segment_bytes``
-    (``ServeConfig.l3_worker_segment_bytes``): what each worker lends the store; 0 where the
-    cluster's storage process keeps the pages."""
+    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``. ``segment_bytes``: what each worker
+    lends the store (0: the cluster's storage process keeps the pages); ``prefill_tok_s``: the
+    recompute rate a read competes with (``ReadBudget``)."""
     if not kv_store.startswith("mooncake://"):
         return None
-    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt, "segment_bytes": segment_bytes}
+    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt, "segment_bytes": segment_bytes,
+            "prefill_tok_s": prefill_tok_s}
 
 
 def attach_store(cache, kv_pool, model: str, *, aux_data: Mapping[str, Any] | None = None,
@@ -54,11 +57,13 @@ def attach_store(cache, kv_pool, model: str, *, aux_data: Mapping[str, Any] | No
 
 def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None, *, url: str,
                  timeout_s: float, corrupt: bool = False, write_policy: str = WORKER_WRITE_POLICY,
-                 segment_bytes: int = 0) -> L3Tier | None:
+                 segment_bytes: int = 0, prefill_tok_s: float | None = PRIOR_PREFILL_TOK_S,
+                 max_tokens: int | None = None) -> L3Tier | None:
     """An :class:`L3Tier` over the store at ``url`` for a cache with auxiliary components
-    ``comps`` (None: no store joined, or a component without its device data).
-    ``segment_bytes``: the memory this worker lends to the store (0: none; its pages then live
-    in the storage process's segment and outlive this worker)."""
+    ``comps`` (None: no store joined, or a component without its device data), its read rate
+    measured once here (``ReadBudget.probe``). ``segment_bytes``: the memory this worker lends
+    to the store (0: its pages live in the storage process's segment and outlive this worker);
+    ``prefill_tok_s``, ``max_tokens``: :class:`L3Tier`'s."""
     missing = [c.name for c in comps if c.name not in (aux_data or {})]
     if missing:
         log.warning("L3 store off: no device data given for the components %s", missing)
@@ -76,6 +81,9 @@ def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None,
                                         dtype, layout(comps)), timeout_s=timeout_s)
     store.corrupt_all = corrupt
     tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy,
-                  aux_data={c.name: aux_data[c.name] for c in comps})
-    log.info("L3 store joined at %s (%s, prefix %s)", url, write_policy, store.prefix)
+                  aux_data={c.name: aux_data[c.name] for c in comps}, prefill_tok_s=prefill_tok_s,
+                  max_tokens=max_tokens)
+    rate = tier.budget.probe(store, tier.budget.token_bytes * kv_pool.page_size)
+    log.info("L3 store joined at %s (%s, prefix %s, read %s MB/s)", url, write_policy, store.prefix,
+             "?" if rate is None else f"{rate / 1e6:.0f}")
     return tier

@@ -1,0 +1,248 @@
+"""The L3 tier's reads: continue a device match into the store (engine thread only).
+
+One batch ``exists`` over the next pages and what each component needs there (``reach.py``); the
+deepest end every component accepts is read into fresh device slots and rows and inserted. A
+value that is absent, corrupt, wrong-sized or past the fetch's wait is a miss: the end moves up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.cache.tiers.l3.payload import Payload
+from tandem.cache.tiers.l3.reach import FULL, Reach, Rule
+from tandem.core.page_hash import page_hashes
+
+
+@dataclass
+class Ask:
+    """What a fetch or a prefetch asks the store about; holds no tree reference. A prefetch
+    returns its job's Ask as the job's handle: :meth:`stop` ends its store reads."""
+
+    hashes: list[int]               # [P]: page p's hash (FULL-only caches: 0 below s0, never asked)
+    s0: int                         # the device match's end, in pages
+    refs: list[tuple[str, int]]     # (kind, hash): FULL pages [s0, P), then each component's pages
+    rules: list[Rule]               # each component's rule (which pages below s0 it holds)
+    asked: list[list[int]]          # each component's pages among ``refs``, in order
+    wait_s: float = 0.0             # the longest wait on the store for these pages
+    stopped: bool = False           # set by the engine thread, read by the prefetch thread
+
+    def stop(self) -> None:
+        """Start no store call after the one running (its request is being admitted)."""
+        self.stopped = True
+
+
+class L3Reads:
+    """The fetch half of :class:`~tandem.cache.tiers.l3.tier.L3Tier` (a mixin over its state)."""
+
+    def _pages_to_ask(self, n_tokens: int) -> int:
+        """Whole pages of the ``n_tokens`` past a match that one fetch asks for (the budget)."""
+        return max(self.budget.tokens(max(n_tokens, 0)) // self.page_size, 0)
+
+    def fetch(self, token_ids, m, *, session_id=None) -> int:
+        """Continue match ``m`` of ``token_ids`` into the store: read the values of the deepest
+        end past ``m``'s device prefix that FULL and every component accept into new device
+        slots and rows, and insert them. Returns the tokens added (0: nothing to ask, no room, no
+        accepted end). Staged values are taken (each once) instead of read; the pages placed are
+        the same. Waits on the store at most ``Ask.wait_s`` in all (plus the batch ``exists``,
+        bounded by the store's timeout); the caller matches again."""
+        t0 = time.perf_counter()
+        found = self._lookup(token_ids, m)
+        if found is None:
+            return 0
+        key, last, path, ask = found
+        c, t = self._port, self._port.tree
+        self.stats.lookups += 1
+        reach = self._reach(ask, self._exists(ask.refs))
+        got = 0
+        if reach.deepest() > reach.s0:
+            t.lock(last, +1)                # the matched prefix stays while we make room
+            try:
+                got = self._read(key, ask, reach, path, m, t0, session_id)
+            finally:
+                t.lock(last, -1)
+                c.settle()
+        self.stats.hit_pages += got
+        self.stats.miss_pages += len(ask.hashes) - ask.s0 - got
+        self.stats.prefetch_s += time.perf_counter() - t0
+        return got * self.page_size
+
+    def _lookup(self, token_ids, m) -> tuple[list, object, list, Ask] | None:
+        """``(key, last device node, matched device path, what to ask)`` for the pages after
+        ``m``'s device prefix within the budget, or None when there is nothing to ask. Reads the
+        tree: engine thread only."""
+        c = self._port
+        t, ps = c.tree, self.page_size
+        last = m.last_device_node
+        if last is None or m.best_match_node is not last or not self.store.up:
+            return None
+        key = c.key(token_ids)
+        start = m.prefix_len
+        n_pages = self._pages_to_ask(len(key) - start)
+        if n_pages <= 0:
+            return None
+        path = t.path(last) if self._aux else []
+        parent = t.hashes(last)[-1] if last is not t.root else None
+        before = [h for nd in path for h in t.hashes(nd)] if self._aux else [0] * (start // ps)
+        hashes = before + page_hashes(key[start:start + n_pages * ps], ps, parent)
+        ask = self._ask(hashes, start // ps, path)
+        ask.wait_s = self.budget.wait_s(n_pages * ps)
+        return key, last, path, ask
+
+    def _ask(self, hashes: list[int], s0: int, path: list) -> Ask:
+        """The FULL pages ``[s0, P)`` and what the components could use there (``path``: the
+        matched device nodes), as refs for one batch ``exists``."""
+        ps, P = self.page_size, len(hashes)
+        refs = [("", h) for h in hashes[s0:]]
+        rules, asked = [], []
+        for i, c, pl in self._aux:
+            if c.per_token:
+                on_device = [False] * s0
+                for nd in path:
+                    if nd.aux[i] is not None:
+                        on_device[nd.start // ps:nd.end // ps] = [True] * (len(nd.key) // ps)
+                lo = max(0, (s0 * ps + ps - c.lock_span) // ps)    # no window reaches below
+                pages = [p for p in range(lo, P) if not (p < s0 and on_device[p])]
+                rule = Rule(True, c.lock_span, on_device)
+            else:
+                pages, rule = list(range(s0, P)), Rule(False)
+            rules.append(rule)
+            asked.append(pages)
+            refs += [(pl.kind, hashes[p]) for p in pages]
+        return Ask(hashes, s0, refs, rules, asked)
+
+    def _exists(self, refs: list[tuple[str, int]]) -> list[bool]:
+        """Which of ``refs`` are available: staged ones without asking, the rest in one batch."""
+        staged = self._staging.holds(refs)
+        answers = iter(self.store.exists_keys([r for r, s in zip(refs, staged) if not s]))
+        return [True if s else next(answers) for s in staged]
+
+    def _reach(self, ask: Ask, found: list[bool]) -> Reach:
+        n_full = len(ask.hashes) - ask.s0
+        off = n_full
+        for rule, pages in zip(ask.rules, ask.asked):
+            rule.stored = dict(zip(pages, found[off:off + len(pages)]))
+            off += len(pages)
+        return Reach(self.page_size, ask.s0, found[:n_full], ask.rules)
+
+    def _payload(self, j: int) -> Payload:
+        return self._full if j == FULL else self._aux[j][2]
+
+    def _read(self, key: list, ask: Ask, reach: Reach, path: list, m, t0: float,
+              session_id) -> int:
+        """Read, place and insert the deepest accepted end's values. Returns the FULL pages added."""
+        c, ps, s0 = self._port, self.page_size, reach.s0
+        if c.allocator.available_size() + c.tree.evictable < (reach.deepest() - s0) * ps:
+            return 0                        # no room even after evicting everything unlocked
+        read = self._collect(reach, ask, t0, self._take)
+        e = reach.deepest()
+        if e <= s0:
+            return 0
+        return self._place(key, ask.hashes, reach, e, read, path, m, session_id)
+
+    def _collect(self, reach: Reach, ask: Ask, t0: float, load) -> dict:
+        """``{ref: load(ref, page hash, seconds left)}`` for every value the deepest accepted end
+        needs; a ``None`` loaded moves the end up, and past ``ask.wait_s`` from ``t0`` only what
+        was loaded counts. Leaves ``reach.deepest()`` at an end whose values are all loaded."""
+        read: dict[tuple[int, int], object] = {}
+        e = reach.deepest()
+        while e > reach.s0:
+            missed = False
+            for ref in reach.needs(e):
+                if ref in read:
+                    continue
+                left = ask.wait_s - (time.perf_counter() - t0)
+                if left <= 0:
+                    reach.keep_only(set(read))
+                    missed = True
+                    break
+                value = load(ref, ask.hashes[ref[1]], left)
+                if value is None:
+                    reach.lose(ref)
+                    missed = True
+                    break
+                read[ref] = value
+            if not missed:
+                break
+            e = reach.deepest()
+        return read
+
+    def _get(self, kind: str, h: int, left: float) -> bytes | None:
+        """One store get within ``left`` seconds, observed by the read budget."""
+        t0 = time.perf_counter()
+        payload = self.store.get(h, budget_s=left, kind=kind)
+        if payload is not None:
+            self.budget.observe(len(payload), time.perf_counter() - t0)
+        return payload
+
+    def _take(self, ref: tuple[int, int], h: int, left: float) -> torch.Tensor | None:
+        """A fetch's read of one value: staged (taken), else from the store; decoded, or None."""
+        pl = self._payload(ref[0])
+        payload = self._staging.take((pl.kind, h))
+        if payload is not None:
+            self.stats.prefetch_used_pages += 1
+        else:
+            payload = self._get(pl.kind, h, left)
+        value = pl.decode(payload) if payload is not None else None
+        if value is None and ref[0] != FULL:
+            self.stats.aux_misses += 1
+        return value
+
+    def _place(self, key, hashes, reach: Reach, e: int, read: dict, path: list, m,
+               session_id) -> int:
+        """Device slots for FULL pages ``[s0, e)`` and rows for the components' values, filled
+        from ``read`` and inserted. 0 when there is no room (everything taken is given back)."""
+        c, ps, s0 = self._port, self.page_size, reach.s0
+        alloc = c.allocator
+        need = (e - s0) * ps
+        if alloc.available_size() < need:
+            c.make_room(need - alloc.available_size())
+        slots = alloc.alloc(need)
+        if slots is None:
+            return 0
+        extra, taken, refs = {}, [], []
+        for j, (i, comp, pl) in enumerate(self._aux):
+            pages = [p for p in (reach.window(reach.rules[j], e) if comp.per_token else [e - 1])
+                     if (j, p) in read]
+            rows = self._rows(i, comp, len(pages) * pl.units)
+            if rows is None:                  # no room for the component: nothing is placed
+                alloc.free(slots)
+                for comp2, r in taken:
+                    comp2.allocator.free(r)
+                return 0
+            if len(rows):
+                taken.append((comp, rows))
+            pl.scatter(rows, [read[(j, p)] for p in pages])
+            refs += [(pl.kind, hashes[p]) for p in pages]
+            if comp.per_token:
+                # [e * ps]: the matched nodes' own rows where they hold them now, the window's
+                # fetched rows, -1 elsewhere (new pages below the window: tombstones)
+                v = torch.full((e * ps,), -1, dtype=torch.int64)
+                for nd in path:
+                    if nd.aux[i] is not None:
+                        v[nd.start:nd.end] = nd.aux[i]
+                for p, r in zip(pages, rows.view(-1, ps)):
+                    v[p * ps:(p + 1) * ps] = r
+                extra[comp.name] = v
+            else:
+                extra[comp.name] = int(rows[0])
+        self._full.scatter(slots, [read[(FULL, p)] for p in range(s0, e)])
+        self.stats.aux_hits += len(refs)
+        self._remember_refs([("", h) for h in hashes[s0:e]] + refs)  # write-through skips them
+        value = torch.cat([m.device_indices, slots])
+        cached = c.insert_loaded(key[:e * ps], value, extra or None, session_id)
+        if cached > m.prefix_len:           # device nodes the vote had not accepted: ours are duplicates
+            alloc.free(value[m.prefix_len:cached])
+        return e - s0
+
+    def _rows(self, i: int, comp, n: int) -> torch.Tensor | None:
+        """``n`` rows of component ``i``'s device pool (evicting its unlocked data when short), or None."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        alloc = comp.allocator
+        if alloc.available_size() < n:
+            self._port.make_room_aux(i, n - alloc.available_size())
+        return alloc.alloc(n)
