@@ -19,7 +19,7 @@ import torch
 
 from tandem.cache.radix.components import FULL
 from tandem.cache.radix.sanity import check_ownership
-from tandem.cache.unified import CacheStats, MatchResult
+from tandem.cache.match import CacheStats, MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _MISS = MatchResult(0, [])

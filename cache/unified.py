@@ -29,8 +29,7 @@ Handles (nodes) are opaque; one stays valid while it is locked.
 from __future__ import annotations
 
 import time
-from types import MappingProxyType
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -41,62 +40,10 @@ from tandem.cache.radix.eviction import make_policy
 from tandem.cache.tiers.base import KVTier
 from tandem.cache.tiers.host import HostTier
 from tandem.cache.radix.sanity import check
+from tandem.cache.match import _NO_COMPONENTS, CacheStats, MatchResult
+from tandem.cache.port import TierPort
 from tandem.cache.radix.tree import Node, RadixTree, concat_values as _concat
 from tandem.core.config import CacheConfig
-
-_NO_COMPONENTS: Mapping[str, Any] = MappingProxyType({})
-
-
-class MatchResult(NamedTuple):
-    """What a match found. Node handles:
-
-    - ``last_device_node``: deepest node every component accepts whose KV is on the device;
-      ``device_indices`` (int64 ``[prefix_len]``) are the slots of the path down to it. Lock it.
-    - ``best_match_node``: deepest accepted node on any tier; ``host_hit_length`` tokens below
-      ``last_device_node`` are on the host only (``cache.host.restore(best_match_node)`` brings
-      them back).
-    - ``last_host_node``: deepest accepted node with a host copy (the root if none); without a
-      host tier, ``last_device_node``.
-
-    ``components`` maps a component name to what it returned (``"swa"``: SWA rows of the prefix,
-    -1 where tombstoned; ``"mamba"``: a :class:`StateCopy` or None). A null cache's handles are
-    None.
-    """
-
-    prefix_len: int
-    pieces: list                    # the path's slot values (device_indices concatenates them)
-    last_device_node: Node | None = None
-    last_host_node: Node | None = None
-    best_match_node: Node | None = None
-    host_hit_length: int = 0
-    components: Mapping[str, Any] = _NO_COMPONENTS
-
-    @property
-    def device_indices(self) -> torch.Tensor:
-        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each time
-        it is read (a match used only for its length -- queue order, routing -- never builds
-        it). Immutable, and cheap to make: one is made per admission and per routing probe."""
-        return _concat(self.pieces)
-
-    def __repr__(self) -> str:
-        return (f"MatchResult(prefix_len={self.prefix_len}, host_hit_length={self.host_hit_length}, "
-                f"last_device_node={self.last_device_node})")
-
-
-class CacheStats(NamedTuple):
-    """Sizes, O(1) (proven by :meth:`UnifiedRadixCache.check`). Tokens for FULL; for an
-    auxiliary component, units of its pool (``components[name] = (evictable, protected)``)."""
-
-    evictable: int = 0          # unlocked device tokens
-    protected: int = 0          # locked device tokens
-    host: int = 0               # tokens with a host copy (0 without a host tier)
-    components: Mapping[str, tuple[int, int]] = _NO_COMPONENTS
-
-    @property
-    def device(self) -> int:
-        """Tokens cached on the device."""
-        return self.evictable + self.protected
-
 
 class UnifiedRadixCache:
     """A radix prefix cache over token pages with FULL/SWA/MAMBA components and a host tier.
@@ -492,52 +439,3 @@ class UnifiedRadixCache:
             t.events = []
         if self._debug:
             self.check()
-
-
-class TierPort:
-    """The one port a :class:`UnifiedRadixCache` offers its tiers (``cache/tiers/base.py``
-    :class:`~tandem.cache.tiers.base.CachePort`): what a tier may read and the verbs it may call,
-    each executing what the tree decided before it returns."""
-
-    def __init__(self, cache: UnifiedRadixCache):
-        self._cache = cache
-        self.page_size = cache.page_size
-        self.allocator = cache.allocator
-        self.components = cache._aux
-        self.tree = cache._tree
-
-    @property
-    def host(self) -> HostTier | None:
-        return self._cache.host
-
-    def key(self, token_ids: Sequence[int]) -> list:
-        return self._cache._key(token_ids)
-
-    def make_room(self, n: int) -> None:
-        self._cache._evict_device(n)
-        self._cache._free_device()
-
-    def make_room_aux(self, i: int, n: int) -> None:
-        host = self._cache.host
-        self.tree.evict_aux(i, n, backup=host.copy_aux if host is not None else None)
-        self._cache._free_aux()
-
-    def make_room_host(self, n: int, i: int | None = None) -> None:
-        if i is None:
-            self.tree.evict_host(n)
-        else:
-            self.tree.evict_host_aux(i, n)
-        self._cache._free_host()
-
-    def insert_loaded(self, key: list, value, extra, session_id=None) -> int:
-        return self._cache._insert(key, value, extra, session_id, 0)[0]
-
-    def cache(self, token_ids, slots, last_node, *, extra=None, session_id=None):
-        return self._cache.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
-
-    def settle(self) -> None:
-        self._cache._after()
-
-    def record_spills(self) -> None:
-        if self.tree.spills is None:
-            self.tree.spills = []

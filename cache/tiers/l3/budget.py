@@ -8,12 +8,12 @@ latency is in it) and compares it, per token, with the engine's prefill rate.
 from __future__ import annotations
 
 import os
+import random
 import time
 
 PRIOR_PREFILL_TOK_S = 576.0     # docs/PERFORMANCE.md: the 2-thread CPU prefill rate
 _ALPHA = 0.2                    # EWMA weight of one observed get
 _PROBE_GETS = 4
-_PROBE_HASH = (1 << 63) - 1     # a key no page hash chain produces in practice
 
 
 class ReadBudget:
@@ -69,13 +69,14 @@ class ReadBudget:
 
     def probe(self, store, nbytes: int) -> float | None:
         """Measure the read rate of ``store`` (an ``L3Store``) with a few gets of one ``nbytes``
-        value written under a probe key; returns the estimate (None: the store did not answer)."""
-        payload = os.urandom(nbytes)
-        if not store.put(_PROBE_HASH, payload, kind="probe"):
+        value written under a fresh probe key (kind ``probe``, counted in the store's stats like
+        any call); returns the estimate (None: the store did not answer)."""
+        key, payload = random.getrandbits(63), os.urandom(nbytes)
+        if not store.put(key, payload, kind="probe"):
             return None
         for _ in range(_PROBE_GETS):
             t0 = time.perf_counter()
-            got = store.get(_PROBE_HASH, kind="probe")
+            got = store.get(key, kind="probe")
             if got is None:
                 return None
             self.observe(len(got), time.perf_counter() - t0)
