@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    from tandem.cache.tiers.host import HostTier
-    from tandem.cache.unified import UnifiedRadixCache
+from typing import Sequence
 
 
 class TierPort:
-    """The one port a :class:`UnifiedRadixCache` offers its tiers (``cache/tiers/base.py``
-    :class:`~tandem.cache.tiers.base.CachePort`): what a tier may read and the verbs it may call,
-    each executing what the tree decided before it returns."""
+    """The one port a :class:`UnifiedRadixCache` offers its tiers: what a tier may read and the
+    verbs it may call, each executing what the tree decided before it returns."""
 
-    def __init__(self, cache: UnifiedRadixCache):
+    def __init__(self, cache):
         self._cache = cache
         self.page_size = cache.page_size
         self.allocator = cache.allocator
@@ -22,7 +17,7 @@ class TierPort:
         self.tree = cache._tree
 
     @property
-    def host(self) -> HostTier | None:
+    def host(self):
         return self._cache.host
 
     def key(self, token_ids: Sequence[int]) -> list:
