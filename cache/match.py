@@ -29,7 +29,7 @@ class MatchResult(NamedTuple):
     """
 
     prefix_len: int
-    pieces: list                    # the path's slot values (device_indices concatenates them)
+    pieces: list
     last_device_node: Node | None = None
     last_host_node: Node | None = None
     best_match_node: Node | None = None
@@ -38,9 +38,9 @@ class MatchResult(NamedTuple):
 
     @property
     def device_indices(self) -> torch.Tensor:
-        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each time
-        it is read (a match used only for its length -- queue order, routing -- never builds
-        it). Immutable, and cheap to make: one is made per admission and per routing probe."""
+        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each time it is
+        read (a match used only for its length -- queue order, routing -- never builds
+        it)."""
         return _concat(self.pieces)
 
     def __repr__(self) -> str:

@@ -1,9 +1,4 @@
-"""How many tokens one L3 fetch asks the store for, and how long it may wait for them.
-
-A fetch is worth its wait while it beats recomputing the same tokens. :class:`ReadBudget` keeps a
-running estimate of the store's read rate (bytes per second over whole gets, so the per-call
-latency is in it) and compares it, per token, with the engine's prefill rate.
-"""
+"""How many tokens one L3 fetch asks the store for, and how long it may wait for them."""
 
 from __future__ import annotations
 
@@ -12,18 +7,14 @@ import random
 import time
 
 PRIOR_PREFILL_TOK_S = 576.0     # docs/PERFORMANCE.md: the 2-thread CPU prefill rate
-_ALPHA = 0.2                    # EWMA weight of one observed get
+_ALPHA = 0.2
 _PROBE_GETS = 4
 
 
 class ReadBudget:
-    """The bound of one fetch: ``tokens(n)`` for ``n`` tokens past the device match.
-
-    ``deadline_s``: the wait any fetch may take (the admission deadline); ``token_bytes``: bytes
-    read per token (FULL pages); ``prefill_tok_s``: the recompute rate a read competes with (None:
-    never wait past ``deadline_s``); ``max_tokens``: a fixed cap (None: none). ``read_bytes_per_s``
-    starts unknown (None: no bound but the deadline) until :meth:`observe` or :meth:`probe`.
-    ``observe`` may run on two threads (fetch, prefetch): the estimate is best-effort then."""
+    """The bound of one fetch. ``deadline_s``: any fetch's wait; ``token_bytes``: bytes read per token;
+    ``prefill_tok_s``: the recompute rate a read competes with (None: never wait past the deadline);
+    ``max_tokens``: a fixed cap. ``observe`` may run on two threads: the estimate is best-effort."""
 
     def __init__(self, deadline_s: float, token_bytes: int, *, prefill_tok_s: float | None = None,
                  max_tokens: int | None = None, read_bytes_per_s: float | None = None):
@@ -69,8 +60,8 @@ class ReadBudget:
 
     def probe(self, store, nbytes: int) -> float | None:
         """Measure the read rate of ``store`` (an ``L3Store``) with a few gets of one ``nbytes``
-        value written under a fresh probe key (kind ``probe``, counted in the store's stats like
-        any call); returns the estimate (None: the store did not answer)."""
+        value written under a fresh probe key; returns the estimate (None: the store did
+        not answer)."""
         key, payload = random.getrandbits(63), os.urandom(nbytes)
         if not store.put(key, payload, kind="probe"):
             return None

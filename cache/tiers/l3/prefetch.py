@@ -1,9 +1,4 @@
-"""The L3 tier's prefetch: a fetch's values read ahead into host staging, off the engine thread.
-
-The engine thread computes the :class:`~tandem.cache.tiers.l3.reads.Ask` (it reads the tree); the
-tier's one prefetch thread asks the store and stages the raw payloads by ``(kind, hash)``
-(``staging.py``). A later fetch takes staged values instead of reading them.
-"""
+"""The L3 tier's prefetch: a fetch's values read ahead into host staging, off the engine thread."""
 
 from __future__ import annotations
 
@@ -13,14 +8,10 @@ PREFETCH_JOBS = 16          # prefetch jobs that may wait; more requests are not
 
 
 class L3Prefetch:
-    """The prefetch half of :class:`~tandem.cache.tiers.l3.tier.L3Tier` (a mixin over its state)."""
 
     def prefetch(self, token_ids, m, *, session_id=None):
-        """Start reading, on the prefetch thread, what :meth:`fetch` would read for match ``m``
-        now, within the same budget and wait. Never waits on the store, never touches the tree
-        or device memory off the calling thread. Returns the job's handle (an ``Ask``: call
-        ``stop()`` at admission), or None when no job was queued (prefetch off, store down,
-        nothing to ask, or ``PREFETCH_JOBS`` jobs waiting)."""
+        """Start reading, on the prefetch thread, what :meth:`fetch` would read for ``m`` now; never waits
+        on the store. Returns the job's handle (an ``Ask``: ``stop()`` it at admission), or None."""
         if not self.prefetching:
             return None
         found = self._lookup(token_ids, m)
@@ -39,7 +30,7 @@ class L3Prefetch:
         return self._staging.cap_bytes > 0 and self.store.up
 
     def prefetch_idle(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` until every queued prefetch job has run (tests)."""
+        """Wait at most ``timeout_s`` until every queued prefetch job has run."""
         return self._jobs.idle(timeout_s)
 
     def _prefetch_job(self, ask) -> None:
@@ -50,7 +41,6 @@ class L3Prefetch:
         self._collect(reach, ask, t0, lambda ref, h, left: self._stage(ask, ref, h, left))
 
     def _stage(self, ask, ref: tuple[int, int], h: int, left: float) -> bytes | None:
-        """One value staged (raw payload), or None once the job is stopped or the get missed."""
         kind = self._payload(ref[0]).kind
         if ask.stopped:
             return None

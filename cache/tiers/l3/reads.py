@@ -1,9 +1,4 @@
-"""The L3 tier's reads: continue a device match into the store (engine thread only).
-
-One batch ``exists`` over the next pages and what each component needs there (``reach.py``); the
-deepest end every component accepts is read into fresh device slots and rows and inserted. A
-value that is absent, corrupt, wrong-sized or past the fetch's wait is a miss: the end moves up.
-"""
+"""The L3 tier's reads: continue a device match into the store (engine thread only)."""
 
 from __future__ import annotations
 
@@ -36,19 +31,15 @@ class Ask:
 
 
 class L3Reads:
-    """The fetch half of :class:`~tandem.cache.tiers.l3.tier.L3Tier` (a mixin over its state)."""
 
     def _pages_to_ask(self, n_tokens: int) -> int:
-        """Whole pages of the ``n_tokens`` past a match that one fetch asks for (the budget)."""
         return max(self.budget.tokens(max(n_tokens, 0)) // self.page_size, 0)
 
     def fetch(self, token_ids, m, *, session_id=None) -> int:
-        """Continue match ``m`` of ``token_ids`` into the store: read the values of the deepest
-        end past ``m``'s device prefix that FULL and every component accept into new device
-        slots and rows, and insert them. Returns the tokens added (0: nothing to ask, no room, no
-        accepted end). Staged values are taken (each once) instead of read; the pages placed are
-        the same. Waits on the store at most ``Ask.wait_s`` in all (plus the batch ``exists``,
-        bounded by the store's timeout); the caller matches again."""
+        """Continue match ``m`` of ``token_ids`` into the store: read the values of the deepest end
+        past ``m``'s device prefix that FULL and every component accept into new device
+        slots and rows, and insert them. Returns the tokens added; waits on the store at most
+        ``Ask.wait_s`` (plus one batch ``exists``)."""
         t0 = time.perf_counter()
         found = self._lookup(token_ids, m)
         if found is None:
@@ -71,9 +62,6 @@ class L3Reads:
         return got * self.page_size
 
     def _lookup(self, token_ids, m) -> tuple[list, object, list, Ask] | None:
-        """``(key, last device node, matched device path, what to ask)`` for the pages after
-        ``m``'s device prefix within the budget, or None when there is nothing to ask. Reads the
-        tree: engine thread only."""
         c = self._port
         t, ps = c.tree, self.page_size
         last = m.last_device_node
@@ -93,8 +81,6 @@ class L3Reads:
         return key, last, path, ask
 
     def _ask(self, hashes: list[int], s0: int, path: list) -> Ask:
-        """The FULL pages ``[s0, P)`` and what the components could use there (``path``: the
-        matched device nodes), as refs for one batch ``exists``."""
         ps, P = self.page_size, len(hashes)
         refs = [("", h) for h in hashes[s0:]]
         rules, asked = [], []
@@ -115,7 +101,6 @@ class L3Reads:
         return Ask(hashes, s0, refs, rules, asked)
 
     def _exists(self, refs: list[tuple[str, int]]) -> list[bool]:
-        """Which of ``refs`` are available: staged ones without asking, the rest in one batch."""
         staged = self._staging.holds(refs)
         answers = iter(self.store.exists_keys([r for r, s in zip(refs, staged) if not s]))
         return [True if s else next(answers) for s in staged]
@@ -133,7 +118,6 @@ class L3Reads:
 
     def _read(self, key: list, ask: Ask, reach: Reach, path: list, m, t0: float,
               session_id) -> int:
-        """Read, place and insert the deepest accepted end's values. Returns the FULL pages added."""
         c, ps, s0 = self._port, self.page_size, reach.s0
         if c.allocator.available_size() + c.tree.evictable < (reach.deepest() - s0) * ps:
             return 0                        # no room even after evicting everything unlocked
@@ -144,9 +128,6 @@ class L3Reads:
         return self._place(key, ask.hashes, reach, e, read, path, m, session_id)
 
     def _collect(self, reach: Reach, ask: Ask, t0: float, load) -> dict:
-        """``{ref: load(ref, page hash, seconds left)}`` for every value the deepest accepted end
-        needs; a ``None`` loaded moves the end up, and past ``ask.wait_s`` from ``t0`` only what
-        was loaded counts. Leaves ``reach.deepest()`` at an end whose values are all loaded."""
         read: dict[tuple[int, int], object] = {}
         e = reach.deepest()
         while e > reach.s0:
@@ -171,7 +152,6 @@ class L3Reads:
         return read
 
     def _get(self, kind: str, h: int, left: float) -> bytes | None:
-        """One store get within ``left`` seconds, observed by the read budget."""
         t0 = time.perf_counter()
         payload = self.store.get(h, budget_s=left, kind=kind)
         if payload is not None:
@@ -179,7 +159,6 @@ class L3Reads:
         return payload
 
     def _take(self, ref: tuple[int, int], h: int, left: float) -> torch.Tensor | None:
-        """A fetch's read of one value: staged (taken), else from the store; decoded, or None."""
         pl = self._payload(ref[0])
         payload = self._staging.take((pl.kind, h))
         if payload is not None:
@@ -193,8 +172,6 @@ class L3Reads:
 
     def _place(self, key, hashes, reach: Reach, e: int, read: dict, path: list, m,
                session_id) -> int:
-        """Device slots for FULL pages ``[s0, e)`` and rows for the components' values, filled
-        from ``read`` and inserted. 0 when there is no room (everything taken is given back)."""
         c, ps, s0 = self._port, self.page_size, reach.s0
         alloc = c.allocator
         need = (e - s0) * ps
@@ -239,7 +216,6 @@ class L3Reads:
         return e - s0
 
     def _rows(self, i: int, comp, n: int) -> torch.Tensor | None:
-        """``n`` rows of component ``i``'s device pool (evicting its unlocked data when short), or None."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         alloc = comp.allocator

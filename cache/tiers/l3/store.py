@@ -1,23 +1,4 @@
-"""A client of a shared KV store for whole pages: batch exists, put, get, each with a timeout.
-
-Keys are the chained page hashes of :func:`tandem.core.page_hash.page_hashes` (the chain the
-router's prefix index and the KV events use) under a prefix naming the model, page size, dtype
-and layout, so only workers whose pages are interchangeable share them. Every value carries a
-blake2b digest of its payload; a page whose digest does not match is a miss, counted in
-``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
-timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
-timeout, not one per call. Reads come from the worker loop and from the L3 tier's prefetch thread
-(cache/tiers/l3/tier.py); the store calls of both run on one private thread, in order, so that a call
-can be abandoned at its deadline (that thread is swapped under a lock; the counters are plain
-ints, exact for one caller, best-effort for two). ``put_async`` queues writes
-for a second private (daemon) thread and returns at once: at most ``max_pending`` writes wait,
-more are dropped (counted), so a slow store never holds the caller or its memory.
-
-    store = L3Store(MooncakeBackend.connect(...), prefix=key_prefix("smollm2", 16, "bf16", "nhd"))
-    hits = store.exists(hashes)          # [True, True, False, ...] (a prefix of hits is usable)
-    store.put(h, payload); store.get(h)  # bytes or None
-    store.get(h, kind="swa")             # a component's payload for page h (page_key)
-"""
+"""A client of a shared KV store for whole pages: batch exists, put, get, each with a timeout."""
 
 from __future__ import annotations
 
@@ -43,8 +24,7 @@ def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
 def page_key(prefix: str, page_hash: int, kind: str = "") -> str:
     """A value's key: FULL pages (``kind ""``) at ``PREFIX/HASH``; a component's payload for the
     same page at ``PREFIX/KIND/HASH`` (``swa``: the page's SWA rows; ``mamba``: the recurrent
-    state after the page's last token). A 16-hex-digit hash never equals a kind, so no two kinds
-    share a key."""
+    state after the page's last token)."""
     h = f"{page_hash & 0xFFFFFFFFFFFFFFFF:016x}"
     return f"{prefix}/{kind}/{h}" if kind else f"{prefix}/{h}"
 
@@ -73,15 +53,15 @@ class Backend(Protocol):
 
 @dataclass
 class L3Stats:
-    hits: int = 0           # pages read back intact
-    misses: int = 0         # pages asked for and absent
+    hits: int = 0
+    misses: int = 0
     corrupt: int = 0        # pages read whose digest did not match (counted as misses too)
-    errors: int = 0         # calls that raised or timed out
+    errors: int = 0
     puts: int = 0
     write_dropped: int = 0  # async writes dropped: queue full, or the store down
     bytes_read: int = 0
     bytes_written: int = 0
-    read_s: float = 0.0     # seconds spent in exists + get
+    read_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,7 +79,7 @@ class L3Store:
         self._clock = clock
         self._down_until = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
-        self._pool_lock = threading.Lock()   # the calling threads (worker loop, prefetch) vs a swap
+        self._pool_lock = threading.Lock()
         self.corrupt_next = False  # the test lever: the next put stores a damaged page
         self.corrupt_all = False   # the test lever: every put stores a damaged page
         self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
@@ -110,10 +90,6 @@ class L3Store:
         return self.backend is not None and self._clock() >= self._down_until
 
     def _call(self, fn, *args, budget_s: float | None = None):
-        """fn(*args) on the store thread, or None on error/timeout (then the store is down a
-        while). ``budget_s``: the caller's deadline, when shorter than the timeout; a call past
-        it counts as slow too (a page read takes milliseconds; a budget runs out only on a slow
-        store)."""
         with self._pool_lock:
             if not self.up:
                 return None
@@ -135,8 +111,6 @@ class L3Store:
         return None
 
     def _replace_pool(self, pool: ThreadPoolExecutor) -> None:
-        """Abandon ``pool`` (the one a timed-out call used) for a fresh one, unless another
-        caller did already; its queued calls are cancelled (they end as errors at once)."""
         with self._pool_lock:
             if self._pool is not pool or self.backend is None:
                 return
@@ -188,9 +162,9 @@ class L3Store:
         return True
 
     def put_async(self, pages: Sequence[tuple[int, bytes]], kind: str = "") -> int:
-        """Queue ``(page_hash, payload)`` writes of one kind for the writer thread; returns how
-        many were queued, a prefix of ``pages`` (the rest were dropped: the queue is full or the
-        store is down). Never blocks."""
+        """Queue ``(page_hash, payload)`` writes of one kind for the writer thread; returns how many
+        were queued, a prefix of ``pages`` (the rest were dropped: the queue is full or
+        the store is down)."""
         if not self.up:
             self.stats.write_dropped += len(pages)
             return 0
@@ -220,12 +194,12 @@ class L3Store:
                     continue
                 t0 = self._clock()
                 rc = backend.put(key, value)
-                if self._clock() - t0 > self.timeout_s:      # a slow store: writes back off too
+                if self._clock() - t0 > self.timeout_s:
                     self._down_until = self._clock() + self.backoff_s
                 if rc == 0:
                     self.stats.puts += 1
                     self.stats.bytes_written += nbytes
-            except Exception as e:  # a store error drops the write, never the caller's problem
+            except Exception as e:
                 self.stats.errors += 1
                 self._down_until = self._clock() + self.backoff_s
                 log.warning("L3 store write failed (%r); writes dropped for %.1fs", e, self.backoff_s)
@@ -233,7 +207,7 @@ class L3Store:
                 self._writes.task_done()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait (at most ``timeout_s``) until every queued write has been tried (tests, shutdown)."""
+        """Wait (at most ``timeout_s``) until every queued write has been tried."""
         end = time.monotonic() + timeout_s
         while self._writes.unfinished_tasks:
             if time.monotonic() > end:
@@ -261,8 +235,7 @@ class L3Store:
         return payload
 
     def close(self) -> None:
-        """Close the store client (bounded by the timeout; a dead store is not waited for).
-        Idempotent: a closed store is down for good."""
+        """Close the store client (bounded by the timeout; a dead store is not waited for)."""
         if self.backend is None:
             return
         self.flush(self.timeout_s)

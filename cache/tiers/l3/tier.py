@@ -1,11 +1,4 @@
-"""L3Tier: the shared store as the radix cache's third tier (a ``KVTier``, like HostTier).
-
-Values are named by the page hash chain (``core/page_hash.py``) under the store's key prefix, one
-key per kind: FULL pages ``[L, 2, page_size, H_kv, D]``, SWA rows of a page (same shape, SWA
-layers), MAMBA states at a page's end ``[L_m, 1, 1, *state]``. Writes never block the step (the
-store client's writer thread puts them; a full queue or a down store drops them). A fetch never
-leaves the match wrong, only shorter. cache/README.md ("Shared L3 tier") has the design.
-"""
+"""L3Tier: the shared store as the radix cache's third tier."""
 
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ from tandem.cache.tiers.l3.store import L3Store
 
 WRITE_POLICIES = ("write_back", "write_through")
 FULL_LAYOUT = "l2phd"       # a FULL page: [L, 2, page_size, H_kv, D]
-STAGING_PAGES = 1024        # the default staging bound, in FULL pages
+STAGING_PAGES = 1024
 
 
 def layout(components=()) -> str:
@@ -33,16 +26,16 @@ def layout(components=()) -> str:
 
 @dataclass
 class L3TierStats:
-    lookups: int = 0            # fetches that asked the store
-    hit_pages: int = 0          # pages read from the store into the cache
-    miss_pages: int = 0         # pages asked for and not fetched
-    aux_hits: int = 0           # component values read into the cache
+    lookups: int = 0
+    hit_pages: int = 0
+    miss_pages: int = 0
+    aux_hits: int = 0
     aux_misses: int = 0         # component values a match end needed that could not be read
     prefetch_s: float = 0.0     # seconds spent in fetch
-    written_pages: int = 0      # values queued for writing
-    prefetches: int = 0         # prefetch jobs queued
+    written_pages: int = 0
+    prefetches: int = 0
     prefetch_skipped: int = 0   # prefetches not queued: PREFETCH_JOBS jobs waiting
-    prefetched_pages: int = 0   # values a prefetch staged
+    prefetched_pages: int = 0
     prefetch_used_pages: int = 0    # staged values a fetch took instead of reading the store
     prefetch_dropped_pages: int = 0  # staged values dropped unused (the staging bound)
 
@@ -51,13 +44,9 @@ class L3TierStats:
 
 
 class L3Tier(L3Reads, L3Prefetch):
-    """The L3 :class:`~tandem.cache.tiers.base.KVTier`. ``store``: the client; ``kv_data``: the
-    device pool ``[L, 2, rows, H_kv, D]``; ``aux_data``: each auxiliary component's device pool by
-    name (the host tier's layout); ``deadline_s``: a fetch's wait on the store (default the
-    store's timeout), longer only when reading beats recomputing (``prefill_tok_s``, the
-    :class:`ReadBudget`); ``max_tokens``: a fixed cap on the tokens one fetch asks for (None:
-    sized by the budget); ``staging_bytes``: the prefetch's staging bound (None:
-    ``STAGING_PAGES`` FULL pages; 0: no prefetch)."""
+    """The L3 :class:`~tandem.cache.tiers.base.KVTier`. ``deadline_s``: a fetch's wait on the store
+    (default the store's timeout), longer only while reading beats recomputing at ``prefill_tok_s``
+    (:class:`ReadBudget`); ``max_tokens``: a fixed cap per fetch; ``staging_bytes``: 0, no prefetch."""
 
     name = "l3"
 
@@ -80,7 +69,7 @@ class L3Tier(L3Reads, L3Prefetch):
                                  max(self._full.nbytes // page_size, 1),
                                  prefill_tok_s=prefill_tok_s, max_tokens=max_tokens)
         self._aux_data = dict(aux_data or {})
-        self._aux: list[tuple[int, object, Payload]] = []  # (component index, component, payload)
+        self._aux: list[tuple[int, object, Payload]] = []
         self._port = None
         if staging_bytes is None:
             staging_bytes = STAGING_PAGES * self._full.nbytes
@@ -114,7 +103,6 @@ class L3Tier(L3Reads, L3Prefetch):
         self._port = port
         port.record_spills()
 
-    # -- the KVTier port -------------------------------------------------------------------------
     def lookup(self, token_ids, m) -> int:
         """Tokens past ``m``'s device prefix a :meth:`fetch` would ask the store about (0: it
         would not ask)."""
@@ -137,14 +125,12 @@ class L3Tier(L3Reads, L3Prefetch):
         self.spill(spills)
 
     def as_dict(self) -> dict:
-        """The tier's and the store client's counters (``/debug/kv``, ``/metrics``)."""
         b = self.budget
         return {**self.stats.as_dict(), **{f"store_{k}": v for k, v in self.store.stats.as_dict().items()},
                 "up": self.store.up, "write_policy": self.write_policy,
                 "staged_bytes": self._staging.nbytes, "staging_bytes": self._staging.cap_bytes,
                 "read_bytes_per_s": b.read_bytes_per_s, "prefill_tok_s": b.prefill_tok_s}
 
-    # -- writes ----------------------------------------------------------------------------------
     def _remember_refs(self, refs) -> None:
         known = self._known
         for r in refs:
@@ -164,7 +150,7 @@ class L3Tier(L3Reads, L3Prefetch):
         while x is not t.root:
             hs = t.hashes(x)
             if x.end <= floor and ("", hs[-1]) in self._known:
-                break                       # above the spans, and written before
+                break
             if x.value is not None:
                 self._write(self._full, hs, x.value)
             for i, c, pl in self._aux:
@@ -173,8 +159,8 @@ class L3Tier(L3Reads, L3Prefetch):
             x = x.parent
 
     def spill(self, spills: list) -> None:
-        """Write-back: queue the values of the tree's ``spills`` records ``(hashes, FULL slots
-        or None, on_host, ((component index, value, on_host), ...))``; runs before the cache
+        """Write-back: queue the values of the tree's ``spills`` records ``(hashes, FULL slots or
+        None, on_host, ((component index, value, on_host),...))``; runs before the cache
         frees those slots and rows."""
         host = self._port.host
         if host is not None and any(on_host or any(a[2] for a in aux) for _, _, on_host, aux in spills):
@@ -188,15 +174,12 @@ class L3Tier(L3Reads, L3Prefetch):
                 self._write_aux(pl, c, hashes, value, host.stores[c.name].data if aux_on_host else None)
 
     def _write_aux(self, pl: Payload, comp, hashes: list[int], value, src=None) -> None:
-        """Per-token rows ``[len]`` (one value per page), or one row keyed by the last page."""
         if comp.per_token:
             self._write(pl, hashes, value, src)
         else:
             self._write(pl, hashes[-1:], torch.tensor([int(value)], dtype=torch.int64), src)
 
     def _write(self, pl: Payload, hashes: list[int], rows: torch.Tensor, src=None) -> None:
-        """Queue the values of ``hashes`` not known: value ``i`` is ``rows[i * units:(i + 1) *
-        units]`` of ``src`` (default: the device pool)."""
         u, kind = pl.units, pl.kind
         todo = [i for i, h in enumerate(hashes) if (kind, h) not in self._known]
         if not todo or not self.store.up:
