@@ -5,26 +5,28 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import dataclass
 
 PRIOR_PREFILL_TOK_S = 576.0     # docs/PERFORMANCE.md: the 2-thread CPU prefill rate
 _ALPHA = 0.2
 _PROBE_GETS = 4
 
 
+@dataclass
 class ReadBudget:
     """The bound of one fetch. ``deadline_s``: any fetch's wait; ``token_bytes``: bytes read per token;
     ``prefill_tok_s``: the recompute rate a read competes with (None: never wait past the deadline);
     ``max_tokens``: a fixed cap. ``observe`` may run on two threads: the estimate is best-effort."""
 
-    def __init__(self, deadline_s: float, token_bytes: int, *, prefill_tok_s: float | None = None,
-                 max_tokens: int | None = None, read_bytes_per_s: float | None = None):
-        if token_bytes <= 0:
-            raise ValueError(f"token_bytes must be positive, got {token_bytes}")
-        self.deadline_s = deadline_s
-        self.token_bytes = token_bytes
-        self.prefill_tok_s = prefill_tok_s
-        self.max_tokens = max_tokens
-        self.read_bytes_per_s = read_bytes_per_s
+    deadline_s: float
+    token_bytes: int
+    prefill_tok_s: float | None = None
+    max_tokens: int | None = None
+    read_bytes_per_s: float | None = None
+
+    def __post_init__(self):
+        if self.token_bytes <= 0:
+            raise ValueError(f"token_bytes must be positive, got {self.token_bytes}")
 
     @property
     def read_tok_s(self) -> float | None:
