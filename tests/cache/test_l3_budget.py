@@ -68,3 +68,17 @@ def test_a_fetch_asks_for_what_the_budget_allows_and_the_tier_learns_the_rate():
     assert tier.lookup(ids, m) == 16 and tier.fetch(ids, m) == 16
     assert tier.budget.read_bytes_per_s != tier.budget.token_bytes * 100.0   # observed the gets
     assert tier.as_dict()["read_bytes_per_s"] == tier.budget.read_bytes_per_s
+
+
+def test_a_get_cut_by_the_callers_deadline_is_a_miss_not_a_down_store():
+    """A fetch that runs up to its wait cuts its last get: the store stays up for the next one."""
+    b = DictBackend()
+    store = L3Store(b, "t", timeout_s=5.0, backoff_s=60)
+    assert store.put(7, b"x" * 64)
+    b.delay.set()
+    assert store.get(7, budget_s=0.05) is None
+    assert store.up and (store.stats.late, store.stats.errors) == (1, 0)
+    b.delay.clear()
+    b.release.set()
+    assert store.get(7) == b"x" * 64
+    store.close()

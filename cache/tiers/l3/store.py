@@ -57,6 +57,7 @@ class L3Stats:
     misses: int = 0
     corrupt: int = 0        # pages read whose digest did not match (counted as misses too)
     errors: int = 0
+    late: int = 0           # calls cut by the caller's deadline (under half the timeout)
     puts: int = 0
     write_dropped: int = 0  # async writes dropped: queue full, or the store down
     bytes_read: int = 0
@@ -90,6 +91,8 @@ class L3Store:
         return self.backend is not None and self._clock() >= self._down_until
 
     def _call(self, fn, *args, budget_s: float | None = None):
+        """``fn(*args)`` on the store thread, or None. A failure or the store's timeout marks the
+        store down for ``backoff_s``; a call cut by a ``budget_s`` under half the timeout is only a miss."""
         with self._pool_lock:
             if not self.up:
                 return None
@@ -99,6 +102,9 @@ class L3Store:
         try:
             return fut.result(timeout=limit)
         except FutureTimeout:
+            if limit < self.timeout_s / 2:  # the caller's deadline, not a slow store: a miss only
+                self.stats.late += 1
+                return None
             why = f"timed out after {limit:.3g}s"
         except Exception as e:  # a store error is a miss, never the scheduler's problem
             why = repr(e)
