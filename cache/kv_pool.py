@@ -9,7 +9,6 @@ import torch
 
 @dataclass(frozen=True)
 class LayerKV:
-    """What an attention backend needs for one layer."""
 
     k: torch.Tensor
     v: torch.Tensor

@@ -38,9 +38,7 @@ class MatchResult(NamedTuple):
 
     @property
     def device_indices(self) -> torch.Tensor:
-        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each time it is
-        read (a match used only for its length -- queue order, routing -- never builds
-        it)."""
+        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each read."""
         return _concat(self.pieces)
 
     def __repr__(self) -> str:
@@ -59,5 +57,4 @@ class CacheStats(NamedTuple):
 
     @property
     def device(self) -> int:
-        """Tokens cached on the device."""
         return self.evictable + self.protected

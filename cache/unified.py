@@ -20,7 +20,6 @@ from tandem.cache.radix.tree import Node, RadixTree, concat_values as _concat
 from tandem.core.config import CacheConfig
 
 class UnifiedRadixCache:
-    """A radix prefix cache over token pages with FULL/SWA/MAMBA components and a host tier."""
 
     retains = True
 
@@ -86,7 +85,6 @@ class UnifiedRadixCache:
 
     @property
     def aux_components(self) -> tuple:
-        """The auxiliary components (SWA, MAMBA), in tree order; empty for FULL-only caches."""
         return self._aux
 
     def tier(self, name: str) -> KVTier | None:
@@ -265,7 +263,6 @@ class UnifiedRadixCache:
                 self._evict_device(over)
 
     def stats(self) -> CacheStats:
-        """Current sizes (O(1) counters; :meth:`check` proves them by recount)."""
         t = self._tree
         comps = ({c.name: (t.aux_evictable[i], t.aux_protected[i]) for i, c in enumerate(self._aux)}
                  if self._aux else _NO_COMPONENTS)

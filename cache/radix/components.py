@@ -28,7 +28,6 @@ class StateCopy:
 
 
 class TreeComponent:
-    """Base of auxiliary components: the hooks the tree calls, each with its contract."""
 
     name = "component"
     lock_span = 1
@@ -60,9 +59,8 @@ class TreeComponent:
         raise NotImplementedError
 
     def reconcile(self, node, current: Any, incoming: Any, a: int, b: int, last: bool) -> tuple[Any, Any]:
-        """An insert covers ``node`` with key positions ``[a, b)``; ``incoming`` is the whole
-        per-insert value the caller handed over (``last``: the node ends the inserted
-        key)."""
+        """An insert covers ``node`` with key positions ``[a, b)``; ``incoming``: the whole
+        per-insert value handed over (``last``: the node ends the inserted key)."""
         raise NotImplementedError
 
     def split(self, value: Any, m: int) -> tuple[Any, Any]:
@@ -70,11 +68,9 @@ class TreeComponent:
         raise NotImplementedError
 
     def size(self, value: Any) -> int:
-        """Units the data occupies in the component's pool (for the size counters)."""
         raise NotImplementedError
 
     def free(self, value: Any) -> None:
-        """Execute a release through the component's allocator."""
         raise NotImplementedError
 
 
@@ -96,7 +92,7 @@ class SWA(TreeComponent):
         super().__init__(allocator)
         self.window = window
         self.lock_span = window
-        self.index_map = index_map              # engine's full slot -> SWA row table, or None
+        self.index_map = index_map
 
     def validator(self, host: bool = False):
         window, has = self.window, self.has(host)

@@ -1,6 +1,4 @@
-"""KVCopier: moves rows between a device pool's data and its host mirror (``[L, K, rows,...]``
-tensors: a KV pool's ``kv_data`` ``[L, 2, rows, H_kv, D]``, a state pool's ``[L, 1, slots + 1,
-*state]``), all layers and kinds at once."""
+"""KVCopier: moves rows between a device pool's ``[L, K, rows, ...]`` data and its host mirror."""
 
 from __future__ import annotations
 
@@ -50,7 +48,7 @@ class _ToHost:
 
 class KVCopier:
     """Moves rows between ``dev_data`` and ``host_data`` (``[L, K, rows,...]``, the same but for
-    ``rows``). See the module docstring for what each call waits for on CUDA."""
+    ``rows``)."""
 
     def __init__(self, dev_data: torch.Tensor, host_data: torch.Tensor):
         if dev_data.shape[:2] != host_data.shape[:2] or dev_data.shape[3:] != host_data.shape[3:]:
@@ -61,7 +59,7 @@ class KVCopier:
         self.device = dev_data.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._pending: deque[_ToHost] = deque()   # D2H copies, in issue order
+        self._pending: deque[_ToHost] = deque()
         self._inflight: deque = deque()
 
     def to_host(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
@@ -75,7 +73,7 @@ class KVCopier:
         if len(dev_slots) == 0:
             return
         idx = _pinned_index(dev_slots)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV is written
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             gathered = self.dev_data.index_select(2, idx.to(self.device, non_blocking=True))
             read = torch.cuda.Event()

@@ -91,7 +91,6 @@ def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
 
 
 def topic_for(worker: str, model: str) -> str:
-    """llm-d's topic form ``kv@<pod>@<model>`` (its indexer takes the pod and model from it)."""
     return f"kv@{worker}@{model}"
 
 
@@ -186,7 +185,7 @@ class KVEventPublisher:
                     continue
                 frames = self._router.recv_multipart()
                 if len(frames) != 3 or len(frames[2]) != 8:
-                    continue                            # not a replay request: ignored, as vLLM does
+                    continue
                 ident, start = frames[0], int.from_bytes(frames[2], "big")
                 for s, p in self._replies(start):
                     self._router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])

@@ -66,7 +66,6 @@ class SessionPolicy(EvictionPolicy):
 
 def make_policy(name: str, *, session_ttl_s: float = 300.0, slru_threshold: int = 2,
                 clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
-    """The policy called ``name`` (one of :data:`POLICIES`)."""
     if name == "lru":
         return _KeyPolicy(name, attrgetter("access"))
     if name == "lfu":

@@ -25,26 +25,25 @@ class Node:
         self.parent = parent
         self.children: dict[Hashable, Node] = {}   # plain dict: a missing key must raise
         self.key = key
-        self.start = start              # depth (tokens) of the edge's first token
+        self.start = start
         self.value = value
         self.host = None
         self.lock_ref = 0
-        self.ndc = 0                    # children holding a device value
-        self.access = tick              # logical time of the last match/insert through here
+        self.ndc = 0
+        self.access = tick
         self.created = tick
         self.hits = 0
         self.priority = 0
-        self.session = None             # last session that used this node (session policy)
+        self.session = None
         # Per auxiliary component: data (None = tombstone) and locks {lock floor depth: count}.
         self.aux = [None] * n_aux if n_aux else None
         self.aux_lock = [{} for _ in range(n_aux)] if n_aux else None
-        self.aux_host = [None] * n_aux if n_aux else None   # host copies of aux data
+        self.aux_host = [None] * n_aux if n_aux else None
         self.hashes = None              # page hash chain, computed on first use (events, L3)
-        self.hk = None                  # heap key while in the evictable leaf set
+        self.hk = None
 
     @property
     def end(self) -> int:
-        """Depth (tokens) after this node's edge: the prefix length this node completes."""
         return self.start + len(self.key)
 
     def __repr__(self) -> str:
@@ -87,7 +86,7 @@ class RadixTree(HostNodes):
         for i, c in enumerate(self.components):
             c.index = i
         self.record_events = record_events
-        self.spills: list | None = None         # a list once the cache has an L3 tier
+        self.spills: list | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -368,7 +367,6 @@ class RadixTree(HostNodes):
             self.leaves.discard(nd)
 
     def rebuild_heap(self) -> None:
-        """Drop stale heap entries; recompute every key (time-dependent policies need this)."""
         key = self._key
         heap = []
         for nd in self.leaves:
@@ -378,7 +376,6 @@ class RadixTree(HostNodes):
         self.heap = heap
 
     def pop_leaf(self) -> Node | None:
-        """The evictable leaf with the smallest policy key (stale entries are skipped)."""
         heap = self.heap
         while heap:
             k, _, nd = heappop(heap)
@@ -392,7 +389,6 @@ class RadixTree(HostNodes):
         v = nd.value
         L = len(nd.key)
         if self.spills is not None:
-            # the device copy of component data with no host copy is its last one
             aux = [(i, a, False) for i, a in enumerate(nd.aux or ())
                    if a is not None and nd.aux_host[i] is None]
             if nd.host is None or aux:
@@ -422,7 +418,6 @@ class RadixTree(HostNodes):
         return L
 
     def set_device(self, nd: Node, value: Any) -> None:
-        """Give a host-only node device data (load-back, or adoption by an insert)."""
         nd.value = value
         L = len(nd.key)
         if nd.lock_ref:
@@ -536,7 +531,6 @@ class RadixTree(HostNodes):
         self.spills.append((self.hashes(nd), slots, on_host, tuple(aux)))
 
     def hashes(self, nd: Node) -> list[int]:
-        """The page hash chain of ``nd``'s edge (computed once, for ancestors too)."""
         todo = []
         x = nd
         while x is not self.root and x.hashes is None:

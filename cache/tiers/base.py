@@ -7,7 +7,6 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Prefetch(Protocol):
-    """A read-ahead in flight (:meth:`KVTier.prefetch`)."""
 
     def stop(self) -> None:
         """Start no more reads (the request is being admitted: its load reads the rest)."""
@@ -61,10 +60,10 @@ class CachePort(Protocol):
     """What the cache offers a bound tier."""
 
     page_size: int
-    allocator: Any                  # the device PagedAllocator
-    components: tuple               # the auxiliary components (SWA, MAMBA), in tree order
+    allocator: Any
+    components: tuple
     tree: Any                       # the RadixTree (read-only but for the placement verbs)
-    host: Any                       # the host tier, or None (its pools hold host copies)
+    host: Any
 
     def key(self, token_ids: Sequence[int]) -> list[int]:
         """The page-aligned key of ``token_ids``."""

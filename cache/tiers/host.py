@@ -1,6 +1,5 @@
-"""Host tier (L2): a host KV pool mirroring the device pool's layout, its allocator, a copier, one
-:class:`HostStore` per auxiliary component (SWA rows, recurrent-state checkpoints), and the
-cache's collaborator for moving requests' KV to the host and back."""
+"""Host tier (L2): host pools mirroring the device pools' layout, and the cache's collaborator for
+moving requests' KV to the host and back."""
 
 from __future__ import annotations
 
@@ -43,9 +42,8 @@ def _as_rows(value: Any) -> torch.Tensor:
 
 
 class HostTier:
-    """The host (L2) :class:`~tandem.cache.tiers.base.KVTier`: a host KV pool (``host_pool_tokens`` slots, pinned where CUDA exists), its allocator,
-    the copier, the write policy, and a :class:`HostStore` per auxiliary component named in
-    ``stores`` (components without one never get host copies: host-only nodes fail their vote)."""
+    """The host (L2) :class:`~tandem.cache.tiers.base.KVTier`. A component without a
+    :class:`HostStore` in ``stores`` never gets host copies (host-only nodes fail its vote)."""
 
     def __init__(self, device_pool: KVPool, num_tokens: int, write_policy: str = "write_through",
                  stores: Sequence[HostStore] = ()):
@@ -76,7 +74,6 @@ class HostTier:
     prefetching = False
 
     def bind(self, port) -> None:
-        """Attach to the one cache whose nodes this tier holds (called by the cache)."""
         if self._port is not None and self._port is not port:
             raise ValueError("a HostTier serves one cache")
         if port.allocator is None or port.page_size != self.page_size:
@@ -94,7 +91,6 @@ class HostTier:
         return m.host_hit_length
 
     def load(self, token_ids, m, *, session_id=None) -> bool:
-        """HiCache's load-back: :meth:`restore` of ``m.best_match_node``."""
         return self.restore(m.best_match_node) is not None
 
     def prefetch(self, token_ids, m, *, session_id=None) -> None:
@@ -260,5 +256,4 @@ class HostTier:
 
     @staticmethod
     def host_only(node) -> bool:
-        """True when ``node``'s FULL KV is on the host and not on the device."""
         return node is not None and node.value is None

@@ -54,7 +54,6 @@ class MasterAddress:
 
 
 def binary(name: str = "mooncake_master") -> str | None:
-    """The path of one of the wheel's programs (beside this Python first, then on PATH)."""
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else shutil.which(name)
 

@@ -25,7 +25,7 @@ class Reach:
         self.ps = page_size
         self.s0 = s0
         self.P = s0 + len(full_stored)
-        self.full = list(full_stored)           # [P - s0]: FULL page s0 + k stored
+        self.full = list(full_stored)
         self.rules = rules
 
     def window(self, rule: Rule, e: int) -> range:

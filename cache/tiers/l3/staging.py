@@ -24,7 +24,7 @@ class Staging:
         return len(self._values)
 
     def put(self, ref: Hashable, payload: bytes) -> int:
-        """Keep ``payload`` for ``ref`` (replacing an older value of it)."""
+        """Keep ``payload`` for ``ref``; returns how many values the bound dropped."""
         n = len(payload)
         if n > self.cap_bytes:
             return 1
@@ -50,8 +50,7 @@ class Staging:
         return v
 
     def holds(self, refs: Sequence[Hashable]) -> list[bool]:
-        """Which of ``refs`` have a value now (a later :meth:`take` may still miss: the bound
-        can drop it meanwhile)."""
+        """Which of ``refs`` have a value now (a later :meth:`take` may still miss)."""
         with self._lock:
             return [r in self._values for r in refs]
 
@@ -62,8 +61,7 @@ class Staging:
 
 
 class Jobs:
-    """``run(*job)`` for each submitted ``job`` tuple, one at a time, on a daemon thread; ``submit``
-    never blocks."""
+    """``run(*job)`` for each submitted job, one at a time, on a daemon thread; never blocks."""
 
     def __init__(self, run: Callable[..., None], *, max_pending: int, name: str):
         self._run = run

@@ -30,7 +30,6 @@ def page_key(prefix: str, page_hash: int, kind: str = "") -> str:
 
 
 def seal(payload: bytes) -> bytes:
-    """The stored value: digest then payload."""
     return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest() + payload
 
 

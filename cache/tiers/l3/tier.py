@@ -20,7 +20,6 @@ STAGING_PAGES = 1024
 
 
 def layout(components=()) -> str:
-    """The layout part of the key prefix: FULL's, then each auxiliary component's name."""
     return FULL_LAYOUT + "".join(f"+{c.name}" for c in components)
 
 
@@ -34,10 +33,10 @@ class L3TierStats:
     prefetch_s: float = 0.0     # seconds spent in fetch
     written_pages: int = 0
     prefetches: int = 0
-    prefetch_skipped: int = 0   # prefetches not queued: PREFETCH_JOBS jobs waiting
+    prefetch_skipped: int = 0
     prefetched_pages: int = 0
-    prefetch_used_pages: int = 0    # staged values a fetch took instead of reading the store
-    prefetch_dropped_pages: int = 0  # staged values dropped unused (the staging bound)
+    prefetch_used_pages: int = 0
+    prefetch_dropped_pages: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
