@@ -82,3 +82,16 @@ def test_a_get_cut_by_the_callers_deadline_is_a_miss_not_a_down_store():
     b.release.set()
     assert store.get(7) == b"x" * 64
     store.close()
+
+
+def test_the_writer_skips_values_the_store_already_holds():
+    """What another worker wrote is not put again (one batch exists per batch of writes)."""
+    b = DictBackend()
+    first, second = L3Store(b, "t"), L3Store(b, "t")
+    assert first.put(1, b"a" * 8)
+    assert second.put_async([(1, b"a" * 8), (2, b"b" * 8)]) == 2
+    assert second.flush(5.0)
+    assert (second.stats.puts, second.stats.write_skipped) == (1, 1)
+    assert second.get(2) == b"b" * 8
+    first.close()
+    second.close()

@@ -14,6 +14,7 @@ from typing import Callable, Protocol, Sequence
 log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
+WRITE_BATCH = 256       # queued writes the writer thread checks with one batch exists
 
 
 def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
@@ -59,6 +60,7 @@ class L3Stats:
     late: int = 0           # calls cut by the caller's deadline (under half the timeout)
     puts: int = 0
     write_dropped: int = 0  # async writes dropped: queue full, or the store down
+    write_skipped: int = 0  # async writes the store already held
     bytes_read: int = 0
     bytes_written: int = 0
     read_s: float = 0.0
@@ -187,16 +189,42 @@ class L3Store:
         return n
 
     def _write_loop(self) -> None:
+        """The writer thread: queued writes in batches of at most ``WRITE_BATCH``, each batch one
+        ``batch_is_exist`` and a put for every value the store does not hold yet."""
         while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            key, value, nbytes = item
-            backend = self.backend
+            batch = [self._writes.get()]
+            while batch[-1] is not None and len(batch) < WRITE_BATCH:
+                try:
+                    batch.append(self._writes.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if backend is None or not self.up:
-                    self.stats.write_dropped += 1
-                    continue
+                self._write_batch([b for b in batch if b is not None])
+            finally:
+                for _ in batch:
+                    self._writes.task_done()
+            if batch[-1] is None:
+                return
+
+    def _write_batch(self, items: list) -> None:
+        backend = self.backend
+        if not items:
+            return
+        if backend is None or not self.up:
+            self.stats.write_dropped += len(items)
+            return
+        try:
+            held = backend.batch_is_exist([key for key, _, _ in items])
+        except Exception:
+            held = [0] * len(items)
+        for (key, value, nbytes), h in zip(items, held):
+            if h == 1:
+                self.stats.write_skipped += 1
+                continue
+            if not self.up:
+                self.stats.write_dropped += 1
+                continue
+            try:
                 t0 = self._clock()
                 rc = backend.put(key, value)
                 if self._clock() - t0 > self.timeout_s:
@@ -208,8 +236,6 @@ class L3Store:
                 self.stats.errors += 1
                 self._down_until = self._clock() + self.backoff_s
                 log.warning("L3 store write failed (%r); writes dropped for %.1fs", e, self.backoff_s)
-            finally:
-                self._writes.task_done()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait (at most ``timeout_s``) until every queued write has been tried."""
