@@ -189,8 +189,7 @@ class L3Store:
         return n
 
     def _write_loop(self) -> None:
-        """The writer thread: queued writes in batches of at most ``WRITE_BATCH``, each batch one
-        ``batch_is_exist`` and a put for every value the store does not hold yet."""
+        """The writer thread: per batch of queued writes, puts what ``batch_is_exist`` lacks."""
         while True:
             batch = [self._writes.get()]
             while batch[-1] is not None and len(batch) < WRITE_BATCH:
