@@ -145,7 +145,7 @@ class Dispatcher:
 
     def route(self, req: GenerateRequest, exclude: Collection[int] = ()) -> Route:
         """Admission, then the policy's choice among live workers not in ``exclude``; charges the
-        chosen ones."""
+        chosen ones. Raises :class:`Overloaded` when every live prefill worker is past its limits."""
         hashes = None
         if self.state.kv.num_blocks():   # the KV-event index is fed: hash the prompt once, unlocked
             hashes = tuple(block_hashes(req.cache_key, self.state.config.kv_block_size))

@@ -99,9 +99,8 @@ class WorkerSnapshot:
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any], at: float) -> "WorkerSnapshot":
-        """From a prefill/decode actor's ``stats()`` dict (keys ``waiting``, ``running``,
-        ``total_tokens``, ``available_tokens``, ``waiting_prompt_tokens``; ``pending_s``
-        when a worker reports one; ``draining``)."""
+        """From a prefill/decode actor's ``stats()`` dict (the fields' names). Missing keys read as
+        0 or None; a value of the wrong type is a ValueError naming the key."""
         def num(key: str, kind=int):
             v = stats.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
