@@ -31,8 +31,8 @@ class MigrationSource:
 
     async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """The new worker's side of a migration calls this as its ``prefill``: WRITE the frozen
-        request's KV from ``dst_prefix_len`` (what the new worker's cache already holds)
-        into ``xfer``'s pages, then release it to this worker's cache."""
+        request's KV from ``dst_prefix_len`` into ``xfer``'s pages, then release it to this worker's
+        cache. Returns, like a prefill, only when no write is in flight (but ``in_flight=True``)."""
         rid, req = req_wire["rid"], KVTransferRequest.decode(xfer)
         timer = self._frozen.pop(rid, None)
         if timer is not None:
