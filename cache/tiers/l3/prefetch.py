@@ -38,16 +38,20 @@ class L3Prefetch:
             return
         t0 = time.perf_counter()
         reach = self._reach(ask, self._exists(ask.refs))
-        self._collect(reach, ask, t0, lambda ref, h, left: self._stage(ask, ref, h, left))
+        self._collect(reach, ask, t0, lambda refs, hashes, left: self._stage(ask, refs, hashes, left))
 
-    def _stage(self, ask, ref: tuple[int, int], h: int, left: float) -> bytes | None:
-        kind = self._payload(ref[0]).kind
+    def _stage(self, ask, refs: list, hashes: list[int], left: float) -> list:
         if ask.stopped:
-            return None
-        if self._staging.holds([(kind, h)])[0]:
-            return b""
-        payload = self._get(kind, h, left)
-        if payload is not None:
-            self.stats.prefetched_pages += 1
-            self.stats.prefetch_dropped_pages += self._staging.put((kind, h), payload)
-        return payload
+            return [None] * len(refs)
+        kinds = [self._payload(r[0]).kind for r in refs]
+        held = self._staging.holds(list(zip(kinds, hashes)))
+        out: list = [b"" if h else None for h in held]
+        todo = [i for i, h in enumerate(held) if not h]
+        if todo:
+            got = self._get_many([refs[i] for i in todo], [hashes[i] for i in todo], left)
+            for i, payload in zip(todo, got):
+                out[i] = payload
+                if payload is not None:
+                    self.stats.prefetched_pages += 1
+                    self.stats.prefetch_dropped_pages += self._staging.put((kinds[i], hashes[i]), payload)
+        return out

@@ -11,6 +11,8 @@ from tandem.cache.tiers.l3.payload import Payload
 from tandem.cache.tiers.l3.reach import FULL, Reach, Rule
 from tandem.core.page_hash import page_hashes
 
+READ_BATCH = 256
+
 
 @dataclass
 class Ask:
@@ -128,47 +130,50 @@ class L3Reads:
         return self._place(key, ask.hashes, reach, e, read, path, m, session_id)
 
     def _collect(self, reach: Reach, ask: Ask, t0: float, load) -> dict:
+        """``{ref: value}`` for the deepest accepted end, by ``load(refs, page hashes, seconds left)``
+        (None where lost: the end moves up); past ``ask.wait_s`` only what was loaded counts."""
         read: dict[tuple[int, int], object] = {}
         e = reach.deepest()
         while e > reach.s0:
-            missed = False
-            for ref in reach.needs(e):
-                if ref in read:
-                    continue
-                left = ask.wait_s - (time.perf_counter() - t0)
-                if left <= 0:
-                    reach.keep_only(set(read))
-                    missed = True
-                    break
-                value = load(ref, ask.hashes[ref[1]], left)
-                if value is None:
-                    reach.lose(ref)
-                    missed = True
-                    break
-                read[ref] = value
-            if not missed:
+            need = [ref for ref in reach.needs(e) if ref not in read][:READ_BATCH]
+            if not need:
                 break
+            left = ask.wait_s - (time.perf_counter() - t0)
+            if left <= 0:
+                reach.keep_only(set(read))
+            else:
+                values = load(need, [ask.hashes[r[1]] for r in need], left)
+                for ref, value in zip(need, values):
+                    if value is None:
+                        reach.lose(ref)
+                    else:
+                        read[ref] = value
             e = reach.deepest()
         return read
 
-    def _get(self, kind: str, h: int, left: float) -> bytes | None:
+    def _get_many(self, refs: list, hashes: list[int], left: float) -> list:
         t0 = time.perf_counter()
-        payload = self.store.get(h, budget_s=left, kind=kind)
-        if payload is not None:
-            self.budget.observe(len(payload), time.perf_counter() - t0)
-        return payload
+        payloads = self.store.get_many([(self._payload(r[0]).kind, h) for r, h in zip(refs, hashes)],
+                                       budget_s=left)
+        got = sum(len(p) for p in payloads if p is not None)
+        if got:
+            self.budget.observe(got, time.perf_counter() - t0)
+        return payloads
 
-    def _take(self, ref: tuple[int, int], h: int, left: float) -> torch.Tensor | None:
-        pl = self._payload(ref[0])
-        payload = self._staging.take((pl.kind, h))
-        if payload is not None:
-            self.stats.prefetch_used_pages += 1
-        else:
-            payload = self._get(pl.kind, h, left)
-        value = pl.decode(payload) if payload is not None else None
-        if value is None and ref[0] != FULL:
-            self.stats.aux_misses += 1
-        return value
+    def _take(self, refs: list, hashes: list[int], left: float) -> list:
+        payloads = [self._staging.take((self._payload(r[0]).kind, h)) for r, h in zip(refs, hashes)]
+        self.stats.prefetch_used_pages += sum(p is not None for p in payloads)
+        ask = [i for i, p in enumerate(payloads) if p is None]
+        if ask:
+            for i, p in zip(ask, self._get_many([refs[i] for i in ask], [hashes[i] for i in ask], left)):
+                payloads[i] = p
+        values = []
+        for ref, p in zip(refs, payloads):
+            value = self._payload(ref[0]).decode(p) if p is not None else None
+            if value is None and ref[0] != FULL:
+                self.stats.aux_misses += 1
+            values.append(value)
+        return values
 
     def _place(self, key, hashes, reach: Reach, e: int, read: dict, path: list, m,
                session_id) -> int:

@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
-WRITE_BATCH = 256       # queued writes the writer thread checks with one batch exists
+WRITE_BATCH = 256
 
 
 def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
@@ -252,6 +252,19 @@ class L3Store:
         value = (self._call(backend.get, page_key(self.prefix, page_hash, kind), budget_s=budget_s)
                  if backend else None)
         self.stats.read_s += time.perf_counter() - t0
+        return self._payload(value)
+
+    def get_many(self, refs: Sequence[tuple[str, int]], budget_s: float | None = None) -> list[bytes | None]:
+        """The payloads of ``(kind, page_hash)`` values in one store call, each as :meth:`get`'s."""
+        t0 = time.perf_counter()
+        backend = self.backend
+        keys = [page_key(self.prefix, h, kind) for kind, h in refs]
+        many = getattr(backend, "get_batch", None) or (lambda ks: [backend.get(k) for k in ks])
+        values = self._call(many, keys, budget_s=budget_s) if backend else None
+        self.stats.read_s += time.perf_counter() - t0
+        return [self._payload(v) for v in (values or [None] * len(keys))]
+
+    def _payload(self, value) -> bytes | None:
         if not value:
             self.stats.misses += 1
             return None
