@@ -1,4 +1,4 @@
-"""Sample groups on a decode worker: the prompt's KV moves once per group."""
+"""Sample groups on a decode worker: the prompt's KV moves once per group. Event-loop thread only."""
 
 from __future__ import annotations
 
