@@ -16,7 +16,7 @@ TTFT p50 and mean; and the cluster's own ``tandem_worker_prompt_tokens_computed_
 whole run, and the router's ``tandem_route_cached_tokens_error`` (the share of requests within
 one page). Prints a table and writes JSON to ``--out`` (default bench/out/multiturn.json).
 
-    .venv/bin/python -m tandem.bench.multiturn [--num-sessions 3] [--turns 3] [--max-tokens 256]
+    .venv/bin/python -m tandem.bench.multiturn [--num-sessions 3] [--turns 3] [--max-tokens 256] [--kv-store mooncake]
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ def _computed_total(m: dict) -> float:
     return sum(v for (name, _), v in m.items() if name == "tandem_worker_prompt_tokens_computed_total")
 
 
+def _l3_counters(before: dict, after: dict) -> dict[str, float]:
+    """The L3 tier's counters over the run, summed over workers (``--kv-store`` only)."""
+    out: dict[str, float] = {}
+    for (name, lab), v in after.items():
+        if name.startswith("tandem_l3_") and name.endswith("_total"):
+            key = name[len("tandem_l3_"):-len("_total")]
+            out[key] = out.get(key, 0.0) + v - before.get((name, lab), 0.0)
+    return out
+
+
 def _route_error(before: dict, after: dict) -> dict[str, float]:
     """``tandem_route_cached_tokens_error`` over the run: requests, and the share within each
     bucket bound (tokens)."""
@@ -68,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-total-tokens", type=int, default=16384)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=240.0)
+    p.add_argument("--kv-store", default="off", help="passed to every configuration's tandem serve "
+                   "(mooncake: the shared L3 tier, issue 37 (c))")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     args = p.parse_args(argv)
 
@@ -81,17 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown configs {sorted(set(names) - set(CONFIGS))}; choose from {', '.join(CONFIGS)}")
     results: dict[str, dict] = {}
     logdir = Path(tempfile.mkdtemp(prefix="multiturn-"))
+    l3 = ["--kv-store", args.kv_store] if args.kv_store != "off" else []
     for name in names:
-        with Server(CONFIGS[name], args, logdir / f"{name}.log") as srv:
+        with Server(CONFIGS[name] + l3, args, logdir / f"{name}.log") as srv:
             print(f"[{name}] healthy on {srv.url}; running the workload", file=sys.stderr)
             before = _metrics(srv.url)
             records, model = asyncio.run(_run_workload(srv.url, workload, args))
             after = _metrics(srv.url)
         computed = _computed_total(after) - _computed_total(before)
         s = summarize(records)
-        results[name] = {"flags": CONFIGS[name], "model": model, "ok": s["ok"], "requests": s["requests"],
+        results[name] = {"flags": CONFIGS[name] + l3, "model": model, "ok": s["ok"], "requests": s["requests"],
                          "worker_prompt_tokens_computed": computed, "by_turn": by_turn(records),
                          "route_cached_tokens_error": _route_error(before, after),
+                         "l3": _l3_counters(before, after) if l3 else None,
                          "records": [r.to_json() for r in records]}
         print(f"[{name}] {s['ok']}/{s['requests']} ok; workers computed {computed:.0f} prompt tokens",
               file=sys.stderr)
@@ -106,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         if e["requests"]:
             print(f"route cached-tokens error: {e['requests']:.0f} requests; share <= 1 token "
                   f"{e.get('le_1.0', 0):.0%}, <= 16 tokens {e.get('le_16.0', 0):.0%}")
+        if r["l3"]:
+            print("L3: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["l3"].items())))
     print(f"\nJSON: {out}")
     return 0
 

@@ -1,16 +1,4 @@
-"""Slot allocators over a paged KV pool.
-
-Slot ``s`` lives in page ``s // page_size``. Page 0 (slots ``0 .. page_size-1``) is reserved as
-padding: padded batches write there harmlessly. Allocatable pages are ``1 .. num_pages``.
-
-Contract:
-- ``alloc*`` returns an int64 tensor of slot ids, or ``None`` when there is not enough room
-  (an expected condition, never an exception).
-- ``free(slots)`` releases the pages holding ``slots``; the caller guarantees it owns every slot of
-  those pages. Freeing a page that is not allocated (double free) or a slot outside the pool
-  (foreign slot) raises :class:`SlotError` naming the slot.
-- Frees are queued and merged lazily (sorted on the next allocation that needs them), as SGLang does.
-"""
+"""Slot allocators over a paged KV pool."""
 
 from __future__ import annotations
 
@@ -34,16 +22,13 @@ class PagedAllocator:
 
     @property
     def size(self) -> int:
-        """Allocatable slots (tokens)."""
         return self.num_pages * self.page_size
 
     def clear(self) -> None:
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
         self._released: list[torch.Tensor] = []
-        # _allocated[p] is True while page p is handed out. Kept on the CPU: it is bookkeeping.
         self._allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool)
 
-    # -- queries -------------------------------------------------------------------------------
     def available_size(self) -> int:
         """Free slots (tokens), counting frees not yet merged."""
         return (len(self._free_pages) + sum(len(r) for r in self._released)) * self.page_size
@@ -55,10 +40,8 @@ class PagedAllocator:
         return bool(self._allocated[page])
 
     def allocated_pages(self) -> torch.Tensor:
-        """Page ids currently handed out (for invariant checks)."""
         return torch.nonzero(self._allocated, as_tuple=False).flatten()
 
-    # -- allocation ----------------------------------------------------------------------------
     def _take_pages(self, n: int) -> torch.Tensor | None:
         if n > len(self._free_pages) and self._released:
             self._free_pages = torch.sort(torch.cat([self._free_pages, *self._released])).values
@@ -76,17 +59,12 @@ class PagedAllocator:
         return self._take_pages(n_pages)
 
     def alloc(self, n_tokens: int) -> torch.Tensor | None:
-        """Slots for ``n_tokens`` starting on a fresh page; the tail of the last page stays unused
-        (it belongs to the caller until freed). Returns ``[n_tokens]`` int64 slot ids or None."""
+        """Slots for ``n_tokens`` starting on a fresh page (the last page's tail stays the caller's until
+        freed): ``[n_tokens]`` int64 slot ids, or None when there is no room."""
         return self.alloc_extend(last_loc=-1, prefix_len=0, n_tokens=n_tokens)
 
     def alloc_extend(self, last_loc: int, prefix_len: int, n_tokens: int) -> torch.Tensor | None:
-        """Slots for positions ``prefix_len .. prefix_len + n_tokens - 1`` of one request.
-
-        The request's slots must stay page-contiguous: if ``prefix_len`` is not page-aligned the
-        first slots continue the page of ``last_loc`` (the slot of position ``prefix_len - 1``),
-        then whole new pages follow. Returns ``[n_tokens]`` int64 slot ids or None (no room).
-        """
+        """Slots for positions ``prefix_len.. prefix_len + n_tokens - 1`` of one request."""
         if n_tokens < 0:
             raise ValueError(f"n_tokens={n_tokens} must be >= 0")
         ps = self.page_size
@@ -101,7 +79,6 @@ class PagedAllocator:
         body = (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64)[None, :]).flatten()
         return torch.cat([head, body[: n_tokens - in_page]])
 
-    # -- release -------------------------------------------------------------------------------
     def free(self, slots: torch.Tensor) -> None:
         """Release the pages holding ``slots`` (int tensor of slot ids). Raises SlotError on misuse."""
         if slots.numel() == 0:

@@ -1,14 +1,4 @@
-"""Device KV pool: per-layer K and V buffers addressed by slot id.
-
-Layout: one contiguous tensor ``kv_data: [num_layers, 2, num_slots + page_size, H_kv, D]`` so a
-transfer engine can register the whole pool as one memory region; ``k_buffer[l]`` and
-``v_buffer[l]`` are views ``[num_slots + page_size, H_kv, D]``. Rows ``0 .. page_size-1`` (page 0)
-are reserved padding. Slot ``s`` of layer ``l`` is ``k_buffer[l][s]`` / ``v_buffer[l][s]``.
-
-A pool serves a subset of the model's layers (``layer_ids``; default all): hybrid models keep
-sliding-window layers in a second pool whose rows are reached through ``index_map`` (a full-pool
-slot -> this pool's row table; see :class:`LayerKV`).
-"""
+"""Device KV pool: per-layer K and V buffers addressed by slot id."""
 
 from __future__ import annotations
 
@@ -19,11 +9,6 @@ import torch
 
 @dataclass(frozen=True)
 class LayerKV:
-    """What an attention backend needs for one layer.
-
-    k, v: ``[rows, H_kv, D]``. ``index_map``: None when rows are the full pool's slot ids;
-    otherwise an int64 ``[full_slots]`` table mapping a full-pool slot to a row of ``k``/``v``.
-    """
 
     k: torch.Tensor
     v: torch.Tensor
@@ -61,7 +46,6 @@ class KVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token's K and V occupy across this pool's layers."""
         return len(self.layer_ids) * 2 * self.num_kv_heads * self.head_dim * self.kv_data.element_size()
 
     def has_layer(self, layer_id: int) -> bool:
@@ -83,9 +67,8 @@ class KVPool:
 
 
 class HybridKVPool:
-    """The KV pool a hybrid model's attention backend sees: "full" layers in the full pool
-    (rows = full slots), "swa" layers in the SWA pool (rows = ``index_map[full slot]``).
-    ``kv_data``/``page_size``/``num_slots`` are the full pool's (slot ids are full slots)."""
+    """The KV pool a hybrid model's attention backend sees: "full" layers in the full pool (rows =
+    full slots), "swa" layers in the SWA pool (rows = ``index_map[full slot]``)."""
 
     def __init__(self, full: KVPool, swa: KVPool | None, index_map: torch.Tensor | None):
         self.full, self.swa, self.index_map = full, swa, index_map
@@ -96,7 +79,6 @@ class HybridKVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes per full slot in the full pool (the SWA pool is sized separately)."""
         return self.full.bytes_per_token
 
     def has_layer(self, layer_id: int) -> bool:

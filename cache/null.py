@@ -1,15 +1,4 @@
-"""NullCache: the prefix-cache protocol with nothing kept (``CacheConfig.disable_prefix_cache``).
-
-Same verbs as :class:`tandem.cache.unified.UnifiedRadixCache`, so the scheduler never asks
-whether caching is on:
-
-- ``match`` is always a miss (handles are None); ``peek`` is 0;
-- ``cache(ids, slots, node)`` keeps nothing and returns ``(empty, None)``: the request keeps owning
-  every slot of its row (a component-data callable is never called, so nothing is handed over);
-- ``insert`` takes the slots and frees them at once (returns 0);
-- ``lock``/``unlock``/``evict`` do nothing; ``stats`` is all zeros; ``host`` is None and ``tiers`` empty;
-- ``check(extra_owned)`` proves that requests own exactly the allocated pages of every pool.
-"""
+"""NullCache: the prefix-cache protocol with nothing kept (``CacheConfig.disable_prefix_cache``)."""
 
 from __future__ import annotations
 
@@ -19,7 +8,7 @@ import torch
 
 from tandem.cache.radix.components import FULL
 from tandem.cache.radix.sanity import check_ownership
-from tandem.cache.unified import CacheStats, MatchResult
+from tandem.cache.match import CacheStats, MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _MISS = MatchResult(0, [])

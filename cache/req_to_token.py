@@ -1,10 +1,4 @@
-"""ReqToTokenPool: which KV slot holds position ``pos`` of in-flight request row ``r``.
-
-``req_to_token``: int32 ``[max_reqs + 1, max_context]`` on the model's device (attention reads it).
-Row 0 is padding (padded batches point there harmlessly); rows ``1 .. max_reqs`` are handed out
-by :meth:`alloc`. On a GPU a host copy mirrors it, so :meth:`read` / :meth:`slot` never wait for
-the device, and :meth:`write_many` moves a whole step's writes in one copy.
-"""
+"""ReqToTokenPool: which KV slot holds position ``pos`` of in-flight request row ``r``."""
 
 from __future__ import annotations
 
@@ -22,10 +16,9 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         # req_to_token: [max_reqs + 1, max_context] int32
         self.req_to_token = torch.zeros((max_reqs + 1, max_context), dtype=torch.int32, device=device)
-        # the host mirror (the table itself on the CPU): every write goes to both
         self._host = self.req_to_token if self.device.type == "cpu" else torch.zeros(
             (max_reqs + 1, max_context), dtype=torch.int32)
-        self._free_rows = list(range(max_reqs, 0, -1))  # pop() hands out 1, 2, ... first
+        self._free_rows = list(range(max_reqs, 0, -1))
         self._in_use = [False] * (max_reqs + 1)
 
     def available_size(self) -> int:
@@ -51,7 +44,6 @@ class ReqToTokenPool:
         return [r for r in range(1, self.size + 1) if self._in_use[r]]
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """``req_to_token[row, start:start+len(slots)] = slots``."""
         end = start + len(slots)
         if end > self.max_context:
             raise ValueError(f"write to positions {start}..{end} exceeds max_context={self.max_context}")
@@ -80,7 +72,7 @@ class ReqToTokenPool:
         self.req_to_token[rcv[0], rcv[1]] = rcv[2].to(torch.int32)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Slots of positions ``start .. end-1`` as int64, on the CPU (no device sync)."""
+        """Slots of positions ``start.. end-1`` as int64, on the CPU (no device sync)."""
         return self._host[row, start:end].to(torch.int64)
 
     def slot(self, row: int, pos: int) -> int:

@@ -1,8 +1,4 @@
-"""Recurrent-state pool: one row of every recurrent layer's state per request or checkpoint.
-
-Rows are handed out by a ``PagedAllocator(num_slots, 1)`` owned by whoever sizes the pool
-(engine/hybrid.py); the radix cache's MAMBA component holds rows as checkpoints.
-"""
+"""Recurrent-state pool: one row of every recurrent layer's state per request or checkpoint."""
 
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ class StatePool:
         return self.data[self._local[layer_id]]
 
     def copy(self, src: int, dst: int) -> None:
-        """Every layer's state row ``src`` -> row ``dst``."""
         self.data[:, dst] = self.data[:, src]
 
     def zero(self, row: int) -> None:

@@ -1,36 +1,9 @@
-"""UnifiedRadixCache: the prefix cache the scheduler talks to (one class, nine verbs).
-
-One radix tree (:mod:`tandem.cache.radix.tree`) decides what is cached and what to evict; this
-class executes: it frees slots through the allocators it was given, copies KV to and from the
-host tier, publishes KV events, and checks invariants after every public operation when
-``CacheConfig.debug_invariants`` is set. :class:`tandem.cache.null.NullCache` implements the same
-protocol for ``disable_prefix_cache`` (it keeps nothing).
-
-Protocol (mirrors SGLang's cache_unfinished_req / cache_finished_req)::
-
-    m = cache.match(ids, session_id=sid)             # m.device_indices: reusable slots
-    cache.lock(m.last_device_node)
-    ...compute, allocating slots (cache.evict(n) when the allocator is short)...
-    slots, node = cache.cache(ids[:aligned], row_slots, node)   # after a chunk / at finish
-    ...rewrite the request's row with `slots` (the tree now owns them); at finish: cache.unlock(node)
-
-    cache.peek(ids) -> int        side-effect free prefix length (routing, queue order)
-    cache.insert(ids, value)      raw insert (simulated caches, tests): returns the length
-                                  already cached
-    cache.evict(n, component)     free unlocked cache
-    cache.stats() -> CacheStats   sizes;  cache.check(extra_owned)  the invariant recount
-    cache.tiers                   the tiers past the device, in admission order (cache/tiers/)
-    cache.tier(name)              one of them by name ("host", "l3"), or None
-    cache.host                    the host tier (backup / restore), or None
-
-Handles (nodes) are opaque; one stays valid while it is locked.
-"""
+"""UnifiedRadixCache: the prefix cache the scheduler talks to (one class, nine verbs)."""
 
 from __future__ import annotations
 
 import time
-from types import MappingProxyType
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -41,84 +14,14 @@ from tandem.cache.radix.eviction import make_policy
 from tandem.cache.tiers.base import KVTier
 from tandem.cache.tiers.host import HostTier
 from tandem.cache.radix.sanity import check
+from tandem.cache.match import _NO_COMPONENTS, CacheStats, MatchResult
+from tandem.cache.port import TierPort
 from tandem.cache.radix.tree import Node, RadixTree, concat_values as _concat
 from tandem.core.config import CacheConfig
 
-_NO_COMPONENTS: Mapping[str, Any] = MappingProxyType({})
-
-
-class MatchResult(NamedTuple):
-    """What a match found. Node handles:
-
-    - ``last_device_node``: deepest node every component accepts whose KV is on the device;
-      ``device_indices`` (int64 ``[prefix_len]``) are the slots of the path down to it. Lock it.
-    - ``best_match_node``: deepest accepted node on any tier; ``host_hit_length`` tokens below
-      ``last_device_node`` are on the host only (``cache.host.restore(best_match_node)`` brings
-      them back).
-    - ``last_host_node``: deepest accepted node with a host copy (the root if none); without a
-      host tier, ``last_device_node``.
-
-    ``components`` maps a component name to what it returned (``"swa"``: SWA rows of the prefix,
-    -1 where tombstoned; ``"mamba"``: a :class:`StateCopy` or None). A null cache's handles are
-    None.
-    """
-
-    prefix_len: int
-    pieces: list                    # the path's slot values (device_indices concatenates them)
-    last_device_node: Node | None = None
-    last_host_node: Node | None = None
-    best_match_node: Node | None = None
-    host_hit_length: int = 0
-    components: Mapping[str, Any] = _NO_COMPONENTS
-
-    @property
-    def device_indices(self) -> torch.Tensor:
-        """Slots of the matched device prefix (int64 ``[prefix_len]``), a new tensor each time
-        it is read (a match used only for its length -- queue order, routing -- never builds
-        it). Immutable, and cheap to make: one is made per admission and per routing probe."""
-        return _concat(self.pieces)
-
-    def __repr__(self) -> str:
-        return (f"MatchResult(prefix_len={self.prefix_len}, host_hit_length={self.host_hit_length}, "
-                f"last_device_node={self.last_device_node})")
-
-
-class CacheStats(NamedTuple):
-    """Sizes, O(1) (proven by :meth:`UnifiedRadixCache.check`). Tokens for FULL; for an
-    auxiliary component, units of its pool (``components[name] = (evictable, protected)``)."""
-
-    evictable: int = 0          # unlocked device tokens
-    protected: int = 0          # locked device tokens
-    host: int = 0               # tokens with a host copy (0 without a host tier)
-    components: Mapping[str, tuple[int, int]] = _NO_COMPONENTS
-
-    @property
-    def device(self) -> int:
-        """Tokens cached on the device."""
-        return self.evictable + self.protected
-
-
 class UnifiedRadixCache:
-    """A radix prefix cache over token pages with FULL/SWA/MAMBA components and a host tier.
 
-    Args:
-        config: page size, eviction policy (+ session TTL), debug invariants.
-            (``disable_prefix_cache`` is :class:`~tandem.cache.null.NullCache`'s job.)
-        allocator: the device pool's allocator; tree values are its slot ids. None = simulated
-            mode (no pools; values are token positions).
-        components: ``(FULL,)`` plus optional :class:`SWA` / :class:`Mamba` instances that own
-            their pools' allocators.
-        host: a :class:`HostTier`, or None. It becomes
-            :attr:`host`, the collaborator that backs requests up and restores them, and the
-            first of :attr:`tiers`.
-        tiers: more tiers (cache/tiers/factory.py ``build_tiers``), bound in order after
-            ``host``; a tier named "host" among them becomes :attr:`host` (it must come first).
-        events: a :class:`KVEventPublisher`; stored/removed pages are published after each
-            operation.
-        clock: wall clock for the session policy's TTL (injectable for tests).
-    """
-
-    retains = True      # keeps what it is given (a NullCache does not)
+    retains = True
 
     def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
                  components: Sequence[Any] = (FULL,),
@@ -182,20 +85,16 @@ class UnifiedRadixCache:
 
     @property
     def aux_components(self) -> tuple:
-        """The auxiliary components (SWA, MAMBA), in tree order; empty for FULL-only caches."""
         return self._aux
 
     def tier(self, name: str) -> KVTier | None:
         """The tier called ``name``, or None."""
         return next((t for t in self.tiers if t.name == name), None)
 
-    # -- matching --------------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int], *, session_id: Hashable | None = None,
               priority: int | None = None) -> MatchResult:
         """The longest reusable page-aligned prefix of ``token_ids``. Does not lock; may split an
-        edge (structure only). Touches the matched path for the eviction policy (and raises its
-        nodes' priority to ``priority``, as an insert does). Loads nothing back from the host:
-        ``host_hit_length`` says how much :meth:`HostTier.restore` could bring."""
+        edge (structure only)."""
         t = self._tree
         if session_id is not None:
             self.policy.touch_session(session_id)
@@ -218,20 +117,14 @@ class UnifiedRadixCache:
 
     def peek(self, token_ids: Sequence[int]) -> int:
         """Length of the reusable device prefix of ``token_ids``, with no side effect at all: no
-        split, no policy touch, no load-back. Exact for FULL-only caches; with auxiliary
-        components a boundary inside an edge is not voted on, so it may be shorter than
-        :meth:`match` would find."""
+        split, no policy touch, no load-back."""
         return self._tree.peek(self._key(token_ids))
 
-    # -- inserting -------------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], value: torch.Tensor | None = None, *,
                extra: Mapping[str, Any] | None = None, session_id: Hashable | None = None,
                priority: int = 0) -> int:
-        """Cache the page-aligned prefix of ``token_ids``; ``value[i]`` is the slot of token i
-        (None only in simulated mode). Returns the length that was already cached: the caller's
-        slots ``value[prev_cached:returned]`` are duplicates it must free; the tree keeps the
-        rest. ``extra`` hands over component data (``"swa"``: rows ``[n]``, -1 = released;
-        ``"mamba"``: the state row after the last token); the cache keeps or frees all of it."""
+        """Cache the page-aligned prefix of ``token_ids``; ``value[i]`` is the slot of token i (None
+        only in simulated mode)."""
         key = self._key(token_ids)
         value = self._slots(value, len(key))
         cached, _, _ = self._insert(key, value, extra, session_id, priority)
@@ -242,17 +135,7 @@ class UnifiedRadixCache:
     def cache(self, token_ids: Sequence[int], slots: torch.Tensor | None, last_node: Node | None,
               *, extra: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
               session_id: Hashable | None = None, priority: int = 0) -> tuple[torch.Tensor, Node]:
-        """Hand a request's computed KV to the tree (SGLang's cache_unfinished/finished_req).
-
-        ``token_ids``: the request's tokens so far (only whole pages are cached); ``slots``: its
-        row's slots for them; ``last_node``: the node it holds locked (its protected prefix is
-        ``[0, last_node.end)``, slots the tree already owns). Inserts, frees the request's
-        duplicate slots ``slots[last_node.end : already_cached]``, moves the lock from
-        ``last_node`` to the node ending the page-aligned key, and returns
-        ``(canonical slots [aligned], new_node)``: the tree now owns those slots (the caller
-        rewrites its row with them and unlocks ``new_node`` when the request finishes). Slots
-        past the aligned length stay the request's. ``extra`` (or a callable returning it,
-        called once, only by a cache that keeps the prefix) hands over component data."""
+        """Hand a request's computed KV to the tree."""
         key = self._key(token_ids)
         n = len(key)
         slots = self._slots(slots, n)
@@ -280,31 +163,23 @@ class UnifiedRadixCache:
             self.policy.touch_session(session_id)
         aux = self._aux_values(extra, len(key))
         if aux and not key:
-            # The end of an empty key is the root: nothing to keep a per-key value (a MAMBA
-            # checkpoint of the zero state) on, and the caller handed it over: release it.
             for c, v in zip(self._aux, aux):
                 if v is not None and not c.per_token:
                     c.free(v)
         floor = self._released_floor(aux, len(key))
         if 0 < floor < len(key):
-            # Per-token data the engine already released (-1, e.g. SWA rows outside its window)
-            # gets its own tombstoned nodes, so the rest of the edge keeps its data. Per-key
-            # values (a MAMBA checkpoint) belong to the full key only.
             first = [v if c.per_token else None for c, v in zip(self._aux, aux)]
             cached, _, _ = t.insert(key[:floor], value, first, session_id, priority)
             cached2, node, created = t.insert(key, value, aux, session_id, priority)
-            if cached >= floor:                 # the first insert added nothing
+            if cached >= floor:
                 cached = cached2
         else:
             cached, node, created = t.insert(key, value, aux, session_id, priority)
         for tier in self.tiers:
-            # hybrid: nodes may also have adopted component data (SWA rows, a checkpoint)
             tier.on_insert(node, created, bool(aux))
         return cached, node, created
 
     def _aux_values(self, extra: Mapping[str, Any] | None, n: int) -> list | None:
-        """``extra`` as a list aligned with the auxiliary components (simulated mode: token
-        positions for per-token components, the key's end for per-key ones)."""
         if not self._aux:
             return None
         extra = extra or {}
@@ -325,7 +200,6 @@ class UnifiedRadixCache:
         return out
 
     def _released_floor(self, aux: list | None, n: int) -> int:
-        """Page-aligned end of the released (-1) head of per-token component values."""
         floor = 0
         for c, v in zip(self._aux, aux or ()):
             if c.per_token and isinstance(v, torch.Tensor):
@@ -334,7 +208,6 @@ class UnifiedRadixCache:
                     floor = max(floor, int(neg[-1]) + 1)
         return min(n, -(-floor // self.page_size) * self.page_size)
 
-    # -- locks ---------------------------------------------------------------------------------
     def lock(self, node: Node | None) -> None:
         """Protect the path root..node from eviction (device and host copies). None: no-op."""
         if node is None:
@@ -351,12 +224,9 @@ class UnifiedRadixCache:
         if self._debug:
             self._after()
 
-    # -- eviction --------------------------------------------------------------------------------
     def evict(self, num_tokens: int, component: str = "full") -> int:
-        """Free at least ``num_tokens`` of unlocked cache if there is that much; returns how
-        much was freed. ``component``: "full" (device KV; leaves first, cascading, backed up to
-        the host tier when there is one), "host" (host copies), or an auxiliary component's name
-        (tombstones its data; the nodes and their FULL KV stay)."""
+        """Free at least ``num_tokens`` of unlocked cache if there is that much; returns how much
+        was freed."""
         if num_tokens <= 0:
             return 0
         if component == "full":
@@ -382,7 +252,7 @@ class UnifiedRadixCache:
             if nd is None:
                 break
             for tier in self.tiers:
-                tier.on_evict(nd)         # the host tier backs it up (same-name transfer)
+                tier.on_evict(nd)
             freed += t.drop_device(nd)
         return freed
 
@@ -392,18 +262,14 @@ class UnifiedRadixCache:
             if over > 0:
                 self._evict_device(over)
 
-    # -- sizes and invariants --------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        """Current sizes (O(1) counters; :meth:`check` proves them by recount)."""
         t = self._tree
         comps = ({c.name: (t.aux_evictable[i], t.aux_protected[i]) for i, c in enumerate(self._aux)}
                  if self._aux else _NO_COMPONENTS)
         return CacheStats(t.evictable, t.protected, t.host_size if self.host else 0, comps)
 
     def check(self, extra_owned: Any = None) -> None:
-        """Recount everything (see :mod:`tandem.cache.radix.sanity`); raise AssertionError
-        listing every violation. ``extra_owned``: slots held by in-flight requests (a tensor, or
-        a mapping of component name -> tensor); with it, ownership must be exact."""
+        """Recount everything; raise AssertionError listing every violation."""
         if self.host is not None:
             self.host.synchronize()
         errs = check(self._tree, allocator=self.allocator, extra_owned=extra_owned,
@@ -413,9 +279,7 @@ class UnifiedRadixCache:
         if errs:
             raise AssertionError(f"{len(errs)} cache invariant violation(s):\n" + "\n".join(errs))
 
-    # -- execution -------------------------------------------------------------------------------
     def _key(self, token_ids: Sequence[int]) -> list:
-        """The page-aligned key. A list is used as is (the tree stores slices, never it)."""
         if type(token_ids) is not list:
             token_ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         r = len(token_ids) % self.page_size
@@ -433,8 +297,6 @@ class UnifiedRadixCache:
         return value.to(device="cpu", dtype=torch.int64)
 
     def _spill(self) -> None:
-        """Hand the data whose last copy leaves the tree to the tiers (before its slots and
-        component rows are freed: every ``_free_*`` drains the spills first)."""
         t = self._tree
         if t.spills:
             spills, t.spills = t.spills, []
@@ -453,8 +315,6 @@ class UnifiedRadixCache:
 
     def _free_host(self) -> None:
         t = self._tree
-        # no copier wait before freeing host rows: host-pool writes land in issue order, and
-        # a load first lands the writes to what it reads (cache/radix/copier.py)
         if t.spills:
             self._spill()
         if t.host_frees:
@@ -477,7 +337,6 @@ class UnifiedRadixCache:
             t.aux_frees = []
 
     def _after(self) -> None:
-        """Execute what the tree decided during the operation, then check invariants."""
         t = self._tree
         if t.device_frees:
             self._free_device()
@@ -492,52 +351,3 @@ class UnifiedRadixCache:
             t.events = []
         if self._debug:
             self.check()
-
-
-class TierPort:
-    """The one port a :class:`UnifiedRadixCache` offers its tiers (``cache/tiers/base.py``
-    :class:`~tandem.cache.tiers.base.CachePort`): what a tier may read and the verbs it may call,
-    each executing what the tree decided before it returns."""
-
-    def __init__(self, cache: UnifiedRadixCache):
-        self._cache = cache
-        self.page_size = cache.page_size
-        self.allocator = cache.allocator
-        self.components = cache._aux
-        self.tree = cache._tree
-
-    @property
-    def host(self) -> HostTier | None:
-        return self._cache.host
-
-    def key(self, token_ids: Sequence[int]) -> list:
-        return self._cache._key(token_ids)
-
-    def make_room(self, n: int) -> None:
-        self._cache._evict_device(n)
-        self._cache._free_device()
-
-    def make_room_aux(self, i: int, n: int) -> None:
-        host = self._cache.host
-        self.tree.evict_aux(i, n, backup=host.copy_aux if host is not None else None)
-        self._cache._free_aux()
-
-    def make_room_host(self, n: int, i: int | None = None) -> None:
-        if i is None:
-            self.tree.evict_host(n)
-        else:
-            self.tree.evict_host_aux(i, n)
-        self._cache._free_host()
-
-    def insert_loaded(self, key: list, value, extra, session_id=None) -> int:
-        return self._cache._insert(key, value, extra, session_id, 0)[0]
-
-    def cache(self, token_ids, slots, last_node, *, extra=None, session_id=None):
-        return self._cache.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
-
-    def settle(self) -> None:
-        self._cache._after()
-
-    def record_spills(self) -> None:
-        if self.tree.spills is None:
-            self.tree.spills = []

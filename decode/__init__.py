@@ -1,1 +1,1 @@
-"""Decode worker: preallocates pages, receives KV, streams tokens (see README.md)."""
+"""Decode worker: preallocates pages, receives KV, streams tokens."""

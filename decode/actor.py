@@ -1,12 +1,4 @@
-"""Thin Ray shell around :class:`DecodeWorker` (an async actor: methods share one event loop).
-
-``generate`` is an async generator: call it with ``.options(num_returns="streaming")`` and each
-:class:`StreamChunk` arrives as its own object. Prefill workers and the other decode workers are
-reached through their actor handles as KVSources (core/actors.py: ``write_kv``, ``drop_kv``),
-wrapped as the worker's ``PrefillClient`` (decode never imports prefill): a prefill worker
-computes the KV, a decode worker a request migrated away from writes the KV it holds frozen.
-``DecodeActor`` implements decode/api.py's ``DecodeAPI`` and the KVSource.
-"""
+"""Thin Ray shell around :class:`DecodeWorker` (an async actor: methods share one event loop)."""
 
 from __future__ import annotations
 
@@ -22,12 +14,10 @@ from tandem.worker.actor import RoleActorMixin, actor_config
 
 
 class _RayKVSource:
-    """A KVSource actor (core/actors.py: a prefill worker, or the decode worker a migrated request
-    left) as the DecodeWorker's PrefillClient: ``prefill`` is its ``write_kv``, ``abort`` its ``drop_kv``."""
 
     def __init__(self, name: str, handle):
         self.name, self.handle = name, handle
-        self.dead = False   # set when a call finds the actor dead; later requests go elsewhere
+        self.dead = False
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         try:
@@ -46,16 +36,15 @@ class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
                  local_prefill_threshold: int | None, loaded=None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None):
-        """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         cfg = actor_config(engine_config)
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                    local_prefill_threshold=local_prefill_threshold,
                                    kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv,
                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
                                    l3=l3)
-        print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
+        print(f"tandem: {self.worker.engine.startup_line}", flush=True)
         self.prefills: dict[str, _RayKVSource] = {}
-        self.sources: dict[str, _RayKVSource] = {}   # the other decode workers
+        self.sources: dict[str, _RayKVSource] = {}
         self.leases = RouterLeases()
         self._lease_task: asyncio.Task | None = None
 
@@ -103,7 +92,6 @@ class DecodeActor(RoleActorMixin):
         return await super().progress()
 
     async def _watch_leases(self) -> None:
-        """Once a second: abort the streams of routers whose lease ran out (decode/leases.py)."""
         while self.leases.streams:
             await asyncio.sleep(TICK_S)
             for rid in self.leases.expired():
@@ -111,7 +99,7 @@ class DecodeActor(RoleActorMixin):
                 await self.worker.abort(rid, "its router went away")
 
     async def generate(self, req_wire: dict, prefill_name: str | None, router: str | None = None):
-        """``router``: the calling router's id (its lease, decode/leases.py); None: no lease."""
+        """``router``: the calling router's id; None: no lease."""
         greq = GenerateRequest.from_wire(req_wire)
         self.leases.open(greq.rid, router)
         if router is not None and (self._lease_task is None or self._lease_task.done()):
@@ -135,16 +123,15 @@ class DecodeActor(RoleActorMixin):
                 await chunks.aclose()
             return
         client = self.prefills.get(prefill_name) if prefill_name else None
-        if client is not None and client.dead:  # the driver has not noticed yet: another one
+        if client is not None and client.dead:
             client = next((c for c in self.prefills.values() if not c.dead), None)
         chunks = self.worker.generate(greq, client, self._alternate)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
-            await chunks.aclose()  # the worker's cleanup runs now if the caller went away
+            await chunks.aclose()
 
     def _alternate(self, dead: str):
-        """Another prefill worker (not ``dead``, not known dead), fewest of our requests first."""
         live = [c for n, c in self.prefills.items() if n != dead and not c.dead]
         return live[0] if live else None

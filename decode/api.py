@@ -24,9 +24,8 @@ class DecodeAPI(RoleAPI, Protocol):
         """Forget decode worker ``name``."""
 
     def generate(self, req_wire: dict, prefill_name: str | None, router: str | None = None) -> AsyncIterator:
-        """Stream the request's StreamChunks (call with ``num_returns="streaming"``). ``prefill_name``:
-        the KVSource of its KV (for a resumed request: the decode worker it left; None: compute it
-        here); ``router``: the caller's lease."""
+        """Stream the request's StreamChunks (call with ``num_returns="streaming"``); ``prefill_name``:
+        the KVSource of its KV (None: compute it here); ``router``: the caller's lease."""
 
     async def freeze(self, rid: str) -> bool:
         """Live migration's stop: ``rid``'s stream here ends "migrated", its KV held for a

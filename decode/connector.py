@@ -1,27 +1,4 @@
-"""The decode role's side of the engine: requests whose prompt KV a prefill worker writes.
-
-:class:`DecodeConnector` is the scheduler's KVConnector on a decode worker (engine/connector.py):
-a request the worker :meth:`~DecodeConnector.expect`-ed is not computed here; the scheduler
-reserves a row, the decode tree's cached prefix (its normal match and component vote) and slots
-for the rest, and the connector turns them into a :class:`Reservation`. :class:`DecodeHandle` is
-how the decode worker (asyncio, another thread) reaches it:
-
-    receive(greq, on_chunk) -> Future[Reservation | None]
-                                queue the request; its Reservation once reserved (None: it
-                                ended first, its final chunk says why)
-    activate(rid, first_token, first_logprob)
-                                the KV landed: decode from here (chunks go to on_chunk); a
-                                resumed request (``greq.resume``) has no first token
-    cancel(rid, why)            free the reserved pages: only once no write into them is in flight
-    page_digest(regions)        digest of the received regions' pages (``--kv-digest``)
-    migrate(rid)                live migration, the source side: end rid here ("migrated", its
-                                stream's last chunk), holding its KV; then held_pages(rid, start)
-                                and release_held(rid) once it was copied to the new worker
-
-For a hybrid model the reservation also names the SWA rows of the window decode keeps past
-``prefix_len`` (the window before it is the tree's own, locked) and the working state row (the
-recurrent state at the prompt's end, never the checkpoint at the hit).
-"""
+"""The decode role's side of the engine: requests whose prompt KV a prefill worker writes."""
 
 from __future__ import annotations
 
@@ -46,9 +23,7 @@ from tandem.worker.kv_regions import KV, kv_regions
 @dataclass(frozen=True)
 class Reservation:
     """Where a prompt's KV must land: positions ``[prefix_len, len(prompt))`` in ``pages``
-    (``prefix_len`` is page-aligned: the decode cache already held that much). ``regions``: the
-    destination ids of every region the transfer fills (``"kv"``: ``pages``; hybrid models:
-    ``"swa"`` rows of the kept window, ``"state"``: the working state row), in transfer order."""
+    (``prefix_len`` is page-aligned: the decode cache already held that much)."""
 
     prefix_len: int
     pages: tuple[int, ...]
@@ -60,7 +35,7 @@ class DecodeConnector(KVConnector):
 
     def __init__(self, engine):
         self.kv = engine.kv
-        self.regions = kv_regions(engine)   # name -> RegionSpec
+        self.regions = kv_regions(engine)
         self._expected: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
 
@@ -76,7 +51,6 @@ class DecodeConnector(KVConnector):
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    # -- scheduler-side hooks ---------------------------------------------------------------------
     def receives(self, sr: SchedReq) -> bool:
         with self._lock:
             return sr.rid in self._expected
@@ -96,7 +70,6 @@ class DecodeConnector(KVConnector):
         self.forget(sr.rid)
         return reason == "migrated"
 
-    # -- helpers (any thread: the reserved pages are the request's alone) -------------------------
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
         return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
 
@@ -133,8 +106,8 @@ class DecodeHandle(RoleHandle):
         self.engine.send(Activate(rid, first_token, first_logprob))
 
     def cancel(self, rid: str, why: str | None) -> None:
-        """End ``rid`` and free its reserved pages (queued or reserved alike). The caller
-        guarantees that no write into them is in flight (transfer/handoff.py)."""
+        """End ``rid`` and free its reserved pages (queued or reserved alike). The caller guarantees
+        that no write into them is in flight."""
         self.connector.forget(rid)
         self.engine.abort(rid, error=why)
 
@@ -162,6 +135,5 @@ class DecodeHandle(RoleHandle):
         self.engine.send(Release(rid))
 
     async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
-        """Test lever (``debug_corrupt_kv``): flip bytes of the first received page."""
         self.check_alive()
         await asyncio.to_thread(self.connector.corrupt, regions)

@@ -1,15 +1,4 @@
-"""Sample groups on a decode worker: the prompt's KV moves once per group.
-
-The router sends every member of an ``n`` > 1 group (``GenerateRequest.group``) to the same
-decode worker. :class:`GroupGates` makes the first member to arrive the group's *leader*: it
-transfers the prompt. Every later member waits at the leader's gate before reserving; the gate
-opens when the leader is activated (its prompt is in this worker's radix tree: activation runs
-``cache_prefix`` on the engine thread before any later reservation, engine calls being FIFO), when
-it fails or ends, or after the member's timeout. A member that reserves after that finds the
-prompt cached and receives only what lies past its whole pages.
-
-Event-loop thread only (``open`` from another thread goes through ``call_soon_threadsafe``).
-"""
+"""Sample groups on a decode worker: the prompt's KV moves once per group. Event-loop thread only."""
 
 from __future__ import annotations
 
@@ -20,7 +9,7 @@ from tandem.core.messages import GenerateRequest
 
 class GroupGates:
     def __init__(self):
-        self._gates: dict[str, asyncio.Event] = {}   # group id -> its leader's gate
+        self._gates: dict[str, asyncio.Event] = {}
 
     def __len__(self) -> int:
         return len(self._gates)

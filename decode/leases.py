@@ -1,14 +1,4 @@
-"""Router leases: a decode worker stops the streams of a router that went away.
-
-A router's Ray streaming call is not cancelled when the router process dies (a SIGKILL, a lost
-node): the worker would decode its requests to their ``max_tokens``, holding their KV. So every
-router renews a lease on each worker with its heartbeat (the supervisor's ``progress(router)``,
-once a second) and names itself on each ``generate``; a stream whose router has not renewed for
-``lease_s`` is aborted. The worker's own stops do not count against a router: when this worker's
-clock jumped (it was stopped itself, or starved), every lease restarts from now.
-
-Plain Python and a clock; decode/actor.py runs :meth:`RouterLeases.expired` once a second.
-"""
+"""Router leases: a decode worker stops the streams of a router that went away."""
 
 from __future__ import annotations
 
@@ -23,8 +13,8 @@ JUMP_S = 3.0          # a tick this late means this worker itself was not runnin
 class RouterLeases:
     def __init__(self, lease_s: float = LEASE_S, clock: Callable[[], float] = time.monotonic):
         self.lease_s, self.clock = lease_s, clock
-        self.seen: dict[str, float] = {}      # router id -> its last renewal
-        self.streams: dict[str, str] = {}     # rid -> the router streaming it
+        self.seen: dict[str, float] = {}
+        self.streams: dict[str, str] = {}
         self._last_tick = clock()
 
     def renew(self, router: str) -> None:
@@ -51,5 +41,5 @@ class RouterLeases:
             del self.streams[rid]
         live = set(self.streams.values())
         for r in [r for r, t in self.seen.items() if r not in live and now - t > 10 * self.lease_s]:
-            del self.seen[r]   # a router long gone with nothing left here
+            del self.seen[r]
         return gone

@@ -1,8 +1,4 @@
 """Where a decode worker's next prompt is prefilled: here (local) or on a prefill worker (remote).
-
-Pure bookkeeping (no engine, no asyncio): :class:`PrefillCosts` holds the measured constants,
-:class:`SentPrefixes` remembers which prompt pages each prefill worker computed, and
-:func:`choose_local` is the cost rule the decode worker applies (README.md, "Local prefill").
 """
 
 from __future__ import annotations
@@ -10,20 +6,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# Until the first remote request is measured: the 1P+1D CPU figures of docs/PERFORMANCE.md
-# ("Multi-turn sessions on 1P+1D"); every remote request replaces them (EWMA).
 PRIOR_PER_TOKEN_S = 1e-3
 PRIOR_OVERHEAD_S = 0.03
-_ALPHA = 0.2                  # EWMA weight of one new measurement
-_SENT_PAGES = 1 << 16         # chained page hashes remembered per prefill worker (LRU)
+_ALPHA = 0.2
+_SENT_PAGES = 1 << 16
 
 
 @dataclass
 class PrefillCosts:
-    """The two measured constants of the rule: ``per_token_s`` (prefill compute per uncached
-    prompt token, from the prefill worker's own ``prefill_s``) and ``overhead_s`` (a remote
-    request's receive time beyond that compute: reservation, the prefill call, the KV write).
-    Both are EWMAs over remote requests; ``samples`` counts them."""
+    """The two measured constants of the rule: ``per_token_s`` (prefill compute per uncached prompt
+    token, from the prefill worker's own ``prefill_s``) and ``overhead_s`` (a remote
+    request's receive time beyond that compute: reservation, the prefill call, the KV write)."""
 
     per_token_s: float = PRIOR_PER_TOKEN_S
     overhead_s: float = PRIOR_OVERHEAD_S
@@ -42,14 +35,10 @@ class PrefillCosts:
 
 def choose_local(n: int, decode_cached: int, prefill_cached: int, costs: PrefillCosts,
                  page_size: int) -> bool:
-    """Prefill here when the decode worker holds tokens the prefill worker lacks (at least one
-    page: the previous reply of a session) and computing the uncached suffix here takes no longer
-    than what the remote path would spend beyond computing that same suffix: its handoff overhead
-    plus the recompute of what this worker holds and the prefill worker does not.
-
-    ``n``: prompt tokens; ``decode_cached``: what this worker's cache holds (page-aligned);
-    ``prefill_cached``: what the prefill worker is estimated to hold (:class:`SentPrefixes`).
-    A prompt neither holds more of than the other goes remote, as with no rule at all."""
+    """Prefill here when the decode worker holds tokens the prefill worker lacks (at least one page:
+    the previous reply of a session) and computing the uncached suffix here takes no longer
+    than what the remote path would spend beyond computing that same suffix: its handoff
+    overhead plus the recompute of what this worker holds and the prefill worker does not."""
     wasted = decode_cached - prefill_cached      # tokens the remote path would recompute
     if wasted < page_size:
         return False
@@ -58,10 +47,8 @@ def choose_local(n: int, decode_cached: int, prefill_cached: int, costs: Prefill
 
 
 class SentPrefixes:
-    """Per prefill worker, the page-aligned prompt prefixes it computed for this decode worker
-    (it caches them), as chained page hashes in a bounded LRU. ``held(peer, ids)`` is an
-    estimate: the prefill worker may have evicted them since (then the rule errs toward remote,
-    today's path) or hold more from other decode workers (then toward local)."""
+    """Per prefill worker, the page-aligned prompt prefixes it computed for this decode worker (it
+    caches them), as chained page hashes in a bounded LRU."""
 
     def __init__(self, page_size: int, capacity: int = _SENT_PAGES):
         self.page_size, self.capacity = page_size, capacity

@@ -1,13 +1,6 @@
 """Live migration, the source side of a decode worker: freeze a running request, hold its KV, and
-WRITE it to the worker that continues it (the actor's ``write_kv``, core/actors.py's KVSource, runs
-:meth:`MigrationSource.migrate_out`). A mixin of :class:`~tandem.decode.worker.DecodeWorker` (its
-``handle``, ``handoffs``, ``counts``, ``name``, ``transfer_timeout_s``, ``write_held`` from
-worker/role_worker.py).
-
-Invariant: a frozen request's KV is held until exactly one of ``migrate_out`` (the write ended,
-then its KV goes to this worker's cache), ``release_frozen`` (no copy will come: the target
-recomputes, or the move was given up) or the expiry (two transfer timeouts: its router died).
-"""
+WRITE it to the worker that continues it. Invariant: a frozen request's KV is held until exactly
+one of ``migrate_out``, ``release_frozen`` or the expiry (two transfer timeouts)."""
 
 from __future__ import annotations
 
@@ -64,9 +57,8 @@ class MigrationSource:
 
     async def migrate_out(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """The new worker's side of a migration calls this as its ``prefill``: WRITE the frozen
-        request's KV from ``dst_prefix_len`` (what the new worker's cache already holds) into
-        ``xfer``'s pages, then release it to this worker's cache. Returns, like a prefill, only
-        when no write is in flight (except ``in_flight=True``); ``first_token`` is None."""
+        request's KV from ``dst_prefix_len`` into ``xfer``'s pages, then release it to this worker's
+        cache. Returns, like a prefill, only when no write is in flight (but ``in_flight=True``)."""
         rid, req = req_wire["rid"], KVTransferRequest.decode(xfer)
         self.frozen.end(rid)   # being copied: no expiry from here on
         h = self.handoffs[rid] = Handoff(rid, req.transfer_id, TransferState.BOOTSTRAPPED)
@@ -96,4 +88,4 @@ class MigrationSource:
                           digest=digest)
         finally:
             self.handoffs.pop(rid, None)
-            self.handle.release_held(rid)   # the write has ended: its KV stays cached here
+            self.handle.release_held(rid)

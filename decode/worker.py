@@ -1,29 +1,4 @@
-"""DecodeWorker: reserve pages, have a prefill worker WRITE the prompt's KV into them, decode.
-
-Plain Python (no Ray; decode/actor.py is the Ray shell). An :class:`Engine` built with the
-:class:`DecodeConnector`, reached through a :class:`DecodeHandle` (decode/connector.py), and a NIXL
-agent over its KV pool (worker/role_worker.py). Decode never imports prefill: it reaches a prefill
-worker through a :class:`PrefillClient`.
-
-One remote request, as named steps (``_generate_remote``)::
-
-    _reserve   handle.receive(req): the scheduler reserves the cached prefix + pages   ALLOCATED
-    _receive   client.prefill(req, KVTransferRequest(regions), prefix_len)           BOOTSTRAPPED,
-               the PrefillResult (the one completion signal), [--kv-digest verify]  TRANSFERRING, DONE
-    activate   handle.activate(rid, first_token): the engine decodes from here
-    _stream    the engine's chunks to the caller
-
-Every failure is a final chunk with ``error``; the pages follow the handoff's rule
-(transfer/handoff.py ``pages_free``): freed at once when no write was posted, else after the
-prefill call ended (a background task aborts it and waits), never when its answer says a write
-may still be in flight (quarantined: ``stats()["quarantined_tokens"]``). A prefill worker that died
-before writing (:class:`PrefillUnavailable`) is replaced once by ``alternate`` (same pages). While
-handoffs are live a pump keeps the agent progressing (UCX tcp writes move only when the target
-progresses). Sample groups (``n`` > 1) move the prompt's KV once per group (decode/groups.py).
-
-``PrefillClient``: ``name``, ``async prefill(req_wire, xfer_bytes, dst_prefix_len) ->
-PrefillResult`` and ``async abort(rid, reason)``.
-"""
+"""DecodeWorker: reserve pages, have a prefill worker WRITE the prompt's KV into them, decode."""
 
 from __future__ import annotations
 
@@ -53,7 +28,7 @@ from tandem.worker.role_worker import REGION, RoleWorker, attach_tier, role_engi
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.0005
-_REUSE_WAIT_S, _REUSE_WAIT_STEPS = 0.01, 200   # how long a re-routed rid waits for its old attempt
+_REUSE_WAIT_S, _REUSE_WAIT_STEPS = 0.01, 200
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -82,22 +57,20 @@ class PrefillUnavailable(Exception):
 
 @dataclass(eq=False)
 class _Job:
-    """A request whose prompt a prefill worker writes. ``handoff``: None until its pages are
-    reserved; ``call``/``peer``: the prefill call of the current transfer."""
 
     rid: str
-    logprobs: bool = False     # the request asked for logprobs (prefill must send the first one's)
-    prompt_logprobs: int = 0   # how many prompt logprobs prefill must send (the request asked)
+    logprobs: bool = False
+    prompt_logprobs: int = 0
     handoff: Handoff | None = None
     call: asyncio.Future | None = None
     peer: PrefillClient | None = None
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
-    ended: bool = False        # a final chunk went to the caller
-    reserved_tokens: int = 0   # positions the reservation holds (what a quarantine keeps)
+    ended: bool = False
+    reserved_tokens: int = 0
     timings: dict = field(default_factory=dict)
-    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)   # the engine's, for this request
-    gate: asyncio.Event | None = None   # a sample group's first member here: opened once it is activated
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    gate: asyncio.Event | None = None
 
     @property
     def decoding(self) -> bool:
@@ -112,26 +85,17 @@ class DecodeWorker(MigrationSource, RoleWorker):
                  agent_opts: dict | None = None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False,
                  kv_events_host: str = "127.0.0.1", l3: dict | None = None):
-        """``kv_digest``: ask prefill for a digest of the pages it writes and verify it before
-        decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
-        check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
-        events too (as prefill's, worker/role_worker.py ``kv_publisher``). ``l3``: the shared L3
-        store's options (cache/tiers/l3/connect.py ``l3_options``), or None.
-
-        ``local_prefill_threshold``: None, the cost rule (decode/local_prefill.py
-        ``choose_local``); 0, every prompt goes to the prefill worker; N > 0, an uncached suffix
-        shorter than N tokens is prefilled here."""
         self.kv_publisher = None
         if engine is None:
             engine, self.kv_publisher = role_engine(name, "decode", DecodeConnector, config, loaded=loaded,
                                                     kv_events=kv_events, kv_events_host=kv_events_host)
         super().__init__(name, engine, DecodeHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
-        self.l3 = attach_tier(engine, "l3", l3)    # the shared L3 tier, when the cluster has a store
+        self.l3 = attach_tier(engine, "l3", l3)
         self.handle: DecodeHandle
         self.local_prefill_threshold = local_prefill_threshold
-        self.prefill_costs = PrefillCosts()                   # measured by every remote request
-        self._sent = SentPrefixes(engine.kv.page_size)        # what each prefill worker computed
+        self.prefill_costs = PrefillCosts()
+        self._sent = SentPrefixes(engine.kv.page_size)
         self.kv_digest = kv_digest
         self.debug_corrupt_kv = debug_corrupt_kv
         self._jobs: dict[str, _Job] = {}
@@ -142,13 +106,13 @@ class DecodeWorker(MigrationSource, RoleWorker):
                        "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
                        "kv_bytes_received": 0, "migrated_out": 0, "migrated_in": 0,
                        "migration_bytes": 0, "migration_reused_tokens": 0}
-        self._groups = GroupGates()   # n > 1: the prompt's KV moves once per group (decode/groups.py)
+        self._groups = GroupGates()
         self.last_timings: dict = {}
         m = self.metrics
         self._path = Counter("tandem_decode_prefill_total",
                              "Requests by where their prompt was prefilled (remote, local).",
                              labelnames=("path",), registry=m)
-        for path in ("remote", "local"):   # every series exported from the start, at zero
+        for path in ("remote", "local"):
             self._path.labels(path)
         self._failures = Counter("tandem_kv_receive_failures_total",
                                  "Requests whose KV was not received, by reason.",
@@ -170,19 +134,12 @@ class DecodeWorker(MigrationSource, RoleWorker):
                                "Decode side: pages reserved to KV received (prefill + transfer).",
                                buckets=_BUCKETS, registry=m)
 
-    # ------------------------------------------------------------------ one request
     async def generate(self, greq: GenerateRequest, prefill: PrefillClient | None = None,
                        alternate: Callable[[str], PrefillClient | None] | None = None
                        ) -> AsyncIterator[StreamChunk]:
         """Stream ``greq``'s chunks. Refusals (bad prompt) raise InvalidRequest before the first
-        chunk; every other failure is a final chunk with finish_reason "abort" and ``error``.
-        ``alternate(dead_name)``: another live prefill client, asked once when ``prefill`` dies
-        (:class:`PrefillUnavailable`) before its write started; the pages stay reserved. A request
-        id still running here is waited for up to 2 s (a router's re-route can arrive before the
-        old attempt's cleanup), then refused.
-        ``greq.resume`` (live migration): the request continues another decode worker's tokens;
-        ``prefill`` is then that worker (its ``prefill`` call is :meth:`migrate_out`), or None
-        to recompute the KV here. Its stream starts after what the old worker streamed."""
+        chunk; every other failure is a final chunk with finish_reason "abort" and
+        ``error``."""
         for _ in range(_REUSE_WAIT_STEPS):   # a re-route may beat the old attempt's cleanup here
             if greq.rid not in self._jobs:
                 break
@@ -193,7 +150,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
         for t in greq.prompt_ids:
             if not 0 <= t < vocab:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
-        await self.handle.check_constraint(greq.params)   # a grammar that cannot compile: 400
+        await self.handle.check_constraint(greq.params)
         n = len(greq.prompt_ids)
         remote = prefill is not None and prefill.name in self.agent.peers
         if remote and self.local_prefill_threshold != 0 and greq.resume is None:
@@ -217,7 +174,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
                     first = first or time.time()
                 yield c
         finally:
-            await inner.aclose()  # runs the inner cleanup now, not whenever it is collected
+            await inner.aclose()
             if remote:
                 self._jobs.pop(greq.rid, None)
                 self.last_timings = job.timings
@@ -229,8 +186,6 @@ class DecodeWorker(MigrationSource, RoleWorker):
                     "tandem.resumed": greq.resume is not None})
 
     async def _prefill_here(self, greq: GenerateRequest, peer: str) -> bool:
-        """Whether this worker prefills ``greq``'s uncached suffix itself instead of ``peer``
-        (``local_prefill_threshold``: None, the measured cost rule; N > 0, a suffix under N)."""
         ids = list(greq.cache_key)      # the tenant's salted key: what the caches hold
         cached = await self.handle.cached_prefix(ids)
         if self.local_prefill_threshold is not None:
@@ -243,11 +198,11 @@ class DecodeWorker(MigrationSource, RoleWorker):
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: PrefillClient,
                                alternate=None) -> AsyncIterator[StreamChunk]:
         rid, n = greq.rid, len(greq.prompt_ids)
-        job.gate = await self._groups.enter(greq, job.aborted, self.transfer_timeout_s)   # later members wait
+        job.gate = await self._groups.enter(greq, job.aborted, self.transfer_timeout_s)
         t0 = time.monotonic()
         deadline = t0 + self.transfer_timeout_s
         try:
-            res = await self._reserve(job, greq, deadline)       # raises InvalidRequest on a bad prompt
+            res = await self._reserve(job, greq, deadline)
             if isinstance(res, StreamChunk):
                 job.ended = True
                 yield res
@@ -261,9 +216,9 @@ class DecodeWorker(MigrationSource, RoleWorker):
                 yield StreamChunk(rid, (), "", "abort", n, error=str(e), prefill_died=e.redispatch)
                 return
             self._received(job, res, result, t0, t1)
-            if greq.resume is not None:   # a migrated request: what came over, what was here already
+            if greq.resume is not None:
                 self._migrated_in(res, result)
-            else:                         # what the prefill worker computed and holds; what it cost
+            else:
                 self._sent.add(job.peer.name, greq.cache_key)
                 self.prefill_costs.observe(n - result.cached_tokens, result.prefill_s, job.timings["receive_s"])
             self.handle.activate(rid, result.first_token, None if result.first_logprob is None else
@@ -272,7 +227,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
             async for c in self._stream(job, greq, result):
                 yield c
         finally:
-            if not job.ended:   # the consumer went away (or was cancelled) mid-request
+            if not job.ended:
                 if job.decoding:
                     self.handle.abort(rid)
                 else:
@@ -282,20 +237,17 @@ class DecodeWorker(MigrationSource, RoleWorker):
         """Abort ``rid`` here; a transfer in progress is failed and prefill is told to abort."""
         job = self._jobs.get(rid)
         if job is None or job.decoding:
-            self.handle.abort(rid, error=reason or None)   # decoding, or a locally prefilled request
+            self.handle.abort(rid, error=reason or None)
             return job is not None
         job.reason = reason or f"request {rid} aborted"
         job.aborted.set()
         return True
 
-    # ------------------------------------------------------------------ the named steps
     async def _reserve(self, job: _Job, greq: GenerateRequest, deadline: float) -> Reservation | StreamChunk:
-        """Queue the request for a peer to fill; its Reservation once the scheduler reserved
-        its pages, or the final chunk to send (no room by the deadline, aborted, refused)."""
         loop = asyncio.get_running_loop()
         fut = self.handle.receive(greq, lambda c: loop.call_soon_threadsafe(job.chunks.put_nowait, c))
         reserved = asyncio.wrap_future(fut)
-        ended = asyncio.ensure_future(job.chunks.get())   # a final chunk before any reservation
+        ended = asyncio.ensure_future(job.chunks.get())
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
             await asyncio.wait([reserved, ended, aborted], timeout=max(deadline - time.monotonic(), 0),
@@ -312,7 +264,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
         finally:
             for f in (ended, aborted):
                 f.cancel()
-        self.handle.cancel(job.rid, None)   # queued or reserved, no write posted: free at once
+        self.handle.cancel(job.rid, None)
         self._count_failure("aborted" if job.reason else "no_room")
         why = job.reason or (f"no KV room on {self.name} for {len(greq.prompt_ids)} prompt tokens "
                              f"within {self.transfer_timeout_s:.1f}s")
@@ -320,8 +272,6 @@ class DecodeWorker(MigrationSource, RoleWorker):
 
     async def _receive(self, job: _Job, greq: GenerateRequest, res: Reservation, prefill: PrefillClient,
                        alternate, deadline: float) -> PrefillResult:
-        """Have ``prefill`` write the prompt's KV into ``res``; the verified result (the handoff
-        DONE), or TransferFailed. A prefill worker that died before writing is replaced once."""
         self._send(job, greq, res, prefill, deadline)
         redispatched = False
         while True:
@@ -345,10 +295,9 @@ class DecodeWorker(MigrationSource, RoleWorker):
 
     def _send(self, job: _Job, greq: GenerateRequest, res: Reservation, client: PrefillClient,
               deadline: float, redispatch: bool = False) -> None:
-        """A transfer into the reserved pages and the prefill call for it."""
         tid = secrets.randbits(63)
         if redispatch:
-            job.handoff.redispatch(tid)                                           # BOOTSTRAPPED
+            job.handoff.redispatch(tid)
         else:
             job.handoff.bootstrap(tid)
         left = max(deadline - time.monotonic(), 0.0)
@@ -375,16 +324,15 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self._mig_reused.inc(res.prefix_len)
 
     async def _stream(self, job: _Job, greq: GenerateRequest, result: PrefillResult) -> AsyncIterator[StreamChunk]:
-        """The engine's chunks, from the first token (prefill's) to the final one."""
         t2 = job.timings.pop("t2")
         while True:
             c = await job.chunks.get()
             if "activate_s" not in job.timings:
                 job.timings["activate_s"] = time.monotonic() - t2
-                self._groups.open(greq, job.gate)   # the prompt is in the tree once activation ran
-                if c.finish_reason is None:         # the first chunk reports prefill's cache hit
+                self._groups.open(greq, job.gate)
+                if c.finish_reason is None:
                     c = replace(c, prompt_tokens=len(greq.prompt_ids), cached_tokens=result.cached_tokens)
-                if result.prompt_logprobs and c.token_ids:   # prefill computed the prompt's logprobs
+                if result.prompt_logprobs and c.token_ids:
                     c = replace(c, prompt_logprobs=result.prompt_logprobs)
             elif "first_decode_step_s" not in job.timings:
                 job.timings["first_decode_step_s"] = time.monotonic() - t2 - job.timings["activate_s"]
@@ -395,7 +343,6 @@ class DecodeWorker(MigrationSource, RoleWorker):
             yield c
 
     async def _wait_result(self, job: _Job, deadline: float) -> PrefillResult:
-        """The prefill call's result, or TransferFailed."""
         call, peer, tid = job.call, job.peer.name, job.handoff.transfer_id
         aborted = asyncio.ensure_future(job.aborted.wait())
         try:
@@ -422,9 +369,6 @@ class DecodeWorker(MigrationSource, RoleWorker):
             aborted.cancel()
 
     async def _verify(self, job: _Job, res: Reservation, result: PrefillResult) -> None:
-        """``--kv-digest``: the received pages must hash to what prefill sent (no write is in
-        flight any more: the result arrived). A request that asked for logprobs needs the first
-        token's from prefill, one that asked for prompt logprobs all of them."""
         if job.logprobs and result.first_logprob is None:
             raise TransferFailed(f"prefill worker {result.worker} sent no logprob for the first "
                                  f"token of {job.rid}, which asked for logprobs")
@@ -446,8 +390,6 @@ class DecodeWorker(MigrationSource, RoleWorker):
                                  reason="digest")
 
     def _fail(self, job: _Job, why: str, reason: str) -> None:
-        """The request failed before activation: its pages are freed now when no write was
-        posted, else once the prefill call ended (in the background; never if it may still write)."""
         h = job.handoff
         if h is None:      # queued, or reserved with no write posted: the engine frees it now
             self.handle.cancel(job.rid, why)
@@ -468,7 +410,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
         if not job.call.done():
             try:
                 await job.peer.abort(rid, why)
-            except Exception as e:  # dead or unreachable: its write cannot land either way
+            except Exception as e:
                 log.info("abort of %s on %s failed: %s", rid, job.peer.name, e)
         in_flight = False
         try:
@@ -483,21 +425,18 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self.counts["quarantined_tokens"] += n
         log.error("transfer %d of %s may still be writing: %d tokens quarantined", h.transfer_id, rid, n)
 
-    # ------------------------------------------------------------------ progress
     def _ensure_pump(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._progress())
 
     async def _progress(self) -> None:
-        """Keep the agent progressing while any transfer into this worker is live."""
         while any(h.live for h in self.handoffs.values()):
             try:
                 self.agent.progress()
-            except Exception:  # keep pumping: a transfer times out rather than hangs
+            except Exception:
                 log.exception("NIXL progress failed on %s", self.name)
             await asyncio.sleep(_PUMP_S)
 
-    # ------------------------------------------------------------------ helpers
     def _count_failure(self, reason: str) -> None:
         key = "aborted" if reason == "aborted" else "failed"
         self.counts[key] += 1
@@ -511,7 +450,6 @@ class DecodeWorker(MigrationSource, RoleWorker):
                 "reserved": snap.detached, "last_timings": dict(self.last_timings)}
 
     async def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait for background cleanups (tests; shutdown)."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
@@ -521,5 +459,5 @@ class DecodeWorker(MigrationSource, RoleWorker):
         try:
             super().close()
         finally:
-            if self.kv_publisher is not None:   # (the L3 tier: the engine's shutdown closes it)
+            if self.kv_publisher is not None:
                 self.kv_publisher.close()

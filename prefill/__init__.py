@@ -1,1 +1,1 @@
-"""Prefill worker: runs prompts, holds their KV and WRITEs it into a decode worker's pages (see README.md)."""
+"""Prefill worker: runs prompts, holds their KV and WRITEs it into a decode worker's pages."""

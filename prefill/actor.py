@@ -1,11 +1,4 @@
-"""Thin Ray shell around :class:`PrefillWorker` (an async actor: methods share one event loop).
-
-Created by cluster/launch.py with ``.options(num_cpus=..., num_gpus=...)``; torch uses as many
-threads as the actor was given CPUs (at least one). Everything crossing Ray is plain data: the
-engine config as a dict, messages as bytes or wire dicts (the result: PrefillResult bytes).
-The methods every role's actor has come from :class:`RoleActorMixin`. ``PrefillActor`` implements
-prefill/api.py's ``PrefillAPI`` and core/actors.py's ``KVSource`` (decode workers call ``write_kv``).
-"""
+"""Thin Ray shell around :class:`PrefillWorker` (an async actor: methods share one event loop)."""
 
 from __future__ import annotations
 
@@ -20,14 +13,12 @@ class PrefillActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
                  kv_events: bool = False, l3: dict | None = None, debug_transfer_delay_ms: float = 0.0,
                  debug_transfer_stall: bool = False):
-        """``loaded``: the driver's LoadedModel through the object store (CPU weights shared by
-        all workers of a node), or None to load ``engine_config.model`` here."""
         cfg = actor_config(engine_config)
         self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                     kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
                                     l3=l3, debug_transfer_delay_ms=debug_transfer_delay_ms,
                                     debug_transfer_stall=debug_transfer_stall)
-        print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
+        print(f"tandem: {self.worker.engine.startup_line}", flush=True)
 
     def add_peer(self, handshake: bytes) -> str:
         return self.worker.add_peer(handshake)

@@ -1,17 +1,4 @@
-"""The prefill role's side of the engine: finished prompts whose KV is held until it is sent.
-
-:class:`PrefillConnector` is the scheduler's KVConnector on a prefill worker (engine/connector.py):
-a request that finishes normally (its one sampled token) keeps its row and locked KV, in the
-scheduler's ``detached``, until a ``Release``. :class:`PrefillHandle` is how the prefill worker
-reaches it:
-
-    held_pages(rid, start) -> HeldKV    page ids of positions [start, len(prompt)) and usage;
-                                        hybrid models: the SWA rows of the window decode keeps
-                                        past ``start`` and the working state row (the state at
-                                        the prompt's end), engine/hybrid.py ``transfer_rows``
-    release_held(rid)                   the write ended (or never started): cache / free the KV
-    page_digest(regions) -> str         digest of the regions' pages about to be sent
-"""
+"""The prefill role's side of the engine: finished prompts whose KV is held until it is sent."""
 
 from __future__ import annotations
 

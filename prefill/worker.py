@@ -1,26 +1,4 @@
-"""PrefillWorker: run a prompt, then WRITE its KV pages into a decode worker's reserved pages.
-
-Plain Python (no Ray; prefill/actor.py is the Ray shell): an :class:`Engine` built with the
-:class:`PrefillConnector` (prefill/connector.py: a finished request's KV is held until released),
-reached through a :class:`PrefillHandle`, and a NIXL agent over its pools (worker/role_worker.py).
-
-One request (``prefill``), push model as in SGLang PD; each send is a ``Handoff`` from BOOTSTRAPPED::
-
-    decode                                   prefill (this)
-    reserve pages [p, n) ──KVTransferRequest──> engine: prompt, max_tokens=1  (queue + prefill)
-                                               handle.held_pages(rid, p) -> src pages
-                         <══ NIXL WRITE ══════ agent.write(src -> dst)        (TRANSFERRING)
-                         <── PrefillResult ─── poll until DONE/FAILED, then release_held
-
-Positions are page-aligned identically on both sides (``p`` a multiple of the page size), so source
-page ``i`` of the range goes to destination page ``i``; hybrid models' "swa" and "state" regions go
-in the same WRITE, and counts that differ from the reservation's send nothing.
-
-Contract of :meth:`PrefillWorker.prefill` (decode frees pages on it): it returns (or raises) only
-when no WRITE of this transfer can still be in flight, except a result with ``in_flight=True`` (a
-write neither finished nor failed within ``IN_FLIGHT_LIMIT`` transfer timeouts, worker/role_worker.py: QUARANTINED on both
-sides; decode never reuses those pages). The source KV stays held until the write has ended.
-"""
+"""PrefillWorker: run a prompt, then WRITE its KV pages into a decode worker's reserved pages."""
 from __future__ import annotations
 
 import asyncio
@@ -51,20 +29,18 @@ _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 
 @dataclass
 class _Job:
-    """One prefill request in this worker. ``aborted`` is set by :meth:`PrefillWorker.abort`."""
 
     rid: str
     handoff: Handoff
     aborted: str = ""
-    writing_since: float | None = None   # monotonic: its KV is ready and its write is due (stats)
+    writing_since: float | None = None
 
 
 class _Result:
-    """The fields of a PrefillResult as they are filled in, frozen by :meth:`done`/:meth:`fail`."""
 
     def __init__(self, worker: str, transfer_id: int):
         self.f = {"transfer_id": transfer_id, "worker": worker}
-        self.queue_s: float | None = None      # the engine's queue wait (the trace's, not the result's)
+        self.queue_s: float | None = None
 
     def done(self) -> PrefillResult:
         return PrefillResult(status=TransferState.DONE, **self.f)
@@ -80,12 +56,6 @@ class PrefillWorker(RoleWorker):
                  transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
                  kv_events: bool = False, kv_events_host: str = "127.0.0.1", l3: dict | None = None,
                  debug_transfer_delay_ms: float = 0.0, debug_transfer_stall: bool = False):
-        """``kv_events``: publish the prefix cache's KV events (vLLM's format, worker/role_worker.py
-        ``kv_publisher``) on ephemeral ports of ``kv_events_host`` for the routers. ``l3``: the
-        shared L3 store's options (cache/tiers/l3/connect.py ``l3_options``), or None.
-        ``debug_transfer_delay_ms`` / ``debug_transfer_stall`` (test levers, ServeConfig): wait
-        that long before posting each write / never post it (the transfer stalls until aborted;
-        nothing is written, so its pages are free the moment it ends)."""
         self.debug_transfer_delay_ms, self.debug_transfer_stall = debug_transfer_delay_ms, debug_transfer_stall
         self.kv_publisher = None
         if engine is None:
@@ -93,10 +63,10 @@ class PrefillWorker(RoleWorker):
                                                     kv_events=kv_events, kv_events_host=kv_events_host)
         super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,
                          agent_opts=agent_opts)
-        self.l3 = attach_tier(engine, "l3", l3)    # the shared L3 tier, when the cluster has a store
+        self.l3 = attach_tier(engine, "l3", l3)
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
-        self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort
+        self._tombstones: dict[str, float] = {}
         self.counts = {"ok": 0, "failed": 0, "aborted": 0, "bytes": 0, "pages": 0}
         m = self.metrics
         self._bytes = Counter("tandem_kv_transfer_bytes_total",
@@ -107,10 +77,11 @@ class PrefillWorker(RoleWorker):
         self._outcomes = Counter("tandem_kv_transfers_total", "KV transfers by outcome.",
                                  labelnames=("status",), registry=m)
 
-    # ------------------------------------------------------------------ one request
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """Prefill ``req_wire`` (a GenerateRequest on the wire) and write positions
-        ``[dst_prefix_len, len(prompt))`` into ``xfer``'s (a KVTransferRequest) pages."""
+        ``[dst_prefix_len, len(prompt))`` into ``xfer``'s (a KVTransferRequest) pages. Returns (or
+        raises) only when no WRITE of it can still be in flight, except a result with
+        ``in_flight=True`` (QUARANTINED); the source KV stays held until the write has ended."""
         greq = GenerateRequest.from_wire(req_wire)
         req = KVTransferRequest.decode(xfer)
         rid, tid = greq.rid, req.transfer_id
@@ -127,8 +98,6 @@ class PrefillWorker(RoleWorker):
         h = self.handoffs[rid] = Handoff(rid, tid, TransferState.BOOTSTRAPPED,
                                          deadline=time.monotonic() + self.transfer_timeout_s)
         job = self._jobs[rid] = _Job(rid, h)
-        # Shielded: if this call is cancelled the job still runs to its end (held KV released,
-        # no write left in flight); it only stops early.
         task = asyncio.ensure_future(self._run_job(job, greq, req, dst_prefix_len, out))
         try:
             return await asyncio.shield(task)
@@ -149,8 +118,6 @@ class PrefillWorker(RoleWorker):
                 self._trace(greq, start, out, t0)
 
     def _trace(self, greq: GenerateRequest, start: int, out: _Result, t0: float) -> None:
-        """The prefill span (queue wait, compute, cached and computed tokens) and its KV transfer
-        (bytes, pages, seconds), measured by :meth:`_run`."""
         f = out.f
         n, cached = len(greq.prompt_ids), f.get("cached_tokens", 0)
         parent = tracing.record("prefill", greq.trace, t0, **{
@@ -172,7 +139,7 @@ class PrefillWorker(RoleWorker):
         t0 = time.monotonic()
         try:
             last = await self._run_prompt(dataclasses.replace(greq, params=params))
-        except TandemError as e:  # InvalidRequest or a dead engine: nothing is held
+        except TandemError as e:
             h.fail(str(e))
             return out.fail(f"prefill of {rid} on {self.name} refused: {e}")
         out.f["prefill_s"] = time.monotonic() - t0
@@ -183,10 +150,10 @@ class PrefillWorker(RoleWorker):
                 return out.fail(job.aborted, TransferState.ABORTED)
             return out.fail(f"prefill of {rid} on {self.name} failed: {last.error or 'aborted'}")
         out.f["first_token"] = last.token_ids[-1]
-        if last.logprobs:   # the request asked: the first token's logprob goes to decode with it
+        if last.logprobs:
             out.f["first_logprob"] = last.logprobs[-1].logprob
             out.f["first_top_logprobs"] = last.logprobs[-1].top
-        out.f["prompt_logprobs"] = last.prompt_logprobs   # () unless the request asked
+        out.f["prompt_logprobs"] = last.prompt_logprobs
         # (2) from here the request's KV is held: release it on every path below
         try:
             if job.aborted:
@@ -204,7 +171,7 @@ class PrefillWorker(RoleWorker):
                     tuple((n, held.source(n)) for n in req.regions))
             return await self._write(job, req, held, out)
         finally:
-            self.handle.release_held(rid)   # the write has ended (or was never posted)
+            self.handle.release_held(rid)
 
     async def _write(self, job: _Job, req: KVTransferRequest, held, out: _Result) -> PrefillResult:
         tid = job.handoff.transfer_id
@@ -213,7 +180,7 @@ class PrefillWorker(RoleWorker):
             end = job.writing_since + (float("inf") if self.debug_transfer_stall else self.debug_transfer_delay_ms / 1e3)
             while time.monotonic() < end and not job.aborted:
                 await asyncio.sleep(0.01)
-            if job.aborted:   # nothing was posted: nothing can land
+            if job.aborted:
                 job.handoff.fail(job.aborted, aborted=True)
                 return out.fail(job.aborted, TransferState.ABORTED)
         w = await self.write_held(job.handoff, req, held)
@@ -233,8 +200,7 @@ class PrefillWorker(RoleWorker):
 
     async def abort(self, rid: str, reason: str = "") -> bool:
         """Stop ``rid``: in the engine it is aborted (KV freed); while its write is in flight the
-        write finishes first and the result says ABORTED. An abort that arrives before the
-        request is remembered, so the late request is refused. True if ``rid`` was live here."""
+        write finishes first and the result says ABORTED."""
         why = reason or f"request {rid} aborted"
         job = self._jobs.get(rid)
         if job is None:
@@ -244,7 +210,6 @@ class PrefillWorker(RoleWorker):
         self.handle.abort(rid, error=why)
         return True
 
-    # ------------------------------------------------------------------ helpers
     def _check(self, greq: GenerateRequest, req: KVTransferRequest, start: int) -> str:
         n, ps = len(greq.prompt_ids), self.page_size
         if not 0 <= start < n or start % ps:
@@ -261,7 +226,6 @@ class PrefillWorker(RoleWorker):
         return ""
 
     async def _run_prompt(self, greq: GenerateRequest) -> StreamChunk:
-        """Submit to the engine and wait for the final chunk."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[StreamChunk] = loop.create_future()
 
@@ -285,8 +249,6 @@ class PrefillWorker(RoleWorker):
             del self._tombstones[rid]
 
     def _extra_stats(self, snap) -> dict:
-        """``writing``: rid -> seconds since its KV was ready to write, for each request whose
-        write has not ended (the router's transfer-progress deadline reads it)."""
         now = time.monotonic()
         return {"held": snap.detached, "writing": {j.rid: round(now - j.writing_since, 3)
                                                    for j in self._jobs.values() if j.writing_since is not None}}
@@ -299,7 +261,7 @@ class PrefillWorker(RoleWorker):
         try:
             super().close()
         finally:
-            if self.kv_publisher is not None:   # (the L3 tier: the engine's shutdown closes it)
+            if self.kv_publisher is not None:
                 self.kv_publisher.close()
 
 

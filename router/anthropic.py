@@ -1,25 +1,4 @@
-"""POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens.
-
-Same front door as the OpenAI routes (auth — ``x-api-key`` or a Bearer token —, body limits,
-tokenizer and chat template, tool format, session naming, routing, metrics); only the shapes
-differ. Served:
-
-- ``system`` (a string or text blocks), ``messages`` with ``text``, ``tool_use`` and
-  ``tool_result`` blocks (other block types are a 400), ``max_tokens`` (a 400 when it does not fit the context
-  left), ``stop_sequences``, ``temperature`` / ``top_p`` / ``top_k``, ``metadata.user_id`` (a
-  session key), ``tools`` (``input_schema``) and ``tool_choice`` (auto / any / tool / none,
-  ``disable_parallel_tool_use``): ``any`` and ``tool`` decode under the call grammar.
-- The reply: ``text`` and ``tool_use`` content blocks; ``stop_reason`` end_turn / max_tokens /
-  stop_sequence (with ``stop_sequence``) / tool_use; ``usage`` with ``input_tokens`` (uncached),
-  ``cache_read_input_tokens`` (prompt tokens the prefix cache served) and ``output_tokens``.
-- ``stream: true``: ``message_start``, ``ping``, per block ``content_block_start`` /
-  ``content_block_delta`` (``text_delta``, ``input_json_delta``) / ``content_block_stop``, then
-  ``message_delta`` (stop reason, usage) and ``message_stop``; a failure mid-stream is an
-  ``error`` event.
-- Errors are ``{"type": "error", "error": {"type", "message"}}``: invalid_request_error (400, 408,
-  413 is request_too_large), authentication_error (401), not_found_error (404), api_error (500),
-  overloaded_error (529, with Retry-After, when every worker is past its admission limits).
-"""
+"""POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens."""
 
 from __future__ import annotations
 
@@ -86,7 +65,6 @@ def error(status: int, message: str, headers: dict | None = None) -> Response:
 
 
 def _text(blocks: Any, where: str) -> str:
-    """A string, or the concatenated text of text blocks."""
     if isinstance(blocks, str):
         return blocks
     if blocks is None:
@@ -276,9 +254,6 @@ class AnthropicRoutes:
         return Response(json.dumps(out, ensure_ascii=False), media_type="application/json", headers=headers)
 
     async def _events(self, greq, runs: list[Running], plan: ToolPlan | None) -> AsyncIterator[bytes]:
-        """The stream's events. Usage is stated once, in ``message_start``, from the first chunk's
-        prompt figures, and ``message_delta`` repeats them beside the output count (a backend
-        whose first chunk reports none: the final chunk's figures)."""
         def ev(kind: str, **data) -> bytes:
             return sse(json.dumps({"type": kind, **data}, ensure_ascii=False), kind)
 
@@ -335,8 +310,6 @@ class AnthropicRoutes:
 
 
 def _blocks(events: list[ParseEvent]) -> list[dict]:
-    """Content blocks of a whole reply in generation order: text (merged while consecutive) and
-    tool_use; an empty reply is one empty text block."""
     out: list[dict] = []
     for e in events:
         if e.call is not None:

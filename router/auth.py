@@ -1,20 +1,5 @@
-"""Who is asking: API keys, tenants and roles (``tandem serve --api-keys FILE``), per-tenant rate limits.
-
-The key file is a YAML list; each entry names one key (``key``, or ``key_sha256``: the hex
-SHA-256 of the key, so the file need not hold secrets), its ``tenant`` and ``role`` (``user``:
-/v1/*; ``admin``: /v1/*, /admin/* and /debug/*), and optionally the tenant's ``rate_limit``
-(``requests_per_s``, ``tokens_per_s``: prompt tokens). ``--api-key KEY`` adds one admin key of
-the default tenant (""). With neither, every caller is an admin of the default tenant.
-
-Contracts:
-- :meth:`KeyRing.who` compares the SHA-256 digest of the presented key with every entry's, each
-  with ``hmac.compare_digest`` (no early exit), and never logs a key or its digest.
-- :meth:`KeyRing.reload` (SIGHUP) swaps the whole key set at once, or keeps the old one when the
-  file does not parse (logged, with the reason, never the keys).
-- :meth:`KeyRing.charge` answers a tenant over its rate with the seconds to wait: token buckets
-  holding one second of its rate; a request larger than a whole bucket passes when the bucket
-  is full and leaves it in debt.
-"""
+"""Who is asking: API keys, tenants and roles (``tandem serve --api-keys FILE``), per-tenant rate
+limits."""
 
 from __future__ import annotations
 
@@ -104,7 +89,6 @@ def load_keys(path: str) -> tuple[list[KeyEntry], dict[str, RateLimit]]:
 
 
 class _Bucket:
-    """A token bucket of ``rate`` per second holding one second of it (may go into debt)."""
 
     def __init__(self, rate: float):
         self.rate, self.level, self.t = rate, rate, time.monotonic()

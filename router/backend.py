@@ -1,12 +1,4 @@
-"""What the HTTP front door needs from whatever serves the model: :class:`ServingBackend`.
-
-Two implementations: :class:`LocalEngineBackend` (colocated mode: one in-process Engine) and,
-later, a Ray-backed one in cluster/ (prefill and decode workers behind the router's policies).
-The front door tokenizes (so routing can see the prompt ids) and hands over a
-:class:`GenerateRequest`; the backend streams :class:`StreamChunk` back.
-
-Nothing here imports torch or the engine; LocalEngineBackend receives an engine object.
-"""
+"""What the HTTP front door needs from whatever serves the model: :class:`ServingBackend`."""
 
 from __future__ import annotations
 
@@ -89,12 +81,7 @@ class AdminBackend(Protocol):
         """The requests in flight with their worker, tokens streamed and seconds since the last one."""
 
 class LocalEngineBackend:
-    """Colocated mode: the in-process ``tandem.engine.engine.Engine`` behind the protocol.
-
-    ``engine`` needs ``model_name``, ``max_context``, ``tokenizer``, ``async stream(req)`` and
-    ``abort(rid)`` (sync or async). Metrics are the default registry: the engine registers its own
-    there and router/metrics.py registers the front door's.
-    """
+    """Colocated mode: the in-process ``tandem.engine.engine.Engine`` behind the protocol."""
 
     def __init__(self, engine: Any):
         self.engine = engine

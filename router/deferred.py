@@ -1,35 +1,4 @@
-"""Queue before rejecting: requests wait a little for an admissible worker instead of a 429.
-
-Dynamo defers dispatch past a queue threshold; llm-d's flow control orders waiting requests by
-priority and drops them past a TTL. :class:`DeferredDispatch` puts both in front of the
-dispatcher's admission (router/dispatch.py):
-
-    q = DeferredDispatch(dispatcher, max_size=256, ttl_s=5.0)
-    route = await q.route(req)      # Route, or raises Overloaded (-> 429 with Retry-After)
-
-- With nobody waiting, a request is routed at once (no cost on the normal path).
-- Refused by admission (every prefill worker past its limits), it waits in a bounded queue ordered
-  by ``GenerateRequest.priority`` (lower first, vLLM's convention), then, with ``prefer_sessions``
-  (the default), sessions in progress (``Dispatcher.in_session``: a later turn of a conversation
-  the cluster is serving) before new ones, then arrival: under overload an agent mid-task keeps
-  going and the newcomers are the ones refused, so the work a burst admitted finishes. Only the head
-  of the queue tries again, whenever the dispatcher releases load (``on_capacity``) and at least
-  every ``poll_s``; so waiting requests are admitted in order and new arrivals never overtake them.
-- A request that has waited ``ttl_s`` is refused with ``Overloaded``. A full queue refuses the
-  newcomer, unless it outranks the worst waiter, which is refused in its place.
-- Every refusal's Retry-After (:meth:`DeferredDispatch.retry_after_s`) is derived from the queue:
-  the seconds the requests still waiting need to be admitted at the rate the queue admitted
-  requests lately (the last ``RATE_WINDOW`` admissions within ``RATE_HORIZON_S``), and never less
-  than the workers' own prediction (router/policies.py ``retry_after_s``). With no admission in
-  that horizon the queue is stuck: at least ``ttl_s`` (by then every current waiter has left).
-  Refused clients are promised retry slots one admission apart (``1 / rate``): each refusal's
-  Retry-After is at least the end of the previous promise, so a burst's refusals come back spread
-  at the rate the workers admit, not all at once. Whole seconds in ``[1, MAX_RETRY_AFTER_S]``.
-- A waiter whose client went away (its task cancelled) leaves the queue.
-
-One instance per event loop (the front door's); the dispatcher may call ``on_capacity`` from any
-thread.
-"""
+"""Queue before rejecting: requests wait a little for an admissible worker instead of a 429."""
 
 from __future__ import annotations
 
@@ -69,9 +38,7 @@ class DeferredDispatch:
                  poll_s: float = POLL_S, refresh: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, prefer_sessions: bool = True):
         """``refresh``: called before every routing attempt (a backend that reports its workers'
-        snapshots just in time, as the simulator does). ``clock``: seconds (TTLs, the admission
-        rate); a test's fake clock. ``prefer_sessions``: sessions in progress wait ahead of new
-        ones of the same priority."""
+        snapshots just in time, as the simulator does)."""
         self.dispatch, self.max_size, self.ttl_s, self.poll_s = dispatch, max_size, ttl_s, poll_s
         self.prefer_sessions = prefer_sessions
         self.refresh, self.clock = refresh, clock
@@ -171,11 +138,10 @@ class DeferredDispatch:
         return (len(recent) - 1) / (recent[-1] - recent[0])
 
     def retry_after_s(self, worker_s: int = 1, promise: bool = False) -> int:
-        """The Retry-After of a refusal now (see the module docstring): the requests waiting
-        (:func:`len`) over :meth:`admission_rate`, at least ``worker_s`` (the workers' own
-        prediction) and the end of the last promised retry slot; ``ttl_s`` at least when nothing
-        was admitted lately. ``promise``: record this refusal's slot (one admission long) so the
-        next refusal is sent after it; only with a known admission rate."""
+        """The Retry-After of a refusal now: the requests waiting (:func:`len`) over
+        :meth:`admission_rate`, at least ``worker_s`` (the workers' own prediction) and
+        the end of the last promised retry slot; ``ttl_s`` at least when nothing was
+        admitted lately."""
         waiting = len(self)
         rate = self.admission_rate()
         now = self.clock()

@@ -1,29 +1,5 @@
-"""The one dispatcher every serving backend routes through: admission, the policy's choice, the
-load it charges, re-routing. The Ray backend (cluster/backend.py) and the simulated one
-(sim/backend.py) keep only their transport: they call these verbs and move the request.
-
-    d = Dispatcher("session", PolicyConfig(...), AdmissionLimits(...), clock=time.monotonic)
-    d.add_worker(wid, "prefill", "prefill-0", capacity_tokens)
-    d.update_snapshot(wid, snap)     # what the worker reports (health monitor; the simulator)
-    r = d.route(req)                 # Route, its workers charged; raises Overloaded
-    d.prefill_done(r)                # first token out: the prefill worker's part is over
-    d.grow(r, n)                     # n more KV tokens held on the decode worker
-    d.release(r)                     # the request ended: whatever is still charged comes back
-    r = d.reroute(r, dead_wid)       # r's decode worker died before answering
-    d.mark_dead(wid); d.remove_worker(wid)
-
-The view a policy sees is the dispatcher's records: per worker, requests routed there and not
-yet done with it (prefill: until the first token; decode: until the end) and their tokens
-(prefill: prompt tokens; decode: prompt plus output so far). Each dispatcher's records are its
-own traffic only, so where several routers share a worker set, ``queue_len`` and ``pending_s``
-(:meth:`Dispatcher.pending_s`) are the larger of the records and the worker's report, and a worker
-whose snapshot says ``draining`` is not eligible, whichever router drained it. ``capacity_tokens``
-is the worker's reported pool size (else the configured one). Sample groups: :meth:`Dispatcher.route`.
-
-``latency`` (a :class:`LatencyWindow`): TTFT (route to ``prefill_done``) and inter-token latency
-(between ``grow`` calls) of the requests this dispatcher routed, for router/planner.py. Every
-verb takes ``lock`` (an RLock), and so does a KV-event feed writing ``state.kv`` from its thread.
-"""
+"""The one dispatcher every serving backend routes through: admission, the policy's choice, the load
+it charges, re-routing."""
 
 from __future__ import annotations
 
@@ -73,7 +49,6 @@ class _Queued:
 
 @dataclass
 class _Worker:
-    """The dispatcher's records of one worker."""
 
     name: str
     role: str
@@ -103,7 +78,6 @@ class Dispatcher:
         self.latency = LatencyWindow(clock=clock)
         self.on_capacity: Callable[[], None] | None = None   # called when load is released
 
-    # ------------------------------------------------------------------ workers
     def add_worker(self, wid: int, role: str, name: str, capacity_tokens: int = 0) -> None:
         """A worker joins the rotation (its load gauge starts at 0)."""
         if role not in (PREFILL, DECODE):
@@ -126,9 +100,8 @@ class Dispatcher:
             return True
 
     def mark_suspect(self, wid: int, suspect: bool = True) -> bool:
-        """A worker that stopped making progress (``suspect``) takes no new requests but keeps
-        what the router knows of it (it may come back); ``suspect=False``: back in rotation.
-        False when nothing changed (unknown, dead, or already so)."""
+        """A worker that stopped making progress (``suspect``) takes no new requests but keeps what
+        the router knows of it (it may come back); ``suspect=False``: back in rotation."""
         with self.lock:
             w = self._workers.get(wid)
             if w is None or not w.alive or w.suspect == suspect:
@@ -170,20 +143,9 @@ class Dispatcher:
             if w is not None:
                 w.snapshot = snap
 
-    # ------------------------------------------------------------------ requests
     def route(self, req: GenerateRequest, exclude: Collection[int] = ()) -> Route:
         """Admission, then the policy's choice among live workers not in ``exclude``; charges the
-        chosen ones. Raises :class:`Overloaded` when every live prefill worker is past
-        ``limits`` (not checked with no live prefill worker: decode then prefills locally).
-        No decode from the policy: the live decode worker with the fewest tokens.
-
-        Sample groups (``n`` > 1: the front door sends n GenerateRequests sharing one ``group``):
-        the first member routed decides for the group -- admission (all or none: later members
-        are never refused once one was admitted) and the prefill and decode workers, to which
-        every later member is pinned while they live, so the prompt is computed once
-        (engine/scheduler.py's group rule). The prompt is charged once to the prefill worker
-        (later members: one token each); each member charges its own KV on the decode worker. A
-        pinned worker found dead re-routes that member afresh."""
+        chosen ones. Raises :class:`Overloaded` when every live prefill worker is past its limits."""
         hashes = None
         if self.state.kv.num_blocks():   # the KV-event index is fed: hash the prompt once, unlocked
             hashes = tuple(block_hashes(req.cache_key, self.state.config.kv_block_size))
@@ -293,23 +255,11 @@ class Dispatcher:
 
     def pending_s(self, wid: int) -> float:
         """The predicted queueing seconds of prefill worker ``wid``: its own prediction when its
-        snapshot carries one (simulated workers), else queued tokens over its prefill rate, the
-        larger of two counts:
-
-        - the records: the uncached prompt tokens it holds (prompt minus the hit the policy
-          expected), less what its head request has done in its time in service;
-        - the worker's report: the ``waiting_prompt_tokens`` of its last snapshot, plus the
-          tokens routed to it since (which also sees traffic other router replicas sent it).
-
-        The rate is an EWMA of tokens per second over its finished prefills, timed from dispatch
-        (or the previous one's end, whichever is later: first come, first served) to the first
-        token; until the first one, the policy's estimator's ``1 / per_token_s``. So
-        ``AdmissionLimits.max_pending_s`` and the session policy's TTFT term act on the real
-        cluster as in the simulator."""
+        snapshot carries one, else its queued uncached prompt tokens over its measured prefill rate
+        (router/README.md)."""
         with self.lock:
             return self._pending_s(self._workers[wid], self.clock())
 
-    # ------------------------------------------------------------------ inside
     def _route(self, rr: RouteRequest, exclude: Collection[int]) -> Route:
         t0 = time.perf_counter()
         try:
@@ -398,8 +348,6 @@ class Dispatcher:
         return max(records, (snap.waiting_prompt_tokens + since) / rate)
 
     def _queue_len(self, w: _Worker) -> int:
-        """Requests waiting on prefill worker ``w``: its records, or its own report plus what was
-        routed to it since, whichever is larger (the report counts every router's traffic)."""
         snap = w.snapshot
         if snap is None:
             return w.requests

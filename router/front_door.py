@@ -1,11 +1,4 @@
-"""FrontDoor: what every route of the HTTP front door shares, bound to one backend and config.
-
-Auth, the body limits, the model check, the tokenizer and tool-call format, session naming,
-output budgets, and :meth:`FrontDoor.start` (send the GenerateRequests, await their first chunks).
-Every refusal is an :class:`APIError`, answered in the route's API's error shape
-(:func:`error_response` / :func:`refusal` for OpenAI's). router/http.py assembles the app; the
-route modules (routes_openai.py, anthropic.py) import this one, never http.py.
-"""
+"""FrontDoor: what every route of the HTTP front door shares, bound to one backend and config."""
 
 
 from __future__ import annotations
@@ -87,9 +80,9 @@ MAX_PRIORITY = 1_000_000
 
 
 def request_priority(headers: Mapping[str, str], body: Mapping[str, Any]) -> int:
-    """The request's priority in the deferred-dispatch queue (router/deferred.py): body ``priority``
-    (vLLM's field), else header ``X-Request-Priority``; an int, lower first, default 0. Anything
-    else is a 400 naming the field."""
+    """The request's priority in the deferred-dispatch queue: body ``priority``, else header
+    ``X-Request-Priority``; an int, lower first, default 0. Anything else is a 400 naming the
+    field."""
     raw, param = body.get("priority"), "priority"
     if raw is None:
         raw, param = headers.get("x-request-priority"), "X-Request-Priority"
@@ -115,17 +108,17 @@ class FrontDoor:
         self.tool_format: ToolFormat = choose_format(
             config.tool_parser, getattr(backend.tokenizer, "chat_template", None))
 
-    # ---------------------------------------------------------------- checks
     def check_auth(self, request: Request, admin: bool = False) -> Principal:
-        """The caller of ``request`` (router/auth.py): 401 without a known key; with ``admin``,
-        403 for a user key."""
+        """The caller of ``request``: 401 without a known key; with ``admin``, 403 for a user key.
+        """
         return authorize(self.keys, request.headers, admin)
 
     def admit(self, who: Principal, greqs: list[GenerateRequest], body: Mapping[str, Any]) -> list[GenerateRequest]:
-        """``greqs`` of one HTTP request stamped with who asked: the tenant, its cache salt
-        (the tenant's unless ``isolate_tenants`` is off, narrowed by the body's ``cache_salt``)
-        and the trace context the workers continue (the router's HTTP span, when tracing is on).
-        429 with Retry-After when the tenant is over its rate limit (router/auth.py)."""
+        """``greqs`` of one HTTP request stamped with who asked: the tenant, its cache salt (the
+        tenant's unless ``isolate_tenants`` is off, narrowed by the body's
+        ``cache_salt``) and the trace context the workers continue (the router's HTTP
+        span, when tracing is on). 429 with Retry-After when the tenant is over its rate
+        limit."""
         own = body.get("cache_salt")
         if own is not None and (not isinstance(own, str) or not 0 < len(own) <= 256):
             raise APIError(400, "cache_salt must be a non-empty string of at most 256 characters",
@@ -164,8 +157,7 @@ class FrontDoor:
 
     def output_budget(self, n: int, asked: int | None, default: int | None, chat: bool,
                       param: str = "max_tokens") -> int:
-        """``max_tokens`` for an ``n``-token prompt: what was asked, when it fits (a 400 naming the
-        numbers when it does not, as vLLM and OpenAI answer: no silent clamp); when nothing was
+        """``max_tokens`` for an ``n``-token prompt: what was asked, when it fits; when nothing was
         asked, ``default`` within the room left (None: all of it)."""
         room = self.check_prompt(n, chat)
         if asked is None:
@@ -189,7 +181,6 @@ class FrontDoor:
                            param="messages") from None
         return list(tok.encode(text, add_special_tokens=False))
 
-    # ---------------------------------------------------------------- body
     async def read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
@@ -214,7 +205,6 @@ class FrontDoor:
             raise APIError(499, "client disconnected while sending the body", reason="disconnected") from None
         return bytes(body)
 
-    # ---------------------------------------------------------------- other routes
     async def models(self, request: Request) -> Response:
         try:
             self.check_auth(request)
@@ -237,10 +227,10 @@ class FrontDoor:
 
     async def debug_kv(self, request: Request) -> Response:
         """``{"workers": [...], "migrations": [...]}``: each worker's KV accounting (free /
-        evictable / locked / request-owned / leaked tokens, host pool use, queues) and its
-        invariant verdict; the live migrations in flight (backends that move requests); the
-        requests in flight with their worker, tokens streamed and seconds since the last one
-        (backends that track it). Admin only (the gate in router/http.py)."""
+        evictable / locked / request-owned / leaked tokens, host pool use, queues) and
+        its invariant verdict; the live migrations in flight (backends that move
+        requests); the requests in flight with their worker, tokens streamed and seconds
+        since the last one (backends that track it)."""
         if not isinstance(self.backend, KVDebugBackend):
             return error_response(404, "this backend has no KV pools to inspect", code="not_found")
         out = {"workers": await self.backend.debug_kv()}
@@ -276,9 +266,6 @@ class FrontDoor:
         return await self._admin(request, "migrate", move)
 
     async def _admin(self, request: Request, verb: str, call) -> Response:
-        """An operator's move, admin only (the gate in router/http.py): ``call(backend)``, an :class:`AdminBackend`
-        verb. 404 where the backend cannot (or no such request or worker); 409 when the request
-        is not movable now (not decoding yet, or no worker to take it)."""
         if not isinstance(self.backend, AdminBackend):
             return error_response(404, f"this backend cannot {verb} (live migration needs decode workers)",
                                   code="not_found")
@@ -315,8 +302,6 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
 
 
 async def _drain(request: Request) -> None:
-    """Read and drop the rest of a refused body (bounded), so a client still writing gets the 413
-    instead of a connection reset."""
     seen = 0
     try:
         async with asyncio.timeout(5.0):

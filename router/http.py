@@ -1,27 +1,4 @@
-"""The HTTP front door: ``create_app(backend, config) -> FastAPI``.
-
-Routes: POST /v1/chat/completions, POST /v1/completions (routes_openai.py), POST /tokenize and
-/detokenize (tokenize.py, vLLM's shapes), POST /v1/messages and
-/v1/messages/count_tokens (anthropic.py), POST /v1/responses, GET / DELETE /v1/responses/{id},
-POST /v1/responses/{id}/cancel (responses/routes.py, over the backend's ``response_store`` when
-it has one, else a store in this process), GET /v1/models, GET /health, GET /metrics, GET /debug/kv
-(each worker's KV accounting and invariant verdict), POST /admin/drain and /admin/migrate (live
-migration between decode workers), POST /debug/kill (only with
-``ServeConfig.debug_endpoints``). Keys (router/auth.py: ``api_key``, the ``api_keys`` file):
-/v1/* needs a user or admin key (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic
-clients send it), checked by each route; every path under /admin and /debug needs an admin key
-(403 with a user key, 401 without one), checked by :class:`AdminGate` before any route, so a
-new route there cannot forget it. With tracing on (core/tracing.py), :class:`TraceRequests`
-opens each request's server span, continuing the client's ``traceparent``.
-
-:class:`~tandem.router.front_door.FrontDoor` (front_door.py) holds what every route shares: auth,
-the body limits, the model check, the tokenizer and tool-call format, session naming, and
-:meth:`FrontDoor.start` (send the GenerateRequests, await their first chunks). A generation
-request goes: auth -> body (size limit,
-UTF-8, JSON) -> pydantic validation -> model check -> tokenize (chat template, tools) -> context
-check and max_tokens fits -> session key -> GenerateRequest(s) -> ``backend.generate``. Every
-refusal on the way is an :class:`APIError`, answered in the route's API's error shape.
-"""
+"""The HTTP front door: ``create_app(backend, config) -> FastAPI``."""
 
 from __future__ import annotations
 
@@ -50,8 +27,8 @@ ADMIN_PREFIXES = ("/admin", "/debug")     # any path that starts so, routed or n
 
 
 class AdminGate:
-    """ASGI middleware: a request for a path under :data:`ADMIN_PREFIXES` goes on only with an
-    admin key (router/auth.py); anything else passes untouched."""
+    """ASGI middleware: a request for a path under :data:`ADMIN_PREFIXES` goes on only with an admin
+    key; anything else passes untouched."""
 
     def __init__(self, app, keys: KeyRing):
         self.app, self.keys = app, keys

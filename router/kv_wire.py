@@ -1,21 +1,4 @@
-"""KV events as the router reads them: vLLM's wire format, and the per-publisher sequence check.
-
-The format is written down in cache/radix/events.py (the publisher's side); this module reads it
-without importing the cache (a test pins the two together), as any vLLM consumer would:
-
-    frames  = [topic, seq (8 bytes, big-endian), payload]
-    payload = msgpack [ts, [event, ...], (data_parallel_rank)]
-    event   = ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, (lora_name, ...)]
-            | ["BlockRemoved", hashes, medium, ...] | ["AllBlocksCleared"]
-
-``medium`` "GPU" (or nil) is the device tier, "CPU" the host tier. Hashes are ints (uint64) or
-bytes (newer vLLM: the last 8 bytes, big-endian, as llm-d reads them).
-
-:class:`SequenceCheck` is the pure half of a subscriber: given each message's sequence number it
-says whether to apply it, skip it (a duplicate from a replay), fetch a missing range (a gap: PUB
-drops messages for slow subscribers) or start over (the publisher restarted and counts from 0
-again, llm-d-router#2853). The transport (cluster/kv_feed.py) does what it says.
-"""
+"""KV events as the router reads them: vLLM's wire format, and the per-publisher sequence check."""
 
 from __future__ import annotations
 

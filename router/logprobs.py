@@ -1,12 +1,4 @@
-"""Shaping :class:`~tandem.core.types.TokenLogprob` into OpenAI's two logprobs shapes.
-
-Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
-Completions (legacy): parallel lists ``tokens`` / ``token_logprobs`` / ``top_logprobs`` (a
-{token: logprob} dict per position) / ``text_offset`` (character offset of each token in the
-choice's text). A token's text is its bytes decoded as UTF-8 (replacement characters where a
-token holds part of a character); ``bytes`` are exact (``tokenizer.token_bytes`` when the
-tokenizer has it).
-"""
+"""Shaping :class:`~tandem.core.types.TokenLogprob` into OpenAI's two logprobs shapes."""
 
 from __future__ import annotations
 

@@ -1,31 +1,4 @@
-"""Prometheus metrics measured at the HTTP front door (names fixed by the spec).
-
-They live in prometheus_client's default registry, next to the engine's own metrics, so one
-``generate_latest()`` exposes both in colocated mode. Each metric is created once per process:
-:func:`_metric` returns the already-registered collector when this module is imported again
-(``importlib.reload``, two apps in one test process), instead of raising "Duplicated timeseries".
-
-Who records what (router/http.py):
-- ``REQUESTS{status}``: one per /v1 generation request, status in :data:`STATUSES`.
-- ``REJECTED{reason}``: requests answered 4xx before reaching the backend (also counted in
-  ``REQUESTS{status="rejected"}``).
-- ``TTFT``: request arrival (headers read) -> first generated token seen by the front door.
-- ``ITL``: gap between token-carrying chunks, divided evenly over the chunk's tokens.
-- ``PROMPT_TOKENS`` / ``CACHED_PROMPT_TOKENS``: from the final chunk's usage numbers
-  (:func:`count_prompt`, which also sets ``CACHE_HIT_RATIO`` = cached / prompt tokens so far).
-- ``TENANT_*{tenant}`` (:func:`count_tenant`): requests and 429s per tenant (FrontDoor.admit),
-  prompt / cached / output tokens per tenant (streaming.metered, at the final chunk).
-
-Recorded by the dispatcher (router/dispatch.py) every serving backend routes through, not by http.py:
-- ``ROUTING_DECISION``: seconds one routing decision (view + policy) took.
-- ``WORKER_LOAD{worker,role}``: requests in flight per worker, from the driver's dispatch records.
-- ``QUEUE_DEPTH`` / ``QUEUE_WAIT``: the deferred-dispatch queue (router/deferred.py): requests
-  waiting for an admissible worker, and how long each waited (admitted or not).
-- ``ROUTE_CACHED_ERROR``: per finished request, |predicted - actual| prompt tokens reused: the
-  router's prediction (prefix index and KV events, ``policies.predicted_cached``) against the
-  usage's ``cached_tokens`` (what the chosen workers did not compute).
-- ``MIGRATIONS{reason,outcome}`` / ``MIGRATION_DOWNTIME``: live migration (cluster/migration.py).
-"""
+"""Prometheus metrics measured at the HTTP front door (names fixed by the spec)."""
 
 from __future__ import annotations
 
@@ -43,7 +16,6 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 
 
 def _metric(cls, name: str, doc: str, **kwargs):
-    """Create ``name`` in the default registry, or return the collector already registered there."""
     existing = REGISTRY._names_to_collectors.get(name)  # no public lookup API in prometheus_client
     if existing is not None:
         if not isinstance(existing, cls):
@@ -147,8 +119,6 @@ def count_prompt(prompt_tokens: int, cached_tokens: int) -> None:
             CACHE_HIT_RATIO.set(_totals["cached"] / _totals["prompt"])
 
 
-# Every label value a series can take is created up front at zero, so a fresh server exports
-# each series (dashboards and alerts see 0, not "no data") before its first event.
 MIGRATION_REASONS = tuple(r.value for r in MoveReason)
 MIGRATION_OUTCOMES = ("ok", "failed", "aborted")
 REJECT_REASONS = ("malformed", "invalid_request", "timeout", "disconnected", "too_large",

@@ -1,15 +1,4 @@
-"""OpenAI-compatible request bodies (the subset Tandem serves) and the error object.
-
-Requests are validated strictly (``"1"`` is not an int, ``1`` is not a bool, NaN/inf are not
-numbers) with unknown fields ignored, as OpenAI clients send extras. Fields we parse but cannot
-honour are refused by :meth:`_SamplingFields.unsupported` rather than silently ignored.
-Vendor extensions accepted in the body: top_k, min_tokens, ignore_eos, session_id,
-prompt_logprobs (vLLM's), and response_format types ``regex`` / ``grammar`` (router/structured.py). Response bodies are in
-openai_responses.py; tools are validated by router/tools/spec.py.
-
-:func:`parse_json_object` and :func:`parse_request` turn a body into a request model or raise
-:class:`APIError` (the OpenAI error object's fields plus the HTTP status).
-"""
+"""OpenAI-compatible request bodies (the subset Tandem serves) and the error object."""
 
 from __future__ import annotations
 
@@ -35,7 +24,6 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by chat and text completions."""
 
     model: str
     stream: bool = False
@@ -201,7 +189,6 @@ class CompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
-# ------------------------------------------------------------------------------ errors
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -217,7 +204,6 @@ class ErrorResponse(_Response):
     error: ErrorBody
 
 
-# ------------------------------------------------------------------------------ parsing
 class APIError(Exception):
     """A request the front door refuses; becomes ``{"error": {message, type, param, code}}``
     with HTTP ``status``. ``reason`` labels tandem_rejected_requests_total."""
@@ -253,8 +239,6 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def _check_strings(obj: Any) -> None:
-    """Refuse lone surrogates (valid JSON escapes, but no tokenizer can encode them). Iterative:
-    json.loads already bounded the depth, this walk must not add recursion on top."""
     stack = [obj]
     while stack:
         x = stack.pop()
@@ -275,8 +259,6 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _param(loc: tuple) -> str | None:
-    """``messages.0.content`` from a pydantic error location, without the tags pydantic adds for
-    union members (``str``, ``list[int]``, ``ContentPart``)."""
     parts = [str(p) for p in loc if isinstance(p, int)
              or (p.isidentifier() and p.islower() and p not in _TYPE_TAGS)]
     return ".".join(parts) or None

@@ -1,9 +1,5 @@
 """OpenAI-compatible response bodies: chat completions (whole and chunks), text completions,
-logprobs in both shapes, tool calls, usage, the model list.
-
-Optional parts are left out rather than sent as ``null`` where OpenAI leaves them out (a delta's
-unset fields, a message's ``tool_calls``), so strict clients see the shapes they expect.
-"""
+logprobs in both shapes, tool calls, usage, the model list."""
 
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ class Usage(_Response):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-# ------------------------------------------------------------------------------ logprobs
 class TopLogprob(_Response):
     token: str
     logprob: float
@@ -76,7 +71,6 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 _UNLESS_ASKED = dict(default=None, exclude_if=lambda v: v is None)   # left out unless asked for
 
 
-# ------------------------------------------------------------------------------ tool calls
 class FunctionCall(_Response):
     name: str
     arguments: str

@@ -1,28 +1,4 @@
-"""The SLO planner: measured latency and queue depth -> how many prefill and decode workers.
-
-Pure: no Ray, no clocks of its own (times come in). cluster/autoscaler.py feeds it every
-``period_s`` and carries out its plans (asks Ray for the resources, starts and drains workers).
-
-    window = LatencyWindow(clock)          # the dispatcher's: ttft(s), itl(s) samples, forgotten
-                                           # after ``window_s``
-    plan = Planner(cfg).plan(Observation(...), now)   # -> Plan(prefill, decode, reason)
-
-The rule, per role (Dynamo's planner and llm-d's variant autoscaler work from the same signals;
-this is their simplest form):
-
-- **up**: prefill when the TTFT percentile is over its target, or the prefill queue holds more
-  than ``queue_per_prefill`` waiting requests per worker; decode when the inter-token latency
-  percentile is over its target. The step is proportional to the overshoot
-  (``ceil(n * measured / target) - n``, at least 1, at most ``n``: never more than doubling), so a
-  4x load step is met in one or two plans, not one worker per period.
-- **down**: a role whose latency percentile has stayed under ``scale_down_fraction`` of its target
-  (or which had no traffic) with an empty queue for ``scale_down_after_s`` loses one worker per
-  plan.
-- nothing changes while a previous change is still in flight (workers asked for and not yet
-  serving, or drained and not yet gone): the planner waits to see its effect.
-
-Counts stay within ``[min_*, max_*]``.
-"""
+"""The SLO planner: measured latency and queue depth -> how many prefill and decode workers."""
 
 from __future__ import annotations
 

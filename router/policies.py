@@ -1,28 +1,4 @@
-"""Routing policies: ``choose(view, req, state) -> Decision``.
-
-Each policy is a function of a :class:`ClusterView` (worker loads), the :class:`RouteRequest`
-and an explicit :class:`RouterState` (counters, the seeded RNG, the session table and the two
-prefix indexes). Policies update that state as they route (a round-robin counter, the
-approximate prefix index, session bindings) and nothing else: no I/O, no clocks, no globals.
-The view's ``now`` is the only time they see.
-
-| policy | prefill worker | decode worker |
-|---|---|---|
-| round_robin | next in turn | next in turn |
-| random | seeded uniform | seeded uniform |
-| least_load | fewest in flight (ties in turn) | fewest KV tokens (ties in turn) |
-| cache_aware | SGLang: min load if imbalanced, else best prefix match over threshold, else smallest tree | fewest KV tokens |
-| kv_events | Dynamo: argmin ``w * prefill_blocks + decode_blocks`` over the exact KV-event index | fewest KV tokens |
-| session (default) | the session's worker unless overloaded or dead; else argmin of Mooncake Conductor's predicted TTFT (queue + prefill(uncached, cached)) plus the prefill it costs later requests (duplicated and evicted prefix tokens); matches from both indexes (the exact one when KV events feed it); a cold session with ``rendezvous`` on: the highest rendezvous hash of (session, worker name) | the session's decode worker, else the decode worker the exact index says holds the prefix, else (``rendezvous``) the rendezvous winner, else fewest KV tokens |
-
-Several routers agree on a session's workers without sharing a table: a later turn finds the
-worker that cached the earlier ones through the exact index (every router hears every worker's KV
-events), and a session no worker holds yet goes to the same rendezvous winner from any router
-(``PolicyConfig.rendezvous``, on for Ray workers that outlive their router).
-
-Admission (``admit``, ``retry_after_s``) is separate: the front door asks before routing and
-answers 429 with Retry-After when every prefill worker is past its limits.
-"""
+"""Routing policies: ``choose(view, req, state) -> Decision``."""
 
 from __future__ import annotations
 
@@ -43,10 +19,7 @@ DEFAULT_POLICY = "session"
 @dataclass(frozen=True)
 class PrefillEstimator:
     """Predicted prefill seconds of ``new`` uncached tokens after ``cached`` cached ones:
-    ``overhead_s + per_token_s * new + per_pair_s * new * (cached + new / 2)``. The last term is
-    causal attention (each new token attends to the cached prefix and half the new ones on
-    average). Mooncake fits such a model offline; the simulator hands the router its profile's
-    coefficients (``sim/cost_model.py``). Defaults: Llama-3-8B on one H100."""
+    ``overhead_s + per_token_s * new + per_pair_s * new * (cached + new / 2)``."""
 
     overhead_s: float = 0.010
     per_token_s: float = 2.68e-5        # 2 * 8.03e9 FLOP / 600 TFLOP/s
@@ -73,8 +46,6 @@ L3_BLOCK_CREDIT = 0.25     # PolicyConfig.l3_block_credit for a cluster with a s
 @dataclass(frozen=True)
 class PolicyConfig:
     seed: int = 0
-    # cache_aware: the SGLang router's cache-aware defaults (sglang_router's router_args.py:
-    # cache_threshold, balance_abs_threshold, balance_rel_threshold)
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -82,9 +53,6 @@ class PolicyConfig:
     overlap_weight: float = 1.0
     kv_block_size: int = 16             # key elements per hashed block = the engines' page size
     host_block_credit: float = 0.5      # a host-tier block saves this fraction of its prefill
-    # a block some other worker reported (KV events), assumed readable from the shared L3 store
-    # (--kv-store), saves this fraction of its prefill; 0: no store. Below a host block: a store
-    # read crosses the network and may miss (L3_BLOCK_CREDIT is the value with a store).
     l3_block_credit: float = 0.0
     # session
     session_ttl_s: float = 600.0
@@ -125,7 +93,6 @@ class RouterState:
         self.sessions.forget_worker(worker)
 
 
-# -- shared pieces -------------------------------------------------------------------------------
 def _none(reason: str = "no_worker") -> Decision:
     return Decision(-1, -1, reason)
 
@@ -135,15 +102,12 @@ def _matched_tokens(req: RouteRequest, elements: int) -> int:
 
 
 def _rotate_min(ws: list[WorkerView], key, turn: int) -> WorkerView:
-    """The worker with the smallest ``key``; ties go round in turn (by ``turn``), so idle
-    workers share cold traffic instead of the lowest id taking all of it."""
     best = min(key(w) for w in ws)
     tied = [w for w in ws if key(w) == best]
     return tied[turn % len(tied)]
 
 
 def _least_decode(ws: list[WorkerView], state: "RouterState") -> int:
-    """Dynamo's decode choice (overlap weight 0): fewest active KV tokens, then fewest running."""
     if not ws:
         return -1
     state.rr_decode += 1
@@ -151,7 +115,6 @@ def _least_decode(ws: list[WorkerView], state: "RouterState") -> int:
 
 
 def _least_prefill(ws: list[WorkerView], state: "RouterState") -> WorkerView:
-    """Fewest requests in flight, then fewest queued tokens."""
     state.rr_prefill += 1
     return _rotate_min(ws, lambda w: (w.in_flight, w.running_tokens), state.rr_prefill)
 
@@ -170,8 +133,6 @@ def _rendezvous(ws: list[WorkerView], session: str | int) -> WorkerView:
 
 
 def _exact(state: "RouterState", req: RouteRequest) -> dict[int, int]:
-    """``{worker: key elements}`` each worker holds of the request per the exact KV-event index
-    (device and host blocks); empty when no event has fed it."""
     if not state.kv.num_blocks():
         return {}
     c = state.config
@@ -180,8 +141,6 @@ def _exact(state: "RouterState", req: RouteRequest) -> dict[int, int]:
 
 
 def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
-    """Prompt tokens of the request's prefix that some worker reported (KV events): what every
-    worker can read from the shared L3 store; 0 without a store (``l3_block_credit`` 0)."""
     c = state.config
     if not c.l3_block_credit:
         return 0
@@ -197,7 +156,6 @@ def predicted_cached(state: "RouterState", req: RouteRequest, dec: Decision) -> 
     return max(dec.matched_tokens, _matched_tokens(req, held))
 
 
-# -- policies ------------------------------------------------------------------------------------
 def round_robin(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
     ps, ds = view.alive_prefill(), view.alive_decode()
     if not ps:
@@ -226,8 +184,7 @@ def least_load(view: ClusterView, req: RouteRequest, state: RouterState) -> Deci
 
 
 def cache_aware(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
-    """The SGLang router's ``cache_aware`` policy (sgl-router; its approximate radix tree is
-    :class:`ApproxPrefixIndex`). Load = requests in flight."""
+    """The SGLang router's ``cache_aware`` policy over :class:`ApproxPrefixIndex`."""
     ps = view.alive_prefill()
     if not ps:
         return _none()
@@ -253,11 +210,10 @@ def cache_aware(view: ClusterView, req: RouteRequest, state: RouterState) -> Dec
 
 def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
     """Dynamo's KV router over the exact index: ``cost(w) = weight * prefill_blocks(w) +
-    decode_blocks(w)``; prefill_blocks = the request's blocks not cached on ``w`` (a host-tier
-    block counts ``1 - host_block_credit``; with ``l3_block_credit``, a block after ``w``'s own
-    that another worker reported counts ``1 - l3_block_credit``: an L3 hit), decode_blocks =
-    ``w``'s active blocks (tokens it still has to process). Argmin; ties: fewer in flight, then
-    in turn."""
+    decode_blocks(w)``; prefill_blocks = the request's blocks not cached on ``w`` (a
+    host-tier block counts ``1 - host_block_credit``; with ``l3_block_credit``, a block after
+    ``w``'s own that another worker reported counts ``1 - l3_block_credit``: an L3 hit),
+    decode_blocks = ``w``'s active blocks (tokens it still has to process)."""
     ps = view.alive_prefill()
     if not ps:
         return _none()
@@ -281,18 +237,7 @@ def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decis
 
 
 def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:
-    """Sticky sessions with load-aware prefix affinity (the default).
-
-    Prefill: a live session's worker keeps the session while it is alive and under the spill
-    limits (queue length, predicted queueing). Otherwise, and for requests with no session, the
-    worker under those limits (any worker when none is) with the least cost, where cost = the predicted TTFT as Mooncake's Conductor computes
-    it, ``pending_s(w) + prefill(prompt - match(w), match(w))`` with ``match`` from the
-    approximate prefix index, plus what the choice costs later requests (``_later_cost``:
-    duplicated prefix tokens and tokens it forces the worker's cache to evict, one token of
-    prefill each). Ties go to the longer match, then the smaller tree (spreads cold prefixes),
-    then fewer in flight. Decode: the session's previous decode worker while alive and not
-    overloaded, else fewest KV tokens.
-    """
+    """Sticky sessions with load-aware prefix affinity (the default)."""
     ps = view.alive_prefill()
     if not ps:
         return _none()
@@ -352,11 +297,6 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
 
 
 def _later_cost(state: RouterState, req: RouteRequest, w: WorkerView, hit: int, top: int) -> float:
-    """Seconds of prefill a choice of ``w`` is expected to cost *later requests*, on top of this
-    request's TTFT: each token ``w`` would recompute although another worker caches it
-    (``top - hit``: a duplicate that splits a prefix's traffic and takes room twice) and each
-    token ``w``'s cache would have to evict to take this prompt (from the index's size and
-    capacity; a future miss), priced at one token of prefill per token by default."""
     c = state.config
     dup = top - hit
     ev = 0
@@ -368,8 +308,6 @@ def _later_cost(state: RouterState, req: RouteRequest, w: WorkerView, hit: int, 
 
 
 def _decode_overloaded(w: WorkerView, ds: list[WorkerView]) -> bool:
-    """A decode worker is too full to keep a session when it is nearly out of KV room, or holds
-    more than twice the KV tokens of the least-loaded decode worker plus one long request."""
     if w.capacity_tokens and w.running_tokens >= 0.9 * w.capacity_tokens:
         return True
     lo = min(x.running_tokens for x in ds)
@@ -387,14 +325,13 @@ POLICY_FUNCS: dict[str, Callable[[ClusterView, RouteRequest, RouterState], Decis
 
 
 def choose(view: ClusterView, req: RouteRequest, state: RouterState, policy: str = DEFAULT_POLICY) -> Decision:
-    """Route ``req`` with the named policy (see the table in this module's docstring)."""
+    """Route ``req`` with the named policy."""
     fn = POLICY_FUNCS.get(policy)
     if fn is None:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     return fn(view, req, state)
 
 
-# -- admission -----------------------------------------------------------------------------------
 def admit(view: ClusterView, limits: AdmissionLimits = AdmissionLimits()) -> bool:
     """True when at least one alive prefill worker is under both limits."""
     return any(not _over(w, limits) for w in view.prefill if w.alive)
@@ -402,10 +339,9 @@ def admit(view: ClusterView, limits: AdmissionLimits = AdmissionLimits()) -> boo
 
 def retry_after_s(view: ClusterView, limits: AdmissionLimits = AdmissionLimits(),
                   default_s: int = 5, max_s: int = 60) -> int:
-    """Seconds a refused client should wait (the Retry-After header): the predicted time until
-    the soonest alive prefill worker is back under its limits, from its predicted queue
-    (``pending_s``; per queued request ``pending_s / queue_len``). Whole seconds in
-    ``[1, max_s]``; ``default_s`` when no prefill worker is alive."""
+    """Seconds a refused client should wait (the Retry-After header): the predicted time until the
+    soonest alive prefill worker is back under its limits, from its predicted queue
+    (``pending_s``; per queued request ``pending_s / queue_len``)."""
     best = None
     for w in view.prefill:
         if not w.alive:

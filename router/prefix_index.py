@@ -1,19 +1,4 @@
-"""The router's two views of what each worker has cached.
-
-- :class:`ApproxPrefixIndex` (``cache_aware``, ``session``): what the router *sent* where. One
-  radix tree over pages shared by all workers (SGLang's multi-tenant router tree); each node
-  records which workers hold its edge. The router inserts a request's pages for the chosen
-  worker as it routes and evicts per worker, least recently routed leaf first, beyond a token
-  budget. It never hears from the workers, so it is approximate.
-- :class:`GlobalBlockIndex` (``kv_events``, and ``session`` for requests its table has not seen):
-  what the workers *say* they hold. Block hash -> {worker: tier}, fed by the workers' KV events
-  (``apply``; router/kv_wire.py reads them off vLLM's wire format); exact up to event delay
-  (Dynamo's indexer). Blocks are named by the same hash chain the cache publishes (:func:`block_hashes`).
-
-Key elements are token ids (or, in the simulator, one id per trace block); ``page_size`` is in
-key elements. Neither class imports the cache: the hash chain and the page-aligned edge compare
-are core/page_hash.py's, the same functions the cache names and walks its pages with.
-"""
+"""The router's two views of what each worker has cached."""
 
 from __future__ import annotations
 
@@ -27,7 +12,6 @@ DEVICE = "device"
 HOST = "host"
 
 
-# -- approximate per-worker index ---------------------------------------------------------------
 class _Node:
     __slots__ = ("id", "parent", "key", "end", "children", "workers")
 
@@ -41,19 +25,7 @@ class _Node:
 
 
 class ApproxPrefixIndex:
-    """Per-worker approximate prefix trees, stored as one radix tree over pages.
-
-    Args:
-        page_size: key elements per page (only whole pages are indexed).
-        capacity: key elements each worker may hold before its least recently routed leaves are
-            dropped; None = unbounded.
-
-    Each node records which workers hold its whole edge and when each last routed through it.
-    A worker's holdings are prefix-closed (routing a key touches every node on its path, so a
-    parent is never older than its child): a match is a contiguous prefix per worker. Eviction
-    is per worker, oldest leaf first (ties: deepest first), through a lazily cleaned heap, so
-    a decision costs O(nodes on the path), not O(pages).
-    """
+    """Per-worker approximate prefix trees, stored as one radix tree over pages."""
 
     def __init__(self, page_size: int = 1, capacity: int | None = None):
         if page_size < 1:
@@ -75,15 +47,12 @@ class ApproxPrefixIndex:
         return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
 
     def _prep(self, key: Sequence[int]) -> tuple[tuple, int]:
-        """``(key as a tuple, its page-aligned length)``. Edges are tuples of ints, which the
-        garbage collector stops tracking, so a large index does not lengthen GC pauses."""
         tk = key if type(key) is tuple else tuple(key)
         return tk, len(tk) - len(tk) % self.page_size
 
     def match(self, key: Sequence[int]) -> dict[int, int]:
-        """``{worker: matched key elements}`` for every worker holding a non-empty prefix of
-        ``key`` (page-aligned). Changes nothing; remembers the walk so that an ``insert`` of the
-        same (unchanged) key object right after it does not repeat the comparisons."""
+        """``{worker: matched key elements}`` for every worker holding a non-empty prefix of ``key``
+        (page-aligned)."""
         orig = key
         key, n = self._prep(key)
         node, pos = self.root, 0
@@ -172,7 +141,6 @@ class ApproxPrefixIndex:
             self._compact(worker)
 
     def _split(self, child: _Node, m: int) -> _Node:
-        """Cut ``child``'s edge after ``m`` elements; the new upper node is returned."""
         parent = child.parent
         top = _Node(self._next_id, parent, child.key[:m], child.end - len(child.key) + m)
         self._next_id += 1
@@ -200,7 +168,6 @@ class ApproxPrefixIndex:
         self._size[worker] -= freed
 
     def _drop(self, nd: _Node, worker: int) -> int:
-        """Remove ``worker`` from ``nd``; unlink nodes nobody holds. Returns elements freed."""
         del nd.workers[worker]
         freed = len(nd.key)
         while not nd.workers and not nd.children and nd.parent is not None:
@@ -227,7 +194,7 @@ class ApproxPrefixIndex:
         self._nodes.pop(worker, None)
 
     def size(self, worker: int) -> int:
-        """Key elements held for ``worker`` (SGLang's tree size: smaller = more room)."""
+        """Key elements held for ``worker``."""
         return self._size.get(worker, 0)
 
     def num_nodes(self) -> int:
@@ -239,9 +206,6 @@ class ApproxPrefixIndex:
         return n - 1
 
 
-# -- exact global index fed by KV events --------------------------------------------------------
-# The chained block hashes of ``tokens`` (a trailing partial block ignored): the cache's page
-# hash chain under the router's name, so a block here is named as the cache's events name it.
 block_hashes = page_hashes
 
 
@@ -258,7 +222,6 @@ class KVEvent:
 
 
 def _bits(mask: int):
-    """Worker ids of the set bits of ``mask``."""
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
@@ -266,9 +229,8 @@ def _bits(mask: int):
 
 
 class GlobalBlockIndex:
-    """Exact block index: block hash -> the workers holding it, per tier, as bitmasks over
-    worker ids (ids must be >= 0). Ints keep it compact (no per-block container) and make the
-    overlap walk one AND per block."""
+    """Exact block index: block hash -> the workers holding it, per tier, as bitmasks over worker
+    ids (ids must be >= 0)."""
 
     def __init__(self):
         self._tier: dict[str, dict[int, int]] = {DEVICE: {}, HOST: {}}   # tier -> hash -> mask
@@ -364,10 +326,9 @@ class GlobalBlockIndex:
         return {w: (ends_dev.get(w, 0), k - ends_dev.get(w, 0)) for w, k in ends_all.items()}
 
     def known_prefix(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of ``hashes`` some worker holds, on either tier: with a shared
-        L3 store (workers write every page they cache through to it), the prefix any worker
-        can read from the store. An estimate: a page the store evicted or never got (a dropped
-        write) is a miss the worker recomputes; a page every worker evicted is not counted."""
+        """How many leading blocks of ``hashes`` some worker holds, on either tier: with a shared L3
+        store (workers write every page they cache through to it), the prefix any worker
+        can read from the store."""
         dev, host = self._tier[DEVICE], self._tier[HOST]
         n = 0
         for h in hashes:

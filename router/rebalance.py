@@ -1,25 +1,4 @@
 """When to migrate a running request between decode workers: pure planners over the router's view.
-
-Every trigger is a planner here that returns :class:`MoveRequest` values with one
-:class:`MoveReason`; cluster/migration.py carries them out and never decides. A new trigger is a
-reason, a planner (in :data:`PERIODIC` when it runs on the policy's clock) and a config field.
-
-- :func:`plan_moves` (**pressure**, **rebalance**): utilization is the router's own record, the KV
-  tokens charged to a decode worker's running requests (``WorkerView.running_tokens``, grown per
-  token) over its pool (``capacity_tokens``). At most one request per call, from the fullest decode
-  worker to the emptiest, when the fullest is at ``high`` or above (its next decode steps would
-  retract) and the emptiest at ``low`` or below (pressure), or their utilizations differ by more
-  than ``spread`` (rebalance). The request moved is the one on the fullest worker that fits under
-  ``high`` on the target and leaves the two most even (ties: the larger); one that would not
-  narrow their gap never moves (no ping-pong). Workers in ``exclude`` (draining) are never a target.
-- :func:`plan_drain` (**drain**): every request on a worker that is not moving already.
-- :func:`plan_forced` (**forced**, the ``debug_migrate_every`` lever): a request that streamed that
-  many tokens on one worker.
-- **prestop** (a stuck source: cluster/backend.py's stall watch, ``Migrator.prestop``) and
-  **admin** (POST /admin/migrate, ``Migrator.migrate``) plan nothing: the request and the reason
-  come with the call.
-
-No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -45,8 +24,7 @@ class MoveReason(str, Enum):
 
 @dataclass(frozen=True)
 class MoveRequest:
-    """Move ``rid`` off decode worker ``source`` to ``target`` (worker ids; None: unknown to the
-    planner, or the best peer cluster/migration.py finds)."""
+    """Move ``rid`` off decode worker ``source`` to ``target``."""
 
     rid: str
     source: int | None

@@ -1,25 +1,4 @@
-"""POST /v1/chat/completions and /v1/completions: request -> GenerateRequest(s) -> JSON or SSE.
-
-What this module maps (the rest of the front door is http.py / streaming.py):
-
-- **tools** (chat): validated into a ToolPlan (router/tools/spec.py), rendered into the prompt
-  (router/tools/render.py), the output parsed into ``tool_calls`` (router/tools/formats.py; whole
-  calls per streamed delta); ``finish_reason`` becomes "tool_calls" when the reply made calls.
-  ``tool_choice`` required / a named function puts the format's call grammar in
-  ``SamplingParams.constraint``, so the engine can only write valid calls.
-- **response_format** -> ``SamplingParams.constraint`` (router/structured.py); with a forced tool
-  choice it is a 400 (one grammar per request).
-- **logprobs** / **top_logprobs** -> ``SamplingParams.logprobs`` / ``top_logprobs``; the chunks'
-  ``logprobs`` are shaped as OpenAI's chat or legacy completions logprobs (router/logprobs.py).
-- **echo** (completions): the choice's text starts with the prompt (its first chunk, streamed);
-  with ``logprobs`` the prompt's tokens lead the legacy lists, the first with null logprobs, from
-  ``SamplingParams.prompt_logprobs`` (vLLM's rule: echo with logprobs scores the prompt).
-- **prompt_logprobs** (vLLM's extension) -> ``SamplingParams.prompt_logprobs``; answered in vLLM's
-  shape, on each completion choice or at the top of a chat completion (router/logprobs.py).
-- **n** (1..MAX_N): n GenerateRequests ``<id>-<i>`` sharing a SampleGroup, seeds ``seed + i``;
-  choices carry their index, streamed chunks are per choice; usage counts the prompt once and
-  the completion tokens of every choice.
-"""
+"""POST /v1/chat/completions and /v1/completions: request -> GenerateRequest(s) -> JSON or SSE."""
 
 from __future__ import annotations
 
@@ -127,7 +106,6 @@ class OpenAIRoutes:
         self.door = door
         self.texts = TokenTexts(door.backend.tokenizer)
 
-    # ---------------------------------------------------------------- request -> GenerateRequests
     def prepare(self, req: ChatCompletionRequest | CompletionRequest, body: dict, headers, rid: str) -> Prepared:
         chat = isinstance(req, ChatCompletionRequest)
         plan = parse_openai_tools(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
@@ -180,7 +158,6 @@ class OpenAIRoutes:
                                param="prompt")
         return list(prompt)
 
-    # ---------------------------------------------------------------- the route
     async def serve(self, request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -255,9 +232,6 @@ class OpenAIRoutes:
 
     def _completion_choice(self, i: int, text: str, finish: str | None, prep: Prepared, lps, plps,
                            offset: int = 0, first: bool = True) -> tuple[CompletionChoice, int]:
-        """Choice ``i`` of a completion (or of one streamed chunk of it: ``offset`` is where its
-        text starts in the choice's text, ``first`` whether it is the choice's first chunk, which
-        carries the echoed prompt and vLLM's prompt logprobs); returns it and the offset after it."""
         top, logprobs = prep.top_logprobs, None
         echo = prep.echo if first else None
         if echo is not None:
@@ -278,8 +252,6 @@ class OpenAIRoutes:
                                 prompt_logprobs=vllm), offset
 
     async def _events(self, req, prep: Prepared, rid: str, runs: list[Running]) -> AsyncIterator[bytes]:
-        """SSE events of the choices, ending with ``data: [DONE]``. Once the status line is sent a
-        failure can only be an error event."""
         chat = isinstance(req, ChatCompletionRequest)
         created, model, top = int(time.time()), self.door.backend.model_name, prep.top_logprobs
         active = prep.plan is not None and prep.plan.active
@@ -344,8 +316,6 @@ class OpenAIRoutes:
 
 
 def _prompt_lps_missing(prep: Prepared, plps) -> str | None:
-    """Why a choice cannot be answered: the request needs its prompt's logprobs and the backend
-    sent not one per prompt token after the first (a backend that does not compute them)."""
     p = prep.greqs[0].params.prompt_logprobs
     if p is None or len(plps) == prep.prompt_len - 1:
         return None
@@ -354,8 +324,6 @@ def _prompt_lps_missing(prep: Prepared, plps) -> str | None:
 
 
 def _usage(done: list[Collected], prompt_len: int) -> Usage:
-    """The prompt counted once (the first choice's numbers), completion tokens summed; counts the
-    front door saw stand in for numbers a backend left at 0."""
     first = done[0].last
     return Usage.of(first.prompt_tokens or prompt_len, first.cached_tokens,
                     sum(c.last.completion_tokens or c.n_tokens for c in done))

@@ -1,21 +1,5 @@
 """Naming sessions (:func:`session_key`) and the session table: which prefill and decode worker a
-conversation last used.
-
-A session is named by the client's explicit id or, when it sends none, by :func:`fingerprint` of
-the conversation's opening (system prompt + first user message), which is the same on every turn
-of a chat because chat clients resend the history. Explicit ids, first match wins
-(:data:`SESSION_HEADERS`, then body fields):
-
-1. ``X-Session-Id`` (Tandem's own header)
-2. ``X-Session-Affinity`` (llm-d's affinity header)
-3. ``X-Claude-Code-Session-Id`` (sent by Claude Code on every request of a session)
-4. ``Session-Id``
-5. body ``session_id``, then body ``user`` (OpenAI), then Anthropic ``metadata.user_id``
-6. the fingerprint of the chat's opening (``fp-<16 hex>``)
-
-The table is bounded (``max_sessions``, least recently touched dropped first) and entries older
-than ``ttl_s`` are treated as absent; both keep memory and lookups O(1) with many sessions.
-"""
+conversation last used."""
 
 from __future__ import annotations
 
@@ -119,7 +103,6 @@ class SessionTable:
 
 
 def _content_text(content: Any) -> str:
-    """A message's text: a string, or the text parts of an OpenAI content list."""
     if isinstance(content, str):
         return content
     if isinstance(content, Sequence):
@@ -128,10 +111,8 @@ def _content_text(content: Any) -> str:
 
 
 def fingerprint(messages: Sequence[Mapping[str, Any]]) -> int | None:
-    """A stable 63-bit id of a chat's opening: every system/developer message before the first
-    user message, and that user message. None when there is no user message (a completion
-    prompt, or a chat that cannot be told apart from others). Stable across processes and
-    Python versions (BLAKE2b, not ``hash()``); later turns do not change it."""
+    """A stable 63-bit id of a chat's opening: every system/developer message before the first user
+    message, and that user message."""
     head = []
     for m in messages:
         role = m.get("role")

@@ -1,13 +1,4 @@
-"""Running generations for a route: metering, client disconnects, SSE, and n streams at once.
-
-Shared by the OpenAI and the Anthropic routes. Whenever the front door stops reading a generation
-before its final chunk (client gone, server shutting down, a sibling failed) :func:`metered` calls
-``backend.abort(rid)`` so the engine frees the request's KV.
-
-:func:`start` sends the GenerateRequests of one HTTP request (n > 1: one per choice) and awaits
-each first chunk before any response starts, so a refusal is still a 4xx; :func:`merge` then
-interleaves the streams as ``(choice index, chunk)`` in arrival order.
-"""
+"""Running generations for a route: metering, client disconnects, SSE, and n streams at once."""
 
 from __future__ import annotations
 
@@ -55,9 +46,8 @@ async def unless_disconnected(aw: Awaitable[Any], receive) -> Any:
 
 
 async def metered(backend: ServingBackend, greq: GenerateRequest, arrival: float) -> AsyncIterator[StreamChunk]:
-    """``backend.generate(greq)`` with the front door's metrics; aborts ``greq.rid`` when closed
-    (or cancelled) before the final chunk. Counts tandem_requests_total once per generation, by
-    outcome; prompt tokens only for the first sample of a group (the others share its prompt)."""
+    """``backend.generate(greq)`` with the front door's metrics; aborts ``greq.rid`` when closed (or
+    cancelled) before the final chunk."""
     chunks = backend.generate(greq)
     status, finished, last, out = "aborted", False, None, 0
     count_prompt = greq.group is None or greq.group.leader

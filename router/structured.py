@@ -1,16 +1,4 @@
-"""``response_format`` -> a :class:`~tandem.core.types.Constraint` the engine decodes under.
-
-| ``response_format`` | constraint |
-|---|---|
-| absent, ``{"type": "text"}`` | none |
-| ``{"type": "json_object"}`` | ``json_object``: any JSON object |
-| ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` | ``json_schema``; ``strict: true`` refuses keywords the grammar engine does not support, otherwise they are ignored |
-| ``{"type": "regex", "regex": "..."}`` (extension) | ``regex``: the whole output matches (Rust regex syntax) |
-| ``{"type": "grammar", "grammar": "..."}`` (extension) | ``lark``: llguidance's Lark dialect (EBNF-like, may embed ``%json {...}``) |
-
-A schema that is not a valid JSON Schema (meta-schema check) is a 400 here; one the grammar engine
-cannot compile is a 400 from the backend (it refuses the request before its first chunk).
-"""
+"""``response_format`` -> a :class:`~tandem.core.types.Constraint` the engine decodes under."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""POST /tokenize and /detokenize, in vLLM's request and response shapes.
-
-/tokenize takes ``prompt`` (a completion's text; ``add_special_tokens`` default true, as
-/v1/completions encodes it) or ``messages`` (a chat, rendered exactly as /v1/chat/completions
-renders it, so ``count`` is that route's ``prompt_tokens``) and answers ``tokens``, ``count`` and
-``max_model_len`` (plus ``token_strs`` with ``return_token_strs``). /detokenize takes ``tokens``
-and answers ``prompt``, special tokens included (the inverse of /tokenize). Both sit behind the
-API key like /v1/*, check ``model`` when one is given, and refuse with OpenAI's error object.
-"""
+"""POST /tokenize and /detokenize, in vLLM's request and response shapes."""
 
 from __future__ import annotations
 

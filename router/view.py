@@ -1,10 +1,4 @@
-"""What a routing policy sees: a snapshot of the workers, and the request being routed.
-
-Policies (``policies.py``) are functions of these values plus an explicit state object; nothing
-here talks to a worker. Whoever builds a view (``dispatch.Dispatcher`` from its dispatch records
-and the workers' :class:`WorkerSnapshot` reports, or the offline simulator from its engines) fills
-every field; the comment beside each field says what it means so all builders agree.
-"""
+"""What a routing policy sees: a snapshot of the workers, and the request being routed."""
 
 from __future__ import annotations
 
@@ -61,13 +55,7 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """The request being routed.
-
-    ``key`` is what the prefix indexes match on: the prompt's token ids, or, in the simulator,
-    one int per trace block (then ``key_unit`` = the block size). ``prompt_tokens`` is the real
-    prompt length; a match of ``m`` key elements covers ``min(m * key_unit, prompt_tokens)``
-    tokens.
-    """
+    """The request being routed."""
 
     request_id: str
     key: Sequence[int]
@@ -77,8 +65,6 @@ class RouteRequest:
     fingerprint: int | None = None  # sessions.fingerprint() of the conversation's opening, or None
     max_tokens: int = 0             # output budget (decode load estimate)
     block_hashes: tuple[int, ...] | None = None   # the key's chained block hashes at the engines'
-                                    # page size, when the front door computed them once with the
-                                    # tokens (kv_events computes them itself otherwise)
 
     @property
     def session_key(self) -> str | int | None:
@@ -98,8 +84,7 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     """What a worker last reported about itself (the health monitor refreshes it from the actor's
-    ``stats()``; a simulated worker reports its own state). Possibly stale by up to one monitor
-    period; the dispatcher's own records stay the load a policy sees."""
+    ``stats()``; a simulated worker reports its own state)."""
 
     at: float = 0.0                 # the dispatcher's clock when the report was taken
     waiting: int = 0                # requests queued in the worker's scheduler
@@ -114,10 +99,8 @@ class WorkerSnapshot:
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any], at: float) -> "WorkerSnapshot":
-        """From a prefill/decode actor's ``stats()`` dict (keys ``waiting``, ``running``,
-        ``total_tokens``, ``available_tokens``, ``waiting_prompt_tokens``; ``pending_s`` when a
-        worker reports one; ``draining``). Missing keys read as 0 (counts) or None (the optional two); a value
-        of the wrong type is a ValueError naming the key."""
+        """From a prefill/decode actor's ``stats()`` dict (the fields' names). Missing keys read as
+        0 or None; a value of the wrong type is a ValueError naming the key."""
         def num(key: str, kind=int):
             v = stats.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, (int, float)):

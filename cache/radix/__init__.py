@@ -1,9 +1,4 @@
-"""The unified radix tree and what hangs off it. Import the cache from ``tandem.cache.unified``.
-
-tree.py (core: nodes, match, split, insert, locks, leaf set, sizes), components.py (FULL, SWA,
-MAMBA), eviction.py (policies), copier.py (device <-> host copies), events.py (KV events over ZMQ),
-sanity.py (invariant recount). The tiers (host, L3) are in ``tandem.cache.tiers``.
-"""
+"""The unified radix tree and what hangs off it. Import the cache from ``tandem.cache.unified``."""
 
 from tandem.cache.radix.components import FULL, SWA, Mamba, StateCopy, TreeComponent
 from tandem.cache.radix.copier import KVCopier

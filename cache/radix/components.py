@@ -1,23 +1,4 @@
-"""Tree components: one reuse rule each, attached to the same radix tree.
-
-FULL is the tree itself: every node's ``value`` (full-attention KV slots), valid along the whole
-path. Auxiliary components (:class:`SWA`, :class:`Mamba`) keep their own data per node
-(``node.aux[index]``, None = tombstone) and decide through the hooks of :class:`TreeComponent`
-(``validator``, ``finalize``, ``reconcile``, ``split``, ``size``, ``free``, ``bind``) and its
-``lock_span``. A match ends at the deepest node every component's validator accepts.
-
-Host tier: a node's host copy of component data is ``node.aux_host[index]`` (same format, in the
-component's host pool; see cache/tiers/host.py). It needs the node's FULL host copy.
-
-Data (the memory model in full: cache/README.md):
-- SWA: int64 rows ``[len(key)]`` of a separate SWA KV pool with its own allocator, ``-1`` where
-  the engine already released a row (outside its window); when the tree adopts rows for a node
-  whose full slots it already holds, the component writes the engine's ``full slot -> SWA row``
-  table (``LayerKV.index_map``).
-- MAMBA: one int, the row of a recurrent-state pool holding the state after the node's last
-  token (a checkpoint). A matched state is never written in place: the match returns
-  :class:`StateCopy` and the engine copies it into the request's private row first.
-"""
+"""Tree components: one reuse rule each, attached to the same radix tree."""
 
 from __future__ import annotations
 
@@ -28,7 +9,6 @@ import torch
 
 
 class _Full:
-    """The FULL component: always present; implemented by the tree core itself."""
 
     name = "full"
 
@@ -48,18 +28,14 @@ class StateCopy:
 
 
 class TreeComponent:
-    """Base of auxiliary components: the hooks the tree calls, each with its contract."""
 
     name = "component"
-    # A request's lock covers the nodes intersecting the last ``lock_span`` tokens of its path
-    # (SWA: the window; MAMBA: the checkpoint node only); the same span is what a load-back from
-    # the host tier brings to the device.
     lock_span = 1
-    per_token = True                            # data per token (sliced) or one value per key end
-    index = -1                                  # set by the tree: position in node.aux
+    per_token = True
+    index = -1
 
     def __init__(self, allocator=None):
-        self.allocator = allocator              # a PagedAllocator, or None (simulated mode)
+        self.allocator = allocator
 
     def validator(self, host: bool = False) -> Callable[[Any], bool]:
         """A fresh per-match vote ``accept(node) -> bool``, fed every matched node in path order.
@@ -83,9 +59,8 @@ class TreeComponent:
         raise NotImplementedError
 
     def reconcile(self, node, current: Any, incoming: Any, a: int, b: int, last: bool) -> tuple[Any, Any]:
-        """An insert covers ``node`` with key positions ``[a, b)``; ``incoming`` is the whole
-        per-insert value the caller handed over (``last``: the node ends the inserted key).
-        Returns ``(keep, free)``: the node's new data and what to release (None: nothing)."""
+        """An insert covers ``node`` with key positions ``[a, b)``; ``incoming``: the whole
+        per-insert value handed over (``last``: the node ends the inserted key)."""
         raise NotImplementedError
 
     def split(self, value: Any, m: int) -> tuple[Any, Any]:
@@ -93,11 +68,9 @@ class TreeComponent:
         raise NotImplementedError
 
     def size(self, value: Any) -> int:
-        """Units the data occupies in the component's pool (for the size counters)."""
         raise NotImplementedError
 
     def free(self, value: Any) -> None:
-        """Execute a release through the component's allocator."""
         raise NotImplementedError
 
 
@@ -119,11 +92,11 @@ class SWA(TreeComponent):
         super().__init__(allocator)
         self.window = window
         self.lock_span = window
-        self.index_map = index_map              # engine's full slot -> SWA row table, or None
+        self.index_map = index_map
 
     def validator(self, host: bool = False):
         window, has = self.window, self.has(host)
-        run, from_root = 0, True                # SWA tokens contiguous up to here; all so far?
+        run, from_root = 0, True
 
         def accept(node) -> bool:
             nonlocal run, from_root
@@ -153,8 +126,6 @@ class SWA(TreeComponent):
                 rest = part[part >= 0]
                 return None, (rest if len(rest) else None)
             part = part.clone()
-            # The node's full slots now reach these rows (they may differ from the slots the
-            # caller computed them under, which the caller frees as duplicates).
             self.bind(node, part)
             return part, None
         return (current if current is not None else part), None
@@ -184,7 +155,7 @@ class Mamba(TreeComponent):
     token). An insert hands over the state row for the key's end (or None: no checkpoint)."""
 
     name = "mamba"
-    lock_span = 1                               # only the node itself
+    lock_span = 1
     per_token = False
 
     def validator(self, host: bool = False):

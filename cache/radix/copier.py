@@ -1,29 +1,4 @@
-"""KVCopier: moves rows between a device pool's data and its host mirror (``[L, K, rows, ...]``
-tensors: a KV pool's ``kv_data`` ``[L, 2, rows, H_kv, D]``, a state pool's ``[L, 1, slots + 1,
-*state]``), all layers and kinds at once. The host tier (host.py) decides which rows move; this
-module only copies them.
-
-On the CPU both directions are plain run-by-run copies, finished when the call returns. On CUDA
-(device pool on a GPU, host pool pinned) the engine's step loop never waits for a PCIe transfer,
-and a forward step that needs restored KV waits for it on the GPU, not on the host:
-
-- ``to_host(dev_slots, host_slots)`` (retraction backup, write-through, eviction backup): a side
-  stream waits for the compute stream, gathers ``dev_slots`` into a contiguous device buffer
-  (event ``read``), then copies it to pinned staging (event ``done``). The host waits for
-  ``read`` only; the host pool's rows are written once ``done`` has fired, by :meth:`poll`
-  (never blocks) or before anything reads them (:meth:`to_device` of those host slots,
-  :meth:`synchronize`).
-- ``to_device(host_slots, dev_slots)`` (restore, load-back): the host gathers ``host_slots`` into
-  pinned staging; a side stream waits for the compute stream, then copies and scatters into
-  ``dev_slots`` (event ``done``); the compute stream waits for ``done`` on the GPU.
-
-Ordering the cache relies on (no call below needs :meth:`synchronize` first):
-- device slots passed to ``to_host`` may be freed and reused (the compute stream, a NIXL write)
-  as soon as it returns;
-- host slots may be freed at any time: writes into the host pool land in issue order, and
-  ``to_device`` first lands every earlier write to the slots it reads;
-- :meth:`synchronize` finishes every copy issued so far: for ``check()``, benchmarks and tests.
-"""
+"""KVCopier: moves rows between a device pool's ``[L, K, rows, ...]`` data and its host mirror."""
 
 from __future__ import annotations
 
@@ -37,12 +12,6 @@ _MAX_RUNS = 64  # past this many runs one indexed copy beats a Python loop of sl
 
 def _copy_runs(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
                src_slots: torch.Tensor) -> None:
-    """``dst[:, :, dst_slots] = src[:, :, src_slots]`` for ``[L, K, rows, ...]`` pools.
-
-    Slots come in page-contiguous runs (the allocator hands out whole pages, usually adjacent), so
-    the copy is done run by run with ``copy_`` on slices: memcpy speed, and no gathered temporary
-    (an indexed copy materializes one, page-faulting a fresh buffer of the whole size each time).
-    """
     n = len(src_slots)
     if n == 0:
         return
@@ -63,8 +32,6 @@ def _copy_runs(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
 
 
 def _pinned_index(slots: torch.Tensor) -> torch.Tensor:
-    """``slots`` as a pinned int64 CPU tensor: its H2D copy is truly asynchronous (a pageable
-    source may make the driver wait for the stream)."""
     out = torch.empty(len(slots), dtype=torch.int64, pin_memory=True)
     out.copy_(slots.to(device="cpu", dtype=torch.int64))
     return out
@@ -72,7 +39,6 @@ def _pinned_index(slots: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _ToHost:
-    """A D2H copy in flight: ``staging`` lands in the host pool at ``host_slots`` after ``done``."""
 
     done: "torch.cuda.Event"
     staging: torch.Tensor      # pinned [L, K, n, ...]
@@ -81,8 +47,8 @@ class _ToHost:
 
 
 class KVCopier:
-    """Moves rows between ``dev_data`` and ``host_data`` (``[L, K, rows, ...]``, the same but for
-    ``rows``). See the module docstring for what each call waits for on CUDA."""
+    """Moves rows between ``dev_data`` and ``host_data`` (``[L, K, rows,...]``, the same but for
+    ``rows``)."""
 
     def __init__(self, dev_data: torch.Tensor, host_data: torch.Tensor):
         if dev_data.shape[:2] != host_data.shape[:2] or dev_data.shape[3:] != host_data.shape[3:]:
@@ -93,10 +59,9 @@ class KVCopier:
         self.device = dev_data.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._pending: deque[_ToHost] = deque()   # D2H copies, in issue order
-        self._inflight: deque = deque()           # (event, staging, device data) of H2D copies
+        self._pending: deque[_ToHost] = deque()
+        self._inflight: deque = deque()
 
-    # -- the two directions ---------------------------------------------------------------------
     def to_host(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy device ``dev_slots`` [n] to host ``host_slots`` [n]. On return the device slots
         may be reused; the host rows are complete after :meth:`poll` / :meth:`synchronize`."""
@@ -108,7 +73,7 @@ class KVCopier:
         if len(dev_slots) == 0:
             return
         idx = _pinned_index(dev_slots)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV is written
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             gathered = self.dev_data.index_select(2, idx.to(self.device, non_blocking=True))
             read = torch.cuda.Event()
@@ -136,7 +101,7 @@ class KVCopier:
         self._land_writes_to(host_slots)          # a load may read what a write-through wrote
         shape = (*self.host_data.shape[:2], n, *self.host_data.shape[3:])
         staging = torch.empty(shape, dtype=self.host_data.dtype, pin_memory=True)
-        torch.index_select(self.host_data, 2, host_slots, out=staging)   # host gather, pinned
+        torch.index_select(self.host_data, 2, host_slots, out=staging)
         idx = _pinned_index(dev_slots)
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)          # the device slots are idle
@@ -148,17 +113,13 @@ class KVCopier:
         compute.wait_event(done)                  # the GPU waits, the host does not
         self._inflight.append((done, staging, data))
 
-    # -- retiring -------------------------------------------------------------------------------
     def _land_one(self) -> None:
-        """Block until the oldest D2H copy is done and write its rows into the host pool."""
         p = self._pending.popleft()
         p.done.synchronize()
         _copy_runs(self.host_data, p.host_slots, p.staging,
                    torch.arange(len(p.host_slots), dtype=torch.int64))
 
     def _land_writes_to(self, host_slots: torch.Tensor) -> None:
-        """Land pending D2H copies, oldest first, up to the last one that writes any of
-        ``host_slots`` (later ones stay in flight)."""
         last = -1
         for i, p in enumerate(self._pending):
             if torch.isin(p.host_slots, host_slots).any():
@@ -186,5 +147,4 @@ class KVCopier:
 
     @property
     def in_flight(self) -> int:
-        """Copies issued and not yet retired (both directions)."""
         return len(self._pending) + len(self._inflight)

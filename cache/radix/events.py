@@ -1,29 +1,4 @@
-"""KV events: which pages a worker stored or removed, published in vLLM's wire format.
-
-A page (block) is named by the hash chain of core/page_hash.py (:func:`page_hashes`, the one the
-router matches): a page's hash names its whole prefix, so a router rebuilds it from token ids.
-
-The wire is vLLM's (``vllm/distributed/kv_events.py``), which llm-d's kv-cache indexer, Dynamo,
-AIBrix and Mooncake read. A ZMQ PUB message is three frames::
-
-    [topic, seq (8 bytes, big-endian), payload]      topic: "kv@<worker>@<model>" (llm-d's form)
-    payload = msgpack [ts, [event, ...]]             (vLLM's EventBatch, array_like)
-    event   = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-               lora_id, medium, lora_name]
-            | ["BlockRemoved", block_hashes, medium]
-            | ["AllBlocksCleared"]
-
-``medium`` is ``"GPU"`` for the device tier and ``"CPU"`` for the host tier; ``lora_id`` and
-``lora_name`` are always nil (no adapters here). Hashes are msgpack uint64. Never pickle.
-
-Replay (vLLM's protocol): a ROUTER socket at ``replay_endpoint``; a client sends
-``[b"", start_seq (8 bytes)]`` from a DEALER (or REQ) socket and gets ``[b"", seq, payload]`` for
-every buffered batch with ``seq >= start_seq``, then ``[b"", -1 (8 bytes, signed), b""]``. When
-``start_seq`` is older than the buffer (a late subscriber, a long gap), the answer is instead one
-**snapshot** batch tagged with the newest sequence number: ``AllBlocksCleared`` followed by a
-``BlockStored`` for every block held now, so the client's index equals the worker's cache as of that
-sequence number (any vLLM consumer applies it correctly: it is an ordinary batch).
-"""
+"""KV events: which pages a worker stored or removed, published in vLLM's wire format."""
 
 from __future__ import annotations
 
@@ -81,7 +56,6 @@ class EventBatch:
     events: list[KVEvent]
 
 
-# -- the wire ------------------------------------------------------------------------------------
 def _event_to_wire(e: KVEvent) -> list:
     if isinstance(e, BlockStored):
         return ["BlockStored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids),
@@ -94,13 +68,11 @@ def _event_to_wire(e: KVEvent) -> list:
 
 
 def encode(ts: float, events: Sequence[KVEvent]) -> bytes:
-    """One payload: msgpack ``[ts, [event, ...]]`` (module docstring)."""
     return msgpack.packb([ts, [_event_to_wire(e) for e in events]], use_bin_type=True)
 
 
 def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
-    """The inverse of :func:`encode` (this module's own reader; the router has its own,
-    router/kv_wire.py, and tests pin them together). Raises ValueError on anything else."""
+    """The inverse of :func:`encode`. Raises ValueError on anything else."""
     obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         raise ValueError("payload is not [ts, [events]]")
@@ -119,13 +91,10 @@ def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
 
 
 def topic_for(worker: str, model: str) -> str:
-    """llm-d's topic form ``kv@<pod>@<model>`` (its indexer takes the pod and model from it)."""
     return f"kv@{worker}@{model}"
 
 
 class _Held:
-    """The blocks a publisher's cache holds now, per tier, in the order they were stored (a
-    parent before its children): what a snapshot replays."""
 
     def __init__(self) -> None:
         self.blocks: dict[tuple[int, str], tuple[int | None, list[int], int]] = {}
@@ -148,12 +117,9 @@ class _Held:
 
 
 class KVEventPublisher:
-    """ZMQ PUB socket bound to ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port; :attr:`endpoint`
-    names the real one), plus the replay ROUTER at ``replay_endpoint`` (None: no replay).
-
-    ``publish`` is thread-safe and never blocks: PUB drops messages for slow subscribers, and the
-    sequence number lets a subscriber notice the gap and ask the replay socket for it. A thread of
-    its own serves replay requests; :meth:`close` stops it."""
+    """ZMQ PUB socket bound to ``endpoint`` plus the replay ROUTER at ``replay_endpoint`` (None: no
+    replay). ``publish`` is thread-safe and never blocks (PUB drops for slow subscribers; the
+    sequence number shows the gap); :meth:`close` stops the replay thread."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:0", topic: str = "kv",
                  replay_endpoint: str | None = "tcp://127.0.0.1:0", buffer_steps: int = REPLAY_BUFFER):
@@ -166,7 +132,7 @@ class KVEventPublisher:
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self.endpoint = self._bind(self._sock, endpoint)
         self.topic = topic
-        self.seq = 0                                   # the next batch's sequence number
+        self.seq = 0
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._held = _Held()
@@ -202,7 +168,6 @@ class KVEventPublisher:
             self._sock.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload])
 
     def _replies(self, start: int) -> list[tuple[int, bytes]]:
-        """What a replay from ``start`` sends (module docstring), taken under the lock."""
         with self._lock:
             if self.seq == 0:
                 return []
@@ -220,13 +185,13 @@ class KVEventPublisher:
                     continue
                 frames = self._router.recv_multipart()
                 if len(frames) != 3 or len(frames[2]) != 8:
-                    continue                            # not a replay request: ignored, as vLLM does
+                    continue
                 ident, start = frames[0], int.from_bytes(frames[2], "big")
                 for s, p in self._replies(start):
                     self._router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
                 self._router.send_multipart([ident, b"", END_SEQ, b""])
         except zmq.ZMQError:
-            pass                                        # closed under us
+            pass
         finally:
             self._router.close(0)
 
@@ -263,10 +228,8 @@ class KVEventSubscriber:
 
 def replay_frames(endpoint: str, start_seq: int, timeout_ms: int = 2000,
                   ctx=None) -> list[tuple[int, bytes]]:
-    """vLLM's replay protocol as a client: ask a publisher's replay socket (a ROUTER) for every
-    batch from ``start_seq`` (a snapshot when that is older than its buffer). Returns
-    ``(seq, payload)`` in order, payloads undecoded; raises TimeoutError when the end marker does
-    not come within ``timeout_ms`` of the last frame, ValueError on a malformed answer."""
+    """vLLM's replay protocol as a client: ``(seq, payload)`` for every batch from ``start_seq``, in
+    order; raises TimeoutError (no end marker within ``timeout_ms``) or ValueError (malformed)."""
     import zmq
 
     sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
@@ -290,5 +253,4 @@ def replay_frames(endpoint: str, start_seq: int, timeout_ms: int = 2000,
 
 
 def replay(endpoint: str, start_seq: int, timeout_ms: int = 2000) -> list[EventBatch]:
-    """:func:`replay_frames`, decoded into :class:`EventBatch` es."""
     return [EventBatch(seq, *decode(payload)) for seq, payload in replay_frames(endpoint, start_seq, timeout_ms)]

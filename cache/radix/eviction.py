@@ -1,16 +1,4 @@
-"""Eviction policies: which unlocked leaf goes first.
-
-A policy is a key function over tree nodes; the smallest key is evicted first. Keys read only
-node fields the tree maintains (``access``, ``created``, ``hits``, ``priority``, ``session``), and
-``access``/``created`` are logical ticks (one per cache operation), never wall-clock time, so two
-replicas fed the same operations evict the same nodes (SGLang's rank-consensus lesson).
-
-``session`` is the one policy whose key depends on time: a node last touched by a session seen
-within ``session_ttl_s`` (wall clock, injectable) is kept after every node of an ended (or
-unknown) session. It is not a pin: active sessions' entries are still evicted, last.
-Time-dependent policies have ``time_dependent = True``; the tree rebuilds its eviction heap at
-the start of every eviction pass for them.
-"""
+"""Eviction policies: which unlocked leaf goes first."""
 
 from __future__ import annotations
 
@@ -68,7 +56,6 @@ class SessionPolicy(EvictionPolicy):
 
     def begin_pass(self) -> None:
         self._now = self.clock()
-        # Forget sessions that ended long ago so the table stays bounded.
         if len(self.last_seen) > 4096:
             horizon = self._now - 2 * self.ttl_s
             self.last_seen = {s: t for s, t in self.last_seen.items() if t >= horizon}
@@ -79,7 +66,6 @@ class SessionPolicy(EvictionPolicy):
 
 def make_policy(name: str, *, session_ttl_s: float = 300.0, slru_threshold: int = 2,
                 clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
-    """The policy called ``name`` (one of :data:`POLICIES`)."""
     if name == "lru":
         return _KeyPolicy(name, attrgetter("access"))
     if name == "lfu":
@@ -87,10 +73,8 @@ def make_policy(name: str, *, session_ttl_s: float = 300.0, slru_threshold: int 
     if name == "fifo":
         return _KeyPolicy(name, attrgetter("created"))
     if name == "priority":
-        # Lower priority first, then least recently used.
         return _KeyPolicy(name, attrgetter("priority", "access"))
     if name == "slru":
-        # Probationary segment (fewer than `slru_threshold` hits) before the protected one.
         return _KeyPolicy(name, lambda n: (n.hits >= slru_threshold, n.access))
     if name == "session":
         return SessionPolicy(session_ttl_s, clock)

@@ -1,20 +1,4 @@
-"""Invariant check by recount: nothing the tree maintains incrementally is trusted.
-
-:func:`check` walks the whole tree and returns every violation as a string (empty: healthy):
-
-1. structure: parent/child pointers agree, child keys are the first page of the edge, depths
-   chain, edges are whole pages, values and host slots cover their edge;
-2. tiers: every node has device or host data; no device node under a host-only node; component
-   data needs FULL data on the same tier (device ``aux``, host ``aux_host``);
-3. locks: ``lock_ref >= 0``; a node's lock >= the sum of its children's; the full lock >= each
-   component's lock count;
-4. sizes and sets: evictable/protected (FULL and per component), the host size, the device-child
-   counts, the evictable leaf set (and its heap entries) equal their recount;
-5. ownership: every slot is owned exactly once. Tree slots are distinct and allocated; with
-   ``extra_owned`` (the slots in-flight requests hold) tree + requests = the allocated pages
-   exactly, with no page owned twice. The same for each component pool, the host pool and each
-   component's host pool (``host_stores``: component name -> host allocator).
-"""
+"""Invariant check by recount: nothing the tree maintains incrementally is trusted."""
 
 from __future__ import annotations
 

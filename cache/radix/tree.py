@@ -1,30 +1,4 @@
-"""Radix tree core over token pages. The tree decides, the cache executes.
-
-Vocabulary (shapes in comments follow the token axis of one edge):
-- ``key``: a list of token ids. A node's edge ``key`` holds whole pages (``len % page_size == 0``)
-  and is the tree's own copy (a slice); edges are compared by slicing, never token by token.
-- child key: the first page of an edge (the token id at ``page_size == 1``, else a tuple).
-- ``value``: the node's device slots ``[len(key)]`` (int64 tensor; a ``range`` of token positions
-  in simulated mode), or None when the node lives only on the host tier.
-- ``host``: the node's host-pool slots ``[len(key)]``, or None.
-- ``aux[i]``: data of auxiliary component ``i`` (SWA rows, a MAMBA state row) or None
-  (a tombstone). FULL is the tree itself (``value``).
-- ``aux_host[i]``: the host copy of component ``i``'s data, or None (host bookkeeping:
-  :mod:`tandem.cache.tiers.host_nodes`).
-
-Invariants (proved by :mod:`.sanity` by recount):
-- every non-root node has device or host data; a device node's parent is a device node
-  (no device hole under a device node), so a path is: device nodes, then host-only nodes;
-- ``lock_ref`` is a path count: a node's lock_ref >= the sum of its children's;
-- ``evictable``/``protected`` are the device tokens of unlocked/locked nodes;
-- ``leaves`` holds exactly the unlocked device nodes with no device child (``ndc == 0``), and
-  each has a live heap entry ``(hk, id, node)`` with ``hk == policy.key(node)``.
-
-Nothing here frees memory or copies KV: frees are appended to ``device_frees``/``host_frees``/
-``aux_frees``/``aux_host_frees``, data whose last copy leaves to ``spills`` (with an L3 tier),
-and events to ``events``; the cache (``cache/unified.py``) drains them after
-each public operation.
-"""
+"""Radix tree core over token pages. The tree decides, the cache executes."""
 
 from __future__ import annotations
 
@@ -51,26 +25,25 @@ class Node:
         self.parent = parent
         self.children: dict[Hashable, Node] = {}   # plain dict: a missing key must raise
         self.key = key
-        self.start = start              # depth (tokens) of the edge's first token
+        self.start = start
         self.value = value
         self.host = None
         self.lock_ref = 0
-        self.ndc = 0                    # children holding a device value
-        self.access = tick              # logical time of the last match/insert through here
+        self.ndc = 0
+        self.access = tick
         self.created = tick
         self.hits = 0
         self.priority = 0
-        self.session = None             # last session that used this node (session policy)
+        self.session = None
         # Per auxiliary component: data (None = tombstone) and locks {lock floor depth: count}.
         self.aux = [None] * n_aux if n_aux else None
         self.aux_lock = [{} for _ in range(n_aux)] if n_aux else None
-        self.aux_host = [None] * n_aux if n_aux else None   # host copies of aux data
+        self.aux_host = [None] * n_aux if n_aux else None
         self.hashes = None              # page hash chain, computed on first use (events, L3)
-        self.hk = None                  # heap key while in the evictable leaf set
+        self.hk = None
 
     @property
     def end(self) -> int:
-        """Depth (tokens) after this node's edge: the prefix length this node completes."""
         return self.start + len(self.key)
 
     def __repr__(self) -> str:
@@ -79,7 +52,6 @@ class Node:
 
 
 def _take(value: Any, a: int, b: int) -> Any:
-    """A private copy of ``value[a:b]``; ``None`` (simulated mode) means token positions."""
     if value is None:
         return range(a, b)
     piece = value[a:b]
@@ -96,7 +68,7 @@ def concat_values(pieces: list) -> torch.Tensor:
     """One int64 tensor of the path's values: always a new tensor, never the tree's own."""
     if not pieces:
         return torch.empty(0, dtype=torch.int64)
-    if all(type(p) is range for p in pieces):   # simulated mode: token positions 0..n-1
+    if all(type(p) is range for p in pieces):
         return torch.arange(pieces[0].start, pieces[-1].stop, dtype=torch.int64)
     return torch.cat([p if isinstance(p, torch.Tensor) else torch.as_tensor(list(p), dtype=torch.int64)
                       for p in pieces])
@@ -110,11 +82,11 @@ class RadixTree(HostNodes):
         self.page_size = page_size
         self.policy = policy or make_policy("lru")
         self._key = self.policy.key
-        self.components = tuple(components)     # auxiliary only; FULL is the tree itself
+        self.components = tuple(components)
         for i, c in enumerate(self.components):
             c.index = i
         self.record_events = record_events
-        self.spills: list | None = None         # a list once the cache has an L3 tier
+        self.spills: list | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -122,7 +94,7 @@ class RadixTree(HostNodes):
         self._next_id = 1
         self.tick = 0
         self.root = Node(0, None, [], 0, (), 0, n_aux)
-        self.root.lock_ref = 1                  # never evictable
+        self.root.lock_ref = 1
         self.leaves: set[Node] = set()
         self.heap: list = []
         self.evictable = 0
@@ -139,22 +111,16 @@ class RadixTree(HostNodes):
         self.aux_frees: list[tuple[int, Any]] = []
         self.aux_host_frees: list[tuple[int, Any]] = []
         self.events: list = []
-        # With an L3 tier (spills is a list): a node's last copy leaving the tree is recorded
-        # before its slots are queued for freeing, as (page hashes, FULL slots or None, on_host,
-        # ((component index, value, on_host), ...)); the same for a component's data whose last
-        # copy leaves while the node stays. The cache writes it to L3 before it frees anything.
         if self.spills is not None:
             self.spills = []
 
-    # -- walking ---------------------------------------------------------------------------------
     def child_key(self, key: list) -> Hashable:
         return key[0] if self.page_size == 1 else tuple(key[:self.page_size])
 
     def match(self, key: list, session: Hashable | None = None,
               priority: int | None = None) -> list[Node]:
-        """Nodes covering the longest cached prefix of ``key`` (page-aligned), on any tier.
-        A mid-edge divergence splits that edge so the last node ends inside ``key``.
-        Touches the path (access time, hit count, session). Does not vote."""
+        """Nodes covering the longest cached prefix of ``key`` (page-aligned), on any tier. A
+        mid-edge divergence splits that edge so the last node ends inside ``key``."""
         ps = self.page_size
         pos, n = 0, len(key)
         path = []
@@ -186,9 +152,8 @@ class RadixTree(HostNodes):
         return path
 
     def peek(self, key: list) -> int:
-        """Depth of the deepest device boundary of ``key`` every component accepts, changing
-        nothing (no split, no touch). Inside a diverging edge only FULL-only trees count the
-        common part (a component vote needs a node boundary there)."""
+        """Depth of the deepest device boundary of ``key`` every component accepts, changing nothing
+        (no split, no touch)."""
         ps = self.page_size
         pos, n = 0, len(key)
         path: list[Node] = []
@@ -232,7 +197,7 @@ class RadixTree(HostNodes):
             if nd.value is None:
                 on_device = False
             ok = True
-            for accept in validators:           # every validator sees every node (stateful)
+            for accept in validators:
                 if not accept(nd):
                     ok = False
             if ok and on_device:
@@ -247,7 +212,6 @@ class RadixTree(HostNodes):
         return n_dev, n_best
 
     def path(self, node: Node) -> list[Node]:
-        """Nodes from below the root down to ``node``."""
         out = []
         root = self.root
         while node is not root:
@@ -256,17 +220,11 @@ class RadixTree(HostNodes):
         out.reverse()
         return out
 
-    # -- insert ----------------------------------------------------------------------------------
     def insert(self, key: list, value: Any, aux_values: list | None = None,
                session: Hashable | None = None, priority: int = 0) -> tuple[int, Node, bool]:
-        """Store ``key`` with ``value[i]`` the slot of ``key[i]`` (``value`` None: positions).
-
-        Returns ``(cached, last, created)``: ``cached`` is the length of the key's prefix that
-        already had device data (the caller's slots there are duplicates, its to free);
-        ``last`` the node ending at ``len(key)``; ``created`` whether a new leaf was made.
-        The tree keeps a copy of ``value[cached:]``: host-only nodes on the path adopt the
-        caller's slots (they are loaded for free), the rest becomes a new leaf.
-        """
+        """Store ``key`` with ``value[i]`` the slot of ``key[i]`` (``value`` None: positions). Returns
+        ``(cached, last, created)``: the prefix that already had device data (the caller's slots there
+        are duplicates, its to free), the node ending at ``len(key)``, whether a leaf was made."""
         ps = self.page_size
         self.tick += 1
         t = self.tick
@@ -318,9 +276,6 @@ class RadixTree(HostNodes):
         return cached, new, True
 
     def _split(self, child: Node, m: int) -> Node:
-        """Cut ``child``'s edge after ``m`` tokens. Returns the new upper node; ``child`` keeps
-        the lower part (so a handle to it stays valid). A transaction: values, host slots,
-        hashes, locks, component data and sizes move together."""
         up = Node(self._next_id, child.parent, child.key[:m], child.start, None, child.access,
                   len(self.components))
         self._next_id += 1
@@ -346,11 +301,9 @@ class RadixTree(HostNodes):
             self._aux_split(up, child, m)
         return up
 
-    # -- locks -----------------------------------------------------------------------------------
     def lock(self, node: Node, delta: int) -> None:
-        """Add ``delta`` (+1/-1) to the lock of every node from ``node`` up to the root. Sizes
-        move between evictable and protected when a node's lock crosses zero. Components lock
-        only the last ``lock_span`` tokens of the path (their own data)."""
+        """Add ``delta`` (+1/-1) to the lock of every node from ``node`` up to the root. Sizes move
+        between evictable and protected when a node's lock crosses zero."""
         root = self.root
         if node is root:
             return
@@ -383,8 +336,6 @@ class RadixTree(HostNodes):
         if self.components:
             end = node.start + len(node.key)
             for i, c in enumerate(self.components):
-                # A component lock covers the nodes intersecting [floor, end); keyed by floor so
-                # a later split can tell which lockers reach into the upper half.
                 floor = max(0, end - c.lock_span)
                 nd = node
                 while nd is not root and nd.start + len(nd.key) > floor:
@@ -398,9 +349,7 @@ class RadixTree(HostNodes):
                     self._aux_in(nd, i)
                     nd = nd.parent
 
-    # -- device eviction -------------------------------------------------------------------------
     def _upd(self, nd: Node) -> None:
-        """Re-derive ``nd``'s membership (and heap key) in the evictable leaf set."""
         if nd.value is not None and nd.lock_ref == 0 and nd.ndc == 0:
             k = self._key(nd)
             hk = nd.hk
@@ -418,7 +367,6 @@ class RadixTree(HostNodes):
             self.leaves.discard(nd)
 
     def rebuild_heap(self) -> None:
-        """Drop stale heap entries; recompute every key (time-dependent policies need this)."""
         key = self._key
         heap = []
         for nd in self.leaves:
@@ -428,7 +376,6 @@ class RadixTree(HostNodes):
         self.heap = heap
 
     def pop_leaf(self) -> Node | None:
-        """The evictable leaf with the smallest policy key (stale entries are skipped)."""
         heap = self.heap
         while heap:
             k, _, nd = heappop(heap)
@@ -442,7 +389,6 @@ class RadixTree(HostNodes):
         v = nd.value
         L = len(nd.key)
         if self.spills is not None:
-            # the device copy of component data with no host copy is its last one
             aux = [(i, a, False) for i, a in enumerate(nd.aux or ())
                    if a is not None and nd.aux_host[i] is None]
             if nd.host is None or aux:
@@ -472,7 +418,6 @@ class RadixTree(HostNodes):
         return L
 
     def set_device(self, nd: Node, value: Any) -> None:
-        """Give a host-only node device data (load-back, or adoption by an insert)."""
         nd.value = value
         L = len(nd.key)
         if nd.lock_ref:
@@ -486,7 +431,6 @@ class RadixTree(HostNodes):
             self._event_store(nd, DEVICE)
 
     def _delete_subtree(self, nd: Node) -> None:
-        """Unlink ``nd`` (no device data left) and free its host-only descendants."""
         stack = [nd]
         while stack:
             x = stack.pop()
@@ -500,9 +444,7 @@ class RadixTree(HostNodes):
         del nd.parent.children[self.child_key(nd.key)]
         nd.parent = None
 
-    # -- auxiliary components --------------------------------------------------------------------
     def _aux_out(self, nd: Node, i: int) -> None:
-        """Remove ``nd``'s component-``i`` data from the size counters."""
         v = nd.aux[i]
         if v is None:
             return
@@ -545,9 +487,8 @@ class RadixTree(HostNodes):
                 self.aux_frees.append((i, free))
 
     def _aux_split(self, up: Node, child: Node, m: int) -> None:
-        s = child.start                         # the split depth
+        s = child.start
         for i, c in enumerate(self.components):
-            # Lockers whose range starts above the split reach into the upper half too.
             up.aux_lock[i] = {f: k for f, k in child.aux_lock[i].items() if f < s}
             v = child.aux[i]
             if v is None:
@@ -564,9 +505,8 @@ class RadixTree(HostNodes):
                 self.aux_frees.append((i, v))
 
     def evict_aux(self, i: int, num: int, backup=None) -> int:
-        """Tombstone component ``i``'s data on unlocked nodes (policy order) until ``num`` units
-        are freed. The nodes stay; their FULL data is untouched. ``backup(node, i)`` is called
-        before each victim's data is dropped (the cache copies it to the host tier)."""
+        """Tombstone component ``i``'s data on unlocked nodes (policy order) until ``num`` units are
+        freed. The nodes stay; their FULL data is untouched."""
         self.policy.begin_pass()
         c, key = self.components[i], self._key
         heap = [(key(nd), nd.id, nd) for nd in self.aux_unlocked[i]]
@@ -585,14 +525,12 @@ class RadixTree(HostNodes):
         return freed
 
     def spill(self, nd: Node, slots: Any, on_host: bool, aux=()) -> None:
-        """Record data of ``nd`` whose last copy leaves the tree (the L3 tier's write-back):
-        FULL ``slots`` (None: only component data), on the host pool or the device, and
-        ``aux``: ``(component index, value, on_host)`` items. Call before queueing the frees."""
+        """Record data of ``nd`` whose last copy leaves the tree (the L3 tier's write-back): FULL
+        ``slots`` (None: only component data), on the host pool or the device, and
+        ``aux``: ``(component index, value, on_host)`` items."""
         self.spills.append((self.hashes(nd), slots, on_host, tuple(aux)))
 
-    # -- events ----------------------------------------------------------------------------------
     def hashes(self, nd: Node) -> list[int]:
-        """The page hash chain of ``nd``'s edge (computed once, for ancestors too)."""
         todo = []
         x = nd
         while x is not self.root and x.hashes is None:

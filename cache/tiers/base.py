@@ -1,18 +1,4 @@
-"""The two ports between the prefix cache and its tiers.
-
-:class:`KVTier` is what a tier (host, L3, the next one) implements; :class:`CachePort` is the one
-narrow port the cache (:class:`~tandem.cache.unified.UnifiedRadixCache`) hands a tier when it is
-bound: sizes, a read-only view of the tree, and the verbs a tier needs to place what it loads.
-A tier reaches the cache through its port only (no private names). Engine thread only, except
-where a method says otherwise.
-
-Admission walks ``cache.tiers`` once, in order (engine/request_kv.py ``admit``)::
-
-    m = cache.match(ids)
-    for tier in cache.tiers:
-        if tier.lookup(ids, m) and tier.load(ids, m, session_id=sid):
-            m = cache.match(ids)          # the tier placed pages on the device: match again
-"""
+"""The two ports between the prefix cache and its tiers."""
 
 from __future__ import annotations
 
@@ -21,7 +7,6 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Prefetch(Protocol):
-    """A read-ahead in flight (:meth:`KVTier.prefetch`)."""
 
     def stop(self) -> None:
         """Start no more reads (the request is being admitted: its load reads the rest)."""
@@ -42,9 +27,8 @@ class KVTier(Protocol):
         I/O and no side effect; 0: :meth:`load` would add nothing."""
 
     def load(self, token_ids: list[int], m, *, session_id=None) -> bool:
-        """Bring what this tier holds past match ``m`` onto the device and into the tree. True
-        when the tree changed (the caller matches again). Never leaves a match wrong, only
-        shorter; may wait on the tier's storage within the tier's own bound."""
+        """Bring what this tier holds past match ``m`` onto the device and into the tree. True when
+        the tree changed (the caller matches again)."""
 
     @property
     def prefetching(self) -> bool:
@@ -73,16 +57,13 @@ class KVTier(Protocol):
 
 
 class CachePort(Protocol):
-    """What the cache offers a bound tier. ``tree`` is a view: a tier reads its nodes and calls
-    only the placement verbs the tree documents (``lock``, ``set_device``, ``drop_device``,
-    ``set_host``, ``set_aux``, ``set_aux_host``); everything that frees goes through the verbs
-    below, which execute what the tree decided."""
+    """What the cache offers a bound tier."""
 
     page_size: int
-    allocator: Any                  # the device PagedAllocator
-    components: tuple               # the auxiliary components (SWA, MAMBA), in tree order
+    allocator: Any
+    components: tuple
     tree: Any                       # the RadixTree (read-only but for the placement verbs)
-    host: Any                       # the host tier, or None (its pools hold host copies)
+    host: Any
 
     def key(self, token_ids: Sequence[int]) -> list[int]:
         """The page-aligned key of ``token_ids``."""

@@ -1,31 +1,5 @@
-"""Host tier (L2): a host KV pool mirroring the device pool's layout, its allocator, a copier,
-one :class:`HostStore` per auxiliary component (SWA rows, recurrent-state checkpoints), and the
-cache's collaborator for moving requests' KV to the host and back.
-
-Same-name transfer (HiCache): a node's component data travels with its FULL pages. Whenever a
-node's FULL KV is copied to the host, each component's device data on that node is copied into
-that component's host pool (``node.aux_host[i]``); a load-back brings FULL KV back for host-only
-nodes and, for each component, the data of the nodes its ``lock_span`` covers below the restored
-boundary (SWA: the window; MAMBA: the checkpoint), which is exactly what the component's vote
-and the request's lock need. A component whose host pool is full (after evicting unlocked host
-copies) leaves that node without a host copy of its data: the node still serves the FULL vote.
-
-The tree decides which nodes live where (device, host, both); :class:`UnifiedRadixCache`
-executes through a :class:`HostTier` bound to it alone (``cache.host``, the first of
-``cache.tiers``: a :class:`~tandem.cache.tiers.base.KVTier` that reaches the cache through its
-``CachePort`` only), whose verbs are:
-
-- ``backup(ids, slots, node, extra=)``: retraction — hand the request's KV (and its component
-  data, ``extra`` as for ``cache.cache``) to the tree, then move the nodes only that request holds
-  to the host (device slots and component rows freed); the node stays locked;
-- ``restore(node)``: bring the host-only nodes on root..node back to the device (load-back);
-- ``used()``: tokens with a host copy; ``usage()``: per pool ``(used, size)``.
-
-Write policies: ``write_through`` copies a node to the host when it is inserted (a device
-eviction then only drops the device copy); ``write_back`` copies it only when it is evicted.
-Either way, a device eviction backs up a node that has no host copy yet if the host has room
-(after evicting unlocked host copies); otherwise the node is deleted.
-"""
+"""Host tier (L2): host pools mirroring the device pools' layout, and the cache's collaborator for
+moving requests' KV to the host and back."""
 
 from __future__ import annotations
 
@@ -43,11 +17,7 @@ WRITE_POLICIES = ("write_through", "write_back")
 
 class HostStore:
     """Host pool of one auxiliary component: ``rows`` host rows (row 0 padding) shaped like the
-    device pool's, a ``PagedAllocator(rows, 1)`` and a copier.
-
-    ``device_data``: the component's device pool as ``[L, K, rows, ...]`` (an SWA KV pool's
-    ``kv_data``; a state pool's ``data.unsqueeze(1)``: ``[L, 1, slots + 1, *state_shape]``).
-    ``name``: the component it serves (``"swa"``, ``"mamba"``)."""
+    device pool's, a ``PagedAllocator(rows, 1)`` and a copier."""
 
     def __init__(self, name: str, device_data: torch.Tensor, rows: int):
         if rows < 1:
@@ -72,9 +42,8 @@ def _as_rows(value: Any) -> torch.Tensor:
 
 
 class HostTier:
-    """The host (L2) :class:`~tandem.cache.tiers.base.KVTier`: a host KV pool (``host_pool_tokens`` slots, pinned where CUDA exists), its allocator,
-    the copier, the write policy, and a :class:`HostStore` per auxiliary component named in
-    ``stores`` (components without one never get host copies: host-only nodes fail their vote)."""
+    """The host (L2) :class:`~tandem.cache.tiers.base.KVTier`. A component without a
+    :class:`HostStore` in ``stores`` never gets host copies (host-only nodes fail its vote)."""
 
     def __init__(self, device_pool: KVPool, num_tokens: int, write_policy: str = "write_through",
                  stores: Sequence[HostStore] = ()):
@@ -94,19 +63,17 @@ class HostTier:
         self.stores: dict[str, HostStore] = {st.name: st for st in stores}
         if len(self.stores) != len(stores):
             raise ValueError(f"host stores repeat a name: {[st.name for st in stores]}")
-        self._aux: list[tuple[int, Any, HostStore]] = []   # (component index, component, store)
+        self._aux: list[tuple[int, Any, HostStore]] = []
         self._port = None
 
     @property
     def write_through(self) -> bool:
         return self.write_policy == "write_through"
 
-    # -- the KVTier port -------------------------------------------------------------------------
     name = "host"
     prefetching = False
 
     def bind(self, port) -> None:
-        """Attach to the one cache whose nodes this tier holds (called by the cache)."""
         if self._port is not None and self._port is not port:
             raise ValueError("a HostTier serves one cache")
         if port.allocator is None or port.page_size != self.page_size:
@@ -124,7 +91,6 @@ class HostTier:
         return m.host_hit_length
 
     def load(self, token_ids, m, *, session_id=None) -> bool:
-        """HiCache's load-back: :meth:`restore` of ``m.best_match_node``."""
         return self.restore(m.best_match_node) is not None
 
     def prefetch(self, token_ids, m, *, session_id=None) -> None:
@@ -150,7 +116,6 @@ class HostTier:
         self.synchronize()
 
     def used(self) -> int:
-        """Tokens with a host copy."""
         return self._port.tree.host_size
 
     def usage(self) -> dict[str, tuple[int, int]]:
@@ -162,7 +127,6 @@ class HostTier:
         return out
 
     def synchronize(self) -> None:
-        """Finish every copy issued so far (check() and tests; frees need no wait: copier.py)."""
         self.copier.synchronize()
         for _, _, st in self._aux:
             st.copier.synchronize()
@@ -173,9 +137,9 @@ class HostTier:
             st.copier.poll()
 
     def copy_node(self, nd) -> bool:
-        """Copy what ``nd`` has on the device and not yet on the host to new host slots: its
-        FULL KV, then each component's data (same-name transfer), evicting unlocked host copies
-        when short. True when ``nd`` has its FULL host copy afterwards (False: no room)."""
+        """Copy what ``nd`` has on the device and not yet on the host to new host slots: its FULL
+        KV, then each component's data (same-name transfer), evicting unlocked host
+        copies when short."""
         t = self._port.tree
         if nd.host is None:
             if self.allocator.available_size() < len(nd.key):
@@ -215,14 +179,7 @@ class HostTier:
     def backup(self, token_ids: Sequence[int], slots: torch.Tensor, last_node, *,
                extra: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
                session_id: Hashable | None = None) -> tuple[Any, int]:
-        """Retraction: move a request's KV to the host tier and free its device slots.
-
-        Like ``cache.cache`` (the lock moves from ``last_node`` to the returned node), then the
-        nodes only this request holds are copied to the host (with their component data) and
-        dropped from the device, bottom-up. ``extra``: component data, as for ``cache.cache``. Returns ``(node, device tokens freed)``; ``node`` stays locked (host copies
-        are not evicted) until the caller's ``cache.unlock``. Restore with ``cache.match`` +
-        :meth:`restore` of its ``best_match_node``. ``freed == 0`` with ``node`` still on the
-        device means nothing could move (the host is full)."""
+        """Retraction: move a request's KV to the host tier and free its device slots."""
         c = self._port
         _, node = c.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
         t = c.tree
@@ -237,18 +194,16 @@ class HostTier:
         return node, freed
 
     def restore(self, node) -> torch.Tensor | None:
-        """Bring the host-only nodes on root..``node`` back to the device (evicting device cache
-        if short), then each component's data for the nodes its ``lock_span`` covers below
-        ``node.end`` that have it only on the host. Returns the device slots of the whole path,
-        or None when the device has no room for the FULL KV (a component without room stays
-        a tombstone there). Does not lock ``node``."""
+        """Bring the host-only nodes on root..``node`` back to the device, then the components' data its
+        ``lock_span`` covers. Returns the device slots of the whole path, or None when the device has no
+        room for the FULL KV. Does not lock ``node``."""
         c = self._port
         t = c.tree
         if node.parent is None and node is not t.root:
             raise ValueError(f"restore({node}): the node is not in the tree")
         path = t.path(node)
         todo = [nd for nd in path if nd.value is None]
-        t.lock(node, +1)                        # keep the path while making room
+        t.lock(node, +1)
         try:
             if todo:
                 need = sum(len(nd.key) for nd in todo)
@@ -271,8 +226,6 @@ class HostTier:
         return concat_values([nd.value for nd in path])
 
     def _restore_aux(self, path: list, i: int, comp, st: HostStore) -> None:
-        """Component ``i``'s host data back to the device for the path's last ``lock_span``
-        tokens (device rows from the component's allocator, evicting unlocked device data)."""
         if not path:
             return
         t, floor = self._port.tree, path[-1].end - comp.lock_span
@@ -303,5 +256,4 @@ class HostTier:
 
     @staticmethod
     def host_only(node) -> bool:
-        """True when ``node``'s FULL KV is on the host and not on the device."""
         return node is not None and node.value is None

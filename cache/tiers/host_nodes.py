@@ -1,24 +1,4 @@
-"""The radix tree's host-tier bookkeeping (a mixin of :class:`~tandem.cache.radix.tree.RadixTree`).
-
-Which nodes have host copies and how big they are; like the rest of the tree it frees nothing
-itself: released host slots go to ``host_frees`` (FULL) and ``aux_host_frees`` (``(component
-index, value)``), drained by the cache.
-
-Per node (see tree.py's vocabulary):
-- ``host``: FULL host slots ``[len(key)]`` or None;
-- ``aux_host[i]``: component ``i``'s host copy (SWA: host rows ``[len(key)]``; MAMBA: one host
-  state row) or None. A component host copy needs the FULL host copy (the node's identity on
-  the host tier), so dropping ``host`` drops every ``aux_host`` with it.
-
-With an L3 tier, a host copy that is the last copy of its data (a host-only node's FULL pages, a
-component's host copy the device does not hold) is recorded in ``spills`` (``tree.spill``) before
-its slots go to the frees lists, so the cache writes it to L3 first.
-
-Counters proved by the sanity recount: ``host_size`` / ``host_nodes`` (FULL) and, per component,
-``aux_host_size[i]`` (units of its host pool) / ``aux_host_nodes[i]``. Host copies are protected by
-locks: FULL ones by ``lock_ref``, a component's by that component's lock (``aux_lock[i]``: the
-lock span, e.g. SWA's window before a locked boundary).
-"""
+"""The radix tree's host-tier bookkeeping (a mixin of :class:`~tandem.cache.radix.tree.RadixTree`)."""
 
 from __future__ import annotations
 
@@ -29,9 +9,7 @@ from tandem.cache.radix.events import HOST
 
 
 class HostNodes:
-    """Host-tier methods of the radix tree (state lives on the tree; see module docstring)."""
 
-    # -- FULL host copies ------------------------------------------------------------------------
     def set_host(self, nd, host_value: Any) -> None:
         nd.host = host_value
         self.host_nodes.add(nd)
@@ -40,10 +18,7 @@ class HostNodes:
             self._event_store(nd, HOST)
 
     def _drop_host_value(self, nd) -> None:
-        """Drop ``nd``'s FULL host copy, and its components' host copies with it."""
         if self.spills is not None:
-            # last copies, to L3 first: the node's (no device value) and any component data
-            # the device does not hold
             aux = [(i, a, True) for i, a in enumerate(nd.aux_host or ())
                    if a is not None and nd.aux[i] is None]
             if nd.value is None or aux:
@@ -64,9 +39,8 @@ class HostNodes:
                 and not any(c.host is not None for c in nd.children.values()))
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free host copies of unlocked nodes with no host child, policy order, cascading up.
-        A host-only victim is deleted (it has no children); a device victim keeps its device
-        data. Returns host tokens freed (queued in ``host_frees``)."""
+        """Free host copies of unlocked nodes with no host child, policy order, cascading up. Returns host
+        tokens freed (queued in ``host_frees``)."""
         self.policy.begin_pass()
         key = self._key
         heap = [(key(nd), nd.id, nd) for nd in self.host_nodes if self._host_evictable(nd)]
@@ -85,7 +59,6 @@ class HostNodes:
                 heappush(heap, (key(parent), parent.id, parent))
         return freed
 
-    # -- component host copies -------------------------------------------------------------------
     def set_aux_host(self, nd, i: int, value: Any) -> None:
         """``nd``'s component-``i`` data now has a host copy ``value`` (needs ``nd.host``)."""
         if nd.host is None:
@@ -120,7 +93,6 @@ class HostNodes:
         return freed
 
     def _aux_host_split(self, up, child, m: int) -> None:
-        """Cut the components' host copies with the edge (``_split``)."""
         for i, c in enumerate(self.components):
             v = child.aux_host[i]
             if v is None:

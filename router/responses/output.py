@@ -1,24 +1,5 @@
-"""What a response says: its output items, built from the tool parser's events, its stream, and
-the Response object around them (:func:`response_object`, :func:`usage_of`).
-
-:class:`OutputBuilder` is fed the parser's events (router/tools/formats.py) in generation order
-and both returns the stream events they make and keeps the output items, so the streamed and the
-whole response agree by construction:
-
-- consecutive content text is one ``message`` item (``output_text`` part); text after a call
-  opens a new one;
-- each call is a ``function_call`` item (``id`` ``fc_...``, ``call_id`` the parser's
-  ``call_...``, ``arguments`` whole, in one ``response.function_call_arguments.delta``);
-- :meth:`OutputBuilder.close` ends the open message with ``status`` "completed" or, when the
-  output ran out of tokens, "incomplete".
-
-Events carry ``sequence_number`` from 0, ``output_index``, ``item_id`` and ``content_index``
-as OpenAI's do: ``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta`` / ``.done``, ``response.content_part.done``,
-``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``; the
-lifecycle events (``response.created``, ``response.in_progress``, ``response.completed`` /
-``response.incomplete`` / ``response.failed``) come from :meth:`OutputBuilder.lifecycle`.
-"""
+"""What a response says: its output items, built from the tool parser's events, its stream, and the
+Response object around them (:func:`response_object`, :func:`usage_of`)."""
 
 from __future__ import annotations
 
@@ -107,7 +88,7 @@ class OutputBuilder:
 
 
 def history_items(output: list[dict]) -> list[dict]:
-    """A response's output items as the next turn's input items (normalized, as protocol.py's)."""
+    """A response's output items as the next turn's input items."""
     out = []
     for it in output:
         if it["type"] == "message":

@@ -1,16 +1,6 @@
 """The body of ``POST /v1/responses`` (the subset Tandem serves), validated, and what it maps to:
 :class:`ResponsesRequest`; :func:`input_items` (the input, normalized), :func:`tool_plan`,
-:func:`text_constraint`, :func:`internal_messages` (items -> router/tools/render.py's shape).
-
-Every refusal is an :class:`APIError` 400 naming the field. Refused rather than ignored:
-built-in tools (web_search, file_search, code_interpreter, computer use, mcp, ...), hosted or
-``allowed_tools`` tool choices, non-text content (images, files, audio), item types other than
-messages, ``function_call``, ``function_call_output`` and ``reasoning`` (the last dropped, as
-Anthropic's thinking blocks are), ``conversation``, ``prompt`` templates, ``truncation: "auto"``,
-``top_logprobs``, ``background`` with ``stream`` or without ``store``. Accepted with no effect:
-``reasoning`` (the model does not reason), ``include``, ``text.verbosity``, ``service_tier``,
-``max_tool_calls`` (built-in tools only), ``safety_identifier``, ``prompt_cache_retention``.
-"""
+:func:`text_constraint`, :func:`internal_messages`."""
 
 from __future__ import annotations
 
@@ -74,9 +64,7 @@ class ResponsesRequest(_Request):
         return None
 
 
-# ------------------------------------------------------------------------------ input
 def _text_of(content: Any, where: str) -> str:
-    """A string, or the text of text content parts (anything else is a 400 naming the part)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -157,9 +145,8 @@ def internal_messages(instructions: str | None, items: list[dict]) -> list[dict]
     return out
 
 
-# ------------------------------------------------------------------------------ tools, text
 def tool_plan(req: ResponsesRequest) -> ToolPlan | None:
-    """Function tools (flat: ``{"type": "function", "name", "parameters", ...}``) and the choice."""
+    """Function tools (flat: ``{"type": "function", "name", "parameters",...}``) and the choice."""
     if req.tools is None and req.tool_choice is None:
         return None
     tools = req.tools or []

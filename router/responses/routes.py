@@ -1,25 +1,4 @@
-"""``/v1/responses``: create (JSON, SSE or background), GET, DELETE, cancel.
-
-A request becomes one GenerateRequest as a chat completion does (the same FrontDoor: auth,
-limits, model check, chat template and tool format, output budget, session, first chunks
-awaited before any status); what differs is the conversation and the shapes:
-
-- **The conversation** is the stored history of ``previous_response_id`` (its whole chain, from
-  the :class:`ResponseStore`) followed by this request's ``input`` items; ``instructions`` are
-  this request's only (OpenAI does not carry them over). A missing or unknown previous response
-  is a 404 ``previous_response_not_found``; one still in progress a 400.
-- **The session** (what routes a turn to the workers holding its KV): the client's explicit one
-  (the session headers, ``session_id``, ``prompt_cache_key``, ``user``), else the previous
-  response's, else the fingerprint of the conversation's opening; a chain is one session on
-  every router, so each turn finds the KV of the turns before it.
-- **Stored** (``store``, default true): the response and its conversation are put before the
-  reply (or the ``response.completed`` event) is sent, so the next turn, on any router, finds it.
-- **Background** (``background: true``): the reply is the queued response; the generation runs on
-  this router and updates the store; ``POST /v1/responses/{id}/cancel`` (from any router) marks it
-  cancelled, and the router running it aborts it within :data:`CANCEL_POLL_S`.
-- ``status`` is "completed", "incomplete" (``incomplete_details.reason`` "max_output_tokens"; a
-  call cut by the limit is dropped, never returned as text), "failed" (``error``) or "cancelled".
-"""
+"""``/v1/responses``: create (JSON, SSE or background), GET, DELETE, cancel."""
 
 from __future__ import annotations
 
@@ -72,7 +51,6 @@ class ResponsesRoutes:
         self.door, self.store = door, store
         self._background: dict[str, asyncio.Task] = {}
 
-    # ---------------------------------------------------------------- request -> GenerateRequest
     def prepare(self, req: ResponsesRequest, body: dict, headers, rid: str, prev: StoredResponse | None) -> Prepared:
         plan = tool_plan(req)
         constraint = text_constraint(req)
@@ -108,7 +86,6 @@ class ResponsesRoutes:
                            param="previous_response_id")
         return prev
 
-    # ---------------------------------------------------------------- POST /v1/responses
     async def create(self, request: Request) -> Response:
         arrival = time.perf_counter()
         rid = new_id("resp")
@@ -164,14 +141,11 @@ class ResponsesRoutes:
         return self.door.tool_format.parser(max_calls=plan.max_calls) if plan is not None and plan.active else None
 
     def _parse(self, prep: Prepared, text: str, last: StreamChunk | None, parser=None) -> list[ParseEvent]:
-        """Parser events of ``text`` (a whole reply, or the next piece of a stream); ``last``: the
-        final chunk when this is the end."""
         parser = parser or self._parser(prep)
         if parser is None:
             return [ParseEvent(text)]
         return parser.feed(text) + (parser.finish(last.finish_reason == "length") if last is not None else [])
 
-    # ---------------------------------------------------------------- the response object
     def _response(self, req: ResponsesRequest, prep: Prepared, status: str, output: list[dict],
                   usage: dict | None = None, error: dict | None = None) -> dict:
         return response_object(req, prep.greq.rid, prep.created_at, self.door.backend.model_name, prep.plan,
@@ -179,7 +153,6 @@ class ResponsesRoutes:
 
     async def _finish(self, req: ResponsesRequest, prep: Prepared, b: OutputBuilder, last: StreamChunk,
                       n_tokens: int, unless_cancelled: bool = False) -> dict:
-        """The final response object, stored first when ``store``."""
         usage = usage_of(last.prompt_tokens or len(prep.greq.prompt_ids), last.cached_tokens,
                          last.completion_tokens or n_tokens)
         if last.error:
@@ -196,7 +169,6 @@ class ResponsesRoutes:
                 log.exception("storing %s failed", out["id"])
         return out
 
-    # ---------------------------------------------------------------- SSE
     async def _events(self, req: ResponsesRequest, prep: Prepared, runs: list[Running]):
         b, parser, n_tokens, last = OutputBuilder(), self._parser(prep), 0, None
 
@@ -232,7 +204,6 @@ class ResponsesRoutes:
         finally:
             await close_all([r.chunks for r in runs])
 
-    # ---------------------------------------------------------------- background
     async def _start_background(self, req: ResponsesRequest, prep: Prepared, arrival: float) -> Response:
         queued = self._response(req, prep, "queued", [])
         try:
@@ -275,7 +246,6 @@ class ResponsesRoutes:
         await self._finish(req, prep, b, d.last, d.n_tokens, unless_cancelled=True)
 
     def _cancelled(self, rid: str):
-        """A ``receive`` for unless_disconnected that "disconnects" once ``rid`` is cancelled or gone."""
         async def receive() -> dict:
             while True:
                 await asyncio.sleep(CANCEL_POLL_S)
@@ -287,10 +257,7 @@ class ResponsesRoutes:
                     return {"type": "http.disconnect"}
         return receive
 
-    # ---------------------------------------------------------------- GET / DELETE / cancel
     async def _record(self, request: Request, rid: str) -> StoredResponse:
-        """The record ``rid`` if the caller's tenant owns it; 404 otherwise (another tenant's
-        record is answered as one that does not exist)."""
         who = self.door.check_auth(request)
         rec = await self.store.get(rid)
         if rec is None or rec.tenant != who.tenant:

@@ -1,21 +1,5 @@
 """Where stored responses live: :class:`ResponseStore` (the interface the routes use),
-:class:`ResponseTable` (the bounded table itself) and :class:`MemoryResponseStore` (the table in
-this process: colocated serving, a single router, tests).
-
-Several routers over one worker set must see the same store, and a router that restarts must
-lose none of it, so a Ray cluster keeps the table in one detached actor beside the workers
-(cluster/responses.py implements :class:`ResponseStore` over it); the router never imports Ray.
-
-A :class:`StoredResponse` is self-contained: ``history`` is its whole conversation (the input
-items of every earlier turn, their outputs, this turn's input and output; not ``instructions``,
-which OpenAI does not carry over), so continuing from it needs no other record, and evicting an
-older turn of the chain breaks nothing. Records cross processes as plain dicts
-(:meth:`StoredResponse.to_wire` / :meth:`StoredResponse.from_wire`).
-
-Contract of the table: at most ``max_stored`` records and ``max_bytes`` bytes (a record's size is
-its JSON's), least recently used evicted first; a record not read or written for ``ttl_s`` is gone.
-A cancelled record stays cancelled: ``put(..., unless_cancelled=True)`` leaves it as it is.
-"""
+:class:`ResponseTable` (the bounded table itself) and :class:`MemoryResponseStore`."""
 
 from __future__ import annotations
 
@@ -32,9 +16,9 @@ IN_PROGRESS = ("queued", "in_progress")
 @dataclass(frozen=True)
 class StoredResponse:
     """One response: ``response`` is its Response object (JSON-able dict, ``status`` in it),
-    ``history`` its conversation's input items up to and including its output, ``session`` the
-    session key its turns are routed by (the KV of the chain is on that session's workers),
-    ``tenant`` the tenant that created it (router/auth.py): only that tenant may read, delete,
+    ``history`` its conversation's input items up to and including its output, ``session``
+    the session key its turns are routed by (the KV of the chain is on that session's
+    workers), ``tenant`` the tenant that created it: only that tenant may read, delete,
     cancel or continue it (anyone else gets 404)."""
 
     id: str

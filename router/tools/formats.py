@@ -1,35 +1,5 @@
-"""Tool-call output formats: how calls are written in the model's output, parsed back, and enforced.
-
-| format | the model writes | chosen for |
-|---|---|---|
-| ``hermes`` | ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one block per call) | Hermes, Qwen 2/2.5/3, and every template without tool support (SmolLM2) |
-| ``llama3_json`` | ``{"name": ..., "parameters": {...}}`` as the whole reply (``; `` between calls) | Llama 3.1+ (``<|python_tag|>`` in the template) |
-| ``mistral`` | ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` | Mistral (``[TOOL_CALLS]`` in the template) |
-
-Each :class:`ToolFormat` gives: ``instructions(tools)`` (the fallback system prompt that describes
-the tools and the format, for templates without tool support), ``render_calls(calls)`` (an
-assistant turn's earlier calls, as the model would have written them), ``render_results(texts)``
-(tool results, sent as a user turn), ``parser()`` (a :class:`StreamingToolParser`: text in,
-content and complete calls out; the non-streamed path feeds everything at once, so both agree),
-and ``constraint(plan)`` (the grammar for ``tool_choice`` required / a named function, decoded by
-the engine so the call is always valid JSON matching the parameter schema; it admits exactly
-``plan.max_calls`` calls at most: one for a named function or without ``parallel_tool_calls``).
-
-Calls are emitted whole, when their closing marker (or the end of the output) is seen: a streamed
-reply carries each call in one ``tool_calls`` delta with its id, name and complete arguments.
-Markers that are special tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) are dropped by the
-detokenizer, so the parsers also accept the bare JSON that follows them.
-
-What the parser promises its callers (every API route reads calls through it):
-
-- **No markup leaks from a cut call.** ``finish(truncated=True)`` (the output ran out of
-  max_tokens) drops a call whose JSON is incomplete, and any trailing start of a call marker;
-  complete calls before it are kept (SGLang's behaviour: only closed calls count). A call whose
-  JSON is complete but whose closing marker was cut is a call.
-- **Whitespace beside calls is not content**: the separators between calls, whitespace before the
-  first call and after the last one are dropped (a reply without calls keeps its text exactly).
-- **At most ``max_calls`` calls** (1 when ``parallel_tool_calls`` is false): later ones are dropped.
-"""
+"""Tool-call output formats: how calls are written in the model's output, parsed back, and enforced
+(router/README.md, "Tool-call formats", has the table and what the parser promises)."""
 
 from __future__ import annotations
 
@@ -44,7 +14,6 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _call_schema(tools: tuple[Tool, ...], args_key: str) -> dict:
-    """One call object: {"name": <one of tools>, args_key: <that tool's parameters>}."""
     options = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.schema},
                 "required": ["name", args_key], "additionalProperties": False} for t in tools]
     return options[0] if len(options) == 1 else {"anyOf": options}
@@ -64,8 +33,6 @@ def _call_from(obj, ids: str, args_keys: tuple[str, ...] = ("arguments", "parame
 
 
 def _json_values(text: str, partial: bool = False) -> list | None:
-    """Every JSON value in ``text`` (separated by whitespace, ';' or ','), or None if any part is
-    not JSON; with ``partial``, the values before the first part that is not (a cut tail)."""
     dec, i, out = json.JSONDecoder(), 0, []
     while True:
         while i < len(text) and text[i] in " \t\r\n;,":
@@ -89,13 +56,7 @@ class ParseEvent:
 
 @dataclass
 class StreamingToolParser:
-    """Feed output text as it streams; get content text and complete calls, in order.
-
-    Text that may still turn into a call marker is held back until it cannot, and so is trailing
-    whitespace until what follows it is known (text keeps it, a call drops it). ``finish()``
-    flushes: an unclosed call whose JSON is complete becomes a call; an incomplete one is dropped
-    when ``truncated`` (the output was cut by max_tokens), else returned as text.
-    """
+    """Feed output text as it streams; get content text and complete calls, in order."""
 
     fmt: "ToolFormat"
     id_prefix: str = "call_"
@@ -118,7 +79,6 @@ class StreamingToolParser:
         return self._tidy(self.fmt._scan(self, final=True), final=True)
 
     def _call(self, obj) -> ParseEvent | None:
-        """The call event for ``obj`` (None: not a call); an empty event for a call past max_calls."""
         c = _call_from(obj, self.id_prefix)
         if c is None:
             return None
@@ -163,7 +123,6 @@ def parse_all(fmt: "ToolFormat", text: str, id_prefix: str = "call_", truncated:
 
 
 def _held(buf: str, marker: str) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
     for k in range(min(len(marker) - 1, len(buf)), 0, -1):
         if buf.endswith(marker[:k]):
             return k

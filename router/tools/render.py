@@ -1,25 +1,4 @@
-"""A conversation with tools -> the prompt text, through the model's chat template.
-
-Messages come in one internal shape (both the OpenAI and the Anthropic routes build it)::
-
-    {"role": "system" | "user" | "assistant" | "tool", "content": str,
-     "tool_calls": [(id, name, arguments_json)],   # assistant turns that called tools
-     "tool_call_id": str, "name": str}              # tool results
-
-When the template renders tools (it reads the ``tools`` variable, as Qwen's, Llama 3.1's and
-Mistral's do), messages go to it in Hugging Face's convention (``tool_calls`` with arguments as a
-dict, ``tool`` messages) with ``tools=[...]``. Otherwise (SmolLM2) the **fallback prompt** is
-rendered through the same template using only the roles it knows:
-
-- the tool descriptions and the call format (``ToolFormat.instructions``) are appended to the
-  system message (one is added when there is none);
-- an assistant turn's calls are appended to its text as the model would write them
-  (``ToolFormat.render_calls``, e.g. Hermes ``<tool_call>`` blocks);
-- consecutive tool results become one user turn (``ToolFormat.render_results``, e.g. Hermes
-  ``<tool_response>`` blocks).
-
-With ``tool_choice: "none"`` the tools are not described (the history is still rendered).
-"""
+"""A conversation with tools -> the prompt text, through the model's chat template."""
 
 from __future__ import annotations
 
@@ -74,7 +53,7 @@ def render_prompt(tokenizer, messages: list[dict], plan: ToolPlan | None, fmt: T
 
 
 def fallback_messages(messages: list[dict], tools, fmt: ToolFormat) -> list[dict]:
-    """Only system / user / assistant roles with plain string content (see the module docstring)."""
+    """Only system / user / assistant roles with plain string content."""
     out: list[dict] = []
     results: list[str] = []
 

@@ -1,9 +1,4 @@
 """Declared tools and the tool choice, validated: :func:`parse_openai_tools` -> :class:`ToolPlan`.
-
-Every refusal is an :class:`APIError` 400 whose message names the field (``tools[1].function.name``)
-and, for a ``tool_choice`` naming an undeclared function, the functions that were declared.
-Parameter schemas are checked against the JSON Schema meta-schema here; whether the grammar engine
-can compile them is the engine's call (a schema it cannot compile is a 400 from the backend).
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ class Tool:
 class ToolPlan:
     """What the request allows: ``choice`` "auto" (the model decides), "none" (no calls: tools are
     left out of the prompt and the output is not parsed), "required" (at least one call), or
-    "function" (exactly one call, to ``function``). ``parallel``: more than one call allowed."""
+    "function" (exactly one call, to ``function``)."""
 
     tools: tuple[Tool, ...]
     choice: Choice = "auto"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.cache.kv_pool import KVPool
+from tandem.cache.tiers.l3.budget import PRIOR_PREFILL_TOK_S
 from tandem.cache.tiers.l3.store import L3Store
 from tandem.cache.tiers.l3.tier import L3Tier
 from tandem.cache.radix.components import FULL, SWA
@@ -180,7 +181,7 @@ def test_a_slow_store_is_a_miss_within_the_deadline():
 
 def test_the_budget_and_no_room_bound_a_fetch():
     b = DictBackend()
-    cache, alloc, pool, tier = setup(b, pages=4, policy="write_through", budget_pages=2)
+    cache, alloc, pool, tier = setup(b, pages=4, policy="write_through", max_tokens=4)
     ids = [1, 2, 3, 4, 5, 6, 7, 8]
     run(cache, alloc, pool, ids)
     tier.store.flush()
@@ -245,7 +246,8 @@ def test_attach_store_leaves_cacheless_workers_and_hybrid_ones_without_component
 
     assert l3_options("off", 0.5) is None
     opts = l3_options("mooncake://127.0.0.1:1/2", 0.5, corrupt=True)
-    assert opts == {"url": "mooncake://127.0.0.1:1/2", "timeout_s": 0.5, "corrupt": True, "segment_bytes": 0}
+    assert opts == {"url": "mooncake://127.0.0.1:1/2", "timeout_s": 0.5, "corrupt": True, "segment_bytes": 0,
+                    "prefill_tok_s": PRIOR_PREFILL_TOK_S}
     assert l3_options("mooncake://h:1", 0.5, segment_bytes=32 << 20)["segment_bytes"] == 32 << 20
     pool = KVPool(16, 2, num_layers=1, num_kv_heads=1, head_dim=2)
     swa = SWA(4, PagedAllocator(16, 1), torch.zeros(20, dtype=torch.int64))

@@ -179,9 +179,10 @@ def test_a_corrupted_page_is_a_miss_not_a_wrong_answer(smollm2_default, master, 
         (toks, cached), = answer(b, ids)
         assert toks == answer(plain, ids)[0][0]
         # only pages an earlier test stored intact (the chat template's first page) are reused:
-        # the first damaged page is a miss and the chain stops there
+        # the first damaged page is a miss and the chain stops there (the batched read counts
+        # every damaged page it read)
         assert cached <= PAGE
-        assert b.kv.cache.tier("l3").store.stats.corrupt == 1
+        assert b.kv.cache.tier("l3").store.stats.corrupt >= 1
         idle_and_exact(b)
     finally:
         bad.shutdown()

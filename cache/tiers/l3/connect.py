@@ -1,15 +1,5 @@
-"""A worker's L3 tier from its ``--kv-store`` options: join the Mooncake master, attach to the cache.
-
-``l3_options(kv_store, timeout_s, corrupt)`` is what the launcher hands each worker (a plain
-dict, or None when the store is off); :func:`attach_store` connects an :class:`L3Store` under the
-key prefix of the worker's pages (model, page size, dtype, layout: FULL's and the names of the
-cache's components) and adds an :class:`L3Tier` to its cache's tiers (:func:`connect_tier`, the
-tier factory's ``l3`` entry, builds it); a hybrid model's worker also
-hands the device data of each component (``aux_data``, engine/hybrid.py ``component_data``). A
-store that cannot be reached, a hybrid cache without its components' data, or a cache that keeps
-nothing leaves the worker without L3, with a log line: L3 is an optimisation, never a reason for
-a worker not to start.
-"""
+"""A worker's L3 tier from its ``--kv-store`` options: join the Mooncake master, attach to the
+cache."""
 
 from __future__ import annotations
 
@@ -17,32 +7,29 @@ import logging
 import os
 from typing import Any, Mapping
 
+from tandem.cache.tiers.l3.budget import PRIOR_PREFILL_TOK_S
 from tandem.cache.tiers.l3.store import L3Store, key_prefix
 from tandem.cache.tiers.l3.tier import L3Tier, layout
 
 log = logging.getLogger(__name__)
 
-# Write-through: a prompt one worker prefilled is in the store as soon as it is cached, so every
-# other worker (and a replacement of this one) reuses it; the writes run on the store client's
-# thread, off the step. Write-back would share only what a worker evicts.
 WORKER_WRITE_POLICY = "write_through"
 
 
-def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_bytes: int = 0) -> dict | None:
+def l3_options(kv_store: str, timeout_s: float, corrupt: bool = False, segment_bytes: int = 0,
+               prefill_tok_s: float | None = PRIOR_PREFILL_TOK_S) -> dict | None:
     """The workers' L3 options for ``ServeConfig.kv_store`` once a master is known
-    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``. ``segment_bytes``
-    (``ServeConfig.l3_worker_segment_bytes``): what each worker lends the store; 0 where the
-    cluster's storage process keeps the pages."""
+    (``mooncake://HOST:PORT[/METAPORT]``); None for ``off``."""
     if not kv_store.startswith("mooncake://"):
         return None
-    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt, "segment_bytes": segment_bytes}
+    return {"url": kv_store, "timeout_s": timeout_s, "corrupt": corrupt, "segment_bytes": segment_bytes,
+            "prefill_tok_s": prefill_tok_s}
 
 
 def attach_store(cache, kv_pool, model: str, *, aux_data: Mapping[str, Any] | None = None,
                  **options) -> L3Tier | None:
-    """Connect to the store (``options``: :func:`connect_tier`'s) and add the L3 tier to
-    ``cache``'s tiers (None: not attached). ``aux_data``: each auxiliary component's device pool
-    by name (hybrid caches; the host tier's layout)."""
+    """Connect to the store (``options``: :func:`connect_tier`'s) and add the L3 tier to ``cache``'s
+    tiers (None: not attached)."""
     if not hasattr(cache, "add_tier"):
         log.info("L3 store off: the prefix cache is disabled")
         return None
@@ -54,11 +41,11 @@ def attach_store(cache, kv_pool, model: str, *, aux_data: Mapping[str, Any] | No
 
 def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None, *, url: str,
                  timeout_s: float, corrupt: bool = False, write_policy: str = WORKER_WRITE_POLICY,
-                 segment_bytes: int = 0) -> L3Tier | None:
-    """An :class:`L3Tier` over the store at ``url`` for a cache with auxiliary components
-    ``comps`` (None: no store joined, or a component without its device data).
-    ``segment_bytes``: the memory this worker lends to the store (0: none; its pages then live
-    in the storage process's segment and outlive this worker)."""
+                 segment_bytes: int = 0, prefill_tok_s: float | None = PRIOR_PREFILL_TOK_S,
+                 max_tokens: int | None = None) -> L3Tier | None:
+    """An :class:`L3Tier` over the store at ``url`` for a cache with auxiliary components ``comps``
+    (None: no store joined, or a component without its device data), its read rate measured
+    once here (``ReadBudget.probe``)."""
     missing = [c.name for c in comps if c.name not in (aux_data or {})]
     if missing:
         log.warning("L3 store off: no device data given for the components %s", missing)
@@ -76,6 +63,9 @@ def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None,
                                         dtype, layout(comps)), timeout_s=timeout_s)
     store.corrupt_all = corrupt
     tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy,
-                  aux_data={c.name: aux_data[c.name] for c in comps})
-    log.info("L3 store joined at %s (%s, prefix %s)", url, write_policy, store.prefix)
+                  aux_data={c.name: aux_data[c.name] for c in comps}, prefill_tok_s=prefill_tok_s,
+                  max_tokens=max_tokens)
+    rate = tier.budget.probe(store, tier.budget.token_bytes * kv_pool.page_size)
+    log.info("L3 store joined at %s (%s, prefix %s, read %s MB/s)", url, write_policy, store.prefix,
+             "?" if rate is None else f"{rate / 1e6:.0f}")
     return tier

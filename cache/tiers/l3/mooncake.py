@@ -1,13 +1,5 @@
-"""Mooncake Store as the L3 backend: start a master and a storage client (local processes), or
-join a running store by its master's address.
-
-A page lives in the memory segment of one of the store's clients, the one the master picks; a
-client's segment goes with it. :class:`StorageProcess` is a client that does nothing but lend a
-segment (Mooncake's standalone ``mooncake_client``), so pages outlive the workers that wrote
-them when the workers lend none (``connect(..., segment_bytes=0)``). ``mooncake_master`` and
-``mooncake_client`` ship with the PyPI wheel ``mooncake-transfer-engine-non-cuda`` (CPU, TCP);
-on an RDMA cluster the same store runs over RDMA. Imported only when a store is configured.
-"""
+"""Mooncake Store as the L3 backend: start a master and a storage client (local processes), or join
+a running store by its master's address."""
 
 from __future__ import annotations
 
@@ -39,8 +31,8 @@ def parse_kv_store(value: str) -> tuple[str, str | None]:
 @dataclass
 class MasterAddress:
     host: str
-    port: int            # the master's RPC port
-    metadata_port: int   # its HTTP metadata server
+    port: int
+    metadata_port: int
 
     @property
     def master(self) -> str:
@@ -62,7 +54,6 @@ class MasterAddress:
 
 
 def binary(name: str = "mooncake_master") -> str | None:
-    """The path of one of the wheel's programs (beside this Python first, then on PATH)."""
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else shutil.which(name)
 
@@ -72,7 +63,6 @@ def master_binary() -> str | None:
 
 
 class _Child:
-    """A program of the wheel run as a child in its own session; ready once ``ports`` listen."""
 
     def __init__(self, name: str, args: list[str], host: str, ports: tuple[int, ...], ready_s: float):
         path = binary(name)
@@ -95,7 +85,6 @@ class _Child:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        """Kill the child (idempotent)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)

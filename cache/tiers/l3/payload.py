@@ -1,20 +1,4 @@
-"""One kind of L3 value: the rows of one pool that a page (or a page's end) needs, as raw bytes.
-
-Every pool the cache keeps is laid out like the host tier's (cache/tiers/host.py ``HostStore``):
-``data [L, K, rows, *rest]``, rows on axis 2. A :class:`Payload` names one of them and how many
-rows a value holds:
-
-- FULL (kind ``""``): the device KV pool ``kv_data [L_full, 2, slots, H_kv, D]``, ``units =
-  page_size``: a page's value is ``[L_full, 2, page_size, H_kv, D]``;
-- SWA (``"swa"``): the SWA KV pool ``[L_swa, 2, rows, H_kv, D]``, ``units = page_size``: the
-  SWA rows of a page's tokens, in token order;
-- MAMBA (``"mamba"``): the state pool ``data.unsqueeze(1)``, ``[L_m, 1, slots + 1, *state]``,
-  ``units = 1``: the state after a page's last token.
-
-A value is the pool's dtype, C order, no header (the store adds and checks a digest); a value of
-the wrong size decodes to None (a miss). The same codec reads a host pool of the same layout
-(write-back of a host copy): :meth:`gather` takes the source tensor.
-"""
+"""One kind of L3 value: the rows of one pool that a page (or a page's end) needs, as raw bytes."""
 
 from __future__ import annotations
 
@@ -22,8 +6,8 @@ import torch
 
 
 class Payload:
-    """``kind``: the key's namespace (``cache/tiers/l3/store.py`` ``page_key``); ``data``: the device
-    pool ``[L, K, rows, *rest]``; ``units``: rows per value."""
+    """``kind``: the key's namespace; ``data``: the device pool ``[L, K, rows, *rest]``; ``units``:
+    rows per value."""
 
     def __init__(self, kind: str, data: torch.Tensor, units: int):
         if data.dim() < 3:
@@ -59,5 +43,4 @@ class Payload:
 
 
 def _to_bytes(value: torch.Tensor) -> bytes:
-    """The raw bytes of a CPU tensor (any dtype, bf16 included)."""
     return value.contiguous().view(torch.uint8).numpy().tobytes()

@@ -1,22 +1,4 @@
-"""How deep an L3 match may end: the components' vote, over what the device and the store hold.
-
-Pages are numbered from the sequence's start; the device match ends at page ``s0`` and the
-store is asked about pages ``[s0, P)``. A match may end after page ``e - 1`` (``s0 < e <= P``)
-only when every reuse rule accepts that boundary, as the tree's vote does
-(cache/radix/components.py; the same spans the host tier's load-back brings):
-
-- FULL: every page ``[s0, e)`` is stored;
-- a per-token component (SWA, ``lock_span`` = its window): its data for every page intersecting
-  the last ``lock_span`` tokens before ``e``, i.e. pages ``[max(0, floor((e*ps - span) / ps)),
-  e)``, each either on the device (a matched node holds it) or stored; a shorter path than the
-  span needs them all from page 0 (the vote's "whole path" case, the same formula);
-- a per-key component (MAMBA): its value at the end of page ``e - 1`` is stored.
-
-:class:`Reach` holds the availability (stored = asked and found, and not failed since), finds
-the deepest such ``e`` and lists what must still be read for it. A read that fails is marked
-unavailable (:meth:`lose`) and the caller asks again: each failure removes one item, so the loop
-ends. Pure bookkeeping: no store, no tensors.
-"""
+"""How deep an L3 match may end: the components' vote, over what the device and the store hold."""
 
 from __future__ import annotations
 
@@ -27,9 +9,8 @@ FULL = -1   # the component index of FULL pages in a ref ``(component, page)``
 
 @dataclass
 class Rule:
-    """One auxiliary component's rule: ``per_token`` data with a ``span`` (tokens before the
-    end), or one value at the end (``per_token`` False). ``on_device[p]``: page ``p < s0``
-    has the data on the device; ``stored[p]``: the store has it (any page; absent: False)."""
+    """One auxiliary component's rule: ``per_token`` data with a ``span`` (tokens before the end),
+    or one value at the end (``per_token`` False)."""
 
     per_token: bool
     span: int = 1
@@ -44,7 +25,7 @@ class Reach:
         self.ps = page_size
         self.s0 = s0
         self.P = s0 + len(full_stored)
-        self.full = list(full_stored)           # [P - s0]: FULL page s0 + k stored
+        self.full = list(full_stored)
         self.rules = rules
 
     def window(self, rule: Rule, e: int) -> range:

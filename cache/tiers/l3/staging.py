@@ -1,17 +1,4 @@
-"""The host side of the L3 prefetch: a bounded staging area and the thread that fills it.
-
-:class:`Staging` keeps values read ahead of their fetch: the store's payloads (digest checked by
-the store client, not decoded) by ``(kind, page_hash)``, until a fetch takes one, at most once.
-At most ``cap_bytes`` of payload in all: a value that would pass the bound first drops the oldest
-ones (so values a request never took, e.g. it was aborted before its admission, age out); a value
-larger than the bound is not kept. Thread-safe (the prefetch thread puts, the engine thread
-takes); every call holds the lock for a dict operation only.
-
-:class:`Jobs` runs jobs on one daemon thread, one at a time, in order. :meth:`Jobs.submit` never
-blocks: at most ``max_pending`` jobs wait, more are refused. A job that raises is logged and the
-thread goes on. :meth:`Jobs.idle` waits (bounded) until every submitted job has run (tests,
-shutdown); :meth:`Jobs.close` drops the waiting jobs and ends the thread after the running one.
-"""
+"""The host side of the L3 prefetch: a bounded staging area and the thread that fills it."""
 
 from __future__ import annotations
 
@@ -25,19 +12,19 @@ log = logging.getLogger(__name__)
 
 
 class Staging:
+    """Values read ahead of their fetch by ``(kind, hash)``, at most ``cap_bytes`` (the oldest dropped
+    first), each taken at most once. Thread-safe."""
     def __init__(self, cap_bytes: int):
         self.cap_bytes = cap_bytes
-        self.nbytes = 0                                    # payload bytes held now
-        self._values: OrderedDict[Hashable, bytes] = OrderedDict()   # oldest first
+        self.nbytes = 0
+        self._values: OrderedDict[Hashable, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._values)
 
     def put(self, ref: Hashable, payload: bytes) -> int:
-        """Keep ``payload`` for ``ref`` (replacing an older value of it). Returns how many other
-        values were dropped to stay within the bound (the value itself is not kept, and counts
-        as dropped, when it alone is larger)."""
+        """Keep ``payload`` for ``ref``; returns how many values the bound dropped."""
         n = len(payload)
         if n > self.cap_bytes:
             return 1
@@ -63,8 +50,7 @@ class Staging:
         return v
 
     def holds(self, refs: Sequence[Hashable]) -> list[bool]:
-        """Which of ``refs`` have a value now (a later :meth:`take` may still miss: the bound
-        can drop it meanwhile)."""
+        """Which of ``refs`` have a value now (a later :meth:`take` may still miss)."""
         with self._lock:
             return [r in self._values for r in refs]
 
@@ -75,8 +61,7 @@ class Staging:
 
 
 class Jobs:
-    """``run(*job)`` for each submitted ``job`` tuple, on a daemon thread named ``name``
-    (started on the first submit)."""
+    """``run(*job)`` for each submitted job, one at a time, on a daemon thread; never blocks."""
 
     def __init__(self, run: Callable[..., None], *, max_pending: int, name: str):
         self._run = run
@@ -101,7 +86,7 @@ class Jobs:
     def idle(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` until every submitted job has run; whether they have."""
         q = self._queue
-        with q.all_tasks_done:                 # notified by task_done when none is left
+        with q.all_tasks_done:
             return q.all_tasks_done.wait_for(lambda: not q.unfinished_tasks, timeout_s)
 
     def close(self) -> None:

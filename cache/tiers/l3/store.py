@@ -1,23 +1,4 @@
-"""A client of a shared KV store for whole pages: batch exists, put, get, each with a timeout.
-
-Keys are the chained page hashes of :func:`tandem.core.page_hash.page_hashes` (the chain the
-router's prefix index and the KV events use) under a prefix naming the model, page size, dtype
-and layout, so only workers whose pages are interchangeable share them. Every value carries a
-blake2b digest of its payload; a page whose digest does not match is a miss, counted in
-``corrupt``. A slow, dead or missing store is a miss too: no call raises and none waits past its
-timeout; after a failure the client stays down for ``backoff_s`` so a dead store costs one
-timeout, not one per call. Reads come from the worker loop and from the L3 tier's prefetch thread
-(cache/tiers/l3/tier.py); the store calls of both run on one private thread, in order, so that a call
-can be abandoned at its deadline (that thread is swapped under a lock; the counters are plain
-ints, exact for one caller, best-effort for two). ``put_async`` queues writes
-for a second private (daemon) thread and returns at once: at most ``max_pending`` writes wait,
-more are dropped (counted), so a slow store never holds the caller or its memory.
-
-    store = L3Store(MooncakeBackend.connect(...), prefix=key_prefix("smollm2", 16, "bf16", "nhd"))
-    hits = store.exists(hashes)          # [True, True, False, ...] (a prefix of hits is usable)
-    store.put(h, payload); store.get(h)  # bytes or None
-    store.get(h, kind="swa")             # a component's payload for page h (page_key)
-"""
+"""A client of a shared KV store for whole pages: batch exists, put, get, each with a timeout."""
 
 from __future__ import annotations
 
@@ -33,6 +14,7 @@ from typing import Callable, Protocol, Sequence
 log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
+WRITE_BATCH = 256
 
 
 def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
@@ -43,14 +25,12 @@ def key_prefix(model: str, page_size: int, dtype: str, layout: str) -> str:
 def page_key(prefix: str, page_hash: int, kind: str = "") -> str:
     """A value's key: FULL pages (``kind ""``) at ``PREFIX/HASH``; a component's payload for the
     same page at ``PREFIX/KIND/HASH`` (``swa``: the page's SWA rows; ``mamba``: the recurrent
-    state after the page's last token). A 16-hex-digit hash never equals a kind, so no two kinds
-    share a key."""
+    state after the page's last token)."""
     h = f"{page_hash & 0xFFFFFFFFFFFFFFFF:016x}"
     return f"{prefix}/{kind}/{h}" if kind else f"{prefix}/{h}"
 
 
 def seal(payload: bytes) -> bytes:
-    """The stored value: digest then payload."""
     return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest() + payload
 
 
@@ -73,15 +53,17 @@ class Backend(Protocol):
 
 @dataclass
 class L3Stats:
-    hits: int = 0           # pages read back intact
-    misses: int = 0         # pages asked for and absent
+    hits: int = 0
+    misses: int = 0
     corrupt: int = 0        # pages read whose digest did not match (counted as misses too)
-    errors: int = 0         # calls that raised or timed out
+    errors: int = 0
+    late: int = 0           # calls cut by the caller's deadline (under half the timeout)
     puts: int = 0
     write_dropped: int = 0  # async writes dropped: queue full, or the store down
+    write_skipped: int = 0  # async writes the store already held
     bytes_read: int = 0
     bytes_written: int = 0
-    read_s: float = 0.0     # seconds spent in exists + get
+    read_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,7 +81,7 @@ class L3Store:
         self._clock = clock
         self._down_until = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-store")
-        self._pool_lock = threading.Lock()   # the calling threads (worker loop, prefetch) vs a swap
+        self._pool_lock = threading.Lock()
         self.corrupt_next = False  # the test lever: the next put stores a damaged page
         self.corrupt_all = False   # the test lever: every put stores a damaged page
         self._writes: queue.Queue = queue.Queue(maxsize=max_pending)
@@ -110,10 +92,8 @@ class L3Store:
         return self.backend is not None and self._clock() >= self._down_until
 
     def _call(self, fn, *args, budget_s: float | None = None):
-        """fn(*args) on the store thread, or None on error/timeout (then the store is down a
-        while). ``budget_s``: the caller's deadline, when shorter than the timeout; a call past
-        it counts as slow too (a page read takes milliseconds; a budget runs out only on a slow
-        store)."""
+        """``fn(*args)`` on the store thread, or None. A failure or the store's timeout marks the
+        store down for ``backoff_s``; a call cut by a ``budget_s`` under half the timeout is only a miss."""
         with self._pool_lock:
             if not self.up:
                 return None
@@ -123,6 +103,9 @@ class L3Store:
         try:
             return fut.result(timeout=limit)
         except FutureTimeout:
+            if limit < self.timeout_s / 2:  # the caller's deadline, not a slow store: a miss only
+                self.stats.late += 1
+                return None
             why = f"timed out after {limit:.3g}s"
         except Exception as e:  # a store error is a miss, never the scheduler's problem
             why = repr(e)
@@ -135,8 +118,6 @@ class L3Store:
         return None
 
     def _replace_pool(self, pool: ThreadPoolExecutor) -> None:
-        """Abandon ``pool`` (the one a timed-out call used) for a fresh one, unless another
-        caller did already; its queued calls are cancelled (they end as errors at once)."""
         with self._pool_lock:
             if self._pool is not pool or self.backend is None:
                 return
@@ -188,9 +169,9 @@ class L3Store:
         return True
 
     def put_async(self, pages: Sequence[tuple[int, bytes]], kind: str = "") -> int:
-        """Queue ``(page_hash, payload)`` writes of one kind for the writer thread; returns how
-        many were queued, a prefix of ``pages`` (the rest were dropped: the queue is full or the
-        store is down). Never blocks."""
+        """Queue ``(page_hash, payload)`` writes of one kind for the writer thread; returns how many
+        were queued, a prefix of ``pages`` (the rest were dropped: the queue is full or
+        the store is down)."""
         if not self.up:
             self.stats.write_dropped += len(pages)
             return 0
@@ -208,32 +189,55 @@ class L3Store:
         return n
 
     def _write_loop(self) -> None:
+        """The writer thread: per batch of queued writes, puts what ``batch_is_exist`` lacks."""
         while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            key, value, nbytes = item
-            backend = self.backend
+            batch = [self._writes.get()]
+            while batch[-1] is not None and len(batch) < WRITE_BATCH:
+                try:
+                    batch.append(self._writes.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if backend is None or not self.up:
-                    self.stats.write_dropped += 1
-                    continue
+                self._write_batch([b for b in batch if b is not None])
+            finally:
+                for _ in batch:
+                    self._writes.task_done()
+            if batch[-1] is None:
+                return
+
+    def _write_batch(self, items: list) -> None:
+        backend = self.backend
+        if not items:
+            return
+        if backend is None or not self.up:
+            self.stats.write_dropped += len(items)
+            return
+        try:
+            held = backend.batch_is_exist([key for key, _, _ in items])
+        except Exception:
+            held = [0] * len(items)
+        for (key, value, nbytes), h in zip(items, held):
+            if h == 1:
+                self.stats.write_skipped += 1
+                continue
+            if not self.up:
+                self.stats.write_dropped += 1
+                continue
+            try:
                 t0 = self._clock()
                 rc = backend.put(key, value)
-                if self._clock() - t0 > self.timeout_s:      # a slow store: writes back off too
+                if self._clock() - t0 > self.timeout_s:
                     self._down_until = self._clock() + self.backoff_s
                 if rc == 0:
                     self.stats.puts += 1
                     self.stats.bytes_written += nbytes
-            except Exception as e:  # a store error drops the write, never the caller's problem
+            except Exception as e:
                 self.stats.errors += 1
                 self._down_until = self._clock() + self.backoff_s
                 log.warning("L3 store write failed (%r); writes dropped for %.1fs", e, self.backoff_s)
-            finally:
-                self._writes.task_done()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait (at most ``timeout_s``) until every queued write has been tried (tests, shutdown)."""
+        """Wait (at most ``timeout_s``) until every queued write has been tried."""
         end = time.monotonic() + timeout_s
         while self._writes.unfinished_tasks:
             if time.monotonic() > end:
@@ -248,6 +252,19 @@ class L3Store:
         value = (self._call(backend.get, page_key(self.prefix, page_hash, kind), budget_s=budget_s)
                  if backend else None)
         self.stats.read_s += time.perf_counter() - t0
+        return self._payload(value)
+
+    def get_many(self, refs: Sequence[tuple[str, int]], budget_s: float | None = None) -> list[bytes | None]:
+        """The payloads of ``(kind, page_hash)`` values in one store call, each as :meth:`get`'s."""
+        t0 = time.perf_counter()
+        backend = self.backend
+        keys = [page_key(self.prefix, h, kind) for kind, h in refs]
+        many = getattr(backend, "get_batch", None) or (lambda ks: [backend.get(k) for k in ks])
+        values = self._call(many, keys, budget_s=budget_s) if backend else None
+        self.stats.read_s += time.perf_counter() - t0
+        return [self._payload(v) for v in (values or [None] * len(keys))]
+
+    def _payload(self, value) -> bytes | None:
         if not value:
             self.stats.misses += 1
             return None
@@ -261,8 +278,7 @@ class L3Store:
         return payload
 
     def close(self) -> None:
-        """Close the store client (bounded by the timeout; a dead store is not waited for).
-        Idempotent: a closed store is down for good."""
+        """Close the store client (bounded by the timeout; a dead store is not waited for)."""
         if self.backend is None:
             return
         self.flush(self.timeout_s)
