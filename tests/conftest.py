@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") is None:
         pass
 
 
-RAY_FOLDERS = ("disagg", "cluster")       # every module here starts Ray or a cluster
+RAY_FOLDERS = ("cluster", "decode", "worker")    # every module here starts Ray, a cluster or workers
 RAY_TIMEOUT_S = 600                        # a ``ray`` test's limit unless it marks its own
 # the fixtures that load real weights (SmolLM2, HF's view of it, any GGUF through hf_gguf_load)
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_dir", "smollm2", "smollm2_default", "smollm2_swa16", "hf_smollm2",
@@ -60,6 +60,20 @@ def pytest_report_header(config):
     except ImportError as e:                       # no torch: the engine's tests skip anyway
         return f"native AVX512-BF16 kernels: off ({e})"
     return describe()
+
+
+@pytest.fixture(scope="package")
+def ray_local():
+    """One local Ray instance for every module that runs a real cluster in-process (each module
+    launches and closes its own actors on it, under its own namespace; starting Ray once saves
+    seconds per module). Shut down after the last test of the package that used it."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")
