@@ -116,7 +116,7 @@ def smollm2_default(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_swa16(smollm2_gguf):
     """SmolLM2 (float32) with ``sliding_window=16``: every layer sliding-window, so the full pool
-    holds no layers (test_hybrid_engine.py, tests/disagg/test_hybrid_workers.py)."""
+    holds no layers (test_hybrid_engine.py, tests/worker/test_hybrid_workers.py)."""
     from tandem.engine.loader import load_model
 
     with _hf_gguf_load():

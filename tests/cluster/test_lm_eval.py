@@ -3,7 +3,7 @@ door over a real 1 prefill + 1 decode cluster (Ray actors, NIXL, SmolLM2 in floa
 tokenizer made from the GGUF; the reference is lm-eval's own ``hf`` model on the same weights
 (transformers, float32).
 
-The tasks live in tests/disagg/lm_eval_tasks/ over a local JSON-lines file (``dataset_path: json``,
+The tasks live in tests/cluster/lm_eval_tasks/ over a local JSON-lines file (``dataset_path: json``,
 ``data_files`` relative to that directory, which the tests run from), with the hub offline:
 - ``tandem_capitals_mc``: multiple choice, i.e. loglikelihood requests, which local-completions
   answers from ``echo`` + ``logprobs`` (the prompt's logprobs computed by the prefill worker and
