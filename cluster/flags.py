@@ -7,7 +7,7 @@ place: the pydantic field. Each :class:`Flag` names the field it sets; its type,
 
 A flag left out keeps the base's value (the YAML's, or the field default), which is why argparse
 defaults are always None. Fields with no flag are listed in :data:`YAML_ONLY`;
-tests/disagg/test_flags.py checks that every field of ServeConfig is one or the other.
+tests/cluster/test_flags.py checks that every field of ServeConfig is one or the other.
 """
 
 from __future__ import annotations
