@@ -23,21 +23,23 @@ WORKER_FIELDS = ("engine", "engine_config", "prefill", "decode", "transfer_timeo
                  "debug_corrupt_kv", "debug_transfer_delay_ms", "debug_transfer_stall")
 
 
-def base_config(namespace: str) -> ServeConfig:
-    """The set's own config: 1P+1D of :data:`ENGINE`, detached workers in ``namespace``."""
+def base_config(namespace: str, otlp_endpoint: str | None = None) -> ServeConfig:
+    """The set's own config: 1P+1D of :data:`ENGINE`, detached workers in ``namespace``; with
+    ``otlp_endpoint``, the workers export their spans there."""
     return ServeConfig(prefill=1, decode=1, transfer_timeout_s=60.0, engine_config=ENGINE,
-                       worker_lifetime="cluster", ray_namespace=namespace)
+                       worker_lifetime="cluster", ray_namespace=namespace, otlp_endpoint=otlp_endpoint)
 
 
 class WorkerSet:
-    """The workers of :func:`base_config` (``namespace``), started from ``loaded`` (a LoadedModel
-    shipped through the object store) when the namespace has none; :meth:`close` kills them."""
+    """The workers of :func:`base_config` (``namespace``, ``receiver``'s URL as the OTLP endpoint
+    when there is one), started from ``loaded`` (a LoadedModel shipped through the object store)
+    when the namespace has none; :meth:`close` kills them (and closes ``receiver``)."""
 
-    def __init__(self, namespace: str, loaded):
+    def __init__(self, namespace: str, loaded, receiver=None):
         from tandem.cluster.launch import launch_disaggregated
 
-        self.namespace = namespace
-        self.base = base_config(namespace)
+        self.namespace, self.receiver = namespace, receiver
+        self.base = base_config(namespace, receiver.url if receiver is not None else None)
         launch_disaggregated(self.base, loaded=loaded).close()   # a router that leaves them running
 
     def config(self, **router_fields) -> ServeConfig:
@@ -59,6 +61,8 @@ class WorkerSet:
     def close(self) -> None:
         import ray
 
+        if self.receiver is not None:
+            self.receiver.close()
         for a in ray.util.list_named_actors(all_namespaces=True):
             if a["namespace"] == self.namespace:
                 try:

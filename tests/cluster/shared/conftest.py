@@ -19,11 +19,19 @@ def _used_later(request, name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def smollm2_1p1d(request, smollm2, ray_local):
-    """The shared 1P+1D of SmolLM2 in float32 (dequantized weights: transformers' numerics)."""
+    """The shared 1P+1D of SmolLM2 in float32 (dequantized weights: transformers' numerics); its
+    workers export spans to an OTLP receiver on 127.0.0.1 (``.receiver``; None without the
+    OpenTelemetry protobufs)."""
     from support.shared_workers import F32_NAMESPACE, WorkerSet
 
     if F32_NAMESPACE not in _RUNNING:
-        _RUNNING[F32_NAMESPACE] = WorkerSet(F32_NAMESPACE, smollm2)
+        try:
+            from otlp_support import Receiver
+        except ImportError:
+            receiver = None
+        else:
+            receiver = Receiver()
+        _RUNNING[F32_NAMESPACE] = WorkerSet(F32_NAMESPACE, smollm2, receiver)
     yield _RUNNING[F32_NAMESPACE]
     if not _used_later(request, "smollm2_1p1d"):
         _RUNNING.pop(F32_NAMESPACE).close()
