@@ -64,11 +64,11 @@ def pytest_report_header(config):
     return describe()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for every module that runs a real cluster in-process (each module
     launches and closes its own actors on it, under its own namespace; starting Ray once saves
-    seconds per module). Shut down after the last test of the package that used it."""
+    seconds per module). Started by the first test that asks for it, shut down at the session's end."""
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
