@@ -46,10 +46,12 @@ test: setup test-models
 
 # The inner loop while developing: the unit, engine and cache tests, no Ray, no cluster and no real
 # weights (the folders below minus the `ray` and `model` markers, tests/conftest.py; the engine's
-# scheduler runs on the fake model there). tests/README.md has its measured time.
+# scheduler runs on the fake model there), in two pytest-xdist workers, a module to a worker (the
+# native kernels are built first, once). tests/README.md has its measured time.
 QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s tests/test_layering.py
 test-quick: setup
-	$(PY) -m pytest -q -m "not slow and not ray and not model" $(QUICK)
+	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not ray and not model" --durations=10 $(QUICK)
 
 test-slow: setup test-models
 	$(PY) -m pytest -q -m slow tests

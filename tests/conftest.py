@@ -24,16 +24,17 @@ if os.environ.get("TRITON_INTERPRET") is None:
         pass
 
 
-RAY_FOLDERS = ("disagg", "cluster")       # every module here starts Ray or a cluster
+RAY_FOLDERS = ("cluster", "decode", "worker")    # every module here starts Ray, a cluster or workers
 RAY_TIMEOUT_S = 600                        # a ``ray`` test's limit unless it marks its own
 # the fixtures that load real weights (SmolLM2, HF's view of it, any GGUF through hf_gguf_load)
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_dir", "smollm2", "smollm2_default", "smollm2_swa16", "hf_smollm2",
                   "hf_smollm2_bf16", "hf_smollm2_tokenizer", "hf_gguf_load"}
-INTERPRETED = {"test_cuda_graph.py", "test_triton_attention.py"}    # triton kernels in its interpreter
+INTERPRETED = {"test_cuda_graph.py", "test_triton_attention.py", "test_gpu_path.py"}   # triton kernels in its interpreter
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``ray`` every test that starts Ray or a cluster: the tests of RAY_FOLDERS and any test
+    """Mark ``ray`` every test that starts Ray or a cluster: the tests of RAY_FOLDERS (and their
+    subfolders) and any test
     that uses the ``ray_local`` fixture. Such a test gets RAY_TIMEOUT_S instead of pyproject's
     default (its time includes its module's cluster set-up, on a loaded 2-core box) unless it or
     its module marks a limit. Mark ``model`` every test that loads real weights (a fixture of
@@ -42,7 +43,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = item.path.parts
         names = set(getattr(item, "fixturenames", ()))
-        in_folder = len(parts) >= 2 and parts[-2] in RAY_FOLDERS and "tests" in parts
+        under = parts[len(parts) - 1 - parts[::-1].index("tests"):] if "tests" in parts else ()
+        in_folder = len(under) >= 3 and under[1] in RAY_FOLDERS
         if in_folder or "ray_local" in names:
             item.add_marker(pytest.mark.ray)
             if item.get_closest_marker("timeout") is None:
@@ -60,6 +62,20 @@ def pytest_report_header(config):
     except ImportError as e:                       # no torch: the engine's tests skip anyway
         return f"native AVX512-BF16 kernels: off ({e})"
     return describe()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for every module that runs a real cluster in-process (each module
+    launches and closes its own actors on it, under its own namespace; starting Ray once saves
+    seconds per module). Started by the first test that asks for it, shut down at the session's end."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +118,7 @@ def smollm2_default(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_swa16(smollm2_gguf):
     """SmolLM2 (float32) with ``sliding_window=16``: every layer sliding-window, so the full pool
-    holds no layers (test_hybrid_engine.py, tests/disagg/test_hybrid_workers.py)."""
+    holds no layers (test_hybrid_engine.py, tests/worker/test_hybrid_workers.py)."""
     from tandem.engine.loader import load_model
 
     with _hf_gguf_load():

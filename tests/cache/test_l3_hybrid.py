@@ -2,7 +2,7 @@
 pages, and a match continued into the store ends only where the components' vote accepts it.
 
 Real tensors on the CPU, an in-memory store (the real Mooncake master and real hybrid engines:
-tests/disagg/test_l3_hybrid_engines.py). Every pool's row of a token holds a number naming the
+tests/worker/test_l3_hybrid_engines.py). Every pool's row of a token holds a number naming the
 token's whole prefix (``val``), a state row the number of the prefix before its checkpoint, so a
 value read into the wrong place, or for another prefix, shows up as a wrong number. Every operation runs the cache's invariant recount (debug_invariants) and the
 tests end with the exact ownership check of every pool (full, SWA, state, host ones).

@@ -4,7 +4,7 @@ Oracle: every request's greedy tokens and streamed text equal an uncontended run
 was backed up to the host and restored, with the cache's and the engine's ownership invariants
 checked after every step. The recompute path, aborts while retracted, victims and the forced
 lever are pinned without a model in test_scheduler_fake.py; both paths run through a real 1P+1D
-cluster in tests/disagg/test_retraction_cluster.py."""
+cluster in tests/cluster/test_retraction_cluster.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """lm-evaluation-harness against Tandem (issue 41): its ``local-completions`` model talks to the front
-door over a real 1 prefill + 1 decode cluster (Ray actors, NIXL, SmolLM2 in float32), with a
+door over a real 1 prefill + 1 decode cluster (Ray actors, NIXL, SmolLM2 in float32: the worker set
+these modules share, tests/cluster/shared/conftest.py), with a
 tokenizer made from the GGUF; the reference is lm-eval's own ``hf`` model on the same weights
 (transformers, float32).
 
-The tasks live in tests/disagg/lm_eval_tasks/ over a local JSON-lines file (``dataset_path: json``,
+The tasks live in tests/cluster/shared/lm_eval_tasks/ over a local JSON-lines file (``dataset_path: json``,
 ``data_files`` relative to that directory, which the tests run from), with the hub offline:
 - ``tandem_capitals_mc``: multiple choice, i.e. loglikelihood requests, which local-completions
   answers from ``echo`` + ``logprobs`` (the prompt's logprobs computed by the prefill worker and
@@ -21,8 +22,6 @@ import pytest
 ray = pytest.importorskip("ray")
 lm_eval = pytest.importorskip("lm_eval")
 
-from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
-
 from serve_support import Server  # noqa: E402
 
 # the first test also starts the cluster and loads transformers' model: on the loaded shared box
@@ -30,9 +29,6 @@ from serve_support import Server  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
-ENGINE = EngineConfig(device="cpu", num_threads=1,
-                      cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=8))
-CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=60.0, engine_config=ENGINE)
 TOL = 1e-3
 
 
@@ -62,11 +58,9 @@ def tokenizer_dir(hf_smollm2_tokenizer, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(smollm2, ray_local):
-    from tandem.cluster.launch import launch_disaggregated
-
-    backend = launch_disaggregated(CFG, loaded=smollm2)     # float32, dequantized weights
-    server = Server(backend, CFG)
+def served(smollm2_1p1d):
+    backend = smollm2_1p1d.router()                          # float32, dequantized weights
+    server = Server(backend, smollm2_1p1d.base)
     yield backend, server
     server.stop()
     backend.close()

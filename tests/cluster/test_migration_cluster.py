@@ -55,9 +55,9 @@ def cluster(ray_local, smollm2_default):
 
 
 def _stream(server, topic: str, out: dict, session: str | None = None, key: str | None = None,
-            max_tokens: int = OUT, **sampling) -> None:
+            max_tokens: int = OUT, seen: list | None = None, **sampling) -> None:
     """A streamed chat (greedy unless ``sampling`` says otherwise), its text and finish reason
-    into ``out[key or topic]``."""
+    into ``out[key or topic]``; each chunk's text is appended to ``seen`` as it arrives."""
     text, finish, err = [], None, None
     try:
         s = server.client.chat.completions.create(
@@ -67,6 +67,8 @@ def _stream(server, topic: str, out: dict, session: str | None = None, key: str 
         for ev in s:
             if ev.choices:
                 text.append(ev.choices[0].delta.content or "")
+                if seen is not None:
+                    seen.append(text[-1])
                 finish = ev.choices[0].finish_reason or finish
     except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
         err = repr(e)
@@ -366,11 +368,15 @@ def test_a_target_killed_mid_migration_leaves_the_stream_on_its_source(cluster):
 
     backend, server, want = cluster
     out: dict = {}
-    th = threading.Thread(target=_stream, args=(server, TOPICS[0], out, "kill-target"))
+    seen: list = []
+    th = threading.Thread(target=_stream, args=(server, TOPICS[0], out, "kill-target"), kwargs={"seen": seen})
     th.start()
     rid, src = next(iter(_wait_decoding(backend, 1).items()))
     target = next(w for w in backend.decodes if w.alive and w.name != src)
-    time.sleep(0.3)   # a few tokens in: decoding, not prefilling
+    end = time.monotonic() + 60   # a few tokens in: decoding, not prefilling
+    while len(seen) < 3:
+        assert time.monotonic() < end and th.is_alive(), f"the stream sent {len(seen)} chunks"
+        time.sleep(0.01)
     mover = threading.Thread(target=lambda: httpx.post(server.url + "/admin/migrate",
                                                        params={"rid": rid, "to": target.name}, timeout=60))
     failed0 = _metric(server, "tandem_decode_migrations_total", reason="admin", outcome="failed")

@@ -1,5 +1,5 @@
-"""Test support for tests/disagg: the front door over a backend, served by uvicorn in a thread,
-and the helpers the in-process worker tests share."""
+"""Test support for tests/worker, tests/decode and tests/cluster: the front door over a backend,
+served by uvicorn in a thread, and the helpers the in-process worker tests share."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Responses API and the agent clients on it, against SmolLM2 on 1 prefill + 1 decode Ray worker
-shared by two routers (issue 24): the workers are detached named actors of one namespace, router
-B adopts router A's, and the response store is the namespace's detached actor (cluster/responses.py).
+shared by two routers (issue 24): the workers are detached named actors of one namespace (the worker
+set of tests/cluster/shared/conftest.py), routers A and B both adopt them, and the response store is the namespace's detached actor (cluster/responses.py).
 
 What must hold end to end: the openai SDK's ``responses.create`` / ``responses.stream``; a forced
 function call whose arguments validate, continued on the *other* router with its output by
@@ -24,15 +24,11 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+from support.shared_workers import F32_NAMESPACE, base_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-NS = "responses-e2e"
-ENGINE = EngineConfig(device="cpu", num_threads=1,
-                      cache=CacheConfig(page_size=16, max_total_tokens=8192, max_running_requests=16))
-CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=20.0, engine_config=ENGINE,
-                  worker_lifetime="cluster", ray_namespace=NS)
+CFG = base_config(F32_NAMESPACE)             # the shared workers' own config (tests/support/shared_workers.py)
 M = "smollm2"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
           "required": ["city"], "additionalProperties": False}
@@ -40,21 +36,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 MARKUP = ("<tool", "</", "{", "[TOOL")
 
 
-def _kill_namespace() -> None:
-    for x in ray.util.list_named_actors(all_namespaces=True):
-        if x["namespace"] == NS:
-            try:
-                ray.kill(ray.get_actor(x["name"], namespace=NS))
-            except ValueError:
-                pass
-
-
 @pytest.fixture(scope="module")
-def routers(smollm2, ray_local):
-    from tandem.cluster.launch import launch_disaggregated
-
-    a = launch_disaggregated(CFG, loaded=smollm2)
-    b = launch_disaggregated(CFG)                 # a second router: adopts A's workers and store
+def routers(smollm2_1p1d):
+    a = smollm2_1p1d.router(CFG)
+    b = smollm2_1p1d.router(CFG)                  # a second router: adopts the same workers and store
     servers = {"a": Server(a, CFG, "A"), "b": Server(b, CFG, "B")}
     backends = {"a": a, "b": b}
     yield servers, backends
@@ -62,7 +47,6 @@ def routers(smollm2, ray_local):
         s.stop()
     for be in backends.values():
         be.close()
-    _kill_namespace()
 
 
 def _client(server):

@@ -1,9 +1,9 @@
 """Agent clients against ``tandem serve`` on SmolLM2 (issue 13, phase 2): the engine enforces what
 the front door accepts. Real clients only (openai, openai-agents, langchain-openai, anthropic).
 
-Three servers per module: 1 prefill + 1 decode Ray workers (real NIXL), a colocated engine, and a
-colocated engine with the prefix cache off, all in the default numerics (``smollm2_default``, as
-every Tandem-vs-Tandem oracle: bitwise batch- and prefix-invariant, test_batch_invariance.py). Every greedy check runs on all of them and must give
+Three servers per module: a router over the shared 1 prefill + 1 decode Ray workers (real NIXL;
+tests/cluster/shared/conftest.py), a colocated engine, and a colocated engine with the prefix cache
+off, all on SmolLM2 in float32 (bitwise batch- and prefix-invariant, test_batch_invariance.py). Every greedy check runs on all of them and must give
 the same result: tool calls decoded under the call grammar (``tool_choice`` required / named /
 Anthropic ``any``) that the test then runs, structured output over seeded random JSON schemas that
 ``jsonschema`` accepts, logprobs whose top entry is the sampled token, n = 3 seeded and
@@ -24,11 +24,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from schema_support import object_schema  # noqa: E402
 
-from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+from support.shared_workers import ENGINE, F32_NAMESPACE, base_config  # noqa: E402
 
-ENGINE = EngineConfig(device="cpu", num_threads=1,
-                      cache=CacheConfig(page_size=16, max_total_tokens=8192, max_running_requests=16))
-CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=20.0, engine_config=ENGINE)
+CFG = base_config(F32_NAMESPACE)        # the shared workers (tests/cluster/shared/conftest.py)
 M = "smollm2"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -45,15 +43,14 @@ def _Server(name, backend, cfg):
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2_default, ray_local):
-    from tandem.cluster.launch import launch_disaggregated
+def servers(smollm2, smollm2_1p1d):
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
-    backend = launch_disaggregated(CFG, loaded=smollm2_default)
-    engines = [Engine(ENGINE, loaded=smollm2_default),
+    backend = smollm2_1p1d.router(CFG)
+    engines = [Engine(ENGINE, loaded=smollm2),
                Engine(ENGINE.model_copy(update={"cache": ENGINE.cache.model_copy(
-                   update={"disable_prefix_cache": True})}), loaded=smollm2_default)]
+                   update={"disable_prefix_cache": True})}), loaded=smollm2)]
     out = [_Server("1P+1D", backend, CFG), _Server("colocated", LocalEngineBackend(engines[0]), CFG),
            _Server("colocated, no cache", LocalEngineBackend(engines[1]), CFG)]
     yield out

@@ -44,6 +44,22 @@ def _wait_synced(router, timeout=10.0):
     raise AssertionError("the KV-event feed never synchronised")
 
 
+def _wait_indexed(router, prompts, pages: int, timeout=10.0):
+    """Until ``router``'s KV-event index holds the first ``pages`` pages of every prompt on some
+    worker (what its next turn's routing reads)."""
+    from tandem.core.page_hash import page_hashes
+
+    want = [page_hashes(p, 16)[:pages] for p in prompts]
+    deadline = time.monotonic() + timeout
+    while True:
+        with router.dispatch.lock:
+            held = [max((dev for dev, _ in router.dispatch.state.kv.overlap(h).values()), default=0) for h in want]
+        if min(held) >= pages:
+            return
+        assert time.monotonic() < deadline, f"the router's index holds {held} of the {pages} pages of each prompt"
+        time.sleep(0.05)
+
+
 def test_two_routers_agree_and_a_restarted_router_adopts_the_workers(ray_local):
     a = _launch(_cfg("ha-two"))
     b = c = None
@@ -55,7 +71,7 @@ def test_two_routers_agree_and_a_restarted_router_adopts_the_workers(ray_local):
         first = {s: asyncio.run(_turn(a, f"{s}-1", p, s)) for s, p in sessions.items()}
         assert all(x.finish_reason == "length" and not x.error for x in first.values())
         _wait_synced(b)
-        time.sleep(0.3)                                   # the turns' KV events reach B's index
+        _wait_indexed(b, sessions.values(), 12)           # the turns' KV events reached B's index
         for s, p in sessions.items():                     # the next turn through the other router
             nxt = asyncio.run(_turn(b, f"{s}-2", p + tuple(range(7, 39)), s))
             assert nxt.worker == first[s].worker and nxt.cached_tokens >= 192, (s, nxt, first[s])

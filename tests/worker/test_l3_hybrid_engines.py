@@ -1,5 +1,5 @@
 """The shared L3 tier with real hybrid engines on the CPU (tiny Gemma 3: FULL + SWA; tiny
-Granite-4.0-H: FULL + MAMBA) and a REAL Mooncake master on 127.0.0.1 (tests/disagg/
+Granite-4.0-H: FULL + MAMBA) and a REAL Mooncake master on 127.0.0.1 (tests/worker/
 test_l3_engines.py's fixture and helpers; SmolLM2 there).
 
 Engine A computes the prompts and writes them through to the store (FULL pages, the SWA rows of

@@ -121,7 +121,7 @@ def family(request, tmp_path_factory):
 
 def test_tandem_serve_model_path(family):
     """Gemma 3 colocated, Granite-4.0-H disaggregated (both families run 1P+1D over real NIXL in
-    tests/disagg/test_hybrid_workers.py; here the command line and its startup lines)."""
+    tests/worker/test_hybrid_workers.py; here the command line and its startup lines)."""
     name, path, turns = family
     mode = "colocated" if name == "gemma3" else "disaggregated"
     s = Serve(path, mode)

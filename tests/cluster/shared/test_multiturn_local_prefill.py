@@ -1,6 +1,7 @@
 """Issue 37: a session's later turns on 1P+1D compute only what the cluster does not hold.
 
-A real 1P+1D cluster (Ray, NIXL, SmolLM2 in the default numerics) with the default
+A real 1P+1D cluster (Ray, NIXL, SmolLM2 in float32: the shared workers of
+tests/cluster/shared/conftest.py) with the default
 ``local_prefill_threshold`` (None: the measured cost rule of decode/local_prefill.py) and a
 colocated engine run the same three-turn chat (a shared system prompt, replies cut at
 ``max_tokens``, short user turns). Greedy text must be equal on both; on 1P+1D, turns 2 and 3 may
@@ -19,12 +20,10 @@ from serve_support import Server
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
+from support.shared_workers import ENGINE, F32_NAMESPACE, base_config  # noqa: E402
 
-PAGE = 16
-ENGINE = EngineConfig(device="cpu", num_threads=1,
-                      cache=CacheConfig(page_size=PAGE, max_total_tokens=8192, max_running_requests=8))
-CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=30.0, engine_config=ENGINE)
+PAGE = ENGINE.cache.page_size
+CFG = base_config(F32_NAMESPACE)        # the shared workers (tests/cluster/shared/conftest.py)
 M = "smollm2"
 SYSTEM = ("You are a careful assistant for a small software team. Answer in plain prose, explain "
           "your reasoning briefly, and keep every answer focused on the question that was asked.")
@@ -35,14 +34,13 @@ REPLY = 48
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2_default, ray_local):
-    from tandem.cluster.launch import launch_disaggregated
+def servers(smollm2, smollm2_1p1d):
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
     assert CFG.local_prefill_threshold is None      # the default under test
-    backend = launch_disaggregated(CFG, loaded=smollm2_default)
-    engine = Engine(ENGINE, loaded=smollm2_default)
+    backend = smollm2_1p1d.router(CFG)
+    engine = Engine(ENGINE, loaded=smollm2)
     out = [Server(backend, CFG, "1P+1D"), Server(LocalEngineBackend(engine), CFG, "colocated")]
     yield out
     for s in out:

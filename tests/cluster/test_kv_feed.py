@@ -57,10 +57,13 @@ def test_feed_rebuilds_a_running_workers_index_and_repairs_a_gap(monkeypatch):
         assert _held(index, 3, KEYS) == [2, 3, 1]
         # drop everything the SUB socket delivers for a while: a gap the next message reveals
         real = KVEventFeed._parse
-        dropping = {"on": True}
+        dropping, dropped = {"on": True}, []
 
         def lossy(self, wid, parts):
-            return None if dropping["on"] else real(self, wid, parts)
+            if dropping["on"]:
+                dropped.append(parts)
+                return None
+            return real(self, wid, parts)
 
         monkeypatch.setattr(KVEventFeed, "_parse", lossy)
         time.sleep(0.3)                                   # the slow joiner has joined
@@ -68,7 +71,7 @@ def test_feed_rebuilds_a_running_workers_index_and_repairs_a_gap(monkeypatch):
         cache.evict(100)                                  # everything goes
         cache.insert([1, 2, 3, 4])
         assert pub.seq == 8
-        time.sleep(0.3)
+        assert _wait(lambda: len(dropped) >= 3), len(dropped)   # seq 6-8 arrived and were dropped
         dropping["on"] = False
         cache.insert([6, 6])                              # this one arrives: the gap shows
         assert _wait(lambda: feed.counts["gaps"] == 1)

@@ -1,11 +1,12 @@
-"""Tenants and traces on a real 1 prefill + 1 decode Ray cluster of SmolLM2 (issue 40).
+"""Tenants and traces on a real 1 prefill + 1 decode Ray cluster of SmolLM2 (issue 40): a router of
+its own over the shared workers of tests/cluster/shared/conftest.py.
 
 - Isolation: tenant B's prompt, identical to one tenant A just ran, reports 0 cached tokens
   (the tenant salts the page-hash chain: the radix trees, events and the router's index never
   match across tenants), while each tenant's own repeat hits; a body ``cache_salt`` isolates
   further within a tenant.
-- Traces: the OTLP/HTTP exporter of the router and of each worker sends to a receiver this test
-  runs on 127.0.0.1 (it decodes ExportTraceServiceRequest protobufs); one request that arrives
+- Traces: the OTLP/HTTP exporter of the router and of each worker sends to a receiver on 127.0.0.1
+  (the shared workers' own) (it decodes ExportTraceServiceRequest protobufs); one request that arrives
   with a W3C ``traceparent`` yields, in that one trace, the router's HTTP and routing spans
   (service.name "router"), the prefill and KV-transfer spans of "prefill-0" and the decode span of
   "decode-0", with their token, byte and page counts.
@@ -24,37 +25,29 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
-from otlp_support import Receiver  # noqa: E402
-
 from tandem.core import tracing  # noqa: E402
-from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-ENGINE = EngineConfig(device="cpu", num_threads=1,
-                      cache=CacheConfig(page_size=16, max_total_tokens=8192, max_running_requests=8))
 KEYS = {"acme": "sk-acme-tenant-key", "globex": "sk-globex-tenant-key"}
 PROMPT = ("You are a careful assistant. Here is a long shared document about the history of tea, "
           "its trade routes, and the ceremonies built around it in many countries. ") * 6
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    r = Receiver()
-    yield r
-    r.close()
+def receiver(smollm2_1p1d):
+    assert smollm2_1p1d.receiver is not None              # the module skips without OpenTelemetry
+    return smollm2_1p1d.receiver
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2, ray_local, receiver, tmp_path_factory):
-    from tandem.cluster.launch import launch_disaggregated
-
+def cluster(smollm2_1p1d, receiver, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text("".join(f"- key: {k}\n  tenant: {t}\n  role: user\n" for t, k in KEYS.items()))
-    cfg = ServeConfig(prefill=1, decode=1, transfer_timeout_s=20.0, engine_config=ENGINE,
-                      ray_namespace="tenants-e2e", api_keys=str(keys), otlp_endpoint=receiver.url)
+    cfg = smollm2_1p1d.config(api_keys=str(keys))
+    assert cfg.otlp_endpoint == receiver.url
     assert tracing.setup("router", cfg.otlp_endpoint)        # what run_serve does
-    backend = launch_disaggregated(cfg, loaded=smollm2)
+    backend = smollm2_1p1d.router(cfg)
     server = Server(backend, cfg, "tenants")
     yield server
     server.stop()
