@@ -287,7 +287,12 @@ class Scheduler:
 
     def _plan_admissions(self, plan: StepPlan, budget: int) -> None:
         """(3c) Waiting requests, in the queue policy's order, while budget and rows last."""
-        in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size) if self.policy == "lpm" else None
+        in_step = None
+        if self.kv.cache.retains:   # a prefix being computed is worth waiting for only if it is cached
+            in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size,
+                                     [sr.req.cache_ids for sr in self.running.values()
+                                      if sr.req.computed_len < sr.req.seq_len - 1],
+                                     in_step=self.policy == "lpm")
         for sr in self.admission.order(self.waiting):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
@@ -297,8 +302,8 @@ class Scheduler:
                 continue   # compiling (off the loop), or failed (finished into plan.chunks)
             if self.groups.prefilling_sibling(sr, self.running) is not None:
                 continue   # a sibling computes the shared prompt: hit it in the cache once cached
-            if in_step is not None and in_step.should_wait(sr.req.all_ids):
-                continue   # an earlier request computes the shared prefix this step: hit it next step
+            if in_step is not None and in_step.should_wait(sr.req.cache_ids):
+                continue   # another request computes the shared prefix: hit it once cached
             if not self._admit(sr):
                 break
             self.waiting.remove(sr)
