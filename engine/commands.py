@@ -8,7 +8,9 @@ ids of held KV) and never emits chunks.
     Submit(req, group, on_chunk)       queue a request; on_chunk gets every chunk (engine thread)
     Abort(rid, error)                  finish rid with "abort" wherever it waits, runs or receives
     Activate(rid, first_token, ...)    decode: rid's KV arrived (with prefill's first token, or
-                                       none for a request resumed from another decode worker)
+                                       none for a request resumed from another decode worker);
+                                       prefill: a prompt received only to be cached (no first
+                                       token, no output): it is cached and finishes "stored"
     Migrate(rid, future)               decode: end rid here with "migrated"; its KV is held until
                                        a Release (the new worker copies it first)
     Release(rid)                       prefill: rid's held KV was sent (or will never be): let it go
@@ -46,7 +48,8 @@ class Abort:
 class Activate:
     """The KV of a request in WAITING_FOR_KV landed (no write into it is in flight any more);
     ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked;
-    None for a resumed request (its tokens came with it)."""
+    None for a resumed request (its tokens came with it), and for a fresh one received only to
+    be cached (it finishes "stored", its KV in the cache)."""
 
     rid: str
     first_token: int | None

@@ -52,7 +52,8 @@ from tandem.engine.sched_types import SchedReq, SchedulerObserver, StepPlan, new
 
 log = logging.getLogger(__name__)
 
-_STATUS = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH, "migrated": ReqStatus.MIGRATED}
+_STATUS = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH, "migrated": ReqStatus.MIGRATED,
+           "stored": ReqStatus.FINISHED_STOP}
 
 
 class Scheduler:
@@ -161,6 +162,10 @@ class Scheduler:
                 self.running[r.rid] = sr
                 self.kv.cache_prefix(sr)             # the received prompt is shareable now
                 return None if tok is None else self._on_token(sr, tok, sampled=False, logprob=lp)
+            case Activate(first_token=None) if r.status is ReqStatus.WAITING_FOR_KV and not r.output_ids:
+                del self.detached[r.rid]             # a prompt received only to be cached here
+                self.kv.cache_prefix(sr)
+                return self._finish(sr, "stored", "")
             case Release() if r.finished:
                 del self.detached[r.rid]
                 self.kv.release(sr)

@@ -1,0 +1,144 @@
+"""Issue 37, means (b): a finished decode's sequence reaches the prefill worker that serves the
+session's next turn (decode/reply_push.py -> prefill/store.py), so a turn whose new part goes to
+the prefill worker computes only its new tokens there, not the previous reply again.
+
+PrefillWorker + DecodeWorker in one process (no Ray): real engines, real NIXL, SmolLM2. Every
+prompt goes to the prefill worker (``local_prefill_threshold=0``: means (a) off, so what is
+measured is the push alone). Greedy text equals a colocated engine's over three turns; each
+later turn computes (the prefill engine's ``prompt_tokens_computed``) at most its new tokens plus
+one page; both pools return to baseline. With the fault lever ``debug_push_fault="fail"`` the push
+moves nothing and frees its reservation: the next turn recomputes the reply, still equal text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.core.config import CacheConfig, EngineConfig
+from tandem.core.types import SamplingParams
+
+PAGE = 4
+CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=2048,
+                                                                  max_running_requests=4))
+SYSTEM = "You are a concise assistant. Answer in two or three sentences."
+USERS = ("What is a hash map?", "And a balanced search tree?", "Which one suits a cache better?")
+REPLY = 24
+
+
+class PushClient:
+    """The real prefill worker as decode's PrefillClient, including the reply push's ``store``
+    (it calls back the decode worker's ``push_out``, as the Ray actors do)."""
+
+    def __init__(self, prefill, decode):
+        self.w, self.d, self.name = prefill, decode, prefill.name
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
+
+    async def abort(self, rid, reason):
+        await self.w.abort(rid, reason)
+
+    async def store(self, req_wire):
+        return await self.w.store(req_wire, self)
+
+    async def push_source(self, req_wire, xfer, dst_prefix_len):
+        return await self.d.push_out(req_wire, xfer, dst_prefix_len)
+
+
+class _Source:
+    def __init__(self, client):
+        self.name, self.client = client.d.name, client
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        return await self.client.push_source(req_wire, xfer, dst_prefix_len)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2_default, loop):
+    from tandem.decode.worker import DecodeWorker
+    from tandem.engine.engine import Engine
+    from tandem.prefill.worker import PrefillWorker
+
+    async def make():
+        p = PrefillWorker("rp-prefill", CFG, loaded=smollm2_default, transfer_timeout_s=20)
+        d = DecodeWorker("rp-decode", CFG, loaded=smollm2_default, transfer_timeout_s=20,
+                         local_prefill_threshold=0)
+        p.add_peer(d.handshake())
+        d.add_peer(p.handshake())
+        return p, d
+
+    p, d = loop.run_until_complete(make())
+    col = Engine(CFG, loaded=smollm2_default)
+    yield p, d, col
+    for w in (p, d):
+        w.close()
+    col.shutdown()
+
+
+def run(loop, coro):
+    return loop.run_until_complete(asyncio.wait_for(coro, 300))
+
+
+def _computed(engine) -> int:
+    return engine.stats()["prompt_tokens_computed"]
+
+
+def _session(p, d, col, loop, tag: str) -> list[tuple[list[int], int, int]]:
+    """Three turns through ``d`` (prefilled by ``p``) and through ``col``: per turn (decode's
+    tokens, the prompt's new tokens, what the prefill engine computed); asserts equal text."""
+    from serve_support import at_baseline, collect
+
+    client = PushClient(p, d)
+    client.store = lambda wire: p.store(wire, _Source(client))
+    tok = col.tokenizer
+    messages = [{"role": "system", "content": SYSTEM}]
+    out, prev = [], 0
+    for i, user in enumerate(USERS):
+        messages.append({"role": "user", "content": f"{user} ({tag})"})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        params = SamplingParams(max_tokens=REPLY)
+        want = col.generate(list(ids), params).token_ids
+        before = _computed(p.engine)
+        greq = col.make_request(list(ids), params, rid=f"{tag}-{i}", session_id=tag)
+        chunks = run(loop, collect(d.generate(greq, client)))
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == want and chunks[-1].error is None, (i, chunks[-1])
+        run(loop, d.drain())                          # the push runs off the critical path
+        out.append((got, len(ids) - prev, _computed(p.engine) - before))
+        prev = len(ids) + len(got)
+        messages.append({"role": "assistant", "content": tok.decode(got)})
+    run(loop, at_baseline(p, d))
+    return out
+
+
+def test_a_later_turn_computes_only_its_new_tokens_on_the_prefill_worker(workers, loop):
+    p, d, col = workers
+    stored = p.counts["stored_tokens"]
+    turns = _session(p, d, col, loop, "push")
+    for got, new, computed in turns[1:]:
+        assert 0 < new < REPLY + 40
+        assert computed <= new + PAGE, turns
+    assert p.counts["stored_tokens"] - stored >= 2 * (REPLY - PAGE)
+    assert d.counts["pushed"] >= 3
+
+
+def test_a_failed_push_costs_a_recompute_not_a_wrong_token(workers, loop):
+    p, d, col = workers
+    failed = p.counts["store_failed"]
+    d.debug_push_fault = "fail"
+    try:
+        turns = _session(p, d, col, loop, "fault")
+    finally:
+        d.debug_push_fault = ""
+    assert p.counts["store_failed"] - failed == 3
+    for got, new, computed in turns[1:]:
+        assert computed >= new + REPLY - PAGE, turns     # the previous reply was computed again
