@@ -1,14 +1,16 @@
 """Issue 37: the agent workload with long replies on colocated and 1P+1D serving, before and after
-local prefill on the decode worker.
+local prefill on the decode worker (means a) and the reply push to the prefill worker (means b).
 
 Three configurations, each a fresh ``tandem serve`` subprocess (bench/agent_cache.py ``Server``)
 running the same seeded agent workload (loadtest/loadgen), one after another:
 
 - ``colocated``        ``--mode colocated``
-- ``1p1d-before``      ``--mode disaggregated --prefill 1 --decode 1 --local-prefill-threshold 0``
-                       (every prompt prefilled on the prefill worker: the path before issue 37)
-- ``1p1d-after``       the same with the default (the measured cost rule, decode/local_prefill.py)
-- ``2p2d``             ``--prefill 2 --decode 2``, the default (only with ``--configs``)
+- ``1p1d-before``      ``--mode disaggregated --prefill 1 --decode 1 --local-prefill-threshold 0
+                       --reply-push off`` (every prompt prefilled on the prefill worker, which never
+                       holds a reply: the path before issue 37)
+- ``1p1d-local``       ``--reply-push off``: means (a) alone (the measured cost rule, decode/local_prefill.py)
+- ``1p1d-after``       the defaults: means (a) and (b) (decode/reply_push.py)
+- ``2p2d``             ``--prefill 2 --decode 2``, the defaults
 
 Reported per configuration and turn (loadtest/loadgen/report.py ``by_turn``): prompt tokens
 computed (prompt - cached, from the usage) against the ideal (turn t > 0: its new tokens only),
@@ -34,11 +36,12 @@ from tandem.bench.common import bench_parser, write_report
 CONFIGS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated"],
     "1p1d-before": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-                    "--local-prefill-threshold", "0"],
+                    "--local-prefill-threshold", "0", "--reply-push", "off"],
+    "1p1d-local": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--reply-push", "off"],
     "1p1d-after": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"],
     "2p2d": ["--mode", "disaggregated", "--prefill", "2", "--decode", "2"],
 }
-DEFAULT_CONFIGS = ("colocated", "1p1d-before", "1p1d-after")
+DEFAULT_CONFIGS = ("colocated", "1p1d-before", "1p1d-local", "1p1d-after", "2p2d")
 
 
 def _metrics(url: str) -> dict:

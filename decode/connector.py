@@ -69,13 +69,16 @@ class DecodeConnector(ReceivingConnector):
 
     def finished(self, sr: SchedReq, reason: str) -> bool:
         """Holds the KV of a request that migrated (until the new worker has copied it), and of
-        one marked :meth:`hold` that finished normally (until its push ended)."""
+        one marked :meth:`hold` that finished normally (until its push ended; its sequence is
+        cached now, so later requests here hit it while it is held)."""
         self.forget(sr.rid)
         with self._lock:
             held = sr.rid in self._hold and reason in ("stop", "length")
             self._hold.discard(sr.rid)
             if held:
                 self._held.add(sr.rid)
+        if held:
+            self.kv.cache_prefix(sr)
         return held or reason == "migrated"
 
     # -- helpers (any thread: the reserved pages are the request's alone) -------------------------

@@ -24,6 +24,7 @@ from typing import Protocol
 from tandem.core.messages import GenerateRequest
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
+from tandem.worker.kv_regions import KV
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class StoreClient(Protocol):
 class ReplyPush:
     reply_push: bool
     debug_push_fault: str
+    _pushes: dict   # session id -> its push in flight (asyncio.Task)
 
     def _push_wanted(self, greq: GenerateRequest, prefill) -> bool:
         """Whether ``greq``'s sequence goes to ``prefill`` once it finished normally."""
@@ -55,11 +57,28 @@ class ReplyPush:
         if not self.handle.connector.unhold(greq.rid):
             return
         seq = tuple(greq.prompt_ids) + tuple(out_ids[:-1])    # the last token has no KV
+        if len(seq) % self.page_size and set(self.regions) != {KV}:
+            # hybrid: only the state at the sequence's end moves, and a cache keeps a state
+            # checkpoint only at a page boundary; the next turn is prefilled here instead
+            self.release_frozen(greq.rid)
+            self.counts["push_skipped"] += 1
+            return
         self._frozen[greq.rid] = asyncio.get_running_loop().call_later(
             2 * self.transfer_timeout_s, self.release_frozen, greq.rid)
         task = asyncio.ensure_future(self._push(greq, seq, prefill))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        if greq.session_id is not None:
+            self._pushes[greq.session_id] = task
+            task.add_done_callback(lambda t: self._pushes.get(greq.session_id) is t
+                                   and self._pushes.pop(greq.session_id))
+
+    async def _push_settled(self, greq: GenerateRequest) -> None:
+        """Before routing ``greq``: its session's push still in flight ends first (bounded by
+        the transfer timeout), so the turn sees what the push moved."""
+        task = self._pushes.get(greq.session_id) if greq.session_id is not None else None
+        if task is not None and not task.done():
+            await asyncio.wait([task], timeout=self.transfer_timeout_s)
 
     async def _push(self, greq: GenerateRequest, seq: tuple[int, ...], prefill: StoreClient) -> None:
         wire = GenerateRequest(greq.rid, seq, session_id=greq.session_id, tenant=greq.tenant,

@@ -129,6 +129,7 @@ class DecodeWorker(ReplyPush, MigrationSource, RoleWorker):
         if debug_push_fault not in PUSH_FAULTS:
             raise ValueError(f"debug_push_fault must be one of {PUSH_FAULTS}, got {debug_push_fault!r}")
         self.reply_push, self.debug_push_fault = reply_push, debug_push_fault
+        self._pushes = {}
         self.kv_publisher = None
         if engine is None:
             engine, self.kv_publisher = role_engine(name, "decode", DecodeConnector, config, loaded=loaded,
@@ -150,7 +151,7 @@ class DecodeWorker(ReplyPush, MigrationSource, RoleWorker):
                        "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
                        "kv_bytes_received": 0, "migrated_out": 0, "migrated_in": 0,
                        "migration_bytes": 0, "migration_reused_tokens": 0,
-                       "pushed": 0, "push_failed": 0, "pushed_tokens": 0}
+                       "pushed": 0, "push_failed": 0, "push_skipped": 0, "pushed_tokens": 0}
         self._groups = GroupGates()   # n > 1: the prompt's KV moves once per group (decode/groups.py)
         self.last_timings: dict = {}
         m = self.metrics
@@ -204,6 +205,7 @@ class DecodeWorker(ReplyPush, MigrationSource, RoleWorker):
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         await self.handle.check_constraint(greq.params)   # a grammar that cannot compile: 400
         n = len(greq.prompt_ids)
+        await self._push_settled(greq)   # the session's previous reply is where it is going
         remote = prefill is not None and prefill.name in self.agent.peers
         if remote and self.local_prefill_threshold != 0 and greq.resume is None:
             remote = not await self._prefill_here(greq, prefill.name)

@@ -56,8 +56,32 @@ def _computed(*workers) -> int:
     return sum(w.engine.scheduler.stats["prompt_tokens_computed"] for w in workers)
 
 
+class _PushClient(LocalClient):
+    """LocalClient with the reply push's ``store`` (decode/reply_push.py): the prefill worker
+    reserves and calls back the decode worker's ``push_out``, as the Ray actors do."""
+
+    def __init__(self, worker, decode):
+        super().__init__(worker)
+        self.decode = decode
+
+    async def store(self, req_wire):
+        return await self.w.store(req_wire, self)
+
+    async def push_source(self, req_wire, xfer, dst_prefix_len):
+        return await self.decode.push_out(req_wire, xfer, dst_prefix_len)
+
+
+class _Source:
+    def __init__(self, client):
+        self.name, self.prefill = client.decode.name, client.push_source
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["local", "push"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(family, loop, page_size):
+def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(family, loop, page_size, push):
+    """``push``: the prefill worker is given each finished reply (means b); a later turn then
+    goes to it and computes only its new tokens there, or (a hybrid sequence that ends
+    off a page boundary is not pushed) is prefilled on the decode worker."""
     from tandem.decode.worker import DecodeWorker
     from tandem.prefill.worker import PrefillWorker
 
@@ -66,9 +90,9 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
     cfg = hybrid_engine_config(page_size=page_size)
 
     async def make():
-        p = PrefillWorker(f"mt-{name}{page_size}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
-        d = DecodeWorker(f"mt-{name}{page_size}-decode", cfg, loaded=loaded, transfer_timeout_s=20,
-                         local_prefill_threshold=None)
+        p = PrefillWorker(f"mt-{name}{page_size}{push}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
+        d = DecodeWorker(f"mt-{name}{page_size}{push}-decode", cfg, loaded=loaded, transfer_timeout_s=20,
+                         local_prefill_threshold=None, reply_push=push)
         p.add_peer(d.handshake())
         d.add_peer(p.handshake())
         return p, d
@@ -80,7 +104,11 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
             for t in range(3):
                 before = _computed(p, d)
                 greq = GenerateRequest(f"mt{t}", tuple(ids), _params())
-                chunks = await collect(d.generate(greq, LocalClient(p)))
+                client = _PushClient(p, d) if push else LocalClient(p)
+                if push:
+                    client.store = (lambda c: lambda wire: p.store(wire, _Source(c)))(client)
+                chunks = await collect(d.generate(greq, client))
+                await d.drain()   # the push runs off the critical path
                 assert chunks[-1].error is None, chunks[-1].error
                 got.append([x for c in chunks for x in c.token_ids])
                 computed.append(_computed(p, d) - before)
@@ -93,7 +121,11 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
 
         got, computed = loop.run_until_complete(session())
         assert got == ref
-        assert d.counts["remote"] == 1 and d.counts["local"] == 2, d.counts
+        if push:   # turn 0's sequence (page-aligned at both page sizes) was pushed: turn 1 went remote
+            assert d.counts["pushed"] + d.counts["push_skipped"] == 3 and d.counts["pushed"] >= 1, d.counts
+            assert d.counts["remote"] >= 2 and p.counts["stored_tokens"] > 0, (d.counts, p.counts)
+        else:
+            assert d.counts["remote"] == 1 and d.counts["local"] == 2, d.counts
         for t in (1, 2):
             assert computed[t] <= len(NEW[t - 1]) + page_size, (computed, page_size)
     finally:

@@ -24,7 +24,8 @@ from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E
 PAGE = 16
 ENGINE = EngineConfig(device="cpu", num_threads=1,
                       cache=CacheConfig(page_size=PAGE, max_total_tokens=8192, max_running_requests=8))
-CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=30.0, engine_config=ENGINE)
+CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=30.0, engine_config=ENGINE,
+                  reply_push="off")   # means (a) alone; the push: tests/cluster/test_reply_push_cluster.py
 M = "smollm2"
 SYSTEM = ("You are a careful assistant for a small software team. Answer in plain prose, explain "
           "your reasoning briefly, and keep every answer focused on the question that was asked.")
