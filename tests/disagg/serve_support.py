@@ -26,6 +26,26 @@ class LocalClient:
         await self.w.abort(rid, reason)
 
 
+class PushClient(LocalClient):
+    """LocalClient with the reply push's ``store`` (decode/reply_push.py): the prefill worker
+    reserves pages and calls back the decode worker's ``push_out``, as the Ray actors do."""
+
+    def __init__(self, worker, decode):
+        super().__init__(worker)
+        self.source = _PushSource(decode)
+
+    async def store(self, req_wire):
+        return await self.w.store(req_wire, self.source)
+
+
+class _PushSource:
+    def __init__(self, decode):
+        self.decode, self.name = decode, decode.name
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        return await self.decode.push_out(req_wire, xfer, dst_prefix_len)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,7 @@ from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 
 from hf_hybrid_support import hybrid_engine_config  # noqa: E402
-from serve_support import at_baseline, collect  # noqa: E402
+from serve_support import PushClient, at_baseline, collect  # noqa: E402
 from test_hybrid_workers import family, loop  # noqa: E402,F401  (the module's fixtures: tiny models, one loop)
 from test_workers import LocalClient  # noqa: E402
 
@@ -56,26 +56,6 @@ def _computed(*workers) -> int:
     return sum(w.engine.scheduler.stats["prompt_tokens_computed"] for w in workers)
 
 
-class _PushClient(LocalClient):
-    """LocalClient with the reply push's ``store`` (decode/reply_push.py): the prefill worker
-    reserves and calls back the decode worker's ``push_out``, as the Ray actors do."""
-
-    def __init__(self, worker, decode):
-        super().__init__(worker)
-        self.decode = decode
-
-    async def store(self, req_wire):
-        return await self.w.store(req_wire, self)
-
-    async def push_source(self, req_wire, xfer, dst_prefix_len):
-        return await self.decode.push_out(req_wire, xfer, dst_prefix_len)
-
-
-class _Source:
-    def __init__(self, client):
-        self.name, self.prefill = client.decode.name, client.push_source
-
-
 @pytest.mark.parametrize("push", [False, True], ids=["local", "push"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(family, loop, page_size, push):
@@ -104,10 +84,7 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
             for t in range(3):
                 before = _computed(p, d)
                 greq = GenerateRequest(f"mt{t}", tuple(ids), _params())
-                client = _PushClient(p, d) if push else LocalClient(p)
-                if push:
-                    client.store = (lambda c: lambda wire: p.store(wire, _Source(c)))(client)
-                chunks = await collect(d.generate(greq, client))
+                chunks = await collect(d.generate(greq, PushClient(p, d) if push else LocalClient(p)))
                 await d.drain()   # the push runs off the critical path
                 assert chunks[-1].error is None, chunks[-1].error
                 got.append([x for c in chunks for x in c.token_ids])

@@ -27,34 +27,6 @@ USERS = ("What is a hash map?", "And a balanced search tree?", "Which one suits 
 REPLY = 24
 
 
-class PushClient:
-    """The real prefill worker as decode's PrefillClient, including the reply push's ``store``
-    (it calls back the decode worker's ``push_out``, as the Ray actors do)."""
-
-    def __init__(self, prefill, decode):
-        self.w, self.d, self.name = prefill, decode, prefill.name
-
-    async def prefill(self, req_wire, xfer, dst_prefix_len):
-        return await self.w.prefill(req_wire, xfer, dst_prefix_len)
-
-    async def abort(self, rid, reason):
-        await self.w.abort(rid, reason)
-
-    async def store(self, req_wire):
-        return await self.w.store(req_wire, self)
-
-    async def push_source(self, req_wire, xfer, dst_prefix_len):
-        return await self.d.push_out(req_wire, xfer, dst_prefix_len)
-
-
-class _Source:
-    def __init__(self, client):
-        self.name, self.client = client.d.name, client
-
-    async def prefill(self, req_wire, xfer, dst_prefix_len):
-        return await self.client.push_source(req_wire, xfer, dst_prefix_len)
-
-
 @pytest.fixture(scope="module")
 def loop():
     lp = asyncio.new_event_loop()
@@ -95,10 +67,9 @@ def _computed(engine) -> int:
 def _session(p, d, col, loop, tag: str) -> list[tuple[list[int], int, int]]:
     """Three turns through ``d`` (prefilled by ``p``) and through ``col``: per turn (decode's
     tokens, the prompt's new tokens, what the prefill engine computed); asserts equal text."""
-    from serve_support import at_baseline, collect
+    from serve_support import PushClient, at_baseline, collect
 
     client = PushClient(p, d)
-    client.store = lambda wire: p.store(wire, _Source(client))
     tok = col.tokenizer
     messages = [{"role": "system", "content": SYSTEM}]
     out, prev = [], 0
