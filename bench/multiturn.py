@@ -15,7 +15,8 @@ running the same seeded agent workload (loadtest/loadgen), one after another:
 Reported per configuration and turn (loadtest/loadgen/report.py ``by_turn``): prompt tokens
 computed (prompt - cached, from the usage) against the ideal (turn t > 0: its new tokens only),
 TTFT p50 and mean; and the cluster's own ``tandem_worker_prompt_tokens_computed_total`` over the
-whole run, and the router's ``tandem_route_cached_tokens_error`` (the share of requests within
+whole run, the tokens the reply push stored on prefill workers
+(``tandem_prefill_stored_tokens_total``), and the router's ``tandem_route_cached_tokens_error`` (the share of requests within
 one page). Prints a table and writes JSON to ``--out`` (default bench/out/multiturn.json).
 
     .venv/bin/python -m tandem.bench.multiturn [--num-sessions 3] [--turns 3] [--max-tokens 256]
@@ -50,8 +51,12 @@ def _metrics(url: str) -> dict:
     return parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
 
 
+def _total(m: dict, metric: str) -> float:
+    return sum(v for (name, _), v in m.items() if name == metric)
+
+
 def _computed_total(m: dict) -> float:
-    return sum(v for (name, _), v in m.items() if name == "tandem_worker_prompt_tokens_computed_total")
+    return _total(m, "tandem_worker_prompt_tokens_computed_total")
 
 
 def _route_error(before: dict, after: dict) -> dict[str, float]:
@@ -91,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             records, model = asyncio.run(_run_workload(srv.url, workload, args))
             after = _metrics(srv.url)
         computed = _computed_total(after) - _computed_total(before)
+        stored = _total(after, "tandem_prefill_stored_tokens_total") - _total(before, "tandem_prefill_stored_tokens_total")
         s = summarize(records)
         results[name] = {"flags": CONFIGS[name], "model": model, "ok": s["ok"], "requests": s["requests"],
-                         "worker_prompt_tokens_computed": computed, "by_turn": by_turn(records),
+                         "worker_prompt_tokens_computed": computed, "prefill_stored_tokens": stored,
+                         "by_turn": by_turn(records),
                          "route_cached_tokens_error": _route_error(before, after),
                          "records": [r.to_json() for r in records]}
         print(f"[{name}] {s['ok']}/{s['requests']} ok; workers computed {computed:.0f} prompt tokens",
@@ -103,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nagent workload ({workload.notes}; max_tokens {args.max_tokens}, temperature 0)")
     for name, r in results.items():
         print(f"\n{name}: {r['ok']}/{r['requests']} ok, workers computed "
-              f"{r['worker_prompt_tokens_computed']:.0f} prompt tokens (warm-up included)")
+              f"{r['worker_prompt_tokens_computed']:.0f} prompt tokens (warm-up included); reply push "
+              f"stored {r['prefill_stored_tokens']:.0f} tokens on prefill workers")
         print(format_turns(r["by_turn"]))
         e = r["route_cached_tokens_error"]
         if e["requests"]:
