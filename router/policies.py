@@ -191,10 +191,14 @@ def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
 
 def predicted_cached(state: "RouterState", req: RouteRequest, dec: Decision) -> int:
     """Prompt tokens the chosen pair is predicted to reuse: the policy's prefill match, or what
-    the exact KV-event index says the decode worker holds when that is more (a decode worker
-    prefills a session's later turn itself when it holds the previous reply: decode/README.md)."""
+    the exact KV-event index says the decode worker holds when it prefills the prompt itself:
+    decode/local_prefill.py's rule without its overhead term (the part left to compute,
+    ``n - held``, at most what the prefill worker would compute again, ``held - matched``)."""
     held = _exact(state, req).get(dec.decode_worker, 0) if dec.decode_worker >= 0 else 0
-    return max(dec.matched_tokens, _matched_tokens(req, held))
+    decode = _matched_tokens(req, held)
+    if decode > dec.matched_tokens and req.prompt_tokens - decode <= decode - dec.matched_tokens:
+        return decode
+    return dec.matched_tokens
 
 
 # -- policies ------------------------------------------------------------------------------------

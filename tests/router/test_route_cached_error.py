@@ -53,3 +53,15 @@ def test_a_later_turn_is_predicted_from_the_decode_workers_blocks():
     d.reused(r2, 96)                                           # the prefill worker's hit instead
     n1, s1 = _observed()
     assert (n1 - n0, s1 - s0) == (3, 48)
+
+
+def test_a_cold_prompt_is_predicted_from_the_prefill_worker_it_goes_to():
+    """The decode worker holds a short shared opening the prefill worker lacks: the rest is too
+    long for it to prefill itself (decode/local_prefill.py), so the prefill worker's match is
+    what the pair reuses."""
+    d = _dispatcher()
+    opening = list(range(1, 33))
+    with d.lock:
+        d.state.kv.apply(KVEvent(10, "stored", tuple(block_hashes(opening, PAGE)), len(opening)))
+    r = d.route(_req("cold", opening + list(range(600, 800))))
+    assert (r.decode, r.decision.matched_tokens, r.predicted_cached) == (10, 0, 0)
