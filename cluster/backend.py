@@ -162,6 +162,7 @@ class RayClusterBackend(ClusterObservability):
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         t_route = time.time()
         r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
+        await self.dispatch.wait_ahead(r, self.cfg.transfer_timeout_s)   # a sharer routed first goes first
         if req.trace:
             self._trace_route(req, r, t_route)
         client_rid, excluded, died = req.rid, set(), False

@@ -189,6 +189,14 @@ def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
     return _matched_tokens(req, state.kv.known_prefix(hashes) * c.kv_block_size)
 
 
+def held_tokens(state: "RouterState", req: RouteRequest, worker: int) -> int | None:
+    """Prompt tokens ``worker`` reported holding of the request (the exact KV-event index), or
+    None when no event has fed the index."""
+    if not state.kv.num_blocks():
+        return None
+    return _matched_tokens(req, _exact(state, req).get(worker, 0))
+
+
 def predicted_cached(state: "RouterState", req: RouteRequest, dec: Decision) -> int:
     """Prompt tokens the chosen pair is predicted to reuse: the policy's prefill match, or what
     the exact KV-event index says the decode worker holds when it prefills the prompt itself:
