@@ -198,15 +198,17 @@ def held_tokens(state: "RouterState", req: RouteRequest, worker: int) -> int | N
 
 
 def predicted_cached(state: "RouterState", req: RouteRequest, dec: Decision) -> int:
-    """Prompt tokens the chosen pair is predicted to reuse: the policy's prefill match, or what
-    the exact KV-event index says the decode worker holds when it prefills the prompt itself:
+    """Prompt tokens the chosen pair is predicted to reuse: the prefill worker's match (the
+    policy's, or the exact KV-event index's when more: a pushed reply, decode/reply_push.py), or
+    what that index says the decode worker holds when it prefills the prompt itself:
     decode/local_prefill.py's rule without its overhead term (the part left to compute,
     ``n - held``, at most what the prefill worker would compute again, ``held - matched``)."""
-    held = _exact(state, req).get(dec.decode_worker, 0) if dec.decode_worker >= 0 else 0
-    decode = _matched_tokens(req, held)
-    if decode > dec.matched_tokens and req.prompt_tokens - decode <= decode - dec.matched_tokens:
+    exact = _exact(state, req)
+    prefill = max(dec.matched_tokens, _matched_tokens(req, exact.get(dec.prefill_worker, 0)))
+    decode = _matched_tokens(req, exact.get(dec.decode_worker, 0)) if dec.decode_worker >= 0 else 0
+    if decode > prefill and req.prompt_tokens - decode <= decode - prefill:
         return decode
-    return dec.matched_tokens
+    return prefill
 
 
 # -- policies ------------------------------------------------------------------------------------
