@@ -46,6 +46,22 @@ class _PushSource:
         return await self.decode.push_out(req_wire, xfer, dst_prefix_len)
 
 
+def peered_workers(loop, name: str, cfg, loaded, **decode_kw):
+    """A PrefillWorker and a DecodeWorker (``decode_kw``: its options) of ``cfg``, peered, made
+    on ``loop`` (their agents and tasks live there)."""
+    from tandem.decode.worker import DecodeWorker
+    from tandem.prefill.worker import PrefillWorker
+
+    async def make():
+        p = PrefillWorker(f"{name}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
+        d = DecodeWorker(f"{name}-decode", cfg, loaded=loaded, transfer_timeout_s=20, **decode_kw)
+        p.add_peer(d.handshake())
+        d.add_peer(p.handshake())
+        return p, d
+
+    return loop.run_until_complete(make())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

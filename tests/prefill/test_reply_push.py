@@ -28,32 +28,18 @@ REPLY = 24
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def workers(smollm2_default, loop):
-    from tandem.decode.worker import DecodeWorker
+def workers(smollm2_default):
+    from serve_support import peered_workers
     from tandem.engine.engine import Engine
-    from tandem.prefill.worker import PrefillWorker
 
-    async def make():
-        p = PrefillWorker("rp-prefill", CFG, loaded=smollm2_default, transfer_timeout_s=20)
-        d = DecodeWorker("rp-decode", CFG, loaded=smollm2_default, transfer_timeout_s=20,
-                         local_prefill_threshold=0)
-        p.add_peer(d.handshake())
-        d.add_peer(p.handshake())
-        return p, d
-
-    p, d = loop.run_until_complete(make())
+    loop = asyncio.new_event_loop()
+    p, d = peered_workers(loop, "rp", CFG, smollm2_default, local_prefill_threshold=0)
     col = Engine(CFG, loaded=smollm2_default)
-    yield p, d, col
+    yield p, d, col, loop
     for w in (p, d):
         w.close()
     col.shutdown()
+    loop.close()
 
 
 def run(loop, coro):
@@ -91,8 +77,8 @@ def _session(p, d, col, loop, tag: str) -> list[tuple[list[int], int, int]]:
     return out
 
 
-def test_a_later_turn_computes_only_its_new_tokens_on_the_prefill_worker(workers, loop):
-    p, d, col = workers
+def test_a_later_turn_computes_only_its_new_tokens_on_the_prefill_worker(workers):
+    p, d, col, loop = workers
     stored = p.counts["stored_tokens"]
     turns = _session(p, d, col, loop, "push")
     for got, new, computed in turns[1:]:
@@ -102,8 +88,8 @@ def test_a_later_turn_computes_only_its_new_tokens_on_the_prefill_worker(workers
     assert d.counts["pushed"] >= 3
 
 
-def test_a_failed_push_costs_a_recompute_not_a_wrong_token(workers, loop):
-    p, d, col = workers
+def test_a_failed_push_costs_a_recompute_not_a_wrong_token(workers):
+    p, d, col, loop = workers
     failed = p.counts["store_failed"]
     d.debug_push_fault = "fail"
     try:
