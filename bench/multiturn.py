@@ -1,19 +1,22 @@
 """Issue 37: the agent workload with long replies on colocated and 1P+1D serving, before and after
-local prefill on the decode worker.
+local prefill on the decode worker (means a) and the reply push to the prefill worker (means b).
 
 Three configurations, each a fresh ``tandem serve`` subprocess (bench/agent_cache.py ``Server``)
 running the same seeded agent workload (loadtest/loadgen), one after another:
 
 - ``colocated``        ``--mode colocated``
-- ``1p1d-before``      ``--mode disaggregated --prefill 1 --decode 1 --local-prefill-threshold 0``
-                       (every prompt prefilled on the prefill worker: the path before issue 37)
-- ``1p1d-after``       the same with the default (the measured cost rule, decode/local_prefill.py)
-- ``2p2d``             ``--prefill 2 --decode 2``, the default (only with ``--configs``)
+- ``1p1d-before``      ``--mode disaggregated --prefill 1 --decode 1 --local-prefill-threshold 0
+                       --reply-push off`` (every prompt prefilled on the prefill worker, which never
+                       holds a reply: the path before issue 37)
+- ``1p1d-local``       ``--reply-push off``: means (a) alone (the measured cost rule, decode/local_prefill.py)
+- ``1p1d-after``       the defaults: means (a) and (b) (decode/reply_push.py)
+- ``2p2d``             ``--prefill 2 --decode 2``, the defaults
 
 Reported per configuration and turn (loadtest/loadgen/report.py ``by_turn``): prompt tokens
 computed (prompt - cached, from the usage) against the ideal (turn t > 0: its new tokens only),
 TTFT p50 and mean; and the cluster's own ``tandem_worker_prompt_tokens_computed_total`` over the
-whole run, and the router's ``tandem_route_cached_tokens_error`` (the share of requests within
+whole run, the tokens the reply push stored on prefill workers
+(``tandem_prefill_stored_tokens_total``), and the router's ``tandem_route_cached_tokens_error`` (the share of requests within
 one page). Prints a table and writes JSON to ``--out`` (default bench/out/multiturn.json).
 
     .venv/bin/python -m tandem.bench.multiturn [--num-sessions 3] [--turns 3] [--max-tokens 256] [--kv-store mooncake]
@@ -34,11 +37,12 @@ from tandem.bench.common import bench_parser, write_report
 CONFIGS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated"],
     "1p1d-before": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-                    "--local-prefill-threshold", "0"],
+                    "--local-prefill-threshold", "0", "--reply-push", "off"],
+    "1p1d-local": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--reply-push", "off"],
     "1p1d-after": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"],
     "2p2d": ["--mode", "disaggregated", "--prefill", "2", "--decode", "2"],
 }
-DEFAULT_CONFIGS = ("colocated", "1p1d-before", "1p1d-after")
+DEFAULT_CONFIGS = ("colocated", "1p1d-before", "1p1d-local", "1p1d-after", "2p2d")
 
 
 def _metrics(url: str) -> dict:
@@ -47,8 +51,12 @@ def _metrics(url: str) -> dict:
     return parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
 
 
+def _total(m: dict, metric: str) -> float:
+    return sum(v for (name, _), v in m.items() if name == metric)
+
+
 def _computed_total(m: dict) -> float:
-    return sum(v for (name, _), v in m.items() if name == "tandem_worker_prompt_tokens_computed_total")
+    return _total(m, "tandem_worker_prompt_tokens_computed_total")
 
 
 def _l3_counters(before: dict, after: dict) -> dict[str, float]:
@@ -101,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             records, model = asyncio.run(_run_workload(srv.url, workload, args))
             after = _metrics(srv.url)
         computed = _computed_total(after) - _computed_total(before)
+        stored = _total(after, "tandem_prefill_stored_tokens_total") - _total(before, "tandem_prefill_stored_tokens_total")
         s = summarize(records)
         results[name] = {"flags": CONFIGS[name] + l3, "model": model, "ok": s["ok"], "requests": s["requests"],
-                         "worker_prompt_tokens_computed": computed, "by_turn": by_turn(records),
+                         "worker_prompt_tokens_computed": computed, "prefill_stored_tokens": stored,
+                         "by_turn": by_turn(records),
                          "route_cached_tokens_error": _route_error(before, after),
                          "l3": _l3_counters(before, after) if l3 else None,
                          "records": [r.to_json() for r in records]}
@@ -114,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nagent workload ({workload.notes}; max_tokens {args.max_tokens}, temperature 0)")
     for name, r in results.items():
         print(f"\n{name}: {r['ok']}/{r['requests']} ok, workers computed "
-              f"{r['worker_prompt_tokens_computed']:.0f} prompt tokens (warm-up included)")
+              f"{r['worker_prompt_tokens_computed']:.0f} prompt tokens (warm-up included); reply push "
+              f"stored {r['prefill_stored_tokens']:.0f} tokens on prefill workers")
         print(format_turns(r["by_turn"]))
         e = r["route_cached_tokens_error"]
         if e["requests"]:

@@ -131,7 +131,8 @@ class RayClusterBackend(ClusterObservability):
         if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
         t_route = time.time()
-        r = await self.queue.route(req)
+        r = await self.queue.route(req)  # waits in the deferred queue; raises Overloaded (-> 429)
+        await self.dispatch.wait_ahead(r, self.cfg.transfer_timeout_s)   # a sharer routed first goes first
         if req.trace:
             self._trace_route(req, r, t_route)
         client_rid, excluded, died = req.rid, set(), False

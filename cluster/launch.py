@@ -134,7 +134,8 @@ class Launcher:
             h = DecodeActor.options(**opts).remote(
                 name, decode_engine_config(cfg).model_dump(), cfg.transfer_timeout_s,
                 cfg.local_prefill_threshold, self.weights, cfg.kv_digest, cfg.debug_corrupt_kv,
-                self.kv_events, l3)
+                self.kv_events, l3, reply_push=cfg.reply_push == "on",
+                debug_push_fault="" if cfg.debug_push_fault == "off" else cfg.debug_push_fault)
         return WorkerRef(name, role, slot, h)
 
     def discover(self) -> list[WorkerRef]:

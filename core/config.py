@@ -238,6 +238,12 @@ class ServeConfig(_Strict):
                                                 "a prompt itself when it holds tokens the prefill worker lacks "
                                                 "and the measured cost rule says so (decode/README.md); 0: never; "
                                                 "N: an uncached suffix shorter than N tokens")
+    reply_push: Literal["on", "off"] = Field("on", description="on: a decode worker pushes a finished "
+                                             "request's sequence (prompt and reply) to the prefill worker that "
+                                             "served it, so a session's next turn computes only its new tokens "
+                                             "there (decode/README.md, reply push); off: never")
+    debug_push_fault: Literal["off", "fail"] = Field("off", description="test lever: fail: decode workers "
+                                                     "answer every reply push FAILED without writing")
     decode_max_total_tokens: int | None = Field(None, ge=16, description="device KV tokens per decode worker")
     admission_max_queue: int = Field(64, ge=0, description="a prefill worker with this many requests "
                                      "waiting takes no new ones; all of them past it -> 429")

@@ -30,19 +30,27 @@ class _RayKVSource:
     async def abort(self, rid: str, reason: str) -> None:
         await self.handle.drop_kv.remote(rid, reason)
 
+    async def store(self, req_wire: dict) -> int:
+        """Reply push (decode/reply_push.py): the prefill worker reserves and calls back this
+        decode actor's ``push_kv``; the tokens it received."""
+        me = ray.get_runtime_context().current_actor
+        return await self.handle.store_kv.remote(req_wire, me)
+
 
 @ray.remote
 class DecodeActor(RoleActorMixin):
     def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
                  local_prefill_threshold: int | None, loaded=None, kv_digest: bool = False,
-                 debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None):
+                 debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None,
+                 reply_push: bool = True, debug_push_fault: str = ""):
+        """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         cfg = actor_config(engine_config)
         self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
                                    local_prefill_threshold=local_prefill_threshold,
                                    kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv,
                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
-                                   l3=l3)
-        print(f"tandem: {self.worker.engine.startup_line}", flush=True)
+                                   l3=l3, reply_push=reply_push, debug_push_fault=debug_push_fault)
+        print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
         self.prefills: dict[str, _RayKVSource] = {}
         self.sources: dict[str, _RayKVSource] = {}
         self.leases = RouterLeases()
@@ -77,6 +85,11 @@ class DecodeActor(RoleActorMixin):
     async def drop_kv(self, rid: str, reason: str) -> None:
         """KVSource: no copy of frozen ``rid`` will be asked (:meth:`release_frozen`)."""
         self.worker.release_frozen(rid)
+
+    async def push_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
+        """Reply push: a prefill worker's ``store_kv`` writes a finished sequence's held KV
+        into its pages (decode/reply_push.py ``push_out``); PrefillResult bytes."""
+        return (await self.worker.push_out(req_wire, xfer, dst_prefix_len)).encode()
 
     def release_frozen(self, rid: str) -> None:
         self.worker.release_frozen(rid)

@@ -1,74 +1,85 @@
-"""The decode role's side of the engine: requests whose prompt KV a prefill worker writes."""
+"""The decode role's side of the engine: requests whose prompt KV a prefill worker writes.
+
+:class:`DecodeConnector` is the scheduler's KVConnector on a decode worker (engine/connector.py):
+a request the worker :meth:`~DecodeConnector.expect`-ed is not computed here; the scheduler
+reserves a row, the decode tree's cached prefix (its normal match and component vote) and slots
+for the rest, and the connector turns them into a :class:`Reservation` (worker/receiving.py).
+A request marked :meth:`~DecodeConnector.hold` keeps its KV when it finishes normally (its reply
+is pushed to a prefill worker, then released). :class:`DecodeHandle` is
+how the decode worker (asyncio, another thread) reaches it:
+
+    receive(greq, on_chunk) -> Future[Reservation | None]
+                                queue the request; its Reservation once reserved (None: it
+                                ended first, its final chunk says why)
+    activate(rid, first_token, first_logprob)
+                                the KV landed: decode from here (chunks go to on_chunk); a
+                                resumed request (``greq.resume``) has no first token
+    cancel(rid, why)            free the reserved pages: only once no write into them is in flight
+    page_digest(regions)        digest of the received regions' pages (``--kv-digest``)
+    migrate(rid)                live migration, the source side: end rid here ("migrated", its
+                                stream's last chunk), holding its KV; then held_pages(rid, start)
+                                and release_held(rid) once it was copied to the new worker
+
+For a hybrid model the reservation also names the SWA rows of the window decode keeps past
+``prefix_len`` (the window before it is the tree's own, locked) and the working state row (the
+recurrent state at the prompt's end, never the checkpoint at the hit).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
-from dataclasses import dataclass
 from typing import Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TokenLogprob
 from tandem.engine.commands import Activate, Migrate, Release
-from tandem.engine.connector import KVConnector
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
-from tandem.worker.handle import RoleHandle
 from tandem.worker.held_kv import HeldKV, held_kv
 from tandem.worker.kv_digest import corrupt_page, regions_digest
-from tandem.worker.kv_regions import KV, kv_regions
+from tandem.worker.receiving import ReceivingConnector, ReceivingHandle, Reservation
+
+__all__ = ["DecodeConnector", "DecodeHandle", "Reservation"]
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """Where a prompt's KV must land: positions ``[prefix_len, len(prompt))`` in ``pages``
-    (``prefix_len`` is page-aligned: the decode cache already held that much)."""
-
-    prefix_len: int
-    pages: tuple[int, ...]
-    regions: tuple[RegionPages, ...] = ()
-
-
-class DecodeConnector(KVConnector):
-    """Engine thread, except :meth:`expect` and :meth:`forget` (any thread)."""
+class DecodeConnector(ReceivingConnector):
+    """Engine thread, except :meth:`expect`, :meth:`forget`, :meth:`hold` and :meth:`unhold`
+    (any thread)."""
 
     def __init__(self, engine):
-        self.kv = engine.kv
-        self.regions = kv_regions(engine)
-        self._expected: dict[str, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
+        super().__init__(engine)
+        self._hold: set[str] = set()   # requests whose KV is held when they finish normally
+        self._held: set[str] = set()   # ... that did finish so: held until a Release
 
-    def expect(self, rid: str) -> concurrent.futures.Future:
-        """Before ``rid`` is submitted: a peer writes its prompt. The future gets its Reservation."""
+    def hold(self, rid: str) -> None:
+        """``rid``'s KV is held when it finishes "stop" or "length" (its reply is pushed to a
+        prefill worker, then Released). Call :meth:`unhold` once its stream ended."""
         with self._lock:
-            fut = self._expected[rid] = concurrent.futures.Future()
-        return fut
+            self._hold.add(rid)
 
-    def forget(self, rid: str) -> None:
+    def unhold(self, rid: str) -> bool:
+        """Undo :meth:`hold`; True when ``rid`` already finished held (the caller Releases it)."""
         with self._lock:
-            fut = self._expected.pop(rid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    def receives(self, sr: SchedReq) -> bool:
-        with self._lock:
-            return sr.rid in self._expected
-
-    def reserved(self, sr: SchedReq) -> None:
-        kv, p = self.kv, sr.locked_len
-        pages = kv.pages(sr, p, sr.req.computed_len)   # the reserved end: seq_len, or seq_len - 1 resumed
-        named = {KV: pages, **kv.transfer_rows(sr, p)}
-        regions = tuple(RegionPages(n, ids) for n, ids in named.items() if n in self.regions)
-        with self._lock:
-            fut = self._expected.get(sr.rid)
-        if fut is not None and not fut.done():
-            fut.set_result(Reservation(p, pages, regions))
+            self._hold.discard(rid)
+            if rid in self._held:
+                self._held.discard(rid)
+                return True
+            return False
 
     def finished(self, sr: SchedReq, reason: str) -> bool:
-        """Holds the KV of a request that migrated (until the new worker has copied it)."""
+        """Holds the KV of a request that migrated (until the new worker has copied it), and of
+        one marked :meth:`hold` that finished normally (until its push ended; its sequence is
+        cached now, so later requests here hit it while it is held)."""
         self.forget(sr.rid)
-        return reason == "migrated"
+        with self._lock:
+            held = sr.rid in self._hold and reason in ("stop", "length")
+            self._hold.discard(sr.rid)
+            if held:
+                self._held.add(sr.rid)
+        if held:
+            self.kv.cache_prefix(sr)
+        return held or reason == "migrated"
 
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
         return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
@@ -82,34 +93,15 @@ class DecodeConnector(KVConnector):
                 return
 
 
-class DecodeHandle(RoleHandle):
+class DecodeHandle(ReceivingHandle):
     ROLE, CONNECTOR = "decode", DecodeConnector
     connector: DecodeConnector
-
-    def receive(self, greq: GenerateRequest,
-                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future:
-        """Queue ``greq`` to be filled by a peer; raises InvalidRequest for a prompt this engine
-        can never serve. Chunks (from the first token on) go to ``on_chunk``."""
-        self.check_alive()
-        fut = self.connector.expect(greq.rid)
-        try:
-            self.engine.submit(greq, on_chunk)
-        except BaseException:
-            self.connector.forget(greq.rid)
-            raise
-        return fut
 
     def activate(self, rid: str, first_token: int | None, first_logprob: TokenLogprob | None = None) -> None:
         """Start decoding ``rid`` from prefill's first token (and its logprob when asked). A
         constrained request's grammar continues from it."""
         self.check_alive()
         self.engine.send(Activate(rid, first_token, first_logprob))
-
-    def cancel(self, rid: str, why: str | None) -> None:
-        """End ``rid`` and free its reserved pages (queued or reserved alike). The caller guarantees
-        that no write into them is in flight."""
-        self.connector.forget(rid)
-        self.engine.abort(rid, error=why)
 
     async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
         """Digest of the received ``regions`` (a Reservation's), in their order, hashed on a

@@ -20,6 +20,7 @@ from tandem.decode.connector import DecodeConnector, DecodeHandle, Reservation
 from tandem.decode.groups import GroupGates
 from tandem.decode.local_prefill import PrefillCosts, SentPrefixes, choose_local
 from tandem.decode.migration import FrozenRequests, MigrationSource
+from tandem.decode.reply_push import PUSH_FAULTS, ReplyPush
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.state import TransferState
@@ -77,14 +78,31 @@ class _Job:
         return self.handoff is not None and self.handoff.state is TransferState.DONE
 
 
-class DecodeWorker(MigrationSource, RoleWorker):
+class DecodeWorker(ReplyPush, MigrationSource, RoleWorker):
     role = "decode"
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
                  transfer_timeout_s: float = 30.0, local_prefill_threshold: int | None = 0,
                  agent_opts: dict | None = None, kv_digest: bool = False,
                  debug_corrupt_kv: bool = False, kv_events: bool = False,
-                 kv_events_host: str = "127.0.0.1", l3: dict | None = None):
+                 kv_events_host: str = "127.0.0.1", l3: dict | None = None, reply_push: bool = True,
+                 debug_push_fault: str = ""):
+        """``kv_digest``: ask prefill for a digest of the pages it writes and verify it before
+        decoding. ``debug_corrupt_kv``: test lever, corrupt every received page run before the
+        check (so the digest must catch it). ``kv_events``: the decode cache publishes its KV
+        events too (as prefill's, worker/role_worker.py ``kv_publisher``). ``l3``: the shared L3
+        store's options (cache/tiers/l3/connect.py ``l3_options``), or None.
+
+        ``local_prefill_threshold``: None, the cost rule (decode/local_prefill.py
+        ``choose_local``); 0, every prompt goes to the prefill worker; N > 0, an uncached suffix
+        shorter than N tokens is prefilled here.
+
+        ``reply_push``: a request that finished normally has its sequence's KV pushed to the
+        prefill worker it was given (decode/reply_push.py); ``debug_push_fault``: its test lever."""
+        if debug_push_fault not in PUSH_FAULTS:
+            raise ValueError(f"debug_push_fault must be one of {PUSH_FAULTS}, got {debug_push_fault!r}")
+        self.reply_push, self.debug_push_fault = reply_push, debug_push_fault
+        self._pushes = {}
         self.kv_publisher = None
         if engine is None:
             engine, self.kv_publisher = role_engine(name, "decode", DecodeConnector, config, loaded=loaded,
@@ -105,8 +123,9 @@ class DecodeWorker(MigrationSource, RoleWorker):
         self.counts = {"remote": 0, "local": 0, "ok": 0, "failed": 0, "aborted": 0,
                        "quarantined_tokens": 0, "redispatched": 0, "digest_failures": 0,
                        "kv_bytes_received": 0, "migrated_out": 0, "migrated_in": 0,
-                       "migration_bytes": 0, "migration_reused_tokens": 0}
-        self._groups = GroupGates()
+                       "migration_bytes": 0, "migration_reused_tokens": 0,
+                       "pushed": 0, "push_failed": 0, "push_skipped": 0, "pushed_tokens": 0}
+        self._groups = GroupGates()   # n > 1: the prompt's KV moves once per group (decode/groups.py)
         self.last_timings: dict = {}
         m = self.metrics
         self._path = Counter("tandem_decode_prefill_total",
@@ -152,10 +171,14 @@ class DecodeWorker(MigrationSource, RoleWorker):
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         await self.handle.check_constraint(greq.params)
         n = len(greq.prompt_ids)
+        await self._push_settled(greq)   # the session's previous reply is where it is going
         remote = prefill is not None and prefill.name in self.agent.peers
         if remote and self.local_prefill_threshold != 0 and greq.resume is None:
             remote = not await self._prefill_here(greq, prefill.name)
         path = "remote" if remote else "local"
+        push = self._push_wanted(greq, prefill)
+        if push:   # its KV is held when it finishes normally, then pushed (decode/reply_push.py)
+            self.handle.connector.hold(greq.rid)
         self.counts[path] += 1
         self._path.labels(path).inc()
         if remote:
@@ -166,15 +189,17 @@ class DecodeWorker(MigrationSource, RoleWorker):
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
-        t0, first, tokens = time.time(), None, 0
+        t0, first, out_ids = time.time(), None, []
         try:
             async for c in inner:
                 if c.token_ids:
-                    tokens += len(c.token_ids)
+                    out_ids.extend(c.token_ids)
                     first = first or time.time()
                 yield c
         finally:
-            await inner.aclose()
+            await inner.aclose()  # runs the inner cleanup now, not whenever it is collected
+            if push:
+                self._push_ended(greq, prefill, out_ids)
             if remote:
                 self._jobs.pop(greq.rid, None)
                 self.last_timings = job.timings
@@ -182,7 +207,7 @@ class DecodeWorker(MigrationSource, RoleWorker):
             if greq.trace:
                 tracing.record("decode", greq.trace, t0, **{
                     "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.path": path,
-                    "tandem.tokens": tokens, "tandem.first_token_s": first - t0 if first else None,
+                    "tandem.tokens": len(out_ids), "tandem.first_token_s": first - t0 if first else None,
                     "tandem.resumed": greq.resume is not None})
 
     async def _prefill_here(self, greq: GenerateRequest, peer: str) -> bool:

@@ -29,8 +29,9 @@ class Abort:
 @dataclass(frozen=True)
 class Activate:
     """The KV of a request in WAITING_FOR_KV landed (no write into it is in flight any more);
-    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked; None
-    for a resumed request (its tokens came with it)."""
+    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked;
+    None for a resumed request (its tokens came with it), and for a fresh one received only to
+    be cached (it finishes "stored", its KV in the cache)."""
 
     rid: str
     first_token: int | None

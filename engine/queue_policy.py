@@ -35,17 +35,30 @@ def order(waiting: Sequence[Any], match_len_fn: Callable[[Any], int], policy: st
 
 
 class InStepPrefixes:
-    """lpm within a step: a request whose prefix an earlier admission of this step computes waits a
-    step, then hits the cache."""
+    """A waiting request whose long prefix another request is computing waits, then hits the
+    cache instead of computing that prefix again. The computing requests: those still in chunked
+    prefill (``prefilling``: their cache keys; every policy, since they are ahead of any waiting
+    request) and, with ``in_step`` (lpm), the ones admitted earlier in this step.
+
+    ``should_wait(ids)``: they share at least ``THRESHOLD`` tokens with ``ids`` and at least a
+    page more than the cache holds (``cached_len_fn``, on cache keys); otherwise ``ids`` is
+    admitted (and, with ``in_step``, joins them). A wait ends once that prefix is cached or its
+    request stops prefilling. The router predicts the whole shared prefix as reused
+    (router/policies.py ``predicted_cached``): this makes the reuse equal the prediction."""
 
     THRESHOLD = 32
 
-    def __init__(self, cached_len_fn: Callable[[Sequence[int]], int], page_size: int):
-        self.cached_len = cached_len_fn
+    def __init__(self, cached_len_fn: Callable[[Sequence[int]], int], page_size: int,
+                 prefilling: Sequence[Sequence[int]] = (), in_step: bool = True):
+        self.cached_len, self.page_size, self.in_step = cached_len_fn, page_size, in_step
         self.tree = UnifiedRadixCache.simulated(page_size=page_size)
+        for ids in prefilling:
+            self.tree.insert(ids)
 
     def should_wait(self, ids: Sequence[int]) -> bool:
-        if self.cached_len(ids) <= self.THRESHOLD and self.tree.peek(ids) >= self.THRESHOLD:
+        shared = self.tree.peek(ids)
+        if shared >= self.THRESHOLD and shared >= self.cached_len(ids) + self.page_size:
             return True
-        self.tree.insert(ids)
+        if self.in_step:
+            self.tree.insert(ids)
         return False

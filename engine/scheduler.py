@@ -20,7 +20,8 @@ from tandem.engine.sched_types import SchedReq, SchedulerObserver, StepPlan, new
 
 log = logging.getLogger(__name__)
 
-_STATUS = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH, "migrated": ReqStatus.MIGRATED}
+_STATUS = {"stop": ReqStatus.FINISHED_STOP, "length": ReqStatus.FINISHED_LENGTH, "migrated": ReqStatus.MIGRATED,
+           "stored": ReqStatus.FINISHED_STOP}
 
 
 class Scheduler:
@@ -126,6 +127,10 @@ class Scheduler:
                 self.running[r.rid] = sr
                 self.kv.cache_prefix(sr)
                 return None if tok is None else self._on_token(sr, tok, sampled=False, logprob=lp)
+            case Activate(first_token=None) if r.status is ReqStatus.WAITING_FOR_KV and not r.output_ids:
+                del self.detached[r.rid]             # a prompt received only to be cached here
+                self.kv.cache_prefix(sr)
+                return self._finish(sr, "stored", "")
             case Release() if r.finished:
                 del self.detached[r.rid]
                 self.kv.release(sr)
@@ -243,7 +248,13 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: StepPlan, budget: int) -> None:
-        in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size) if self.policy == "lpm" else None
+        """(3c) Waiting requests, in the queue policy's order, while budget and rows last."""
+        in_step = None
+        if self.kv.cache.retains:   # a prefix being computed is worth waiting for only if it is cached
+            in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size,
+                                     [sr.req.cache_ids for sr in self.running.values()
+                                      if sr.req.computed_len < sr.req.seq_len - 1],
+                                     in_step=self.policy == "lpm")
         for sr in self.admission.order(self.waiting):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
                 break
@@ -252,9 +263,9 @@ class Scheduler:
             if not self._grammar_ready(sr, plan):
                 continue
             if self.groups.prefilling_sibling(sr, self.running) is not None:
-                continue
-            if in_step is not None and in_step.should_wait(sr.req.all_ids):
-                continue
+                continue   # a sibling computes the shared prompt: hit it in the cache once cached
+            if in_step is not None and in_step.should_wait(sr.req.cache_ids):
+                continue   # another request computes the shared prefix: hit it once cached
             if not self._admit(sr):
                 break
             self.waiting.remove(sr)

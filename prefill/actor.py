@@ -5,7 +5,18 @@ from __future__ import annotations
 import ray
 
 from tandem.prefill.worker import PrefillWorker
+from tandem.transfer.messages import PrefillResult
 from tandem.worker.actor import RoleActorMixin, actor_config
+
+
+class _PushSource:
+    """A decode actor as prefill/store.py's KVWriter: ``prefill`` is its ``push_kv``."""
+
+    def __init__(self, handle):
+        self.handle, self.name = handle, "decode"
+
+    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
+        return PrefillResult.decode(await self.handle.push_kv.remote(req_wire, xfer, dst_prefix_len))
 
 
 @ray.remote
@@ -29,6 +40,11 @@ class PrefillActor(RoleActorMixin):
     async def write_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
         """KVSource: compute the request's KV and write it into the decode worker's pages."""
         return (await self.worker.prefill(req_wire, xfer, dst_prefix_len)).encode()
+
+    async def store_kv(self, req_wire: dict, source) -> int:
+        """Reply push (prefill/store.py): receive the sequence decode actor ``source`` holds
+        (its ``push_kv`` writes it) and cache it; the tokens received."""
+        return await self.worker.store(req_wire, _PushSource(source))
 
     async def drop_kv(self, rid: str, reason: str) -> None:
         """KVSource: the decode worker will not take ``rid``'s KV: stop it here."""

@@ -14,6 +14,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
 from tandem.prefill.connector import PrefillConnector, PrefillHandle
+from tandem.prefill.store import ReplyStore
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
@@ -49,7 +50,7 @@ class _Result:
         return PrefillResult(status=status, **{**self.f, "error": error})
 
 
-class PrefillWorker(RoleWorker):
+class PrefillWorker(ReplyStore, RoleWorker):
     role = "prefill"
 
     def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
@@ -66,8 +67,9 @@ class PrefillWorker(RoleWorker):
         self.l3 = attach_tier(engine, "l3", l3)
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
-        self._tombstones: dict[str, float] = {}
-        self.counts = {"ok": 0, "failed": 0, "aborted": 0, "bytes": 0, "pages": 0}
+        self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort
+        self.counts = {"ok": 0, "failed": 0, "aborted": 0, "bytes": 0, "pages": 0,
+                       "stored_tokens": 0, "store_failed": 0, "store_skipped": 0, "quarantined_tokens": 0}
         m = self.metrics
         self._bytes = Counter("tandem_kv_transfer_bytes_total",
                               "KV bytes written to decode workers.", registry=m)
@@ -76,6 +78,9 @@ class PrefillWorker(RoleWorker):
                                   buckets=_TRANSFER_BUCKETS, registry=m)
         self._outcomes = Counter("tandem_kv_transfers_total", "KV transfers by outcome.",
                                  labelnames=("status",), registry=m)
+        self._stored = Counter("tandem_prefill_stored_tokens_total",
+                               "Tokens of decode workers' finished sequences received and cached here "
+                               "(reply push, prefill/store.py).", registry=m)
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """Prefill ``req_wire`` (a GenerateRequest on the wire) and write positions

@@ -3,6 +3,7 @@ it charges, re-routing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -15,10 +16,13 @@ from tandem.core.types import Overloaded
 from . import metrics as rm
 from .planner import LatencyWindow
 from .prefix_index import block_hashes
-from .policies import AdmissionLimits, PolicyConfig, RouterState, admit, choose, predicted_cached, retry_after_s
+from .policies import (AdmissionLimits, PolicyConfig, RouterState, admit, choose, held_tokens, predicted_cached,
+                       retry_after_s)
 from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot, WorkerView
 
 RATE_EWMA = 0.25        # weight of the newest prefill-rate sample
+AHEAD_MIN_TOKENS = 32   # a shared prefix worth waiting for (engine/queue_policy.py's threshold)
+_AHEAD_POLL_S = 0.005
 
 
 @dataclass(eq=False)
@@ -35,6 +39,9 @@ class Route:
     routed_at: float = 0.0          # the dispatcher's clock at routing (TTFT)
     last_token_at: float | None = None   # the last ``grow`` (inter-token latency)
     predicted_cached: int = 0       # prompt tokens the router predicted the pair reuses (policies.py)
+    ahead: "Route | None" = None    # a route still prefilling on the same worker, sharing a prefix
+                                    # with this one longer than that worker reported holding (wait_ahead)
+    prefilled: threading.Event = field(default_factory=threading.Event)   # set when it leaves prefill
 
     @property
     def rid(self) -> str:
@@ -45,6 +52,7 @@ class Route:
 class _Queued:
     new_tokens: int                 # prompt tokens the prefill is expected to compute
     since: float                    # dispatched at (the dispatcher's clock)
+    route: "Route | None" = None
 
 
 @dataclass
@@ -224,6 +232,17 @@ class Dispatcher:
                     self.latency.itl((now - r.last_token_at) / tokens)
                 r.last_token_at = now
 
+    async def wait_ahead(self, r: Route, timeout_s: float) -> None:
+        """Before ``r`` is sent: the route its predicted reuse rests on (``r.ahead``) leaves
+        prefill first (its first token, or its end), at most ``timeout_s``. Requests sharing a
+        prompt prefix then reach the prefill worker in the order they were routed, so the first
+        computes the prefix and the later one reuses it, as predicted (the engine would make the
+        later one wait for it anyway: engine/queue_policy.py ``InStepPrefixes``)."""
+        a = r.ahead
+        end = time.monotonic() + timeout_s
+        while a is not None and not a.prefilled.is_set() and time.monotonic() < end:
+            await asyncio.sleep(_AHEAD_POLL_S)
+
     def reused(self, r: Route, cached_tokens: int) -> None:
         """``r``'s workers reused ``cached_tokens`` of its prompt (its usage): the router's
         prediction error, in tokens, goes to ``tandem_route_cached_tokens_error``."""
@@ -302,7 +321,10 @@ class Dispatcher:
             w = self._workers[r.prefill]
             # the last prompt token is always computed; a group's later members reuse the prompt
             new = 1 if shared_prompt else max(n - dec.matched_tokens, 1)
-            w.queue[rr.request_id] = _Queued(new, self.clock())
+            held = None if shared_prompt else held_tokens(self.state, rr, r.prefill)
+            if held is not None:   # wait only for what the worker does not hold yet
+                r.ahead = _ahead(w.queue.values(), rr.key, max(AHEAD_MIN_TOKENS, held + self.state.config.kv_block_size))
+            w.queue[rr.request_id] = _Queued(new, self.clock(), r)
             w.queued_new += new
             self._charge(w, 1, n)
             r.prefill_open = True
@@ -310,6 +332,7 @@ class Dispatcher:
 
     def _leave_prefill(self, r: Route, measure: bool) -> None:
         r.prefill_open = False
+        r.prefilled.set()
         w = self._workers.get(r.prefill)
         if w is None:
             return
@@ -364,3 +387,20 @@ class Dispatcher:
                           in_flight=w.requests, running_tokens=w.tokens,
                           pending_s=self._pending_s(w, now) if prefill else 0.0, capacity_tokens=capacity,
                           key=w.name)
+
+
+def _ahead(queued, key, least: int) -> Route | None:
+    """The queued route whose prompt shares the longest prefix with ``key``, when that is at
+    least ``least`` key elements; else None."""
+    best, best_n = None, least - 1
+    for q in queued:
+        if q.route is None:
+            continue
+        other, n = q.route.request.key, 0
+        for a, b in zip(other, key):
+            if a != b:
+                break
+            n += 1
+        if n > best_n:
+            best, best_n = q.route, n
+    return best

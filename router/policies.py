@@ -148,12 +148,26 @@ def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
     return _matched_tokens(req, state.kv.known_prefix(hashes) * c.kv_block_size)
 
 
+def held_tokens(state: "RouterState", req: RouteRequest, worker: int) -> int | None:
+    """Prompt tokens ``worker`` reported holding of the request (the exact KV-event index), or
+    None when no event has fed the index."""
+    if not state.kv.num_blocks():
+        return None
+    return _matched_tokens(req, _exact(state, req).get(worker, 0))
+
+
 def predicted_cached(state: "RouterState", req: RouteRequest, dec: Decision) -> int:
-    """Prompt tokens the chosen pair is predicted to reuse: the policy's prefill match, or what
-    the exact KV-event index says the decode worker holds when that is more (a decode worker
-    prefills a session's later turn itself when it holds the previous reply: decode/README.md)."""
-    held = _exact(state, req).get(dec.decode_worker, 0) if dec.decode_worker >= 0 else 0
-    return max(dec.matched_tokens, _matched_tokens(req, held))
+    """Prompt tokens the chosen pair is predicted to reuse: the prefill worker's match (the
+    policy's, or the exact KV-event index's when more: a pushed reply, decode/reply_push.py), or
+    what that index says the decode worker holds when it prefills the prompt itself:
+    decode/local_prefill.py's rule without its overhead term (the part left to compute,
+    ``n - held``, at most what the prefill worker would compute again, ``held - matched``)."""
+    exact = _exact(state, req)
+    prefill = max(dec.matched_tokens, _matched_tokens(req, exact.get(dec.prefill_worker, 0)))
+    decode = _matched_tokens(req, exact.get(dec.decode_worker, 0)) if dec.decode_worker >= 0 else 0
+    if decode > prefill and req.prompt_tokens - decode <= decode - prefill:
+        return decode
+    return prefill
 
 
 def round_robin(view: ClusterView, req: RouteRequest, state: RouterState) -> Decision:

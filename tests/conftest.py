@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") is None:
         pass
 
 
-RAY_FOLDERS = ("cluster", "decode", "worker")    # every module here starts Ray, a cluster or workers
+RAY_FOLDERS = ("cluster", "decode", "prefill", "worker")    # every module here starts Ray, a cluster or workers
 RAY_TIMEOUT_S = 600                        # a ``ray`` test's limit unless it marks its own
 # the fixtures that load real weights (SmolLM2, HF's view of it, any GGUF through hf_gguf_load)
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_dir", "smollm2", "smollm2_default", "smollm2_swa16", "hf_smollm2",

@@ -26,6 +26,42 @@ class LocalClient:
         await self.w.abort(rid, reason)
 
 
+class PushClient(LocalClient):
+    """LocalClient with the reply push's ``store`` (decode/reply_push.py): the prefill worker
+    reserves pages and calls back the decode worker's ``push_out``, as the Ray actors do."""
+
+    def __init__(self, worker, decode):
+        super().__init__(worker)
+        self.source = _PushSource(decode)
+
+    async def store(self, req_wire):
+        return await self.w.store(req_wire, self.source)
+
+
+class _PushSource:
+    def __init__(self, decode):
+        self.decode, self.name = decode, decode.name
+
+    async def prefill(self, req_wire, xfer, dst_prefix_len):
+        return await self.decode.push_out(req_wire, xfer, dst_prefix_len)
+
+
+def peered_workers(loop, name: str, cfg, loaded, **decode_kw):
+    """A PrefillWorker and a DecodeWorker (``decode_kw``: its options) of ``cfg``, peered, made
+    on ``loop`` (their agents and tasks live there)."""
+    from tandem.decode.worker import DecodeWorker
+    from tandem.prefill.worker import PrefillWorker
+
+    async def make():
+        p = PrefillWorker(f"{name}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
+        d = DecodeWorker(f"{name}-decode", cfg, loaded=loaded, transfer_timeout_s=20, **decode_kw)
+        p.add_peer(d.handshake())
+        d.add_peer(p.handshake())
+        return p, d
+
+    return loop.run_until_complete(make())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ ENGINE = EngineConfig(device="cpu", num_threads=1,
 # that adopts the set cannot change them
 WORKER_FIELDS = ("engine", "engine_config", "prefill", "decode", "transfer_timeout_s", "local_prefill_threshold",
                  "kv_digest", "kv_store", "kv_events", "otlp_endpoint", "decode_max_total_tokens",
-                 "debug_corrupt_kv", "debug_transfer_delay_ms", "debug_transfer_stall")
+                 "debug_corrupt_kv", "debug_transfer_delay_ms", "debug_transfer_stall", "reply_push", "debug_push_fault")
 
 
 def base_config(namespace: str, otlp_endpoint: str | None = None) -> ServeConfig:

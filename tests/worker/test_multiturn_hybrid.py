@@ -24,7 +24,7 @@ from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 
 from hf_hybrid_support import hybrid_engine_config  # noqa: E402
-from serve_support import at_baseline, collect  # noqa: E402
+from serve_support import PushClient, at_baseline, collect  # noqa: E402
 from test_hybrid_workers import family, loop  # noqa: E402,F401  (the module's fixtures: tiny models, one loop)
 from test_workers import LocalClient  # noqa: E402
 
@@ -56,8 +56,12 @@ def _computed(*workers) -> int:
     return sum(w.engine.scheduler.stats["prompt_tokens_computed"] for w in workers)
 
 
+@pytest.mark.parametrize("push", [False, True], ids=["local", "push"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(family, loop, page_size):
+def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(family, loop, page_size, push):
+    """``push``: the prefill worker is given each finished reply (means b); a later turn then
+    goes to it and computes only its new tokens there, or (a hybrid sequence that ends
+    off a page boundary is not pushed) is prefilled on the decode worker."""
     from tandem.decode.worker import DecodeWorker
     from tandem.prefill.worker import PrefillWorker
 
@@ -66,9 +70,9 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
     cfg = hybrid_engine_config(page_size=page_size)
 
     async def make():
-        p = PrefillWorker(f"mt-{name}{page_size}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
-        d = DecodeWorker(f"mt-{name}{page_size}-decode", cfg, loaded=loaded, transfer_timeout_s=20,
-                         local_prefill_threshold=None)
+        p = PrefillWorker(f"mt-{name}{page_size}{push}-prefill", cfg, loaded=loaded, transfer_timeout_s=20)
+        d = DecodeWorker(f"mt-{name}{page_size}{push}-decode", cfg, loaded=loaded, transfer_timeout_s=20,
+                         local_prefill_threshold=None, reply_push=push)
         p.add_peer(d.handshake())
         d.add_peer(p.handshake())
         return p, d
@@ -80,7 +84,8 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
             for t in range(3):
                 before = _computed(p, d)
                 greq = GenerateRequest(f"mt{t}", tuple(ids), _params())
-                chunks = await collect(d.generate(greq, LocalClient(p)))
+                chunks = await collect(d.generate(greq, PushClient(p, d) if push else LocalClient(p)))
+                await d.drain()   # the push runs off the critical path
                 assert chunks[-1].error is None, chunks[-1].error
                 got.append([x for c in chunks for x in c.token_ids])
                 computed.append(_computed(p, d) - before)
@@ -93,7 +98,11 @@ def test_three_turns_through_1p1d_equal_colocated_and_compute_only_new_tokens(fa
 
         got, computed = loop.run_until_complete(session())
         assert got == ref
-        assert d.counts["remote"] == 1 and d.counts["local"] == 2, d.counts
+        if push:   # turn 0's sequence (page-aligned at both page sizes) was pushed: turn 1 went remote
+            assert d.counts["pushed"] + d.counts["push_skipped"] == 3 and d.counts["pushed"] >= 1, d.counts
+            assert d.counts["remote"] >= 2 and p.counts["stored_tokens"] > 0, (d.counts, p.counts)
+        else:
+            assert d.counts["remote"] == 1 and d.counts["local"] == 2, d.counts
         for t in (1, 2):
             assert computed[t] <= len(NEW[t - 1]) + page_size, (computed, page_size)
     finally:

@@ -1,7 +1,6 @@
 """Issue 37: a session's later turns on 1P+1D compute only what the cluster does not hold.
 
-A real 1P+1D cluster (Ray, NIXL, SmolLM2 in float32: the shared workers of
-tests/cluster/shared/conftest.py) with the default
+A real 1P+1D cluster (Ray, NIXL, SmolLM2 in the default numerics) with the default
 ``local_prefill_threshold`` (None: the measured cost rule of decode/local_prefill.py) and a
 colocated engine run the same three-turn chat (a shared system prompt, replies cut at
 ``max_tokens``, short user turns). Greedy text must be equal on both; on 1P+1D, turns 2 and 3 may
@@ -9,6 +8,11 @@ compute (``tandem_worker_prompt_tokens_computed_total``, every worker summed) at
 tokens (the prompt minus the previous prompt and reply) plus one page, and the decode worker
 prefills them itself (``tandem_decode_prefill_total{path="local"}``). The router's
 ``tandem_route_cached_tokens_error`` histogram is exported and observed once per request.
+
+Run twice: with the reply push off (means (a) alone, above) and on (the default, means (b):
+decode/reply_push.py): each finished reply then reaches the prefill worker
+(``tandem_prefill_stored_tokens_total``), the later turns go to it and compute the same at most,
+and the route error is within one page on every request.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from serve_support import Server
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from support.shared_workers import ENGINE, F32_NAMESPACE, base_config  # noqa: E402
+from tandem.core.config import CacheConfig, EngineConfig, ServeConfig  # noqa: E402
 
-PAGE = ENGINE.cache.page_size
-CFG = base_config(F32_NAMESPACE)        # the shared workers (tests/cluster/shared/conftest.py)
+PAGE = 16
+ENGINE = EngineConfig(device="cpu", num_threads=1,
+                      cache=CacheConfig(page_size=PAGE, max_total_tokens=8192, max_running_requests=8))
+CFG = ServeConfig(prefill=1, decode=1, transfer_timeout_s=30.0, engine_config=ENGINE)
 M = "smollm2"
 SYSTEM = ("You are a careful assistant for a small software team. Answer in plain prose, explain "
           "your reasoning briefly, and keep every answer focused on the question that was asked.")
@@ -33,16 +39,17 @@ USERS = ("Describe how a hash map handles collisions.",
 REPLY = 48
 
 
-@pytest.fixture(scope="module")
-def servers(smollm2, smollm2_1p1d):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["local", "push"])
+def servers(request, smollm2_default, ray_local):
+    from tandem.cluster.launch import launch_disaggregated
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
-    assert CFG.local_prefill_threshold is None      # the default under test
-    backend = smollm2_1p1d.router(CFG)
-    engine = Engine(ENGINE, loaded=smollm2)
+    assert CFG.local_prefill_threshold is None and CFG.reply_push == "on"    # the defaults under test
+    backend = launch_disaggregated(CFG.model_copy(update={"reply_push": request.param}), loaded=smollm2_default)
+    engine = Engine(ENGINE, loaded=smollm2_default)
     out = [Server(backend, CFG, "1P+1D"), Server(LocalEngineBackend(engine), CFG, "colocated")]
-    yield out
+    yield (*out, request.param == "on")
     for s in out:
         s.stop()
     backend.close()
@@ -76,9 +83,11 @@ def _session(server, computed=None) -> list[tuple[str, int, int, float]]:
 
 
 def test_later_turns_compute_only_their_new_tokens_and_match_colocated(servers):
-    disagg, colocated = servers
+    disagg, colocated, push = servers
     computed = lambda: _metric(disagg, "tandem_worker_prompt_tokens_computed_total")   # noqa: E731
     local_before = _metric(disagg, "tandem_decode_prefill_total", path="local")
+    err = "tandem_route_cached_tokens_error"
+    n0, ok0 = _metric(disagg, f"{err}_count"), _metric(disagg, f"{err}_bucket", le=f"{PAGE:.1f}")
     got = _session(disagg, computed)
     want = _session(colocated)
     assert [t[0] for t in got] == [t[0] for t in want]           # greedy text
@@ -88,7 +97,13 @@ def test_later_turns_compute_only_their_new_tokens_and_match_colocated(servers):
         new = got[i][1] - prev_prompt - prev_reply
         assert 0 < new < got[i][1] // 2, got
         assert got[i][3] <= new + PAGE, (i, got[i][3], new, got)
-    assert _metric(disagg, "tandem_decode_prefill_total", path="local") - local_before >= 2
+    local = _metric(disagg, "tandem_decode_prefill_total", path="local") - local_before
+    if not push:
+        assert local >= 2
+        return
+    assert local == 0 and _metric(disagg, "tandem_prefill_stored_tokens_total") >= 2 * (REPLY - PAGE)
+    assert _metric(disagg, f"{err}_count") - n0 == 3
+    assert _metric(disagg, f"{err}_bucket", le=f"{PAGE:.1f}") - ok0 == 3   # every request within a page
 
 
 def test_route_cached_tokens_error_is_exported(servers):

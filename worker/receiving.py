@@ -1,0 +1,104 @@
+"""The receiving side of a KV handoff, for either role: requests whose KV a peer writes.
+
+:class:`ReceivingConnector` is the scheduler's KVConnector half that both roles share
+(engine/connector.py): a request the worker :meth:`~ReceivingConnector.expect`-ed is not computed
+here; the scheduler reserves a row, its cached prefix (the normal match and component vote) and
+slots for the rest, and the connector turns them into a :class:`Reservation`, the future's
+result; :class:`ReceivingHandle` is how the worker (asyncio, another thread) reaches it. A
+decode worker receives prompts (and migrated requests); a prefill worker receives a
+decode worker's finished reply, only to cache it (decode/README.md, "reply push").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from tandem.core.messages import GenerateRequest
+from tandem.core.types import StreamChunk
+from tandem.engine.connector import KVConnector
+from tandem.engine.sched_types import SchedReq
+from tandem.transfer.messages import RegionPages
+from tandem.worker.handle import RoleHandle
+from tandem.worker.kv_regions import KV, kv_regions
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a request's KV must land: positions ``[prefix_len, end)`` in ``pages``
+    (``prefix_len`` is page-aligned: the receiving cache already held that much). ``regions``:
+    the destination ids of every region the transfer fills (``"kv"``: ``pages``; hybrid models:
+    ``"swa"`` rows of the kept window, ``"state"``: the working state row), in transfer order."""
+
+    prefix_len: int
+    pages: tuple[int, ...]
+    regions: tuple[RegionPages, ...] = ()
+
+    def named(self) -> tuple[RegionPages, ...]:
+        """``regions``, or the ``"kv"`` pages alone for a model without other regions."""
+        return self.regions or (RegionPages(KV, self.pages),)
+
+
+class ReceivingConnector(KVConnector):
+    """Engine thread, except :meth:`expect` and :meth:`forget` (any thread)."""
+
+    def __init__(self, engine):
+        self.kv = engine.kv
+        self.regions = kv_regions(engine)   # name -> RegionSpec
+        self._expected: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, rid: str) -> concurrent.futures.Future:
+        """Before ``rid`` is submitted: a peer writes its KV. The future gets its Reservation
+        (None: it ended first)."""
+        with self._lock:
+            fut = self._expected[rid] = concurrent.futures.Future()
+        return fut
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            fut = self._expected.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def receives(self, sr: SchedReq) -> bool:
+        with self._lock:
+            return sr.rid in self._expected
+
+    def reserved(self, sr: SchedReq) -> None:
+        kv, p = self.kv, sr.locked_len
+        pages = kv.pages(sr, p, sr.req.computed_len)   # the reserved end: seq_len, or seq_len - 1 resumed
+        named = {KV: pages, **kv.transfer_rows(sr, p)}
+        regions = tuple(RegionPages(n, ids) for n, ids in named.items() if n in self.regions)
+        with self._lock:
+            fut = self._expected.get(sr.rid)
+        if fut is not None and not fut.done():
+            fut.set_result(Reservation(p, pages, regions))
+
+
+class ReceivingHandle(RoleHandle):
+    """The worker's typed way to a :class:`ReceivingConnector`: ``receive`` and ``cancel``."""
+
+    connector: ReceivingConnector
+
+    def receive(self, greq: GenerateRequest,
+                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future:
+        """Queue ``greq`` to be filled by a peer; its Reservation once reserved (None: it ended
+        first, its final chunk says why). Raises InvalidRequest for a prompt this engine can
+        never serve. Chunks go to ``on_chunk``."""
+        self.check_alive()
+        fut = self.connector.expect(greq.rid)
+        try:
+            self.engine.submit(greq, on_chunk)
+        except BaseException:
+            self.connector.forget(greq.rid)
+            raise
+        return fut
+
+    def cancel(self, rid: str, why: str | None) -> None:
+        """End ``rid`` and free its reserved pages (queued or reserved alike). The caller
+        guarantees that no write into them is in flight (transfer/handoff.py)."""
+        self.connector.forget(rid)
+        self.engine.abort(rid, error=why)
