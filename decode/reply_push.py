@@ -4,7 +4,7 @@ served it, past what that worker holds, off the critical path. The session's nex
 the previous reply in that prefill worker's cache and computes only its new tokens there
 (prefill/store.py is the receiving side; decode/README.md, "reply push").
 
-A mixin of :class:`~tandem.decode.worker.DecodeWorker` (its ``handle``, ``_frozen``,
+A mixin of :class:`~tandem.decode.worker.DecodeWorker` (its ``handle``, ``frozen``,
 ``release_frozen``, ``migrate_out``, ``_sent``, ``_background``, ``counts``). The sequence is
 held like a frozen migration (decode/migration.py): the prefill worker's ``store`` reserves pages
 and calls back this worker's ``push_out`` (its KVSource), which is ``migrate_out``; the hold ends
@@ -63,8 +63,7 @@ class ReplyPush:
             self.release_frozen(greq.rid)
             self.counts["push_skipped"] += 1
             return
-        self._frozen[greq.rid] = asyncio.get_running_loop().call_later(
-            2 * self.transfer_timeout_s, self.release_frozen, greq.rid)
+        self.frozen.hold(greq.rid)
         task = asyncio.ensure_future(self._push(greq, seq, prefill))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

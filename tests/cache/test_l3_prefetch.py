@@ -311,8 +311,8 @@ def test_a_queued_request_is_read_ahead_while_another_runs_and_decodes_the_same(
 
 def test_a_request_admitted_at_once_stops_its_prefetch():
     """Queued and admitted in the same step: the admission stops the job before its fetch, so
-    the pages are read about once (the job's call in flight at most), and the output is the
-    oracle's."""
+    the pages are read once by the fetch, plus at most the job's one batch in flight when it was
+    stopped (reads go in batches of READ_BATCH values), and the output is the oracle's."""
     long_ = prompt(3, 24)
     b = _engine_wrote(long_)
     e, tier = _engine(b)
@@ -325,6 +325,6 @@ def test_a_request_admitted_at_once_stops_its_prefetch():
     assert tier.prefetch_idle(IDLE_S)
     d.run()
     assert d.tokens("a") == oracle(long_, 3) and d.final("a").cached_tokens == 20
-    assert 5 <= calls.gets <= 6 and tier.stats.hit_pages == 5
+    assert 5 <= calls.gets <= 2 * 5 and tier.stats.hit_pages == 5   # the fetch's 5, and the job's batch
     e.check_invariants()
     ended(tier)
