@@ -12,6 +12,7 @@ from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, Token
 from tandem.engine.admission import Admission
 from tandem.engine.commands import Activate, Migrate, Release
 from tandem.engine.connector import KVConnector
+from tandem.engine.hybrid import NO_HYBRID
 from tandem.engine.queue_policy import InStepPrefixes
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.retraction import Retraction
@@ -253,7 +254,8 @@ class Scheduler:
         if self.kv.cache.retains:   # a prefix being computed is worth waiting for only if it is cached
             in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size,
                                      [sr.req.cache_ids for sr in self.running.values()
-                                      if sr.req.computed_len < sr.req.seq_len - 1],
+                                      if sr.req.computed_len < sr.req.seq_len - 1]
+                                     if self.kv.hybrid is NO_HYBRID else (),   # hybrid: the vote decides reuse
                                      in_step=self.policy == "lpm")
         for sr in self.admission.order(self.waiting):
             if budget <= 0 or self.kv.r2t.available_size() == 0:
