@@ -10,6 +10,7 @@ import os
 import uuid
 
 from tandem.cluster.backend import RayClusterBackend
+from tandem.cluster.weights import share
 from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerPool, WorkerRef, placement
 from tandem.core import tracing
 from tandem.core.config import EngineConfig, ServeConfig
@@ -274,7 +275,7 @@ def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded=None,
         ec = cfg.engine_config
         loaded = load_model(ec.model, device="cpu", dtype=ec.dtype, sliding_window=ec.sliding_window,
                             context_length=ec.context_length, weights=ec.weights)
-    weights = ray.put(loaded) if loaded is not None else None
+    weights = share(loaded) if loaded is not None else None
     del loaded
     kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.policy in ("kv_events", "session")
     tokenizer = load_tokenizer(cfg.engine_config.model)
