@@ -12,6 +12,8 @@ from tandem.cache.tiers.l3 import mooncake as mc  # noqa: E402
 from tandem.cache.tiers.l3.store import L3Store, key_prefix, page_key, seal, unseal  # noqa: E402
 from tandem.core.page_hash import page_hashes  # noqa: E402
 
+from support.l3 import join_store_threads, master_back  # noqa: E402
+
 PREFIX = key_prefix("smollm2-135m", 16, "bfloat16", "nhd")
 
 
@@ -99,17 +101,7 @@ def test_a_killed_store_is_a_miss_within_the_timeout():
     assert time.monotonic() - t0 < 3.0, "a dead store blocked the caller"
     assert got[0] in ([True], [False]) and got[3] == [False] and got[2] is False
     assert not s.up  # down for backoff_s after the first failure: later calls cost nothing
-    s.close()
-    join_store_threads(others)
+    with master_back(m):    # the calls abandoned to the dead store end at once
+        s.close()
+        join_store_threads(others)
 
-
-def join_store_threads(others, timeout: float = 60.0) -> None:
-    """Wait out the calls abandoned to a dead store (each ends when Mooncake gives up on its
-    master; ``others``: threads that were there before), so their teardown does not run on in
-    later tests' time."""
-    import threading
-
-    end = time.monotonic() + timeout
-    for t in set(threading.enumerate()) - others:
-        if t.name.startswith("l3-store"):
-            t.join(max(0.0, end - time.monotonic()))
