@@ -39,21 +39,31 @@ USERS = ("Describe how a hash map handles collisions.",
 REPLY = 48
 
 
-@pytest.fixture(scope="module", params=["off", "on"], ids=["local", "push"])
-def servers(request, smollm2_default, ray_local):
-    from tandem.cluster.launch import launch_disaggregated
+@pytest.fixture(scope="module")
+def colocated(smollm2_default) -> list[tuple[str, int, int, float]]:
+    """The three turns on a colocated engine: the oracle of both runs (computed once)."""
     from tandem.engine.engine import Engine
     from tandem.router.backend import LocalEngineBackend
 
+    engine = Engine(ENGINE, loaded=smollm2_default)
+    server = Server(LocalEngineBackend(engine), CFG, "colocated")
+    try:
+        return _session(server)
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=["off", "on"], ids=["local", "push"])
+def servers(request, smollm2_default, ray_local):
+    from tandem.cluster.launch import launch_disaggregated
+
     assert CFG.local_prefill_threshold is None and CFG.reply_push == "on"    # the defaults under test
     backend = launch_disaggregated(CFG.model_copy(update={"reply_push": request.param}), loaded=smollm2_default)
-    engine = Engine(ENGINE, loaded=smollm2_default)
-    out = [Server(backend, CFG, "1P+1D"), Server(LocalEngineBackend(engine), CFG, "colocated")]
-    yield (*out, request.param == "on")
-    for s in out:
-        s.stop()
+    server = Server(backend, CFG, "1P+1D")
+    yield server, request.param == "on"
+    server.stop()
     backend.close()
-    engine.shutdown()
 
 
 def _metric(server, name: str, **labels) -> float:
@@ -82,14 +92,14 @@ def _session(server, computed=None) -> list[tuple[str, int, int, float]]:
     return out
 
 
-def test_later_turns_compute_only_their_new_tokens_and_match_colocated(servers):
-    disagg, colocated, push = servers
+def test_later_turns_compute_only_their_new_tokens_and_match_colocated(colocated, servers):
+    disagg, push = servers
     computed = lambda: _metric(disagg, "tandem_worker_prompt_tokens_computed_total")   # noqa: E731
     local_before = _metric(disagg, "tandem_decode_prefill_total", path="local")
     err = "tandem_route_cached_tokens_error"
     n0, ok0 = _metric(disagg, f"{err}_count"), _metric(disagg, f"{err}_bucket", le=f"{PAGE:.1f}")
     got = _session(disagg, computed)
-    want = _session(colocated)
+    want = colocated
     assert [t[0] for t in got] == [t[0] for t in want]           # greedy text
     assert got[0][3] > 0                                         # the first turn was computed
     for i in (1, 2):

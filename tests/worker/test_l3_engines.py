@@ -19,6 +19,8 @@ from tandem.core.config import CacheConfig, EngineConfig  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 
+from support.l3 import join_store_threads, master_back  # noqa: E402
+
 PAGE = 4
 SYSTEM = ("You are a concise assistant for a travel agency. You answer in one short sentence, "
           "you never use lists, and you always name a city.")
@@ -32,12 +34,13 @@ def master():
     m.stop()
 
 
-def engine(loaded, master=None, *, max_total_tokens=2048, disable=False, corrupt=False, segment_bytes=32 << 20):
+def engine(loaded, master=None, *, max_total_tokens=2048, disable=False, corrupt=False, segment_bytes=32 << 20,
+           timeout_s=2.0):
     cc = CacheConfig(page_size=PAGE, max_total_tokens=max_total_tokens, debug_invariants=True,
                      disable_prefix_cache=disable, host_pool_tokens=0)
     e = Engine(EngineConfig(device="cpu", num_threads=1, cache=cc), loaded=loaded)
     if master is not None:
-        opts = l3_options(master.address.url(), timeout_s=2.0, corrupt=corrupt)
+        opts = l3_options(master.address.url(), timeout_s=timeout_s, corrupt=corrupt)
         opts["segment_bytes"] = segment_bytes
         tier = attach_store(e.kv.cache, e.kv_pool, e.model_name, **opts)
         assert tier is not None and tier.write_through
@@ -194,7 +197,7 @@ def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
 
     others = set(threading.enumerate())
     m = mc.MasterProcess()
-    e = engine(smollm2_default, m, max_total_tokens=160)
+    e = engine(smollm2_default, m, max_total_tokens=160, timeout_s=0.5)   # a dead store's calls end sooner
     try:
         ids = [prompt(e, 30 + i, q) for i, q in enumerate(QUESTIONS)]
         answer(e, ids[:1])
@@ -207,12 +210,9 @@ def test_a_store_killed_mid_run_costs_recompute_only(smollm2_default, plain):
         assert e.kv.cache.tier("l3").store.stats.errors >= 1   # (up again once its backoff ran out: not asserted)
         idle_and_exact(e)
     finally:
-        e.shutdown()
-        m.stop()
-    end = time.monotonic() + 60   # the calls abandoned to the dead store end before the next test
-    for t in set(threading.enumerate()) - others:
-        if t.name.startswith("l3-store"):
-            t.join(max(0.0, end - time.monotonic()))
+        with master_back(m):    # the engine's store client closes, and its abandoned calls end, at once
+            e.shutdown()
+            join_store_threads(others)   # before the next test
 
 
 def test_retraction_without_a_host_pool_restores_from_l3(smollm2_default, master):

@@ -91,10 +91,12 @@ class _Child:
 
 
 class MasterProcess(_Child):
-    """A ``mooncake_master`` child on free 127.0.0.1 ports; :meth:`stop` kills it."""
+    """A ``mooncake_master`` child on free 127.0.0.1 ports, or on ``address``'s (a master restarted
+    where a stopped one was, which its clients reconnect to); :meth:`stop` kills it."""
 
-    def __init__(self, host: str = "127.0.0.1", ready_s: float = 20.0):
-        self.address = MasterAddress(host, free_port(host), free_port(host))
+    def __init__(self, host: str = "127.0.0.1", ready_s: float = 20.0, address: MasterAddress | None = None):
+        self.address = address or MasterAddress(host, free_port(host), free_port(host))
+        host = self.address.host
         super().__init__("mooncake_master", [
             f"--port={self.address.port}", "--enable_http_metadata_server=true",
             f"--http_metadata_server_port={self.address.metadata_port}",
