@@ -49,12 +49,17 @@ def oracle(loaded, cfg) -> dict[str, str]:
 
 
 def serve(cfg, loaded):
+    """(backend, server, the healthy texts): the oracle runs in this process while the workers start."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tandem.cluster.launch import launch_disaggregated
 
     from serve_support import Server
 
-    backend = launch_disaggregated(cfg, loaded=loaded)
-    return backend, Server(backend, cfg)
+    with ThreadPoolExecutor(1) as pool:
+        want = pool.submit(oracle, loaded, cfg)
+        backend = launch_disaggregated(cfg, loaded=loaded)
+        return backend, Server(backend, cfg), want.result()
 
 
 chunks: dict[str, int] = {}   # key -> content chunks received so far
