@@ -84,7 +84,8 @@ class RayClusterBackend(ClusterObservability):
         self.supervisor = Supervisor(self.pool, self.dispatch, launcher, restart=restart, feed=self.feed,
                                      discover=launcher.detached or cfg.planner.enabled,
                                      progress_timeout_s=cfg.progress_timeout_s,
-                                     progress_replace_s=cfg.progress_replace_s, router_id=self.router_id)
+                                     progress_replace_s=cfg.progress_replace_s, router_id=self.router_id,
+                                     router_lease_s=cfg.router_lease_s)
         self._inflight: dict[str, WorkerRef] = {}
         self._streamed: dict[str, tuple[int, float]] = {}
         self._alias: dict[str, str] = {}

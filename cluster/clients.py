@@ -43,8 +43,8 @@ class RoleClient:
     def ping(self) -> ObjectRef:
         return self.handle.ping.remote()
 
-    def progress(self, router: str | None = None) -> ObjectRef:
-        return self.handle.progress.remote(router)
+    def progress(self, router: str | None = None, lease_s: float | None = None) -> ObjectRef:
+        return self.handle.progress.remote(router, lease_s)
 
     def metrics_text(self) -> ObjectRef:
         return self.handle.metrics_text.remote()

@@ -105,6 +105,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "its requests re-dispatched or resumed on a peer, else failed with an error event"),
     Flag("--progress-replace-after", "progress_replace_s",
          "seconds a suspect worker may stay stuck before it is killed and replaced"),
+    Flag("--router-lease", "router_lease_s",
+         "seconds without this router's heartbeat before a decode worker aborts the streams it runs for it"),
     Flag("--debug-transfer-delay", "debug_transfer_delay_ms",
          "test lever: prefill workers wait this many milliseconds before posting each KV write"),
     Flag("--debug-transfer-stall", "debug_transfer_stall",

@@ -33,9 +33,11 @@ class Supervisor:
 
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
                  feed=None, discover: bool | None = None, progress_timeout_s: float = 5.0,
-                 progress_replace_s: float = 60.0, router_id: str | None = None):
-        """``discover``: adopt workers this router did not start; ``router_id``: sent with each heartbeat."""
-        self.router_id = router_id
+                 progress_replace_s: float = 60.0, router_id: str | None = None,
+                 router_lease_s: float | None = None):
+        """``discover``: adopt workers this router did not start; ``router_id`` and ``router_lease_s``
+        (None: the worker's default lease): sent with each heartbeat."""
+        self.router_id, self.router_lease_s = router_id, router_lease_s
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
         self.progress_timeout_s, self.progress_replace_s = progress_timeout_s, progress_replace_s
         self._pings: dict[WorkerRef, object] = {}
@@ -133,7 +135,7 @@ class Supervisor:
         try:
             for w in live:
                 if w not in self._pings:
-                    self._pings[w] = w.api.progress(self.router_id)
+                    self._pings[w] = w.api.progress(self.router_id, self.router_lease_s)
                 if w not in self._stats:
                     self._stats[w] = w.api.stats()
             refs = [self._pings[w] for w in live] + [self._stats[w] for w in live]

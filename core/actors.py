@@ -32,8 +32,9 @@ class RoleAPI(Protocol):
     async def ping(self) -> str:
         """The worker's name; raises when its engine died."""
 
-    async def progress(self, router: str | None = None) -> float:
-        """Seconds the engine has been in its current step; ``router`` renews that router's lease."""
+    async def progress(self, router: str | None = None, lease_s: float | None = None) -> float:
+        """Seconds the engine has been in its current step; ``router`` renews that router's lease,
+        of ``lease_s`` seconds (None: the worker's default)."""
 
     def metrics_text(self) -> bytes:
         """The worker's Prometheus exposition."""

@@ -230,6 +230,9 @@ class ServeConfig(_Strict):
                                       "event; it rejoins once it answers again")
     progress_replace_s: float = Field(60.0, gt=0, description="a worker suspect for this long is "
                                       "killed and replaced, as a dead one is")
+    router_lease_s: float = Field(15.0, gt=0, description="a decode worker that has not heard this "
+                                  "router's heartbeat for this long aborts the streams it runs for it "
+                                  "(the router went away); sent with each heartbeat")
     debug_transfer_delay_ms: float = Field(0.0, ge=0, description="test lever: prefill workers wait "
                                            "this long before posting each KV write")
     debug_transfer_stall: bool = Field(False, description="test lever: prefill workers never post "

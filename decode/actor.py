@@ -98,10 +98,11 @@ class DecodeActor(RoleActorMixin):
         self.prefills.pop(name, None)
         self.worker.remove_peer(name)
 
-    async def progress(self, router: str | None = None) -> float:
-        """The supervisor's heartbeat (RoleActorMixin's), which also renews ``router``'s lease."""
+    async def progress(self, router: str | None = None, lease_s: float | None = None) -> float:
+        """The supervisor's heartbeat (RoleActorMixin's), which also renews ``router``'s lease
+        (of ``lease_s`` seconds; None: the default)."""
         if router is not None:
-            self.leases.renew(router)
+            self.leases.renew(router, lease_s)
         return await super().progress()
 
     async def _watch_leases(self) -> None:

@@ -14,11 +14,18 @@ class RouterLeases:
     def __init__(self, lease_s: float = LEASE_S, clock: Callable[[], float] = time.monotonic):
         self.lease_s, self.clock = lease_s, clock
         self.seen: dict[str, float] = {}
+        self.leases: dict[str, float] = {}   # a router's own lease, when its heartbeat names one
         self.streams: dict[str, str] = {}
         self._last_tick = clock()
 
-    def renew(self, router: str) -> None:
+    def renew(self, router: str, lease_s: float | None = None) -> None:
+        """``router`` is alive now; ``lease_s``: its lease from now on (None: the default)."""
         self.seen[router] = self.clock()
+        if lease_s is not None:
+            self.leases[router] = lease_s
+
+    def _lease(self, router: str) -> float:
+        return self.leases.get(router, self.lease_s)
 
     def open(self, rid: str, router: str | None) -> None:
         """``rid`` streams to ``router`` (None: a caller with no lease, never expired)."""
@@ -36,10 +43,11 @@ class RouterLeases:
             for r in self.seen:
                 self.seen[r] = now
         self._last_tick = now
-        gone = [rid for rid, r in self.streams.items() if now - self.seen.get(r, now) > self.lease_s]
+        gone = [rid for rid, r in self.streams.items() if now - self.seen.get(r, now) > self._lease(r)]
         for rid in gone:
             del self.streams[rid]
         live = set(self.streams.values())
-        for r in [r for r, t in self.seen.items() if r not in live and now - t > 10 * self.lease_s]:
+        for r in [r for r, t in self.seen.items() if r not in live and now - t > 10 * self._lease(r)]:
             del self.seen[r]
+            self.leases.pop(r, None)
         return gone

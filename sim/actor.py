@@ -30,7 +30,7 @@ class _Shell:
     def ping(self) -> str:
         return self.role.name
 
-    def progress(self, router: str | None = None) -> float:
+    def progress(self, router: str | None = None, lease_s: float | None = None) -> float:
         """The supervisor's heartbeat (a simulated step never hangs)."""
         return 0.0
 

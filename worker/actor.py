@@ -62,8 +62,9 @@ class RoleActorMixin:
         self.worker.check_alive()
         return self.worker.name
 
-    async def progress(self, router: str | None = None) -> float:
-        """Seconds in the current engine step (0 between); raises like :meth:`ping`; ``router`` renews its lease."""
+    async def progress(self, router: str | None = None, lease_s: float | None = None) -> float:
+        """Seconds in the current engine step (0 between); raises like :meth:`ping`; ``router`` renews
+        its lease (of ``lease_s`` seconds; None: the default)."""
         self.worker.check_alive()
         return self.worker.engine.step_age()
 

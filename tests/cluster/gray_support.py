@@ -13,7 +13,7 @@ import httpx
 from tandem.core.config import CacheConfig, EngineConfig, MigrationConfig, ServeConfig
 from tandem.core.types import SamplingParams
 
-OUT = 128
+OUT = 64          # tokens per stream: the faults land after 4 (mid-decode) or before the first
 PROGRESS_S = 3.0
 TOPICS = ("rivers", "bridges", "volcanoes", "glaciers")
 
@@ -29,24 +29,37 @@ def messages(topic: str) -> list[dict]:
     return [{"role": "user", "content": f"Write a long paragraph about {topic}."}]
 
 
+_oracles: dict[tuple[int, str], dict[str, str]] = {}   # (id of the loaded model, engine config) -> texts
+
+
 def oracle(loaded, cfg) -> dict[str, str]:
+    """The healthy texts of :data:`TOPICS` (each alone, greedy, ``OUT`` tokens): computed once per
+    model and engine config in this process (both gray modules ask for the same)."""
     from tandem.engine.engine import Engine
 
-    e = Engine(cfg.engine_config, loaded=loaded)
-    try:
-        return {t: e.generate(e.tokenizer.apply_chat_template(messages(t)),
-                              SamplingParams(max_tokens=OUT, ignore_eos=True)).text for t in TOPICS}
-    finally:
-        e.shutdown()
+    key = (id(loaded), cfg.engine_config.model_dump_json())
+    if key not in _oracles:
+        e = Engine(cfg.engine_config, loaded=loaded)
+        try:
+            _oracles[key] = {t: e.generate(e.tokenizer.apply_chat_template(messages(t)),
+                                           SamplingParams(max_tokens=OUT, ignore_eos=True)).text for t in TOPICS}
+        finally:
+            e.shutdown()
+    return dict(_oracles[key])
 
 
 def serve(cfg, loaded):
+    """(backend, server, the healthy texts): the oracle runs in this process while the workers start."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tandem.cluster.launch import launch_disaggregated
 
     from serve_support import Server
 
-    backend = launch_disaggregated(cfg, loaded=loaded)
-    return backend, Server(backend, cfg)
+    with ThreadPoolExecutor(1) as pool:
+        want = pool.submit(oracle, loaded, cfg)
+        backend = launch_disaggregated(cfg, loaded=loaded)
+        return backend, Server(backend, cfg), want.result()
 
 
 chunks: dict[str, int] = {}   # key -> content chunks received so far

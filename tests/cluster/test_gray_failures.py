@@ -14,15 +14,15 @@ import signal
 import httpx
 import pytest
 
-from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, oracle, pid_of, serve,
+from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, pid_of, serve,
                           start_streams, wait_for, wait_idle, wait_rejoined)
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, smollm2_default):
     cfg = gray_cfg()
-    backend, server = serve(cfg, smollm2_default)
-    yield backend, server, oracle(smollm2_default, cfg)
+    backend, server, want = serve(cfg, smollm2_default)
+    yield backend, server, want
     server.stop()
     backend.close()
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, oracle, pid_of, serve,
+from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, pid_of, serve,
                           start_streams, wait_for, wait_idle, wait_rejoined)
 
 
@@ -20,8 +20,8 @@ from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, ora
 def stalling(ray_local, smollm2_default):
     """1 prefill + 1 decode worker; the prefill worker holds every KV write (the lever)."""
     cfg = gray_cfg(decode=1, debug_transfer_stall=True)
-    backend, server = serve(cfg, smollm2_default)
-    yield backend, server, oracle(smollm2_default, cfg)
+    backend, server, want = serve(cfg, smollm2_default)
+    yield backend, server, want
     server.stop()
     backend.close()
 

@@ -12,7 +12,7 @@ streams are mid-way. Asserted:
 - the workers stop decoding the dead router's requests: within 60 s of the kill (far less than A's
   long request needs to reach its ``max_tokens``) nothing runs or waits: Ray does not cancel a
   streaming call whose caller died, so the decode worker aborts the streams of a router whose
-  lease ran out (decode/leases.py).
+  lease ran out (decode/leases.py; ``router_lease_s``, short here).
 
 The scenario runs once (a module fixture); the tests read what it saw.
 """
@@ -37,6 +37,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIG = {
     "mode": "disaggregated", "prefill": 1, "decode": 1, "worker_lifetime": "cluster",
     "ray_namespace": "tandem-kill", "policy": "session", "transfer_timeout_s": 20.0,
+    # the lease the decode worker gives each router (sent with its heartbeat, once a second): short,
+    # so the dead router's streams are aborted soon after the kill; 5x the heartbeat period, so a
+    # starved but live router B keeps its own
+    "router_lease_s": 5.0,
     "engine_config": {"device": "cpu", "dtype": "float32", "num_threads": 1,
                       "cache": {"page_size": 16, "max_total_tokens": 4096, "max_running_requests": 8,
                                 "host_pool_tokens": 0}},

@@ -2,7 +2,8 @@
 
 One cluster per module (1 prefill + 2 decode workers, restarts on) behind the real front door,
 plus a colocated server (LocalEngineBackend) for the reference outputs. Worker-kill tests run
-last; the final test waits for the monitor to have replaced both killed workers.
+last; the final test waits for the monitor to have replaced both killed workers (alone, it kills
+them itself).
 """
 
 from __future__ import annotations
@@ -247,9 +248,15 @@ def test_killing_the_prefill_worker_loses_no_request_and_serving_goes_on(servers
 
 
 def test_dead_workers_are_replaced_and_the_cluster_is_whole_again(servers):
+    """The monitor replaces the workers the kill tests above killed (a decode worker and the prefill
+    worker); run without them, this test kills the same two itself first."""
     import httpx
 
     backend, disagg, coloc = servers
+    h = httpx.get(disagg.url + "/health", timeout=30).json()
+    if h["restarts"] == 0 and not h["degraded"]:        # nothing was killed before this test
+        for victim in (backend.decodes[0], backend.prefills[0]):
+            ray.kill(victim.handle)
     end = time.monotonic() + 240
     while True:
         h = httpx.get(disagg.url + "/health", timeout=30).json()

@@ -52,3 +52,15 @@ def test_the_worker_s_own_stop_restarts_every_lease():
     clock.t += JUMP_S                     # a late tick within the bound is not a jump...
     assert leases.expired() == []
     assert _run(leases, clock, 3.0) == ["a1"]   # ...and the router, silent since, has lost it
+
+
+def test_a_router_s_heartbeat_sets_its_own_lease():
+    clock = Clock()
+    leases = RouterLeases(lease_s=15.0, clock=clock)
+    leases.open("short", "router-s")
+    leases.open("default", "router-d")
+    leases.renew("router-s", 3.0)         # router-s names a 3 s lease; router-d names none
+    leases.renew("router-d")
+    assert _run(leases, clock, 4.0) == ["short"]   # past 3 s: only router-s's stream
+    assert _run(leases, clock, 10.0) == []         # router-d's 15 s are not over yet
+    assert _run(leases, clock, 2.0) == ["default"]

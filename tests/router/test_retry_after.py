@@ -87,9 +87,9 @@ def test_the_front_door_sends_retry_after_with_every_429_and_no_5xx(serve, smoll
     from tandem.cluster.launch import load_tokenizer
     from tandem.sim.backend import SimServingBackend
 
-    # one slow simulated prefill worker (the H100 profile 200x slower), a 2-deep worker queue and
+    # one slow simulated prefill worker (the H100 profile 50x slower), a 2-deep worker queue and
     # a 4-deep router queue with a 1 s TTL: a burst of 24 must overflow
-    cfg = ServeConfig(engine="sim", prefill=1, decode=1, sim_speedup=0.005, admission_max_queue=2,
+    cfg = ServeConfig(engine="sim", prefill=1, decode=1, sim_speedup=0.02, admission_max_queue=2,
                       dispatch_queue_size=4, dispatch_queue_ttl_s=1.0)
     backend = SimServingBackend(cfg, load_tokenizer(cfg.engine_config.model))
     srv = serve(backend, cfg)
