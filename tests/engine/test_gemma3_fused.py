@@ -36,16 +36,13 @@ PROMPT_B = [(53 * i + 7) % 30000 + 200 for i in range(24)]
 
 
 @pytest.fixture(scope="module")
-def gemma(hf_gguf_load):
-    from record_gemma3_gguf_greedy import gguf_path
-    from tandem.engine.loader import load_model
-
-    with hf_gguf_load():
-        loaded = load_model(gguf_path(), device="cpu")            # the default numerics
-    layers = loaded.model.layers
+def gemma(gemma3_bf16):
+    """The default numerics (where the AVX512-BF16 kernels run: bf16 on the file's blocks), the
+    load tests/engine/conftest.py shares with test_gemma3_gguf.py."""
+    layers = gemma3_bf16.model.layers
     if FusedGemmaLayer.build(layers[0]) is None:
-        pytest.skip(f"the default model's layers are not fusable here ({loaded.precision})")
-    return loaded
+        pytest.skip(f"the default model's layers are not fusable here ({gemma3_bf16.precision})")
+    return gemma3_bf16
 
 
 def _runner(loaded, slots: int = 1024):
