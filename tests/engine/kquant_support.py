@@ -101,10 +101,11 @@ def q4_k_m(name: str, n_layers: int) -> str:
     return "Q4_K"
 
 
-def requantize_gguf(src: str, dst: str, kind_of) -> dict[str, str]:
+def requantize_gguf(src: str, dst: str, kind_of, blocks: dict | None = None) -> dict[str, str]:
     """Write ``dst``: ``src``'s metadata and tensors, every 2-D weight dequantized and quantized
     again as ``kind_of(name)`` (K-quants fall back as llama.cpp does where K % 256 != 0); 1-D
-    tensors stay float32. Returns name -> the type written."""
+    tensors stay float32. Returns name -> the type written. ``blocks``: (src, name, type) -> the
+    quantized blocks, filled and reused across calls (quantizing is a pure function of them)."""
     import gguf
 
     r = gguf.GGUFReader(src)
@@ -126,7 +127,12 @@ def requantize_gguf(src: str, dst: str, kind_of) -> dict[str, str]:
         kind = kind_of(t.name)
         if kind.endswith("_K") and x.shape[-1] % 256:
             kind = K_FALLBACK[kind]
-        raw = quantize(x.reshape(-1, x.shape[-1]), kind)
+        key = (src, t.name, kind)
+        raw = blocks.get(key) if blocks is not None else None
+        if raw is None:
+            raw = quantize(x.reshape(-1, x.shape[-1]), kind)
+            if blocks is not None:
+                blocks[key] = raw
         w.add_tensor(t.name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         written[t.name] = kind
     w.write_header_to_file()

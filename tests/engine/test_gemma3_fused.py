@@ -36,16 +36,13 @@ PROMPT_B = [(53 * i + 7) % 30000 + 200 for i in range(24)]
 
 
 @pytest.fixture(scope="module")
-def gemma(hf_gguf_load):
-    from record_gemma3_gguf_greedy import gguf_path
-    from tandem.engine.loader import load_model
-
-    with hf_gguf_load():
-        loaded = load_model(gguf_path(), device="cpu")            # the default numerics
-    layers = loaded.model.layers
+def gemma(gemma3_bf16):
+    """The default numerics (where the AVX512-BF16 kernels run: bf16 on the file's blocks), the
+    load tests/engine/conftest.py shares with test_gemma3_gguf.py."""
+    layers = gemma3_bf16.model.layers
     if FusedGemmaLayer.build(layers[0]) is None:
-        pytest.skip(f"the default model's layers are not fusable here ({loaded.precision})")
-    return loaded
+        pytest.skip(f"the default model's layers are not fusable here ({gemma3_bf16.precision})")
+    return gemma3_bf16
 
 
 def _runner(loaded, slots: int = 1024):
@@ -91,8 +88,15 @@ def _trace(loaded, fused: bool, with_b: bool = True) -> tuple[list[list[torch.Te
     return outs, logits
 
 
+@pytest.fixture(scope="module")
+def fused_logits() -> dict:
+    """threads -> the fused workload's logits per step at that torch thread count, as the first
+    test that ran it there computed them (the next one reuses them)."""
+    return {}
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_layers_are_bitwise_the_unfused_ones(gemma, threads, monkeypatch):
+def test_fused_layers_are_bitwise_the_unfused_ones(gemma, threads, monkeypatch, fused_logits):
     layers = gemma.model.layers
     kinds = gemma.arch.layer_types
     assert "swa" in kinds and "full" in kinds and gemma.arch.sliding_window < len(PROMPT_A)
@@ -103,7 +107,7 @@ def test_fused_layers_are_bitwise_the_unfused_ones(gemma, threads, monkeypatch):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused_out, fused_logits = _trace(gemma, True)
+        fused_out, fused_logits[threads] = _trace(gemma, True)
         assert len(ran) == 5 * len(layers)                  # every layer of every step fused
         plain_out, plain_logits = _trace(gemma, False)
         assert len(ran) == 5 * len(layers)                  # ... and none here
@@ -115,19 +119,20 @@ def test_fused_layers_are_bitwise_the_unfused_ones(gemma, threads, monkeypatch):
         assert len(f) == len(p) == 5
         for step, (a, b) in enumerate(zip(f, p)):
             assert torch.equal(a, b), f"layer {i} ({kinds[i]}), step {step} differs"
-    for step, (a, b) in enumerate(zip(fused_logits, plain_logits)):
+    for step, (a, b) in enumerate(zip(fused_logits[threads], plain_logits)):
         assert torch.equal(a, b), f"logits of step {step} differ"
 
 
-def test_a_rows_logits_do_not_depend_on_the_thread_count_or_its_batch(gemma):
+def test_a_rows_logits_do_not_depend_on_the_thread_count_or_its_batch(gemma, fused_logits):
     """The kernels' promise, kept by the fused layer: sequence A's logits are bitwise the same
     at 1 and 2 threads, and alone or batched with B."""
     old = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        _, two = _trace(gemma, True)
-        torch.set_num_threads(1)
-        _, one = _trace(gemma, True)
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            if n not in fused_logits:
+                fused_logits[n] = _trace(gemma, True)[1]
+        two, one = fused_logits[2], fused_logits[1]
         _, alone = _trace(gemma, True, with_b=False)
     finally:
         torch.set_num_threads(old)

@@ -91,11 +91,8 @@ def test_greedy_equals_transformers(exact, record):
     assert "largest city in France" in exact.tokenizer.decode(got[0])   # a base model: no "Paris"
 
 
-def test_default_numerics_within_the_bf16_bounds(path, exact, record, hf_gguf_load):
-    from tandem.engine.loader import load_model
-
-    with hf_gguf_load():
-        fast = load_model(path, device="cpu", dtype="bfloat16")
+def test_default_numerics_within_the_bf16_bounds(exact, record, gemma3_bf16):
+    fast = gemma3_bf16                       # tests/engine/conftest.py: test_gemma3_fused.py's load too
     if kernel_unavailable() is None:
         assert "avx512 (Q4_K)" in fast.precision and "avx512 (Q6_K)" in fast.precision, fast.precision
     worst, means = 0.0, []

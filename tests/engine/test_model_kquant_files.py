@@ -37,13 +37,20 @@ NEW_TOKENS = 16
 MIXES = {"Q4_K_M": lambda name: q4_k_m(name, 30), "Q6_K": lambda name: "Q6_K"}
 
 
+@pytest.fixture(scope="module")
+def blocks() -> dict:
+    """The quantized tensors both files hold alike (the Q8_0 embedding, the Q6_K ffn_down of the
+    layers given more bits), quantized once."""
+    return {}
+
+
 @pytest.fixture(scope="module", params=sorted(MIXES))
-def kfile(request, smollm2_gguf, tmp_path_factory, hf_gguf_load):
+def kfile(request, smollm2_gguf, tmp_path_factory, hf_gguf_load, blocks):
     """(mix, path of the GGUF, {tensor: type})."""
     d = tmp_path_factory.mktemp(f"smollm2-{request.param.lower()}")
     path = str(d / f"smollm2-{request.param.lower()}.gguf")
     with hf_gguf_load():                     # tests/conftest.py: the source's parse is the session's
-        types = requantize_gguf(smollm2_gguf, path, MIXES[request.param])
+        types = requantize_gguf(smollm2_gguf, path, MIXES[request.param], blocks)
     return request.param, path, types
 
 

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from support.lifetimes import used_later
+
 _RUNNING: dict = {}     # namespace -> its WorkerSet, while modules that use it remain
-
-
-def _used_later(request, name: str) -> bool:
-    """Whether a test after the current module's last one (in run order) uses fixture ``name``."""
-    items, module = request.session.items, request.node
-    last = max(i for i, it in enumerate(items) if it.getparent(pytest.Module) is module)
-    return any(name in getattr(it, "fixturenames", ()) for it in items[last + 1:])
 
 
 @pytest.fixture(scope="module")
@@ -33,5 +28,5 @@ def smollm2_1p1d(request, smollm2, ray_local):
             receiver = Receiver()
         _RUNNING[F32_NAMESPACE] = WorkerSet(F32_NAMESPACE, smollm2, receiver)
     yield _RUNNING[F32_NAMESPACE]
-    if not _used_later(request, "smollm2_1p1d"):
+    if not used_later(request, "smollm2_1p1d"):
         _RUNNING.pop(F32_NAMESPACE).close()

@@ -66,12 +66,17 @@ def served(smollm2_1p1d):
     backend.close()
 
 
-def _evaluate(lm, task: str) -> list[dict]:
-    """lm-eval's samples of ``task`` (doc order) under model ``lm``."""
+@pytest.fixture(scope="module")
+def tasks():
+    """lm-eval's task index of TASKS alone (its built-in tasks not indexed: thousands of YAML files)."""
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(include_path=str(TASKS)),
-                                  log_samples=True, bootstrap_iters=0)
+    return TaskManager(include_path=str(TASKS), include_defaults=False)
+
+
+def _evaluate(lm, task: str, tasks) -> list[dict]:
+    """lm-eval's samples of ``task`` (doc order) under model ``lm``, from the index ``tasks``."""
+    out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tasks, log_samples=True, bootstrap_iters=0)
     return sorted(out["samples"][task], key=lambda s: s["doc_id"])
 
 
@@ -101,10 +106,10 @@ def _remote_prefills(server) -> float:
                for s in f.samples if s.name.endswith("_total") and s.labels.get("path") == "remote")
 
 
-def test_loglikelihood_equals_transformers(served, tandem_lm, hf_lm):
+def test_loglikelihood_equals_transformers(served, tandem_lm, hf_lm, tasks):
     _, server = served
     before = _remote_prefills(server)
-    got, want = _evaluate(tandem_lm, "tandem_capitals_mc"), _evaluate(hf_lm, "tandem_capitals_mc")
+    got, want = _evaluate(tandem_lm, "tandem_capitals_mc", tasks), _evaluate(hf_lm, "tandem_capitals_mc", tasks)
     assert _remote_prefills(server) - before >= 12    # 4 questions x 3 choices, each prefilled remotely
     assert [s["doc_id"] for s in got] == [s["doc_id"] for s in want] == [0, 1, 2, 3]
     for g, w in zip(got, want):
@@ -115,8 +120,8 @@ def test_loglikelihood_equals_transformers(served, tandem_lm, hf_lm):
         assert g["acc"] == w["acc"]
 
 
-def test_generate_until_runs_to_the_end(tandem_lm, hf_lm):
-    got, want = _evaluate(tandem_lm, "tandem_capitals_gen"), _evaluate(hf_lm, "tandem_capitals_gen")
+def test_generate_until_runs_to_the_end(tandem_lm, hf_lm, tasks):
+    got, want = _evaluate(tandem_lm, "tandem_capitals_gen", tasks), _evaluate(hf_lm, "tandem_capitals_gen", tasks)
     assert len(got) == 4
     answers, ref = [s["filtered_resps"][0] for s in got], [s["filtered_resps"][0] for s in want]
     assert all(isinstance(a, str) and a.strip() and "\n" not in a for a in answers), (answers, ref)

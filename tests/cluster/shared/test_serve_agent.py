@@ -98,7 +98,7 @@ def test_openai_tool_round_trip_required_streamed_and_not(servers):
                      {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}]},
                  {"role": "tool", "tool_call_id": cid, "content": result}]
         final = s.client.chat.completions.create(model=M, messages=msgs, tools=[WEATHER, TIME],
-                                                 temperature=0, max_tokens=30)
+                                                 temperature=0, max_tokens=8)   # any text: the call's round trip
         return name, args, final.choices[0].finish_reason, final.choices[0].message.content
 
     for stream in (False, True):
@@ -170,7 +170,7 @@ def test_anthropic_streams_and_round_trips_tool_use(servers):
     def trip(s):
         client = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
         greedy = {"extra_body": {"temperature": 0}}   # this SDK has no temperature argument any more
-        with client.messages.stream(model=M, max_tokens=16, **greedy,
+        with client.messages.stream(model=M, max_tokens=8, **greedy,
                                     messages=[{"role": "user", "content": "Say hello."}]) as st:
             streamed = "".join(st.text_stream)
             final = st.get_final_message()
