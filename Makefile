@@ -40,9 +40,14 @@ $(VENV)/.test-models: $(VENV)/.installed
 # oracles live (transformers on Gemma 3's record, on the Q6_K file, on every SmolLM2 prompt), one
 # runs the Gemma 3 GGUF through a worker pair (tests/README.md says what make test keeps of each).
 # `make test-slow` runs them, `make test-all` both.
+# Two pytest-xdist workers: one runs every module that starts Ray in its process, in order (one
+# Ray instance, one cluster at a time), the other meanwhile the modules whose clusters are child
+# processes, then both the rest (tests/conftest.py pytest_xdist_make_scheduler). Bytecode is
+# written (PYTHONDONTWRITEBYTECODE emptied; __pycache__ is git-ignored) so that the run's hundreds
+# of Ray actors and child processes load the product compiled once.
 test: setup test-models
 	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
-	$(PY) -m pytest -q -m "not slow" --durations=25 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n 2 --durations=25 tests
 
 # The inner loop while developing: the unit, engine and cache tests, no Ray, no cluster and no real
 # weights (the folders below minus the `ray` and `model` markers, tests/conftest.py; the engine's
@@ -51,7 +56,7 @@ test: setup test-models
 QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s tests/test_layering.py
 test-quick: setup
 	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not ray and not model" --durations=10 $(QUICK)
+	$(PY) -m pytest -q -n 2 -m "not slow and not ray and not model" --durations=10 $(QUICK)
 
 test-slow: setup test-models
 	$(PY) -m pytest -q -m slow tests

@@ -12,6 +12,12 @@ import os
 
 import pytest
 
+# OpenMP's idle threads sleep instead of spinning (set before torch loads libgomp; inherited by
+# every Ray actor, `ray start` node and `tandem serve` child): the suite runs a driver, actors and,
+# under xdist, another worker on 2 cores, and spinning threads of oversubscribed processes took
+# 7-14x longer for small matmuls (tests/README.md). Numerics are unchanged (only idle waits differ).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Triton fixes interpret mode at its first import, process-wide: without CUDA every triton kernel
 # in the suite runs in the interpreter (the GPU tests rerun their file in a child process).
 if os.environ.get("TRITON_INTERPRET") is None:
@@ -29,6 +35,13 @@ RAY_TIMEOUT_S = 600                        # a ``ray`` test's limit unless it ma
 # the fixtures that load real weights (SmolLM2, HF's view of it, any GGUF through hf_gguf_load)
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_dir", "smollm2", "smollm2_default", "smollm2_swa16", "hf_smollm2",
                   "hf_smollm2_bf16", "hf_smollm2_tokenizer", "hf_gguf_load"}
+# modules outside RAY_FOLDERS that start a Ray cluster in a child process (``tandem serve`` 1P+1D)
+RAY_MODULES = {"test_gpu_cluster_check.py"}
+# ray modules that use no in-process Ray (their clusters are child processes: `ray start` nodes,
+# `tandem serve`; or a worker pair in this process): under xdist they may run on the other worker
+# while the in-process ones run (pytest_xdist_make_scheduler)
+BESIDE = {"test_autoscale.py", "test_multinode.py", "test_routers_kill.py", "test_serve_hybrid.py",
+          "test_gpu_placement.py", "test_gpu_cluster_check.py", "test_l3_engines.py", "test_l3_hybrid_engines.py"}
 INTERPRETED = {"test_cuda_graph.py", "test_triton_attention.py", "test_gpu_path.py"}   # triton kernels in its interpreter
 
 
@@ -41,16 +54,53 @@ def pytest_collection_modifyitems(config, items):
     MODEL_FIXTURES) or runs triton kernels in the interpreter (INTERPRETED): seconds each.
     ``make test-quick`` runs ``-m "not slow and not ray and not model"``; ``make test`` runs all."""
     for item in items:
-        parts = item.path.parts
         names = set(getattr(item, "fixturenames", ()))
-        under = parts[len(parts) - 1 - parts[::-1].index("tests"):] if "tests" in parts else ()
-        in_folder = len(under) >= 3 and under[1] in RAY_FOLDERS
-        if in_folder or "ray_local" in names:
+        if _starts_ray(item.path.parts) or "ray_local" in names:
             item.add_marker(pytest.mark.ray)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(RAY_TIMEOUT_S))
         if names & MODEL_FIXTURES or item.path.name in INTERPRETED:
             item.add_marker(pytest.mark.model)
+    items.sort(key=lambda it: _UNIT_ORDER.index(_unit(it.nodeid)) if _unit(it.nodeid) in _UNIT_ORDER else 2)
+
+
+def _starts_ray(parts) -> bool:
+    """Whether the module at path ``parts`` starts Ray: it is under a RAY_FOLDERS folder of tests/
+    (or a subfolder) or one of RAY_MODULES."""
+    under = parts[len(parts) - 1 - parts[::-1].index("tests"):] if "tests" in parts else ()
+    return (len(under) >= 3 and under[1] in RAY_FOLDERS) or (len(parts) > 0 and parts[-1] in RAY_MODULES)
+
+
+_UNIT_ORDER = ("ray", "beside")
+
+
+def _unit(nodeid: str) -> str:
+    """The xdist work unit of a test: "ray" for a module that starts Ray in this process, "beside"
+    for BESIDE's, else its module."""
+    module = nodeid.split("::", 1)[0]
+    parts = tuple(module.split("/"))
+    if parts[-1] in BESIDE:
+        return "beside"
+    return "ray" if _starts_ray(parts) else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test``'s ``-n 2``), three kinds of work unit, queued in this
+    order (pytest_collection_modifyitems sorts the items so): every module that starts Ray in
+    this process (``ray_local``, the shared worker set) in one unit, run by one worker in
+    collection order (one in-process Ray instance, one launched cluster at a time in it, the
+    shared set's users in order); BESIDE's modules in one unit, for the other worker meanwhile
+    (the longest after the first: started early, none runs at the end alone); then every other
+    module a unit of its own for whichever worker is free. (xdist's own ``--dist loadgroup``
+    cannot do it under pytest 9: it renames items through an attribute pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False          # the units in the items' order, not by size
+    return RayApart(config, log)
 
 
 def pytest_report_header(config):
