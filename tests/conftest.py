@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(RAY_TIMEOUT_S))
         if names & MODEL_FIXTURES or item.path.name in INTERPRETED:
             item.add_marker(pytest.mark.model)
-    items.sort(key=lambda it: _UNIT_ORDER.index(_unit(it.nodeid)) if _unit(it.nodeid) in _UNIT_ORDER else 2)
+    items.sort(key=lambda it: _UNIT_ORDER.get(_unit(it.nodeid), len(_UNIT_ORDER)))
 
 
 def _starts_ray(parts) -> bool:
@@ -71,7 +71,7 @@ def _starts_ray(parts) -> bool:
     return (len(under) >= 3 and under[1] in RAY_FOLDERS) or (len(parts) > 0 and parts[-1] in RAY_MODULES)
 
 
-_UNIT_ORDER = ("ray", "beside")
+_UNIT_ORDER = {"ray": 0, "beside": 1}    # queued first, in this order; every module unit after them
 
 
 def _unit(nodeid: str) -> str:
