@@ -4,7 +4,7 @@ A 1 prefill + 1 decode cluster (SmolLM2, CPU, Ray) behind the real FastAPI app (
 over ASGI). Every process records the Python files whose functions run (``sys.setprofile``, and
 ``threading.setprofile`` for threads started later; in the Ray workers through Ray's
 ``worker_process_setup_hook``, so the product carries no hook). After one warm-up request the
-records are cleared, one streamed chat request runs, and the files of the product's packages
+records are cleared, one streamed chat request runs, and the files (with the functions that ran in each) of the product's packages
 (the repository's top-level rooms) seen in any process are counted, per process and in all. The
 background (heartbeats, stats, the monitor) runs meanwhile: an idle window as long as the request
 is recorded too, and the files seen only while the request ran are reported beside.
@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("core", "cache", "engine", "transfer", "worker", "prefill", "decode", "router", "cluster", "sim",
          "loadtest", "workloads", "tandem")
 _DIR = os.environ.get("TANDEM_FILE_TRAIL_DIR", "/tmp/tandem-file-trail")
-_seen: set[str] = set()
+_seen: set[tuple[str, str]] = set()
 
 
 def _profile(frame, event, arg):
-    _seen.add(frame.f_code.co_filename)
+    _seen.add((frame.f_code.co_filename, frame.f_code.co_name))
 
 
 def _dump_loop(name: str) -> None:
@@ -44,7 +44,7 @@ def _dump_loop(name: str) -> None:
         if stamp != last:
             last = stamp
             _seen.clear()
-        out.write_text("\n".join(sorted(_seen)))
+        out.write_text("\n".join(sorted(f"{f}\t{fn}" for f, fn in _seen.copy())))
 
 
 def _install(name: str | None = None) -> None:
@@ -55,15 +55,17 @@ def _install(name: str | None = None) -> None:
     threading.Thread(target=_dump_loop, args=(name or f"worker-{os.getpid()}",), daemon=True).start()
 
 
-def _product(files: set[str]) -> set[str]:
-    out = set()
-    for f in files:
+def _product(lines: list[str]) -> dict[str, set[str]]:
+    """``file\tfunction`` lines -> {product file relative to the repository: its functions that ran}."""
+    out: dict[str, set[str]] = {}
+    for line in lines:
+        f, _, fn = line.partition("\t")
         try:
             rel = Path(f).resolve().relative_to(ROOT)
         except ValueError:
             continue
         if rel.parts and rel.parts[0] in ROOMS and rel.suffix == ".py":
-            out.add(str(rel))
+            out.setdefault(str(rel), set()).add(fn)
     return out
 
 
@@ -78,9 +80,9 @@ async def _chat(app, max_tokens: int, tag: str) -> str:
             return "".join([line async for line in r.aiter_lines()])
 
 
-def _read(wait_s: float = 1.0) -> dict[str, set[str]]:
+def _read(wait_s: float = 1.0) -> dict[str, dict[str, set[str]]]:
     time.sleep(wait_s)   # every dump loop wrote after the request
-    return {p.stem: _product(set(p.read_text().split("\n")) - {""}) for p in Path(_DIR).glob("*.txt")}
+    return {p.stem: _product([ln for ln in p.read_text().split("\n") if ln]) for p in Path(_DIR).glob("*.txt")}
 
 
 def main(argv=None) -> int:
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         asyncio.run(_chat(app, args.max_tokens, "measured"))
         took = time.monotonic() - t0
-        per = _read()
+        per_fns = _read()
         (Path(_DIR) / "reset").write_text("idle")
         time.sleep(1.0 + took)
         idle = set().union(*_read().values())
@@ -121,7 +123,12 @@ def main(argv=None) -> int:
         threading.setprofile(None)
         backend.close()
         ray.shutdown()
+    per = {name: set(files) for name, files in per_fns.items()}
     every = set().union(*per.values())
+    functions: dict[str, set[str]] = {}
+    for files in per_fns.values():
+        for f, fns in files.items():
+            functions.setdefault(f, set()).update(fns)
     print(f"{'process':<24} {'product files':>13}")
     for name, files in sorted(per.items()):
         print(f"{name:<24} {len(files):>13}")
@@ -130,6 +137,7 @@ def main(argv=None) -> int:
     print(f"{'only with the request':<24} {len(every - idle):>13}")
     write_report(args.out, {"per_process": {k: sorted(v) for k, v in per.items()}, "files": sorted(every),
                             "count": len(every), "idle": sorted(idle), "request_only": sorted(every - idle),
+                            "functions": {f: sorted(fns) for f, fns in sorted(functions.items())},
                             "max_tokens": args.max_tokens})
     return 0
 
