@@ -59,7 +59,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--attention-backend", "attention_backend",
          "paged attention: cpu_kernel (one C call per layer; AVX512 CPUs), torch, triton (GPU); "
          "auto: triton on CUDA, cpu_kernel where it builds, else torch"),
-    Flag("--threads", "num_threads", "torch CPU threads (default: all cores)"),
+    Flag("--threads", "num_threads", "torch CPU threads (default: all cores in one process; a worker "
+                                     "actor: the CPUs Ray assigned it, cores / workers on a CPU node)"),
     Flag("--debug-cache-invariants", "cache.debug_invariants",
          "run the cache's invariant check() after every operation (slow)"),
     Flag("--disable-cuda-graph", "disable_cuda_graph",

@@ -88,7 +88,9 @@ class EngineConfig(_Strict):
                             "cpu_kernel where it builds, else torch")
     context_length: int | None = Field(None, ge=16, description="override the model's context length")
     sliding_window: int | None = Field(None, ge=1, description="override: make layers sliding-window")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    num_threads: int | None = Field(None, ge=1,
+                                     description="torch CPU threads (default: all cores in one process; "
+                                                 "a worker actor: the CPUs Ray assigned it)")
     seed: int = 0
     disable_cuda_graph: bool = Field(
         False, description="decode steps launch every kernel from Python instead of replaying "
