@@ -1,7 +1,8 @@
 """A tenant's traced request moved between decode workers (issue 40): 1 prefill + 2 decode Ray
 workers of SmolLM2, tracing to an OTLP/HTTP receiver this test runs. The user's key cannot move
 it (403); the admin's POST /admin/migrate does. The request's one trace then holds a "migration"
-span (from, to, outcome ok) and decode spans from both decode workers, the second one resumed;
+span (from, to, outcome ok; each attempt refused while it was still prefilling, a 409, adds one with
+outcome refused) and decode spans from both decode workers, the second one resumed;
 the stream is the same text as the request unmoved; and the move kept the tenant's cache salt:
 the target found the pages its pre-copy took (under the request's salt) in its own cache
 (tandem_decode_migration_reused_tokens_total > 0; with the salt lost on the way, it finds none).
@@ -77,10 +78,12 @@ def test_a_moved_request_keeps_its_trace_and_its_salt(cluster):
     url = server.url + "/admin/migrate"
     assert httpx.post(url, params={"rid": rid}, headers={"Authorization": f"Bearer {USER}"},
                       timeout=30).status_code == 403
+    refused = 0
     for _ in range(200):              # 409 while it is still prefilling
         r = httpx.post(url, params={"rid": rid}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
         if r.status_code != 409:
             break
+        refused += 1
         time.sleep(0.05)
     assert r.status_code == 200, r.text
     to = r.json()["to"]
@@ -93,12 +96,18 @@ def test_a_moved_request_keeps_its_trace_and_its_salt(cluster):
     while True:
         spans = receiver.of_trace(trace_id)
         migration = [s for s in spans if s["name"] == "migration"]
+        moved = [s for s in migration if s["attrs"]["tandem.outcome"] == "ok"]
         decodes = {s["service"]: s for s in spans if s["name"] == "decode" and s["attrs"]["tandem.rid"] == rid}
-        if migration and set(names) <= set(decodes):
+        if moved and set(names) <= set(decodes):
             break
-        assert time.monotonic() < end, [(s["service"], s["name"]) for s in spans]
+        assert time.monotonic() < end, [(s["service"], s["name"], s["attrs"]) for s in spans]
         time.sleep(0.2)
-    [m] = migration
+    # an attempt the router refused (the 409s above, while the request was still prefilling) is
+    # in the trace too, as a "migration" span with outcome "refused"
+    assert len(moved) == 1, [s["attrs"] for s in migration]
+    [m] = moved
+    others = [s["attrs"]["tandem.outcome"] for s in migration if s is not m]
+    assert set(others) <= {"refused"} and len(others) <= refused, (others, refused)
     assert m["service"] == "router" and m["attrs"]["tandem.outcome"] == "ok"
     assert (m["attrs"]["tandem.from"], m["attrs"]["tandem.to"]) == (src.name, to)
     assert decodes[to]["attrs"]["tandem.resumed"] and not decodes[src.name]["attrs"]["tandem.resumed"]
