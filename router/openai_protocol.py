@@ -153,6 +153,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     # a string, a list of token ids, or a batch of one of either
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt, generate nothing
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0)    # the legacy shape: how many alternatives per token
@@ -169,6 +170,11 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (OpenAI's legacy scoring call, as vLLM serves it): the
+        answer is the prompt and its logprobs; the one token drawn to end the request is left out."""
+        return self.echo and self.max_tokens == 0
+
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
@@ -184,6 +190,8 @@ class CompletionRequest(_SamplingFields):
             return "logprobs", f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}"
         if self.echo and self.n > 1:
             return "echo", "echo is not supported with n > 1"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 only scores the prompt: it needs echo: true"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()

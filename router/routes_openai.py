@@ -41,7 +41,8 @@ _SEED_SPAN = 2 ** 64
 @dataclass
 class Prepared:
     """``echo``: the prompt's text when a completion echoes it (None: no echo); ``prompt_top``:
-    vLLM's ``prompt_logprobs`` as asked (None: not asked)."""
+    vLLM's ``prompt_logprobs`` as asked (None: not asked); ``score_only``: echo with max_tokens 0,
+    one token drawn and left out of the answer."""
 
     greqs: list[GenerateRequest]
     plan: ToolPlan | None
@@ -49,6 +50,7 @@ class Prepared:
     prompt_len: int
     echo: str | None = None
     prompt_top: int | None = None
+    score_only: bool = False
 
 
 def fan_out(rid: str, prompt_ids: list[int], params: SamplingParams, session: str | None,
@@ -122,7 +124,8 @@ class OpenAIRoutes:
         else:
             ids = self._completion_ids(req)
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-        max_tokens = self.door.output_budget(len(ids), req.requested_max_tokens(),
+        score_only = not chat and req.scores_only()
+        max_tokens = self.door.output_budget(len(ids), 1 if score_only else req.requested_max_tokens(),
                                              None if chat else DEFAULT_COMPLETION_MAX_TOKENS, chat, param)
         top = req.top_logprobs_asked()
         params = SamplingParams(
@@ -142,7 +145,7 @@ class OpenAIRoutes:
         if not chat and req.echo:
             prompt = req.single_prompt()
             echo = prompt if isinstance(prompt, str) else self.door.backend.tokenizer.decode(ids)
-        return Prepared(greqs, plan, top, len(ids), echo, req.prompt_logprobs)
+        return Prepared(greqs, plan, top, len(ids), echo, req.prompt_logprobs, score_only)
 
     def _completion_ids(self, req: CompletionRequest) -> list[int]:
         try:
@@ -208,7 +211,7 @@ class OpenAIRoutes:
                         headers=headers)
 
     def _body(self, req, prep: Prepared, rid: str, done: list[Collected]):
-        usage = _usage(done, prep.prompt_len)
+        usage = _usage(done, prep.prompt_len, prep.score_only)
         model, top = self.door.backend.model_name, prep.top_logprobs
         if isinstance(req, CompletionRequest):
             return Completion(id=rid, model=model, usage=usage, choices=[
@@ -234,6 +237,9 @@ class OpenAIRoutes:
                            offset: int = 0, first: bool = True) -> tuple[CompletionChoice, int]:
         top, logprobs = prep.top_logprobs, None
         echo = prep.echo if first else None
+        if prep.score_only:      # the token drawn to end a scoring request is not part of the answer
+            text, lps = "", ()
+            finish = "length" if finish in ("stop", "length") else finish
         if echo is not None:
             text = echo + text
         if top is not None:
@@ -281,7 +287,7 @@ class OpenAIRoutes:
                     first, st.started = not st.started, True
                     choice, st.offset = self._completion_choice(i, c.text, c.finish_reason, prep, c.logprobs,
                                                                 c.prompt_logprobs, st.offset, first)
-                    if choice.text or c.finish_reason is not None or c.logprobs:
+                    if choice.text or c.finish_reason is not None or (c.logprobs and not prep.score_only):
                         yield sse(Completion(id=rid, created=created, model=model, choices=[choice]).model_dump_json())
                     continue
                 text, deltas = c.text, []
@@ -303,7 +309,7 @@ class OpenAIRoutes:
             else:
                 if req.include_usage():
                     done = [Collected("", s.last, s.tokens, []) for s in states]
-                    usage = _usage(done, prep.prompt_len)
+                    usage = _usage(done, prep.prompt_len, prep.score_only)
                     out = (ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage) if chat
                            else Completion(id=rid, created=created, model=model, choices=[], usage=usage))
                     yield sse(out.model_dump_json())
@@ -323,10 +329,11 @@ def _prompt_lps_missing(prep: Prepared, plps) -> str | None:
             f"(echo with logprobs and prompt_logprobs need {prep.prompt_len - 1})")
 
 
-def _usage(done: list[Collected], prompt_len: int) -> Usage:
+def _usage(done: list[Collected], prompt_len: int, score_only: bool = False) -> Usage:
+    """``score_only``: no completion tokens (the one drawn is not in the answer)."""
     first = done[0].last
     return Usage.of(first.prompt_tokens or prompt_len, first.cached_tokens,
-                    sum(c.last.completion_tokens or c.n_tokens for c in done))
+                    0 if score_only else sum(c.last.completion_tokens or c.n_tokens for c in done))
 
 
 def _error_json(message: str) -> str:

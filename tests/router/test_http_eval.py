@@ -115,6 +115,45 @@ def test_echo_streamed_equals_non_streamed(url, engine, greedy):
     assert lps[0] is None and max(abs(a - b) for a, b in zip(lps[1:], whole["logprobs"]["token_logprobs"][1:])) < TOL
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_only(url, engine, greedy, stream):
+    """OpenAI's legacy scoring call (echo, max_tokens 0, logprobs; what lm-evaluation-harness 0.3
+    sends, as vLLM serves it): the answer is the prompt and its logprobs, the very ones the
+    max_tokens 1 call gives, and nothing generated (no text, no completion tokens)."""
+    s, g, _ = greedy
+    prompt = s + g[:-1]
+    body = {"model": engine.model_name, "prompt": prompt, "logprobs": 3, "echo": True, "temperature": 0,
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    one = _complete(url, engine, prompt=prompt, max_tokens=1, logprobs=3, echo=True)["choices"][0]["logprobs"]
+    if not stream:
+        out = _post(url, "/v1/completions", {**body, "max_tokens": 0})
+        ch, usage = out["choices"][0], out["usage"]
+        text, lp, finish = ch["text"], ch["logprobs"], ch["finish_reason"]
+    else:
+        text, lp, finish, usage = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, None, None
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                usage = ev.get("usage") or usage
+                for ch in ev["choices"]:
+                    text += ch["text"]
+                    finish = ch["finish_reason"] or finish
+                    for k in lp:
+                        lp[k] += (ch["logprobs"] or {}).get(k, [])
+    assert text == engine.tokenizer.decode(prompt) and finish == "length"
+    assert lp["tokens"] == one["tokens"][:-1] and lp["text_offset"] == one["text_offset"][:-1]
+    assert lp["token_logprobs"][0] is None
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], one["token_logprobs"][1:-1])) < TOL
+    assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == 0
+    assert usage["total_tokens"] == len(prompt)
+    chat = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    assert _post(url, "/v1/chat/completions", chat, status=400)["error"]["param"] == "max_tokens"
+    engine.check_invariants()
+
+
 def test_vllm_prompt_logprobs_on_completions_and_chat(url, engine, greedy):
     s, g, gen = greedy
     prompt = s + g[:-1]
@@ -147,6 +186,9 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(url, engine, greedy):
     ({"echo": True, "n": 2}, "echo"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt_logprobs": 1, "n": 2}, "prompt_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),                       # 0 only scores a prompt: it needs echo
+    ({"max_tokens": 0, "echo": True, "n": 2}, "echo"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
 ])
 def test_refusals(url, engine, body, param):
     out = _post(url, "/v1/completions", {"model": engine.model_name, "prompt": "hi", **body}, status=400)
