@@ -150,6 +150,9 @@ class ChatCompletionRequest(_SamplingFields):
         return super().unsupported()
 
 
+MAX_PROMPTS = 64   # prompts in one /v1/completions batch (lm-evaluation-harness sends its batch_size)
+
+
 class CompletionRequest(_SamplingFields):
     # a string, a list of token ids, or a batch of one of either
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -158,14 +161,17 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0)    # the legacy shape: how many alternatives per token
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; raises ValueError for a batch of several (or none)."""
+    def prompts(self) -> list[str | list[int]]:
+        """This request's prompts: one (a string or token ids) or a batch of either (each its own
+        choices, in order); ValueError for an empty batch or one past :data:`MAX_PROMPTS`."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError(f"only one prompt per request is supported, got {len(p)}")
-            return p[0]
-        return p
+            if len(p) > MAX_PROMPTS:
+                raise ValueError(f"a batch holds at most {MAX_PROMPTS} prompts (Tandem's limit), got {len(p)}")
+            return list(p)
+        if isinstance(p, list) and not p:
+            raise ValueError("the prompt is empty")
+        return [p]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

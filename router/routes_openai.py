@@ -40,15 +40,17 @@ _SEED_SPAN = 2 ** 64
 
 @dataclass
 class Prepared:
-    """``echo``: the prompt's text when a completion echoes it (None: no echo); ``prompt_top``:
-    vLLM's ``prompt_logprobs`` as asked (None: not asked); ``score_only``: echo with max_tokens 0,
-    one token drawn and left out of the answer."""
+    """``greqs``: every choice's request, prompt by prompt (a completion's batch of prompts, each
+    fanned out ``n`` times: choice ``k * n + j``, as vLLM numbers them); ``firsts``: the index of
+    each prompt's first choice; ``echo``: each choice's prompt text when a completion echoes it
+    (None: no echo); ``prompt_top``: vLLM's ``prompt_logprobs`` as asked (None: not asked);
+    ``score_only``: echo with max_tokens 0, one token drawn and left out of the answer."""
 
     greqs: list[GenerateRequest]
     plan: ToolPlan | None
     top_logprobs: int | None
-    prompt_len: int
-    echo: str | None = None
+    firsts: list[int]
+    echo: list[str] | None = None
     prompt_top: int | None = None
     score_only: bool = False
 
@@ -120,46 +122,55 @@ class OpenAIRoutes:
             constraint = self.door.tool_format.constraint(plan)
         if chat:
             msgs = internal_messages(req)
-            ids = self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))
+            prompts = [self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))]
         else:
-            ids = self._completion_ids(req)
+            prompts = self._completion_ids(req)
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         score_only = not chat and req.scores_only()
-        max_tokens = self.door.output_budget(len(ids), 1 if score_only else req.requested_max_tokens(),
-                                             None if chat else DEFAULT_COMPLETION_MAX_TOKENS, chat, param)
         top = req.top_logprobs_asked()
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
-            stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
-            prompt_logprobs=req.prompt_logprobs_needed())
-        try:
-            params.validate()
-        except InvalidRequest as e:
-            raise APIError(400, str(e)) from None
         prio = request_priority(headers, body)
-        greqs = [replace(g, priority=prio) if prio else g
-                 for g in fan_out(rid, ids, params, session_key(headers, body, ids), req.n)]
+        greqs, firsts = [], []
+        for k, ids in enumerate(prompts):
+            max_tokens = self.door.output_budget(len(ids), 1 if score_only else req.requested_max_tokens(),
+                                                 None if chat else DEFAULT_COMPLETION_MAX_TOKENS, chat, param)
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
+                stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
+                prompt_logprobs=req.prompt_logprobs_needed())
+            try:
+                params.validate()
+            except InvalidRequest as e:
+                raise APIError(400, str(e)) from None
+            firsts.append(len(greqs))
+            greqs += [replace(g, priority=prio) if prio else g
+                      for g in fan_out(rid if len(prompts) == 1 else f"{rid}-p{k}", ids, params,
+                                       session_key(headers, body, ids), req.n)]
         echo = None
-        if not chat and req.echo:
-            prompt = req.single_prompt()
-            echo = prompt if isinstance(prompt, str) else self.door.backend.tokenizer.decode(ids)
-        return Prepared(greqs, plan, top, len(ids), echo, req.prompt_logprobs, score_only)
+        if not chat and req.echo:        # echo is refused with n > 1: a choice per prompt
+            echo = [p if isinstance(p, str) else self.door.backend.tokenizer.decode(ids)
+                    for p, ids in zip(req.prompts(), prompts)]
+        return Prepared(greqs, plan, top, firsts, echo, req.prompt_logprobs, score_only)
 
-    def _completion_ids(self, req: CompletionRequest) -> list[int]:
+    def _completion_ids(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt's ids (a string tokenized, ids checked against the vocabulary)."""
         try:
-            prompt = req.single_prompt()
+            prompts = req.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        if isinstance(prompt, str):
-            return list(self.door.backend.tokenizer.encode(prompt, add_special_tokens=True))
         vocab = getattr(self.door.backend.tokenizer, "vocab_size", None)
-        for t in prompt:
-            if t < 0 or (vocab is not None and t >= vocab):
-                raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab - 1 if vocab else '?'})",
-                               param="prompt")
-        return list(prompt)
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                out.append(list(self.door.backend.tokenizer.encode(prompt, add_special_tokens=True)))
+                continue
+            for t in prompt:
+                if t < 0 or (vocab is not None and t >= vocab):
+                    raise APIError(400, f"token id {t} is outside the vocabulary "
+                                        f"(0..{vocab - 1 if vocab else '?'})", param="prompt")
+            out.append(list(prompt))
+        return out
 
     async def serve(self, request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
@@ -202,7 +213,8 @@ class OpenAIRoutes:
         failed = next((c.last for c in done if c.last.error), None)
         if failed is not None:
             return error_response(500, f"generation failed: {failed.error}", type="server_error", headers=headers)
-        missing = next((why for c in done if (why := _prompt_lps_missing(prep, c.prompt_logprobs))), None)
+        missing = next((why for i, c in enumerate(done) if (why := _prompt_lps_missing(prep, i, c.prompt_logprobs))),
+                       None)
         if missing is not None:
             return error_response(500, missing, type="server_error", headers=headers)
         if done[0].last.worker:
@@ -211,7 +223,7 @@ class OpenAIRoutes:
                         headers=headers)
 
     def _body(self, req, prep: Prepared, rid: str, done: list[Collected]):
-        usage = _usage(done, prep.prompt_len, prep.score_only)
+        usage = _usage(done, prep)
         model, top = self.door.backend.model_name, prep.top_logprobs
         if isinstance(req, CompletionRequest):
             return Completion(id=rid, model=model, usage=usage, choices=[
@@ -236,7 +248,7 @@ class OpenAIRoutes:
     def _completion_choice(self, i: int, text: str, finish: str | None, prep: Prepared, lps, plps,
                            offset: int = 0, first: bool = True) -> tuple[CompletionChoice, int]:
         top, logprobs = prep.top_logprobs, None
-        echo = prep.echo if first else None
+        echo = prep.echo[i] if first and prep.echo is not None else None
         if prep.score_only:      # the token drawn to end a scoring request is not part of the answer
             text, lps = "", ()
             finish = "length" if finish in ("stop", "length") else finish
@@ -244,7 +256,7 @@ class OpenAIRoutes:
             text = echo + text
         if top is not None:
             if echo is not None:
-                head = echo_logprobs(self.texts, prep.greqs[0].prompt_ids, plps, top)[0]
+                head = echo_logprobs(self.texts, prep.greqs[i].prompt_ids, plps, top)[0]
                 tail, offset = completion_logprobs(self.texts, lps, top, len(echo))
                 logprobs = joined(head, tail)
             else:
@@ -278,7 +290,7 @@ class OpenAIRoutes:
                 if c.error:
                     yield sse(_error_json(f"generation failed: {c.error}"))
                     break
-                if not st.started and (missing := _prompt_lps_missing(prep, c.prompt_logprobs)):
+                if not st.started and (missing := _prompt_lps_missing(prep, i, c.prompt_logprobs)):
                     yield sse(_error_json(missing))
                     break
                 if c.finish_reason is not None:
@@ -309,7 +321,7 @@ class OpenAIRoutes:
             else:
                 if req.include_usage():
                     done = [Collected("", s.last, s.tokens, []) for s in states]
-                    usage = _usage(done, prep.prompt_len, prep.score_only)
+                    usage = _usage(done, prep)
                     out = (ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage) if chat
                            else Completion(id=rid, created=created, model=model, choices=[], usage=usage))
                     yield sse(out.model_dump_json())
@@ -321,19 +333,22 @@ class OpenAIRoutes:
         yield sse("[DONE]")
 
 
-def _prompt_lps_missing(prep: Prepared, plps) -> str | None:
-    p = prep.greqs[0].params.prompt_logprobs
-    if p is None or len(plps) == prep.prompt_len - 1:
+def _prompt_lps_missing(prep: Prepared, i: int, plps) -> str | None:
+    g = prep.greqs[i]
+    n = len(g.prompt_ids)
+    if g.params.prompt_logprobs is None or len(plps) == n - 1:
         return None
-    return (f"the backend returned {len(plps)} prompt logprobs for a {prep.prompt_len}-token prompt "
-            f"(echo with logprobs and prompt_logprobs need {prep.prompt_len - 1})")
+    return (f"the backend returned {len(plps)} prompt logprobs for a {n}-token prompt "
+            f"(echo with logprobs and prompt_logprobs need {n - 1})")
 
 
-def _usage(done: list[Collected], prompt_len: int, score_only: bool = False) -> Usage:
-    """``score_only``: no completion tokens (the one drawn is not in the answer)."""
-    first = done[0].last
-    return Usage.of(first.prompt_tokens or prompt_len, first.cached_tokens,
-                    0 if score_only else sum(c.last.completion_tokens or c.n_tokens for c in done))
+def _usage(done: list[Collected], prep: Prepared) -> Usage:
+    """Each prompt once (its first choice's figures), every choice's completion tokens; none when
+    ``prep.score_only`` (the one drawn is not in the answer)."""
+    prompt = sum(done[k].last.prompt_tokens or len(prep.greqs[k].prompt_ids) for k in prep.firsts)
+    cached = sum(done[k].last.cached_tokens or 0 for k in prep.firsts)
+    return Usage.of(prompt, cached,
+                    0 if prep.score_only else sum(c.last.completion_tokens or c.n_tokens for c in done))
 
 
 def _error_json(message: str) -> str:

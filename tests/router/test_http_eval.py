@@ -154,6 +154,63 @@ def test_echo_with_max_tokens_0_scores_the_prompt_only(url, engine, greedy, stre
     engine.check_invariants()
 
 
+BATCH = [SEED, "A quick brown fox", "Once upon a time there"]
+
+
+def _stream_choices(url, body) -> dict[int, dict]:
+    """A streamed completion's choices, each joined: {index: {text, finish_reason, tokens, token_logprobs}}."""
+    out: dict[int, dict] = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:])["choices"]:
+                o = out.setdefault(ch["index"], {"text": "", "finish_reason": None, "tokens": [], "token_logprobs": []})
+                o["text"] += ch["text"]
+                o["finish_reason"] = ch["finish_reason"] or o["finish_reason"]
+                for k in ("tokens", "token_logprobs"):
+                    o[k] += (ch["logprobs"] or {}).get(k, [])
+    return out
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request_would(url, engine):
+    """A batch (what lm-evaluation-harness sends with batch_size > 1): choice k is prompt k's,
+    equal to that prompt sent alone (greedy, float32), streamed or not; usage adds the prompts up."""
+    alone = [_complete(url, engine, prompt=p, max_tokens=4, logprobs=2)["choices"][0] for p in BATCH]
+    out = _complete(url, engine, prompt=BATCH, max_tokens=4, logprobs=2)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for got, want in zip(out["choices"], alone):
+        assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"])) < TOL
+    ids = [engine.tokenizer.encode(p) for p in BATCH]
+    assert out["usage"]["prompt_tokens"] == sum(map(len, ids)) and out["usage"]["completion_tokens"] == 12
+    streamed = _stream_choices(url, {"model": engine.model_name, "prompt": BATCH, "max_tokens": 4, "temperature": 0,
+                                     "ignore_eos": True})
+    assert [streamed[k]["text"] for k in range(3)] == [c["text"] for c in alone]
+    # token ids, n = 2: choice k * n + j is prompt k's j-th sample (both greedy here)
+    two = _complete(url, engine, prompt=ids[:2], max_tokens=4, n=2)["choices"]
+    assert [c["index"] for c in two] == [0, 1, 2, 3]
+    assert [c["text"] for c in two] == [alone[0]["text"]] * 2 + [alone[1]["text"]] * 2
+    engine.check_invariants()
+
+
+def test_a_batch_of_scoring_calls_scores_each_prompt(url, engine):
+    """lm-evaluation-harness 0.3's loglikelihood batch: echo, max_tokens 0, logprobs, several prompts."""
+    out = _complete(url, engine, prompt=BATCH, max_tokens=0, echo=True, logprobs=1)
+    for k, (p, ch) in enumerate(zip(BATCH, out["choices"])):
+        one = _complete(url, engine, prompt=p, max_tokens=0, echo=True, logprobs=1)["choices"][0]
+        assert ch["index"] == k and ch["text"] == p == one["text"]
+        assert ch["logprobs"]["tokens"] == one["logprobs"]["tokens"] and ch["logprobs"]["token_logprobs"][0] is None
+        assert max(abs(a - b) for a, b in zip(ch["logprobs"]["token_logprobs"][1:],
+                                              one["logprobs"]["token_logprobs"][1:])) < TOL
+    assert out["usage"]["completion_tokens"] == 0
+    streamed = _stream_choices(url, {"model": engine.model_name, "prompt": BATCH, "max_tokens": 0, "echo": True,
+                                     "logprobs": 1})
+    assert [streamed[k]["text"] for k in range(3)] == BATCH
+    assert [streamed[k]["tokens"] for k in range(3)] == [c["logprobs"]["tokens"] for c in out["choices"]]
+
+
 def test_vllm_prompt_logprobs_on_completions_and_chat(url, engine, greedy):
     s, g, gen = greedy
     prompt = s + g[:-1]

@@ -9,7 +9,7 @@ The tasks live in tests/cluster/shared/lm_eval_tasks/ over a local JSON-lines fi
 - ``tandem_capitals_mc``: multiple choice, i.e. loglikelihood requests, which local-completions
   answers from ``echo`` + ``logprobs`` (the prompt's logprobs computed by the prefill worker and
   carried to decode with the KV); every choice's loglikelihood and is-greedy flag must equal the
-  hf model's within 1e-3;
+  hf model's within 1e-3, one prompt a request and four (lm-eval's ``batch_size``);
 - ``tandem_capitals_gen``: generate_until, run to the end; its greedy answers equal the hf model's.
 """
 
@@ -80,14 +80,20 @@ def _evaluate(lm, task: str, tasks) -> list[dict]:
     return sorted(out["samples"][task], key=lambda s: s["doc_id"])
 
 
-@pytest.fixture(scope="module")
-def tandem_lm(served, tokenizer_dir, offline):
+def _tandem_lm(served, tokenizer_dir, batch_size: int = 1):
+    """lm-eval's local-completions on the served cluster; ``batch_size`` > 1 sends that many prompts
+    in one request (a batch of token-id lists)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     backend, server = served
     return LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=backend.model_name,
-                               tokenizer=tokenizer_dir, tokenizer_backend="huggingface",
+                               tokenizer=tokenizer_dir, tokenizer_backend="huggingface", batch_size=batch_size,
                                tokenized_requests=True, num_concurrent=1, max_retries=1, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tandem_lm(served, tokenizer_dir, offline):
+    return _tandem_lm(served, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +112,14 @@ def _remote_prefills(server) -> float:
                for s in f.samples if s.name.endswith("_total") and s.labels.get("path") == "remote")
 
 
-def test_loglikelihood_equals_transformers(served, tandem_lm, hf_lm, tasks):
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_loglikelihood_equals_transformers(served, tokenizer_dir, offline, hf_lm, tasks, batch_size):
     _, server = served
     before = _remote_prefills(server)
-    got, want = _evaluate(tandem_lm, "tandem_capitals_mc", tasks), _evaluate(hf_lm, "tandem_capitals_mc", tasks)
-    assert _remote_prefills(server) - before >= 12    # 4 questions x 3 choices, each prefilled remotely
+    lm = _tandem_lm(served, tokenizer_dir, batch_size)
+    got, want = _evaluate(lm, "tandem_capitals_mc", tasks), _evaluate(hf_lm, "tandem_capitals_mc", tasks)
+    if batch_size == 1:     # the second run finds the prompts in the caches
+        assert _remote_prefills(server) - before >= 12    # 4 questions x 3 choices, each prefilled remotely
     assert [s["doc_id"] for s in got] == [s["doc_id"] for s in want] == [0, 1, 2, 3]
     for g, w in zip(got, want):
         g_lls, w_lls = [r[0] for r in g["filtered_resps"]], [r[0] for r in w["filtered_resps"]]
