@@ -129,16 +129,17 @@ class OpenAIRoutes:
         score_only = not chat and req.scores_only()
         top = req.top_logprobs_asked()
         prio = request_priority(headers, body)
+        base = SamplingParams(
+            max_tokens=1, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
+            stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
+            prompt_logprobs=req.prompt_logprobs_needed())
         greqs, firsts = [], []
-        for k, ids in enumerate(prompts):
-            max_tokens = self.door.output_budget(len(ids), 1 if score_only else req.requested_max_tokens(),
-                                                 None if chat else DEFAULT_COMPLETION_MAX_TOKENS, chat, param)
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
-                stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-                logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
-                prompt_logprobs=req.prompt_logprobs_needed())
+        for k, ids in enumerate(prompts):      # each prompt its own room for output
+            params = replace(base, max_tokens=self.door.output_budget(
+                len(ids), 1 if score_only else req.requested_max_tokens(),
+                None if chat else DEFAULT_COMPLETION_MAX_TOKENS, chat, param))
             try:
                 params.validate()
             except InvalidRequest as e:
