@@ -1,6 +1,8 @@
 """A request's logits do not depend on what it is batched with, how its prompt is chunked, or
 whether its prefix came from the cache: bitwise, on the real SmolLM2, in the default numerics
-(bf16 + native Q4_1 weights on a CPU with native bf16; 1 and 2 threads) and in float32.
+(bf16 + native Q4_1 weights on a CPU with native bf16; 1 and 2 threads), in float32, and, where the
+CPU has native bf16, in bf16 with dense (dequantized) weights: oneDNN's packed bf16 GEMM, the
+kernel whose choice by row count on AMX broke this until the ISA was capped (engine/quant/isa.py).
 
 This is what the engine-level oracles (batched == alone, prefix cache on == off, disaggregated ==
 colocated) rest on; for both CPU attention backends (engine/attention/torch_backend.py, "Exactness",
@@ -16,18 +18,34 @@ from tandem.engine.attention import make_attention_backend
 from tandem.engine.model_runner import ModelRunner
 
 
+def _numerics() -> list[tuple[str, int]]:
+    from tandem.engine.quant.cpu import native_bf16
+    return [("default", 1), ("default", 2), ("float32", 1)] + ([("bf16dense", 2)] if native_bf16() else [])
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16_dense(hf_gguf_load):
+    from tandem.engine.loader import load_model
+
+    with hf_gguf_load():
+        return load_model("smollm2", device="cpu", dtype="bfloat16", weights="dequant")
+
+
 def _backends() -> list[str]:
     from tandem.engine.attention.cpu_backend import cpu_kernel_unavailable
     return ["torch"] + (["cpu_kernel"] if cpu_kernel_unavailable() is None else [])
 
 
-@pytest.fixture(params=[(m, n, b) for b in _backends() for m, n in [("default", 1), ("default", 2), ("float32", 1)]],
+@pytest.fixture(params=[(m, n, b) for b in _backends() for m, n in _numerics()],
                 ids=lambda p: f"{p[2]}-{p[0]}-{p[1]}")
 def loaded(request, smollm2, smollm2_default):
     """(model, attention backend name), with this many torch threads."""
     old = torch.get_num_threads()
     torch.set_num_threads(request.param[1])
-    yield (smollm2_default if request.param[0] == "default" else smollm2), request.param[2]
+    model = {"default": smollm2_default, "float32": smollm2}.get(request.param[0])
+    if model is None:
+        model = request.getfixturevalue("smollm2_bf16_dense")
+    yield model, request.param[2]
     torch.set_num_threads(old)
 
 

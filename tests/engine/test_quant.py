@@ -79,24 +79,7 @@ def test_int4_kernel_matches_the_dequantized_weight(kind):
     torch.testing.assert_close(lin(x, bias, res).float(), (lin(x) + bias + res).float(), atol=0.05, rtol=0.02)
 
 
-@needs_int4
-@pytest.mark.parametrize("threads", [1, 2])
-def test_each_output_row_is_independent_of_the_batch(threads):
-    """Bitwise, at every row count: a request's logits must not depend on what it is batched with."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        qw = from_gguf_blocks("Q4_1", _quantized("Q4_1", 256, 576)[0], 256, 576)
-        kernels = [make_linear(qw, torch.bfloat16, torch.device("cpu"), native=n)[0] for n in ("int4", True)]
-        if onednn_packable(torch.bfloat16, torch.device("cpu")):
-            kernels.append(make_linear(qw, torch.bfloat16, torch.device("cpu"), native=False)[0])
-        x = torch.randn(70, 576).bfloat16()
-        for lin in kernels:
-            alone = torch.cat([lin(x[i:i + 1]) for i in range(70)])
-            for m in (2, 3, 4, 5, 16, 33, 70):
-                assert torch.equal(lin(x[:m]), alone[:m]), (type(lin).__name__, m)
-    finally:
-        torch.set_num_threads(old)
+# Each kernel's rows independent of the batch: tests/engine/test_onednn_isa.py, at every ISA level.
 
 
 def test_kernel_choice_and_fallback_reasons():
