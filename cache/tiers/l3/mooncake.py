@@ -3,20 +3,34 @@ a running store by its master's address."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+START_ATTEMPTS = 3      # a child that exits at start is started again on fresh ports this often
+LOG_TAIL_LINES = 30     # the child's last lines kept (and quoted when it dies)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` now (all held open together while chosen, so no two
+    are the same; another process may still take one before the child binds it: the callers retry)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def parse_kv_store(value: str) -> tuple[str, str | None]:
@@ -62,23 +76,44 @@ def master_binary() -> str | None:
     return binary("mooncake_master")
 
 
-class _Child:
+class ChildStartError(RuntimeError):
+    """A Mooncake child exited or never listened at start; the message quotes its last lines."""
 
-    def __init__(self, name: str, args: list[str], host: str, ports: tuple[int, ...], ready_s: float):
+
+class _Child:
+    """A Mooncake binary as a child process whose output is kept, the last :data:`LOG_TAIL_LINES`
+    lines of it, by a reader thread (bounded memory over a long run; quoted when it dies at start)."""
+
+    def __init__(self, name: str, args: list[str], ports: tuple[int, ...], ready_s: float):
         path = binary(name)
         if path is None:
             raise RuntimeError(f"{name} not found: pip install 'tandem[mooncake]'")
-        self.proc = subprocess.Popen([path, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.name = name
+        self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.proc = subprocess.Popen([path, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
+        self._reader.start()
         end = time.monotonic() + ready_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}")
-            if all(_listening(host, p) for p in ports):
+                self._reader.join(timeout=2)
+                raise ChildStartError(f"{name} exited with {self.proc.returncode} at start "
+                                      f"(ports {', '.join(map(str, ports))}); its last lines:\n{self.last_lines()}")
+            if set(ports) <= _listening_ports(self.proc.pid):
                 return
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"{name} not listening within {ready_s}s")
+        raise ChildStartError(f"{name} not listening on {', '.join(map(str, ports))} within {ready_s}s; "
+                              f"its last lines:\n{self.last_lines()}")
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, b""):
+            self.tail.append(line.decode(errors="replace").rstrip()[:400])
+        self.proc.stdout.close()
+
+    def last_lines(self) -> str:
+        return "\n".join(self.tail) or "(nothing)"
 
     @property
     def alive(self) -> bool:
@@ -90,18 +125,42 @@ class _Child:
             self.proc.wait(timeout=10)
 
 
-class MasterProcess(_Child):
+def _start_retrying(start, fixed: bool):
+    """``start()`` once when its ports are ``fixed``, else up to :data:`START_ATTEMPTS` times, each
+    on fresh ports (a port taken between the probe and the child's bind makes it exit at start)."""
+    for attempt in range(1 if fixed else START_ATTEMPTS):
+        try:
+            return start()
+        except ChildStartError:
+            if fixed or attempt == START_ATTEMPTS - 1:
+                raise
+
+
+class MasterProcess:
     """A ``mooncake_master`` child on free 127.0.0.1 ports, or on ``address``'s (a master restarted
     where a stopped one was, which its clients reconnect to); :meth:`stop` kills it."""
 
     def __init__(self, host: str = "127.0.0.1", ready_s: float = 20.0, address: MasterAddress | None = None):
-        self.address = address or MasterAddress(host, free_port(host), free_port(host))
-        host = self.address.host
-        super().__init__("mooncake_master", [
-            f"--port={self.address.port}", "--enable_http_metadata_server=true",
-            f"--http_metadata_server_port={self.address.metadata_port}",
-            f"--metrics_port={free_port(host)}"],  # its default (9003) would clash between masters
-            host, (self.address.port, self.address.metadata_port), ready_s)
+        def start() -> tuple[MasterAddress, _Child]:
+            port, meta, metrics = free_ports(3, address.host if address else host)
+            a = address or MasterAddress(host, port, meta)
+            return a, _Child("mooncake_master", [
+                f"--port={a.port}", "--enable_http_metadata_server=true",
+                f"--http_metadata_server_port={a.metadata_port}",
+                f"--metrics_port={metrics}"],  # its default (9003) would clash between masters
+                (a.port, a.metadata_port, metrics), ready_s)
+
+        self.address, self.child = _start_retrying(start, fixed=address is not None)
+
+    @property
+    def alive(self) -> bool:
+        return self.child.alive
+
+    def last_lines(self) -> str:
+        return self.child.last_lines()
+
+    def stop(self) -> None:
+        self.child.stop()
 
 
 MIN_SEGMENT_BYTES = 16 << 20    # Mooncake's smallest segment a client may lend
@@ -115,7 +174,7 @@ def storage_args(address: MasterAddress, segment_bytes: int, *, host: str, port:
             "--protocol=tcp"]
 
 
-class StorageProcess(_Child):
+class StorageProcess:
     """A ``mooncake_client`` child that joins the master at ``address`` and lends it
     ``segment_bytes`` (at least :data:`MIN_SEGMENT_BYTES`) of memory: where the store keeps pages
     when the workers lend none. :meth:`stop` kills it, and the pages in its segment go with it."""
@@ -126,9 +185,20 @@ class StorageProcess(_Child):
             raise ValueError(f"a storage segment of {segment_bytes} bytes is under Mooncake's "
                              f"minimum of {MIN_SEGMENT_BYTES}")
         self.segment_bytes = segment_bytes
-        self.port = free_port(host)
-        super().__init__("mooncake_client", storage_args(address, segment_bytes, host=host, port=self.port),
-                         host, (self.port,), ready_s)
+
+        def start() -> tuple[int, _Child]:
+            port = free_port(host)
+            return port, _Child("mooncake_client", storage_args(address, segment_bytes, host=host, port=port),
+                                (port,), ready_s)
+
+        self.port, self.child = _start_retrying(start, fixed=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.child.alive
+
+    def stop(self) -> None:
+        self.child.stop()
 
 
 class LocalStore:
@@ -150,12 +220,15 @@ class LocalStore:
         self.master.stop()
 
 
-def _listening(host: str, port: int) -> bool:
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` itself listens on (a port that answers may be another's)."""
+    import psutil
+
     try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return set()
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
 
 
 def connect(address: MasterAddress, *, segment_bytes: int = 64 << 20, buffer_bytes: int = 64 << 20,
