@@ -93,6 +93,9 @@ class Engine(StepLoop):
             arch.head_dim, self.dtype, self.device)
         backend = make_attention_backend(cfg.attention_backend, self.device)
         self.numerics += f"; attention {backend.name}"
+        if self.device.type == "cpu":
+            from tandem.engine.quant.isa import describe as describe_isa
+            self.numerics += f"; {describe_isa()}"
         self.cache = self._make_cache()
         self.runner = ModelRunner(self.loaded, self.kv_pool, self.req_to_token, self.allocator, backend)
         self.runner.decode_graph, graph_line = make_decode_graph(self.runner, cfg, hybrid=self.hybrid.active,

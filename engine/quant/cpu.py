@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -27,6 +28,24 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def describe_cpu() -> str:
+    """One line for logs and the test session header: the CPU's model, cores and the ISA flags
+    that pick Tandem's kernels (tests/README.md quotes it with every timing)."""
+    model = "unknown CPU"
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+        except OSError:
+            pass
+    flags = cpu_flags()
+    have = [f for f in ISA_FLAGS if f in flags]
+    return f"{model}, {os.cpu_count()} cores: {' '.join(have) or 'none of ' + ' '.join(ISA_FLAGS)}"
 
 
 def native_bf16() -> str | None:
