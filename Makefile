@@ -46,7 +46,7 @@ $(VENV)/.test-models: $(VENV)/.installed
 # written (PYTHONDONTWRITEBYTECODE emptied; __pycache__ is git-ignored) so that the run's hundreds
 # of Ray actors and child processes load the product compiled once.
 test: setup test-models
-	$(PY) -c "from tandem.engine.quant import cpu, isa, native_lib; print(cpu.describe_cpu()); print(isa.describe()); print(native_lib.describe())"
+	$(PY) -c "from tandem.core import onednn; from tandem.engine.quant import cpu, native_lib; print(cpu.describe_cpu()); print(onednn.describe()); print(native_lib.describe())"
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n 2 --durations=25 tests
 
 # The inner loop while developing: the unit, engine and cache tests, no Ray, no cluster and no real

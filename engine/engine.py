@@ -94,7 +94,7 @@ class Engine(StepLoop):
         backend = make_attention_backend(cfg.attention_backend, self.device)
         self.numerics += f"; attention {backend.name}"
         if self.device.type == "cpu":
-            from tandem.engine.quant.isa import describe as describe_isa
+            from tandem.core.onednn import describe as describe_isa
             self.numerics += f"; {describe_isa()}"
         self.cache = self._make_cache()
         self.runner = ModelRunner(self.loaded, self.kv_pool, self.req_to_token, self.allocator, backend)

@@ -2,7 +2,7 @@
 whether its prefix came from the cache: bitwise, on the real SmolLM2, in the default numerics
 (bf16 + native Q4_1 weights on a CPU with native bf16; 1 and 2 threads), in float32, and, where the
 CPU has native bf16, in bf16 with dense (dequantized) weights: oneDNN's packed bf16 GEMM, the
-kernel whose choice by row count on AMX broke this until the ISA was capped (engine/quant/isa.py).
+kernel whose choice by row count on AMX broke this until the ISA was capped (core/onednn.py).
 
 This is what the engine-level oracles (batched == alone, prefix cache on == off, disaggregated ==
 colocated) rest on; for both CPU attention backends (engine/attention/torch_backend.py, "Exactness",

@@ -1,5 +1,5 @@
 """Batch invariance of every CPU linear kernel at every instruction-set level this CPU offers
-(issue 50), and the oneDNN cap that makes it hold on AMX CPUs (engine/quant/isa.py).
+(issue 50), and the oneDNN cap that makes it hold on AMX CPUs (core/onednn.py).
 
 oneDNN reads its ISA cap once per process, so each level runs in a child process with
 ``ONEDNN_MAX_CPU_ISA`` set: AVX2, AVX512, AVX512-BF16 and AMX where the CPU has them, and the
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tandem.engine.quant import isa
+from tandem.core import onednn as isa
 from tandem.engine.quant.cpu import cpu_flags
 
 ROWS = (1, 2, 3, 4, 5, 16, 33, 70)

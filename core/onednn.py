@@ -1,4 +1,5 @@
-"""oneDNN's instruction-set cap: what keeps the CPU linear kernels batch-invariant on AMX CPUs.
+"""oneDNN's instruction-set cap: what keeps the CPU linear kernels batch-invariant on AMX CPUs
+(in core/ because every process, the router too, imports it first: tandem/__init__.py).
 
 oneDNN chooses a GEMM kernel per shape. Up to AVX512-BF16 a row's reduction over K is the same
 whatever the row count; with AMX (Sapphire Rapids and later Xeons) a large batch runs on AMX tiles
