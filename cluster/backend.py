@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from tandem.cluster.migration import Migrator
 from tandem.cluster.observe import ClusterObservability
+from tandem.cluster.stream import Attempt, Failure, Next, RequestStream
 from tandem.cluster.supervisor import Supervisor
 from tandem.cluster.workers import WorkerPool, WorkerRef
 from tandem.core import tracing
@@ -47,6 +48,10 @@ class _Stalled(Exception):
     def __init__(self, what: str, worker: WorkerRef):
         super().__init__(f"{what} on {worker.role} worker {worker.name} stopped making progress")
         self.what, self.worker = what, worker
+
+
+_STALLED = {"decode": Failure.DECODE_STALLED, "prefill": Failure.PREFILL_STALLED,
+            "transfer": Failure.TRANSFER_STALLED}
 
 
 class RayClusterBackend(ClusterObservability):
@@ -89,6 +94,7 @@ class RayClusterBackend(ClusterObservability):
         self._inflight: dict[str, WorkerRef] = {}
         self._streamed: dict[str, tuple[int, float]] = {}
         self._alias: dict[str, str] = {}
+        self.streams: dict[str, RequestStream] = {}   # client rid -> its stream (cluster/stream.py)
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
                                  router_id=self.router_id, page_size=cc.page_size)
         self._policy: asyncio.Task | None = None
@@ -125,9 +131,11 @@ class RayClusterBackend(ClusterObservability):
             self.autoscaler.start()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        """Route, then stream from the decode worker. A worker found dead before anything was sent costs
-        one re-route without it; one that stops making progress before anything was streamed, a
-        re-dispatch from the prompt under a new worker-side id."""
+        """Route, then stream from the decode worker. What a failure costs is the request's
+        :class:`RequestStream`'s failure table (cluster/stream.py): a worker found dead before anything
+        was sent, one re-route without it; one that stops making progress before anything was
+        streamed, a re-dispatch from the prompt under a new worker-side id; a decode worker that dies
+        or stalls mid-stream, a resume on a live peer after what the client has."""
         self._loop = asyncio.get_running_loop()
         if self._policy is None and self.cfg.migration.active(len(self.pool.decodes)):
             self._policy = asyncio.ensure_future(self.migrator.rebalance(self.cfg.migration))
@@ -136,34 +144,40 @@ class RayClusterBackend(ClusterObservability):
         await self.dispatch.wait_ahead(r, self.cfg.transfer_timeout_s)   # a sharer routed first goes first
         if req.trace:
             self._trace_route(req, r, t_route)
-        client_rid, excluded, died = req.rid, set(), False
+        client_rid, excluded = req.rid, set()
+        stream = self.streams[client_rid] = RequestStream(
+            client_rid, max_failovers=self.cfg.max_failovers, max_attempts=MAX_ATTEMPTS,
+            failover_wait_s=self.cfg.failover_wait_s)
         try:
-            for attempt in range(MAX_ATTEMPTS):
+            while True:
                 d = self.pool.get(r.decode)
                 if d is None:
                     self.dispatch.release(r)
+                    stream.to(Attempt.FAILED)
                     why = "no live decode worker" + (" making progress" if excluded else "")
                     yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=why)
                     return
                 try:
-                    async for c in self._attempt(req, r, d, retry=not died and attempt < MAX_ATTEMPTS - 1,
-                                                  redispatch=attempt < MAX_ATTEMPTS - 1):
+                    async for c in self._attempt(req, r, d, stream):
                         yield c
                     return
                 except _DiedBeforeServing as e:
                     log.warning("%s worker %s died before serving %s; re-routing", e.worker.role,
                                 e.worker.name, client_rid)
-                    died, bad = True, e.worker
+                    rm.FAILOVERS.labels(e.worker.role, "redispatched").inc()
+                    bad = e.worker
                 except _Stalled as e:
                     log.warning("%s before %s streamed anything; re-dispatching it from the prompt", e, client_rid)
                     rm.STALL_REDISPATCHES.labels(e.what, "redispatch").inc()
                     bad = e.worker
-                    req = dataclasses.replace(req, rid=f"{client_rid}~{attempt + 1}")
+                    req = dataclasses.replace(req, rid=f"{client_rid}~{stream.attempt + 1}")
                     self._alias[client_rid] = req.rid
+                stream.rerouted()
                 excluded.add(bad.wid)
                 r = self.dispatch.reroute(r, excluded)
         finally:
             self._alias.pop(client_rid, None)
+            self.streams.pop(client_rid, None)
 
     def _trace_route(self, req: GenerateRequest, r: Route, start_s: float) -> None:
         """The routing span: the queue wait and policy time, and the workers chosen."""
@@ -173,11 +187,11 @@ class RayClusterBackend(ClusterObservability):
             "tandem.route_wait_s": time.time() - start_s, "tandem.prefill": p.name if p else "",
             "tandem.decode": d.name if d else ""})
 
-    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef, retry: bool,
-                       redispatch: bool = False) -> AsyncIterator[StreamChunk]:
-        """Stream ``req`` from ``d`` and each worker it migrates to. ``retry``: a worker dead before
-        anything reached the client raises :class:`_DiedBeforeServing`; a stalled worker: resumed on a
-        peer when text was streamed, else :class:`_Stalled` (``redispatch``) or an error chunk."""
+    async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
+                       stream: RequestStream) -> AsyncIterator[StreamChunk]:
+        """Stream ``req`` from ``d`` and each worker it migrates, resumes or fails over to. A failure
+        asks ``stream``'s table what comes next: REDISPATCH raises :class:`_DiedBeforeServing` or
+        :class:`_Stalled` (``generate`` routes again), RESUME continues on a peer, FAIL is one error chunk."""
         import ray
 
         p = self.pool.get(r.prefill)
@@ -189,17 +203,33 @@ class RayClusterBackend(ClusterObservability):
                 while True:
                     try:
                         c = await self._next_or_stall(legs.gen, req.rid, legs.worker, p if first else None)
-                    except ray.exceptions.RayActorError:
+                    except ray.exceptions.RayActorError as e:
                         c = legs.target_died()
                         if c is None:
-                            raise
+                            dead = legs.worker
+                            self.supervisor.mark_dead(dead, f"died: {type(e).__name__}")
+                            step = stream.on_failure(Failure.DECODE_DIED, dead.name)
+                            if step.next is Next.REDISPATCH:
+                                finished = rerouted = True
+                                raise _DiedBeforeServing(dead) from None
+                            if step.next is Next.RESUME and await self._failover(stream, legs, dead):
+                                continue
+                            rm.FAILOVERS.labels("decode", "failed").inc()
+                            err = step.why or (f"decode worker {dead.name} died during the request and no live "
+                                               f"decode worker came within --failover-wait-s "
+                                               f"{self.cfg.failover_wait_s:g}s to resume it")
+                            log.warning("%s: %s", req.rid, err)
+                            break
                     except _Stalled as e:
                         self._leave_stuck(req.rid, legs.worker, legs.gen)
-                        if e.what == "decode" and legs.ids and legs.prestop():
-                            log.warning("%s; %s resumes on %s", e, req.rid, legs.worker.name)
-                            rm.STALL_REDISPATCHES.labels(e.what, "resume").inc()
-                            continue
-                        if not legs.ids and redispatch:
+                        step = stream.on_failure(_STALLED[e.what], e.worker.name)
+                        if step.next is Next.RESUME and e.what == "decode":
+                            stream.to(Attempt.RESUMING)
+                            if legs.prestop():
+                                log.warning("%s; %s resumes on %s", e, req.rid, legs.worker.name)
+                                rm.STALL_REDISPATCHES.labels(e.what, "resume").inc()
+                                continue
+                        if step.next is Next.REDISPATCH:
                             finished = rerouted = True
                             raise
                         rm.STALL_REDISPATCHES.labels(e.what, "failed").inc()
@@ -208,10 +238,9 @@ class RayClusterBackend(ClusterObservability):
                     if c is None:
                         break
                     if await legs.next_leg(c):
+                        stream.to(Attempt.MOVING)
                         continue
                     legs.add(c)
-                    if c.token_ids:
-                        self._streamed[req.rid] = (len(legs.ids), legs.last_token_at)
                     finished, lead = c.finish_reason is not None, first
                     if first:
                         self.dispatch.prefill_done(r)
@@ -222,12 +251,14 @@ class RayClusterBackend(ClusterObservability):
                             self.supervisor.mark_dead(p, "died (its decode peer's call failed)")
                         else:
                             await self._ping(p, timeout=1.0)
-                        if lead and retry and not p.alive and not c.token_ids:
-                            rerouted = True
-                            raise _DiedBeforeServing(p)
+                        if lead and not p.alive and not c.token_ids:
+                            if stream.on_failure(Failure.PREFILL_DIED, p.name).next is Next.REDISPATCH:
+                                rerouted = True
+                                raise _DiedBeforeServing(p)
                     if finished:
                         c = dataclasses.replace(c, worker=legs.worker.name)
                         self.dispatch.reused(r, legs.cached)
+                    self._sent(stream, legs, c)
                     yield c
                     if finished:
                         return
@@ -241,13 +272,14 @@ class RayClusterBackend(ClusterObservability):
                 if first and isinstance(cause, InvalidRequest):
                     raise cause from None
                 err = f"decode worker {legs.worker.name} failed: {type(cause or e).__name__}: {str(cause or e)[:300]}"
-            except ray.exceptions.RayActorError as e:
+            except ray.exceptions.RayActorError as e:   # from a migration's call, not the stream itself
                 self.supervisor.mark_dead(legs.worker, f"died: {type(e).__name__}")
-                if first and retry:
+                if not stream.began and stream.redispatch(Failure.DECODE_DIED, legs.worker.name).next is Next.REDISPATCH:
                     finished = rerouted = True
                     raise _DiedBeforeServing(legs.worker) from None
                 err = f"decode worker {legs.worker.name} died during the request"
             finished = True
+            stream.to(Attempt.FAILED)
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             self._streamed.pop(req.rid, None)
@@ -260,6 +292,37 @@ class RayClusterBackend(ClusterObservability):
                     ray.cancel(legs.gen)
                 except Exception:
                     pass
+
+    def _sent(self, stream: RequestStream, legs, c: StreamChunk) -> None:
+        """``c`` goes to the client: what ``stream`` has sent, and its state, follow."""
+        stream.began, stream.sent = True, len(legs.ids)
+        if c.token_ids:
+            self._streamed[legs.req.rid] = (len(legs.ids), legs.last_token_at)
+        if c.finish_reason is not None:
+            stream.to(Attempt.FAILED if c.error else Attempt.DONE)
+        elif c.token_ids:
+            stream.to(Attempt.STREAMING)
+
+    async def _failover(self, stream: RequestStream, legs, dead: WorkerRef) -> bool:
+        """``legs``' decode worker ``dead`` died mid-stream: resume it on a live decode worker after the
+        tokens its client has (waiting up to ``failover_wait_s`` for one); whether it resumed. Counted,
+        logged once and traced (a ``failover`` span)."""
+        t0, at = time.time(), len(legs.ids)
+        stream.to(Attempt.RESUMING)
+        if not await legs.failover(dead, self.cfg.failover_wait_s):
+            return False
+        rm.FAILOVERS.labels("decode", "resumed").inc()
+        context = len(legs.req.prompt_ids) + at
+        log.warning("decode worker %s died under %s: resumed on %s after %d streamed tokens (failover %d of "
+                    "%d; %s recomputes up to %d tokens of KV, less its cache hit)", dead.name, legs.req.rid,
+                    legs.worker.name, at, stream.failovers, stream.max_failovers, legs.worker.name, context - 1)
+        if legs.req.trace:
+            tracing.record("failover", legs.req.trace, t0, **{
+                "tandem.rid": legs.req.rid, "tandem.dead": dead.name, "tandem.to": legs.worker.name,
+                "tandem.resume_at": at, "tandem.kv_source": f"recompute on {legs.worker.name} (its cache first)",
+                "tandem.recomputed_tokens_max": context - 1, "tandem.failover": stream.failovers,
+                "tandem.wait_s": time.time() - t0})
+        return True
 
     async def _next_or_stall(self, gen, rid: str, d: WorkerRef, p: WorkerRef | None) -> StreamChunk | None:
         """The next chunk of ``gen`` (None at its end), or :class:`_Stalled` once ``d``, or ``p`` while the

@@ -106,6 +106,12 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "its requests re-dispatched or resumed on a peer, else failed with an error event"),
     Flag("--progress-replace-after", "progress_replace_s",
          "seconds a suspect worker may stay stuck before it is killed and replaced"),
+    Flag("--max-failovers", "max_failovers",
+         "times a request resumes on another decode worker when its own dies mid-stream, from the tokens "
+         "its client has (0: the request ends with an error event, as before)"),
+    Flag("--failover-wait-s", "failover_wait_s",
+         "seconds such a request waits for a live decode worker (the supervisor's replacement of the "
+         "only one) before it ends with an error event that names the wait"),
     Flag("--router-lease", "router_lease_s",
          "seconds without this router's heartbeat before a decode worker aborts the streams it runs for it"),
     Flag("--debug-transfer-delay", "debug_transfer_delay_ms",

@@ -77,6 +77,16 @@ class Legs:
         self.gen, self.worker = moved
         return True
 
+    async def failover(self, dead: WorkerRef, wait_s: float) -> bool:
+        """The current worker ``dead`` died: whether the request resumes on a live decode worker
+        (waiting up to ``wait_s`` for one), the next leg."""
+        moved = await self.migrator.failover(self, dead, wait_s)
+        if moved is None:
+            return False
+        self.leg_tokens = 0
+        self.gen, self.worker = moved
+        return True
+
     def add(self, c: StreamChunk) -> None:
         """``c`` goes to the client: a move whose new leg streams is over (DONE; FAILED for an
         error without tokens); what the client has grows."""

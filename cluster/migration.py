@@ -27,6 +27,7 @@ from tandem.router.rebalance import PERIODIC, MoveReason, MoveRequest, plan_drai
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
+FAILOVER_POLL_S = 0.1   # how often a request whose worker died looks for a live one
 
 
 class Migrator:
@@ -41,7 +42,7 @@ class Migrator:
         self.cfg = cfg or MigrationConfig()
         self.moves: dict[str, Migration] = {}
         self.streams: dict[str, Legs] = {}
-        self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0,
+        self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0, "failovers": 0,
                        "precopies": 0, "precopy_rounds": 0, "precopied_tokens": 0,
                        **{r.value: 0 for r in MoveReason}}
 
@@ -241,6 +242,24 @@ class Migrator:
             self.end(old, Phase.FAILED, record=False)
         self.moves[legs.req.rid] = Migration(legs.req.rid, stuck, t, MoveReason.PRESTOP, Phase.COPYING)
         self.counts[MoveReason.PRESTOP.value] += 1
+        return self._start(legs, t, legs.sent(), None), t
+
+    async def failover(self, legs: Legs, dead: WorkerRef, wait_s: float):
+        """``legs``' decode worker ``dead`` died: the request resumes after what its client has on the
+        best live decode worker, which recomputes the KV (its own cache first, then a local prefill),
+        waiting up to ``wait_s`` for one to be in rotation (the supervisor's replacement, when ``dead``
+        was the only one). (stream, worker), or None when none came in time."""
+        end = time.monotonic() + wait_s
+        t = self.target({dead.wid})
+        while t is None and time.monotonic() < end:
+            await asyncio.sleep(FAILOVER_POLL_S)
+            t = self.target({dead.wid})
+        if t is None:
+            return None
+        old = self.moves.get(legs.req.rid)
+        if old is not None:
+            self.end(old, Phase.FAILED, record=False)
+        self.counts["failovers"] += 1
         return self._start(legs, t, legs.sent(), None), t
 
     def end(self, m: Migration, phase: Phase, downtime_s: float | None = None, record: bool = True) -> None:

@@ -232,6 +232,13 @@ class ServeConfig(_Strict):
                                       "event; it rejoins once it answers again")
     progress_replace_s: float = Field(60.0, gt=0, description="a worker suspect for this long is "
                                       "killed and replaced, as a dead one is")
+    max_failovers: int = Field(2, ge=0, description="times one request may resume on another decode "
+                               "worker after the one streaming it died (its client's tokens so far kept, "
+                               "the KV recomputed there); past it, or with 0, the request ends with an "
+                               "error event")
+    failover_wait_s: float = Field(30.0, ge=0, description="a request whose decode worker died waits "
+                                   "this long for a live one (the supervisor's replacement when it was "
+                                   "the only one) before it ends with an error event")
     router_lease_s: float = Field(15.0, gt=0, description="a decode worker that has not heard this "
                                   "router's heartbeat for this long aborts the streams it runs for it "
                                   "(the router went away); sent with each heartbeat")

@@ -76,6 +76,13 @@ WORKER_STALLS = _metric(Counter, "tandem_worker_stalls_total",
                         "rejoined: answered again; replaced: stuck past --progress-replace-after).",
                         labelnames=("role", "event"))
 WORKERS_SUSPECT = _metric(Gauge, "tandem_workers_suspect", "Workers out of rotation for making no progress.")
+FAILOVERS = _metric(Counter, "tandem_failovers_total",
+                    "Requests whose worker died under them, by its role and what became of them "
+                    "(resumed: on a live decode worker after the tokens the client had; redispatched: "
+                    "routed again without it, nothing was streamed yet; failed: an error event, "
+                    "--max-failovers spent or no live decode worker within --failover-wait-s).",
+                    labelnames=("role", "outcome"))
+FAILOVER_OUTCOMES = ("resumed", "redispatched", "failed")
 STALL_REDISPATCHES = _metric(Counter, "tandem_stall_redispatches_total",
                              "Requests moved off a worker or transfer that stopped making progress, by "
                              "what stalled (decode, prefill, transfer) and how (redispatch: from the "
@@ -134,6 +141,9 @@ for _why in MIGRATION_REASONS:
 for _role in ("prefill", "decode"):
     for _e in ("suspect", "rejoined", "replaced"):
         WORKER_STALLS.labels(_role, _e)
+for _role in ("prefill", "decode"):
+    for _o in FAILOVER_OUTCOMES:
+        FAILOVERS.labels(_role, _o)
 for _st in ("decode", "prefill", "transfer"):
     for _how in ("redispatch", "resume", "failed"):
         STALL_REDISPATCHES.labels(_st, _how)

@@ -78,13 +78,14 @@ def _counters(text: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def _migrations(text: str) -> Counter:
-    """The router's ``tandem_decode_migrations_total`` by outcome, summed over reasons."""
+def _migrations(text: str, family: str = "tandem_decode_migrations") -> Counter:
+    """The router's ``tandem_decode_migrations_total`` (or another counter ``family`` with an
+    ``outcome`` label, e.g. ``tandem_failovers``) by outcome, summed over the other labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: Counter = Counter()
     for f in text_string_to_metric_families(text):
-        if f.name == "tandem_decode_migrations":
+        if f.name == family:
             for s in f.samples:
                 if s.name.endswith("_total"):
                     out[s.labels.get("outcome", "")] += s.value
@@ -236,6 +237,9 @@ async def run_chaos(args, oracle=None) -> dict:
             "recomputes": delta["tandem_retraction_recomputes"],
             "digest_failures": delta["tandem_kv_digest_failures"],
             "migrations": {o: _migrations(after_text)[o] - _migrations(before_text)[o] for o in ("ok", "failed", "aborted")},
+            "failovers": {o: _migrations(after_text, "tandem_failovers")[o]
+                          - _migrations(before_text, "tandem_failovers")[o]
+                          for o in ("resumed", "redispatched", "failed")},
             "mismatches": [asdict(m) for m in mismatches],
             "leaked_tokens": sum(w.get("leaked_tokens", 0) for w in workers),
             "kv_problems": problems, "workers": workers,
@@ -278,6 +282,8 @@ def format_table(rep: dict) -> str:
              ("KV digest failures", int(rep["digest_failures"])),
              ("live migrations ok / failed / aborted",
               " / ".join(str(int(rep["migrations"][o])) for o in ("ok", "failed", "aborted"))),
+             ("worker deaths under a request: resumed / re-routed / failed",
+              " / ".join(str(int(rep.get("failovers", {}).get(o, 0))) for o in ("resumed", "redispatched", "failed"))),
              ("rounds / faults", f"{rep['rounds']} / {len(rep['events'])}"),
              ("hung requests (no byte within the stall timeout)", rep["hung"]),
              ("resent to router 0 after their router was killed (completed)",

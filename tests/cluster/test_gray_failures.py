@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import httpx
 import pytest
 
-from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, pid_of, serve,
+from gray_support import (OUT, PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, messages, pid_of, serve,
                           start_streams, wait_for, wait_idle, wait_rejoined)
 
 
@@ -128,3 +130,84 @@ def test_a_worker_stuck_past_the_replace_deadline_is_killed_and_replaced(cluster
         th.join(90)
     check_texts(out, want, "r2", within=60)
     wait_idle(server)
+
+
+def _stream_usage(server, topic: str, out: dict, key: str, **extra) -> None:
+    """A streamed chat with usage: (text, finish, error, usage, longest gap between content chunks,
+    logprob count) into ``out[key]``."""
+    text, finish, err, usage, gap, lps = [], None, None, None, 0.0, 0
+    chunks[key] = 0
+    last = time.monotonic()
+    try:
+        s = server.client.chat.completions.create(
+            model="smollm2", messages=messages(topic), max_tokens=OUT, stream=True,
+            stream_options={"include_usage": True}, extra_headers={"X-Session-Id": key},
+            **{"temperature": 0, "extra_body": {"ignore_eos": True}, **extra})
+        for ev in s:
+            usage = ev.usage or usage
+            if ev.choices:
+                if ev.choices[0].delta.content:
+                    now = time.monotonic()
+                    gap, last = max(gap, now - last) if chunks[key] else gap, now
+                    chunks[key] += 1
+                    text.append(ev.choices[0].delta.content)
+                lps += len((ev.choices[0].logprobs and ev.choices[0].logprobs.content) or ())
+                finish = ev.choices[0].finish_reason or finish
+    except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+        err = repr(e)
+    out[key] = ("".join(text), finish, err, usage, gap, lps)
+
+
+SEEDED = {"temperature": 0.8, "seed": 7, "logprobs": True, "extra_body": {"ignore_eos": True}}
+
+
+def test_a_killed_decode_worker_s_streams_fail_over_with_the_same_text_and_usage(cluster):
+    """SIGKILL the decode worker holding streams mid-decode: each resumes on the live decode worker
+    after the tokens its client has (issue 48). No error event, the healthy text token for token,
+    usage as without the fault; a seeded sampled stream with logprobs continues identically; a
+    new request is served and, once idle, nothing is leaked."""
+    backend, server, want = cluster
+    ref: dict = {}
+    _stream_usage(server, TOPICS[0], ref, "ref-greedy")
+    _stream_usage(server, TOPICS[1], ref, "ref-seeded", **SEEDED)
+    assert ref["ref-greedy"][0] == want[TOPICS[0]] and ref["ref-seeded"][2] is None, ref
+    out: dict = {}
+    ths = [threading.Thread(target=_stream_usage, args=(server, t, out, f"k-{t}")) for t in TOPICS]
+    ths.append(threading.Thread(target=_stream_usage, args=(server, TOPICS[1], out, "k-seeded"), kwargs=SEEDED))
+    for th in ths:
+        th.start()
+    keys = [f"k-{t}" for t in TOPICS] + ["k-seeded"]
+    wait_for(lambda: all(chunks.get(k, 0) >= 4 for k in keys), 60, "not decoding")
+    on: dict = {}
+    for rid, w in list(backend._inflight.items()):
+        on.setdefault(w.name, []).append(rid)
+    victim = backend.pool.named(max(on, key=lambda n: len(on[n])))
+    before = _failovers(server)
+    os.kill(pid_of(victim), signal.SIGKILL)
+    for th in ths:
+        th.join(120)
+    for t in TOPICS:
+        text, finish, err, usage, gap, _ = out[f"k-{t}"]
+        assert err is None and finish == "length", (t, out[f"k-{t}"])
+        assert text == want[t], f"k-{t}: text differs from the healthy cluster's"
+        assert (usage.prompt_tokens, usage.completion_tokens) == (ref["ref-greedy"][3].prompt_tokens, OUT) \
+            if t == TOPICS[0] else usage.completion_tokens == OUT
+    seeded = out["k-seeded"]
+    assert seeded[2] is None and seeded[0] == ref["ref-seeded"][0] and seeded[5] == ref["ref-seeded"][5] == OUT
+    assert seeded[3].prompt_tokens == ref["ref-seeded"][3].prompt_tokens
+    print(f"\nkilled {victim.name} holding {len(on[victim.name])} streams; longest client gap "
+          f"{max(out[k][4] for k in keys):.2f}s")
+    assert not victim.alive
+    assert _failovers(server) - before == len(on[victim.name])
+    fresh: dict = {}
+    _stream_usage(server, TOPICS[2], fresh, "after")
+    assert fresh["after"][0] == want[TOPICS[2]]
+    wait_idle(server)
+
+
+def _failovers(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text)
+               for s in f.samples if s.name == "tandem_failovers_total"
+               and s.labels == {"role": "decode", "outcome": "resumed"})

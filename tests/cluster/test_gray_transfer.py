@@ -19,7 +19,7 @@ from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, pid
 @pytest.fixture(scope="module")
 def stalling(ray_local, smollm2_default):
     """1 prefill + 1 decode worker; the prefill worker holds every KV write (the lever)."""
-    cfg = gray_cfg(decode=1, debug_transfer_stall=True)
+    cfg = gray_cfg(decode=1, debug_transfer_stall=True, failover_wait_s=240.0)
     backend, server, want = serve(cfg, smollm2_default)
     yield backend, server, want
     server.stop()
@@ -68,4 +68,21 @@ def test_a_stopped_decode_worker_with_no_peer_ends_its_streams_with_an_error(sta
     for th in start_streams(server, again, "a"):
         th.join(90)
     check_texts(again, want, "a", within=60)
+    wait_idle(server)
+
+
+def test_the_only_decode_worker_killed_its_streams_wait_for_the_replacement_and_resume(stalling):
+    """1P+1D, the one decode worker SIGKILLed mid-stream (issue 48): no live peer, so each stream
+    waits (``failover_wait_s``) for the supervisor's replacement and resumes there after what its
+    client has: the healthy text, no error event; then nothing is held anywhere."""
+    backend, server, want = stalling
+    out: dict = {}
+    ths = start_streams(server, out, "k")
+    wait_for(lambda: all(chunks.get(f"k-{t}", 0) >= 4 for t in TOPICS), 120, "not decoding")
+    d = backend.decodes[0]
+    os.kill(pid_of(d), signal.SIGKILL)
+    for th in ths:
+        th.join(300)
+    check_texts(out, want, "k", within=300)
+    assert not d.alive and backend.decodes[0] is not d and backend.decodes[0].alive
     wait_idle(server)

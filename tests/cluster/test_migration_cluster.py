@@ -418,7 +418,11 @@ def test_a_chaos_run_with_forced_migrations_and_a_target_killed_mid_move_loses_n
     assert "live migrations ok / failed / aborted" in format_table(rep)
     assert rep["mismatches"] == [] and rep["leaked_tokens"] == 0 and rep["completed"] > 0
     assert rep["killed"] and not rep["killed"][0].startswith("("), rep["killed"]   # a real target died
-    assert rep["migrations"]["ok"] > 0, rep["migrations"]
+    # the killed target's own streams now fail over to the other worker (issue 48) instead of
+    # ending: the run can be over before the replacement joins, with no live target for a move
+    # after the kill, so a completed move is not guaranteed; a carried-out one is
+    assert sum(rep["migrations"].values()) > 0, rep["migrations"]
+    assert rep["failovers"]["failed"] == 0, rep["failovers"]
     _live_workers(backend, 2)
     _idle(server)
 

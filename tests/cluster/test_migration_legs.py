@@ -158,6 +158,48 @@ def test_a_stuck_source_resumes_on_a_peer_which_recomputes():
     asyncio.run(run())
 
 
+def test_a_dead_worker_s_request_fails_over_to_a_live_peer_which_recomputes():
+    """Failover (cluster/stream.py's DECODE_DIED row): the request resumes on the live decode worker
+    after what its client has, its KV recomputed there; no migration is counted (nothing moved)."""
+    async def run():
+        m, s, t, calls, legs = _streaming("r7", (5, 6))
+        s.alive = False
+        m.dispatch.view().decode[0].alive = False
+        ok0 = _count("prestop", "ok")
+        assert await legs.failover(s, wait_s=0.0)
+        assert legs.worker is t and calls[-1] == ("generate", t.name, None, True)
+        assert ("move", t.wid) in calls and m._inflight["r7"] is t and m.counts["failovers"] == 1
+        legs.add(_chunk("r7", (7,)))
+        assert legs.ids == [5, 6, 7] and m.moves == {} and _count("prestop", "ok") == ok0
+
+    asyncio.run(run())
+
+
+def test_a_failover_with_no_live_peer_waits_for_one_then_gives_up_or_resumes():
+    """1P+1D: the only decode worker died. With none in rotation the request waits up to the wait
+    (None past it); a replacement that joins within it takes the request."""
+    async def run():
+        m, s, t, calls, legs = _streaming("r8")
+        views = m.dispatch.view().decode
+        for v in views:
+            v.alive = False
+        assert await m.failover(legs, s, wait_s=0.15) is None
+        assert legs.worker is s and m.counts["failovers"] == 0
+
+        looked = []
+        target = m.target
+
+        def replacement_joins(exclude):   # it comes into rotation after the router looked twice
+            looked.append(exclude)
+            views[1].alive = len(looked) > 2
+            return target(exclude)
+
+        m.target = replacement_joins
+        assert await legs.failover(s, wait_s=30.0) and legs.worker is t and len(looked) == 3
+
+    asyncio.run(run())
+
+
 # A new migration trigger touches two files (cluster/README.md): router/rebalance.py (its
 # MoveReason, its planner, in PERIODIC when it runs on the policy's clock) and core/config.py
 # (its MigrationConfig field). The two tests below hold the rest of the product to that.

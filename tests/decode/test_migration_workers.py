@@ -242,6 +242,32 @@ def test_sampler_grammar_logprobs_and_stop_state_survive_a_migration(cluster, lo
     run(loop, at_baseline(p, a, b))
 
 
+@pytest.mark.parametrize("kind", sorted(SAMPLED))
+def test_a_failover_resume_recomputes_and_keeps_the_seeded_draw_grammar_logprobs_and_stop(cluster, loop, kind):
+    """A failover (issue 48): the worker that decoded the first leg is gone, so B resumes from the
+    tokens the client has with no source to copy from and recomputes the KV itself. The seeded
+    draw (a function of seed and position), the grammar's state (re-derived from the output so
+    far), logprobs and the stop tail continue: the two legs equal the run with no fault."""
+    p, a, b, col = cluster
+    params = SAMPLED[kind]
+    prompt = f"{PROMPT} <{kind}>"
+    ref = col.generate(prompt, params, chat=True)
+    greq = col.make_request(prompt, params, chat=True, rid=f"fo-{kind}")
+    first = run(loop, _first_leg(a, greq, LocalClient(p), after=4))
+    if first[-1].finish_reason != "migrated":
+        pytest.fail(f"{kind}: the request ended before 4 chunks: {first[-1]}")
+    a.release_frozen(greq.rid)          # A is "dead": nothing is copied from it
+    second = run(loop, collect(b.generate(dataclasses.replace(greq, resume=_resume(first)), None)))
+    chunks = first[:-1] + second
+    assert second[-1].error is None, second[-1]
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    assert second[-1].finish_reason == ref.finish_reason
+    if kind == "logprobs":
+        assert sum(len(c.logprobs or ()) for c in chunks) == 24
+    run(loop, at_baseline(p, a, b))
+
+
 def test_a_pre_copied_prompt_is_not_copied_again_at_the_stop(cluster, loop):
     """Pre-copy: B took the prompt's KV from the prefill worker while A decoded; at the stop only
     the generated pages come from A (B's cache reuse is counted), and the text is unchanged."""
