@@ -201,7 +201,8 @@ class Engine(StepLoop):
         if self._error is not None:
             raise RuntimeError(f"engine thread died: {self._error!r}")
         req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id,
-                  cache_salt=greq.cache_salt, trace=greq.trace)
+                  cache_salt=greq.cache_salt, trace=greq.trace, tenant=greq.tenant, pins=greq.pins,
+                  pin_cap=greq.pin_cap)
         if greq.resume is not None:
             req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:
