@@ -133,6 +133,8 @@ class FrontDoor:
                            headers={"Retry-After": str(wait)})
         salt = cache_salt(who.tenant if self.config.isolate_tenants else None, own)
         trace = tracing.current()
+        if who.pin_tokens is not None and any(g.pins for g in greqs):
+            greqs = [replace(g, pin_cap=who.pin_tokens) for g in greqs]
         if not (who.tenant or salt or trace):
             return greqs
         return [replace(g, tenant=who.tenant, cache_salt=salt, trace=trace) for g in greqs]
