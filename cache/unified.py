@@ -50,7 +50,7 @@ class UnifiedRadixCache:
                                   clock=clock)
         self._clock = clock
         self.pin_refused = 0            # pins past their tenant's cap (served unpinned)
-        self.pin_hits = 0               # matches whose device prefix ends on a pinned node
+        self.pin_hits = 0               # matches whose device prefix reads a pinned one
         self._tree = RadixTree(ps, self.policy, aux, record_events=events is not None)
         self.host: HostTier | None = None
         self.tiers: tuple[KVTier, ...] = ()
@@ -111,7 +111,7 @@ class UnifiedRadixCache:
             last_host = last_dev
         else:
             last_host = next((nd for nd in reversed(path[:n_best]) if nd.host is not None), root)
-        if last_dev.pin:
+        if n_dev and path[0].pin:     # pins cover root..n: the match read a pinned prefix
             self.pin_hits += 1
         comps = ({c.name: c.finalize(dev_path) for c in self._aux} if self._aux else _NO_COMPONENTS)
         result = MatchResult(last_dev.end, [nd.value for nd in dev_path], last_dev,

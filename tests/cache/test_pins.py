@@ -93,6 +93,10 @@ def test_tenant_cap_refuses_the_pin_and_counts_it_without_touching_the_cache():
     assert cache.pin(leaf(cache, c), 6, 60.0, tenant="y") == 6       # another tenant's own cap
     assert cache.pin(leaf(cache, b), 6, 60.0, tenant="x", cap=12) == 6   # an API key's larger cap
     assert cache.pinned_tokens == {"x": 12, "y": 6}
+    hits = cache.pin_hits
+    cache.match(a + [7])
+    cache.match([4, 4])
+    assert cache.pin_hits == hits + 1            # only the match that read a pinned prefix
 
 
 def test_unpin_by_hash_keeps_what_another_pinned_prefix_needs():
