@@ -54,6 +54,21 @@ class NullCache:
     def evict(self, num_tokens: int, component: str = "full") -> int:
         return 0
 
+    pin_refused = pin_hits = 0
+
+    @property
+    def pinned_tokens(self) -> dict:
+        return {}
+
+    def pin(self, node, num_tokens: int, ttl_s: float, *, tenant: str = "", cap: int | None = None) -> int:
+        return 0
+
+    def pins(self) -> list:
+        return []
+
+    def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        return 0
+
     def stats(self) -> CacheStats:
         return CacheStats(components={c.name: (0, 0) for c in self._aux})
 

@@ -48,6 +48,9 @@ class UnifiedRadixCache:
         self._aux_index = {c.name: i for i, c in enumerate(aux)}
         self.policy = make_policy(config.eviction_policy, session_ttl_s=config.session_ttl_s,
                                   clock=clock)
+        self._clock = clock
+        self.pin_refused = 0            # pins past their tenant's cap (served unpinned)
+        self.pin_hits = 0               # matches whose device prefix reads a pinned one
         self._tree = RadixTree(ps, self.policy, aux, record_events=events is not None)
         self.host: HostTier | None = None
         self.tiers: tuple[KVTier, ...] = ()
@@ -108,6 +111,8 @@ class UnifiedRadixCache:
             last_host = last_dev
         else:
             last_host = next((nd for nd in reversed(path[:n_best]) if nd.host is not None), root)
+        if n_dev and path[0].pin:     # pins cover root..n: the match read a pinned prefix
+            self.pin_hits += 1
         comps = ({c.name: c.finalize(dev_path) for c in self._aux} if self._aux else _NO_COMPONENTS)
         result = MatchResult(last_dev.end, [nd.value for nd in dev_path], last_dev,
                              last_host, best, best.end - last_dev.end, comps)
@@ -224,6 +229,65 @@ class UnifiedRadixCache:
         if self._debug:
             self._after()
 
+    def pin(self, node: Node | None, num_tokens: int, ttl_s: float, *, tenant: str = "",
+            cap: int | None = None) -> int | None:
+        """Keep root..``num_tokens`` of ``node``'s path (page-aligned down, at most ``node.end``)
+        for ``ttl_s`` seconds (at most ``CacheConfig.pin_max_ttl_s``): its pages are evicted after
+        every unpinned page, demoted to the host tier first. ``cap``: the most pinned tokens
+        ``tenant`` may hold (None: ``pin_share`` of the device pool). Returns the tokens newly
+        charged to ``tenant``, or None when that would pass its cap (nothing pinned; counted in
+        ``pin_refused``). Never evicts, never fails a request."""
+        if node is None or node is self._tree.root or num_tokens < self.page_size or ttl_s <= 0:
+            return 0
+        t = self._tree
+        now = self._clock()
+        if t.pin_expiry:
+            t.expire_pins(now)
+        n = min(num_tokens, node.end) // self.page_size * self.page_size
+        until = now + min(ttl_s, self.config.pin_max_ttl_s)
+        got = t.pin_path(node, n, until, tenant, self._pin_cap() if cap is None else cap)
+        if got is None:
+            self.pin_refused += 1
+        self._after()
+        return got
+
+    def _pin_cap(self) -> int | None:
+        size = self.allocator.size if self.allocator is not None else self._capacity
+        return None if size is None else int(size * self.config.pin_share)
+
+    def pins(self) -> list[dict]:
+        """The live pinned prefixes: ``{"tenant", "hash"`` (the last page's chain hash, hex),
+        ``"tokens", "tier"`` ("device" or "host"), ``"expires_in_s"}``, longest first."""
+        t = self._tree
+        now = self._clock()
+        if t.pin_expiry:
+            t.expire_pins(now)
+        out = [{"tenant": nd.pin_tenant, "hash": f"{t.hashes(nd)[-1] & (2**64 - 1):016x}", "tokens": nd.end,
+                "tier": "device" if nd.value is not None else "host", "expires_in_s": round(nd.pin - now, 3)}
+               for nd in t.pinned_prefixes()]
+        return sorted(out, key=lambda d: (-d["tokens"], d["hash"]))
+
+    def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """End the pins of the prefix whose last page hashes to ``prefix_hash`` (as :meth:`pins`
+        names it; only ``tenant``'s when given). Returns the tokens unpinned (0: none such)."""
+        t = self._tree
+        for nd in t.pinned_prefixes():
+            if f"{t.hashes(nd)[-1] & (2**64 - 1):016x}" == prefix_hash and tenant in (None, nd.pin_tenant):
+                n = 0
+                for x in reversed(t.path(nd)):   # up to where another pinned prefix needs the rest
+                    if any(c.pin for c in x.children.values()):
+                        break
+                    n += len(x.key)
+                    t.unpin(x)
+                self._after()
+                return n
+        return 0
+
+    @property
+    def pinned_tokens(self) -> dict[str, int]:
+        """Pinned tokens per tenant (on any tier)."""
+        return dict(self._tree.pin_tokens)
+
     def evict(self, num_tokens: int, component: str = "full") -> int:
         """Free at least ``num_tokens`` of unlocked cache if there is that much; returns how much
         was freed."""
@@ -232,6 +296,8 @@ class UnifiedRadixCache:
         if component == "full":
             freed = self._evict_device(num_tokens)
         elif component == "host":
+            if self._tree.pin_expiry:
+                self._tree.expire_pins(self._clock())
             freed = self._tree.evict_host(num_tokens)
         elif component in self._aux_index:
             backup = self.host.copy_aux if self.host is not None else None
@@ -243,6 +309,8 @@ class UnifiedRadixCache:
 
     def _evict_device(self, num_tokens: int) -> int:
         t = self._tree
+        if t.pin_expiry:
+            t.expire_pins(self._clock())
         if self.policy.time_dependent:
             self.policy.begin_pass()
             t.rebuild_heap()

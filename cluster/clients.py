@@ -34,6 +34,9 @@ class RoleClient:
     def debug_kv(self) -> ObjectRef:
         return self.handle.debug_kv.remote()
 
+    def unpin(self, prefix_hash: str, tenant: str | None = None) -> ObjectRef:
+        return self.handle.unpin.remote(prefix_hash, tenant)
+
     def drain(self) -> ObjectRef:
         return self.handle.drain.remote()
 

@@ -117,6 +117,12 @@ class ClusterObservability:
                 {"worker": w.name, "role": w.role, "error": f"{type(s).__name__}: {str(s)[:300]}"}
                 for w, s in zip(live, out)]
 
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """End the pins of prefix ``prefix_hash`` on every answering worker (DELETE
+        /admin/cache/pins/HASH); the tokens unpinned, summed over them."""
+        out = await self._gather(w.api.unpin(prefix_hash, tenant) for w in self._answering())
+        return sum(n for n in out if isinstance(n, int))
+
     async def debug_kill(self, name: str) -> bool:
         """Kill worker ``name``'s actor (POST /debug/kill, with ``debug_endpoints``): the
         supervisor finds it dead, takes it out of rotation and replaces it."""

@@ -23,6 +23,10 @@ class RoleAPI(Protocol):
     async def debug_kv(self) -> dict:
         """KV accounting and the invariant recount's verdict (GET /debug/kv)."""
 
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """End the pins of prefix ``prefix_hash`` in this worker's cache; the tokens unpinned
+        (DELETE /admin/cache/pins/HASH)."""
+
     def drain(self) -> bool:
         """Take no new requests (True)."""
 

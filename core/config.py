@@ -31,6 +31,11 @@ class CacheConfig(_Strict):
                                 "free host memory; prefill and colocated engines none)")
     host_write_policy: HostWritePolicy = "write_through"
     debug_invariants: bool = Field(False, description="run the cache invariant check() after every cache operation")
+    pin_share: float = Field(0.25, ge=0, le=1, description="pinned tokens one tenant may hold, as a share "
+                                                          "of the device pool (a request past it is served "
+                                                          "unpinned); the API key's pin_tokens overrides it")
+    pin_max_ttl_s: float = Field(3600.0, gt=0, description="the longest a pin lasts (a 24h retention is "
+                                                           "capped to it)")
 
 
 class SchedulerConfig(_Strict):

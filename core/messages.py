@@ -65,6 +65,8 @@ class GenerateRequest:
     tenant: str = ""
     cache_salt: int = 0
     trace: str = ""
+    pins: tuple[tuple[int, int], ...] = ()     # (prefix tokens, ttl s): keep them cached (router/prompt_cache.py)
+    pin_cap: int = -1                          # the tenant's pinned-token cap (-1: the worker's default share)
 
     @property
     def cache_key(self) -> tuple[int, ...]:
@@ -78,12 +80,14 @@ class GenerateRequest:
         d["params"]["stop_token_ids"] = list(self.params.stop_token_ids)
         if self.resume is not None:
             d["resume"]["output_ids"] = list(self.resume.output_ids)
+        d["pins"] = [list(p) for p in self.pins]
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "GenerateRequest":
         names = {f.name for f in fields(cls)}
-        # "group", "priority", "resume", "tenant", "cache_salt", "trace" may be absent: an older sender
+        # "group", "priority", "resume", "tenant", "cache_salt", "trace", "pins", "pin_cap" may be
+        # absent: an older sender
         if not isinstance(d, dict) or not ({"rid", "prompt_ids", "params", "session_id"} <= set(d) <= names):
             raise InvalidRequest(f"GenerateRequest fields mismatch: {sorted(d) if isinstance(d, dict) else type(d)}")
         if not isinstance(d["rid"], str):
@@ -102,9 +106,13 @@ class GenerateRequest:
             raise InvalidRequest("GenerateRequest.tenant and trace must be strings (trace at most 512)")
         if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < 1 << 31:
             raise InvalidRequest(f"GenerateRequest.cache_salt must be an int in [0, 2**31), got {salt!r}")
+        cap = d.get("pin_cap", -1)
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < -1:
+            raise InvalidRequest(f"GenerateRequest.pin_cap must be an int >= -1, got {cap!r}")
         return cls(rid=d["rid"], prompt_ids=tuple(ids), params=_params_from_wire(d["params"]),
                    session_id=sid, group=_group_from_wire(d.get("group")), priority=prio,
-                   resume=_resume_from_wire(d.get("resume")), tenant=tenant, cache_salt=salt, trace=trace)
+                   resume=_resume_from_wire(d.get("resume")), tenant=tenant, cache_salt=salt, trace=trace,
+                   pins=_pins_from_wire(d.get("pins", [])), pin_cap=cap)
 
 
 def _params_from_wire(p: Any) -> SamplingParams:
@@ -141,3 +149,17 @@ def _group_from_wire(g: Any) -> SampleGroup | None:
     if not isinstance(g, dict) or set(g) != gnames:
         raise InvalidRequest(f"GenerateRequest.group must be an object with fields {sorted(gnames)}")
     return SampleGroup(**g).validate()
+
+
+MAX_PINS = 4            # Anthropic's breakpoint limit; OpenAI's retention asks for one
+
+
+def _pins_from_wire(p: Any) -> tuple[tuple[int, int], ...]:
+    def ok(x: Any) -> bool:
+        return (isinstance(x, list) and len(x) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in x))
+
+    if not isinstance(p, list) or len(p) > MAX_PINS or not all(ok(x) for x in p):
+        raise InvalidRequest(f"GenerateRequest.pins must be at most {MAX_PINS} [tokens, ttl_s] pairs of "
+                             f"positive ints, got {p!r}"[:300])
+    return tuple((x[0], x[1]) for x in p)

@@ -63,10 +63,19 @@ class Evict:
 
 
 @dataclass(frozen=True)
+class Unpin:
+    """End the pins of the prefix ``prefix_hash`` names (only ``tenant``'s when given)."""
+
+    prefix_hash: str
+    tenant: str | None = None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(frozen=True)
 class Inspect:
     fn: Callable[..., Any]
     args: tuple = ()
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-Command = Submit | Abort | Activate | Migrate | Release | Evict | Inspect
+Command = Submit | Abort | Activate | Migrate | Release | Evict | Unpin | Inspect

@@ -23,7 +23,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
 from tandem.engine.attention import make_attention_backend
-from tandem.engine.commands import Abort, Command, Evict, Inspect, Submit
+from tandem.engine.commands import Abort, Command, Evict, Inspect, Submit, Unpin
 from tandem.engine.connector import KVConnector
 from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
@@ -201,7 +201,8 @@ class Engine(StepLoop):
         if self._error is not None:
             raise RuntimeError(f"engine thread died: {self._error!r}")
         req = Req(list(greq.prompt_ids), greq.params, rid=greq.rid, session_id=greq.session_id,
-                  cache_salt=greq.cache_salt, trace=greq.trace)
+                  cache_salt=greq.cache_salt, trace=greq.trace, tenant=greq.tenant, pins=greq.pins,
+                  pin_cap=greq.pin_cap)
         if greq.resume is not None:
             req.output_ids = list(greq.resume.output_ids)
         for t in req.prompt_ids:
@@ -280,6 +281,13 @@ class Engine(StepLoop):
         self.send(cmd)
         return cmd.future
 
+    def unpin(self, prefix_hash: str, tenant: str | None = None) -> concurrent.futures.Future:
+        """A Future of the tokens unpinned: the pins of the prefix ``prefix_hash`` names
+        (``cache.pins()``'s hash; only ``tenant``'s when given) end now."""
+        cmd = Unpin(prefix_hash, tenant)
+        self.send(cmd)
+        return cmd.future
+
     def evict(self, tokens: int) -> concurrent.futures.Future:
         """A Future of the device tokens evicted from unlocked cache (up to ``tokens``)."""
         cmd = Evict(tokens)
@@ -296,6 +304,11 @@ class Engine(StepLoop):
         on the engine thread (directly once that thread has stopped)."""
         from tandem.engine.handle import take_snapshot
         return self._on_thread(take_snapshot, self, timeout=timeout)
+
+    def pins(self, timeout: float = 30.0) -> dict:
+        """Blocking: the cache's pins (engine/handle.py ``pin_report``), read on the engine thread."""
+        from tandem.engine.handle import pin_report
+        return self._on_thread(pin_report, self, timeout=timeout)
 
     def stats(self, timeout: float = 30.0) -> dict:
         """Blocking: a copy of the scheduler's counters, read on the engine thread."""

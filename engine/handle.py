@@ -58,6 +58,13 @@ def take_snapshot(engine) -> EngineSnapshot:
         waiting_prompt_tokens=sum(len(sr.req.prompt_ids) for sr in s.waiting))
 
 
+def pin_report(engine) -> dict:
+    """Engine thread only: the live pinned prefixes (``cache.pins()``), pinned tokens per tenant,
+    matches that ended on a pinned node and pins refused past a tenant's cap."""
+    c = engine.kv.cache
+    return {"prefixes": c.pins(), "tokens": c.pinned_tokens, "hits": c.pin_hits, "refused": c.pin_refused}
+
+
 class EngineHandle:
     def __init__(self, engine, timeout_s: float = ENGINE_CALL_TIMEOUT_S):
         self.engine = engine
@@ -91,6 +98,16 @@ class EngineHandle:
         ps = self.engine.kv.page_size
         usable = (len(ids) - 1) // ps * ps
         return min(self.engine.kv.cache.peek(ids[:usable]), usable)
+
+    async def pins(self) -> dict:
+        """The cache's pins (:func:`pin_report`), read on the engine thread."""
+        return await self._read(pin_report, self.engine)
+
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """Tokens unpinned by ending the pins of prefix ``prefix_hash`` (0: none such)."""
+        self.check_alive()
+        fut = self.engine.unpin(prefix_hash, tenant)
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self._read(take_snapshot, self.engine)

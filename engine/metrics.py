@@ -63,6 +63,15 @@ class EngineCollector(Collector):
                       st["restore_seconds"])
         ratio = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
         yield gauge("tandem_worker_cache_hit_ratio", "cached / admitted prompt tokens", ratio)
+        cache = e.kv.cache
+        pinned = GaugeMetricFamily("tandem_worker_pinned_tokens", "prompt tokens pinned in the prefix cache "
+                                   "(any tier), per tenant", labels=[*labels, "tenant"])
+        for tenant, n in cache.pinned_tokens.items():
+            pinned.add_metric([*values, tenant or "default"], float(n))
+        yield pinned
+        yield counter("tandem_worker_pin_hits", "prefix matches that ended on a pinned prefix", cache.pin_hits)
+        yield counter("tandem_worker_pins_refused", "pins past their tenant's cap (served unpinned)",
+                      cache.pin_refused)
         l3 = e.kv.cache.tier("l3")
         if l3 is not None:
             yield from _l3_series(l3, gauge, counter)

@@ -109,6 +109,9 @@ class RequestKV:
         self.cache_prefix(sr, final=True)
         if n > sr.locked_len:
             self.alloc.free(self.r2t.read(r.req_pool_idx, sr.locked_len, n))
+        for tokens, ttl_s in r.pins:    # past the tenant's cap: served unpinned (cache.pin_refused)
+            self.cache.pin(r.last_node, tokens, ttl_s, tenant=r.tenant,
+                           cap=None if r.pin_cap < 0 else r.pin_cap)
         self.cache.unlock(r.last_node)
         self.hybrid.release(r, sr.locked_len)
         self._drop_row(sr)

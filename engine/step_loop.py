@@ -8,7 +8,7 @@ import queue
 import time
 
 from tandem.core.types import InvalidRequest, StreamChunk
-from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Migrate, Release, Submit
+from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Migrate, Release, Submit, Unpin
 from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.overlap import device_sampleable, fill_indices, fill_inputs
 
@@ -74,6 +74,9 @@ class StepLoop:
             case Evict(tokens=n, future=fut):
                 if fut.set_running_or_notify_cancel():
                     fut.set_result(self.cache.evict(n))
+            case Unpin(prefix_hash=h, tenant=tenant, future=fut):
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(self.cache.unpin(h, tenant))
             case Inspect(fn=fn, args=args, future=fut):
                 if not fut.set_running_or_notify_cancel():
                     return
@@ -186,6 +189,6 @@ class StepLoop:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, Inspect | Evict | Migrate) and cmd.future.set_running_or_notify_cancel():
+                if isinstance(cmd, Inspect | Evict | Unpin | Migrate) and cmd.future.set_running_or_notify_cancel():
                     cmd.future.set_exception(RuntimeError(error))
             self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

@@ -19,6 +19,7 @@ from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk
 from tandem.router import metrics as m
 from tandem.router.front_door import FrontDoor, request_priority, session_key
 from tandem.router.openai_protocol import APIError, _Request, parse_json_object, parse_request
+from tandem.router.prompt_cache import Breakpoint, anthropic_usage, breakpoint_pins, breakpoints
 from tandem.router.streaming import (ClientGone, Running, SSEResponse, StartFailed, close_all, collect, merge,
                                      sse, start, unless_disconnected)
 from tandem.router.tools.formats import ParseEvent, parse_events
@@ -159,10 +160,23 @@ def _stop_reason(last: StreamChunk, calls: int) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _usage(last: StreamChunk, prompt_len: int, n_tokens: int) -> dict:
-    prompt = last.prompt_tokens or prompt_len
-    return {"input_tokens": prompt - last.cached_tokens, "output_tokens": last.completion_tokens or n_tokens,
-            "cache_read_input_tokens": last.cached_tokens, "cache_creation_input_tokens": 0}
+def _usage(last: StreamChunk, greq: GenerateRequest, n_tokens: int) -> dict:
+    prompt = last.prompt_tokens or len(greq.prompt_ids)
+    return {**anthropic_usage(prompt, last.cached_tokens, greq.pins),
+            "output_tokens": last.completion_tokens or n_tokens}
+
+
+def _upto(req: MessagesRequest, bp: Breakpoint) -> MessagesRequest:
+    """``req`` cut just after breakpoint ``bp``'s block (what a cache write at it covers)."""
+    kind = bp.where[0]
+    if kind == "tools":
+        return req.model_copy(update={"messages": []})
+    if kind == "system":
+        return req.model_copy(update={"system": req.system[:bp.where[1] + 1], "messages": []})
+    i, j = bp.where[1], bp.where[2]
+    last = req.messages[i]
+    cut = last.model_copy(update={"content": last.content[:j + 1]})
+    return req.model_copy(update={"messages": [*req.messages[:i], cut]})
 
 
 class AnthropicRoutes:
@@ -173,9 +187,20 @@ class AnthropicRoutes:
         msgs = internal_messages(req)
         return self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))
 
+    def _pins(self, req: MessagesRequest, plan: ToolPlan | None, ids: list[int]) -> tuple:
+        def render_upto(bp: Breakpoint) -> list[int] | None:
+            try:
+                return self._ids(_upto(req, bp), plan)
+            except Exception:       # a template that cannot render the head alone: no pin there
+                return None
+
+        bps = breakpoints(req.tools, req.system, req.messages)
+        return breakpoint_pins(bps, ids, render_upto) if bps else ()
+
     def prepare(self, req: MessagesRequest, body: dict, headers, rid: str) -> tuple[GenerateRequest, ToolPlan | None]:
         plan = tool_plan(req.tools, req.tool_choice)
         ids = self._ids(req, plan)
+        pins = self._pins(req, plan, ids)
         max_tokens = self.door.output_budget(len(ids), req.max_tokens, None, chat=True)
         constraint = self.door.tool_format.constraint(plan) if plan is not None and plan.forced else None
         params = SamplingParams(
@@ -187,7 +212,7 @@ class AnthropicRoutes:
         except InvalidRequest as e:
             raise APIError(400, str(e)) from None
         return GenerateRequest(rid, tuple(ids), params, session_key(headers, body, ids),
-                               priority=request_priority(headers, body)), plan
+                               priority=request_priority(headers, body), pins=pins), plan
 
     async def _parse(self, request: Request, model):
         who = self.door.check_auth(request)
@@ -200,6 +225,7 @@ class AnthropicRoutes:
     async def count_tokens(self, request: Request) -> Response:
         try:
             req, _ = await self._parse(request, CountTokensRequest)
+            breakpoints(req.tools, req.system, req.messages)      # the same 400s as /v1/messages
             ids = await asyncio.to_thread(self._ids, req, tool_plan(req.tools, None))
         except APIError as e:
             return error(e.status, e.message)
@@ -250,7 +276,7 @@ class AnthropicRoutes:
         reason, seq = _stop_reason(done.last, calls)
         out = {"id": rid, "type": "message", "role": "assistant", "model": self.door.backend.model_name,
                "content": content, "stop_reason": reason, "stop_sequence": seq,
-               "usage": _usage(done.last, len(greq.prompt_ids), done.n_tokens)}
+               "usage": _usage(done.last, greq, done.n_tokens)}
         return Response(json.dumps(out, ensure_ascii=False), media_type="application/json", headers=headers)
 
     async def _events(self, greq, runs: list[Running], plan: ToolPlan | None) -> AsyncIterator[bytes]:
@@ -261,9 +287,8 @@ class AnthropicRoutes:
         index, open_text, calls, n_tokens = 0, False, 0, 0
         first = runs[0].first
         known = first.prompt_tokens > 0
-        usage0 = _usage(first, len(greq.prompt_ids), 0) if known else {
-            "input_tokens": len(greq.prompt_ids), "output_tokens": 0,
-            "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+        usage0 = _usage(first, greq, 0) if known else {
+            **anthropic_usage(len(greq.prompt_ids), 0, greq.pins), "output_tokens": 0}
         try:
             yield ev("message_start", message={
                 "id": greq.rid, "type": "message", "role": "assistant", "content": [],
@@ -297,9 +322,10 @@ class AnthropicRoutes:
                     if open_text:
                         yield ev("content_block_stop", index=index)
                     reason, seq = _stop_reason(c, calls)
-                    usage = _usage(c, len(greq.prompt_ids), n_tokens)
+                    usage = _usage(c, greq, n_tokens)
                     if known:   # the same input figures as message_start
-                        usage.update({k: usage0[k] for k in ("input_tokens", "cache_read_input_tokens")})
+                        usage.update({k: usage0[k] for k in ("input_tokens", "cache_read_input_tokens",
+                                                             "cache_creation_input_tokens")})
                     yield ev("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=usage)
                     yield ev("message_stop")
         except Exception as e:

@@ -35,6 +35,8 @@ class KeyEntry(BaseModel):
     tenant: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")
     role: Literal["user", "admin"] = "user"
     rate_limit: RateLimit | None = None
+    pin_tokens: int | None = Field(None, ge=0, description="most tokens this tenant may keep pinned per "
+                                                          "worker (unset: CacheConfig.pin_share of the pool)")
 
     @model_validator(mode="after")
     def _one_key(self) -> "KeyEntry":
@@ -52,6 +54,7 @@ class Principal:
 
     tenant: str
     role: str
+    pin_tokens: int | None = None   # the key's cap on pinned tokens per worker (None: the worker's share)
 
     @property
     def admin(self) -> bool:
@@ -122,7 +125,7 @@ class KeyRing:
         return self._admin_key is None and self.path is None
 
     def _install(self, entries: list[KeyEntry], limits: dict[str, RateLimit]) -> None:
-        keys = tuple((e.digest(), Principal(e.tenant, e.role)) for e in entries)
+        keys = tuple((e.digest(), Principal(e.tenant, e.role, e.pin_tokens)) for e in entries)
         with self._lock:
             self._keys, self._limits = keys, limits
 

@@ -57,6 +57,14 @@ class KVDebugBackend(Protocol):
 
 
 @runtime_checkable
+class PinBackend(Protocol):
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """End the pins of prefix ``prefix_hash`` (only ``tenant``'s when given) on every worker;
+        the tokens unpinned (DELETE /admin/cache/pins/HASH). GET lists them from
+        :meth:`KVDebugBackend.debug_kv`'s ``"pins"``."""
+
+
+@runtime_checkable
 class AdminBackend(Protocol):
     """An operator's levers on a backend whose requests can move between decode workers (live
     migration). The verbs raise LookupError (no such request or worker: 404) or ValueError (not
@@ -119,5 +127,13 @@ class LocalEngineBackend:
             verdict = "ok"
         except AssertionError as e:
             verdict = str(e)[:4000]
-        return [{"worker": "colocated-0", "role": "colocated", **snap.as_dict(),
-                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict}]
+        out = {"worker": "colocated-0", "role": "colocated", **snap.as_dict(),
+               "leaked_tokens": snap.leaked_tokens, "invariants": verdict}
+        if hasattr(self.engine, "pins"):
+            out["pins"] = await asyncio.to_thread(self.engine.pins)
+        return [out]
+
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        import asyncio
+
+        return await asyncio.wrap_future(self.engine.unpin(prefix_hash, tenant))

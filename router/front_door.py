@@ -22,7 +22,7 @@ from tandem.core.page_hash import cache_salt
 from tandem.core.types import TandemError
 from tandem.router import metrics as m
 from tandem.router.auth import KeyRing, Principal
-from tandem.router.backend import AdminBackend, KVDebugBackend, ServingBackend
+from tandem.router.backend import AdminBackend, KVDebugBackend, PinBackend, ServingBackend
 from tandem.router.openai_protocol import APIError, ErrorBody, ErrorResponse
 from tandem.router.openai_responses import ModelCard, ModelList
 from tandem.router.sessions import SessionIdTooLong
@@ -133,6 +133,8 @@ class FrontDoor:
                            headers={"Retry-After": str(wait)})
         salt = cache_salt(who.tenant if self.config.isolate_tenants else None, own)
         trace = tracing.current()
+        if who.pin_tokens is not None and any(g.pins for g in greqs):
+            greqs = [replace(g, pin_cap=who.pin_tokens) for g in greqs]
         if not (who.tenant or salt or trace):
             return greqs
         return [replace(g, tenant=who.tenant, cache_salt=salt, trace=trace) for g in greqs]
@@ -238,6 +240,37 @@ class FrontDoor:
             out["migrations"] = self.backend.migrations()
             out["requests"] = self.backend.in_flight()
         return JSONResponse(out)
+
+    async def admin_pins(self) -> Response:
+        """``{"tenants": {tenant: [{"hash", "tokens", "tier", "expires_in_s", "worker"}]},
+        "pinned_tokens": {tenant: {worker: tokens}}, "hits", "refused"}``: every worker's pinned
+        prefixes (GET /admin/cache/pins; a worker that does not answer is left out)."""
+        if not isinstance(self.backend, KVDebugBackend):
+            return error_response(404, "this backend has no prefix cache to inspect", code="not_found")
+        tenants: dict = {}
+        tokens: dict = {}
+        hits = refused = 0
+        for w in await self.backend.debug_kv():
+            pins = w.get("pins")
+            if not pins:
+                continue
+            for p in pins["prefixes"]:
+                tenants.setdefault(p["tenant"], []).append({**{k: v for k, v in p.items() if k != "tenant"},
+                                                            "worker": w["worker"]})
+            for t, n in pins["tokens"].items():
+                tokens.setdefault(t, {})[w["worker"]] = n
+            hits, refused = hits + pins["hits"], refused + pins["refused"]
+        return JSONResponse({"tenants": tenants, "pinned_tokens": tokens, "hits": hits, "refused": refused})
+
+    async def admin_unpin(self, prefix_hash: str, tenant: str | None) -> Response:
+        """End the pins of prefix ``prefix_hash`` (GET's ``hash``) on every worker: ``{"unpinned":
+        tokens}``, 404 when no worker held it."""
+        if not isinstance(self.backend, PinBackend):
+            return error_response(404, "this backend has no prefix cache", code="not_found")
+        n = await self.backend.unpin(prefix_hash, tenant)
+        if not n:
+            return error_response(404, f"no pinned prefix {prefix_hash[:64]!r}", param="hash", code="not_found")
+        return JSONResponse({"unpinned": n})
 
     async def debug_kill(self, request: Request, worker: str) -> Response:
         """Kill worker ``worker`` (a chaos lever): 404 unless ``debug_endpoints`` is on."""

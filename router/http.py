@@ -159,6 +159,16 @@ def create_app(backend: ServingBackend, config: ServeConfig) -> FastAPI:
         """Move running request ``rid`` to decode worker ``to`` (default: the least loaded one)."""
         return await door.admin_migrate(request, rid, to or None)
 
+    @app.get("/admin/cache/pins")
+    async def admin_pins(request: Request) -> Response:
+        """Every worker's pinned prefixes, per tenant: prefix hash, tokens, tier, expiry."""
+        return await door.admin_pins()
+
+    @app.delete("/admin/cache/pins/{prefix_hash}")
+    async def admin_unpin(request: Request, prefix_hash: str, tenant: str | None = None) -> Response:
+        """End one pinned prefix (its ``hash`` from GET; ``tenant``: only that tenant's)."""
+        return await door.admin_unpin(prefix_hash, tenant)
+
     @app.post("/debug/kill")
     async def debug_kill(request: Request, worker: str = "") -> Response:
         """Test lever (``debug_endpoints``): kill a worker by name, as a chaos run does."""

@@ -39,6 +39,8 @@ class _SamplingFields(_Request):
     n: int = Field(1, ge=1)
     user: str | None = None
     session_id: str | None = None
+    prompt_cache_key: str | None = None           # the routing session key (router/sessions.py)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None   # "24h": pin the prompt
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0)   # vLLM's extension: alternatives per prompt token
     # parsed only to refuse them when set (see unsupported())

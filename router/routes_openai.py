@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from tandem.core.messages import GenerateRequest, SampleGroup
 from tandem.core.types import InvalidRequest, SamplingParams
+from tandem.router.prompt_cache import retention_pins
 from tandem.router import metrics as m
 from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key, start_failed
 from tandem.router.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined,
@@ -145,7 +146,8 @@ class OpenAIRoutes:
             except InvalidRequest as e:
                 raise APIError(400, str(e)) from None
             firsts.append(len(greqs))
-            greqs += [replace(g, priority=prio) if prio else g
+            pins = retention_pins(req.prompt_cache_retention, len(ids))
+            greqs += [replace(g, priority=prio, pins=pins) if prio or pins else g
                       for g in fan_out(rid if len(prompts) == 1 else f"{rid}-p{k}", ids, params,
                                        session_key(headers, body, ids), req.n)]
         echo = None

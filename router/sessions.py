@@ -1,5 +1,11 @@
 """Naming sessions (:func:`session_key`) and the session table: which prefill and decode worker a
-conversation last used."""
+conversation last used.
+
+A request's session key, first found wins: a session header (SESSION_HEADERS, in order), the
+body's ``session_id``, its ``prompt_cache_key`` (OpenAI's "route requests sharing a prefix
+together": a key and no session id is routed as a session), ``user``, Anthropic's
+``metadata.user_id``, else a fingerprint of the chat's opening. So an explicit session id beats a
+cache key, which beats who the user is."""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids:
     completion prompt with no session named. Raises SessionIdTooLong."""
     meta = body.get("metadata")
     values = [headers.get(h) for h in SESSION_HEADERS] + [
-        body.get("session_id"), body.get("user"), meta.get("user_id") if isinstance(meta, Mapping) else None]
+        body.get("session_id"), body.get("prompt_cache_key"), body.get("user"), meta.get("user_id") if isinstance(meta, Mapping) else None]
     for value in values:
         if isinstance(value, str) and value:
             if len(value) > MAX_SESSION_ID_CHARS:

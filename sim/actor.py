@@ -27,6 +27,10 @@ class _Shell:
     def debug_kv(self) -> dict:
         return self.role.debug_kv()
 
+    def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """Simulated workers take no pins."""
+        return 0
+
     def ping(self) -> str:
         return self.role.name
 

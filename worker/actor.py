@@ -50,6 +50,9 @@ class RoleActorMixin:
     async def debug_kv(self) -> dict:
         return await self.worker.debug_kv()
 
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        return await self.worker.unpin(prefix_hash, tenant)
+
     def drain(self) -> bool:
         self.worker.draining = True
         return True

@@ -165,8 +165,12 @@ class RoleWorker:
         l3 = self.engine.kv.cache.tier("l3")
         return {"worker": self.name, "role": self.role, **snap.as_dict(),
                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
-                "l3": l3.as_dict() if l3 is not None else None,
+                "l3": l3.as_dict() if l3 is not None else None, "pins": await self.handle.pins(),
                 "live_transfers": sum(h.live for h in self.handoffs.values()), **self.counts}
+
+    async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
+        """End the pins of prefix ``prefix_hash`` in this worker's cache; the tokens unpinned."""
+        return await self.handle.unpin(prefix_hash, tenant)
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.metrics)

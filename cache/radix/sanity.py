@@ -46,6 +46,26 @@ def check_ownership(name: str, allocator, tree_parts: list, extra: Any) -> list[
     return errs
 
 
+def _check_pins(tree, nodes: list) -> list[str]:
+    """Pins: the pinned set and each tenant's charge recounted; a pin covers a whole prefix."""
+    E: list[str] = []
+    pinned = {nd for nd in nodes if nd.pin}
+    if tree.pinned != pinned:
+        E.append(f"[pin] pinned set ({len(tree.pinned)}) != recount ({len(pinned)}): "
+                 f"{sorted(n.id for n in tree.pinned ^ pinned)[:8]} differ")
+    charge: dict = {}
+    expiries = {(u, i) for u, i, _ in tree.pin_expiry}
+    for nd in pinned:
+        charge[nd.pin_tenant] = charge.get(nd.pin_tenant, 0) + len(nd.key)
+        if nd.parent is not tree.root and nd.parent.pin < nd.pin:
+            E.append(f"[pin] {nd} pinned until {nd.pin} under {nd.parent} pinned until {nd.parent.pin}")
+        if (nd.pin, nd.id) not in expiries:
+            E.append(f"[pin] {nd} has no expiry entry for {nd.pin}")
+    if charge != tree.pin_tokens:
+        E.append(f"[pin] pin_tokens {tree.pin_tokens} != recount {charge}")
+    return E
+
+
 def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None,
           host_stores: Mapping[str, Any] | None = None) -> list[str]:
     E: list[str] = []
@@ -167,11 +187,13 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None,
         E.append(f"[leaf] leaf set has {sorted(n.id for n in tree.leaves - leaves)[:8]} extra, "
                  f"{sorted(n.id for n in leaves - tree.leaves)[:8]} missing")
     live = {(nd.id, k) for k, _, nd in tree.heap}
+    live_pinned = {(nd.id, k) for k, _, nd in tree.pheap}
     for nd in leaves:
         if not tree.policy.time_dependent and nd.hk != tree.policy.key(nd):
             E.append(f"[leaf] {nd} heap key {nd.hk} != policy key {tree.policy.key(nd)}")
-        if (nd.id, nd.hk) not in live:
-            E.append(f"[leaf] {nd} has no live heap entry")
+        if (nd.id, nd.hk) not in (live_pinned if nd.pin else live):
+            E.append(f"[leaf] {nd} has no live entry in the {'pinned ' if nd.pin else ''}heap")
+    E += _check_pins(tree, nodes)
 
     if allocator is not None:
         parts = [nd.value for nd in nodes if nd is not root and nd.value is not None]

@@ -12,12 +12,13 @@ from tandem.core.page_hash import common_pages, page_hashes
 from .events import DEVICE, BlockRemoved, BlockStored
 from .eviction import EvictionPolicy, make_policy
 from tandem.cache.tiers.host_nodes import HostNodes
+from .pins import Pins
 
 
 class Node:
     __slots__ = ("id", "parent", "children", "key", "start", "value", "host", "lock_ref", "ndc",
                  "access", "created", "hits", "priority", "session", "aux", "aux_lock", "aux_host",
-                 "hashes", "hk")
+                 "hashes", "hk", "pin", "pin_tenant")
 
     def __init__(self, nid: int, parent: "Node | None", key: list, start: int, value: Any,
                  tick: int, n_aux: int):
@@ -41,6 +42,8 @@ class Node:
         self.aux_host = [None] * n_aux if n_aux else None
         self.hashes = None              # page hash chain, computed on first use (events, L3)
         self.hk = None
+        self.pin = 0.0                  # pinned until this clock time (0: not pinned; see radix/pins.py)
+        self.pin_tenant = None          # the tenant whose pin budget holds these tokens
 
     @property
     def end(self) -> int:
@@ -74,7 +77,7 @@ def concat_values(pieces: list) -> torch.Tensor:
                       for p in pieces])
 
 
-class RadixTree(HostNodes):
+class RadixTree(HostNodes, Pins):
     def __init__(self, page_size: int = 1, policy: EvictionPolicy | None = None,
                  components: Sequence[Any] = (), record_events: bool = False):
         if page_size < 1:
@@ -97,6 +100,8 @@ class RadixTree(HostNodes):
         self.root.lock_ref = 1
         self.leaves: set[Node] = set()
         self.heap: list = []
+        self.pheap: list = []           # pinned evictable leaves: popped only when ``heap`` is empty
+        self.reset_pins()
         self.evictable = 0
         self.protected = 0
         self.aux_evictable = [0] * n_aux
@@ -281,6 +286,8 @@ class RadixTree(HostNodes):
         self._next_id += 1
         up.created, up.hits, up.priority, up.session = child.created, child.hits, child.priority, child.session
         up.lock_ref = child.lock_ref
+        if child.pin:
+            self.pin_split(up, child)
         if child.value is not None:
             up.value, child.value = _cut(child.value, m)
             up.ndc = 1
@@ -358,9 +365,8 @@ class RadixTree(HostNodes):
             elif hk == k:
                 return
             nd.hk = k
-            heap = self.heap
-            heappush(heap, (k, nd.id, nd))
-            if len(heap) > 2 * len(self.leaves) + 256:
+            heappush(self.pheap if nd.pin else self.heap, (k, nd.id, nd))
+            if len(self.heap) + len(self.pheap) > 2 * len(self.leaves) + 256:
                 self.rebuild_heap()
         elif nd.hk is not None:
             nd.hk = None
@@ -368,18 +374,25 @@ class RadixTree(HostNodes):
 
     def rebuild_heap(self) -> None:
         key = self._key
-        heap = []
+        heap, pheap = [], []
         for nd in self.leaves:
             nd.hk = key(nd)
-            heap.append((nd.hk, nd.id, nd))
+            (pheap if nd.pin else heap).append((nd.hk, nd.id, nd))
         heapify(heap)
-        self.heap = heap
+        heapify(pheap)
+        self.heap, self.pheap = heap, pheap
 
     def pop_leaf(self) -> Node | None:
+        """The next evictable leaf: every unpinned one (policy order) before any pinned one."""
         heap = self.heap
         while heap:
             k, _, nd = heappop(heap)
-            if nd.hk == k:
+            if nd.hk == k and not nd.pin:
+                return nd
+        heap = self.pheap
+        while heap:
+            k, _, nd = heappop(heap)
+            if nd.hk == k and nd.pin:
                 return nd
         return None
 
@@ -414,6 +427,8 @@ class RadixTree(HostNodes):
             else:
                 del parent.children[nd.key[0] if self.page_size == 1 else tuple(nd.key[:self.page_size])]
                 nd.parent = None
+                if nd.pin:
+                    self.forget_pin(nd)
         self._upd(parent)
         return L
 
@@ -439,6 +454,8 @@ class RadixTree(HostNodes):
                 self._drop_host_value(x)
             if self.components:
                 self._aux_drop(x)
+            if x.pin:
+                self.forget_pin(x)
             if x is not nd:
                 x.parent = None
         del nd.parent.children[self.child_key(nd.key)]

@@ -39,15 +39,15 @@ class HostNodes:
                 and not any(c.host is not None for c in nd.children.values()))
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free host copies of unlocked nodes with no host child, policy order, cascading up. Returns host
-        tokens freed (queued in ``host_frees``)."""
+        """Free host copies of unlocked nodes with no host child, unpinned ones first, policy order,
+        cascading up. Returns host tokens freed (queued in ``host_frees``)."""
         self.policy.begin_pass()
         key = self._key
-        heap = [(key(nd), nd.id, nd) for nd in self.host_nodes if self._host_evictable(nd)]
+        heap = [(nd.pin > 0, key(nd), nd.id, nd) for nd in self.host_nodes if self._host_evictable(nd)]
         heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            _, _, nd = heappop(heap)
+            *_, nd = heappop(heap)
             if not self._host_evictable(nd):
                 continue
             parent = nd.parent
@@ -56,7 +56,7 @@ class HostNodes:
             if nd.value is None:
                 self._delete_subtree(nd)
             if parent is not self.root and self._host_evictable(parent):
-                heappush(heap, (key(parent), parent.id, parent))
+                heappush(heap, (parent.pin > 0, key(parent), parent.id, parent))
         return freed
 
     def set_aux_host(self, nd, i: int, value: Any) -> None:

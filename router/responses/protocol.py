@@ -35,6 +35,7 @@ class ResponsesRequest(_Request):
     metadata: dict[str, str] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     session_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = None

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, SamplingParams, StreamChunk
+from tandem.router.prompt_cache import retention_pins
 from tandem.router import metrics as m
 from tandem.router.auth import Principal
 from tandem.router.front_door import (FrontDoor, error_response, refusal, request_priority, session_key,
@@ -69,9 +70,11 @@ class ResponsesRoutes:
             params.validate()
         except InvalidRequest as e:
             raise APIError(400, str(e)) from None
-        session = (session_key(headers, {"session_id": req.session_id, "user": req.prompt_cache_key or req.user})
+        session = (session_key(headers, {"session_id": req.session_id, "prompt_cache_key": req.prompt_cache_key,
+                                             "user": req.user})
                    or (prev.session if prev is not None else None) or session_key({}, {"messages": msgs}))
-        greq = GenerateRequest(rid, tuple(ids), params, session, priority=request_priority(headers, body))
+        greq = GenerateRequest(rid, tuple(ids), params, session, priority=request_priority(headers, body),
+                               pins=retention_pins(req.prompt_cache_retention, len(ids)))
         return Prepared(greq, plan, history)
 
     async def _previous(self, req: ResponsesRequest, who: Principal) -> StoredResponse | None:

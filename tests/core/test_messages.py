@@ -103,3 +103,22 @@ def test_defaults_leave_existing_behaviour_alone():
     assert lp.top[0][0] == lp.token_id
     assert Constraint("json_schema", SCHEMA).key() == ("json_schema", SCHEMA, True)
     assert SampleGroup("g", 0, 2).leader and not SampleGroup("g", 1, 2).leader
+
+
+def test_pins_cross_the_wire_and_may_be_absent():
+    greq = GenerateRequest("r", (5, 6, 7), SamplingParams(), pins=((2, 300), (3, 3600)), pin_cap=64)
+    assert wire_round_trip(greq) == greq
+    wire = greq.to_wire()
+    del wire["pins"], wire["pin_cap"]
+    old = GenerateRequest.from_wire(wire)
+    assert (old.pins, old.pin_cap) == ((), -1)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("pins", [[1, 300]] * 5), ("pins", [[0, 300]]), ("pins", [[4, -1]]), ("pins", [[4, 300, 1]]),
+    ("pins", [[4.0, 300]]), ("pins", [[True, 300]]), ("pins", "x"),
+    ("pin_cap", -2), ("pin_cap", True), ("pin_cap", "8")])
+def test_bad_pins_are_refused(field, value):
+    wire = {**GenerateRequest("r", (1,), SamplingParams()).to_wire(), field: value}
+    with pytest.raises(InvalidRequest, match=f"GenerateRequest.{field}"):
+        GenerateRequest.from_wire(wire)

@@ -178,3 +178,30 @@ def test_the_admin_verbs_are_404_on_a_backend_that_cannot_move_requests(served):
                          ("/admin/undrain", {"worker": "colocated-0"})):
         r = httpx.post(served.url + path, params=params, timeout=30)
         assert r.status_code == 404 and "live migration needs decode workers" in r.text, (path, r.text)
+
+
+def test_cache_control_pins_the_system_prompt_in_the_engine_and_admin_ends_it(served, engine):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=60)
+    system = "You are a pinned assistant. Keep this whole prompt cached for an hour. " * 3
+    kw = dict(model=engine.model_name, max_tokens=4, extra_body={"temperature": 0},
+              system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+              messages=[{"role": "user", "content": "hello"}])
+    first = client.messages.create(**kw)
+    pins = httpx.get(served.url + "/admin/cache/pins", timeout=30).json()
+    [p] = pins["tenants"][""]
+    n = p["tokens"]
+    head = engine.tokenizer.encode(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>")
+    assert n == len(head) and p["tier"] == "device" and 3590 < p["expires_in_s"] <= 3600
+    assert pins["pinned_tokens"] == {"": {"colocated-0": n}}
+    # what the first request wrote at the breakpoint, and what it read, sum with the rest to the prompt
+    u = first.usage
+    assert u.cache_creation_input_tokens == n - u.cache_read_input_tokens > 0
+    second = client.messages.create(**kw)
+    assert second.usage.cache_read_input_tokens >= n and second.usage.cache_creation_input_tokens == 0
+    assert engine.pins()["hits"] >= 1
+    r = httpx.delete(served.url + f"/admin/cache/pins/{p['hash']}", timeout=30)
+    assert r.status_code == 200 and r.json() == {"unpinned": n}
+    assert httpx.get(served.url + "/admin/cache/pins", timeout=30).json()["tenants"] == {}
+    assert httpx.delete(served.url + f"/admin/cache/pins/{p['hash']}", timeout=30).status_code == 404
+    engine.check_invariants()

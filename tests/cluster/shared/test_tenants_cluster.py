@@ -107,3 +107,35 @@ def test_one_trace_spans_router_prefill_and_decode(cluster, receiver):
     assert xfer["attrs"]["tandem.bytes"] > 0 and xfer["attrs"]["tandem.pages"] >= r.usage.prompt_tokens // 16
     assert decode["attrs"]["tandem.tokens"] == r.usage.completion_tokens
     assert decode["attrs"]["tandem.first_token_s"] >= 0
+
+
+def _computed(server) -> float:
+    """Prompt tokens the cluster's workers ran through the model (their /metrics, merged)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+               if x.name == "tandem_worker_prompt_tokens_computed_total")
+
+
+def test_prompt_cache_key_routes_together_and_cached_tokens_are_what_the_workers_reused(cluster):
+    """Issue 52: two requests with one prompt_cache_key and different session ids land on the same
+    decode worker, and the second's cached_tokens is exactly the prompt tokens the workers did not
+    compute (their own counter)."""
+    c = openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEYS["acme"], max_retries=0, timeout=120)
+    key = f"pck-{secrets.token_hex(4)}"
+    content = f"{key}: {PROMPT}"
+    outs = []
+    for sid in ("agent-a", "agent-b"):
+        before = _computed(cluster)
+        raw = c.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0,
+            prompt_cache_key=key, extra_body={"session_id": sid})
+        out = raw.parse()
+        outs.append((raw.headers.get("x-tandem-worker"), out.usage.prompt_tokens, _cached(out),
+                     _computed(cluster) - before))
+    (w1, p1, c1, n1), (w2, p2, c2, n2) = outs
+    assert w1 is not None and w1 == w2, outs
+    assert p1 == p2 > 100 and c1 < p1 // 2 and c1 == p1 - n1, outs    # the first: computed
+    assert c2 > p2 // 2 and c2 == p2 - n2, outs                         # the second: reused
