@@ -56,8 +56,9 @@ def test_max_failovers_0_is_the_error_event_of_before():
 def test_a_death_before_anything_was_sent_costs_one_re_route_once():
     s = RequestStream("r", max_attempts=3)
     assert s.on_failure(Failure.PREFILL_DIED, "prefill-0").next is Next.REDISPATCH
+    assert s.wire_rid == "r"
     s.rerouted()
-    assert s.state is Attempt.ROUTED and s.attempt == 1
+    assert s.state is Attempt.ROUTED and s.attempt == 1 and s.wire_rid == "r~1"   # a new worker-side id
     again = s.on_failure(Failure.DECODE_DIED, "decode-0")
     assert again.next is Next.FAIL and "decode worker decode-0 died" in again.why
 
