@@ -87,3 +87,18 @@ def test_a_new_behaviour_is_one_method_and_one_row_of_the_table(monkeypatch):
     h = Hedged("r")
     assert h.on_failure(Failure.PREFILL_STALLED, "prefill-0") == Step(Next.FAIL, "prefill-0 was slow; hedged elsewhere")
     assert h.on_failure(Failure.TRANSFER_STALLED, "prefill-0").next is Next.REDISPATCH   # the other rows as before
+
+
+def test_debug_kv_requests_come_from_the_streams_under_their_current_worker_side_id():
+    """/debug/kv's ``requests``: each stream opened on a decode worker, by its current attempt's id
+    (``rid~n`` after a re-route), with what its client has; one between attempts is not listed."""
+    from types import SimpleNamespace
+
+    from tandem.cluster.observe import ClusterObservability
+
+    moved, waiting = RequestStream("a"), RequestStream("b")
+    moved.rerouted()
+    moved.sent = 5
+    backend = SimpleNamespace(streams={"a": moved, "b": waiting}, _inflight={"a~1": SimpleNamespace(name="decode-1")})
+    (row,) = ClusterObservability.in_flight(backend)
+    assert (row["rid"], row["worker"], row["tokens"]) == ("a~1", "decode-1", 5) and row["silent_s"] >= 0
