@@ -92,8 +92,6 @@ class RayClusterBackend(ClusterObservability):
                                      progress_replace_s=cfg.progress_replace_s, router_id=self.router_id,
                                      router_lease_s=cfg.router_lease_s)
         self._inflight: dict[str, WorkerRef] = {}
-        self._streamed: dict[str, tuple[int, float]] = {}
-        self._alias: dict[str, str] = {}
         self.streams: dict[str, RequestStream] = {}   # client rid -> its stream (cluster/stream.py)
         self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
                                  router_id=self.router_id, page_size=cc.page_size)
@@ -144,17 +142,25 @@ class RayClusterBackend(ClusterObservability):
         await self.dispatch.wait_ahead(r, self.cfg.transfer_timeout_s)   # a sharer routed first goes first
         if req.trace:
             self._trace_route(req, r, t_route)
-        client_rid, excluded = req.rid, set()
+        client_rid, excluded, dead = req.rid, set(), None
         stream = self.streams[client_rid] = RequestStream(
             client_rid, max_failovers=self.cfg.max_failovers, max_attempts=MAX_ATTEMPTS,
             failover_wait_s=self.cfg.failover_wait_s)
         try:
             while True:
                 d = self.pool.get(r.decode)
+                if d is None and dead is not None and dead.role == "decode":
+                    r = await self._await_decode(stream, r, excluded)
+                    d = self.pool.get(r.decode)
                 if d is None:
                     self.dispatch.release(r)
                     stream.to(Attempt.FAILED)
                     why = "no live decode worker" + (" making progress" if excluded else "")
+                    if dead is not None and dead.role == "decode":
+                        rm.FAILOVERS.labels("decode", "failed").inc()
+                        why = (f"decode worker {dead.name} died before the first token and no live decode "
+                               f"worker came within --failover-wait-s {stream.failover_wait_s:g}s to serve it")
+                        log.warning("%s: %s", client_rid, why)
                     yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=why)
                     return
                 try:
@@ -165,19 +171,31 @@ class RayClusterBackend(ClusterObservability):
                     log.warning("%s worker %s died before serving %s; re-routing", e.worker.role,
                                 e.worker.name, client_rid)
                     rm.FAILOVERS.labels(e.worker.role, "redispatched").inc()
-                    bad = e.worker
+                    bad = dead = e.worker
+                    p = self.pool.get(r.prefill)
+                    if dead.role == "decode" and p is not None and p.alive:
+                        # its prefill may still hold the KV write to the dead worker: freed there
+                        p.api.abort(req.rid, f"decode worker {dead.name} died")
                 except _Stalled as e:
                     log.warning("%s before %s streamed anything; re-dispatching it from the prompt", e, client_rid)
                     rm.STALL_REDISPATCHES.labels(e.what, "redispatch").inc()
                     bad = e.worker
-                    req = dataclasses.replace(req, rid=f"{client_rid}~{stream.attempt + 1}")
-                    self._alias[client_rid] = req.rid
                 stream.rerouted()
+                req = dataclasses.replace(req, rid=stream.wire_rid)
                 excluded.add(bad.wid)
                 r = self.dispatch.reroute(r, excluded)
         finally:
-            self._alias.pop(client_rid, None)
             self.streams.pop(client_rid, None)
+
+    async def _await_decode(self, stream: RequestStream, r: Route, excluded: set[int]) -> Route:
+        """``r`` lost its decode worker to a death before serving and no other is live: wait up to
+        ``failover_wait_s`` for one (the supervisor's replacement when it was the only one), as a
+        mid-stream death does; ``r`` routed there, or ``r`` as it was when none came."""
+        stream.to(Attempt.REDISPATCHING)
+        if await self.migrator.wait_target(excluded, stream.failover_wait_s) is None:
+            return r
+        stream.to(Attempt.ROUTED)
+        return self.dispatch.reroute(r, excluded)
 
     def _trace_route(self, req: GenerateRequest, r: Route, start_s: float) -> None:
         """The routing span: the queue wait and policy time, and the workers chosen."""
@@ -196,7 +214,7 @@ class RayClusterBackend(ClusterObservability):
 
         p = self.pool.get(r.prefill)
         legs = self.migrator.open(req, r, d, p.name if p else None)
-        self._streamed[req.rid] = (0, time.monotonic())
+        stream.last_token_at = time.monotonic()
         finished, first, rerouted, err = False, True, False, ""
         try:
             try:
@@ -217,7 +235,7 @@ class RayClusterBackend(ClusterObservability):
                             rm.FAILOVERS.labels("decode", "failed").inc()
                             err = step.why or (f"decode worker {dead.name} died during the request and no live "
                                                f"decode worker came within --failover-wait-s "
-                                               f"{self.cfg.failover_wait_s:g}s to resume it")
+                                               f"{stream.failover_wait_s:g}s to resume it")
                             log.warning("%s: %s", req.rid, err)
                             break
                     except _Stalled as e:
@@ -282,7 +300,6 @@ class RayClusterBackend(ClusterObservability):
             stream.to(Attempt.FAILED)
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
-            self._streamed.pop(req.rid, None)
             legs.close()
             if not rerouted:
                 self.dispatch.release(r)
@@ -297,7 +314,7 @@ class RayClusterBackend(ClusterObservability):
         """``c`` goes to the client: what ``stream`` has sent, and its state, follow."""
         stream.began, stream.sent = True, len(legs.ids)
         if c.token_ids:
-            self._streamed[legs.req.rid] = (len(legs.ids), legs.last_token_at)
+            stream.last_token_at = legs.last_token_at
         if c.finish_reason is not None:
             stream.to(Attempt.FAILED if c.error else Attempt.DONE)
         elif c.token_ids:
@@ -309,7 +326,7 @@ class RayClusterBackend(ClusterObservability):
         logged once and traced (a ``failover`` span)."""
         t0, at = time.time(), len(legs.ids)
         stream.to(Attempt.RESUMING)
-        if not await legs.failover(dead, self.cfg.failover_wait_s):
+        if not await legs.failover(dead, stream.failover_wait_s):
             return False
         rm.FAILOVERS.labels("decode", "resumed").inc()
         context = len(legs.req.prompt_ids) + at
@@ -379,7 +396,12 @@ class RayClusterBackend(ClusterObservability):
     async def migrate(self, rid: str, to: str | None = None) -> str:
         """Move running ``rid`` to decode worker ``to`` (default: the least loaded other one);
         returns its name (cluster/migration.py)."""
-        return await self.migrator.migrate(self._alias.get(rid, rid), to)
+        return await self.migrator.migrate(self._wire(rid), to)
+
+    def _wire(self, rid: str) -> str:
+        """Client request ``rid``'s worker-side id now (its stream's current attempt's)."""
+        s = self.streams.get(rid)
+        return s.wire_rid if s is not None else rid
 
     async def drain(self, name: str, stop: bool = False) -> dict:
         """Move every live request off decode worker ``name`` (POST /admin/drain)."""
@@ -390,7 +412,7 @@ class RayClusterBackend(ClusterObservability):
         return await self.migrator.undrain(name)
 
     async def abort(self, rid: str) -> None:
-        rid = self._alias.get(rid, rid)
+        rid = self._wire(rid)
         d = self._inflight.get(rid)
         if d is None or not d.alive:
             return

@@ -79,6 +79,16 @@ class Migrator:
             return None
         return self.pool.get(min(live, key=lambda v: (v.running_tokens, v.in_flight)).worker_id)
 
+    async def wait_target(self, exclude: set[int], wait_s: float) -> WorkerRef | None:
+        """:meth:`target`, waiting up to ``wait_s`` for one to be in rotation (the supervisor's
+        replacement of a dead worker); None when none came in time."""
+        end = time.monotonic() + wait_s
+        t = self.target(exclude)
+        while t is None and time.monotonic() < end:
+            await asyncio.sleep(FAILOVER_POLL_S)
+            t = self.target(exclude)
+        return t
+
     async def move(self, mv: MoveRequest) -> str:
         """Carry out a planner's ``mv`` (:meth:`migrate` to its target, else the best one)."""
         t = self.pool.get(mv.target) if mv.target is not None else None
@@ -249,11 +259,7 @@ class Migrator:
         best live decode worker, which recomputes the KV (its own cache first, then a local prefill),
         waiting up to ``wait_s`` for one to be in rotation (the supervisor's replacement, when ``dead``
         was the only one). (stream, worker), or None when none came in time."""
-        end = time.monotonic() + wait_s
-        t = self.target({dead.wid})
-        while t is None and time.monotonic() < end:
-            await asyncio.sleep(FAILOVER_POLL_S)
-            t = self.target({dead.wid})
+        t = await self.wait_target({dead.wid}, wait_s)
         if t is None:
             return None
         old = self.moves.get(legs.req.rid)

@@ -13,6 +13,7 @@ A new behaviour is one method returning a :class:`Step` and one row of :data:`FA
 from __future__ import annotations
 
 import dataclasses
+import time
 from enum import Enum
 
 
@@ -90,6 +91,8 @@ class RequestStream:
         self.attempt = 0        # 0-based route number
         self.failovers = 0      # resumes after a death
         self.died = False       # a worker died before anything was sent (one re-route for that)
+        self.wire_rid = rid     # the current attempt's worker-side id (``rid~n`` after a re-dispatch)
+        self.last_token_at = time.monotonic()   # the last token sent (or when the attempt began)
         self.history: list[tuple[Attempt, Attempt]] = []
 
     def to(self, state: Attempt) -> None:
@@ -144,9 +147,10 @@ class RequestStream:
     # --- what the backend reports ------------------------------------------------------------
 
     def rerouted(self) -> None:
-        """A REDISPATCH was carried out: a new route, nothing sent on it yet."""
+        """A REDISPATCH was carried out: a new route, under a new worker-side id (``rid~n``: the old
+        one may still be aborted or tombstoned where it ran), nothing sent on it yet."""
         self.attempt += 1
-        self.began, self.sent = False, 0
+        self.began, self.sent, self.wire_rid = False, 0, f"{self.rid}~{self.attempt}"
         self.to(Attempt.REDISPATCHING)
         self.to(Attempt.ROUTED)
 

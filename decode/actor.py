@@ -58,14 +58,14 @@ class DecodeActor(RoleActorMixin):
 
     def add_prefill(self, handshake: bytes, handle) -> str:
         name = self.worker.add_peer(handshake)
-        if name not in self.prefills or self.prefills[name].dead:
-            self.prefills[name] = _RayKVSource(name, handle)
+        if name not in self.prefills or self.prefills[name].dead or self.prefills[name].handle != handle:
+            self.prefills[name] = _RayKVSource(name, handle)   # new, or restarted under its name
         return name
 
     def add_decode(self, handshake: bytes, handle) -> str:
         """Another decode worker: a peer a migrated request's KV may come from (or go to)."""
         name = self.worker.add_peer(handshake)
-        if name not in self.sources or self.sources[name].dead:
+        if name not in self.sources or self.sources[name].dead or self.sources[name].handle != handle:
             self.sources[name] = _RayKVSource(name, handle)
         return name
 

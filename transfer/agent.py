@@ -115,6 +115,7 @@ class TransferHandle:
 class _Peer:
     name: str
     regions: dict[str, RegionInfo]
+    metadata: bytes = b""        # what add_remote_agent loaded: a new incarnation's differs
     prepped: dict = field(default_factory=dict)
 
 
@@ -165,7 +166,14 @@ class KVTransferAgent:
         if loaded != name:
             self._nixl.remove_remote_agent(loaded)
             raise ValueError(f"peer metadata is for agent {loaded!r}, not {name!r}")
-        self._peers[name] = _Peer(name, {r.name: r for r in regions})
+        self._peers[name] = _Peer(name, {r.name: r for r in regions}, bytes(metadata))
+
+    def knows(self, name: str, metadata: bytes) -> bool:
+        """Whether peer ``name`` is loaded with exactly ``metadata``. False for a worker restarted
+        under a known name (on another or the same address and port): its new metadata must replace
+        the old (:meth:`add_peer`), or writes reach the dead agent's endpoint (vLLM #49238)."""
+        p = self._peers.get(name)
+        return p is not None and p.metadata == bytes(metadata)
 
     def remove_peer(self, name: str) -> None:
         """Forget a peer (e.g. it died); later writes to it raise KeyError."""

@@ -102,10 +102,11 @@ class RoleWorker:
         return self.agent.handshake_bytes()
 
     def add_peer(self, handshake: bytes) -> str:
-        """Load a peer's handshake; its agent name. A known peer is kept as it is."""
-        name = Handshake.decode(handshake).agent_name
-        if name in self.agent.peers:
-            return name
+        """Load a peer's handshake; its agent name. A peer known with the same metadata is kept as it
+        is; new metadata under a known name (the peer restarted under its name) replaces the old."""
+        hs = Handshake.decode(handshake)
+        if self.agent.knows(hs.agent_name, hs.agent_metadata):
+            return hs.agent_name
         return self.agent.connect(handshake)
 
     def remove_peer(self, name: str) -> None:

@@ -127,3 +127,28 @@ def wait_rejoined(backend, server, w) -> None:
     wait_for(lambda: w.suspect_since is None and w.alive, 30, f"{w.name} did not rejoin")
     h = httpx.get(server.url + "/health", timeout=30).json()
     assert h["workers"][w.name]["alive"] and not h["workers"][w.name]["suspect"], h
+
+
+def stream_events(server, topic: str, out: dict, key: str) -> None:
+    """A streamed chat read as raw SSE events: (text, finish reason, every error event's message)
+    into ``out[key]`` (the OpenAI client raises on the first error event; this counts them)."""
+    import json
+
+    text, finish, errors = [], None, []
+    chunks[key] = 0
+    body = {"model": "smollm2", "messages": messages(topic), "max_tokens": OUT, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300,
+                      headers={"X-Session-Id": key}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("error"):
+                errors.append(str(ev["error"].get("message", ev["error"])))
+            for c in ev.get("choices") or ():
+                if (c.get("delta") or {}).get("content"):
+                    text.append(c["delta"]["content"])
+                    chunks[key] += 1
+                finish = c.get("finish_reason") or finish
+    out[key] = ("".join(text), finish, errors)

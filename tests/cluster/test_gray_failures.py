@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gray_support import (OUT, PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, messages, pid_of, serve,
-                          start_streams, wait_for, wait_idle, wait_rejoined)
+                          start_streams, stream_events, wait_for, wait_idle, wait_rejoined)
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +211,74 @@ def _failovers(server) -> float:
     return sum(s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text)
                for s in f.samples if s.name == "tandem_failovers_total"
                and s.labels == {"role": "decode", "outcome": "resumed"})
+
+
+def _restart(backend, role: str, slot: int):
+    """SIGKILL ``role`` worker ``slot``; (it, its supervisor's replacement once in rotation)."""
+    def pool():
+        return backend.prefills if role == "prefill" else backend.decodes
+
+    old = next(w for w in pool() if w.slot == slot)
+    os.kill(pid_of(old), signal.SIGKILL)
+    wait_for(lambda: any(w.slot == slot and w is not old and w.alive for w in pool()), 240, f"{old.name} not replaced")
+    return old, next(w for w in pool() if w.slot == slot and w.alive)
+
+
+def _peers(backend) -> dict[str, set[str]]:
+    """Each live worker's name -> the NIXL agents it holds."""
+    import ray
+
+    live = backend.pool.everyone(alive_only=True)
+    return {w.name: set(i["peers"]) for w, i in zip(live, ray.get([w.handle.info.remote() for w in live], timeout=60))}
+
+
+def test_a_restarted_prefill_then_decode_worker_is_known_by_its_new_agent_only(cluster):
+    """Issue 48, item 6: prefill SIGKILLed and relaunched, then a decode worker: every live peer holds
+    the new agent and none the dead one (pairing loads a changed handshake again: RoleWorker.add_peer),
+    and the next requests are served with the healthy text."""
+    backend, server, want = cluster
+    for role in ("prefill", "decode"):
+        old, new = _restart(backend, role, 0)
+        assert new.name != old.name
+
+        def relearned() -> bool:
+            return all(new.name in known and old.name not in known for name, known in _peers(backend).items()
+                       if name != new.name and (role == "decode" or name.startswith("decode")))
+
+        wait_for(relearned, 60, f"peers of {new.name}: {_peers(backend)}")
+        out: dict = {}
+        for th in start_streams(server, out, f"x{role}"):
+            th.join(120)
+        check_texts(out, want, f"x{role}", within=120)
+    wait_idle(server)
+
+
+def test_a_killed_decode_worker_s_streams_with_max_failovers_spent_end_with_one_error(cluster, monkeypatch):
+    """``max_failovers`` 0 (spent before any death): SIGKILL the decode worker holding streams
+    mid-decode: each of its streams ends with exactly one error event that names the limit, the
+    others finish with the healthy text, and once idle nothing is held anywhere."""
+    backend, server, want = cluster
+    monkeypatch.setattr(backend, "cfg", backend.cfg.model_copy(update={"max_failovers": 0}))
+    wait_for(lambda: len(backend.decodes) == 2 and all(d.alive for d in backend.decodes), 240, "no two decode workers")
+    out: dict = {}
+    ths = [threading.Thread(target=stream_events, args=(server, t, out, f"m-{t}")) for t in TOPICS]
+    for th in ths:
+        th.start()
+    wait_for(lambda: all(chunks.get(f"m-{t}", 0) >= 4 for t in TOPICS), 60, "not decoding")
+    on: dict = {}
+    for rid, w in list(backend._inflight.items()):
+        on.setdefault(w.name, []).append(rid)
+    victim = backend.pool.named(max(on, key=lambda n: len(on[n])))
+    os.kill(pid_of(victim), signal.SIGKILL)
+    for th in ths:
+        th.join(120)
+    failed = [t for t in TOPICS if out[f"m-{t}"][2]]
+    assert len(failed) == len(on[victim.name]), (on, out)
+    for t in TOPICS:
+        text, finish, errors = out[f"m-{t}"]
+        if t in failed:
+            assert errors == [f"generation failed: decode worker {victim.name} died during the request "
+                              "(--max-failovers 0: no failover)"], errors
+        else:
+            assert not errors and finish == "length" and text == want[t], out[f"m-{t}"]
+    wait_idle(server)

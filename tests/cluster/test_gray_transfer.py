@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
+import httpx
 import pytest
 
 from gray_support import (PROGRESS_S, TOPICS, check_texts, chunks, gray_cfg, pid_of, serve,
-                          start_streams, wait_for, wait_idle, wait_rejoined)
+                          start_streams, stream_events, wait_for, wait_idle, wait_rejoined)
 
 
 @pytest.fixture(scope="module")
@@ -85,4 +87,77 @@ def test_the_only_decode_worker_killed_its_streams_wait_for_the_replacement_and_
         th.join(300)
     check_texts(out, want, "k", within=300)
     assert not d.alive and backend.decodes[0] is not d and backend.decodes[0].alive
+    wait_idle(server)
+
+
+def _replaced(backend, dead) -> bool:
+    return bool(backend.decodes) and backend.decodes[0] is not dead and backend.decodes[0].alive
+
+
+def _failovers(server, outcome: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text)
+               for s in f.samples if s.name == "tandem_failovers_total"
+               and s.labels == {"role": "decode", "outcome": outcome})
+
+
+def _on_decode_none_sent(backend, n: int) -> bool:
+    """``n`` requests opened on a decode worker, none of which sent its client anything yet."""
+    ss = list(backend.streams.values())
+    return len(ss) == n and not any(s.began for s in ss) and all(s.wire_rid in backend._inflight for s in ss)
+
+
+def test_the_only_decode_worker_killed_before_the_first_token_its_streams_wait_for_the_replacement(stalling):
+    """1P+1D, the one decode worker SIGKILLed with every request opened on it and none streamed
+    yet: each request waits (``failover_wait_s``) for the supervisor's replacement and is routed
+    there (it used to end "no live decode worker"): the healthy text, no error event, each such
+    request counted re-dispatched, nothing held anywhere."""
+    backend, server, want = stalling
+    before = _failovers(server, "redispatched")
+    out: dict = {}
+    ths = start_streams(server, out, "b")
+    wait_for(lambda: _on_decode_none_sent(backend, len(TOPICS)), 120, "no request opened on the decode worker")
+    d = backend.decodes[0]
+    os.kill(pid_of(d), signal.SIGKILL)
+    early = sum(not s.began for s in list(backend.streams.values()))   # most: pid_of takes a call
+    for th in ths:
+        th.join(300)
+    check_texts(out, want, "b", within=300)
+    assert not d.alive and _replaced(backend, d)
+    assert _failovers(server, "redispatched") - before >= max(early, 1)
+    wait_idle(server)
+
+
+def test_the_only_decode_worker_killed_past_the_wait_each_stream_ends_with_one_error(stalling, monkeypatch):
+    """1P+1D, ``failover_wait_s`` 0.5 s, the one decode worker SIGKILLed with two streams decoding and
+    two not streamed yet: no decode worker comes within the wait, so each ends with exactly one
+    error event naming the wait (to resume it, or to serve it when it had sent nothing), and once
+    the replacement is up nothing is held anywhere."""
+    backend, server, _ = stalling
+    monkeypatch.setattr(backend, "cfg", backend.cfg.model_copy(update={"failover_wait_s": 0.5}))
+    out: dict = {}
+    ths = [threading.Thread(target=stream_events, args=(server, t, out, f"w-{t}")) for t in TOPICS]
+    for th in ths[:2]:
+        th.start()
+    wait_for(lambda: all(chunks.get(f"w-{t}", 0) >= 4 for t in TOPICS[:2]), 120, "not decoding")
+    for th in ths[2:]:
+        th.start()
+
+    def late_opened() -> bool:
+        ss = list(backend.streams.values())
+        return len(ss) == 4 and sum(not s.began and s.wire_rid in backend._inflight for s in ss) == 2
+
+    wait_for(late_opened, 120, "the late requests were not opened on the decode worker")
+    d = backend.decodes[0]
+    os.kill(pid_of(d), signal.SIGKILL)
+    for th in ths:
+        th.join(60)
+    for i, t in enumerate(TOPICS):
+        text, finish, errors = out[f"w-{t}"]
+        assert len(errors) == 1 and "--failover-wait-s 0.5s" in errors[0], out[f"w-{t}"]
+        assert f"decode worker {d.name} died" in errors[0], errors
+        assert ("to resume it" if text else "before the first token") in errors[0], errors
+        assert bool(text) or i >= 2, out[f"w-{t}"]
+    wait_for(lambda: _replaced(backend, d), 240, "no replacement")
     wait_idle(server)

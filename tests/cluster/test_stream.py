@@ -56,8 +56,9 @@ def test_max_failovers_0_is_the_error_event_of_before():
 def test_a_death_before_anything_was_sent_costs_one_re_route_once():
     s = RequestStream("r", max_attempts=3)
     assert s.on_failure(Failure.PREFILL_DIED, "prefill-0").next is Next.REDISPATCH
+    assert s.wire_rid == "r"
     s.rerouted()
-    assert s.state is Attempt.ROUTED and s.attempt == 1
+    assert s.state is Attempt.ROUTED and s.attempt == 1 and s.wire_rid == "r~1"   # a new worker-side id
     again = s.on_failure(Failure.DECODE_DIED, "decode-0")
     assert again.next is Next.FAIL and "decode worker decode-0 died" in again.why
 
@@ -86,3 +87,18 @@ def test_a_new_behaviour_is_one_method_and_one_row_of_the_table(monkeypatch):
     h = Hedged("r")
     assert h.on_failure(Failure.PREFILL_STALLED, "prefill-0") == Step(Next.FAIL, "prefill-0 was slow; hedged elsewhere")
     assert h.on_failure(Failure.TRANSFER_STALLED, "prefill-0").next is Next.REDISPATCH   # the other rows as before
+
+
+def test_debug_kv_requests_come_from_the_streams_under_their_current_worker_side_id():
+    """/debug/kv's ``requests``: each stream opened on a decode worker, by its current attempt's id
+    (``rid~n`` after a re-route), with what its client has; one between attempts is not listed."""
+    from types import SimpleNamespace
+
+    from tandem.cluster.observe import ClusterObservability
+
+    moved, waiting = RequestStream("a"), RequestStream("b")
+    moved.rerouted()
+    moved.sent = 5
+    backend = SimpleNamespace(streams={"a": moved, "b": waiting}, _inflight={"a~1": SimpleNamespace(name="decode-1")})
+    (row,) = ClusterObservability.in_flight(backend)
+    assert (row["rid"], row["worker"], row["tokens"]) == ("a~1", "decode-1", 5) and row["silent_s"] >= 0

@@ -161,3 +161,39 @@ def test_poll_fails_a_stuck_write_at_its_deadline(pair, monkeypatch):
     h.parts = [Busy()]
     a.release(h)
     assert Busy.calls == 2  # deferred on the first try, retried at the end of the same release
+
+
+def test_a_peer_restarted_under_its_name_replaces_its_stale_metadata(pair):
+    """Issue 48, item 6 (vLLM #49238): peer "R" dies and comes back under the same name with a new
+    agent (new metadata; it may reuse the address and port). What RoleWorker.add_peer does: a peer
+    known with the same handshake is kept, one with new metadata is loaded again, replacing the old;
+    the next write lands in the new incarnation's memory, never the dead endpoint."""
+    a, _, (src_kv, _, _, _) = pair
+
+    def learn(hs) -> None:   # worker/role_worker.py RoleWorker.add_peer
+        if not a.knows(hs.agent_name, hs.agent_metadata):
+            a.connect(hs.encode())
+
+    def incarnation(fill: float):
+        kv = torch.full((2, 2, 16, 2, 4), fill)
+        return kv, KVTransferAgent("R", [Region.of("kv", kv, PAGE)], progress_thread=True)
+
+    old_kv, old = incarnation(-1.0)
+    old_hs = old.handshake()
+    learn(old_hs)
+    assert a.knows("R", old_hs.agent_metadata)
+    learn(old_hs)                                   # the same handshake again: kept as it is
+    assert _wait(a, a.write_pages("R", "kv", [1], [0])) is TransferState.DONE
+    old.close()
+    new_kv, new = incarnation(-2.0)
+    try:
+        new_hs = new.handshake()
+        assert new_hs.agent_metadata != old_hs.agent_metadata and not a.knows("R", new_hs.agent_metadata)
+        learn(new_hs)
+        assert a.knows("R", new_hs.agent_metadata) and not a.knows("R", old_hs.agent_metadata)
+        assert _wait(a, a.write_pages("R", "kv", [2], [3])) is TransferState.DONE
+        assert torch.equal(new_kv[:, :, 3 * PAGE:4 * PAGE], src_kv[:, :, 2 * PAGE:3 * PAGE])
+    finally:
+        a.remove_peer("R")
+        new.close()
+    assert a.peers == ["B"]
