@@ -50,8 +50,13 @@ if [ "${ENGINE[0]}" = podman ]; then
         *) BASE_TAG=docker.io/library/$FROM ;;
     esac
 fi
+STANDIN_LABEL=org.tandem.base-standin
+standin_of() { "${ENGINE[@]}" image inspect --format "{{ index .Labels \"$STANDIN_LABEL\" }}" "$1" 2>/dev/null || true; }
 if image_exists "$FROM"; then
-    echo "image: base $FROM is local"
+    STANDIN=$(standin_of "$FROM")
+    case "$STANDIN" in ""|"<no value>") STANDIN=""; echo "image: base $FROM is local" ;;
+        *) echo "image: base $FROM is local: a stand-in built by docker/image.sh ($STANDIN); remove it to pull the real one" ;;
+    esac
 else
     echo "image: pulling $FROM (60 s at most) ..."
     if timeout 60 "${ENGINE[@]}" pull "$FROM" >"$LOGDIR/pull.log" 2>&1; then
@@ -96,8 +101,10 @@ else
         "${ENGINE[@]}" import \
             --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
             --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' \
+            --change "LABEL $STANDIN_LABEL=debian-bookworm-python3" \
             "$TAR" "$BASE_TAG" >"$LOGDIR/import.log" 2>&1 || fail "importing the base as $FROM" "$LOGDIR/import.log"
         rm -f "$TAR"
+        STANDIN=debian-bookworm-python3
         echo "image: base $FROM built from Debian bookworm in $(( $(date +%s) - start )) s"
     fi
 fi
@@ -108,6 +115,13 @@ if [ "${ENGINE[0]}" = podman ]; then
     BUILD+=(--ignorefile "$DOCKERFILE.dockerignore" "${ULIMIT_FLAGS[@]}")
 fi
 WHEELS=${TANDEM_WHEELS-/opt/wheels}
+if [ "$FLAVOR" = gpu ] && [ -z "${TANDEM_IMAGE:-}" ] && { [ -n "${STANDIN:-}" ] || [ -n "$WHEELS" ]; }; then
+    # Not the GPU image: a Debian base instead of CUDA's, and (with local wheels) the CPU torch wheel
+    # instead of PyPI's CUDA build (whose nvidia-* wheels are gigabytes): every other step is the
+    # Dockerfile's own. TANDEM_WHEELS= (empty) asks PyPI for the CUDA torch.
+    TAG=tandem:0.1.0-gpu-standin
+    echo "image: building $TAG: docker/Dockerfile.gpu on stand-ins (base: ${STANDIN:-$FROM}; torch: ${WHEELS:-PyPI})"
+fi
 if [ -n "$WHEELS" ] && ls "$WHEELS"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
     if [ "${ENGINE[0]}" = podman ]; then
         echo "image: pip reads the local wheels in $WHEELS (mounted at /wheels for the build, not copied)"
@@ -131,4 +145,4 @@ fi
 secs=$(( $(date +%s) - start ))
 bytes=$("${ENGINE[@]}" image inspect --format '{{.Size}}' "$TAG")
 "${ENGINE[@]}" image prune -f >/dev/null 2>&1 || true      # dangling layers of earlier builds
-echo "image: built $TAG from $DOCKERFILE in ${secs} s; size $(awk -v b="$bytes" 'BEGIN{printf "%.2f GB (%d bytes)", b/1e9, b}')"
+echo "image: built $TAG from $DOCKERFILE in ${secs} s; size $(awk -v b="$bytes" 'BEGIN{printf "%.2f GB (%.0f bytes)", b/1e9, b}')"

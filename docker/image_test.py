@@ -240,6 +240,9 @@ class Cluster:
         left = max(1, int(pod.grace_s - hook))
         eng("stop", "-t", str(left), name, check=False, timeout=pod.grace_s + 30)
         code = int(eng("inspect", "--format", "{{.State.ExitCode}}", name, check=False).stdout.strip() or -1)
+        if code == 137:
+            p = eng("logs", "--tail", "8", name, check=False)
+            print(f"---- {name}: SIGKILLed; its last log lines ----\n{(p.stdout + p.stderr).rstrip()}", file=sys.stderr)
         return {"prestop_s": round(hook, 1), "s": round(time.monotonic() - t, 1), "exit": code,
                 "killed": code == 137, "grace_s": pod.grace_s}
 

@@ -31,7 +31,6 @@ GCS_PORT = 6379
 KUBERAY_METRICS_PORT = 8080
 KUBERAY_AGENT_PORT = 52365
 RAY_DASHBOARD_PORT = 8265         # Ray's default; the head probe reads the dashboard here
-RAY_CLIENT_PORT = 10001           # Ray's default on the head
 KUBERAY_ULIMIT = "ulimit -n 65536"
 ROLES = ("head", "prefill", "decode", "router")
 
@@ -193,7 +192,6 @@ class HostPorts:
     max_worker: int
     gcs: int | None = None          # head: [6379]
     dashboard: int | None = None    # head: [8265]
-    client: int | None = None       # head: [10001]
 
     def flags(self, ip: str, all_ports: bool = False) -> list[str]:
         """``all_ports``: also the two KubeRay sets (for a `ray start` line of our own, the router's)."""
@@ -203,13 +201,13 @@ class HostPorts:
              f"--dashboard-agent-grpc-port={self.agent_grpc}", f"--min-worker-port={self.min_worker}",
              f"--max-worker-port={self.max_worker}"]
         if self.gcs is not None:
-            f += [f"--port={self.gcs}", f"--dashboard-port={self.dashboard}", f"--ray-client-server-port={self.client}"]
+            f += [f"--port={self.gcs}", f"--dashboard-port={self.dashboard}"]
         return f
 
     def remap(self) -> dict[int, int]:
         m = {KUBERAY_METRICS_PORT: self.metrics, KUBERAY_AGENT_PORT: self.agent}
         if self.gcs is not None:
-            m.update({GCS_PORT: self.gcs, RAY_DASHBOARD_PORT: self.dashboard, RAY_CLIENT_PORT: self.client})
+            m.update({GCS_PORT: self.gcs, RAY_DASHBOARD_PORT: self.dashboard})
         return m
 
 

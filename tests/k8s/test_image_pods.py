@@ -105,7 +105,7 @@ def test_ports_probes_env_of_the_ray_pods(pods, manifests):
 def test_host_network_changes_only_addresses_and_ports(pods):
     ports = k8s_pods.HostPorts(metrics=41001, agent=41002, agent_grpc=41003, node_manager=41004,
                                object_manager=41005, runtime_env_agent=41006, min_worker=41100,
-                               max_worker=41199, gcs=41007, dashboard=41008, client=41009)
+                               max_worker=41199, gcs=41007, dashboard=41008)
     head = k8s_pods.on_host_network(pods["head"], "127.0.0.1", ports, "127.0.0.1:41007")
     argv = _ray_start(head)
     assert "--node-ip-address=127.0.0.1" in argv and "--dashboard-agent-listen-port=41002" in argv
@@ -116,7 +116,7 @@ def test_host_network_changes_only_addresses_and_ports(pods):
     assert set(argv) - added - remapped == set(_ray_start(pods["head"])) - {
         "--metrics-export-port=8080", "--dashboard-agent-listen-port=52365"}
 
-    worker_ports = k8s_pods.HostPorts(**{**ports.__dict__, "gcs": None, "dashboard": None, "client": None})
+    worker_ports = k8s_pods.HostPorts(**{**ports.__dict__, "gcs": None, "dashboard": None})
     dec = k8s_pods.on_host_network(pods["decode"], "127.0.0.3", worker_ports, "127.0.0.1:41007")
     assert "--address=127.0.0.1:41007" in _ray_start(dec)
 
