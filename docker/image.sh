@@ -76,6 +76,12 @@ else
         [ "$(id -u)" = 0 ] || fail "building a base: $(basename "$STRAP") needs root here (run make image as root, or pull $FROM)"
         TAR=$LOGDIR/base-bookworm.tar
         PKGS=python3,python3-venv,ca-certificates,netbase
+        # As Debian's official images (debuerreotype's docker-clean): apt keeps no .deb files, so the
+        # Dockerfile's `apt-get install` leaves no 128 MB archive cache in its layer.
+        CLEAN='DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };
+APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };
+Dir::Cache::pkgcache ""; Dir::Cache::srcpkgcache "";'
+        export CLEAN
         echo "image: building a Debian bookworm base with $(basename "$STRAP") ($PKGS) from $MIRROR ..."
         start=$(date +%s)
         if [ "$(basename "$STRAP")" = mmdebstrap ]; then
@@ -83,6 +89,7 @@ else
                 --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
                 --dpkgopt='path-exclude=/usr/share/locale/*' \
                 --customize-hook='ln -sf /usr/bin/python3 "$1/usr/local/bin/python3"; ln -sf /usr/bin/python3 "$1/usr/local/bin/python"' \
+                --customize-hook='printf "%s\n" "$CLEAN" > "$1/etc/apt/apt.conf.d/docker-clean"' \
                 bookworm "$TAR" \
                 "deb $MIRROR bookworm main" "deb $MIRROR bookworm-updates main" \
                 "deb ${MIRROR%/debian}/debian-security bookworm-security main" \
@@ -94,6 +101,7 @@ else
                 >"$LOGDIR/base.log" 2>&1 || fail "debootstrap bookworm (the Debian mirror $MIRROR)" "$LOGDIR/base.log"
             ln -sf /usr/bin/python3 "$DIR/usr/local/bin/python3"
             ln -sf /usr/bin/python3 "$DIR/usr/local/bin/python"
+            printf '%s\n' "$CLEAN" > "$DIR/etc/apt/apt.conf.d/docker-clean"
             rm -rf "$DIR/var/lib/apt/lists/"* "$DIR/var/cache/apt/"*.bin
             tar -C "$DIR" -cf "$TAR" . >>"$LOGDIR/base.log" 2>&1 || fail "packing the base" "$LOGDIR/base.log"
             rm -rf "$DIR"

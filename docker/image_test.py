@@ -313,7 +313,10 @@ def host_answer(workdir: Path, cfg_text: str) -> str:
     """`tandem serve` on the host, the overlay's engine settings, a local Ray; its greedy answer."""
     cfg = yaml.safe_load(cfg_text)
     port = free_port()
+    # A local Ray offers no {"prefill": 1} / {"decode": 1} nodes for the planner to ask for: it is off
+    # (it sizes the groups; it does not touch a request's tokens).
     cfg.update(host="127.0.0.1", port=port, worker_lifetime="router")
+    cfg.setdefault("planner", {})["enabled"] = False
     for k in ("api_keys", "ray_address"):
         cfg.pop(k, None)
     path = workdir / "host-serve.yaml"
@@ -477,7 +480,12 @@ def main() -> int:
     ap.add_argument("--image", default=os.environ.get("TANDEM_IMAGE", "tandem:0.1.0-cpu"))
     ap.add_argument("--recovery-s", type=float, default=300.0)
     ap.add_argument("--no-host", action="store_true", help="skip the host tandem serve comparison")
+    ap.add_argument("--host-only", action="store_true", help="only the host tandem serve's answer (debugging)")
     args = ap.parse_args()
+    if args.host_only:
+        with tempfile.TemporaryDirectory(prefix="tandem-image-test-") as tmp:
+            say(f"host `tandem serve`: {host_answer(Path(tmp), k8s_pods.serve_yaml('cpu-dev'))!r}")
+        return 0
     ENGINE = engine()
     try:
         figures = run(args)
