@@ -89,7 +89,7 @@ Dir::Cache::pkgcache ""; Dir::Cache::srcpkgcache "";'
                 --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
                 --dpkgopt='path-exclude=/usr/share/locale/*' \
                 --customize-hook='ln -sf /usr/bin/python3 "$1/usr/local/bin/python3"; ln -sf /usr/bin/python3 "$1/usr/local/bin/python"' \
-                --customize-hook='printf "%s\n" "$CLEAN" > "$1/etc/apt/apt.conf.d/docker-clean"' \
+                --customize-hook='printf "%s\n" "$CLEAN" > "$1/etc/apt/apt.conf.d/docker-clean"; rm -f "$1"/var/cache/apt/*.bin' \
                 bookworm "$TAR" \
                 "deb $MIRROR bookworm main" "deb $MIRROR bookworm-updates main" \
                 "deb ${MIRROR%/debian}/debian-security bookworm-security main" \
