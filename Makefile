@@ -81,3 +81,18 @@ soak-short: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Images (README "Images"; not part of `make test`: they need podman or docker and minutes).
+# `make image` builds tandem:0.1.0-cpu from docker/Dockerfile.cpu (a Debian stand-in for its base
+# where python:3.11.13-slim-bookworm cannot be pulled) and prints its size; `make image-gpu` the same
+# for docker/Dockerfile.gpu. `make image-test` runs the CPU image as k8s/overlays/cpu-dev does: a
+# Ray head, a prefill and a decode worker and the router, one container each, on the host network.
+.PHONY: image image-gpu image-test
+image:
+	bash docker/image.sh cpu
+
+image-gpu:
+	bash docker/image.sh gpu
+
+image-test: setup
+	$(PY) docker/image_test.py $(ARGS)
