@@ -47,6 +47,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--host-pool-tokens", "cache.host_pool_tokens",
          "host-memory (L2) KV tokens per worker; 0 disables the host tier (default: decode workers "
          "4x their device pool, capped at a quarter of free host memory; prefill/colocated none)"),
+    Flag("--pin-share", "cache.pin_share",
+         "prompt caching: the share of a worker's device pool one tenant's pinned prefixes may hold "
+         "(cache_control / prompt_cache_retention; past it a request is served unpinned; an API key's "
+         "pin_tokens overrides it)"),
+    Flag("--pin-max-ttl", "cache.pin_max_ttl_s",
+         "prompt caching: the longest a pin lasts, in seconds (a 1h or 24h request is capped to it; "
+         "a short value ends pins early, e.g. to see a pinned prefix become evictable)"),
     Flag("--debug-retract-every", "scheduler.debug_retract_every",
          "test lever: retract a decoding request every N decode steps, pressure or not (0 = off)"),
     Flag("--device", "device"),

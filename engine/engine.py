@@ -92,10 +92,10 @@ class Engine(StepLoop):
             num_pages * cc.page_size, cc.page_size, arch.num_layers, arch.num_kv_heads,
             arch.head_dim, self.dtype, self.device)
         backend = make_attention_backend(cfg.attention_backend, self.device)
-        self.numerics += f"; attention {backend.name}"
         if self.device.type == "cpu":
             from tandem.core.onednn import describe as describe_isa
             self.numerics += f"; {describe_isa()}"
+        self.numerics += f"; attention {backend.name}"
         self.cache = self._make_cache()
         self.runner = ModelRunner(self.loaded, self.kv_pool, self.req_to_token, self.allocator, backend)
         self.runner.decode_graph, graph_line = make_decode_graph(self.runner, cfg, hybrid=self.hybrid.active,

@@ -20,6 +20,11 @@ OUT = 96
 TOPICS = ("rivers", "bridges", "volcanoes")
 
 
+def _streamed(backend, wire_rid: str) -> int:
+    """Tokens the client of the request running as ``wire_rid`` has (its RequestStream's ``sent``)."""
+    return next((s.sent for s in list(backend.streams.values()) if s.wire_rid == wire_rid), 0)
+
+
 def _cfg() -> ServeConfig:
     engine = EngineConfig(device="cpu", num_threads=1,
                           cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=16))
@@ -242,7 +247,7 @@ def test_the_pre_copy_takes_the_generated_pages_so_the_stop_copies_only_the_tail
         assert time.monotonic() < end, f"only {moved} moved"
         for rid, (req, _) in list(backend.migrator.live.items()):
             k = (req.session_id or "").removeprefix("pg-")
-            if k in kinds and k not in moved and backend._streamed.get(rid, (0, 0))[0] >= GENERATED:
+            if k in kinds and k not in moved and _streamed(backend, rid) >= GENERATED:
                 src = backend._inflight[rid].name
                 _move(server, rid, next(w.name for w in backend.decodes if w.alive and w.name != src))
                 floor += (len(req.prompt_ids) + GENERATED) // page * page
@@ -277,7 +282,7 @@ def test_a_pre_copy_that_times_out_only_leaves_more_for_the_stop(cluster):
         end = time.monotonic() + 60
         while True:
             on = [(rid, backend._inflight[rid].name) for rid, (req, _) in list(backend.migrator.live.items())
-                  if req.session_id == "pg-timeout" and backend._streamed.get(rid, (0, 0))[0] >= 16
+                  if req.session_id == "pg-timeout" and _streamed(backend, rid) >= 16
                   and rid in backend._inflight]
             if on:
                 break
