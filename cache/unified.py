@@ -240,9 +240,7 @@ class UnifiedRadixCache:
         if node is None or node is self._tree.root or num_tokens < self.page_size or ttl_s <= 0:
             return 0
         t = self._tree
-        now = self._clock()
-        if t.pin_expiry:
-            t.expire_pins(now)
+        now = self._expire_pins()
         n = min(num_tokens, node.end) // self.page_size * self.page_size
         until = now + min(ttl_s, self.config.pin_max_ttl_s)
         got = t.pin_path(node, n, until, tenant, self._pin_cap() if cap is None else cap)
@@ -259,10 +257,8 @@ class UnifiedRadixCache:
         """The live pinned prefixes: ``{"tenant", "hash"`` (the last page's chain hash, hex),
         ``"tokens", "tier"`` ("device" or "host"), ``"expires_in_s"}``, longest first."""
         t = self._tree
-        now = self._clock()
-        if t.pin_expiry:
-            t.expire_pins(now)
-        out = [{"tenant": nd.pin_tenant, "hash": f"{t.hashes(nd)[-1] & (2**64 - 1):016x}", "tokens": nd.end,
+        now = self._expire_pins()
+        out = [{"tenant": nd.pin_tenant, "hash": self._prefix_hash(nd), "tokens": nd.end,
                 "tier": "device" if nd.value is not None else "host", "expires_in_s": round(nd.pin - now, 3)}
                for nd in t.pinned_prefixes()]
         return sorted(out, key=lambda d: (-d["tokens"], d["hash"]))
@@ -272,7 +268,7 @@ class UnifiedRadixCache:
         names it; only ``tenant``'s when given). Returns the tokens unpinned (0: none such)."""
         t = self._tree
         for nd in t.pinned_prefixes():
-            if f"{t.hashes(nd)[-1] & (2**64 - 1):016x}" == prefix_hash and tenant in (None, nd.pin_tenant):
+            if self._prefix_hash(nd) == prefix_hash and tenant in (None, nd.pin_tenant):
                 n = 0
                 for x in reversed(t.path(nd)):   # up to where another pinned prefix needs the rest
                     if any(c.pin for c in x.children.values()):
@@ -282,6 +278,17 @@ class UnifiedRadixCache:
                 self._after()
                 return n
         return 0
+
+    def _prefix_hash(self, nd: Node) -> str:
+        """How :meth:`pins` and :meth:`unpin` name the prefix root..``nd``: its last page's chain hash."""
+        return f"{self._tree.hashes(nd)[-1] & (2**64 - 1):016x}"
+
+    def _expire_pins(self) -> float:
+        """End the pins past their time; the cache clock's now."""
+        now = self._clock()
+        if self._tree.pin_expiry:
+            self._tree.expire_pins(now)
+        return now
 
     @property
     def pinned_tokens(self) -> dict[str, int]:
@@ -296,8 +303,7 @@ class UnifiedRadixCache:
         if component == "full":
             freed = self._evict_device(num_tokens)
         elif component == "host":
-            if self._tree.pin_expiry:
-                self._tree.expire_pins(self._clock())
+            self._expire_pins()
             freed = self._tree.evict_host(num_tokens)
         elif component in self._aux_index:
             backup = self.host.copy_aux if self.host is not None else None
@@ -309,8 +315,7 @@ class UnifiedRadixCache:
 
     def _evict_device(self, num_tokens: int) -> int:
         t = self._tree
-        if t.pin_expiry:
-            t.expire_pins(self._clock())
+        self._expire_pins()
         if self.policy.time_dependent:
             self.policy.begin_pass()
             t.rebuild_heap()
