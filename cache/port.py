@@ -20,6 +20,10 @@ class TierPort:
     def host(self):
         return self._cache.host
 
+    def now(self) -> float:
+        """The cache's clock (the one pins end on)."""
+        return self._cache._clock()
+
     def key(self, token_ids: Sequence[int]) -> list:
         return self._cache._key(token_ids)
 

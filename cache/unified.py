@@ -9,7 +9,7 @@ import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.radix.components import FULL, TreeComponent
-from tandem.cache.radix.events import AllBlocksCleared, KVEventPublisher
+from tandem.cache.radix.events import AllBlocksCleared, BlockPinned, BlockUnpinned, KVEventPublisher
 from tandem.cache.radix.eviction import make_policy
 from tandem.cache.tiers.base import KVTier
 from tandem.cache.tiers.host import HostTier
@@ -246,6 +246,8 @@ class UnifiedRadixCache:
         got = t.pin_path(node, n, until, tenant, self._pin_cap() if cap is None else cap)
         if got is None:
             self.pin_refused += 1
+        elif t.record_events:           # the router's index learns the pin (router/prefix_index.py)
+            t.events.append(BlockPinned(self._path_hashes(node, n), until - now))
         self._after()
         return got
 
@@ -269,15 +271,25 @@ class UnifiedRadixCache:
         t = self._tree
         for nd in t.pinned_prefixes():
             if self._prefix_hash(nd) == prefix_hash and tenant in (None, nd.pin_tenant):
-                n = 0
+                n, gone = 0, []
                 for x in reversed(t.path(nd)):   # up to where another pinned prefix needs the rest
                     if any(c.pin for c in x.children.values()):
                         break
                     n += len(x.key)
+                    gone.extend(t.hashes(x))
                     t.unpin(x)
+                if t.record_events and gone:
+                    t.events.append(BlockUnpinned(gone))
                 self._after()
                 return n
         return 0
+
+    def _path_hashes(self, node: Node, n: int) -> list[int]:
+        """The page hashes of root..``n`` (page-aligned) of ``node``'s path."""
+        out: list[int] = []
+        for x in self._tree.path(node):
+            out.extend(self._tree.hashes(x))
+        return out[:n // self.page_size]
 
     def _prefix_hash(self, nd: Node) -> str:
         """How :meth:`pins` and :meth:`unpin` name the prefix root..``nd``: its last page's chain hash."""

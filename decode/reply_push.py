@@ -81,7 +81,7 @@ class ReplyPush:
 
     async def _push(self, greq: GenerateRequest, seq: tuple[int, ...], prefill: StoreClient) -> None:
         wire = GenerateRequest(greq.rid, seq, session_id=greq.session_id, tenant=greq.tenant,
-                               cache_salt=greq.cache_salt).to_wire()
+                               cache_salt=greq.cache_salt, pins=greq.pins, pin_cap=greq.pin_cap).to_wire()
         try:
             n = await prefill.store(wire)
         except Exception as e:   # the prefill worker died or refused: the next turn recomputes

@@ -46,6 +46,14 @@ def parse_event(worker_id: int, w: Any) -> KVEvent:
                        _tier(w[2] if len(w) > 2 else None))
     if tag == "AllBlocksCleared":
         return KVEvent(worker_id, "cleared")
+    if tag == "BlockPinned":          # Tandem's extension (cache/radix/events.py)
+        if len(w) < 3 or not isinstance(w[1], list) or not isinstance(w[2], (int, float)) or w[2] < 0:
+            raise ValueError(f"malformed BlockPinned: {w!r}"[:160])
+        return KVEvent(worker_id, "pinned", tuple(_hash(h) for h in w[1]), ttl_s=float(w[2]))
+    if tag == "BlockUnpinned":
+        if len(w) < 2 or not isinstance(w[1], list):
+            raise ValueError(f"malformed BlockUnpinned: {w!r}"[:160])
+        return KVEvent(worker_id, "unpinned", tuple(_hash(h) for h in w[1]))
     raise ValueError(f"unknown KV event tag {tag!r}"[:80])
 
 

@@ -133,11 +133,17 @@ def _rendezvous(ws: list[WorkerView], session: str | int) -> WorkerView:
 
 
 def _exact(state: "RouterState", req: RouteRequest) -> dict[int, int]:
-    if not state.kv.num_blocks():
+    """Prompt key elements each worker holds (device or host) or has pinned (a pinned page waits on
+    one of its tiers until the pin ends: the prefix's workers are preferred, issue 52)."""
+    kv = state.kv
+    if not kv.num_blocks() and not kv.has_pins():
         return {}
     c = state.config
     hashes = req.block_hashes if req.block_hashes is not None else block_hashes(req.key, c.kv_block_size)
-    return {w: (dev + host) * c.kv_block_size for w, (dev, host) in state.kv.overlap(hashes).items()}
+    out = {w: dev + host for w, (dev, host) in kv.overlap(hashes).items()}
+    for w, n in kv.pinned_prefix(hashes).items():
+        out[w] = max(out.get(w, 0), n)
+    return {w: n * c.kv_block_size for w, n in out.items()}
 
 
 def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
@@ -149,9 +155,9 @@ def _l3_tokens(state: "RouterState", req: RouteRequest) -> int:
 
 
 def held_tokens(state: "RouterState", req: RouteRequest, worker: int) -> int | None:
-    """Prompt tokens ``worker`` reported holding of the request (the exact KV-event index), or
-    None when no event has fed the index."""
-    if not state.kv.num_blocks():
+    """Prompt tokens ``worker`` reported holding (or pinned) of the request (the exact KV-event
+    index), or None when no event has fed the index."""
+    if not state.kv.num_blocks() and not state.kv.has_pins():
         return None
     return _matched_tokens(req, _exact(state, req).get(worker, 0))
 
@@ -236,10 +242,12 @@ def kv_events(view: ClusterView, req: RouteRequest, state: RouterState) -> Decis
     total = -(-req.prompt_tokens // block_tokens)
     hashes = req.block_hashes if req.block_hashes is not None else block_hashes(req.key, c.kv_block_size)
     ov = state.kv.overlap(hashes)
+    pinned = state.kv.pinned_prefix(hashes) if state.kv.has_pins() else {}
     known = state.kv.known_prefix(hashes) if c.l3_block_credit else 0
     cost = {}
     for w in ps:
         dev, host = ov.get(w.worker_id, (0, 0))
+        host = max(host, pinned.get(w.worker_id, 0) - dev)    # a pinned page: at worst on a lower tier
         l3 = max(known - dev - host, 0)     # the blocks after w's own, read from the store
         prefill_blocks = max(total - dev - host * c.host_block_credit - l3 * c.l3_block_credit, 0.0)
         cost[w.worker_id] = c.overlap_weight * prefill_blocks + -(-w.running_tokens // block_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from heapq import heapify, heappop, heappush
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -214,11 +215,12 @@ class KVEvent:
     """One worker's store/remove/clear of blocks, in the router's own terms."""
 
     worker_id: int
-    kind: str                           # "stored" | "removed" | "cleared"
+    kind: str                           # "stored" | "removed" | "cleared" | "pinned" | "unpinned"
     block_hashes: tuple[int, ...] = ()  # a chain: each names its whole prefix
     num_tokens: int = 0                 # tokens these blocks cover
     tier: str = DEVICE                  # DEVICE or HOST
     parent_hash: int | None = None      # the block before the first one (stored only)
+    ttl_s: float = 0.0                  # pinned only: seconds the pin lasts from now
 
 
 def _bits(mask: int):
@@ -230,11 +232,14 @@ def _bits(mask: int):
 
 class GlobalBlockIndex:
     """Exact block index: block hash -> the workers holding it, per tier, as bitmasks over worker
-    ids (ids must be >= 0)."""
+    ids (ids must be >= 0); and the blocks each worker has pinned, until when (``clock`` time: a
+    pin event carries its seconds left, so worker and router clocks need not agree)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self._tier: dict[str, dict[int, int]] = {DEVICE: {}, HOST: {}}   # tier -> hash -> mask
         self._held: dict[int, dict[str, set[int]]] = {}                   # worker -> tier -> hashes
+        self._pins: dict[int, dict[int, float]] = {}                      # worker -> hash -> until
+        self._clock = clock
         self.applied = 0
 
     def apply(self, event: KVEvent) -> None:
@@ -243,6 +248,14 @@ class GlobalBlockIndex:
             raise ValueError(f"worker_id={w} must be >= 0 in {event}")
         if event.kind == "cleared":
             self.remove_worker(w)
+        elif event.kind == "pinned":
+            pins, until = self._pins.setdefault(w, {}), self._clock() + event.ttl_s
+            for h in event.block_hashes:
+                pins[h] = max(pins.get(h, 0.0), until)
+        elif event.kind == "unpinned":
+            pins = self._pins.get(w, {})
+            for h in event.block_hashes:
+                pins.pop(h, None)
         elif event.kind in ("stored", "removed"):
             index = self._tier.get(event.tier)
             if index is None:
@@ -270,6 +283,7 @@ class GlobalBlockIndex:
             self.apply(e)
 
     def remove_worker(self, worker: int) -> None:
+        self._pins.pop(worker, None)
         held = self._held.pop(worker, None)
         if not held:
             return
@@ -324,6 +338,33 @@ class GlobalBlockIndex:
         for w in _bits(dlive):
             ends_dev[w] = n
         return {w: (ends_dev.get(w, 0), k - ends_dev.get(w, 0)) for w, k in ends_all.items()}
+
+    def pinned_prefix(self, hashes: Sequence[int]) -> dict[int, int]:
+        """``{worker: blocks}``: the longest leading run of ``hashes`` each worker has pinned now
+        (workers with none are left out). A pinned page is kept on the worker's device, its host
+        tier or the L3 store until its pin ends, so the run is reusable there."""
+        now = self._clock()
+        out = {}
+        for w, pins in self._pins.items():
+            n = 0
+            for h in hashes:
+                if pins.get(h, 0.0) <= now:
+                    break
+                n += 1
+            if n:
+                out[w] = n
+            elif len(pins) > 64 and hashes:          # lazily drop ended pins
+                for h in [h for h, until in pins.items() if until <= now]:
+                    del pins[h]
+        return out
+
+    def has_pins(self) -> bool:
+        return any(self._pins.values())
+
+    def pinned_blocks(self, worker: int) -> int:
+        """Blocks ``worker`` has pinned now."""
+        now = self._clock()
+        return sum(1 for until in self._pins.get(worker, {}).values() if until > now)
 
     def known_prefix(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` some worker holds, on either tier: with a shared L3

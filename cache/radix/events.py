@@ -46,7 +46,26 @@ class AllBlocksCleared:
     pass
 
 
+@dataclass(frozen=True)
+class BlockPinned:
+    """Tandem's extension: these pages (a prefix's chain, root first) are pinned on this worker for
+    ``ttl_s`` more seconds (a pin made or lengthened; its end needs no event). Published in batches
+    of their own, never beside vLLM's events, so that a consumer that knows only vLLM's schema drops
+    a pin batch whole and loses no store or remove (tests/cache/test_events.py decodes both ways)."""
+
+    block_hashes: list[int]
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class BlockUnpinned:
+    """Tandem's extension: these pages' pins ended early (``DELETE /admin/cache/pins``)."""
+
+    block_hashes: list[int]
+
+
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+PinEvent = BlockPinned | BlockUnpinned
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,10 @@ def _event_to_wire(e: KVEvent) -> list:
         return ["BlockRemoved", list(e.block_hashes), MEDIUM[e.medium]]
     if isinstance(e, AllBlocksCleared):
         return ["AllBlocksCleared"]
+    if isinstance(e, BlockPinned):
+        return ["BlockPinned", list(e.block_hashes), float(e.ttl_s)]
+    if isinstance(e, BlockUnpinned):
+        return ["BlockUnpinned", list(e.block_hashes)]
     raise TypeError(f"not a KV event: {e!r}")
 
 
@@ -85,6 +108,10 @@ def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
             out.append(BlockRemoved(list(w[1]), TIER.get((w[2] if len(w) > 2 else None) or "GPU", DEVICE)))
         elif tag == "AllBlocksCleared":
             out.append(AllBlocksCleared())
+        elif tag == "BlockPinned":
+            out.append(BlockPinned(list(w[1]), float(w[2])))
+        elif tag == "BlockUnpinned":
+            out.append(BlockUnpinned(list(w[1])))
         else:
             raise ValueError(f"unknown KV event {w!r}"[:200])
     return float(obj[0]), out
@@ -98,9 +125,17 @@ class _Held:
 
     def __init__(self) -> None:
         self.blocks: dict[tuple[int, str], tuple[int | None, list[int], int]] = {}
+        self.pins: dict[int, float] = {}        # page hash -> monotonic time its pin ends
 
-    def apply(self, e: KVEvent) -> None:
-        if isinstance(e, BlockStored):
+    def apply(self, e: KVEvent | PinEvent) -> None:
+        if isinstance(e, BlockPinned):
+            until = time.monotonic() + e.ttl_s
+            for h in e.block_hashes:
+                self.pins[h] = max(self.pins.get(h, 0.0), until)
+        elif isinstance(e, BlockUnpinned):
+            for h in e.block_hashes:
+                self.pins.pop(h, None)
+        elif isinstance(e, BlockStored):
             bs = e.block_size
             for i, h in enumerate(e.block_hashes):
                 parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
@@ -110,10 +145,19 @@ class _Held:
                 self.blocks.pop((h, e.medium), None)
         else:
             self.blocks.clear()
+            self.pins.clear()
 
-    def snapshot(self) -> list[KVEvent]:
-        return [AllBlocksCleared()] + [BlockStored([h], parent, tokens, bs, medium)
-                                       for (h, medium), (parent, tokens, bs) in self.blocks.items()]
+    def snapshot(self) -> list[list[KVEvent | PinEvent]]:
+        """What a late subscriber needs, as batches: the held blocks, then the live pins."""
+        now = time.monotonic()
+        out: list[list] = [[AllBlocksCleared()] + [BlockStored([h], parent, tokens, bs, medium)
+                                                   for (h, medium), (parent, tokens, bs) in self.blocks.items()]]
+        for h, until in list(self.pins.items()):
+            if until <= now:
+                del self.pins[h]
+        if self.pins:
+            out.append([BlockPinned([h], until - now) for h, until in self.pins.items()])
+        return out
 
 
 class KVEventPublisher:
@@ -154,8 +198,14 @@ class KVEventPublisher:
         sock.bind(endpoint)
         return endpoint
 
-    def publish(self, events: Iterable[KVEvent]) -> None:
+    def publish(self, events: Iterable[KVEvent | PinEvent]) -> None:
+        """Send ``events`` as one batch; pin events (Tandem's extension) go in a batch of their own,
+        after the others."""
         events = list(events)
+        pins = [e for e in events if isinstance(e, (BlockPinned, BlockUnpinned))]
+        if pins and len(pins) < len(events):
+            self.publish([e for e in events if not isinstance(e, (BlockPinned, BlockUnpinned))])
+            events = pins
         if not events:
             return
         with self._lock:
@@ -175,7 +225,9 @@ class KVEventPublisher:
                 return []
             if self._buffer and self._buffer[0][0] <= start:
                 return [(s, p) for s, p in self._buffer if s >= start]
-            return [(self.seq - 1, encode(time.time(), self._held.snapshot()))]
+            batches = self._held.snapshot()         # numbered to end at the last sequence sent
+            first = self.seq - len(batches)
+            return [(first + i, encode(time.time(), b)) for i, b in enumerate(batches)]
 
     def _serve_replay(self) -> None:
         zmq = self._zmq

@@ -544,8 +544,9 @@ class RadixTree(HostNodes, Pins):
     def spill(self, nd: Node, slots: Any, on_host: bool, aux=()) -> None:
         """Record data of ``nd`` whose last copy leaves the tree (the L3 tier's write-back): FULL
         ``slots`` (None: only component data), on the host pool or the device, and
-        ``aux``: ``(component index, value, on_host)`` items."""
-        self.spills.append((self.hashes(nd), slots, on_host, tuple(aux)))
+        ``aux``: ``(component index, value, on_host)`` items; last, the node's pin (its end on the
+        cache's clock, 0: none), which the L3 store keeps as the entry's expiry."""
+        self.spills.append((self.hashes(nd), slots, on_host, tuple(aux), nd.pin))
 
     def hashes(self, nd: Node) -> list[int]:
         todo = []

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tandem.cache.radix.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher,
+from tandem.cache.radix.events import (AllBlocksCleared, BlockPinned, BlockRemoved, BlockStored, BlockUnpinned,
+                                       KVEventPublisher,
                                        KVEventSubscriber, decode, encode, page_hashes, replay, topic_for)
 from tandem.cache.unified import UnifiedRadixCache
 
@@ -124,4 +125,41 @@ def test_replay_from_the_buffer_and_a_snapshot_past_it():
         assert _held(snap) == held
         VLLM_DECODER.decode(encode(0.0, snap[0].events))                  # an ordinary vLLM batch
     finally:
+        pub.close()
+
+
+def test_a_pin_is_published_in_a_batch_of_its_own_and_replayed():
+    """Pins (Tandem's extension, issue 52) go in their own batch after the stores: a consumer that
+    knows only vLLM's schema drops that batch whole and loses nothing else; a snapshot replay
+    carries the live pins."""
+    pub = KVEventPublisher(buffer_steps=2)
+    sub = _connect(pub)
+    try:
+        cache = UnifiedRadixCache.simulated(page_size=2, events=pub)
+        assert sub.recv(1000).events == [AllBlocksCleared()]
+        cache.insert([1, 2, 3, 4, 5, 6])
+        stores = sub.recv(1000)
+        node = cache.match([1, 2, 3, 4, 5, 6]).last_device_node
+        assert cache.pin(node, 4, 300.0, tenant="a") == 4
+        pins = sub.recv(1000)
+        h = page_hashes([1, 2, 3, 4, 5, 6], 2)
+        (p,) = pins.events
+        assert isinstance(p, BlockPinned) and p.block_hashes == h[:2] and 299 < p.ttl_s <= 300
+        assert pins.seq == stores.seq + 1
+        VLLM_DECODER.decode(encode(0.0, stores.events))             # vLLM's consumers read the stores
+        with pytest.raises(msgspec.ValidationError):
+            VLLM_DECODER.decode(encode(0.0, pins.events))           # and drop a pin batch whole
+        assert cache.unpin(cache.pins()[0]["hash"]) == 4
+        (u,) = sub.recv(1000).events
+        assert isinstance(u, BlockUnpinned) and sorted(u.block_hashes) == sorted(h[:2])
+        cache.pin(node, 6, 60.0, tenant="a")
+        cache.insert([7, 8])
+        cache.insert([9, 10])                                         # the buffer no longer holds 0
+        snap = replay(pub.replay_endpoint, 0)
+        assert isinstance(snap[0].events[0], AllBlocksCleared) and _held(snap[:1]) >= set(h)
+        assert all(isinstance(e, BlockPinned) and 59 < e.ttl_s <= 60 for e in snap[1].events)
+        assert {x for e in snap[1].events for x in e.block_hashes} == set(h)   # the live pins
+        assert [b.seq for b in snap] == [pub.seq - 2, pub.seq - 1]
+    finally:
+        sub.close()
         pub.close()

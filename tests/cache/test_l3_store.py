@@ -66,6 +66,27 @@ def test_a_page_put_by_one_worker_is_read_by_another(two):
     assert (b.stats.hits, b.stats.misses, b.stats.bytes_read) == (1, 1, 4096)
 
 
+def test_a_pinned_page_is_written_again_soft_pinned(master):
+    """A pinned prefix's page (issue 52) goes to the real master with Mooncake's soft pin and its
+    TTL, replacing an unpinned copy written through earlier; both workers read it back."""
+    a = _client(master, prefix=PREFIX + "/pins", pin_config=mc.soft_pin)
+    b = _client(master, prefix=PREFIX + "/pins")
+    try:
+        h = page_hashes(list(range(16)), 16)[0]
+        assert a.put_async([(h, b"u" * 2048)]) == 1                    # written through, unpinned
+        assert a.flush()
+        assert (a.stats.puts, a.stats.pinned_puts) == (1, 0)
+        assert a.put_async([(h, b"p" * 2048)], pin_ttl_s=60.0) == 1     # then spilled, pinned
+        assert a.flush()
+        assert (a.stats.puts, a.stats.pinned_puts, a.stats.write_skipped) == (2, 1, 0)
+        assert b.get(h) == b"p" * 2048
+        assert a.put_async([(h, b"u" * 2048)]) == 1                    # an unpinned write: held, skipped
+        assert a.flush() and a.stats.write_skipped == 1
+    finally:
+        a.close()
+        b.close()
+
+
 def test_another_prefix_does_not_see_the_pages(two):
     """A client of the same store under another prefix (here over b's connection: what it sees
     is a matter of keys, not of which connection asks)."""

@@ -256,3 +256,51 @@ def test_attach_store_leaves_cacheless_workers_and_hybrid_ones_without_component
         assert attach_store(cache, pool, "m", **opts) is None
         assert cache.tier("l3") is None
     assert attach_store(hybrid, pool, "m", aux_data={"mamba": pool.kv_data}, **opts) is None
+
+
+class PinBackend(DictBackend):
+    """DictBackend that keeps each put's option (a stand-in of Mooncake's soft-pin ReplicateConfig:
+    the TTL in seconds, as ``pin_config`` makes it here) and counts upserts."""
+
+    def __init__(self):
+        super().__init__()
+        self.config: dict[str, float | None] = {}
+        self.upserts = 0
+
+    def put(self, key, value, config=None):
+        if key in self.data:
+            return -706                      # Mooncake's OBJECT_ALREADY_EXISTS
+        self.config[key] = config
+        return super().put(key, value)
+
+    def upsert(self, key, value, config=None):
+        self.upserts += 1
+        self.data.pop(key, None)
+        return self.put(key, value, config)
+
+
+def test_a_pinned_page_spilled_to_l3_carries_its_expiry():
+    from cache_support import FakeClock
+
+    clock = FakeClock(100.0)
+    b = PinBackend()
+    pool = KVPool(8 * 2, 2, num_layers=2, num_kv_heads=1, head_dim=2)
+    cache, alloc = make_cache(page_size=2, pages=8, clock=clock)
+    store = L3Store(b, "t/p2", timeout_s=0.2, backoff_s=60, clock=clock, pin_config=lambda ttl: ttl)
+    tier = L3Tier(store, pool.kv_data, 2, write_policy="write_through")
+    cache.add_tier(tier)
+    pinned, plain = [1, 2, 3, 4], [5, 6, 7, 8]
+    run(cache, alloc, pool, pinned)
+    run(cache, alloc, pool, plain)
+    store.flush()
+    assert len(b.data) == 4 and set(b.config.values()) == {None}     # written through, unpinned
+    assert cache.pin(cache.match(pinned).last_device_node, 4, 300.0, tenant="t") == 4
+    clock.t += 100
+    assert cache.evict(8) == 8                    # both leave the tree: the pinned one last
+    store.flush()
+    keys = [f"t/p2/{h:016x}" for h in page_hashes(pinned, 2)]
+    assert [b.config[k] for k in keys] == [200.0, 200.0]             # rewritten with 200 s left
+    assert all(b.config[f"t/p2/{h:016x}"] is None for h in page_hashes(plain, 2))
+    assert b.upserts == 2 and store.stats.pinned_puts == 2
+    assert run(cache, alloc, pool, pinned + [0]) == 4                 # and it reads back
+    cache.check(extra_owned=NONE)

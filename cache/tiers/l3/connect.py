@@ -60,7 +60,7 @@ def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None,
         return None
     dtype = str(kv_pool.dtype).removeprefix("torch.")
     store = L3Store(backend, key_prefix(os.path.basename(model.rstrip("/")), kv_pool.page_size,
-                                        dtype, layout(comps)), timeout_s=timeout_s)
+                                        dtype, layout(comps)), timeout_s=timeout_s, pin_config=mc.soft_pin)
     store.corrupt_all = corrupt
     tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy,
                   aux_data={c.name: aux_data[c.name] for c in comps}, prefill_tok_s=prefill_tok_s,

@@ -231,6 +231,17 @@ def _listening_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
 
 
+def soft_pin(ttl_s: float):
+    """Mooncake's put option for a pinned prefix's page: soft-pinned for ``ttl_s`` seconds (the
+    master evicts soft-pinned objects only after every other, and keeps them no longer than that)."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    c = ReplicateConfig()
+    c.soft_pin_action = SoftPinAction.ENABLE
+    c.soft_pin_ttl_ms = max(int(ttl_s * 1000), 1)
+    return c
+
+
 def connect(address: MasterAddress, *, segment_bytes: int = 64 << 20, buffer_bytes: int = 64 << 20,
             local_host: str = "127.0.0.1"):
     """A ``MooncakeDistributedStore`` client that also lends ``segment_bytes`` to the store (0: it

@@ -47,8 +47,9 @@ class Backend(Protocol):
     """What the client needs of a store (Mooncake's method names)."""
 
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
-    def put(self, key: str, value: bytes) -> int: ...
+    def put(self, key: str, value: bytes, *config) -> int: ...    # config: ``pin_config``'s
     def get(self, key: str) -> bytes: ...
+    def upsert(self, key: str, value: bytes, *config) -> int: ...   # put, or replace a held value
 
 
 @dataclass
@@ -61,6 +62,7 @@ class L3Stats:
     puts: int = 0
     write_dropped: int = 0  # async writes dropped: queue full, or the store down
     write_skipped: int = 0  # async writes the store already held
+    pinned_puts: int = 0    # pages written with an expiry (a pinned prefix's, issue 52)
     bytes_read: int = 0
     bytes_written: int = 0
     read_s: float = 0.0
@@ -72,8 +74,12 @@ class L3Stats:
 class L3Store:
     def __init__(self, backend: Backend | None, prefix: str, *, timeout_s: float = 0.5,
                  backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 max_pending: int = 1024):
+                 max_pending: int = 1024, pin_config: Callable[[float], object] | None = None):
+        """``pin_config(ttl_s)``: the backend's put option that keeps a value ``ttl_s`` seconds
+        before others are evicted (Mooncake: a soft pin, tiers/l3/mooncake.py ``soft_pin``); None:
+        pinned pages are written as any other."""
         self.backend = backend
+        self.pin_config = pin_config
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
@@ -168,10 +174,13 @@ class L3Store:
         self.stats.bytes_written += len(payload)
         return True
 
-    def put_async(self, pages: Sequence[tuple[int, bytes]], kind: str = "") -> int:
+    def put_async(self, pages: Sequence[tuple[int, bytes]], kind: str = "",
+                  pin_ttl_s: float | None = None) -> int:
         """Queue ``(page_hash, payload)`` writes of one kind for the writer thread; returns how many
         were queued, a prefix of ``pages`` (the rest were dropped: the queue is full or
-        the store is down)."""
+        the store is down). ``pin_ttl_s``: the pages are a pinned prefix's, kept that long (with
+        ``pin_config``; a page the store holds already is replaced, with the expiry: ``upsert``)."""
+        until = None if pin_ttl_s is None or self.pin_config is None else self._clock() + pin_ttl_s
         if not self.up:
             self.stats.write_dropped += len(pages)
             return 0
@@ -181,7 +190,8 @@ class L3Store:
         n = 0
         for h, payload in pages:
             try:
-                self._writes.put_nowait((page_key(self.prefix, h, kind), self._sealed(payload), len(payload)))
+                self._writes.put_nowait((page_key(self.prefix, h, kind), self._sealed(payload), len(payload),
+                                         until))
                 n += 1
             except queue.Full:
                 self.stats.write_dropped += len(pages) - n
@@ -213,11 +223,14 @@ class L3Store:
             self.stats.write_dropped += len(items)
             return
         try:
-            held = backend.batch_is_exist([key for key, _, _ in items])
+            held = backend.batch_is_exist([item[0] for item in items])
         except Exception:
             held = [0] * len(items)
-        for (key, value, nbytes), h in zip(items, held):
-            if h == 1:
+        for (key, value, nbytes, until), h in zip(items, held):
+            left = None if until is None else until - self._clock()
+            if left is not None and left <= 0:
+                left = None
+            if h == 1 and left is None:
                 self.stats.write_skipped += 1
                 continue
             if not self.up:
@@ -225,7 +238,12 @@ class L3Store:
                 continue
             try:
                 t0 = self._clock()
-                rc = backend.put(key, value)
+                if left is None:
+                    rc = backend.put(key, value)
+                else:                       # held unpinned: replaced, with the expiry
+                    rc = backend.upsert(key, value, self.pin_config(left))
+                    if rc == 0:
+                        self.stats.pinned_puts += 1
                 if self._clock() - t0 > self.timeout_s:
                     self._down_until = self._clock() + self.backoff_s
                 if rc == 0:

@@ -162,31 +162,36 @@ class L3Tier(L3Reads, L3Prefetch):
         None, on_host, ((component index, value, on_host),...))``; runs before the cache
         frees those slots and rows."""
         host = self._port.host
-        if host is not None and any(on_host or any(a[2] for a in aux) for _, _, on_host, aux in spills):
+        if host is not None and any(r[2] or any(a[2] for a in r[3]) for r in spills):
             host.synchronize()              # host rows may still be landing (CUDA)
         by_index = {i: (c, pl) for i, c, pl in self._aux}
-        for hashes, slots, on_host, aux in spills:
+        now = self._port.now()
+        for hashes, slots, on_host, aux, pin in spills:
+            ttl = pin - now if pin > now else None    # a pinned page: the store keeps it until then
             if slots is not None:
-                self._write(self._full, hashes, slots, host.pool.kv_data if on_host else None)
+                self._write(self._full, hashes, slots, host.pool.kv_data if on_host else None, ttl)
             for i, value, aux_on_host in aux:
                 c, pl = by_index[i]
-                self._write_aux(pl, c, hashes, value, host.stores[c.name].data if aux_on_host else None)
+                self._write_aux(pl, c, hashes, value, host.stores[c.name].data if aux_on_host else None, ttl)
 
-    def _write_aux(self, pl: Payload, comp, hashes: list[int], value, src=None) -> None:
+    def _write_aux(self, pl: Payload, comp, hashes: list[int], value, src=None, pin_ttl_s=None) -> None:
         if comp.per_token:
-            self._write(pl, hashes, value, src)
+            self._write(pl, hashes, value, src, pin_ttl_s)
         else:
-            self._write(pl, hashes[-1:], torch.tensor([int(value)], dtype=torch.int64), src)
+            self._write(pl, hashes[-1:], torch.tensor([int(value)], dtype=torch.int64), src, pin_ttl_s)
 
-    def _write(self, pl: Payload, hashes: list[int], rows: torch.Tensor, src=None) -> None:
+    def _write(self, pl: Payload, hashes: list[int], rows: torch.Tensor, src=None,
+               pin_ttl_s: float | None = None) -> None:
+        """Queue pages the store was not given recently; a pinned spill (``pin_ttl_s``) is queued
+        again with its expiry even so (L3Store.put_async)."""
         u, kind = pl.units, pl.kind
-        todo = [i for i, h in enumerate(hashes) if (kind, h) not in self._known]
+        todo = [i for i, h in enumerate(hashes) if pin_ttl_s is not None or (kind, h) not in self._known]
         if not todo or not self.store.up:
             return
         idx = torch.cat([rows[i * u:(i + 1) * u] for i in todo])
         values = pl.gather(idx, src)
         pages = [(hashes[i], v) for i, v in zip(todo, values)]
-        queued = self.store.put_async(pages, kind)
+        queued = self.store.put_async(pages, kind, pin_ttl_s=pin_ttl_s)
         self.stats.written_pages += queued
         self._remember_refs((kind, h) for h, _ in pages[:queued])
 
