@@ -1,11 +1,12 @@
 """Naming sessions (:func:`session_key`) and the session table: which prefill and decode worker a
 conversation last used.
 
-A request's session key, first found wins: a session header (SESSION_HEADERS, in order), the
-body's ``session_id``, its ``prompt_cache_key`` (OpenAI's "route requests sharing a prefix
-together": a key and no session id is routed as a session), ``user``, Anthropic's
-``metadata.user_id``, else a fingerprint of the chat's opening. So an explicit session id beats a
-cache key, which beats who the user is."""
+A request's session key, first found wins: the body's ``prompt_cache_key`` (OpenAI's "route
+requests sharing a prefix together": requests with one key land on the same workers whatever
+session they belong to, and a key with no session id is routed as a session), a session header
+(SESSION_HEADERS, in order), the body's ``session_id``, ``user``, Anthropic's
+``metadata.user_id``, else a fingerprint of the chat's opening. So a cache key, the client's own
+statement of what shares a prefix, beats a session id, which beats who the user is."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any], prompt_ids:
     """The session a request belongs to (order in the module docstring). None for a plain
     completion prompt with no session named. Raises SessionIdTooLong."""
     meta = body.get("metadata")
-    values = [headers.get(h) for h in SESSION_HEADERS] + [
-        body.get("session_id"), body.get("prompt_cache_key"), body.get("user"), meta.get("user_id") if isinstance(meta, Mapping) else None]
+    values = [body.get("prompt_cache_key")] + [headers.get(h) for h in SESSION_HEADERS] + [
+        body.get("session_id"), body.get("user"), meta.get("user_id") if isinstance(meta, Mapping) else None]
     for value in values:
         if isinstance(value, str) and value:
             if len(value) > MAX_SESSION_ID_CHARS:

@@ -40,7 +40,7 @@ RAY_MODULES = {"test_gpu_cluster_check.py"}
 # ray modules that use no in-process Ray (their clusters are child processes: `ray start` nodes,
 # `tandem serve`; or a worker pair in this process): under xdist they may run on the other worker
 # while the in-process ones run (pytest_xdist_make_scheduler)
-BESIDE = {"test_autoscale.py", "test_multinode.py", "test_routers_kill.py", "test_serve_hybrid.py",
+BESIDE = {"test_autoscale.py", "test_prompt_cache_serve.py", "test_multinode.py", "test_routers_kill.py", "test_serve_hybrid.py",
           "test_gpu_placement.py", "test_gpu_cluster_check.py", "test_l3_engines.py", "test_l3_hybrid_engines.py"}
 INTERPRETED = {"test_cuda_graph.py", "test_triton_attention.py", "test_gpu_path.py"}   # triton kernels in its interpreter
 

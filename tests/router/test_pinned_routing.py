@@ -71,3 +71,27 @@ def test_kv_events_counts_a_pinned_block_as_a_lower_tier_hit():
     s.kv.apply(KVEvent(0, "stored", tuple(HS[:2]), 32))             # worker 0: 2 device blocks
     s.kv.apply(KVEvent(1, "pinned", tuple(HS[:8]), ttl_s=300.0))    # worker 1: 8 pinned, demoted
     assert choose(v, req, s, "kv_events").prefill_worker == 1
+
+
+def test_one_prompt_cache_key_one_route_whatever_the_session_ids():
+    """OpenAI's prompt_cache_key is the routing key ahead of session ids (router/sessions.py): two
+    agents with their own session ids and one key land on the same prefill and decode workers,
+    even when the first pair has become the busier one."""
+    from tandem.router.sessions import session_key
+
+    k1 = session_key({"x-session-id": "agent-a"}, {"prompt_cache_key": "pck", "session_id": "x"})
+    k2 = session_key({}, {"prompt_cache_key": "pck", "session_id": "agent-b", "user": "u"})
+    assert k1 == k2 == "pck"
+    assert session_key({"x-session-id": "agent-a"}, {"session_id": "x"}) == "agent-a"
+    s = RouterState(PolicyConfig(kv_block_size=16))
+    v = ClusterView.of([WorkerView(0, PREFILL), WorkerView(1, PREFILL),
+                        WorkerView(10, DECODE), WorkerView(11, DECODE)], 0.0)
+    first = choose(v, RouteRequest("a", list(range(64)), 64, 1, session_id=k1), s, "session")
+    busy = {first.prefill_worker: 3, first.decode_worker: 4096}
+    v = ClusterView.of([WorkerView(w, PREFILL, in_flight=busy.get(w, 0)) for w in (0, 1)]
+                       + [WorkerView(w, DECODE, running_tokens=busy.get(w, 0)) for w in (10, 11)], 1.0)
+    second = choose(v, RouteRequest("b", list(range(64)) + [7] * 16, 80, 1, session_id=k2), s, "session")
+    assert (second.prefill_worker, second.decode_worker) == (first.prefill_worker, first.decode_worker)
+    assert second.reason == "sticky"
+    other = choose(v, RouteRequest("c", list(range(64)), 64, 1, session_id="agent-b"), s, "session")
+    assert other.decode_worker != first.decode_worker          # without the key: its own route

@@ -2,7 +2,7 @@
 against ScriptedBackend (a test double reporting cached_tokens = min(4, prompt)): cache_control
 breakpoints become GenerateRequest.pins (prefix tokens, TTL) on tools, system and message blocks,
 bad cache_control / prompt_cache_retention are 400s naming the field, prompt_cache_key is the
-session key on every OpenAI API (session ids win), usage is truthful, and an API key's
+session key on every OpenAI API (ahead of session ids), usage is truthful, and an API key's
 pin_tokens reaches the workers as pin_cap."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_prompt_cache_retention_outside_the_two_values_is_a_400(live, path, body
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key"
 
 
-def test_prompt_cache_key_is_the_session_on_every_openai_api_and_session_ids_win(oai, live):
+def test_prompt_cache_key_is_the_session_on_every_openai_api_ahead_of_session_ids(oai, live):
     msgs = [{"role": "user", "content": "hi"}]
     oai.chat.completions.create(model=M, messages=msgs, max_tokens=2, prompt_cache_key="pck-1")
     assert last(live).session_id == "pck-1"
@@ -152,10 +152,13 @@ def test_prompt_cache_key_is_the_session_on_every_openai_api_and_session_ids_win
     assert last(live).session_id == "pck-3"
     oai.chat.completions.create(model=M, messages=msgs, max_tokens=2, prompt_cache_key="pck-1", user="u",
                                 extra_body={"session_id": "sid-body"})
-    assert last(live).session_id == "sid-body"
+    assert last(live).session_id == "pck-1"        # one key, one route, whatever the session
     oai.chat.completions.create(model=M, messages=msgs, max_tokens=2, prompt_cache_key="pck-1",
                                 extra_headers={"x-session-id": "sid-hdr"})
-    assert last(live).session_id == "sid-hdr"
+    assert last(live).session_id == "pck-1"
+    oai.chat.completions.create(model=M, messages=msgs, max_tokens=2, extra_body={"session_id": "sid-body"},
+                                extra_headers={"x-session-id": "sid-hdr"})
+    assert last(live).session_id == "sid-hdr"      # without a key: the header, then the body's id
     oai.chat.completions.create(model=M, messages=msgs, max_tokens=2, prompt_cache_key="pck-1", user="u")
     assert last(live).session_id == "pck-1"        # the cache key beats the user
 
