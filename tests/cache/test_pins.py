@@ -150,3 +150,30 @@ def test_locked_pinned_prefix_and_a_request_past_the_pool_never_wait():
     assert r.prefix_len == 0
     assert cache.evict(8) == 8                   # the pool is all pinned: a new request still gets room
     assert alloc.alloc(8) is not None
+
+
+def test_one_tenants_pins_cannot_push_anothers_hot_prefix_out_beyond_its_cap():
+    """Issue 52's fairness goal: tenant B pins as much as it asks for, but past its cap (a quarter
+    of the pool) its prefixes are served unpinned; so A's hot unpinned prefix, used after B's older
+    ones, survives B's burst (without the cap, B's pins would fill the pool and evict it)."""
+    def admit(ids):                                         # as the scheduler does: evict, then run
+        need = len(ids) - cache.match(ids).prefix_len - alloc.available_size()
+        if need > 0:
+            cache.evict(need)
+        run_request(cache, alloc, ids)
+
+    for share, survives in ((0.25, True), (1.0, False)):
+        clock = FakeClock()
+        cache, alloc = make_cache(pages=32, clock=clock, pin_share=share)
+        hot = [100 + i for i in range(8)]                   # tenant A's hot prefix: 8 of 32 tokens
+        admit(hot)
+        for k in range(6):                                  # B: six 4-token prefixes, each pinned
+            ids = [200 + 10 * k + i for i in range(4)]
+            admit(ids)
+            cache.pin(leaf(cache, ids), 4, 3600.0, tenant="B")
+            admit(hot)                  # A keeps using its prefix
+        assert cache.pinned_tokens == {"B": 8 if share == 0.25 else 24}
+        assert cache.pin_refused == (4 if share == 0.25 else 0)
+        for k in range(2):                                  # then 12 tokens of B's unpinned traffic
+            admit([300 + 10 * k + i for i in range(6)])
+        assert (cache.match(hot).prefix_len == 8) is survives
