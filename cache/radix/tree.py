@@ -522,15 +522,15 @@ class RadixTree(HostNodes, Pins):
                 self.aux_frees.append((i, v))
 
     def evict_aux(self, i: int, num: int, backup=None) -> int:
-        """Tombstone component ``i``'s data on unlocked nodes (policy order) until ``num`` units are
-        freed. The nodes stay; their FULL data is untouched."""
+        """Tombstone component ``i``'s data on unlocked nodes (unpinned ones first, then policy
+        order) until ``num`` units are freed. The nodes stay; their FULL data is untouched."""
         self.policy.begin_pass()
         c, key = self.components[i], self._key
-        heap = [(key(nd), nd.id, nd) for nd in self.aux_unlocked[i]]
+        heap = [(nd.pin > 0, key(nd), nd.id, nd) for nd in self.aux_unlocked[i]]
         heapify(heap)
         freed = 0
         while freed < num and heap:
-            _, _, nd = heappop(heap)
+            *_, nd = heappop(heap)
             v = nd.aux[i]
             if backup is not None:
                 backup(nd, i)

@@ -78,14 +78,14 @@ class HostNodes:
 
     def evict_host_aux(self, i: int, num: int) -> int:
         """Drop component ``i``'s host copies of nodes outside every component-``i`` lock, in
-        policy order, until ``num`` units are freed (the FULL host copies stay)."""
+        policy order, unpinned ones first, until ``num`` units are freed (the FULL host copies stay)."""
         self.policy.begin_pass()
         c, key = self.components[i], self._key
-        heap = [(key(nd), nd.id, nd) for nd in self.aux_host_nodes[i] if not nd.aux_lock[i]]
+        heap = [(nd.pin > 0, key(nd), nd.id, nd) for nd in self.aux_host_nodes[i] if not nd.aux_lock[i]]
         heapify(heap)
         freed = 0
         while freed < num and heap:
-            _, _, nd = heappop(heap)
+            *_, nd = heappop(heap)
             freed += c.size(nd.aux_host[i])
             if self.spills is not None and nd.aux[i] is None:           # its last copy
                 self.spill(nd, None, True, [(i, nd.aux_host[i], True)])

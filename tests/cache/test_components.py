@@ -189,3 +189,21 @@ def test_swa_released_prefix_already_cached_by_another_request():
     assert not any(swa_alloc.is_allocated(s) for s in rows_b[4:].tolist())
     assert cache.match(ids).components["swa"].tolist() == rows_a.tolist()
     cache.check(extra_owned=NONE)
+
+
+def test_a_pinned_prefix_keeps_its_swa_rows_while_anything_unpinned_is_left():
+    """Issue 52 on hybrid models: component data of pinned nodes is evicted after every unpinned
+    node's, so a pinned prefix keeps the SWA rows its reuse depth needs (the window's vote)."""
+    cache, alloc, swa_alloc, index_map = swa_cache()
+    a, b = list(range(100, 108)), list(range(200, 208))
+    for ids in (a, b):
+        full, rows = compute(alloc, swa_alloc, index_map, 8)
+        _, node = cache.cache(ids, full, None, extra={"swa": rows})
+        cache.unlock(node)
+    cache.match(b)                                            # b most recent: a would go first
+    assert cache.pin(cache.match(a).last_device_node, 8, 300.0) == 8
+    assert cache.evict(8, component="swa") == 8               # b's rows go, not the older a's
+    assert cache.match(a).prefix_len == 8 and cache.match(b).prefix_len == 0
+    assert cache.evict(8, component="swa") == 8               # nothing unpinned left: a's go too
+    assert cache.match(a).prefix_len == 0
+    cache.check(extra_owned=NONE)
