@@ -8,8 +8,10 @@ would be. Every container shares the host network, each Ray node on a loopback I
 distinct ports (docker/k8s_pods.py: the only rewrite); the host talks to 127.0.0.1 only.
 
 Then, from the host: a chat request, a streamed one, /metrics and /health; the decode container
-SIGKILLed in the middle of a stream and a new one started as KubeRay would recreate the pod, after
-which the router's supervisor must relaunch the decode worker there and serve new requests; the
+SIGKILLed in the middle of a stream and a new one started as KubeRay would recreate the pod: the
+router's supervisor relaunches the decode worker there, the stream resumes on it (transparent
+failover, the manifests' failover_wait_s) and ends with the text the same request gets without the
+kill, and new requests are served; the
 pods stopped as Kubernetes stops them (preStop, SIGTERM, the grace period). Last, `tandem serve` on
 the host with the same engine settings answers the same greedy prompt: the answers must be equal.
 On a failure, the containers' own last log lines are printed.
@@ -404,27 +406,42 @@ def run(args) -> dict:
             say(f"/metrics ({len(metrics.splitlines())} lines, tandem_requests_total present), /health 200: {health[:160]}")
             figures["answer"] = answer
 
-            # The decode pod dies in the middle of a stream; KubeRay recreates it.
+            # The decode pod dies in the middle of a stream; KubeRay recreates it meanwhile. With
+            # transparent failover (issue 48) the stream waits for the new worker (the manifests'
+            # failover_wait_s) and ends as it would have without the kill: every token, no error.
             decode = f"{PREFIX}-decode"
+            new = f"{PREFIX}-decode-2"
             killed = threading.Event()
+            started: list = []
+
+            def replace_decode() -> None:
+                eng("kill", "--signal", "KILL", decode, check=False)
+                eng("rm", "-f", decode, check=False)
+                try:
+                    c.start("decode", new, IPS["decode-2"], host_ports(False), mounts)
+                    started.append(new)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    started.append(e)
 
             def kill_after(n: int) -> None:
                 if n == 8 and not killed.is_set():
                     killed.set()
-                    threading.Thread(target=lambda: eng("kill", "--signal", "KILL", decode, check=False),
-                                     daemon=True).start()
+                    threading.Thread(target=replace_decode, daemon=True).start()
 
             t_kill = time.monotonic()
             mid = stream(port, key, LONG_TOKENS, on_chunk=kill_after, long=True)
-            if not killed.is_set():
-                eng("kill", "--signal", "KILL", decode, check=False)
-                t_kill = time.monotonic()
             figures["mid_stream"] = {k: mid[k] for k in ("chunks", "done", "finish", "error")}
-            say(f"decode container SIGKILLed after 8 chunks; the stream: {figures['mid_stream']}")
-            eng("rm", "-f", decode, check=False)
+            figures["mid_stream_s"] = round(time.monotonic() - t_kill, 1)
+            say(f"decode container SIGKILLed after 8 chunks and replaced; the stream: {figures['mid_stream']}")
+            if not killed.is_set():
+                raise Failed(f"the long stream ended before its 8th chunk: {figures['mid_stream']}")
+            if mid["error"] or not mid["done"] or mid["finish"] != "length" or mid["chunks"] < LONG_TOKENS // 2:
+                raise Failed(f"the stream the decode container died in did not complete: {figures['mid_stream']}")
+            while not started:
+                time.sleep(0.5)
             c.names.remove(decode)
-            new = f"{PREFIX}-decode-2"
-            c.start("decode", new, IPS["decode-2"], host_ports(False), mounts)
+            if not isinstance(started[0], str):
+                raise Failed(f"the replacement decode container did not start: {started[0]}")
             c.wait_ready(new)
             say("replacement decode container ready; waiting for the router to serve again")
             t = time.monotonic()
@@ -441,6 +458,12 @@ def run(args) -> dict:
             figures["recovery_s"] = round(time.monotonic() - t_kill, 1)
             if again != answer:
                 raise Failed(f"after recovery the answer changed: {again!r} != {answer!r}")
+            full = stream(port, key, LONG_TOKENS, long=True)       # the same request, no fault
+            if mid["text"] != full["text"]:
+                raise Failed(f"the failed-over stream's text differs from the same request's without a fault:\n"
+                             f"{mid['text'][:300]!r}\n{full['text'][:300]!r}")
+            say(f"the stream completed on the replacement in {figures['mid_stream_s']} s: the same text as "
+                f"the same request without the kill")
             code, health = get(port, "/health")
             router_log = eng("logs", f"{PREFIX}-router", check=False)
             replaced = [ln for ln in (router_log.stdout + router_log.stderr).splitlines() if "replaced by" in ln]

@@ -11,7 +11,6 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend, AttnSpec
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.layers import Rotary, rms_norm, rope_inv_freq
-from tandem.engine.models import llama_gpu
 from tandem.engine.models.llama_cpu import FusedLlamaLayer
 from tandem.engine.model_config import ModelArchConfig, ModelLoadError
 from tandem.engine.quant.blocks import QuantParts, QuantWeight
@@ -160,8 +159,11 @@ class LlamaForCausalLM(nn.Module):
                 return_all_logits: bool = False) -> torch.Tensor:
         """Logits [B, V] at ``fb.last_token_indices`` or [T, V] with ``return_all_logits`` (float32;
         computed in the model dtype, as transformers does)."""
-        if llama_gpu.applies(self, backend):
-            return llama_gpu.forward(self, fb, backend, return_all_logits)
+        if callable(getattr(backend, "attend", None)):     # the GPU path (triton) only where it can run
+            from tandem.engine.models import llama_gpu
+
+            if llama_gpu.applies(self, backend):
+                return llama_gpu.forward(self, fb, backend, return_all_logits)
         x = F.embedding(fb.input_ids, self.embed)                    # [T, H]
         cos, sin = self.rotary.tables(fb.positions)                   # [T, 1, D/2]
         for layer in self.layers:
