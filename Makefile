@@ -11,9 +11,11 @@ setup: system-packages $(VENV)/.installed
 # RDMA user-space libraries (UCX/NIXL and Mooncake link libibverbs.so.1), as in docker/ and CI.
 # Installed where we can (root with apt-get); otherwise a line says what is missing, not a failure.
 RDMA_PACKAGES := libibverbs1 librdmacm1 ibverbs-providers
+# Mooncake's store and master link libcurl and libnuma (a slim base has neither).
+MOONCAKE_PACKAGES := libcurl4 libnuma1
 
 system-packages:
-	@sh docker/system-packages.sh $(RDMA_PACKAGES)
+	@sh docker/system-packages.sh $(RDMA_PACKAGES) $(MOONCAKE_PACKAGES)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

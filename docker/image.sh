@@ -118,10 +118,6 @@ Dir::Cache::pkgcache ""; Dir::Cache::srcpkgcache "";'
 fi
 
 # ---- the image -------------------------------------------------------------------------------
-BUILD=(build --network host -f "$DOCKERFILE" -t "$TAG")
-if [ "${ENGINE[0]}" = podman ]; then
-    BUILD+=(--ignorefile "$DOCKERFILE.dockerignore" "${ULIMIT_FLAGS[@]}")
-fi
 WHEELS=${TANDEM_WHEELS-/opt/wheels}
 if [ "$FLAVOR" = gpu ] && [ -z "${TANDEM_IMAGE:-}" ] && { [ -n "${STANDIN:-}" ] || [ -n "$WHEELS" ]; }; then
     # Not the GPU image: a Debian base instead of CUDA's, and (with local wheels) the CPU torch wheel
@@ -129,6 +125,10 @@ if [ "$FLAVOR" = gpu ] && [ -z "${TANDEM_IMAGE:-}" ] && { [ -n "${STANDIN:-}" ] 
     # Dockerfile's own. TANDEM_WHEELS= (empty) asks PyPI for the CUDA torch.
     TAG=tandem:0.1.0-gpu-standin
     echo "image: building $TAG: docker/Dockerfile.gpu on stand-ins (base: ${STANDIN:-$FROM}; torch: ${WHEELS:-PyPI})"
+fi
+BUILD=(build --network host -f "$DOCKERFILE" -t "$TAG")      # after the tag is settled
+if [ "${ENGINE[0]}" = podman ]; then
+    BUILD+=(--ignorefile "$DOCKERFILE.dockerignore" "${ULIMIT_FLAGS[@]}")
 fi
 if [ -n "$WHEELS" ] && ls "$WHEELS"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
     if [ "${ENGINE[0]}" = podman ]; then

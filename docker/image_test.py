@@ -358,10 +358,22 @@ def get_ok(port: int) -> bool:
 
 # --- the test --------------------------------------------------------------------------------
 
+# Every native library a pod of the image loads (the workers, the router, the kv-store pod's master):
+# a shared library the image lacks shows here, not first in a pod that never turns ready.
+LOADS = ("import subprocess, sys, nixl, ray, mooncake.store, tandem.engine.engine, tandem.cluster.backend; "
+         "m = subprocess.run([sys.prefix + '/bin/mooncake_master', '--help'], capture_output=True); "
+         "assert b'rpc_port' in m.stdout + m.stderr, m; print('nixl, ray, mooncake.store, mooncake_master, tandem')")
+
+
 def run(args) -> dict:
     figures: dict = {}
     if eng("image", "inspect", args.image, check=False).returncode != 0:
         raise Failed(f"no image {args.image}: run `make image` first")
+    loads = eng("run", "--rm", "--network", "host", *ULIMITS, args.image, "/opt/tandem/.venv/bin/python", "-c",
+                LOADS, check=False, timeout=300)
+    if loads.returncode != 0:
+        raise Failed(f"the image's Python imports do not load: {(loads.stdout + loads.stderr).strip()[-800:]}")
+    say(f"imports load in the image: {loads.stdout.strip()}")
     with tempfile.TemporaryDirectory(prefix="tandem-image-test-") as tmp:
         workdir = Path(tmp)
         c = Cluster(args.image, workdir)
