@@ -54,7 +54,7 @@ async def _run(backend, reqs, kill_after: int | None, pids: dict[str, int]) -> d
             if all(t.done() for t in tasks):
                 raise RuntimeError("the streams ended before the kill")
             await asyncio.sleep(0.005)
-        on = [backend._inflight.get(r.rid) for r in reqs]
+        on = [backend.inflight.get(r.rid) for r in reqs]
         victim = max({w.name for w in on if w is not None}, key=lambda n: sum(w.name == n for w in on if w))
         os.kill(pids[victim], signal.SIGKILL)
     res = await asyncio.gather(*tasks)

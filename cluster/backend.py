@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from tandem.cluster.legs import Legs
 from tandem.cluster.migration import Migrator
 from tandem.cluster.observe import ClusterObservability
 from tandem.cluster.stream import Attempt, Failure, Next, RequestStream
@@ -91,9 +92,8 @@ class RayClusterBackend(ClusterObservability):
                                      progress_timeout_s=cfg.progress_timeout_s,
                                      progress_replace_s=cfg.progress_replace_s, router_id=self.router_id,
                                      router_lease_s=cfg.router_lease_s)
-        self._inflight: dict[str, WorkerRef] = {}
         self.streams: dict[str, RequestStream] = {}   # client rid -> its stream (cluster/stream.py)
-        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
+        self.migrator = Migrator(self.pool, self.dispatch, self._legs, self.supervisor, cfg.migration,
                                  router_id=self.router_id, page_size=cc.page_size)
         self._policy: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -107,6 +107,16 @@ class RayClusterBackend(ClusterObservability):
     @property
     def decodes(self) -> list[WorkerRef]:
         return self.pool.decodes
+
+    def _legs(self) -> dict:
+        """Worker-side rid -> the current :class:`~tandem.cluster.legs.Legs` of each stream on a decode
+        worker now (a fresh map: the Migrator's read-only view of ``streams``)."""
+        return {s.legs.req.rid: s.legs for s in list(self.streams.values()) if s.legs is not None}
+
+    @property
+    def inflight(self) -> dict[str, WorkerRef]:
+        """Worker-side rid -> the decode worker it streams from now, derived from ``streams``."""
+        return {rid: legs.worker for rid, legs in self._legs().items()}
 
     def start(self) -> None:
         """Launch and pair every worker, register them with the dispatcher, start the monitor."""
@@ -213,7 +223,7 @@ class RayClusterBackend(ClusterObservability):
         import ray
 
         p = self.pool.get(r.prefill)
-        legs = self.migrator.open(req, r, d, p.name if p else None)
+        legs = stream.legs = Legs.start(self.migrator, req, r, d, p.name if p else None)
         stream.last_token_at = time.monotonic()
         finished, first, rerouted, err = False, True, False, ""
         try:
@@ -301,6 +311,7 @@ class RayClusterBackend(ClusterObservability):
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             legs.close()
+            stream.legs = None
             if not rerouted:
                 self.dispatch.release(r)
             if not finished:
@@ -413,7 +424,7 @@ class RayClusterBackend(ClusterObservability):
 
     async def abort(self, rid: str) -> None:
         rid = self._wire(rid)
-        d = self._inflight.get(rid)
+        d = self.inflight.get(rid)
         if d is None or not d.alive:
             return
         try:

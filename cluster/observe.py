@@ -101,8 +101,8 @@ class ClusterObservability:
         """The requests this router streams (GET /debug/kv): rid (worker-side), decode worker,
         tokens streamed, seconds since the last one (or since it was sent there)."""
         now = time.monotonic()
-        return [{"rid": s.wire_rid, "worker": w.name, "tokens": s.sent, "silent_s": round(now - s.last_token_at, 3)}
-                for s in list(self.streams.values()) if (w := self._inflight.get(s.wire_rid)) is not None]
+        return [{"rid": s.wire_rid, "worker": s.legs.worker.name, "tokens": s.sent,
+                 "silent_s": round(now - s.last_token_at, 3)} for s in list(self.streams.values()) if s.legs is not None]
 
     def migrations(self) -> list[dict]:
         """Live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""

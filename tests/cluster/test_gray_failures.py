@@ -39,7 +39,7 @@ def test_a_stopped_decode_worker_s_streams_resume_on_its_peer_and_it_rejoins(clu
     # every stream has text out: they are decoding
     wait_for(lambda: all(chunks.get(f"d-{t}", 0) >= 4 for t in TOPICS), 60, "not decoding")
     on = {}
-    for rid, w in list(backend._inflight.items()):
+    for rid, w in list(backend.inflight.items()):
         on.setdefault(w.name, []).append(rid)
     victim_name = max(on, key=lambda n: len(on[n]))
     victim = backend.pool.named(victim_name)
@@ -179,7 +179,7 @@ def test_a_killed_decode_worker_s_streams_fail_over_with_the_same_text_and_usage
     keys = [f"k-{t}" for t in TOPICS] + ["k-seeded"]
     wait_for(lambda: all(chunks.get(k, 0) >= 4 for k in keys), 60, "not decoding")
     on: dict = {}
-    for rid, w in list(backend._inflight.items()):
+    for rid, w in list(backend.inflight.items()):
         on.setdefault(w.name, []).append(rid)
     victim = backend.pool.named(max(on, key=lambda n: len(on[n])))
     before = _failovers(server)
@@ -266,7 +266,7 @@ def test_a_killed_decode_worker_s_streams_with_max_failovers_spent_end_with_one_
         th.start()
     wait_for(lambda: all(chunks.get(f"m-{t}", 0) >= 4 for t in TOPICS), 60, "not decoding")
     on: dict = {}
-    for rid, w in list(backend._inflight.items()):
+    for rid, w in list(backend.inflight.items()):
         on.setdefault(w.name, []).append(rid)
     victim = backend.pool.named(max(on, key=lambda n: len(on[n])))
     os.kill(pid_of(victim), signal.SIGKILL)
