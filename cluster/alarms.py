@@ -4,7 +4,7 @@ holding a KV write past the progress deadline, and every stream waiting on that 
 (:class:`Stalled`, :class:`Died`) for the backend to look up in the stream's failure table.
 
     supervisor thread                      router loop
-    _judge / mark_dead / _take_stats  ──►  Alarms.ring(wid) ──► call_soon_threadsafe(rung.set)
+    _judge / mark_dead / _take_stats  ──►  Alarms.ring(wid) ──► call_soon_threadsafe(wake)
                                                                  └► next_or_alarm re-checks: raise or wait on
 
 No poll: a wait re-checks only when rung, when its chunk comes, and once every ``SAFETY_S`` (a net for
@@ -108,24 +108,24 @@ async def next_or_alarm(nxt: Awaitable[StreamChunk | None], alarms: Alarms, rid:
     is due (``p`` given), ``p`` suspect or holding ``rid``'s KV write past ``limit`` seconds).
     ``nxt`` is cancelled when the wait ends without it."""
     loop = asyncio.get_running_loop()
-    rung = asyncio.Event()
-    unwatch = alarms.watch([d.wid] + ([p.wid] if p is not None else []),
-                           lambda: loop.call_soon_threadsafe(rung.set))
+    woke: list[asyncio.Future] = [loop.create_future()]   # the current wait's; a ring sets it
+
+    def wake() -> None:
+        if not woke[0].done():
+            woke[0].set_result(None)
+
+    unwatch = alarms.watch([d.wid] + ([p.wid] if p is not None else []), lambda: loop.call_soon_threadsafe(wake))
     task = asyncio.ensure_future(nxt)
-    ring = None
     try:
         while True:
-            rung.clear()
+            if woke[0].done():
+                woke[0] = loop.create_future()
             _check(rid, d, p, limit)   # after watching: a ring before it is seen here
-            ring = asyncio.ensure_future(rung.wait())
-            await asyncio.wait({task, ring}, timeout=SAFETY_S if safety_s is None else safety_s,
+            await asyncio.wait((task, woke[0]), timeout=SAFETY_S if safety_s is None else safety_s,
                                return_when=asyncio.FIRST_COMPLETED)
-            ring.cancel()
             if task.done():
                 return task.result()
     finally:
         unwatch()
-        if ring is not None:
-            ring.cancel()
         if not task.done():
             task.cancel()
