@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         took = None
         if drain:
-            name = backend._inflight[reqs[0].rid].name
+            name = backend.inflight[reqs[0].rid].name
             res = await backend.migrator.drain(name)
             took = time.perf_counter() - t0
             if res["remaining"]:

@@ -13,12 +13,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from tandem.cluster.alarms import Died, DiedBeforeServing, Stalled, next_or_alarm
+from tandem.cluster.legs import Legs
 from tandem.cluster.migration import Migrator
 from tandem.cluster.observe import ClusterObservability
 from tandem.cluster.stream import Attempt, Failure, Next, RequestStream
 from tandem.cluster.supervisor import Supervisor
 from tandem.cluster.workers import WorkerPool, WorkerRef
-from tandem.core import tracing
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk
@@ -30,24 +31,6 @@ from tandem.router.policies import L3_BLOCK_CREDIT, AdmissionLimits, PolicyConfi
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-STALL_POLL_S = 0.25
-
-
-class _DiedBeforeServing(Exception):
-    """A worker of the route was found dead before anything reached the client."""
-
-    def __init__(self, worker: WorkerRef):
-        super().__init__(f"{worker.role} worker {worker.name} died before serving")
-        self.worker = worker
-
-
-class _Stalled(Exception):
-    """A worker of the route stopped making progress (the supervisor's deadline) while this
-    request waited on it: ``what`` is decode, prefill or transfer (its prefill's write)."""
-
-    def __init__(self, what: str, worker: WorkerRef):
-        super().__init__(f"{what} on {worker.role} worker {worker.name} stopped making progress")
-        self.what, self.worker = what, worker
 
 
 _STALLED = {"decode": Failure.DECODE_STALLED, "prefill": Failure.PREFILL_STALLED,
@@ -91,9 +74,8 @@ class RayClusterBackend(ClusterObservability):
                                      progress_timeout_s=cfg.progress_timeout_s,
                                      progress_replace_s=cfg.progress_replace_s, router_id=self.router_id,
                                      router_lease_s=cfg.router_lease_s)
-        self._inflight: dict[str, WorkerRef] = {}
         self.streams: dict[str, RequestStream] = {}   # client rid -> its stream (cluster/stream.py)
-        self.migrator = Migrator(self.pool, self.dispatch, self._inflight, self.supervisor, cfg.migration,
+        self.migrator = Migrator(self.pool, self.dispatch, self._legs, self.supervisor, cfg.migration,
                                  router_id=self.router_id, page_size=cc.page_size)
         self._policy: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -107,6 +89,16 @@ class RayClusterBackend(ClusterObservability):
     @property
     def decodes(self) -> list[WorkerRef]:
         return self.pool.decodes
+
+    def _legs(self) -> dict:
+        """Worker-side rid -> the current :class:`~tandem.cluster.legs.Legs` of each stream on a decode
+        worker now (a fresh map: the Migrator's read-only view of ``streams``)."""
+        return {s.legs.req.rid: s.legs for s in list(self.streams.values()) if s.legs is not None}
+
+    @property
+    def inflight(self) -> dict[str, WorkerRef]:
+        """Worker-side rid -> the decode worker it streams from now, derived from ``streams``."""
+        return {rid: legs.worker for rid, legs in self._legs().items()}
 
     def start(self) -> None:
         """Launch and pair every worker, register them with the dispatcher, start the monitor."""
@@ -167,7 +159,7 @@ class RayClusterBackend(ClusterObservability):
                     async for c in self._attempt(req, r, d, stream):
                         yield c
                     return
-                except _DiedBeforeServing as e:
+                except DiedBeforeServing as e:
                     log.warning("%s worker %s died before serving %s; re-routing", e.worker.role,
                                 e.worker.name, client_rid)
                     rm.FAILOVERS.labels(e.worker.role, "redispatched").inc()
@@ -176,7 +168,7 @@ class RayClusterBackend(ClusterObservability):
                     if dead.role == "decode" and p is not None and p.alive:
                         # its prefill may still hold the KV write to the dead worker: freed there
                         p.api.abort(req.rid, f"decode worker {dead.name} died")
-                except _Stalled as e:
+                except Stalled as e:
                     log.warning("%s before %s streamed anything; re-dispatching it from the prompt", e, client_rid)
                     rm.STALL_REDISPATCHES.labels(e.what, "redispatch").inc()
                     bad = e.worker
@@ -197,31 +189,24 @@ class RayClusterBackend(ClusterObservability):
         stream.to(Attempt.ROUTED)
         return self.dispatch.reroute(r, excluded)
 
-    def _trace_route(self, req: GenerateRequest, r: Route, start_s: float) -> None:
-        """The routing span: the queue wait and policy time, and the workers chosen."""
-        p, d = self.pool.get(r.prefill), self.pool.get(r.decode)
-        tracing.record("route", req.trace, start_s, **{
-            "tandem.rid": req.rid, "tandem.tenant": req.tenant, "tandem.policy": self.cfg.policy,
-            "tandem.route_wait_s": time.time() - start_s, "tandem.prefill": p.name if p else "",
-            "tandem.decode": d.name if d else ""})
-
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
                        stream: RequestStream) -> AsyncIterator[StreamChunk]:
         """Stream ``req`` from ``d`` and each worker it migrates, resumes or fails over to. A failure
-        asks ``stream``'s table what comes next: REDISPATCH raises :class:`_DiedBeforeServing` or
-        :class:`_Stalled` (``generate`` routes again), RESUME continues on a peer, FAIL is one error chunk."""
+        asks ``stream``'s table what comes next: REDISPATCH raises :class:`DiedBeforeServing` or
+        :class:`Stalled` (``generate`` routes again), RESUME continues on a peer, FAIL is one error chunk."""
         import ray
 
         p = self.pool.get(r.prefill)
-        legs = self.migrator.open(req, r, d, p.name if p else None)
+        legs = stream.legs = Legs.start(self.migrator, req, r, d, p.name if p else None)
         stream.last_token_at = time.monotonic()
         finished, first, rerouted, err = False, True, False, ""
         try:
             try:
                 while True:
                     try:
-                        c = await self._next_or_stall(legs.gen, req.rid, legs.worker, p if first else None)
-                    except ray.exceptions.RayActorError as e:
+                        c = await next_or_alarm(self._next_chunk(legs.gen), self.supervisor.alarms, req.rid,
+                                                legs.worker, p if first else None, self.cfg.progress_timeout_s)
+                    except (ray.exceptions.RayActorError, Died) as e:
                         c = legs.target_died()
                         if c is None:
                             dead = legs.worker
@@ -229,7 +214,7 @@ class RayClusterBackend(ClusterObservability):
                             step = stream.on_failure(Failure.DECODE_DIED, dead.name)
                             if step.next is Next.REDISPATCH:
                                 finished = rerouted = True
-                                raise _DiedBeforeServing(dead) from None
+                                raise DiedBeforeServing(dead) from None
                             if step.next is Next.RESUME and await self._failover(stream, legs, dead):
                                 continue
                             rm.FAILOVERS.labels("decode", "failed").inc()
@@ -238,7 +223,7 @@ class RayClusterBackend(ClusterObservability):
                                                f"{stream.failover_wait_s:g}s to resume it")
                             log.warning("%s: %s", req.rid, err)
                             break
-                    except _Stalled as e:
+                    except Stalled as e:
                         self._leave_stuck(req.rid, legs.worker, legs.gen)
                         step = stream.on_failure(_STALLED[e.what], e.worker.name)
                         if step.next is Next.RESUME and e.what == "decode":
@@ -272,7 +257,7 @@ class RayClusterBackend(ClusterObservability):
                         if lead and not p.alive and not c.token_ids:
                             if stream.on_failure(Failure.PREFILL_DIED, p.name).next is Next.REDISPATCH:
                                 rerouted = True
-                                raise _DiedBeforeServing(p)
+                                raise DiedBeforeServing(p)
                     if finished:
                         c = dataclasses.replace(c, worker=legs.worker.name)
                         self.dispatch.reused(r, legs.cached)
@@ -294,13 +279,14 @@ class RayClusterBackend(ClusterObservability):
                 self.supervisor.mark_dead(legs.worker, f"died: {type(e).__name__}")
                 if not stream.began and stream.redispatch(Failure.DECODE_DIED, legs.worker.name).next is Next.REDISPATCH:
                     finished = rerouted = True
-                    raise _DiedBeforeServing(legs.worker) from None
+                    raise DiedBeforeServing(legs.worker) from None
                 err = f"decode worker {legs.worker.name} died during the request"
             finished = True
             stream.to(Attempt.FAILED)
             yield StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=err)
         finally:
             legs.close()
+            stream.legs = None
             if not rerouted:
                 self.dispatch.release(r)
             if not finished:
@@ -329,37 +315,8 @@ class RayClusterBackend(ClusterObservability):
         if not await legs.failover(dead, stream.failover_wait_s):
             return False
         rm.FAILOVERS.labels("decode", "resumed").inc()
-        context = len(legs.req.prompt_ids) + at
-        log.warning("decode worker %s died under %s: resumed on %s after %d streamed tokens (failover %d of "
-                    "%d; %s recomputes up to %d tokens of KV, less its cache hit)", dead.name, legs.req.rid,
-                    legs.worker.name, at, stream.failovers, stream.max_failovers, legs.worker.name, context - 1)
-        if legs.req.trace:
-            tracing.record("failover", legs.req.trace, t0, **{
-                "tandem.rid": legs.req.rid, "tandem.dead": dead.name, "tandem.to": legs.worker.name,
-                "tandem.resume_at": at, "tandem.kv_source": f"recompute on {legs.worker.name} (its cache first)",
-                "tandem.recomputed_tokens_max": context - 1, "tandem.failover": stream.failovers,
-                "tandem.wait_s": time.time() - t0})
+        self._report_failover(stream, legs, dead, t0, at)
         return True
-
-    async def _next_or_stall(self, gen, rid: str, d: WorkerRef, p: WorkerRef | None) -> StreamChunk | None:
-        """The next chunk of ``gen`` (None at its end), or :class:`_Stalled` once ``d``, or ``p`` while the
-        first token is due, is suspect or has held the KV write for ``progress_timeout_s``."""
-        nxt = asyncio.ensure_future(self._next_chunk(gen))
-        limit = self.cfg.progress_timeout_s
-        try:
-            while True:
-                done, _ = await asyncio.wait({nxt}, timeout=STALL_POLL_S)
-                if done:
-                    return nxt.result()
-                if d.suspect_since is not None:
-                    raise _Stalled("decode", d)
-                if p is not None and p.alive and p.suspect_since is not None:
-                    raise _Stalled("prefill", p)
-                if p is not None and p.alive and p.writing.get(rid, 0.0) > limit:
-                    raise _Stalled("transfer", p)
-        finally:
-            if not nxt.done():
-                nxt.cancel()
 
     def _leave_stuck(self, rid: str, d: WorkerRef, gen) -> None:
         """``rid`` leaves stuck decode worker ``d``: its stream is cancelled and an abort sent there."""
@@ -413,7 +370,7 @@ class RayClusterBackend(ClusterObservability):
 
     async def abort(self, rid: str) -> None:
         rid = self._wire(rid)
-        d = self._inflight.get(rid)
+        d = self.inflight.get(rid)
         if d is None or not d.alive:
             return
         try:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class Legs:
-    """``migrator``: the Migrator that opened it (its ``moves``, ``next_leg``, ``fall_back``,
+    """``migrator``: the Migrator that moves it (its ``moves``, ``next_leg``, ``fall_back``,
     ``recompute``, ``prestop``, ``end``); ``gen``: the streaming ``generate`` of the current leg."""
 
     def __init__(self, migrator, req: GenerateRequest, route: Route, worker: WorkerRef, gen):
@@ -27,6 +27,11 @@ class Legs:
         self.chars, self.cached = 0, 0
         self.last_token_at = time.monotonic()
         self.leg_tokens = 0
+
+    @classmethod
+    def start(cls, migrator, req: GenerateRequest, route: Route, worker: WorkerRef, prefill: str | None) -> Legs:
+        """``req``'s first leg on decode worker ``worker`` (``prefill``: its prefill worker's name)."""
+        return cls(migrator, req, route, worker, worker.decode_api.generate(req.to_wire(), prefill, migrator.router_id))
 
     def sent(self, last: StreamChunk | None = None) -> Resume:
         return Resume(tuple(self.ids), self.chars, last.cached_tokens if last is not None else self.cached)

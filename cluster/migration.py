@@ -1,5 +1,6 @@
 """The router's side of live migration: :class:`Migrator` carries out planners' MoveRequests and
-owns every Migration and every request's Legs (cluster/README.md has the trail).
+owns every Migration; each request's Legs belong to its RequestStream, in the backend's ``streams``,
+which the Migrator only reads (cluster/README.md has the trail).
 
 Fail closed: before the stop a failed pre-copy leaves the request where it is; after it the request
 continues on the target, the source or recomputed. The client never sees "migrated": no token is
@@ -12,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from tandem.cluster.legs import Legs
 from tandem.cluster.moves import Migration, Phase, OUTCOME
@@ -31,17 +33,18 @@ FAILOVER_POLL_S = 0.1   # how often a request whose worker died looks for a live
 
 
 class Migrator:
-    def __init__(self, pool: WorkerPool, dispatch: Dispatcher, inflight: dict[str, WorkerRef],
+    def __init__(self, pool: WorkerPool, dispatch: Dispatcher, legs: Callable[[], dict[str, Legs]],
                  supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None,
                  page_size: int = 16):
-        """``inflight``: the backend's rid -> decode worker; ``router_id``: the workers' lease on this
-        router; ``page_size``: a pre-copy takes whole pages."""
-        self.pool, self.dispatch, self._inflight, self.supervisor = pool, dispatch, inflight, supervisor
+        """``legs``: the backend's streams as a fresh worker-side rid -> current :class:`Legs` map on each
+        call (a snapshot: the Migrator reads where a request is, it never files one; the backend's
+        ``streams`` own that); ``router_id``: the workers' lease on this router; ``page_size``: a
+        pre-copy takes whole pages."""
+        self.pool, self.dispatch, self._legs, self.supervisor = pool, dispatch, legs, supervisor
         self.router_id = router_id
         self.page_size = page_size
         self.cfg = cfg or MigrationConfig()
         self.moves: dict[str, Migration] = {}
-        self.streams: dict[str, Legs] = {}
         self.counts = {"migrations": 0, "fallbacks": 0, "recomputed": 0, "refused": 0, "failovers": 0,
                        "precopies": 0, "precopy_rounds": 0, "precopied_tokens": 0,
                        **{r.value: 0 for r in MoveReason}}
@@ -49,21 +52,15 @@ class Migrator:
     @property
     def live(self) -> dict[str, tuple[GenerateRequest, Route]]:
         """rid -> (request, route) of every request the backend streams."""
-        return {rid: (s.req, s.route) for rid, s in list(self.streams.items())}
+        return {rid: (s.req, s.route) for rid, s in self._legs().items()}
 
-    def open(self, req: GenerateRequest, r: Route, d: WorkerRef, prefill: str | None) -> Legs:
-        """Start ``req``'s first leg on decode worker ``d`` (``prefill``: its prefill worker's name)."""
-        gen = d.decode_api.generate(req.to_wire(), prefill, self.router_id)
-        self._inflight[req.rid] = d
-        legs = self.streams[req.rid] = Legs(self, req, r, d, gen)
-        return legs
+    def where(self) -> dict[str, WorkerRef]:
+        """Worker-side rid -> the decode worker it streams from now (derived from the backend's streams)."""
+        return {rid: s.worker for rid, s in self._legs().items()}
 
     def close(self, legs: Legs) -> None:
         """``legs``' request ended: a move it was in the middle of frees the source's held KV (ABORTED)."""
         rid = legs.req.rid
-        self._inflight.pop(rid, None)
-        if self.streams.get(rid) is legs:
-            del self.streams[rid]
         m = self.moves.get(rid)
         if m is not None and m.phase in (Phase.FROZEN, Phase.COPYING):
             if m.source.alive:
@@ -106,7 +103,7 @@ class Migrator:
     async def migrate(self, rid: str, to: str | None = None, reason: MoveReason = MoveReason.ADMIN) -> str:
         """Move ``rid`` to ``to`` or the best target; returns its name. LookupError: no such request or
         target; ValueError: not decoding, already moving, or the target failed in the pre-copy."""
-        d = self._inflight.get(rid)
+        d = self.where().get(rid)
         if d is None:
             raise LookupError(f"no request {rid} in flight on this router")
         if rid in self.moves:
@@ -118,7 +115,7 @@ class Migrator:
         try:
             if self.cfg.precopy:
                 await self._precopy(m)
-            if self._inflight.get(rid) is not d:
+            if self.where().get(rid) is not d:
                 raise ValueError(f"request {rid} ended or moved during its pre-copy")
             await d.decode_api.freeze(rid)
         except Exception as e:
@@ -143,7 +140,7 @@ class Migrator:
     async def _precopy(self, m: Migration) -> None:
         """Pre-copy rounds within ``precopy_timeout_s``; a failed round only leaves more for the stop.
         RayActorError: the target died."""
-        s = self.streams.get(m.rid)
+        s = self._legs().get(m.rid)
         if s is None:
             return
         req, r = s.req, s.route
@@ -281,7 +278,7 @@ class Migrator:
             rm.MIGRATIONS.labels(m.reason.value, outcome).inc()
             if downtime_s is not None:
                 rm.MIGRATION_DOWNTIME.observe(downtime_s)
-        legs = self.streams.get(m.rid)
+        legs = self._legs().get(m.rid)
         if legs is not None and legs.req.trace:
             tracing.record("migration", legs.req.trace, time.time() - (time.monotonic() - m.started), **{
                 "tandem.rid": m.rid, "tandem.from": m.source.name, "tandem.to": m.target.name,
@@ -295,7 +292,6 @@ class Migrator:
         """The request's next leg on ``t``, resumed after ``sent``; ``source_name``: the decode
         worker its KV is copied from (None: ``t`` recomputes what its cache lacks)."""
         self.dispatch.move(legs.route, t.wid)
-        self._inflight[legs.req.rid] = t
         wire = dataclasses.replace(legs.req, resume=sent).to_wire()
         return t.decode_api.generate(wire, source_name, self.router_id)
 
@@ -308,10 +304,10 @@ class Migrator:
         await w.api.drain()
         moved, failed, end = [], {}, time.monotonic() + timeout_s
         while time.monotonic() < end:
-            left = [mv.rid for mv in plan_drain(w.wid, [(rid, d.wid) for rid, d in list(self._inflight.items())],
-                                                self.moves)]
+            where = self.where()
+            left = [mv.rid for mv in plan_drain(w.wid, [(rid, d.wid) for rid, d in where.items()], self.moves)]
             moving = any(w.wid in (m.target.wid, m.source.wid) for m in list(self.moves.values()))
-            if not left and not moving and not any(d.wid == w.wid for d in list(self._inflight.values())):
+            if not left and not moving and not any(d.wid == w.wid for d in where.values()):
                 break
             results = await asyncio.gather(*(self.migrate(rid, reason=MoveReason.DRAIN) for rid in left),
                                            return_exceptions=True)
@@ -324,7 +320,7 @@ class Migrator:
                     moved.append((rid, res))
                     failed.pop(rid, None)
             await asyncio.sleep(DRAIN_POLL_S)
-        still = [rid for rid, d in list(self._inflight.items()) if d.wid == w.wid]
+        still = [rid for rid, d in self.where().items() if d.wid == w.wid]
         still += [rid for rid, m in list(self.moves.items()) if m.target.wid == w.wid]
         if stop and not still:
             import ray
@@ -359,7 +355,7 @@ class Migrator:
         """One round of every planner in router/rebalance.py's PERIODIC and their moves; the rids moved."""
         snaps = self.dispatch.snapshots()
         exclude = {wid for wid, s in snaps.items() if s.draining}
-        running = [(rid, s.route.decode, s.route.decode_tokens) for rid, s in list(self.streams.items())
+        running = [(rid, s.route.decode, s.route.decode_tokens) for rid, s in self._legs().items()
                    if s.route.decode_open and rid not in self.moves]
         moved = []
         for plan in PERIODIC:

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY, generate_latest
 from tandem.cluster.metrics import merge_expositions
 from tandem.cluster.supervisor import PING_TIMEOUT_S
 from tandem.cluster.workers import DECODE, PREFILL, WorkerRef
+from tandem.core import tracing
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,29 @@ HEALTH_PING_S = 1.0
 
 
 class ClusterObservability:
+    """The backend's read side and its reports: spans and log lines of a route and a failover."""
+
+    def _trace_route(self, req, r, start_s: float) -> None:
+        """The routing span: the queue wait and policy time, and the workers chosen."""
+        p, d = self.pool.get(r.prefill), self.pool.get(r.decode)
+        tracing.record("route", req.trace, start_s, **{
+            "tandem.rid": req.rid, "tandem.tenant": req.tenant, "tandem.policy": self.cfg.policy,
+            "tandem.route_wait_s": time.time() - start_s, "tandem.prefill": p.name if p else "",
+            "tandem.decode": d.name if d else ""})
+
+    def _report_failover(self, stream, legs, dead: WorkerRef, t0: float, at: int) -> None:
+        """One log line and a ``failover`` span for ``legs``' resume off ``dead`` after ``at`` tokens."""
+        context = len(legs.req.prompt_ids) + at
+        log.warning("decode worker %s died under %s: resumed on %s after %d streamed tokens (failover %d of "
+                    "%d; %s recomputes up to %d tokens of KV, less its cache hit)", dead.name, legs.req.rid,
+                    legs.worker.name, at, stream.failovers, stream.max_failovers, legs.worker.name, context - 1)
+        if legs.req.trace:
+            tracing.record("failover", legs.req.trace, t0, **{
+                "tandem.rid": legs.req.rid, "tandem.dead": dead.name, "tandem.to": legs.worker.name,
+                "tandem.resume_at": at, "tandem.kv_source": f"recompute on {legs.worker.name} (its cache first)",
+                "tandem.recomputed_tokens_max": context - 1, "tandem.failover": stream.failovers,
+                "tandem.wait_s": time.time() - t0})
+
     async def health(self) -> dict:
         """Per-worker liveness and progress; a suspect worker does not count as serving."""
         everyone = self.pool.everyone()
@@ -101,8 +125,8 @@ class ClusterObservability:
         """The requests this router streams (GET /debug/kv): rid (worker-side), decode worker,
         tokens streamed, seconds since the last one (or since it was sent there)."""
         now = time.monotonic()
-        return [{"rid": s.wire_rid, "worker": w.name, "tokens": s.sent, "silent_s": round(now - s.last_token_at, 3)}
-                for s in list(self.streams.values()) if (w := self._inflight.get(s.wire_rid)) is not None]
+        return [{"rid": s.wire_rid, "worker": s.legs.worker.name, "tokens": s.sent,
+                 "silent_s": round(now - s.last_token_at, 3)} for s in list(self.streams.values()) if s.legs is not None]
 
     def migrations(self) -> list[dict]:
         """Live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""

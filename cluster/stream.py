@@ -1,7 +1,8 @@
 """One request's life on the router: :class:`RequestStream`, its :class:`Attempt` state (moved
 along :data:`LEGAL` only) and its failure table (:data:`FAILURES`: a :class:`Failure` -> the method
 that decides the :class:`Next` step). What the stream has sent the client (ids, characters, cached
-tokens) lives on its current :class:`~tandem.cluster.legs.Legs`.
+tokens) lives on its current :class:`~tandem.cluster.legs.Legs` (``legs``), whose ``worker`` is where
+the request is now: the backend's ``streams`` are the one place that says so.
 
     ROUTED ──► STREAMING ──► MOVING | RESUMING ──► STREAMING ... ──► DONE | FAILED
        └──► REDISPATCHING ──► ROUTED                 (nothing sent yet: routed again)
@@ -93,6 +94,7 @@ class RequestStream:
         self.died = False       # a worker died before anything was sent (one re-route for that)
         self.wire_rid = rid     # the current attempt's worker-side id (``rid~n`` after a re-dispatch)
         self.last_token_at = time.monotonic()   # the last token sent (or when the attempt began)
+        self.legs = None        # the current attempt's Legs (its ``worker``: where it is now); None between
         self.history: list[tuple[Attempt, Attempt]] = []
 
     def to(self, state: Attempt) -> None:

@@ -1,5 +1,7 @@
 """The health monitor: heartbeats, progress deadlines (suspect, then replaced), dead workers out of
-rotation and relaunched, and discovery of workers other routers started (cluster/README.md).
+rotation and relaunched, and discovery of workers other routers started (cluster/README.md). What it
+finds (suspect, dead, a KV write late) it pushes into the streams waiting on that worker: ``alarms``
+(cluster/alarms.py).
 
 After :meth:`Supervisor.shutdown` no thread of ours touches Ray.
 """
@@ -11,6 +13,7 @@ import logging
 import threading
 import time
 
+from tandem.cluster.alarms import Alarms
 from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef, replacement_name
 from tandem.router import metrics as rm
 from tandem.router.dispatch import Dispatcher
@@ -53,6 +56,7 @@ class Supervisor:
         self._pair_lock = threading.Lock()
         self._adopting: set[str] = set()
         self._rounds = itertools.count()
+        self.alarms = Alarms()   # rung when a worker is found suspect, dead or late with a KV write
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="tandem-monitor", daemon=True)
@@ -109,6 +113,7 @@ class Supervisor:
             if not w.alive:
                 return
             w.alive, w.error = False, why
+        self.alarms.ring(w.wid)
         self.dispatch.mark_dead(w.wid)
         if self.feed is not None:
             self.feed.remove(w.wid)
@@ -170,6 +175,8 @@ class Supervisor:
             log.info("stats of %s unavailable: %s", w.name, e)
             return
         w.writing = dict(stats.get("writing") or {})
+        if any(s > self.progress_timeout_s for s in w.writing.values()):
+            self.alarms.ring(w.wid)   # a request waiting on that write re-dispatches
         if snap.draining and w.alive:
             w.retiring = True
         self.dispatch.update_snapshot(w.wid, snap)
@@ -186,6 +193,7 @@ class Supervisor:
             if w.suspect_since is None:
                 if silent > self.progress_timeout_s or stuck:
                     w.suspect_since = now
+                    self.alarms.ring(w.wid)
                     self.dispatch.mark_suspect(w.wid)
                     rm.WORKER_STALLS.labels(w.role, "suspect").inc()
                     log.warning("%s worker %s made no progress (%s): suspect, out of rotation", w.role, w.name,

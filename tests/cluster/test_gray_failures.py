@@ -39,7 +39,7 @@ def test_a_stopped_decode_worker_s_streams_resume_on_its_peer_and_it_rejoins(clu
     # every stream has text out: they are decoding
     wait_for(lambda: all(chunks.get(f"d-{t}", 0) >= 4 for t in TOPICS), 60, "not decoding")
     on = {}
-    for rid, w in list(backend._inflight.items()):
+    for rid, w in list(backend.inflight.items()):
         on.setdefault(w.name, []).append(rid)
     victim_name = max(on, key=lambda n: len(on[n]))
     victim = backend.pool.named(victim_name)
@@ -179,7 +179,7 @@ def test_a_killed_decode_worker_s_streams_fail_over_with_the_same_text_and_usage
     keys = [f"k-{t}" for t in TOPICS] + ["k-seeded"]
     wait_for(lambda: all(chunks.get(k, 0) >= 4 for k in keys), 60, "not decoding")
     on: dict = {}
-    for rid, w in list(backend._inflight.items()):
+    for rid, w in list(backend.inflight.items()):
         on.setdefault(w.name, []).append(rid)
     victim = backend.pool.named(max(on, key=lambda n: len(on[n])))
     before = _failovers(server)
@@ -202,6 +202,56 @@ def test_a_killed_decode_worker_s_streams_fail_over_with_the_same_text_and_usage
     fresh: dict = {}
     _stream_usage(server, TOPICS[2], fresh, "after")
     assert fresh["after"][0] == want[TOPICS[2]]
+    wait_idle(server)
+
+
+def _stream_response(server, topic: str, out: dict, key: str) -> None:
+    """A streamed ``/v1/responses`` request with ``store: true``, read as raw SSE: (the streamed text,
+    the final event's response) into ``out[key]``."""
+    import json
+
+    text, final = [], None
+    chunks[key] = 0
+    body = {"model": "smollm2", "input": messages(topic)[0]["content"], "max_output_tokens": OUT,
+            "temperature": 0, "stream": True, "store": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=300,
+                      headers={"X-Session-Id": key}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                ev = json.loads(line[5:])
+                if ev["type"] == "response.output_text.delta":
+                    text.append(ev["delta"])
+                    chunks[key] += 1
+                final = ev.get("response", final)
+    out[key] = ("".join(text), final)
+
+
+def test_a_stored_response_whose_decode_worker_is_killed_holds_the_whole_output(cluster):
+    """Issue 48 ("nothing is lost from /v1/responses storage"): a streamed, stored Responses request
+    whose decode worker is SIGKILLed mid-stream completes, and GET /v1/responses/{id} returns the whole
+    output, the same text and usage as the same request on a healthy cluster (greedy, float32)."""
+    backend, server, want = cluster
+    wait_for(lambda: len(backend.decodes) == 2 and all(d.alive for d in backend.decodes), 240, "no two decode workers")
+    out: dict = {}
+    _stream_response(server, TOPICS[3], out, "resp-ref")
+    th = threading.Thread(target=_stream_response, args=(server, TOPICS[3], out, "resp-kill"))
+    th.start()
+    wait_for(lambda: chunks.get("resp-kill", 0) >= 4 and len(backend.inflight) == 1, 60, "not decoding")
+    (victim,) = backend.inflight.values()
+    os.kill(pid_of(victim), signal.SIGKILL)
+    th.join(120)
+    ref_text, ref = out["resp-ref"]
+    text, final = out["resp-kill"]
+    full = ("incomplete", {"reason": "max_output_tokens"})   # all OUT tokens: the budget ends it
+    assert (ref["status"], ref["incomplete_details"]) == full and ref["usage"]["output_tokens"] == OUT, ref
+    assert (final["status"], final["incomplete_details"]) == full and text == ref_text, (final, text, ref_text)
+    stored = httpx.get(f"{server.url}/v1/responses/{final['id']}", timeout=30).json()
+    texts = [c["text"] for o in stored["output"] if o["type"] == "message" for c in o["content"]]
+    assert (stored["status"], stored["incomplete_details"]) == full and "".join(texts) == ref_text
+    tokens = ("input_tokens", "output_tokens")   # cached_tokens differ: the reference warmed the cache
+    assert [stored["usage"][k] for k in tokens] == [ref["usage"][k] for k in tokens], (stored["usage"], ref["usage"])
+    assert not victim.alive
+    wait_for(lambda: len(backend.decodes) == 2 and all(d.alive for d in backend.decodes), 240, f"{victim.name} not replaced")
     wait_idle(server)
 
 
@@ -266,7 +316,7 @@ def test_a_killed_decode_worker_s_streams_with_max_failovers_spent_end_with_one_
         th.start()
     wait_for(lambda: all(chunks.get(f"m-{t}", 0) >= 4 for t in TOPICS), 60, "not decoding")
     on: dict = {}
-    for rid, w in list(backend._inflight.items()):
+    for rid, w in list(backend.inflight.items()):
         on.setdefault(w.name, []).append(rid)
     victim = backend.pool.named(max(on, key=lambda n: len(on[n])))
     os.kill(pid_of(victim), signal.SIGKILL)

@@ -105,7 +105,7 @@ def _failovers(server, outcome: str) -> float:
 def _on_decode_none_sent(backend, n: int) -> bool:
     """``n`` requests opened on a decode worker, none of which sent its client anything yet."""
     ss = list(backend.streams.values())
-    return len(ss) == n and not any(s.began for s in ss) and all(s.wire_rid in backend._inflight for s in ss)
+    return len(ss) == n and not any(s.began for s in ss) and all(s.wire_rid in backend.inflight for s in ss)
 
 
 def test_the_only_decode_worker_killed_before_the_first_token_its_streams_wait_for_the_replacement(stalling):
@@ -146,7 +146,7 @@ def test_the_only_decode_worker_killed_past_the_wait_each_stream_ends_with_one_e
 
     def late_opened() -> bool:
         ss = list(backend.streams.values())
-        return len(ss) == 4 and sum(not s.began and s.wire_rid in backend._inflight for s in ss) == 2
+        return len(ss) == 4 and sum(not s.began and s.wire_rid in backend.inflight for s in ss) == 2
 
     wait_for(late_opened, 120, "the late requests were not opened on the decode worker")
     d = backend.decodes[0]

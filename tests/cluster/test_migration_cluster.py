@@ -81,7 +81,7 @@ def _stream(server, topic: str, out: dict, session: str | None = None, key: str 
 
 
 def _running_on(backend) -> dict[str, str]:
-    return {rid: w.name for rid, w in list(backend._inflight.items())}
+    return {rid: w.name for rid, w in list(backend.inflight.items())}
 
 
 def _wait_decoding(backend, n: int, timeout: float = 60.0) -> dict[str, str]:
@@ -248,7 +248,7 @@ def test_the_pre_copy_takes_the_generated_pages_so_the_stop_copies_only_the_tail
         for rid, (req, _) in list(backend.migrator.live.items()):
             k = (req.session_id or "").removeprefix("pg-")
             if k in kinds and k not in moved and _streamed(backend, rid) >= GENERATED:
-                src = backend._inflight[rid].name
+                src = backend.inflight[rid].name
                 _move(server, rid, next(w.name for w in backend.decodes if w.alive and w.name != src))
                 floor += (len(req.prompt_ids) + GENERATED) // page * page
                 moved.add(k)
@@ -281,9 +281,9 @@ def test_a_pre_copy_that_times_out_only_leaves_more_for_the_stop(cluster):
         th.start()
         end = time.monotonic() + 60
         while True:
-            on = [(rid, backend._inflight[rid].name) for rid, (req, _) in list(backend.migrator.live.items())
+            on = [(rid, backend.inflight[rid].name) for rid, (req, _) in list(backend.migrator.live.items())
                   if req.session_id == "pg-timeout" and _streamed(backend, rid) >= 16
-                  and rid in backend._inflight]
+                  and rid in backend.inflight]
             if on:
                 break
             assert time.monotonic() < end, "the request never generated enough"

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from prometheus_client import REGISTRY
 
 from tandem.cluster import migration
+from tandem.cluster.legs import Legs
 from tandem.cluster.migration import Migrator
 from tandem.cluster.moves import Phase
 from tandem.cluster.workers import DECODE, WorkerRef
@@ -51,15 +52,23 @@ def _cluster(cfg: MigrationConfig | None = None):
     views = [SimpleNamespace(worker_id=w.wid, alive=True, running_tokens=0, in_flight=0) for w in (s, t)]
     dispatch = SimpleNamespace(snapshots=dict, view=lambda: SimpleNamespace(decode=views),
                                move=lambda r, wid: calls.append(("move", wid)))
-    m = Migrator(pool, dispatch, {}, cfg=cfg or MigrationConfig(policy="off", precopy=False))
+    live: dict = {}   # the backend's streams, as the Migrator sees them: worker-side rid -> Legs
+    m = Migrator(pool, dispatch, lambda: dict(live), cfg=cfg or MigrationConfig(policy="off", precopy=False))
+    m.live_legs = live
     return m, s, t, calls
+
+
+def _open(m, rid: str, route, d) -> Legs:
+    """``rid``'s first leg on ``d``, filed where the backend files it (its stream's ``legs``)."""
+    legs = m.live_legs[rid] = Legs.start(m, _req(rid), route, d, None)
+    return legs
 
 
 def _streaming(rid: str, first=(5,)):
     """A cluster and ``rid``'s legs on decode-0, with ``first`` streamed to its client."""
     m, s, t, calls = _cluster()
     route = SimpleNamespace(decode=s.wid, decode_tokens=3, decode_open=True)
-    legs = m.open(_req(rid), route, s, None)
+    legs = _open(m, rid, route, s)
     legs.add(_chunk(rid, first))
     return m, s, t, calls, legs
 
@@ -90,7 +99,7 @@ def test_a_move_freezes_continues_on_the_target_and_is_done_when_the_target_stre
         assert "r1" not in m.moves and _count("admin", "ok") == ok0 + 1 and legs.ids == [5, 6, 7]
         assert m.counts["migrations"] == 1 and m.counts["admin"] == 1
         legs.close()
-        assert m.streams == {} and m._inflight == {}
+        assert m.moves == {} and m.where() == {"r1": t}   # the Migrator filed nothing of its own
 
     asyncio.run(run())
 
@@ -113,7 +122,7 @@ def test_a_target_that_fails_first_falls_back_to_the_source_and_counts_a_failure
 def test_a_client_gone_mid_move_releases_the_frozen_kv_and_counts_an_abort():
     async def run():
         m, s, t, calls = _cluster()
-        legs = m.open(_req("r3"), "route", s, None)
+        legs = _open(m, "r3", "route", s)
         aborted0 = _count("admin", "aborted")
         await m.migrate("r3")
         legs.close()
@@ -126,7 +135,7 @@ def test_a_client_gone_mid_move_releases_the_frozen_kv_and_counts_an_abort():
 def test_a_request_that_is_not_decoding_is_refused_and_counts_nothing():
     async def run():
         m, s, t, calls = _cluster()
-        m.open(_req("r4"), "route", s, None)
+        _open(m, "r4", "route", s)
 
         async def refuse(rid):
             raise ValueError(f"{rid} is not decoding")
@@ -168,7 +177,7 @@ def test_a_dead_worker_s_request_fails_over_to_a_live_peer_which_recomputes():
         ok0 = _count("prestop", "ok")
         assert await legs.failover(s, wait_s=0.0)
         assert legs.worker is t and calls[-1] == ("generate", t.name, None, True)
-        assert ("move", t.wid) in calls and m._inflight["r7"] is t and m.counts["failovers"] == 1
+        assert ("move", t.wid) in calls and m.where()["r7"] is t and m.counts["failovers"] == 1
         legs.add(_chunk("r7", (7,)))
         assert legs.ids == [5, 6, 7] and m.moves == {} and _count("prestop", "ok") == ok0
 

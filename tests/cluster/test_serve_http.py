@@ -175,10 +175,10 @@ def test_abort_mid_stream_frees_every_page_on_both_sides(servers):
 
 def _inflight(backend, timeout=30.0) -> str:
     end = time.monotonic() + timeout
-    while not backend._inflight:
+    while not backend.inflight:
         assert time.monotonic() < end, "the request never reached a decode worker"
         time.sleep(0.01)
-    return next(iter(backend._inflight))
+    return next(iter(backend.inflight))
 
 
 def test_with_no_failovers_killing_a_decode_worker_fails_its_request_and_serving_goes_on(servers, monkeypatch):
@@ -189,7 +189,7 @@ def test_with_no_failovers_killing_a_decode_worker_fails_its_request_and_serving
     stream = _chat(disagg, QUESTION, stream=True, max_tokens=400, extra_body={"ignore_eos": True})
     events = iter(stream)
     next(events)
-    victim = backend._inflight[_inflight(backend)]
+    victim = backend.inflight[_inflight(backend)]
     t0 = time.monotonic()
     ray.kill(victim.handle)
     with pytest.raises(openai.APIError, match="died during the request"):

@@ -99,6 +99,7 @@ def test_debug_kv_requests_come_from_the_streams_under_their_current_worker_side
     moved, waiting = RequestStream("a"), RequestStream("b")
     moved.rerouted()
     moved.sent = 5
-    backend = SimpleNamespace(streams={"a": moved, "b": waiting}, _inflight={"a~1": SimpleNamespace(name="decode-1")})
+    moved.legs = SimpleNamespace(worker=SimpleNamespace(name="decode-1"))   # its current leg's worker
+    backend = SimpleNamespace(streams={"a": moved, "b": waiting})
     (row,) = ClusterObservability.in_flight(backend)
     assert (row["rid"], row["worker"], row["tokens"]) == ("a~1", "decode-1", 5) and row["silent_s"] >= 0

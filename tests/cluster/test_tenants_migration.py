@@ -71,10 +71,10 @@ def test_a_moved_request_keeps_its_trace_and_its_salt(cluster):
     th = threading.Thread(target=_stream, args=(server, out, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}))
     th.start()
     end = time.monotonic() + 60
-    while not backend._inflight:
+    while not backend.inflight:
         assert time.monotonic() < end, "the request never reached a decode worker"
         time.sleep(0.02)
-    rid, src = next(iter(backend._inflight.items()))
+    rid, src = next(iter(backend.inflight.items()))
     url = server.url + "/admin/migrate"
     assert httpx.post(url, params={"rid": rid}, headers={"Authorization": f"Bearer {USER}"},
                       timeout=30).status_code == 403
