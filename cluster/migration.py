@@ -173,7 +173,7 @@ class Migrator:
         p = self.pool.get(r.prefill)
         warm = GenerateRequest(f"{m.rid}~{tag}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
                                session_id=req.session_id, tenant=req.tenant, cache_salt=req.cache_salt,
-                               trace=req.trace)
+                               trace=req.trace, pins=req.pins, pin_cap=req.pin_cap)   # the target pins at once
         gen = m.target.decode_api.generate(
             warm.to_wire(), p.name if p is not None and p.alive else None, self.router_id)
 
