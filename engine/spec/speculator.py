@@ -54,9 +54,9 @@ class StepCost:
             return PRIOR_RATIO          # every step had about as many tokens: no slope to read
         b = (self.ty / self.w - mt * my) / var
         a = my - b * mt
-        if a <= 0 or b <= 0:
-            return PRIOR_RATIO
-        return min(max(b / a, 1 / 1024), 1.0)
+        if b <= 0:
+            return 1 / 1024             # more tokens cost nothing measurable
+        return 1024.0 if a <= 0 else min(max(b / a, 1 / 1024), 1024.0)
 
 
 class Speculator:
