@@ -210,6 +210,7 @@ class StreamChunk:
     # a failure's final chunk, before any token, because the prefill worker died (the decode
     # worker's Ray client saw it): the router may route the request again without that worker
     prefill_died: bool = False
+    spec_tokens: tuple[int, int] = field(default=(0, 0), compare=False)  # final: (drafted, accepted)
 
 
 @dataclass(frozen=True)
