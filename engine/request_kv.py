@@ -128,15 +128,16 @@ class RequestKV:
         """Positions ``[end, computed_len)`` hold the KV of draft tokens a verification rejected (or
         that a finish cut off): free their hybrid rows and the pages wholly past ``end`` (the page
         holding position ``end - 1`` stays, the request's next token continues it); never cached.
-        Sets ``computed_len = end``."""
+        Sets ``computed_len = end``, then releases the SWA rows that left the window at ``end``
+        (:meth:`advanced` kept those of the step's pending position)."""
         r = sr.req
-        if r.computed_len <= end:
-            return
-        self.hybrid.drop_range(r, end, r.computed_len)
-        first = -(-end // self.page_size) * self.page_size
-        if first < r.computed_len:
-            self.alloc.free(self.r2t.read(r.req_pool_idx, first, r.computed_len))
-        r.computed_len = end
+        if r.computed_len > end:
+            self.hybrid.drop_range(r, end, r.computed_len)
+            first = -(-end // self.page_size) * self.page_size
+            if first < r.computed_len:
+                self.alloc.free(self.r2t.read(r.req_pool_idx, first, r.computed_len))
+            r.computed_len = end
+        self.hybrid.advanced(r, sr.locked_len)
 
     def back_up(self, sr: SchedReq):
         """Hand the request's page-aligned KV to the cache, move what only it holds to the host

@@ -447,7 +447,8 @@ class Scheduler:
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error, logprobs=tuple(logprobs), prompt_logprobs=prompt_logprobs,
-                           stop_str=sr.tracker.stop_str if reason == "stop" else None, queue_s=_queued(r))
+                           stop_str=sr.tracker.stop_str if reason == "stop" else None, queue_s=_queued(r),
+                           spec_tokens=(sr.spec.drafted, sr.spec.accepted) if sr.spec else (0, 0))
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
         r = sr.req

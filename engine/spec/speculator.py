@@ -35,8 +35,9 @@ class StepCost:
     """Step seconds ~ ``a + b * tokens``, an exponentially weighted least-squares fit of measured
     steps; ``ratio`` = b / a (what one more token in a step costs, in steps)."""
 
-    def __init__(self, decay: float = 0.95):
-        self.decay = decay
+    def __init__(self, decay: float = 0.95, fixed: float | None = None):
+        """``fixed``: the ratio, never measured (tests whose drafts must not depend on timing)."""
+        self.decay, self.fixed = decay, fixed
         self.w = self.t = self.tt = self.y = self.ty = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -46,6 +47,8 @@ class StepCost:
 
     @property
     def ratio(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
         if self.w < 4:
             return PRIOR_RATIO
         mt, my = self.t / self.w, self.y / self.w

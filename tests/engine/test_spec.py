@@ -22,7 +22,7 @@ from tandem.core.types import InvalidRequest, Req, SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.models.hybrid import tiny_hybrid
 from tandem.engine.spec.ngram import NgramPool, RequestIndex
-from tandem.engine.spec.speculator import DraftState, Speculator
+from tandem.engine.spec.speculator import PRIOR_RATIO, DraftState, Speculator, StepCost
 
 from fake_model import fake_loaded, next_token, oracle
 
@@ -36,6 +36,8 @@ def _stepped(spec: str = "ngram", loaded=None, page_size: int = 1, **cache) -> E
                                             "debug_invariants": True, **cache}))
     e = Engine(cfg, loaded=loaded or fake_loaded())
     e.shutdown()          # the test drives e.step()
+    if e.scheduler.spec is not None:      # the KV-echo model's cost is all per token: fix the rule's
+        e.scheduler.spec.cost = StepCost(fixed=PRIOR_RATIO)     # ratio, so drafting is deterministic
     return e
 
 
