@@ -21,11 +21,11 @@ class RequestIndex:
                 self.after[tuple(ids[i - n + 1:i + 1])] = i + 1
         self.indexed = max(self.indexed, end)
 
-    def propose(self, ids: list[int], k: int) -> tuple[int, ...]:
+    def propose(self, ids: list[int], k: int, min_n: int = 1) -> tuple[int, ...]:
         """Up to ``k`` tokens following the latest earlier occurrence of the longest suffix of
-        ``ids`` (n from ``max_n`` down to 1) that occurred before; () when none did."""
+        ``ids`` (n from ``max_n`` down to ``min_n``) that occurred before; () when none did."""
         self._update(ids)
-        for n in range(min(self.max_n, len(ids) - 1), 0, -1):
+        for n in range(min(self.max_n, len(ids) - 1), min_n - 1, -1):
             j = self.after.get(tuple(ids[len(ids) - n:]))
             if j is not None:
                 return tuple(ids[j:j + k])

@@ -9,8 +9,10 @@ from tandem.engine.spec.ngram import NgramPool, RequestIndex
 
 MAX_DRAFT_TOKENS = 32
 DECAY = 0.7               # weight of the past in a request's acceptance EWMA, per verification
-PROBE_EVERY = 16          # a request not worth drafting still drafts one token this often
+PROBE_EVERY = 16          # a request not worth drafting still drafts one token every this many
+                          # steps times the batch's decodes
 PRIOR_RATIO = 1 / 16      # step cost of one more token / the cost of a step, before measuring
+TRUST_UNIGRAMS = 0.5      # a one-token suffix match drafts only for requests accepting this often
 
 
 @dataclass
@@ -19,7 +21,7 @@ class DraftState:
     the EWMA of accepted draft tokens (``hits``) over accepted plus first rejected (``tries``)."""
 
     index: RequestIndex = field(default_factory=RequestIndex)
-    hits: float = 1.0
+    hits: float = 0.8
     tries: float = 2.0
     idle: int = 0
     drafted: int = 0
@@ -86,7 +88,7 @@ class Speculator:
         k, p = 0, st.alpha
         while k < self.max_draft and p > bar:
             k, p = k + 1, p * st.alpha
-        if k == 0 and st.idle >= PROBE_EVERY:
+        if k == 0 and st.idle >= PROBE_EVERY * batch:      # a probe widens the whole step
             k = 1
         return k
 
@@ -105,7 +107,8 @@ class Speculator:
         if k <= 0:
             return ()
         ids = r.all_ids
-        d = st.index.propose(ids, k) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
+        min_n = 1 if st.alpha >= TRUST_UNIGRAMS else 2    # one matching token is weak evidence
+        d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
         if d:
             st.idle = 0
         return d
