@@ -12,7 +12,8 @@ DECAY = 0.7               # weight of the past in a request's acceptance EWMA, p
 PROBE_EVERY = 16          # a request not worth drafting still drafts one token every this many
                           # steps times the batch's decodes
 PRIOR_RATIO = 1 / 16      # step cost of one more token / the cost of a step, before measuring
-TRUST_UNIGRAMS = 0.5      # a one-token suffix match drafts only for requests accepting this often
+TRUST_SHORT = 0.5         # a suffix match shorter than 3 tokens drafts only for requests accepting
+                          # this often
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Speculator:
         if k <= 0:
             return ()
         ids = r.all_ids
-        min_n = 1 if st.alpha >= TRUST_UNIGRAMS else 2    # one matching token is weak evidence
+        min_n = 1 if st.alpha >= TRUST_SHORT else st.index.max_n   # a short match is weak evidence
         d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
         if d:
             st.idle = 0
