@@ -78,6 +78,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "plan step N+1 while the device runs step N: on, off, or auto (on for CUDA devices)"),
     Flag("--disable-overlap-schedule", "disable_overlap_schedule",
          "turn overlap scheduling off (the host waits for each step's tokens before the next)"),
+    Flag("--speculative-algorithm", "speculative_algorithm",
+         "speculative decoding: ngram (drafts from the request's text and its tenant's pool, "
+         "verified in one step; the same tokens) or off"),
+    Flag("--speculative-num-draft-tokens", "speculative_num_draft_tokens",
+         "the most draft tokens a request verifies per step (1..32)"),
 )
 
 SERVE_FLAGS: tuple[Flag, ...] = (

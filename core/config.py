@@ -108,6 +108,13 @@ class EngineConfig(_Strict):
                             "batches; engine/overlap.py); 'auto': on for CUDA devices, off on the CPU")
     disable_overlap_schedule: bool = Field(
         False, description="turn overlap scheduling off whatever overlap_schedule says")
+    speculative_algorithm: Literal["ngram", "off"] = Field(
+        "ngram", description="speculative decoding: 'ngram' drafts tokens from the request's own text "
+                             "and its tenant's finished requests, verified in one step (the same "
+                             "tokens as without; engine/spec/), 'off': one token per step")
+    speculative_num_draft_tokens: int = Field(
+        8, ge=1, le=32, description="the most draft tokens one request verifies in a step (the cost "
+                                    "rule drafts fewer where they do not pay)")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     hybrid: HybridConfig = HybridConfig()

@@ -104,6 +104,7 @@ class SamplingParams:
     top_logprobs: int = 0
     constraint: Constraint | None = None
     prompt_logprobs: int | None = None
+    speculative: bool = True
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -124,6 +125,8 @@ class SamplingParams:
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                                  f"got {self.top_logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequest(f"speculative must be a bool, got {self.speculative!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true")
         pl = self.prompt_logprobs
@@ -207,6 +210,7 @@ class StreamChunk:
     # a failure's final chunk, before any token, because the prefill worker died (the decode
     # worker's Ray client saw it): the router may route the request again without that worker
     prefill_died: bool = False
+    spec_tokens: tuple[int, int] = field(default=(0, 0), compare=False)  # final: (drafted, accepted)
 
 
 @dataclass(frozen=True)

@@ -189,12 +189,14 @@ class DecodeWorker(ReplyPush, MigrationSource, RoleWorker):
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
-        t0, first, out_ids = time.time(), None, []
+        t0, first, out_ids, spec = time.time(), None, [], (0, 0)
         try:
             async for c in inner:
                 if c.token_ids:
                     out_ids.extend(c.token_ids)
                     first = first or time.time()
+                if c.finish_reason is not None:
+                    spec = c.spec_tokens
                 yield c
         finally:
             await inner.aclose()  # runs the inner cleanup now, not whenever it is collected
@@ -208,7 +210,8 @@ class DecodeWorker(ReplyPush, MigrationSource, RoleWorker):
                 tracing.record("decode", greq.trace, t0, **{
                     "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.path": path,
                     "tandem.tokens": len(out_ids), "tandem.first_token_s": first - t0 if first else None,
-                    "tandem.resumed": greq.resume is not None})
+                    "tandem.resumed": greq.resume is not None, "tandem.spec_drafted": spec[0],
+                    "tandem.spec_accepted": spec[1]})
 
     async def _prefill_here(self, greq: GenerateRequest, peer: str) -> bool:
         ids = list(greq.cache_key)      # the tenant's salted key: what the caches hold

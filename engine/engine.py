@@ -34,6 +34,7 @@ from tandem.engine.overlap import DeviceLane, Launched, resolve_overlap
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.spec.speculator import make_speculator
 from tandem.engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,15 @@ class Engine(StepLoop):
                             kv_pool=self.kv_pool, cache=self.cache, hybrid=self.hybrid,
                             device=self.device)
         sc = cfg.scheduler
+        speculator, spec_line = make_speculator(cfg, self.loaded.arch, self.max_context)
+        self.spec_status = spec_line
         self.scheduler = Scheduler(
             kv=self.kv, tokenizer=self.tokenizer, max_context=self.max_context,
             chunked_prefill_size=sc.chunked_prefill_size, max_batch_tokens=sc.max_batch_tokens,
             schedule_policy=sc.schedule_policy if self.cache.retains else "fcfs",
             retraction_policy=sc.retraction_policy, debug_invariants=cc.debug_invariants,
             debug_retract_every=sc.debug_retract_every, grammar=self.grammar,
-            connector=connector(self) if connector is not None else None)
+            connector=connector(self) if connector is not None else None, speculator=speculator)
         self.connector = self.scheduler.connector
         self.sampler = Sampler(cfg.seed, grammar=self.grammar)
         self.overlap = resolve_overlap(cfg.overlap_schedule, cfg.disable_overlap_schedule,
@@ -120,6 +123,7 @@ class Engine(StepLoop):
         self._lane = DeviceLane(self.runner, self.device, cfg.seed) if self.overlap else None
         self._inflight: Launched | None = None
         self.startup_line += f"; overlap schedule {'on' if self.overlap else 'off'}"
+        self.startup_line += f"; speculative {spec_line}"
         self._grammar = None
         self._grammar_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -27,6 +27,8 @@ class ForwardBatch:
     state_indices: torch.Tensor | None = None  # [B] int64
     state_pool: Any = None
     attn_meta: dict = field(default_factory=dict)
+    logit_rows: torch.Tensor | None = None    # [R] int64 indices into T whose logits are returned
+                                              # (a verify step's draft positions); None: the last ones
 
     @property
     def batch_size(self) -> int:
@@ -45,3 +47,9 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """[B] index into T of each sequence's last new token (whose logits are sampled)."""
         return self.extend_starts + self.extend_lens - 1
+
+    @property
+    def logit_indices(self) -> torch.Tensor:
+        """[R] indices into T of the rows whose logits the forward returns (``logit_rows``, else
+        :attr:`last_token_indices`)."""
+        return self.last_token_indices if self.logit_rows is None else self.logit_rows

@@ -43,6 +43,10 @@ class EngineCollector(Collector):
         yield counter("tandem_worker_evicted_tokens", "tokens evicted from the prefix cache",
                       st["evicted_tokens"])
         yield counter("tandem_worker_steps", "model steps run", st["steps"])
+        yield counter("tandem_spec_drafted_tokens", "n-gram draft tokens verified (engine/spec/)",
+                      st["spec_drafted_tokens"])
+        yield counter("tandem_spec_accepted_tokens", "draft tokens the target model accepted",
+                      st["spec_accepted_tokens"])
         yield counter("tandem_retractions", "requests retracted under KV memory pressure",
                       st["retractions"])
         yield counter("tandem_retraction_restores", "retracted requests restored from the host tier",

@@ -26,6 +26,20 @@ class OutputTracker:
             ids = ids[:-1]
         return self.tok.decode(ids)
 
+    def may_finish(self, tok: int) -> bool:
+        """Whether :meth:`on_token` could finish the request once ``tok`` is appended (False: it
+        surely does not; True may be a stop string that ``min_tokens`` still holds back). Changes
+        nothing. A grammar's end is not looked at: constrained requests never draft."""
+        req = self.req
+        if (tok in self._stop_ids or len(req.output_ids) + 1 >= req.params.max_tokens
+                or req.seq_len + 1 >= self.max_context):
+            return True
+        if not self._stops:
+            return False
+        text = self.tok.decode(req.output_ids + [tok])
+        start = max(0, self.sent - self._max_hold)
+        return any(text.find(s, start) >= 0 for s in self._stops)
+
     def on_token(self, tok: int, grammar_done: bool = False) -> tuple[str, str | None]:
         req = self.req
         finish: str | None = None

@@ -26,8 +26,9 @@ def resolve_overlap(setting: str, disabled: bool, device: torch.device, hybrid: 
 
 def device_sampleable(plan: StepPlan, device: torch.device) -> bool:
     """Every sampling row of ``plan`` is one the device can pick alone (module docstring), and no
-    entry wants its prompt's logprobs (those need every position's logits on the host)."""
-    if wants_prompt_logprobs(plan.entries):
+    entry wants its prompt's logprobs (those need every position's logits on the host), and none
+    verifies a draft (engine/spec/: it samples every draft position; such a step runs plainly)."""
+    if plan.drafts or wants_prompt_logprobs(plan.entries):
         return False
     for e in plan.sampling:
         sr, p = e.sr, e.sr.req.params

@@ -124,6 +124,21 @@ class RequestKV:
             self.hybrid.drop_range(sr.req, start, end)
             self.alloc.free(self.r2t.read(sr.req.req_pool_idx, start, end))
 
+    def roll_back(self, sr: SchedReq, end: int) -> None:
+        """Positions ``[end, computed_len)`` hold the KV of draft tokens a verification rejected (or
+        that a finish cut off): free their hybrid rows and the pages wholly past ``end`` (the page
+        holding position ``end - 1`` stays, the request's next token continues it); never cached.
+        Sets ``computed_len = end``, then releases the SWA rows that left the window at ``end``
+        (:meth:`advanced` kept those of the step's pending position)."""
+        r = sr.req
+        if r.computed_len > end:
+            self.hybrid.drop_range(r, end, r.computed_len)
+            first = -(-end // self.page_size) * self.page_size
+            if first < r.computed_len:
+                self.alloc.free(self.r2t.read(r.req_pool_idx, first, r.computed_len))
+            r.computed_len = end
+        self.hybrid.advanced(r, sr.locked_len)
+
     def back_up(self, sr: SchedReq):
         """Hand the request's page-aligned KV to the cache, move what only it holds to the host
         tier, free its partial last page; returns ``(node, device tokens freed)``."""
@@ -208,12 +223,16 @@ class RequestKV:
 
     @staticmethod
     def _new_ids(e) -> list[int]:
-        ids = e.sr.req.all_ids[e.start:e.start + e.n]
+        ids = e.sr.req.all_ids[e.start:e.start + e.n - len(e.draft)] + list(e.draft)
         return ids + [0] * (e.n - len(ids))
 
-    def advanced(self, sr: SchedReq) -> None:
-        """After the forward moved ``computed_len`` (hybrid: SWA rows that left the window)."""
-        self.hybrid.advanced(sr.req, sr.locked_len)
+    def advanced(self, sr: SchedReq, drafted: int = 0) -> None:
+        """After the forward moved ``computed_len`` (hybrid: SWA rows that left the window; of the
+        ``drafted`` positions at its end, none counts: rejected, they roll back)."""
+        r = sr.req
+        r.computed_len -= drafted
+        self.hybrid.advanced(r, sr.locked_len)
+        r.computed_len += drafted
 
     def fork(self, sr: SchedReq, src: SchedReq, n: int) -> bool:
         """Copy ``src``'s KV of positions ``[0, n)`` into fresh slots of the just admitted ``sr``;

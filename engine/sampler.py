@@ -90,16 +90,19 @@ class Sampler:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    def _generator(self, req) -> torch.Generator:
+    def _generator(self, req, offset: int = 0) -> torch.Generator:
         if req.params.seed is None:
             return self._gen
-        return self._seeded.manual_seed(draw_seed(req.params.seed, len(req.output_ids)))
+        return self._seeded.manual_seed(draw_seed(req.params.seed, len(req.output_ids) + offset))
 
     def sample(self, logits: torch.Tensor, srs: list, eos_ids: frozenset[int],
-               masks: "Future[Masks] | None" = None) -> Sampled:
+               masks: "Future[Masks] | None" = None, offsets: list[int] | None = None) -> Sampled:
         """logits: [B, V] float -> Sampled (row i belongs to srs[i]); ``masks``: what
-        :meth:`prepare` returned for these ``srs`` (computed here when None)."""
+        :meth:`prepare` returned for these ``srs`` (computed here when None); ``offsets[i]``: row i
+        picks output token ``len(output_ids) + offsets[i]`` (a verify step's draft positions: the
+        min_tokens bans and a seeded draw are those of that token; default 0)."""
         logits = logits.float()
+        offsets = offsets or [0] * len(srs)
         reqs = [sr.req for sr in srs]
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         owned = False
@@ -115,7 +118,7 @@ class Sampler:
             dead = m.dead
         masked = {i for _, i in constrained}
         for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.params.min_tokens:
+            if len(r.output_ids) + offsets[i] < r.params.min_tokens:
                 banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_ids))
                 if banned:
                     if not owned:
@@ -133,7 +136,7 @@ class Sampler:
             tokens: list[int | None] = greedy(logits)
         else:
             host = logits.cpu()
-            tokens = [self._one(host[i], r) for i, r in enumerate(reqs)]
+            tokens = [self._one(host[i], r, offsets[i]) for i, r in enumerate(reqs)]
         lps = None
         asked = [i for i, r in enumerate(reqs) if r.params.logprobs and i not in dead]
         if asked:
@@ -147,7 +150,7 @@ class Sampler:
             tokens[i] = None
         return Sampled(tokens, lps)
 
-    def _one(self, row: torch.Tensor, r) -> int:
+    def _one(self, row: torch.Tensor, r, offset: int = 0) -> int:
         p = r.params
         if p.greedy:
             return greedy(row[None])[0]
@@ -162,4 +165,4 @@ class Sampler:
             drop = (cum - sp) > p.top_p
             sp[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, si, sp)
-        return int(torch.multinomial(probs, 1, generator=self._generator(r)))
+        return int(torch.multinomial(probs, 1, generator=self._generator(r, offset)))

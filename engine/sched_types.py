@@ -15,6 +15,7 @@ from tandem.engine.output import OutputTracker
 if TYPE_CHECKING:
     from tandem.cache.tiers.base import Prefetch
     from tandem.engine.grammar import Matcher
+    from tandem.engine.spec.speculator import DraftState
 
 
 @dataclass(eq=False)
@@ -32,6 +33,7 @@ class SchedReq:
     inflight: int = 0
     ahead: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    spec: DraftState | None = None      # its n-gram index and acceptance (engine/spec/)
 
     @property
     def rid(self) -> str:
@@ -42,13 +44,20 @@ class SchedReq:
 class PlanEntry:
     """``sr`` extends its KV from position ``start`` (its ``computed_len`` when planned) by ``n``
     tokens into ``slots`` ``[n]``; ``samples``: that reaches ``seq_len`` (plus the tokens still in
-    flight, ``sr.ahead``), so its last position's logits pick the next token."""
+    flight, ``sr.ahead``), so its last position's logits pick the next token. A verify step
+    (engine/spec/): ``draft`` holds the last ``k = len(draft)`` of the ``n`` input tokens, guessed
+    tokens after the pending one; each of the ``k + 1`` positions' logits picks a token.
+
+        position:  start        start+1 .. start+k
+        input:     pending tok  draft[0] .. draft[k-1]
+    """
 
     sr: SchedReq
     n: int
     slots: torch.Tensor
     samples: bool
     start: int = 0
+    draft: tuple[int, ...] = ()
 
 
 @dataclass
@@ -60,10 +69,10 @@ class StepPlan:
     entries: list[PlanEntry] = field(default_factory=list)
     chunks: list[StreamChunk] = field(default_factory=list)
 
-    def add(self, sr: SchedReq, n: int, slots: torch.Tensor) -> None:
+    def add(self, sr: SchedReq, n: int, slots: torch.Tensor, draft: tuple[int, ...] = ()) -> None:
         r = sr.req
-        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n == r.seq_len + sr.ahead,
-                                      r.computed_len))
+        self.entries.append(PlanEntry(sr, n, slots, r.computed_len + n - len(draft) == r.seq_len + sr.ahead,
+                                      r.computed_len, draft))
 
     def holds(self, sr: SchedReq) -> bool:
         return any(e.sr is sr for e in self.entries)
@@ -71,6 +80,11 @@ class StepPlan:
     @property
     def sampling(self) -> list[PlanEntry]:
         return [e for e in self.entries if e.samples]
+
+    @property
+    def drafts(self) -> bool:
+        """Some entry verifies a draft (its forward needs the logits of every draft position)."""
+        return any(e.draft for e in self.entries)
 
     @property
     def sample_rows(self) -> list[int]:
@@ -83,7 +97,8 @@ def new_stats() -> dict:
     return {"steps": 0, "retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
             "prompt_tokens_computed": 0, "generated_tokens": 0, "evicted_tokens": 0,
             "retraction_restores": 0, "retraction_recomputes": 0, "retraction_aborts": 0,
-            "backup_tokens": 0, "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0}
+            "backup_tokens": 0, "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0,
+            "spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_steps": 0}
 
 
 class SchedulerObserver:

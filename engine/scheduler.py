@@ -18,6 +18,7 @@ from tandem.engine.request_kv import RequestKV
 from tandem.engine.retraction import Retraction
 from tandem.engine.sample_groups import SampleGroups
 from tandem.engine.sched_types import SchedReq, SchedulerObserver, StepPlan, new_stats
+from tandem.engine.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,11 @@ class Scheduler:
                  max_batch_tokens: int, schedule_policy: str = "fcfs",
                  retraction_policy: str = "default", host_backup: bool = True,
                  debug_invariants: bool = False, debug_retract_every: int = 0,
-                 grammar: Callable[[], object] | None = None, connector: KVConnector | None = None):
+                 grammar: Callable[[], object] | None = None, connector: KVConnector | None = None,
+                 speculator: Speculator | None = None):
         """``grammar``: the engine's GrammarCompiler (None: constraints are refused); ``connector``:
-        the role's (engine/connector.py; default: nothing crosses workers)."""
+        the role's (engine/connector.py; default: nothing crosses workers); ``speculator``: drafts
+        for decodes (engine/spec/; None: every decode is one token)."""
         self.kv, self.chunk = kv, chunked_prefill_size
         self.max_batch_tokens, self.policy = max_batch_tokens, schedule_policy
         self.debug, self.debug_retract_every = debug_invariants, debug_retract_every
@@ -47,6 +50,9 @@ class Scheduler:
         self.groups = SampleGroups()
         self.stats = kv.stats = new_stats()
         self.retraction = Retraction(kv, self.stats, policy=retraction_policy, host_backup=host_backup)
+        self.spec = speculator
+        if speculator is not None:
+            speculator.stats = self.stats
         self.admission = Admission(kv, tokenizer, max_context, schedule_policy, grammar,
                                    self.connector, self.groups, self.stats)
 
@@ -163,6 +169,8 @@ class Scheduler:
                 if victim is not None:
                     decodes.remove(victim)
                     self._retract(victim)
+        if self.spec is not None and decodes:
+            decodes = self.spec.plan(plan, decodes, self.kv)
         batch = self.kv.extend_decodes(decodes)
         for sr, slots in zip(decodes if batch is not None else (), batch or ()):
             plan.add(sr, 1, slots)
@@ -306,7 +314,7 @@ class Scheduler:
             sr, r = e.sr, e.sr.req
             computed += max(0, min(e.start + e.n, len(r.prompt_ids)) - e.start)
             r.computed_len = e.start + e.n
-            self.kv.advanced(sr)
+            self.kv.advanced(sr, len(e.draft))
             sr.inflight += 1
             sr.ahead += e.samples
         self.stats["prompt_tokens_computed"] += computed
@@ -317,7 +325,7 @@ class Scheduler:
         out: list[StreamChunk] = []
         for e in plan.entries:
             e.sr.inflight -= 1
-            if e.n > 1 and not e.sr.req.finished:
+            if e.n > 1 and not e.draft and not e.sr.req.finished:
                 self.kv.cache_prefix(e.sr, end=e.start + e.n)
         now = time.monotonic()
         for i, (e, tok) in enumerate(zip(plan.sampling, tokens)):
@@ -327,7 +335,11 @@ class Scheduler:
                 continue
             if r.first_token_time is None:
                 r.first_token_time, r.status = now, ReqStatus.RUNNING
-            out.append(self._on_token(sr, tok, logprob=logprobs[i] if logprobs is not None else None))
+            lp = logprobs[i] if logprobs is not None else None
+            if e.draft:
+                out.extend(self._on_run(sr, e, tok, lp))
+            else:
+                out.append(self._on_token(sr, tok, logprob=lp))
         self._release_deferred()
         self.stats["steps"] += 1
         if self.debug:
@@ -340,6 +352,21 @@ class Scheduler:
             self._deferred = [sr for sr in self._deferred if sr.inflight]
             for sr in done:
                 self.kv.release(sr)
+
+    def _on_run(self, sr: SchedReq, e, run: tuple[int, ...], lps) -> list[StreamChunk]:
+        """A verify step's accepted ``run`` (engine/spec/speculator.py ``accepted_runs``): the KV of
+        the rejected drafts rolls back, then each token goes the way of a decode's; a token that may
+        finish the request is applied with the KV before it only, and ends the run."""
+        self.spec.verified(sr, e.draft, run)
+        out = []
+        for t, tok in enumerate(run):
+            last = t == len(run) - 1 or sr.tracker.may_finish(tok)
+            if last:
+                self.kv.roll_back(sr, e.start + 1 + t)
+            out.append(self._on_token(sr, tok, logprob=lps[t] if lps is not None else None))
+            if last or sr.req.finished:
+                break
+        return out
 
     def _on_token(self, sr: SchedReq, tok: int | None, sampled: bool = True,
                   logprob: TokenLogprob | None = None) -> StreamChunk:
@@ -405,6 +432,8 @@ class Scheduler:
                 logprobs=(), prompt_logprobs=()) -> StreamChunk:
         r = sr.req
         self.running.pop(r.rid, None)
+        if self.spec is not None:
+            self.spec.finished(sr)
         if self.connector.finished(sr, reason):
             self.detached[r.rid] = sr
         else:
@@ -418,7 +447,8 @@ class Scheduler:
         r.finish_reason, r.error, r.finish_time = reason, error, time.monotonic()
         return StreamChunk(r.rid, tuple(last_ids), text, reason, len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error, logprobs=tuple(logprobs), prompt_logprobs=prompt_logprobs,
-                           stop_str=sr.tracker.stop_str if reason == "stop" else None, queue_s=_queued(r))
+                           stop_str=sr.tracker.stop_str if reason == "stop" else None, queue_s=_queued(r),
+                           spec_tokens=(sr.spec.drafted, sr.spec.accepted) if sr.spec else (0, 0))
 
     def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
         r = sr.req

@@ -7,10 +7,13 @@ import logging
 import queue
 import time
 
+import torch
+
 from tandem.core.types import InvalidRequest, StreamChunk
 from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Migrate, Release, Submit, Unpin
 from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.overlap import device_sampleable, fill_indices, fill_inputs
+from tandem.engine.spec.speculator import accepted_runs, logit_layout
 
 log = logging.getLogger("tandem.engine.engine")
 
@@ -114,6 +117,15 @@ class StepLoop:
         return plan
 
     def _forward_sample(self, plan, fb) -> tuple[list, list | None]:
+        spec = self.scheduler.spec
+        if spec is None:
+            return self._sample(plan, fb)
+        t0 = time.perf_counter()
+        out = self._verify(plan, fb) if plan.drafts else self._sample(plan, fb)
+        spec.cost.observe(fb.num_tokens, time.perf_counter() - t0)     # the cost rule's measure
+        return out
+
+    def _sample(self, plan, fb) -> tuple[list, list | None]:
         srs = [e.sr for e in plan.sampling]
         masks = self.sampler.prepare(srs)
         every = wants_prompt_logprobs(plan.entries)    # [T, V]: prompt logprobs need every position
@@ -126,6 +138,21 @@ class StepLoop:
         sampled = logits if len(rows) == len(plan.entries) else logits[rows]
         out = self.sampler.sample(sampled, srs, self.scheduler.eos, masks)
         return out.tokens, out.logprobs
+
+    def _verify(self, plan, fb) -> tuple[list, list | None]:
+        """A step with drafts (engine/spec/): every draft position's logits are sampled as a decode
+        there would be; each entry gets its accepted run (``accepted_runs``)."""
+        idx, srs, offsets = logit_layout(plan)
+        masks = self.sampler.prepare(srs)
+        if wants_prompt_logprobs(plan.entries):
+            logits = self.runner.forward(fb, return_all_logits=True)      # [T, V]
+            take_prompt_logprobs(plan.entries, logits)
+            logits = logits[idx]
+        else:
+            fb.logit_rows = torch.tensor(idx, dtype=torch.int64).to(fb.input_ids.device)
+            logits = self.runner.forward(fb)                               # [R, V]
+        out = self.sampler.sample(logits, srs, self.scheduler.eos, masks, offsets)
+        return accepted_runs(plan, out.tokens, out.logprobs)
 
     def _step_overlap(self):
         s = self.scheduler

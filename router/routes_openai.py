@@ -135,7 +135,7 @@ class OpenAIRoutes:
             top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
             stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
             logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
-            prompt_logprobs=req.prompt_logprobs_needed())
+            prompt_logprobs=req.prompt_logprobs_needed(), speculative=req.speculative)
         greqs, firsts = [], []
         for k, ids in enumerate(prompts):      # each prompt its own room for output
             params = replace(base, max_tokens=self.door.output_budget(

@@ -31,6 +31,7 @@ class RoleActorMixin:
         pub = getattr(w, "kv_publisher", None)
         return {"name": w.name, "role": w.role, "model_name": e.model_name,
                 "max_context": e.max_context, "vocab_size": e.arch.vocab_size,
+                "speculative": e.spec_status,
                 "page_size": w.page_size, "device": str(e.device),
                 "regions": sorted(w.regions), "peers": sorted(w.agent.peers),
                 "kv_events": pub.endpoint if pub is not None else None,

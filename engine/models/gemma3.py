@@ -329,13 +329,13 @@ class Gemma3ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend,
                 return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] (float32)."""
+        """Logits [B, V] at ``fb.logit_indices`` or [T, V] (float32)."""
         x = F.embedding(fb.input_ids, self.embed) * self.embed_scale        # [T, H]
         rot = {k: r.tables(fb.positions) for k, r in self.rotary.items()}
         for layer in self.layers:
             x = layer(x, rot, fb, backend)
         if not return_all_logits:
-            x = x[fb.last_token_indices]                                    # [B, H]
+            x = x[fb.logit_indices]                                    # [B, H]
         eps = self.arch.rms_norm_eps
         if isinstance(self.head, Avx512Linear):
             logits = self.head(x, pre=PreOp.rmsnorm_f32(self.norm, eps))

@@ -189,12 +189,12 @@ class GraniteHybridForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend,
                 return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] (float32)."""
+        """Logits [B, V] at ``fb.logit_indices`` or [T, V] (float32)."""
         x = F.embedding(fb.input_ids, self.embed) * self.extras.embedding_multiplier   # [T, H]
         rot = self.rotary.tables(fb.positions) if self.rotary is not None else None
         for layer in self.layers:
             x = layer(x, rot, fb, backend)
         if not return_all_logits:
-            x = x[fb.last_token_indices]                                    # [B, H]
+            x = x[fb.logit_indices]                                    # [B, H]
         x = rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return (F.linear(x, self.lm_head) / self.extras.logits_scaling).float()   # [B | T, V]

@@ -78,13 +78,13 @@ class HybridForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend,
                 return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] (float32)."""
+        """Logits [B, V] at ``fb.logit_indices`` or [T, V] (float32)."""
         x = F.embedding(fb.input_ids, self.embed)                    # [T, H]
         cos, sin = self.rotary.tables(fb.positions)                   # [T, 1, D/2]
         for layer in self.layers:
             x = layer(x, cos, sin, fb, backend)
         if not return_all_logits:
-            x = x[fb.last_token_indices]                              # [B, H]
+            x = x[fb.logit_indices]                              # [B, H]
         x = rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return (x @ self.lm_head_t).float()                           # [B|T, V]
 

@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend,
                 return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] at ``fb.last_token_indices`` or [T, V] with ``return_all_logits`` (float32;
+        """Logits [B, V] at ``fb.logit_indices`` or [T, V] with ``return_all_logits`` (float32;
         computed in the model dtype, as transformers does)."""
         if callable(getattr(backend, "attend", None)):     # the GPU path (triton) only where it can run
             from tandem.engine.models import llama_gpu
@@ -168,8 +168,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(fb.positions)                   # [T, 1, D/2]
         for layer in self.layers:
             x = layer(x, cos, sin, fb, backend)
-        if not return_all_logits and x.shape[0] != fb.batch_size:
-            x = x[fb.last_token_indices]                              # [B, H]
+        if not return_all_logits and (fb.logit_rows is not None or x.shape[0] != fb.batch_size):
+            x = x[fb.logit_indices]                              # [B, H]
         if self.head is not None:
             return self.head(x, pre=PreOp.rmsnorm(self.norm, self.arch.rms_norm_eps)).float()
         x = rms_norm(x, self.norm, self.arch.rms_norm_eps)

@@ -23,8 +23,8 @@ def forward(model, fb: ForwardBatch, backend, return_all_logits: bool = False) -
     delta = None
     for layer in model.layers:
         delta = _layer(layer, res, delta, fb, backend, model.rotary, eps)
-    if not return_all_logits and res.shape[0] != fb.batch_size:
-        idx = fb.last_token_indices
+    if not return_all_logits and (fb.logit_rows is not None or res.shape[0] != fb.batch_size):
+        idx = fb.logit_indices
         res, delta = res[idx], delta[idx]                             # [B, H]
     x = add_rmsnorm(delta, res, model.norm, eps)
     if model.head is not None:

@@ -58,9 +58,14 @@ class KVEchoModel:
         k = fb.kv_pool.layer(0).k                                  # [rows, 1, 2]
         new = torch.stack([fb.input_ids, fb.positions], dim=-1).to(k.dtype)  # [T, 2]
         k[fb.out_cache_loc, 0] = new
-        logits = torch.full((fb.batch_size, VOCAB), -10.0)
-        for b in range(fb.batch_size):
-            n = fb.seq_lens_cpu[b]
+        starts = [0]
+        for n in fb.extend_lens_cpu:
+            starts.append(starts[-1] + n)
+        rows = range(starts[-1]) if return_all_logits else fb.logit_indices.tolist()
+        logits = torch.full((len(rows), VOCAB), -10.0)
+        for i, t in enumerate(rows):
+            b = next(b for b in range(fb.batch_size) if t < starts[b + 1])
+            n = fb.prefix_lens_cpu[b] + t - starts[b] + 1          # the tokens up to position t
             slots = fb.req_to_token[int(fb.req_pool_indices[b]), :n].to(torch.int64)
             kv = k[slots, 0].to(torch.int64)                       # [n, 2]: (token, position)
             bad = torch.nonzero(kv[:, 1] != torch.arange(n)).flatten()
@@ -68,9 +73,9 @@ class KVEchoModel:
                 p = int(bad[0])
                 raise AssertionError(f"row {int(fb.req_pool_indices[b])}: position {p} reads slot "
                                      f"{int(slots[p])}, which holds position {int(kv[p, 1])}")
-            t = next_token(kv[:, 0].tolist())
-            logits[b, t] = 5.0
-            logits[b, _LO + (t - _LO + 1) % _N] = 4.0
+            nt = next_token(kv[:, 0].tolist())
+            logits[i, nt] = 5.0
+            logits[i, _LO + (nt - _LO + 1) % _N] = 4.0
         return logits
 
 

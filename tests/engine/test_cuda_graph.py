@@ -194,7 +194,7 @@ def test_standin_keeps_the_pool_but_padding_page(tiny):
 def test_engine_with_standin_matches_engine_without(tiny):
     from tandem.engine.engine import Engine
 
-    cfg = EngineConfig(device="cpu", num_threads=1,
+    cfg = EngineConfig(device="cpu", num_threads=1, speculative_algorithm="off",   # counts pure decodes
                        cache=CacheConfig(max_total_tokens=1024, max_running_requests=8, page_size=2))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     texts = {}

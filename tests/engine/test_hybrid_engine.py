@@ -30,9 +30,9 @@ def tiny():
 
 
 def make_engine(loaded, *, page_size=1, max_total_tokens=320, disable=False, chunk=32,
-                swa_pool_tokens=96, state_slots=8, max_running_requests=4) -> Engine:
+                swa_pool_tokens=96, state_slots=8, max_running_requests=4, spec="ngram") -> Engine:
     cfg = EngineConfig(
-        num_threads=1,
+        num_threads=1, speculative_algorithm=spec,
         cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens,
                           max_running_requests=max_running_requests, debug_invariants=True,
                           disable_prefix_cache=disable),
@@ -123,7 +123,7 @@ def test_window_release_frees_swa_rows(tiny):
     slots grow with its length; the released positions become tombstones when it is cached."""
     ps, w = 4, WINDOW
     e, sched = idle_scheduler(tiny["full+swa"], page_size=ps, max_total_tokens=512,
-                              swa_pool_tokens=128, chunk=16)
+                              swa_pool_tokens=128, chunk=16, spec="off")    # pins one token a step
     h = e.hybrid
     req = Req(list(range(30, 90)), SamplingParams(max_tokens=20, ignore_eos=True))  # 4 chunks
     sched.add(req)

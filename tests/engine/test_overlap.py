@@ -29,9 +29,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The three primary colors are", "Water boils at", "List three fruits:"]
 
 
-def _engine(loaded, overlap: str, **cache) -> Engine:
+def _engine(loaded, overlap: str, spec: str = "ngram", **cache) -> Engine:
     sched = cache.pop("scheduler", SchedulerConfig())
     cfg = EngineConfig(device="cpu", dtype="float32", overlap_schedule=overlap, scheduler=sched,
+                       speculative_algorithm=spec,
                        cache=CacheConfig(**{"max_total_tokens": 4096, "debug_invariants": True, **cache}))
     return Engine(cfg, loaded=loaded)
 
@@ -189,9 +190,9 @@ class _WatchingModel:
         while self.launched <= self.calls and time.monotonic() < end:
             time.sleep(0.001)
         self.saw_host += self.launched > self.calls
-        last = fb.last_token_indices      # all mass on a printable byte (never EOS) of the input
-        logits = torch.zeros(fb.batch_size, _VOCAB)
-        logits[torch.arange(fb.batch_size), (fb.input_ids[last] * 31 + fb.positions[last] * 7 + 1) % 94] = 1.0
+        last = fb.logit_indices           # all mass on a printable byte (never EOS) of the input
+        logits = torch.zeros(len(last), _VOCAB)
+        logits[torch.arange(len(last)), (fb.input_ids[last] * 31 + fb.positions[last] * 7 + 1) % 94] = 1.0
         return logits
 
 
@@ -211,7 +212,7 @@ def test_the_host_launches_step_n_plus_1_while_the_device_runs_step_n(overlap):
     Tokens equal either way."""
     loaded = _watching(wait_s=2.0 if overlap == "on" else 0.02)
     model = loaded.model
-    e = model.engine = _engine(loaded, overlap)
+    e = model.engine = _engine(loaded, overlap, spec="off")   # a step with drafts runs plainly
     advance = e.scheduler.advance
 
     def counted(plan):

@@ -31,8 +31,10 @@ OVERLAP = pytest.mark.parametrize("overlap", ["off", "on"])   # engine/overlap.p
 
 
 def make(page_size=4, tokens=256, rows=8, chunk=16, batch=256, host=0, policy="fcfs", cache=True,
-         retract_every=0, retraction_policy="default", connector=None, overlap="off") -> Engine:
-    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, overlap_schedule=overlap, cache=CacheConfig(
+         retract_every=0, retraction_policy="default", connector=None, overlap="off", spec="ngram") -> Engine:
+    """``spec="off"`` for the tests that pin each step's widths (a draft widens a decode)."""
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, overlap_schedule=overlap,
+                       speculative_algorithm=spec, cache=CacheConfig(
         page_size=page_size, max_total_tokens=tokens, max_running_requests=rows,
         disable_prefix_cache=not cache, host_pool_tokens=host, debug_invariants=True),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_batch_tokens=batch,
@@ -97,7 +99,7 @@ def idle(e: Engine) -> None:
 
 # ---------------------------------------------------------------------------------- plans
 def test_chunked_prefill_plans_and_mixed_steps():
-    e = make(chunk=16)
+    e = make(chunk=16, spec="off")                 # pins each step's widths
     d = Driver(e)
     d.submit("a", prompt(1, 40), 3)
     assert d.step() == [("a", 16)]

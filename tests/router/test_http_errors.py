@@ -50,6 +50,7 @@ CASES = {
     "temperature negative": (CHAT, chat(temperature=-1), 400, "temperature"),
     "top_p zero": (COMP, comp(top_p=0), 400, "top_p"),
     "stream string": (CHAT, chat(stream="yes"), 400, "stream"),
+    "speculative string": (CHAT, chat(speculative="off"), 400, "speculative"),
     "seed too big": (COMP, comp(seed=2 ** 70), 400, "seed"),
     "n above the limit": (CHAT, chat(n=9), 400, "n"),
     "n zero": (CHAT, chat(n=0), 400, "n"),

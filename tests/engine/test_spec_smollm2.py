@@ -1,0 +1,62 @@
+"""Speculative decoding on the real model (SmolLM2, float32): greedy tokens, texts, finish reasons
+and logprobs equal to decoding without drafts, on a batch that copies (so drafts are accepted: the
+test asserts it) mixed with prompt chunks and a chat row."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.core.types import SamplingParams
+from tandem.engine.engine import Engine
+
+DOC = json.dumps({"name": "Ada Lovelace", "born": 1815, "city": "London",
+                  "known_for": ["Analytical Engine notes", "first published algorithm"]}, indent=2)
+COPY = f"Here is a JSON document:\n{DOC}\nReturn the same JSON document with the city changed to Paris."
+CODE = "def area(width, height):\n    return width * height\n\n\nprint(area(3, 4))\nprint(area(5, 6))"
+RENAME = f"Rename the function area to surface in this code and output the whole code:\n\n{CODE}"
+
+
+def _run(loaded, spec: str):
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, speculative_algorithm=spec,
+                       scheduler=SchedulerConfig(chunked_prefill_size=48),
+                       cache=CacheConfig(max_total_tokens=4096, page_size=4, debug_invariants=True))
+    e = Engine(cfg, loaded=loaded)
+    try:
+        reqs = [e.make_request(COPY, SamplingParams(max_tokens=64), chat=True, rid="copy"),
+                e.make_request(RENAME, SamplingParams(max_tokens=40, stop=("surface(5",)), chat=True, rid="rename"),
+                e.make_request("What is the capital of France?", SamplingParams(
+                    max_tokens=16, logprobs=True, top_logprobs=2), chat=True, rid="chat"),
+                e.make_request(COPY, SamplingParams(max_tokens=48, logprobs=True, top_logprobs=3),
+                               chat=True, rid="copy-lp")]
+        out = {g.rid: [[], "", None, []] for g in reqs}
+        done = threading.Event()
+
+        def cb(c):
+            got = out[c.rid]
+            got[0].extend(c.token_ids)
+            got[1] += c.text
+            got[3].extend(c.logprobs)
+            if c.finish_reason is not None:
+                got[2] = c.finish_reason
+                if all(v[2] is not None for v in out.values()):
+                    done.set()
+        for g in reqs:
+            e.submit(g, cb)
+        assert done.wait(600)
+        e.check_invariants()
+        stats = e.stats()
+    finally:
+        e.shutdown()
+    return {k: (tuple(v[0]), v[1], v[2], tuple(v[3])) for k, v in out.items()}, stats
+
+
+def test_greedy_and_logprobs_equal_decoding_without_drafts(smollm2):
+    off, _ = _run(smollm2, "off")
+    on, stats = _run(smollm2, "ngram")
+    assert stats["spec_accepted_tokens"] >= 20, stats        # drafts were accepted: else this proves nothing
+    assert stats["steps"] < sum(len(v[0]) for v in on.values())
+    assert on == off
+    assert len(on["copy-lp"][3]) == len(on["copy-lp"][0]) and len(on["chat"][3][0].top) == 2
+    assert off["rename"][2] == "stop" or "surface(5" not in off["rename"][1]
