@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.cluster import alarms
 from tandem.cluster.alarms import Alarms, Died, Stalled, next_or_alarm
 from tandem.cluster.stream import Failure, Next, RequestStream
 from tandem.cluster.supervisor import Supervisor
@@ -28,7 +27,7 @@ def _supervisor() -> Supervisor:
     return sup
 
 
-async def _react(sup: Supervisor, push, d: WorkerRef, p: WorkerRef | None = None):
+async def _react(sup: Supervisor, push, d: WorkerRef, p: WorkerRef | None = None, safety_s: float | None = None):
     """Wait on a chunk that never comes from ``d`` while ``push`` runs on another thread after
     ``PUSH_AFTER_S``; (what the wait raised, seconds from the push to the reaction)."""
     never = asyncio.get_running_loop().create_future()
@@ -36,7 +35,7 @@ async def _react(sup: Supervisor, push, d: WorkerRef, p: WorkerRef | None = None
     timer = threading.Timer(PUSH_AFTER_S, lambda: (pushed.append(time.monotonic()), push()))
     timer.start()
     try:
-        await next_or_alarm(never, sup.alarms, "r1", d, p, limit=3.0)
+        await next_or_alarm(never, sup.alarms, "r1", d, p, limit=3.0, safety_s=safety_s)
     except (Died, Stalled) as e:
         return e, time.monotonic() - pushed[0]
     finally:
@@ -76,16 +75,15 @@ def test_a_pushed_suspicion_of_the_decode_worker_or_its_prefill_ends_the_wait_as
     assert isinstance(e, Stalled) and e.what == "prefill" and e.worker is p and after < REACT_S
 
 
-def test_without_a_ring_only_the_safety_net_wakes_the_wait(monkeypatch):
-    """The control: the same death, not rung, is seen only at the safety net, so the speed above is
-    the push's."""
-    monkeypatch.setattr(alarms, "SAFETY_S", 0.4)
+def test_without_a_ring_only_the_safety_net_wakes_the_wait():
+    """The control: the same death, not rung, is seen only at the safety net (0.4 s here), so the
+    speed above is the push's."""
     d = WorkerRef("decode-0", DECODE, 0, None)
 
     def die_quietly():
         d.alive = False
 
-    e, after = asyncio.run(_react(_supervisor(), die_quietly, d))
+    e, after = asyncio.run(_react(_supervisor(), die_quietly, d, safety_s=0.4))
     assert isinstance(e, Died) and after > 0.3
 
 
