@@ -41,9 +41,9 @@ def _stepped(spec: str = "ngram", loaded=None, page_size: int = 1, **cache) -> E
     return e
 
 
-def _drive(e: Engine, reqs: list[GenerateRequest]) -> dict[str, tuple]:
-    """Submit ``reqs`` and step until all finish, checking the invariants after every step;
-    rid -> (token ids, text, finish reason, logprobs)."""
+def collector(reqs) -> tuple[dict[str, list], object]:
+    """``(out, cb)``: ``cb`` collects each request's chunks into ``out[rid]`` = [token ids, text,
+    finish reason, logprobs]."""
     out: dict[str, list] = {g.rid: [[], "", None, []] for g in reqs}
 
     def cb(c):
@@ -53,6 +53,13 @@ def _drive(e: Engine, reqs: list[GenerateRequest]) -> dict[str, tuple]:
         got[3].extend(c.logprobs)
         if c.finish_reason is not None:
             got[2] = c.finish_reason
+    return out, cb
+
+
+def _drive(e: Engine, reqs: list[GenerateRequest]) -> dict[str, tuple]:
+    """Submit ``reqs`` and step until all finish, checking the invariants after every step;
+    rid -> (token ids, text, finish reason, logprobs)."""
+    out, cb = collector(reqs)
     for g in reqs:
         e.submit(g, cb)
     while e.scheduler.has_work() or not e._inbox.empty():

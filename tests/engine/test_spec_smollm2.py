@@ -11,6 +11,8 @@ from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.types import SamplingParams
 from tandem.engine.engine import Engine
 
+from test_spec import collector
+
 DOC = json.dumps({"name": "Ada Lovelace", "born": 1815, "city": "London",
                   "known_for": ["Analytical Engine notes", "first published algorithm"]}, indent=2)
 COPY = f"Here is a JSON document:\n{DOC}\nReturn the same JSON document with the city changed to Paris."
@@ -30,18 +32,13 @@ def _run(loaded, spec: str):
                     max_tokens=16, logprobs=True, top_logprobs=2), chat=True, rid="chat"),
                 e.make_request(COPY, SamplingParams(max_tokens=48, logprobs=True, top_logprobs=3),
                                chat=True, rid="copy-lp")]
-        out = {g.rid: [[], "", None, []] for g in reqs}
+        out, collect = collector(reqs)
         done = threading.Event()
 
         def cb(c):
-            got = out[c.rid]
-            got[0].extend(c.token_ids)
-            got[1] += c.text
-            got[3].extend(c.logprobs)
-            if c.finish_reason is not None:
-                got[2] = c.finish_reason
-                if all(v[2] is not None for v in out.values()):
-                    done.set()
+            collect(c)
+            if all(v[2] is not None for v in out.values()):
+                done.set()
         for g in reqs:
             e.submit(g, cb)
         assert done.wait(600)
