@@ -49,6 +49,7 @@ class RayClusterBackend(ClusterObservability):
         self.tokenizer = tokenizer
         self.model_name = ""
         self.max_context = 0
+        self.speculative: str | None = None
         self.vocab_size = 0
         self.pool = WorkerPool()
         self.router_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -106,6 +107,8 @@ class RayClusterBackend(ClusterObservability):
         info = infos[-1]
         self.model_name, self.max_context = info["model_name"], int(info["max_context"])
         self.vocab_size = int(info["vocab_size"])
+        decode = [i for i in infos if i.get("role") == "decode"] or [info]   # where drafts are made
+        self.speculative = decode[0].get("speculative")
         for w, i in zip(self.pool.everyone(), infos):
             self.supervisor.register(w, i)
         if self.launcher.detached:

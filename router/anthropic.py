@@ -51,6 +51,7 @@ class MessagesRequest(_Request):
     metadata: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    speculative: bool = True          # Tandem (the SDK's extra_body): false turns n-gram drafts off
 
 
 class CountTokensRequest(_Request):
@@ -206,7 +207,7 @@ class AnthropicRoutes:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p or 1.0, top_k=req.top_k or 0, stop=tuple(req.stop_sequences or ()),
-            constraint=constraint)
+            constraint=constraint, speculative=req.speculative)
         try:
             params.validate()
         except InvalidRequest as e:

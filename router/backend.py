@@ -32,7 +32,8 @@ class ServingBackend(Protocol):
     - ``health()``: a JSON-able dict with ``"status": "ok"`` when serving (anything else -> 503).
     - ``metrics_text()``: Prometheus text exposition for the whole deployment (may block; the front
       door calls it off the event loop).
-    - optional: :class:`KVDebugBackend` (GET /debug/kv), :class:`AdminBackend` (POST /admin/*,
+    - optional: ``speculative``, the engines' speculative decoding status (/v1/models says it);
+      :class:`KVDebugBackend` (GET /debug/kv), :class:`AdminBackend` (POST /admin/*,
       /debug/kill and the live state /debug/kv adds); the front door checks ``isinstance``.
     """
 
@@ -95,6 +96,7 @@ class LocalEngineBackend:
         self.engine = engine
         self.model_name: str = engine.model_name
         self.max_context: int = int(engine.max_context)
+        self.speculative: str | None = getattr(engine, "spec_status", None)
         self.tokenizer = engine.tokenizer
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:

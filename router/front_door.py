@@ -212,7 +212,8 @@ class FrontDoor:
             self.check_auth(request)
         except APIError as e:
             return refusal(e)
-        card = ModelCard(id=self.backend.model_name, created=self.created, max_model_len=self.backend.max_context)
+        card = ModelCard(id=self.backend.model_name, created=self.created, max_model_len=self.backend.max_context,
+                         speculative=getattr(self.backend, "speculative", None))
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     async def health(self) -> Response:

@@ -167,6 +167,8 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "tandem"
     max_model_len: int
+    speculative: str | None = None     # Tandem: the decode workers' speculation ("ngram (up to 8
+                                       # draft tokens)", "off", or "off: " and why); None: unknown
 
 
 class ModelList(_Response):

@@ -41,6 +41,7 @@ class ResponsesRequest(_Request):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     seed: int | None = None
+    speculative: bool = True          # Tandem (the SDK's extra_body): false turns n-gram drafts off
     # parsed only to refuse them when set
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None

@@ -65,7 +65,8 @@ class ResponsesRoutes:
         ids = self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))
         max_tokens = self.door.output_budget(len(ids), req.max_output_tokens, None, True, "max_output_tokens")
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, constraint=constraint)
+                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, constraint=constraint,
+                                speculative=req.speculative)
         try:
             params.validate()
         except InvalidRequest as e:

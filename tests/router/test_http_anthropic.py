@@ -124,12 +124,24 @@ def test_count_tokens(client, live):
      400, "invalid_request_error", "tools.0.name is required"),
     ({"model": M, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
       "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error", "not among the declared"),
+    ({"model": M, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "speculative": "off"}, 400,
+     "invalid_request_error", "speculative"),
 ])
 def test_errors_in_anthropic_shape(live, body, status, kind, needle):
     r = httpx.post(live.url + "/v1/messages", json=body, timeout=10)
     assert r.status_code == status
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == kind and needle in err["error"]["message"]
+
+
+def test_speculative_field_reaches_the_engine(client, live):
+    """Tandem's ``speculative`` (through the SDK's extra_body) turns drafts off for the request;
+    absent, it stays on."""
+    client.messages.create(model=M, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert live.backend.requests[-1].params.speculative is True
+    client.messages.create(model=M, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                           extra_body={"speculative": False})
+    assert live.backend.requests[-1].params.speculative is False
 
 
 def test_api_key_header(live_auth):

@@ -93,8 +93,10 @@ def client(served):
 
 
 def test_chat_streamed_equals_non_streamed(client, engine):
-    model = client.models.list().data[0].id
+    card = client.models.list().data[0]
+    model = card.id
     assert model == engine.model_name
+    assert card.speculative == engine.spec_status and card.speculative.startswith(("ngram", "off"))
     msgs = [{"role": "user", "content": "hello"}]
     n_prompt = len(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(msgs)))
     kw = dict(model=model, messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})

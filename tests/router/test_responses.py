@@ -65,6 +65,14 @@ def test_create_get_delete(client, live):
             call()
 
 
+def test_speculative_field_reaches_the_engine(client, live):
+    """Tandem's ``speculative`` (the SDK's extra_body) turns drafts off for the request; absent, on."""
+    client.responses.create(model=M, input=say("x"), store=False)
+    assert live.backend.requests[-1].params.speculative is True
+    client.responses.create(model=M, input=say("x"), store=False, extra_body={"speculative": False})
+    assert live.backend.requests[-1].params.speculative is False
+
+
 def test_store_false_is_not_kept(client):
     r = client.responses.create(model=M, input=say("x"), store=False)
     assert r.store is False
@@ -241,6 +249,7 @@ def test_background_completes_and_cancel_aborts(client, live):
     ({"input": "x", "model": "gpt-5"}, 404, "model"),
     ({"input": ""}, 400, "input"),
     ({"input": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"input": "x", "speculative": "off"}, 400, "speculative"),
 ])
 def test_bad_requests_are_4xx_naming_the_field(live, body, status, param):
     r = post(live, body)
