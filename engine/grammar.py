@@ -151,6 +151,33 @@ class Matcher:
         self.accepted.append(t)
         return True
 
+    def valid_prefix(self, tokens) -> int:
+        """How many of ``tokens``, in order, the grammar would accept from here (changes nothing):
+        a draft is cut there (engine/spec/)."""
+        if not tokens or self._m.is_error():
+            return 0
+        return self._m.validate_tokens([int(t) for t in tokens])
+
+    def ends_at(self, token_id: int) -> bool:
+        """Whether accepting ``token_id`` now would complete the grammar (changes nothing)."""
+        if not self.accept(token_id):
+            return False
+        done = self.is_terminated()
+        self.rollback(1)
+        return done
+
+    def fill_along(self, tokens, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """``bitmask[rows[j]]``: the tokens allowed after ``tokens[:j]`` (j = 0 .. len(tokens);
+        ``tokens`` a prefix the grammar accepts, :meth:`valid_prefix`): a verify step's draft
+        positions. The state is the same after."""
+        self.fill_bitmask(bitmask, rows[0])
+        for j, t in enumerate(tokens):
+            if not self._m.consume_token(int(t)):
+                raise RuntimeError(f"draft token {int(t)} refused by the grammar: {self._m.get_error()}")
+            self.fill_bitmask(bitmask, rows[j + 1])
+        if tokens and not self._m.rollback(len(tokens)):
+            raise RuntimeError(f"grammar rollback of {len(tokens)} tokens failed: {self._m.get_error()}")
+
     def is_terminated(self) -> bool:
         """The grammar is complete and nothing but EOS may follow (or EOS was accepted): finish."""
         return self._m.is_stopped() and not self._m.is_error()

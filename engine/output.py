@@ -29,7 +29,7 @@ class OutputTracker:
     def may_finish(self, tok: int) -> bool:
         """Whether :meth:`on_token` could finish the request once ``tok`` is appended (False: it
         surely does not; True may be a stop string that ``min_tokens`` still holds back). Changes
-        nothing. A grammar's end is not looked at: constrained requests never draft."""
+        nothing. A grammar's end is not looked at (the scheduler asks the matcher, Matcher.ends_at)."""
         req = self.req
         if (tok in self._stop_ids or len(req.output_ids) + 1 >= req.params.max_tokens
                 or req.seq_len + 1 >= self.max_context):

@@ -65,20 +65,29 @@ class Sampler:
         self._grammar = grammar
         self._pool: ThreadPoolExecutor | None = None
 
-    def prepare(self, srs: list) -> "Future[Masks] | None":
+    def prepare(self, srs: list, drafts: dict | None = None) -> "Future[Masks] | None":
         """Start computing the grammar masks of the batch ``srs`` (the rows ``sample`` will get) on
-        the helper thread; None when no row is constrained."""
+        the helper thread; None when no row is constrained. ``drafts``: a verify step's drafts by
+        SchedReq id (engine/spec/): that request's rows are consecutive, one per draft position,
+        and row j's mask is the grammar's after the draft's first j tokens."""
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         if not constrained:
             return None
+        drafts = drafts or {}
+        along = [(sr.matcher, drafts[id(sr)], i) for i, sr in enumerate(srs)        # each first row
+                 if sr.matcher is not None and drafts.get(id(sr)) and (i == 0 or srs[i - 1] is not sr)]
+        drafted = {i + j for _, d, i in along for j in range(len(d) + 1)}
+        rest = [(m, i) for m, i in constrained if i not in drafted]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        return self._pool.submit(self._masks, constrained, len(srs))
+        return self._pool.submit(self._masks, constrained, len(srs), rest, along)
 
-    def _masks(self, constrained: list, batch: int) -> Masks:
+    def _masks(self, constrained: list, batch: int, rest: list | None = None, along=()) -> Masks:
         grammar = self._grammar()
         bitmask = grammar.allocate_bitmask(batch)                      # [B, W] int32, all allowed
-        grammar.fill_bitmasks(constrained, bitmask)
+        grammar.fill_bitmasks(constrained if rest is None else rest, bitmask)
+        for m, draft, first in along:
+            m.fill_along(draft, bitmask, list(range(first, first + len(draft) + 1)))
         rows = [i for _, i in constrained]
         words = bitmask[rows]                                          # [R, W]
         alive = (words != 0).any(dim=1).tolist()

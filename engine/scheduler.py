@@ -360,7 +360,8 @@ class Scheduler:
         self.spec.verified(sr, e.draft, run)
         out = []
         for t, tok in enumerate(run):
-            last = t == len(run) - 1 or sr.tracker.may_finish(tok)
+            last = (t == len(run) - 1 or sr.tracker.may_finish(tok)
+                    or (sr.matcher is not None and sr.matcher.ends_at(tok)))
             if last:
                 self.kv.roll_back(sr, e.start + 1 + t)
             out.append(self._on_token(sr, tok, logprob=lps[t] if lps is not None else None))

@@ -143,7 +143,7 @@ class StepLoop:
         """A step with drafts (engine/spec/): every draft position's logits are sampled as a decode
         there would be; each entry gets its accepted run (``accepted_runs``)."""
         idx, srs, offsets = logit_layout(plan)
-        masks = self.sampler.prepare(srs)
+        masks = self.sampler.prepare(srs, {id(e.sr): e.draft for e in plan.sampling if e.draft})
         if wants_prompt_logprobs(plan.entries):
             logits = self.runner.forward(fb, return_all_logits=True)      # [T, V]
             take_prompt_logprobs(plan.entries, logits)

@@ -96,7 +96,7 @@ class Speculator:
     def draft(self, sr, batch: int) -> tuple[int, ...]:
         """The draft of ``sr`` for this step (() for none)."""
         r = sr.req
-        if (sr.matcher is not None or sr.grammar is not None or sr.ahead or sr.inflight
+        if ((sr.grammar is not None and sr.matcher is None) or sr.ahead or sr.inflight
                 or not r.params.speculative):
             return ()
         if sr.spec is None:
@@ -110,6 +110,8 @@ class Speculator:
         ids = r.all_ids
         min_n = 1 if st.alpha >= TRUST_SHORT else st.index.max_n   # a short match is weak evidence
         d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
+        if d and sr.matcher is not None:
+            d = d[:sr.matcher.valid_prefix(d)]           # a token the grammar refuses ends the draft
         if d:
             st.idle = 0
         return d

@@ -198,6 +198,30 @@ def test_rollback(tok, compiler):
         m.rollback(100)
 
 
+def test_draft_helpers_change_nothing(tok, compiler):
+    """The speculation helpers: ``valid_prefix`` cuts a draft at the first refused token,
+    ``fill_along`` gives row j the mask after the draft's first j tokens (each equal to the mask a
+    matcher that accepted them computes), ``ends_at`` sees the completing token; none moves the
+    matcher."""
+    m = compiler.matcher(Constraint("json_object"))
+    head = tok.encode('{"a": 1')
+    assert all(m.accept(t) for t in head)
+    draft = tok.encode(', "b": 2}')
+    assert m.valid_prefix(draft + tok.encode("x")) == len(draft)        # nothing after the close
+    assert m.valid_prefix(tok.encode("]") + draft) == 0
+    bits = compiler.allocate_bitmask(len(draft) + 2)
+    m.fill_along(draft, bits, list(range(1, len(draft) + 2)))
+    want = compiler.allocate_bitmask(1)
+    for j in range(len(draft) + 1):
+        compiler.matcher_from(Constraint("json_object"), head + draft[:j]).fill_bitmask(want, 0)
+        assert torch.equal(bits[1 + j], want[0]), j
+    assert not (bits[0] != -1).any()                                     # row 0 untouched
+    assert m.accepted == head
+    assert not any(m.ends_at(t) for t in draft[:-1])
+    assert all(m.accept(t) for t in draft[:-1]) and m.ends_at(draft[-1]) and not m.is_terminated()
+    assert m.accepted == head + draft[:-1]
+
+
 def test_batch_mixes_constrained_and_unconstrained_rows(tok, compiler):
     v = compiler.vocab_size
     logits = torch.randn(3, v)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+
 from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.core.types import SamplingParams
+from tandem.core.types import Constraint, SamplingParams
 from tandem.engine.engine import Engine
 
 from test_spec import collector
@@ -16,6 +18,10 @@ from test_spec import collector
 DOC = json.dumps({"name": "Ada Lovelace", "born": 1815, "city": "London",
                   "known_for": ["Analytical Engine notes", "first published algorithm"]}, indent=2)
 COPY = f"Here is a JSON document:\n{DOC}\nReturn the same JSON document with the city changed to Paris."
+SCHEMA = json.dumps({"type": "object", "required": ["name", "born", "city", "known_for"],
+                     "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                    "city": {"type": "string"},
+                                    "known_for": {"type": "array", "items": {"type": "string"}}}})
 CODE = "def area(width, height):\n    return width * height\n\n\nprint(area(3, 4))\nprint(area(5, 6))"
 RENAME = f"Rename the function area to surface in this code and output the whole code:\n\n{CODE}"
 
@@ -32,21 +38,27 @@ def _run(loaded, spec: str):
                     max_tokens=16, logprobs=True, top_logprobs=2), chat=True, rid="chat"),
                 e.make_request(COPY, SamplingParams(max_tokens=48, logprobs=True, top_logprobs=3),
                                chat=True, rid="copy-lp")]
-        out, collect = collector(reqs)
-        done = threading.Event()
-
-        def cb(c):
-            collect(c)
-            if all(v[2] is not None for v in out.values()):
-                done.set()
-        for g in reqs:
-            e.submit(g, cb)
-        assert done.wait(600)
+        out = _collect(e, reqs)
         e.check_invariants()
         stats = e.stats()
     finally:
         e.shutdown()
-    return {k: (tuple(v[0]), v[1], v[2], tuple(v[3])) for k, v in out.items()}, stats
+    return out, stats
+
+
+def _collect(e, reqs) -> dict:
+    """Submit ``reqs`` to ``e``; per rid (tokens, text, finish reason, logprobs) once all end."""
+    out, collect = collector(reqs)
+    done = threading.Event()
+
+    def cb(c):
+        collect(c)
+        if all(v[2] is not None for v in out.values()):
+            done.set()
+    for g in reqs:
+        e.submit(g, cb)
+    assert done.wait(600)
+    return {k: (tuple(v[0]), v[1], v[2], tuple(v[3])) for k, v in out.items()}
 
 
 def test_greedy_and_logprobs_equal_decoding_without_drafts(smollm2):
@@ -57,3 +69,30 @@ def test_greedy_and_logprobs_equal_decoding_without_drafts(smollm2):
     assert on == off
     assert len(on["copy-lp"][3]) == len(on["copy-lp"][0]) and len(on["chat"][3][0].top) == 2
     assert off["rename"][2] == "stop" or "surface(5" not in off["rename"][1]
+
+
+def _run_constrained(loaded, spec: str):
+    """The JSON copy under its JSON schema: (tokens, text, finish) and the engine's stats."""
+    cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, speculative_algorithm=spec,
+                       cache=CacheConfig(max_total_tokens=4096, page_size=4, debug_invariants=True))
+    e = Engine(cfg, loaded=loaded)
+    try:
+        params = SamplingParams(max_tokens=80, constraint=Constraint("json_schema", SCHEMA), logprobs=True)
+        out = _collect(e, [e.make_request(COPY, params, chat=True, rid="json")])["json"]
+        e.check_invariants()
+        return out, e.stats()
+    finally:
+        e.shutdown()
+
+
+def test_grammar_drafts_equal_decoding_without_drafts(smollm2):
+    """A constrained request drafts too: a draft token the grammar refuses ends the draft, each
+    draft position is sampled under the grammar's mask after the draft before it, and the output
+    (tokens, text, finish, logprobs) is the one without drafts; the text parses as JSON."""
+    off, _ = _run_constrained(smollm2, "off")
+    on, stats = _run_constrained(smollm2, "ngram")
+    assert stats["spec_accepted_tokens"] >= 10, stats
+    assert on[:3] == off[:3]
+    assert [lp.logprob for lp in on[3]] == pytest.approx([lp.logprob for lp in off[3]], abs=1e-4)
+    if off[2] == "stop":
+        json.loads(off[1])
