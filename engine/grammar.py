@@ -158,6 +158,13 @@ class Matcher:
             return 0
         return self._m.validate_tokens([int(t) for t in tokens])
 
+    def forced(self, limit: int) -> tuple[int, ...]:
+        """Up to ``limit`` tokens the grammar forces from here (llguidance's fast-forward tokens: a
+        JSON schema's keys and punctuation); changes nothing. A draft where no text matches."""
+        if limit <= 0 or self._m.is_error() or self._m.is_stopped():
+            return ()
+        return tuple(self._m.compute_ff_tokens()[:limit])
+
     def ends_at(self, token_id: int) -> bool:
         """Whether accepting ``token_id`` now would complete the grammar (changes nothing)."""
         if not self.accept(token_id):

@@ -110,8 +110,8 @@ class Speculator:
         ids = r.all_ids
         min_n = 1 if st.alpha >= TRUST_SHORT else st.index.max_n   # a short match is weak evidence
         d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
-        if d and sr.matcher is not None:
-            d = d[:sr.matcher.valid_prefix(d)]           # a token the grammar refuses ends the draft
+        if sr.matcher is not None:
+            d = d[:sr.matcher.valid_prefix(d)] or sr.matcher.forced(k)   # a refused token ends it
         if d:
             st.idle = 0
         return d

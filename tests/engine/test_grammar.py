@@ -199,7 +199,7 @@ def test_rollback(tok, compiler):
 
 
 def test_draft_helpers_change_nothing(tok, compiler):
-    """The speculation helpers: ``valid_prefix`` cuts a draft at the first refused token,
+    """The speculation helpers: ``forced`` (a schema's forced tokens: a draft), ``valid_prefix`` cuts a draft at the first refused token,
     ``fill_along`` gives row j the mask after the draft's first j tokens (each equal to the mask a
     matcher that accepted them computes), ``ends_at`` sees the completing token; none moves the
     matcher."""
@@ -220,6 +220,12 @@ def test_draft_helpers_change_nothing(tok, compiler):
     assert not any(m.ends_at(t) for t in draft[:-1])
     assert all(m.accept(t) for t in draft[:-1]) and m.ends_at(draft[-1]) and not m.is_terminated()
     assert m.accepted == head + draft[:-1]
+    named = compiler.matcher(Constraint("json_schema", json.dumps({
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+        "additionalProperties": False})))
+    forced = named.forced(32)
+    assert tok.decode(list(forced)).startswith('{"name"') and named.forced(1) == forced[:1]
+    assert named.accepted == [] and all(named.accept(t) for t in forced)
 
 
 def test_batch_mixes_constrained_and_unconstrained_rows(tok, compiler):

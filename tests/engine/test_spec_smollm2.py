@@ -88,7 +88,8 @@ def _run_constrained(loaded, spec: str):
 def test_grammar_drafts_equal_decoding_without_drafts(smollm2):
     """A constrained request drafts too: a draft token the grammar refuses ends the draft, each
     draft position is sampled under the grammar's mask after the draft before it, and the output
-    (tokens, text, finish, logprobs) is the one without drafts; the text parses as JSON."""
+    (tokens, text, finish, logprobs) is the one without drafts; the text parses as JSON (the
+    schema's forced keys draft too: 43 steps -> 13)."""
     off, _ = _run_constrained(smollm2, "off")
     on, stats = _run_constrained(smollm2, "ngram")
     assert stats["spec_accepted_tokens"] >= 10, stats
