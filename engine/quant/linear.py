@@ -46,6 +46,19 @@ def int4_reason(w: QuantWeight, dtype: torch.dtype, device: torch.device) -> str
     return None
 
 
+def _padded(x: torch.Tensor, role: str) -> torch.Tensor:
+    """``x`` ([T, C], T < PACKED_MIN_ROWS) copied into the first rows of this thread's zeroed
+    ``[PACKED_MIN_ROWS, C]`` buffer for ``role`` ("x", "residual": one GEMM's two inputs never
+    share a buffer): oneDNN's packed GEMM wants at least that many rows."""
+    key = (role, x.shape[1], x.dtype, x.device, torch.is_inference_mode_enabled())
+    bufs = _pad_buffers.__dict__
+    xp = bufs.get(key)
+    if xp is None:
+        xp = bufs[key] = x.new_zeros(PACKED_MIN_ROWS, x.shape[1])
+    xp[:x.shape[0]] = x
+    return xp
+
+
 class PackedLinear(nn.Module):
     """oneDNN GEMM with the weight reordered once into oneDNN's blocked layout (fp32 or bf16)."""
 
@@ -77,12 +90,10 @@ class PackedLinear(nn.Module):
             if bias is None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "").add_(residual)
-        key = (x.shape[1], x.dtype, x.device, torch.is_inference_mode_enabled())
-        bufs = _pad_buffers.__dict__
-        xp = bufs.get(key)
-        if xp is None:
-            xp = bufs[key] = x.new_zeros(PACKED_MIN_ROWS, x.shape[1])
-        xp[:T] = x
+        xp = _padded(x, "x")
+        if residual is not None and bias is None:     # the fused add, as above: one rounding
+            rp = _padded(residual, "residual")
+            return torch.ops.mkldnn._linear_pointwise.binary(xp, rp, w, None, "add")[:T]
         y = torch.ops.mkldnn._linear_pointwise(xp, w, bias, "none", [], "")[:T]
         return y if residual is None else y.add_(residual)
 

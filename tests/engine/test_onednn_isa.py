@@ -23,7 +23,8 @@ from tandem.engine.quant.cpu import cpu_flags
 ROWS = (1, 2, 3, 4, 5, 16, 33, 70)
 
 # The child: every kernel make_linear can pick here, fp32 and bf16, each output row of a 70-row
-# batch compared bitwise with the row computed alone and in every smaller batch, at 1 and 2 threads.
+# batch compared bitwise with the row computed alone and in every smaller batch, at 1 and 2 threads,
+# with and without a fused residual add (a padded small batch once added it after rounding).
 CHILD = r"""
 import json, sys
 import tandem, torch
@@ -47,15 +48,19 @@ for native in ("int4", True):
         cases.append((f"bf16-{native}", lin, torch.bfloat16))
 torch.manual_seed(50)
 x = torch.randn(max(rows), k)
+res = torch.randn(max(rows), n)
 bad = []
 for threads in (1, 2):
     torch.set_num_threads(threads)
     for name, lin, dtype in cases:
-        xs = x.to(dtype)
+        xs, rs = x.to(dtype), res.to(dtype)
         alone = torch.cat([lin(xs[i:i + 1]) for i in range(max(rows))])
+        fused = torch.cat([lin(xs[i:i + 1], residual=rs[i:i + 1].clone()) for i in range(max(rows))])
         for m in rows:
             if not torch.equal(lin(xs[:m]), alone[:m]):
                 bad.append([name, type(lin).__name__, threads, m])
+            if not torch.equal(lin(xs[:m], residual=rs[:m].clone()), fused[:m]):
+                bad.append([name + "+residual", type(lin).__name__, threads, m])
 print("RESULT " + json.dumps({"cases": [[c[0], type(c[1]).__name__] for c in cases], "bad": bad}))
 """
 
