@@ -17,7 +17,8 @@ engine's stream callbacks: a phase's figure is its tokens over its duration (the
 shared machine wall-clock rates drift with the neighbours' load, so each phase also reports
 **tokens per model step** (generated tokens / forward steps, from the scheduler's counters): the
 decode batch's occupancy, which is what collapses when a system never recovers (requests stuck
-retracted or not admitted), and which does not depend on how fast the CPU is at that moment. The figure that matters is ``after / before`` (the issue's bar: >= 0.9). Both host-pool
+retracted or not admitted), and which does not depend on how fast the CPU is at that moment
+(speculative decoding is off here: accepted drafts would count as occupancy). The figure that matters is ``after / before`` (the issue's bar: >= 0.9). Both host-pool
 settings run in the same process, alternated (ABAB with ``--repeats 2``), and the run writes
 ``bench/out/retraction_recovery.json`` and a timeline plot ``bench/out/retraction_recovery.png``.
 
@@ -45,7 +46,8 @@ def run_once(loaded, *, host_pool_tokens: int, concurrency: int, storm: int, pha
     page = 16
     per_req = -(-(64 + out_tokens * 3 // 2) // page) * page
     pool = (concurrency + 2) * per_req + 4 * page           # the steady load fits with room left
-    e = Engine(EngineConfig(device="cpu", dtype="float32", num_threads=threads,
+    # speculation off: tokens per step must count the batch's occupancy, not accepted drafts
+    e = Engine(EngineConfig(device="cpu", dtype="float32", num_threads=threads, speculative_algorithm="off",
                             cache=CacheConfig(page_size=page, max_total_tokens=pool,
                                               max_running_requests=concurrency + storm + 4,
                                               host_pool_tokens=host_pool_tokens)), loaded=loaded)
