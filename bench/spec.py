@@ -11,6 +11,7 @@ box the tok/s ratio is noisy). Greedy tokens are the same on and off (checked).
 
     python -m tandem.bench.spec                      # batches 1 and 4; bench/out/spec.json
     python -m tandem.bench.spec --batches 1,4,16 --repeats 3
+    python -m tandem.bench.spec --attention-backend torch     # what a CPU without AVX512 runs
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ CHAT = ["Write a short story about a lighthouse keeper who finds a message in a 
         "Describe a walk through a forest in autumn."]
 
 
-def run_once(loaded, spec: str, prompts: list[str], max_tokens: int) -> dict:
+def run_once(loaded, spec: str, prompts: list[str], max_tokens: int, backend: str = "auto") -> dict:
     from tandem.core.config import CacheConfig, EngineConfig
     from tandem.core.types import SamplingParams
     from tandem.engine.engine import Engine
 
     cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, speculative_algorithm=spec,
-                       cache=CacheConfig(max_total_tokens=16384))
+                       attention_backend=backend, cache=CacheConfig(max_total_tokens=16384))
     e = Engine(cfg, loaded=loaded)
     try:
         reqs = [e.make_request(p, SamplingParams(max_tokens=max_tokens), chat=True, rid=f"r{i}")
@@ -84,6 +85,7 @@ def run_once(loaded, spec: str, prompts: list[str], max_tokens: int) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "steps": st["steps"],
             "drafted": st["spec_drafted_tokens"], "accepted": st["spec_accepted_tokens"],
+            "verify_steps": st["spec_verify_steps"], "declined_steps": st["spec_steps_declined"],
             "ids": {o.rid: list(o.token_ids) for o in outs}}
 
 
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-tokens", type=int, default=200, help="max_tokens of a copying request")
     ap.add_argument("--chat-tokens", type=int, default=128, help="max_tokens of a chat request")
     ap.add_argument("--workloads", default="copying,chat", help="which, comma-separated")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_kernel", "torch"],
+                    help="the engine's attention backend (torch: what a CPU without AVX512 runs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from tandem.engine.loader import load_model
@@ -108,16 +112,18 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 if batch == 1:          # batch 1: each prompt of the workload alone, one after another
                     batch_prompts = [prompts[rep % len(prompts)]]
-                off = run_once(loaded, "off", batch_prompts, n_tok)
-                on = run_once(loaded, "ngram", batch_prompts, n_tok)
+                off = run_once(loaded, "off", batch_prompts, n_tok, args.attention_backend)
+                on = run_once(loaded, "ngram", batch_prompts, n_tok, args.attention_backend)
                 if on["ids"] != off["ids"]:
                     raise AssertionError(f"{workload} batch {batch}: greedy tokens differ with speculation")
                 reps.append({"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
                              "tokens": on["tokens"], "steps_off": off["steps"], "steps_on": on["steps"],
-                             "drafted": on["drafted"], "accepted": on["accepted"]})
+                             "drafted": on["drafted"], "accepted": on["accepted"],
+                             "verify_steps": on["verify_steps"], "declined_steps": on["declined_steps"]})
                 print(f"  {workload} batch {batch} repeat {rep}: off {off['tok_s']:.2f} tok/s, "
                       f"on {on['tok_s']:.2f} tok/s ({reps[-1]['ratio']:.2f}x), accepted "
-                      f"{on['accepted']}/{on['drafted']}", flush=True)
+                      f"{on['accepted']}/{on['drafted']}, verify steps {on['verify_steps']} of {on['steps']} "
+                      f"({on['declined_steps']} declined)", flush=True)
             drafted = sum(r["drafted"] for r in reps)
             rows.append({"workload": workload, "batch": batch, "repeats": len(reps),
                          "off_tok_s": statistics.median(r["off_tok_s"] for r in reps),
@@ -133,6 +139,7 @@ def main(argv=None) -> int:
         print(f"{r['workload']:<9} {r['batch']:>5} {r['off_tok_s']:>10.2f} {r['on_tok_s']:>9.2f} "
               f"{r['ratio']:>6.2f}x {r['acceptance']:>7.2f} {r['tokens_per_step_on']:>8.2f} {r['step_ratio']:>11.2f}x")
     write_report(args.out, {"model": "smollm2 (embedded GGUF), float32", "threads": args.threads,
+                            "attention_backend": args.attention_backend,
                             "copy_tokens": args.copy_tokens, "chat_tokens": args.chat_tokens, "rows": rows})
     return 0
 

@@ -98,7 +98,8 @@ def new_stats() -> dict:
             "prompt_tokens_computed": 0, "generated_tokens": 0, "evicted_tokens": 0,
             "retraction_restores": 0, "retraction_recomputes": 0, "retraction_aborts": 0,
             "backup_tokens": 0, "backup_seconds": 0.0, "restore_tokens": 0, "restore_seconds": 0.0,
-            "spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_steps": 0}
+            "spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_steps": 0,
+            "spec_steps_declined": 0}
 
 
 class SchedulerObserver:

@@ -122,7 +122,7 @@ class StepLoop:
             return self._sample(plan, fb)
         t0 = time.perf_counter()
         out = self._verify(plan, fb) if plan.drafts else self._sample(plan, fb)
-        spec.cost.observe(fb.num_tokens, time.perf_counter() - t0)     # the cost rule's measure
+        spec.cost.observe(fb.num_tokens, time.perf_counter() - t0, plan.drafts)   # the cost rule's measure
         return out
 
     def _sample(self, plan, fb) -> tuple[list, list | None]:

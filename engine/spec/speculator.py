@@ -35,18 +35,52 @@ class DraftState:
 
 
 class StepCost:
-    """Step seconds ~ ``a + b * tokens``, an exponentially weighted least-squares fit of measured
-    steps; ``ratio`` = b / a (what one more token in a step costs, in steps)."""
+    """Measured step seconds. Steps without drafts fit ``a + b * tokens`` (an exponentially
+    weighted least-squares fit; ``ratio`` = b / a, what one more token costs, in steps). A verify
+    step may cost more than its tokens: another attention path (the torch backend attends each
+    drafting request on its own) and a decode step after it that rebuilds what the verify
+    disturbed (the decode KV mirror). ``extra`` is that overhead, in seconds: an EWMA over verify
+    steps of their seconds beyond the fit's prediction, plus the next step's beyond it when that
+    one is a plain step."""
 
     def __init__(self, decay: float = 0.95, fixed: float | None = None):
-        """``fixed``: the ratio, never measured (tests whose drafts must not depend on timing)."""
+        """``fixed``: the ratio, never measured, and no verify overhead (tests whose drafts must
+        not depend on timing)."""
         self.decay, self.fixed = decay, fixed
         self.w = self.t = self.tt = self.y = self.ty = 0.0
+        self.extra = 0.0               # optimistic until verify steps are measured
+        self._pending: float | None = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, verify: bool = False) -> None:
+        if self.fixed is not None:
+            return
+        over = seconds - self.predict(tokens) if self.w >= 4 else None
+        if self._pending is not None:                  # the step after a verify step
+            if not verify and over is not None:
+                self._extra(self._pending + max(over, 0.0))
+                self._pending = None
+                return
+            self._extra(self._pending)
+            self._pending = None
+        if verify:
+            if over is not None:
+                self._pending = max(over, 0.0)
+            return
         d = self.decay
         self.w, self.t, self.tt = d * self.w + 1, d * self.t + tokens, d * self.tt + tokens * tokens
         self.y, self.ty = d * self.y + seconds, d * self.ty + tokens * seconds
+
+    def _extra(self, seconds: float) -> None:
+        self.extra = 0.7 * self.extra + 0.3 * seconds
+
+    def predict(self, tokens: int) -> float:
+        """Seconds of a step of ``tokens`` without drafts (0 before any step was measured)."""
+        if self.w == 0:
+            return 0.0
+        mt, my = self.t / self.w, self.y / self.w
+        r = self.ratio
+        a = my / (1 + r * mt)
+        return a * (1 + r * tokens)
 
     @property
     def ratio(self) -> float:
@@ -64,14 +98,26 @@ class StepCost:
             return 1 / 1024             # more tokens cost nothing measurable
         return 1024.0 if a <= 0 else min(max(b / a, 1 / 1024), 1024.0)
 
+    def pays(self, batch: int, drafted: int, expected: float) -> bool:
+        """Whether ``drafted`` draft tokens expected to add ``expected`` accepted ones pay for
+        making a step of ``batch`` decodes a verify step: ``(B + E) / (t(B + K) + extra) > B /
+        t(B)``."""
+        step = self.predict(batch)
+        if step <= 0:
+            return True
+        return expected * step > batch * (self.predict(batch + drafted) - step + self.extra)
+
 
 class Speculator:
     """Drafts for the decodes of a step, and the bookkeeping of their verification.
 
-    Cost rule: with step time ``a + b T`` for ``T`` tokens and ``B`` decodes, a step makes about
-    ``B / (a + b B)`` tokens per second; a request's ``i``-th draft token adds ``alpha ** i``
-    expected tokens for ``b`` more seconds, so it is drafted while ``alpha ** i > r B / (1 + r B)``
-    (``r = b / a``, measured). The draft is cut at ``max_tokens`` and the context length."""
+    Cost rule, in two halves. Per token: with step time ``a + b T`` for ``T`` tokens and ``B``
+    decodes, a step makes about ``B / (a + b B)`` tokens per second; a request's ``i``-th draft
+    token adds ``alpha ** i`` expected tokens for ``b`` more seconds, so it is drafted while
+    ``alpha ** i > r B / (1 + r B)`` (``r = b / a``, measured). Per step: the drafts together must
+    also pay for the verify step's own overhead (``StepCost.extra``, measured): else the step
+    decodes without them, but for the probes. The draft is cut at ``max_tokens`` and the context
+    length."""
 
     def __init__(self, max_draft: int, max_context: int):
         if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
@@ -83,15 +129,28 @@ class Speculator:
         self.stats: dict = {}         # the scheduler's counters (engine/sched_types.py new_stats)
 
     def length(self, st: DraftState, batch: int) -> int:
-        """How many tokens ``st``'s request drafts in a step of ``batch`` decodes (the cost rule)."""
+        """How many tokens ``st``'s request drafts in a step of ``batch`` decodes (the per-token
+        half of the cost rule; 0: none, unless it is due a probe: :meth:`probe_due`)."""
         rb = self.cost.ratio * batch
         bar = rb / (1 + rb)
         k, p = 0, st.alpha
         while k < self.max_draft and p > bar:
             k, p = k + 1, p * st.alpha
-        if k == 0 and st.idle >= PROBE_EVERY * batch:      # a probe widens the whole step
+        if k == 0 and self.probe_due(st, batch):
             k = 1
         return k
+
+    @staticmethod
+    def probe_due(st: DraftState, batch: int) -> bool:
+        """A request not worth drafting drafts one token every PROBE_EVERY x ``batch`` steps, so
+        its acceptance can recover (a probe makes its whole step a verify step)."""
+        return st.idle >= PROBE_EVERY * batch
+
+    @staticmethod
+    def expected(st: DraftState, n: int) -> float:
+        """Expected accepted tokens of a draft of ``n``: alpha + alpha^2 + ... + alpha^n."""
+        a = st.alpha
+        return sum(a ** i for i in range(1, n + 1))
 
     def draft(self, sr, batch: int) -> tuple[int, ...]:
         """The draft of ``sr`` for this step (() for none)."""
@@ -104,7 +163,6 @@ class Speculator:
         st = sr.spec
         k = min(self.length(st, batch), r.params.max_tokens - len(r.output_ids) - 1,
                 self.max_context - r.seq_len - 1)
-        st.idle += 1
         if k <= 0:
             return ()
         ids = r.all_ids
@@ -112,19 +170,27 @@ class Speculator:
         d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
         if sr.matcher is not None:
             d = d[:sr.matcher.valid_prefix(d)] or sr.matcher.forced(k)   # a refused token ends it
-        if d:
-            st.idle = 0
         return d
 
     def plan(self, plan, decodes: list, kv) -> list:
         """Give each request of ``decodes`` worth a draft its ``1 + k`` slots in ``plan`` (never
         evicting for a draft: only while free slots stay for every other decode); returns the
         others, to decode as usual."""
+        batch = len(decodes)
+        probes = [sr.spec is not None and self.probe_due(sr.spec, batch) for sr in decodes]
+        drafts = [self.draft(sr, batch) for sr in decodes]
+        keep = [bool(d) for d in drafts]
+        if any(d for d, p in zip(drafts, probes) if not p):           # the step-level half
+            gain = sum(self.expected(sr.spec, len(d)) for sr, d, p in zip(decodes, drafts, probes) if d and not p)
+            if not self.cost.pays(batch, sum(len(d) for d in drafts), gain):
+                keep = [bool(d) and p for d, p in zip(drafts, probes)]
+                self.stats["spec_steps_declined"] += 1
         rest = []
-        for sr in decodes:
-            d = self.draft(sr, len(decodes))
-            spare = kv.alloc.available_size() - (len(decodes) + 1) * kv.page_size
-            slots = kv.extend(sr, 1 + len(d)) if d and spare >= 1 + len(d) else None
+        for sr, d, k in zip(decodes, drafts, keep):
+            if sr.spec is not None:
+                sr.spec.idle = 0 if k else sr.spec.idle + 1
+            spare = kv.alloc.available_size() - (batch + 1) * kv.page_size
+            slots = kv.extend(sr, 1 + len(d)) if k and spare >= 1 + len(d) else None
             if slots is None:
                 rest.append(sr)
                 continue

@@ -192,6 +192,26 @@ def test_the_cost_rule_drafts_less_for_low_acceptance_and_big_batches():
     assert s.length(good, 1) <= 1
 
 
+def test_a_verify_steps_own_overhead_is_measured_and_paid_for():
+    """The step half of the cost rule: plain steps cost 30 ms whatever their width, a verify step
+    40 ms and the plain step after it 35 ms (the torch backend's measured shape); ``extra`` learns
+    the 15 ms, and then drafts expected to add little (chat) no longer pay for the step, while
+    well-accepted ones (copying) still do."""
+    c = StepCost()
+    for i in range(40):
+        c.observe(4 + i % 2, 0.030)
+    assert c.extra == 0 and c.pays(4, 1, 0.3)            # optimistic before any verify step
+    for _ in range(20):
+        c.observe(6, 0.040, verify=True)
+        c.observe(4, 0.035)
+    assert 0.012 < c.extra < 0.016, c.extra
+    assert not c.pays(4, 2, 0.6) and c.pays(4, 2, 3.0)
+    assert c.pays(16, 2, 8.0) and not c.pays(16, 2, 4.0)  # a bigger batch needs more accepted tokens
+    fixed = StepCost(fixed=PRIOR_RATIO)
+    fixed.observe(6, 1.0, verify=True)
+    assert fixed.extra == 0                               # fixed: timing never changes drafting
+
+
 def test_config_and_request_fields():
     with pytest.raises(ValidationError, match="speculative_num_draft_tokens"):
         EngineConfig(speculative_num_draft_tokens=0)
