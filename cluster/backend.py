@@ -11,7 +11,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from tandem.cluster.alarms import Died, DiedBeforeServing, Stalled, next_or_alarm
@@ -132,7 +132,7 @@ class RayClusterBackend(ClusterObservability):
                                          self.supervisor, mover=self._migrate_off)
             self.autoscaler.start()
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Route, then stream from the decode worker. What a failure costs is the request's
         :class:`RequestStream`'s failure table (cluster/stream.py): a worker found dead before anything
         was sent, one re-route without it; one that stops making progress before anything was
@@ -204,7 +204,7 @@ class RayClusterBackend(ClusterObservability):
         return self.dispatch.reroute(r, excluded)
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
-                       stream: RequestStream) -> AsyncIterator[StreamChunk]:
+                       stream: RequestStream) -> AsyncGenerator[StreamChunk, None]:
         """Stream ``req`` from ``d`` and each worker it migrates, resumes or fails over to. A failure
         asks ``stream``'s table what comes next: REDISPATCH raises :class:`DiedBeforeServing` or
         :class:`Stalled` (``generate`` routes again), RESUME continues on a peer, FAIL is one error chunk."""

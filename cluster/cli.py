@@ -46,7 +46,7 @@ def register(subparsers: Subparsers) -> None:
     s.set_defaults(func=_cmd_serve)
 
 
-def build_parser(commands: Sequence[Callable[[Subparsers], None]] = ()) -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[Callable[[Subparsers], object]] = ()) -> argparse.ArgumentParser:
     """The ``tandem`` parser: ``generate`` and ``serve``, then each ``register(subparsers)`` in
     ``commands`` (tandem/cli.py passes bench, simulate and chaos)."""
     p = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving.")
@@ -90,7 +90,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(cfg)
 
 
-def main(argv: list[str] | None = None, commands: Sequence[Callable[[Subparsers], None]] = ()) -> int:
+def main(argv: list[str] | None = None, commands: Sequence[Callable[[Subparsers], object]] = ()) -> int:
     """Parse ``argv`` (``commands`` registered as well) and run the command; the exit status."""
     parser = build_parser(commands)
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import REGISTRY, generate_latest
@@ -40,7 +40,7 @@ class ServingBackend(Protocol):
     max_context: int
     tokenizer: Any
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]: ...
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]: ...
 
     async def abort(self, rid: str) -> None: ...
 
@@ -97,7 +97,7 @@ class LocalEngineBackend:
         self.max_context: int = int(engine.max_context)
         self.tokenizer = engine.tokenizer
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         async for chunk in self.engine.stream(req):
             yield chunk
 

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, generate_latest
@@ -268,7 +268,7 @@ class SimServingBackend:
         nic = max(self._nic_free[pw.id] - now, 0.0) + sum(self.profile.kv_transfer_s(r.prompt_tokens) for r in ahead)
         return max(pw.pending_s(now), nic)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         self._ensure_started()
         route = await self.queue.route(req)
         now = self.now()
