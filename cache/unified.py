@@ -9,7 +9,7 @@ import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.radix.components import FULL, TreeComponent
-from tandem.cache.radix.events import AllBlocksCleared, BlockPinned, BlockUnpinned, KVEventPublisher
+from tandem.cache.radix.events import AllBlocksCleared, BlockPinned, BlockUnpinned, EventPublisher
 from tandem.cache.radix.eviction import make_policy
 from tandem.cache.tiers.base import KVTier
 from tandem.cache.tiers.host import HostTier
@@ -25,7 +25,7 @@ class UnifiedRadixCache:
 
     def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
                  components: Sequence[Any] = (FULL,),
-                 host: HostTier | None = None, events: KVEventPublisher | None = None,
+                 host: HostTier | None = None, events: EventPublisher | None = None,
                  clock: Callable[[], float] = time.monotonic, tiers: Sequence[KVTier] = ()):
         if FULL not in components:
             raise ValueError(f"components={components!r} must include FULL")
@@ -64,7 +64,7 @@ class UnifiedRadixCache:
     def simulated(cls, page_size: int = 1, capacity_tokens: int | None = None, eviction: str = "lru",
                   *, components: Sequence[Any] = (FULL,), session_ttl_s: float = 300.0,
                   debug_invariants: bool = False, clock: Callable[[], float] = time.monotonic,
-                  events: KVEventPublisher | None = None) -> "UnifiedRadixCache":
+                  events: EventPublisher | None = None) -> "UnifiedRadixCache":
         """A cache with no pools (values are token positions), for routing and scheduling
         simulation. With ``capacity_tokens``, every insert evicts to stay within it."""
         cfg = CacheConfig(page_size=page_size, eviction_policy=eviction,

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import msgpack
 
@@ -66,16 +66,23 @@ class BlockUnpinned:
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 PinEvent = BlockPinned | BlockUnpinned
+WireEvent = KVEvent | PinEvent          # what a publisher sends (pins: Tandem's extension)
+
+
+class EventPublisher(Protocol):
+    """Where a cache sends its events: :class:`KVEventPublisher`, or a simulation's sink."""
+
+    def publish(self, events: Iterable[WireEvent]) -> None: ...
 
 
 @dataclass(frozen=True)
 class EventBatch:
     seq: int
     ts: float
-    events: list[KVEvent]
+    events: list[WireEvent]
 
 
-def _event_to_wire(e: KVEvent) -> list:
+def _event_to_wire(e: WireEvent) -> list[Any]:
     if isinstance(e, BlockStored):
         return ["BlockStored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids),
                 e.block_size, None, MEDIUM[e.medium], None]
@@ -90,16 +97,16 @@ def _event_to_wire(e: KVEvent) -> list:
     raise TypeError(f"not a KV event: {e!r}")
 
 
-def encode(ts: float, events: Sequence[KVEvent]) -> bytes:
+def encode(ts: float, events: Sequence[WireEvent]) -> bytes:
     return msgpack.packb([ts, [_event_to_wire(e) for e in events]], use_bin_type=True)
 
 
-def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
+def decode(payload: bytes) -> tuple[float, list[WireEvent]]:
     """The inverse of :func:`encode`. Raises ValueError on anything else."""
     obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         raise ValueError("payload is not [ts, [events]]")
-    out: list[KVEvent] = []
+    out: list[WireEvent] = []
     for w in obj[1]:
         tag = w[0] if isinstance(w, list) and w else None
         if tag == "BlockStored":
@@ -127,7 +134,7 @@ class _Held:
         self.blocks: dict[tuple[int, str], tuple[int | None, list[int], int]] = {}
         self.pins: dict[int, float] = {}        # page hash -> monotonic time its pin ends
 
-    def apply(self, e: KVEvent | PinEvent) -> None:
+    def apply(self, e: WireEvent) -> None:
         if isinstance(e, BlockPinned):
             until = time.monotonic() + e.ttl_s
             for h in e.block_hashes:
@@ -147,7 +154,7 @@ class _Held:
             self.blocks.clear()
             self.pins.clear()
 
-    def snapshot(self) -> list[list[KVEvent | PinEvent]]:
+    def snapshot(self) -> list[list[WireEvent]]:
         """What a late subscriber needs, as batches: the held blocks, then the live pins."""
         now = time.monotonic()
         out: list[list] = [[AllBlocksCleared()] + [BlockStored([h], parent, tokens, bs, medium)
@@ -198,7 +205,7 @@ class KVEventPublisher:
         sock.bind(endpoint)
         return endpoint
 
-    def publish(self, events: Iterable[KVEvent | PinEvent]) -> None:
+    def publish(self, events: Iterable[WireEvent]) -> None:
         """Send ``events`` as one batch; pin events (Tandem's extension) go in a batch of their own,
         after the others."""
         events = list(events)

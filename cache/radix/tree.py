@@ -9,7 +9,7 @@ import torch
 
 from tandem.core.page_hash import common_pages, page_hashes
 
-from .events import DEVICE, BlockRemoved, BlockStored
+from .events import DEVICE, BlockRemoved, BlockStored, WireEvent
 from .eviction import EvictionPolicy, make_policy
 from tandem.cache.tiers.host_nodes import HostNodes
 from .pins import Pins
@@ -115,7 +115,7 @@ class RadixTree(HostNodes, Pins):
         self.host_frees: list = []
         self.aux_frees: list[tuple[int, Any]] = []
         self.aux_host_frees: list[tuple[int, Any]] = []
-        self.events: list = []
+        self.events: list[WireEvent] = []
         if self.spills is not None:
             self.spills = []
 
