@@ -83,7 +83,7 @@ class UnifiedRadixCache:
             raise ValueError("the host tier comes before every other tier")
         tier.bind(self._port)
         self.tiers += (tier,)
-        if tier.name == "host":
+        if isinstance(tier, HostTier):
             self.host = tier
 
     @property
@@ -153,7 +153,7 @@ class UnifiedRadixCache:
         if callable(extra):
             extra = extra()
         cached, node, _ = self._insert(key, slots, extra, session_id, priority)
-        if cached > protected and self.allocator is not None:
+        if cached > protected and self.allocator is not None and slots is not None:
             self.allocator.free(slots[protected:cached])
         t.lock(node, +1)
         t.lock(last_node, -1)
@@ -172,7 +172,7 @@ class UnifiedRadixCache:
                 if v is not None and not c.per_token:
                     c.free(v)
         floor = self._released_floor(aux, len(key))
-        if 0 < floor < len(key):
+        if aux is not None and 0 < floor < len(key):
             first = [v if c.per_token else None for c, v in zip(self._aux, aux)]
             cached, _, _ = t.insert(key[:floor], value, first, session_id, priority)
             cached2, node, created = t.insert(key, value, aux, session_id, priority)
@@ -402,12 +402,15 @@ class UnifiedRadixCache:
         t = self._tree
         if t.spills:
             self._spill()
+        host = self.host
+        if host is None:        # the tree holds host copies only with a host tier
+            return
         if t.host_frees:
-            self.host.allocator.free(torch.cat(t.host_frees))
+            host.allocator.free(torch.cat(t.host_frees))
             t.host_frees = []
         if t.aux_host_frees:
             for i, v in t.aux_host_frees:
-                self.host.stores[self._aux[i].name].allocator.free(
+                host.stores[self._aux[i].name].allocator.free(
                     v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64))
             t.aux_host_frees = []
 
@@ -431,7 +434,7 @@ class UnifiedRadixCache:
             self._free_aux()
         if self.host is not None:
             self.host.poll()
-        if t.events:
+        if t.events and self.publisher is not None:     # recorded only with one
             self.publisher.publish(t.events)
             t.events = []
         if self._debug:

@@ -6,11 +6,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import msgpack
 
 from tandem.core.page_hash import page_hashes  # noqa: F401  (the chain these events carry)
+
+if TYPE_CHECKING:
+    import zmq
 
 DEVICE = "device"
 HOST = "host"
@@ -177,7 +180,7 @@ class KVEventPublisher:
         import zmq
 
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -269,7 +272,7 @@ class KVEventSubscriber:
         import zmq
 
         self._zmq = zmq
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sock.connect(endpoint)
@@ -296,7 +299,7 @@ def replay_frames(endpoint: str, start_seq: int, timeout_ms: int = 2000,
     try:
         sock.connect(endpoint)
         sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        out = []
+        out: list[tuple[int, bytes]] = []
         while True:
             if not sock.poll(timeout_ms, zmq.POLLIN):
                 raise TimeoutError(f"no replay answer from {endpoint} within {timeout_ms} ms")

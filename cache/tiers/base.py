@@ -63,7 +63,10 @@ class CachePort(Protocol):
     allocator: Any
     components: tuple
     tree: Any                       # the RadixTree (read-only but for the placement verbs)
-    host: Any
+
+    @property
+    def host(self) -> Any:
+        """The cache's host tier, or None."""
 
     def key(self, token_ids: Sequence[int]) -> list[int]:
         """The page-aligned key of ``token_ids``."""
