@@ -71,6 +71,9 @@ class CachePort(Protocol):
     def key(self, token_ids: Sequence[int]) -> list[int]:
         """The page-aligned key of ``token_ids``."""
 
+    def now(self) -> float:
+        """The cache's clock (the one pins end on)."""
+
     def make_room(self, n: int) -> None:
         """Evict at least ``n`` tokens of unlocked device KV (if there is that much) and free
         their slots (the caller passes its shortfall)."""
