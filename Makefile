@@ -61,10 +61,12 @@ test: setup test-models typecheck
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n 2 --durations=25 tests
 
 # The inner loop while developing: the type check (above), then the unit, engine and cache tests, no
-# Ray, no cluster and no real weights (the folders below minus the `ray` and `model` markers, tests/conftest.py; the engine's
-# scheduler runs on the fake model there), in two pytest-xdist workers, a module to a worker (the
-# native kernels are built first, once). tests/README.md has its measured time.
-QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s tests/test_layering.py tests/test_typecheck.py
+# Ray, no cluster and no real weights (the folders below minus the `ray` and `model` markers,
+# tests/conftest.py; the engine's scheduler runs on the fake model there), in two pytest-xdist
+# workers, a module to a worker (the native kernels are built first, once). tests/README.md has its
+# measured time.
+QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s \
+         tests/test_layering.py tests/test_typecheck.py
 test-quick: setup typecheck
 	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
 	$(PY) -m pytest -q -n 2 -m "not slow and not ray and not model" --durations=10 $(QUICK)

@@ -61,7 +61,8 @@ class Legs:
         self.leg_tokens = 0
 
     @classmethod
-    def start(cls, migrator: LegMover, req: GenerateRequest, route: Route, worker: WorkerRef, prefill: str | None) -> Legs:
+    def start(cls, migrator: LegMover, req: GenerateRequest, route: Route, worker: WorkerRef,
+              prefill: str | None) -> Legs:
         """``req``'s first leg on decode worker ``worker`` (``prefill``: its prefill worker's name)."""
         return cls(migrator, req, route, worker, worker.decode_api.generate(req.to_wire(), prefill, migrator.router_id))
 

@@ -42,7 +42,8 @@ class ApproxPrefixIndex:
         self._nodes: dict[int, int] = {}         # worker -> nodes held
         self._heap: dict[int, list[tuple[int, int, int, _Node]]] = {}         # worker -> [(tick, -end, node id, node)]
         self._version = 0                        # bumped by every change of structure
-        self._memo: tuple[Sequence[int], tuple[int, ...], int, list[_Node]] | None = None  # match()'s (key object, its tuple, version, fully matched nodes)
+        # match()'s (key object, its tuple, version, fully matched nodes)
+        self._memo: tuple[Sequence[int], tuple[int, ...], int, list[_Node]] | None = None
 
     def _first(self, key: tuple[Any, ...], pos: int) -> Any:
         return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])

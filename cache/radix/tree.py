@@ -63,7 +63,8 @@ class RadixTree(HostNodes, Pins):
         self.root.lock_ref = 1
         self.leaves: set[Node] = set()
         self.heap: list[tuple[Any, int, Node]] = []
-        self.pheap: list[tuple[Any, int, Node]] = []           # pinned evictable leaves: popped only when ``heap`` is empty
+        # pinned evictable leaves: popped only when ``heap`` is empty
+        self.pheap: list[tuple[Any, int, Node]] = []
         self.reset_pins()
         self.evictable = 0
         self.protected = 0
