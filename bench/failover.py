@@ -54,7 +54,7 @@ async def _run(backend, reqs, kill_after: int | None, pids: dict[str, int], role
     has that many tokens (``role`` prefill: the prefill worker, once every stream is open on a decode
     worker, before the first token). Returns per stream (ids, error, prompt tokens, stamps), the
     victim, each stream's tokens at the kill and when the requests were sent."""
-    stamps = [[] for _ in reqs]
+    stamps: list[list[float]] = [[] for _ in reqs]
     t0 = time.perf_counter()
     tasks = [asyncio.ensure_future(_stream(backend, r, s)) for r, s in zip(reqs, stamps)]
     victim, at_kill = None, []
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
             session_id=f"failover-{tag}") for i in range(args.streams)]
 
     def pids() -> dict[str, int]:
-        return {w.name: ray.get(w.handle.info.remote(), timeout=60)["pid"] for w in backend.pool.everyone()
+        return {w.name: ray.get(w.api.info(), timeout=60)["pid"] for w in backend.pool.everyone()
                 if w.alive}
 
     def whole() -> None:   # the supervisor replaced the killed worker: 1P+2D live again

@@ -123,19 +123,19 @@ def main(argv=None) -> int:
         threading.setprofile(None)
         backend.close()
         ray.shutdown()
-    per = {name: set(files) for name, files in per_fns.items()}
-    every = set().union(*per.values())
+    procs = {name: set(files) for name, files in per_fns.items()}
+    every = set().union(*procs.values())
     functions: dict[str, set[str]] = {}
     for files in per_fns.values():
         for f, fns in files.items():
             functions.setdefault(f, set()).update(fns)
     print(f"{'process':<24} {'product files':>13}")
-    for name, files in sorted(per.items()):
-        print(f"{name:<24} {len(files):>13}")
+    for name, fset in sorted(procs.items()):
+        print(f"{name:<24} {len(fset):>13}")
     print(f"{'all processes':<24} {len(every):>13}")
     print(f"{'idle window':<24} {len(idle):>13}")
     print(f"{'only with the request':<24} {len(every - idle):>13}")
-    write_report(args.out, {"per_process": {k: sorted(v) for k, v in per.items()}, "files": sorted(every),
+    write_report(args.out, {"per_process": {k: sorted(v) for k, v in procs.items()}, "files": sorted(every),
                             "count": len(every), "idle": sorted(idle), "request_only": sorted(every - idle),
                             "functions": {f: sorted(fns) for f, fns in sorted(functions.items())},
                             "max_tokens": args.max_tokens})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,7 +109,7 @@ def kernel_rates(path: str, repeats: int) -> dict:
     from tandem.engine.quant.blocks import from_gguf_blocks
 
     r = gguf.GGUFReader(path)
-    picks = {}
+    picks: dict[str, Any] = {}
     for t in r.tensors:
         if t.name.startswith("blk.0.") and t.tensor_type.name not in ("F32", "F16"):
             picks.setdefault(t.tensor_type.name, t)
@@ -145,7 +146,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     long_ids = [2] + rng.integers(1000, 200_000, PREFILL - 1).tolist()
     short_ids = [2] + rng.integers(1000, 200_000, SHORT - 1).tolist()
-    runners = {"tandem default": Tandem(path, "auto", "auto", args.threads),
+    runners: dict[str, Tandem | HF | LlamaBench] = {"tandem default": Tandem(path, "auto", "auto", args.threads),
                "tandem exact": Tandem(path, "float32", "dequant", args.threads)}
     if not args.no_hf:
         runners["transformers"] = HF(path)
@@ -153,15 +154,16 @@ def main() -> None:
         runners["llama.cpp"] = LlamaBench(args.llama_bench, path, args.threads)
     for r in runners.values():                    # warm-up
         r.measure() if isinstance(r, LlamaBench) else r.run(short_ids, 4)
-    samples = {name: {"prefill": [], "decode": []} for name in runners}
+    samples: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in runners}
     for _ in range(args.repeats):
         for name, r in runners.items():
             if isinstance(r, LlamaBench):
                 for k, v in r.measure().items():
                     samples[name][k].append(v)
                 continue
-            samples[name]["prefill"].append(PREFILL / timed(lambda: r.run(long_ids, 1)))
-            samples[name]["decode"].append(DECODE / timed(lambda: r.run(short_ids, DECODE)))
+            run = r.run
+            samples[name]["prefill"].append(PREFILL / timed(lambda: run(long_ids, 1)))
+            samples[name]["decode"].append(DECODE / timed(lambda: run(short_ids, DECODE)))
     print(f"Gemma 3 270M Q4_K_M, {args.threads} threads, {args.repeats} rounds (medians)")
     print(f"{'contender':16s} {'prefill 1k tok/s':>17s} {'decode tok/s':>13s}  {'x HF':>11s}  {'x llama.cpp':>11s}  precision")
     rows = {}

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +108,9 @@ def run(plan: Plan, out: str) -> dict:
     prompts, vocab = _prompt_ids(load_tokenizer(path)), hf32.config.vocab_size
     params = SamplingParams(max_tokens=plan.new_tokens, temperature=0.0, ignore_eos=True)
     report["model"] = {"geometry": plan.model, "path": path, "vocab": vocab, "prompts": len(prompts)}
-    refs, hfs, live = {}, {}, {}          # per dtype: colocated tokens, the judge's model; the open cluster
+    refs: dict[str, Any] = {}
+    hfs: dict[str, Any] = {}
+    live: dict[str, Any] = {}          # per dtype: colocated tokens, the judge's model; the open cluster
     dtype = plan.dtypes[-1]
 
     def close():

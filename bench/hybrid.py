@@ -32,6 +32,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def write_models(root: Path) -> dict[str, str]:
 
     L = 12
     out = {}
-    common = dict(vocab_size=300, hidden_size=256, num_hidden_layers=L, num_attention_heads=4,
+    common: dict[str, Any] = dict(vocab_size=300, hidden_size=256, num_hidden_layers=L, num_attention_heads=4,
                   num_key_value_heads=1, max_position_embeddings=8192, bos_token_id=256,
                   eos_token_id=257)
     swa = ["sliding_attention"] * 5 + ["full_attention"]
@@ -86,11 +87,11 @@ def write_models(root: Path) -> dict[str, str]:
         out[name] = _save(m, root / name)
     hyb = (["mamba"] * 5 + ["attention"]) * (L // 6)
     for name, kinds in (("granite", hyb), ("granite-dense", ["attention"] * L)):
-        cfg = transformers.GraniteMoeHybridConfig(
+        gcfg = transformers.GraniteMoeHybridConfig(
             **common, intermediate_size=128, shared_intermediate_size=512, layer_types=kinds,
             mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=64, mamba_d_head=64, mamba_d_conv=4,
             mamba_chunk_size=64, num_local_experts=0, position_embedding_type="rope")
-        m = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
+        m = transformers.GraniteMoeHybridForCausalLM(gcfg).eval()
         _randomize(m)
         out[name] = _save(m, root / name)
     return out

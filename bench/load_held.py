@@ -45,6 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from tandem.bench.common import bench_parser, write_report
 
@@ -127,7 +128,7 @@ def series(records: list, pre: float, burst: float, slo: float, total: float) ->
     slow = [b["t"] for b in bins if b["t"] >= end and (b["ttft_p99"] or 0) > slo]
     refused = [b["t"] for b in bins if b["t"] >= end and b["refused"]]
     retries = [r for r in records if r.scheduled is not None]
-    final: dict[tuple, object] = {}
+    final: dict[tuple[Any, int], Any] = {}   # (session, turn) -> its last Record
     for r in records:                    # a turn's last record (its retry, when it had one)
         final[(r.session, r.turn)] = r
     lost = [r for r in final.values() if r.status == 429]
@@ -185,7 +186,7 @@ def run_config(name: str, args, work: str) -> dict:
         good = [p for p in sweep if p["ttft_p99"] is not None and p["ttft_p99"] <= args.slo_s
                 and p["refused_429"] == 0 and p["other_errors"] == 0]
         sustained = max((p["rate"] for p in good), default=None)
-        out = {"config": cfg, "sweep": sweep, "sustained_rate": sustained}
+        out: dict[str, Any] = {"config": cfg, "sweep": sweep, "sustained_rate": sustained}
         if sustained and not name.startswith("real"):
             base, high = args.base * sustained, args.burst * sustained
             phases = [(args.pre_s, base), (args.burst_s, high), (args.post_s, base)]

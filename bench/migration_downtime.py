@@ -29,6 +29,7 @@ import asyncio
 import random
 import statistics
 import time
+from typing import Any
 
 from tandem.bench.common import bench_parser, write_report
 
@@ -111,7 +112,8 @@ def main(argv=None) -> int:
     backend = launch_disaggregated(cfg, loaded=loaded)
     rng = random.Random(args.seed)
     vocab = backend.vocab_size
-    rows, bad = [], []
+    rows: list[dict[str, Any]] = []
+    bad: list[Any] = []
     try:
         for n in lengths:
             for after, out_tokens in cases:

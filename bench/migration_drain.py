@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from typing import Any
 
 from tandem.bench.common import bench_parser, write_report
 
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
         reqs = [GenerateRequest(f"{'d' if drain else 'w'}{r}-{i}", tuple(tok.encode(tok.apply_chat_template(
                     [{"role": "user", "content": f"Story {i}: a lighthouse keeper's night."}]))), params,
                                 session_id=f"drain-{r}-{drain}") for i in range(args.streams)]
-        counts, texts = {}, {}
+        counts: dict[str, Any] = {}
+        texts: dict[str, Any] = {}
         tasks = [asyncio.ensure_future(stream(g, counts, texts)) for g in reqs]
         while len(counts) < len(reqs) or min(counts.values()) < args.after:
             await asyncio.sleep(0.005)

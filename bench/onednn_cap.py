@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 from tandem.bench.common import bench_parser, write_report
 
@@ -74,7 +75,7 @@ def main() -> None:
     numerics = ["default"] + (["bf16-dense"] if native_bf16() else [])
     rows = []
     for num in numerics:
-        runs = {"capped": [], "uncapped": []}
+        runs: dict[str, list[dict[str, Any]]] = {"capped": [], "uncapped": []}
         for _ in range(args.repeats):
             for mode in runs:
                 runs[mode].append(run_child(mode, num, args.threads, args.prompt_tokens, args.decode_steps))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any, cast
 
 import torch
 
@@ -57,7 +58,7 @@ def sleep_loaded(seconds: float):
                            num_q_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=2,
                            max_position=4096, layer_types=["full"], bos_token_id=256,
                            eos_token_ids=(257,))
-    return LoadedModel(SleepModel(seconds), arch, byte_tokenizer(), "sleep-stand-in")
+    return LoadedModel(cast(Any, SleepModel(seconds)), arch, byte_tokenizer(), "sleep-stand-in")   # a stand-in model
 
 
 def prompts(batch: int, length: int = 24) -> list[list[int]]:
@@ -70,7 +71,7 @@ def runner_seconds(loaded, batch: int, tokens: int) -> tuple[float, list[list[in
     from tandem.engine.model_runner import ModelRunner
 
     r = ModelRunner.create(loaded, max_total_tokens=batch * 128, max_reqs=batch,
-                           backend=make_attention_backend("torch", "cpu"))
+                           backend=make_attention_backend("torch", torch.device("cpu")))
     t = time.perf_counter()
     out = r.generate_greedy(prompts(batch), tokens)
     return time.perf_counter() - t, out

@@ -21,6 +21,7 @@ import gc
 import random
 import statistics
 import time
+from typing import Any
 
 from tandem.bench.common import bench_parser, write_report
 from tandem.bench.radix_vs_sglang import CAPACITY, load_requests
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
     for ps in args.page_sizes:
         row = {"page_size": ps}
         modes = (("none", 0), ("pinned", args.pins))
-        got = {name: {"admit": [], "evict": [], "hit_rate": 0.0} for name, _ in modes}
+        got: dict[str, dict[str, Any]] = {name: {"admit": [], "evict": [], "hit_rate": 0.0} for name, _ in modes}
         for _ in range(args.rounds):
             for name, n in modes:       # alternate, so machine noise hits both
                 gc.collect()

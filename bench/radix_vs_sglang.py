@@ -31,6 +31,7 @@ import time
 import types
 from array import array
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,7 +160,7 @@ def main(argv=None) -> dict:
     print(f"{'page':>4} {'impl':>7} {'hit rate':>9} {'median us':>10} {'mean us':>8} "
           f"{'p90 us':>7} {'total s':>8}")
     for ps in args.page_sizes:
-        per = {"tandem": [], "sglang": []}
+        per: dict[str, list[Any]] = {"tandem": [], "sglang": []}
         rates = {}
         for _ in range(args.rounds):
             for name in ("tandem", "sglang"):   # alternate, so machine noise hits both

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.types import StreamChunk
 from tandem.engine.sched_types import SchedulerObserver
 
 PAGE_SIZE = 4
@@ -242,13 +243,13 @@ def _host_cycle(e, ids: list[int], rid: str, mem_reps: int, profile: bool = Fals
         # ... the same with a preallocated buffer (no fresh temporary): index_select + index_copy_
         rows = dev.shape[2]
         dv, hv = dev.view(-1, rows, dev[0, 0, 0].numel()), host.view(-1, host.shape[2], host[0, 0, 0].numel())
-        buf = torch.empty(dv.shape[0], len(dev_slots), dv.shape[2], dtype=dev.dtype)
+        staged = torch.empty(dv.shape[0], len(dev_slots), dv.shape[2], dtype=dev.dtype)
         res["select_copy_s"] = _time_median(
-            lambda: dv.index_copy_(1, dev_slots, torch.index_select(hv, 1, host_slots, out=buf)), mem_reps)
+            lambda: dv.index_copy_(1, dev_slots, torch.index_select(hv, 1, host_slots, out=staged)), mem_reps)
         # ... and what a fresh temporary of those bytes costs by itself (allocate + first touch)
         res["alloc_touch_s"] = _time_median(lambda: torch.empty(nbytes // dev.element_size(),
                                                                 dtype=dev.dtype).fill_(0), mem_reps)
-        del buf
+        del staged
         runs = _runs(host_slots, dev_slots)
 
         def run_copy():
@@ -372,7 +373,7 @@ def _load_run(loaded, prompts: list[list[int]], out_tokens: int, pool: int, host
         greqs = [e.make_request(p, params, rid=f"r{i}") for i, p in enumerate(prompts)]
         stamps: dict[str, list[float]] = {g.rid: [] for g in greqs}
         tokens: dict[str, list[int]] = {g.rid: [] for g in greqs}
-        finals: dict[str, object] = {}
+        finals: dict[str, StreamChunk] = {}
         done = threading.Event()
         lock = threading.Lock()
 

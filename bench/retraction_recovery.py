@@ -202,10 +202,10 @@ def main(argv=None) -> int:
     pool = (a.concurrency + 2) * (-(-(64 + a.out_tokens * 3 // 2) // page) * page) + 4 * page
     sizes = [a.host_pool_tokens] if a.host_pool_tokens is not None else [8 * pool, 0]
     runs = []
-    for r in range(a.repeats):   # ABBA: load drifts hit both settings alike
-        for h in (sizes if r % 2 == 0 else sizes[::-1]):
+    for rep in range(a.repeats):   # ABBA: load drifts hit both settings alike
+        for h in (sizes if rep % 2 == 0 else sizes[::-1]):
             runs.append(run_once(loaded, host_pool_tokens=h, concurrency=a.concurrency, storm=a.storm,
-                                 phase_s=a.phase_s, out_tokens=a.out_tokens, threads=a.threads, seed=r))
+                                 phase_s=a.phase_s, out_tokens=a.out_tokens, threads=a.threads, seed=rep))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "retraction_recovery.json").write_text(json.dumps(runs, indent=1))

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from tandem.bench.common import bench_parser, medians, write_report
-from tandem.cluster.raynodes import RayNodes, start_router
+from tandem.cluster.raynodes import RayNodes, Router, start_router
 
 TRANSFER_TIMEOUT_S = 8.0
 CONFIG = {
@@ -84,7 +84,7 @@ def _ratio(r) -> float:
     return cached(r) / r.json()["usage"]["prompt_tokens"]
 
 
-def _round(c: RayNodes, cfg: dict, work: str, router, i: int) -> tuple[dict, object]:
+def _round(c: RayNodes, cfg: dict, work: str, router: Router, i: int) -> tuple[dict, Router]:
     import httpx
 
     base1 = chat(router.url, f"base-{i}", ["Name a colour."])

@@ -27,6 +27,7 @@ import gc
 import json
 import random
 import time
+from typing import Any
 from pathlib import Path
 
 from tandem.bench.common import bench_parser, write_report
@@ -38,7 +39,7 @@ from tandem.sim.replay.simulate import DEFAULT_TRACE, load_trace, simulate
 
 CAPACITY = 3_000_000
 BLOCK = 512
-MOONCAKE = {"per_node_hit_rate": 0.27, "global_hit_rate": 0.63, "nodes": 10,
+MOONCAKE: dict[str, Any] = {"per_node_hit_rate": 0.27, "global_hit_rate": 0.63, "nodes": 10,
             "capacity_tokens_per_node": 3_000_000,
             "source": "Mooncake, USENIX FAST'25 (see workloads/README.md)"}
 
@@ -111,7 +112,7 @@ def _print_cell(cell: dict) -> None:
 # -- Mooncake's local-vs-global figure -----------------------------------------------------------
 def mooncake_compare(trace, profile=DEFAULT_PROFILE) -> dict:
     n = MOONCAKE["nodes"]
-    out = {"published": MOONCAKE, "ours": {}}
+    out: dict[str, Any] = {"published": MOONCAKE, "ours": {}}
     for label, pol, glob in [("per-node, round_robin", "round_robin", False),
                              ("per-node, random", "random", False),
                              ("per-node, least_load", "least_load", False),
@@ -186,16 +187,16 @@ def decision_latency(n_sessions: int = 10_000, n_decisions: int = 20_000, prefil
         key = convs[i] + tuple(toks(rng.randint(120, 160)))
         reqs.append(RouteRequest(f"r{k}", key, len(key), session_id=f"s{i}"))
     vs = views(256)
-    result = {"sessions": len(state.sessions), "index_nodes": state.approx.num_nodes(),
+    result: dict[str, Any] = {"sessions": len(state.sessions), "index_nodes": state.approx.num_nodes(),
               "index_tokens": sum(state.approx.size(w) for w in range(prefill)),
               "kv_blocks": state.kv.num_blocks(), "warm_s": warm_s,
               "mean_prompt_tokens": sum(r.prompt_tokens for r in reqs) / len(reqs), "policies": {}}
     variants = [(p, p, False) for p in POLICIES] + [("kv_events+prehashed", "kv_events", True)]
     hashed = {r.request_id: tuple(block_hashes(r.key, page)) for r in reqs}
     per = n_decisions // rounds
-    wall = {v[0]: [] for v in variants}
-    cpu = {v[0]: [] for v in variants}
-    round_p99 = {v[0]: [] for v in variants}
+    wall: dict[str, list[float]] = {v[0]: [] for v in variants}
+    cpu: dict[str, list[float]] = {v[0]: [] for v in variants}
+    round_p99: dict[str, list[float]] = {v[0]: [] for v in variants}
     for rnd in range(rounds):               # interleaved rounds: a noisy spell hits every policy
         for j in range(len(variants)):
             label, pol, prehash = variants[(j + rnd) % len(variants)]

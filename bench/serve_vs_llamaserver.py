@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.llama_server:
                 print("llama-server: skipped (no --llama-server binary)", file=sys.stderr)
                 continue
-            srv = LlamaServer(args.llama_server, gguf, args, logdir / "llama-server.log")
+            srv: Server = LlamaServer(args.llama_server, gguf, args, logdir / "llama-server.log")
         else:
             flags = [*TANDEM[name], "--model", gguf, "--threads", str(args.threads), *args.extra.split()]
             srv = Server(flags, args, logdir / f"{name}.log")

@@ -28,11 +28,13 @@ import heapq
 import math
 import random
 import statistics
+from typing import Any
 
 from tandem.bench.common import bench_parser, write_report
+from tandem.cache.radix.eviction import SessionPolicy
 from tandem.cache.unified import UnifiedRadixCache
 
-SCENARIOS = {
+SCENARIOS: dict[str, dict[str, Any]] = {
     "background": {"conversations": 24, "start_window_s": 60, "background_rps": 2.0, "capacity": 64_000},
     "sessions_only": {"conversations": 64, "start_window_s": 900, "background_rps": 0.0, "capacity": 40_000},
 }
@@ -53,8 +55,8 @@ def make_workload(seed: int, conversations: int, start_window_s: float, backgrou
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(1, 50_000) for _ in range(n)]
     common = tok(500)
-    events = []                                    # (time, order, conversation or None)
-    convs = []
+    events: list[tuple[float, int, int | None]] = []   # (time, order, conversation or None)
+    convs: list[dict[str, Any]] = []
     for c in range(conversations):
         mu = math.log(1000) - 0.5                  # lognormal with mean ~1,000 (sigma 1)
         prefix = tok(min(5000, int(rng.lognormvariate(mu, 1.0))))
@@ -66,24 +68,24 @@ def make_workload(seed: int, conversations: int, start_window_s: float, backgrou
     while background_rps and t < 2000:
         t += rng.expovariate(background_rps)
         heapq.heappush(events, (t, len(events), None))
-    out = []
+    out: list[tuple[float, str | None, list[int], list[int], bool]] = []
     while events:
-        t, _, c = heapq.heappop(events)
-        if c is None:
+        t, _order, ci = heapq.heappop(events)
+        if ci is None:
             if any(cv["turns"] for cv in convs):   # background only while sessions run
                 out.append((t, None, tok(rng.randint(500, 1500)), [], True))
             continue
-        cv = convs[c]
+        cv = convs[ci]
         new_in, reply = cv["turns"].pop(0)
         prompt = cv["context"] + new_in
         cv["context"] = prompt + reply
         out.append((t, cv["id"], prompt, reply, not cv["turns"]))
         if cv["turns"]:
-            heapq.heappush(events, (t + rng.uniform(20, 90), len(events) + 10_000_000, c))
+            heapq.heappush(events, (t + rng.uniform(20, 90), len(events) + 10_000_000, ci))
     return out
 
 
-def replay(workload, policy: str, capacity: int) -> dict:
+def replay(workload, policy: str, capacity: int) -> dict[str, float]:
     """``policy`` is an eviction policy name; ``session+end`` is ``session`` told explicitly
     (``policy.end_session``) when a conversation's last turn is done."""
     clock = Clock()
@@ -97,7 +99,7 @@ def replay(workload, policy: str, capacity: int) -> dict:
         clock.t = t
         hit = cache.match(prompt, session_id=sid).prefix_len
         cache.insert(prompt + reply, session_id=sid)
-        if explicit_end and last and sid is not None:
+        if explicit_end and last and sid is not None and isinstance(cache.policy, SessionPolicy):
             cache.policy.end_session(sid)
         kinds = ["background"] if sid is None else ["session"] + (["session_after_first"] if sid in seen else [])
         for k in kinds:
@@ -112,16 +114,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--policies", nargs="+", default=["lru", "session", "session+end", "lfu", "slru"])
     args = ap.parse_args(argv)
-    result = {"page_size": PAGE, "session_ttl_s": TTL, "seeds": args.seeds, "scenarios": {}}
+    result: dict[str, Any] = {"page_size": PAGE, "session_ttl_s": TTL, "seeds": args.seeds, "scenarios": {}}
     for name, sc in SCENARIOS.items():
-        rows = {p: [] for p in args.policies}
+        rows: dict[str, list[dict[str, float]]] = {p: [] for p in args.policies}
         for seed in args.seeds:
             wl = make_workload(seed, **sc)
             for p in args.policies:
                 rows[p].append(replay(wl, p, sc["capacity"]))
         print(f"\n{name}: {sc}, page {PAGE}, session TTL {TTL:.0f} s, seeds {args.seeds}")
         print(f"{'policy':>11} {'session hit':>12} {'turns 2+ hit':>13} {'background hit':>15}")
-        summary = {}
+        summary: dict[str, dict[str, Any]] = {}
         for p, rs in rows.items():
             mean = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
             summary[p] = {"mean": mean, "per_seed": rs}

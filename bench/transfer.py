@@ -100,12 +100,15 @@ def reader(endpoint: str, conn, sess: tuple) -> None:
 
     faulthandler.enable()
     from tandem.transfer.bootstrap import BootstrapClient
+    from tandem.transfer.messages import Handshake
 
     torch.set_num_threads(1)
     pool = torch.zeros((LAYERS, 2, ROWS, KV_HEADS, HEAD_DIM))
     agent = _agent("reader", pool, sess)
     client = BootstrapClient(endpoint)
     theirs = client.request(agent.handshake(), timeout_s=60)
+    if not isinstance(theirs, Handshake):
+        raise RuntimeError(f"the writer answered a {type(theirs).__name__}, not a Handshake")
     agent.add_peer(theirs.agent_name, theirs.agent_metadata, theirs.regions)
     src = _source_pool()
     seen = 0
@@ -146,6 +149,7 @@ def writer(conn, rconn, sess: tuple, repeats: int, quick: bool) -> None:
 
     faulthandler.enable()
     from tandem.transfer.bootstrap import BootstrapServer
+    from tandem.transfer.messages import Handshake
     from tandem.transfer.state import TransferState
 
     torch.set_num_threads(1)
@@ -153,7 +157,12 @@ def writer(conn, rconn, sess: tuple, repeats: int, quick: bool) -> None:
     agent = _agent("writer", pool, sess)
     server = BootstrapServer()
     conn.send(server.endpoint)
-    ident, hs = server.recv(timeout_s=60)
+    got = server.recv(timeout_s=60)
+    if got is None:
+        raise RuntimeError("no reader handshake within 60 s")
+    ident, hs = got
+    if not isinstance(hs, Handshake):
+        raise RuntimeError(f"the reader sent a {type(hs).__name__}, not a Handshake")
     agent.add_peer(hs.agent_name, hs.agent_metadata, hs.regions)
     server.send(ident, agent.handshake())
     a, b = torch.randn(NBYTES // 4), torch.empty(NBYTES // 4)

@@ -74,8 +74,8 @@ class HybridKVPool:
         self.full, self.swa, self.index_map = full, swa, index_map
         self.page_size, self.device, self.dtype = full.page_size, full.device, full.dtype
         self.num_slots, self.kv_data = full.num_slots, full.kv_data
-        self._swa_layers = {lid: LayerKV(swa.layer(lid).k, swa.layer(lid).v, index_map)
-                            for lid in (swa.layer_ids if swa is not None else [])}
+        self._swa_layers = ({lid: LayerKV(swa.layer(lid).k, swa.layer(lid).v, index_map) for lid in swa.layer_ids}
+                            if swa is not None else {})
 
     @property
     def bytes_per_token(self) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from tandem.cache.allocator import PagedAllocator
 from tandem.cache.radix.components import FULL, TreeComponent
-from tandem.cache.radix.events import AllBlocksCleared, BlockPinned, BlockUnpinned, KVEventPublisher
+from tandem.cache.radix.events import AllBlocksCleared, BlockPinned, BlockUnpinned, EventPublisher
 from tandem.cache.radix.eviction import make_policy
 from tandem.cache.tiers.base import KVTier
 from tandem.cache.tiers.host import HostTier
@@ -25,7 +25,7 @@ class UnifiedRadixCache:
 
     def __init__(self, config: CacheConfig, allocator: PagedAllocator | None = None,
                  components: Sequence[Any] = (FULL,),
-                 host: HostTier | None = None, events: KVEventPublisher | None = None,
+                 host: HostTier | None = None, events: EventPublisher | None = None,
                  clock: Callable[[], float] = time.monotonic, tiers: Sequence[KVTier] = ()):
         if FULL not in components:
             raise ValueError(f"components={components!r} must include FULL")
@@ -64,7 +64,7 @@ class UnifiedRadixCache:
     def simulated(cls, page_size: int = 1, capacity_tokens: int | None = None, eviction: str = "lru",
                   *, components: Sequence[Any] = (FULL,), session_ttl_s: float = 300.0,
                   debug_invariants: bool = False, clock: Callable[[], float] = time.monotonic,
-                  events: KVEventPublisher | None = None) -> "UnifiedRadixCache":
+                  events: EventPublisher | None = None) -> "UnifiedRadixCache":
         """A cache with no pools (values are token positions), for routing and scheduling
         simulation. With ``capacity_tokens``, every insert evicts to stay within it."""
         cfg = CacheConfig(page_size=page_size, eviction_policy=eviction,
@@ -83,7 +83,7 @@ class UnifiedRadixCache:
             raise ValueError("the host tier comes before every other tier")
         tier.bind(self._port)
         self.tiers += (tier,)
-        if tier.name == "host":
+        if isinstance(tier, HostTier):
             self.host = tier
 
     @property
@@ -153,7 +153,7 @@ class UnifiedRadixCache:
         if callable(extra):
             extra = extra()
         cached, node, _ = self._insert(key, slots, extra, session_id, priority)
-        if cached > protected and self.allocator is not None:
+        if cached > protected and self.allocator is not None and slots is not None:
             self.allocator.free(slots[protected:cached])
         t.lock(node, +1)
         t.lock(last_node, -1)
@@ -172,7 +172,7 @@ class UnifiedRadixCache:
                 if v is not None and not c.per_token:
                     c.free(v)
         floor = self._released_floor(aux, len(key))
-        if 0 < floor < len(key):
+        if aux is not None and 0 < floor < len(key):
             first = [v if c.per_token else None for c, v in zip(self._aux, aux)]
             cached, _, _ = t.insert(key[:floor], value, first, session_id, priority)
             cached2, node, created = t.insert(key, value, aux, session_id, priority)
@@ -402,12 +402,15 @@ class UnifiedRadixCache:
         t = self._tree
         if t.spills:
             self._spill()
+        host = self.host
+        if host is None:        # the tree holds host copies only with a host tier
+            return
         if t.host_frees:
-            self.host.allocator.free(torch.cat(t.host_frees))
+            host.allocator.free(torch.cat(t.host_frees))
             t.host_frees = []
         if t.aux_host_frees:
             for i, v in t.aux_host_frees:
-                self.host.stores[self._aux[i].name].allocator.free(
+                host.stores[self._aux[i].name].allocator.free(
                     v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64))
             t.aux_host_frees = []
 
@@ -431,7 +434,7 @@ class UnifiedRadixCache:
             self._free_aux()
         if self.host is not None:
             self.host.poll()
-        if t.events:
+        if t.events and self.publisher is not None:     # recorded only with one
             self.publisher.publish(t.events)
             t.events = []
         if self._debug:

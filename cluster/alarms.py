@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from tandem.cluster.workers import WorkerRef
 from tandem.core.types import StreamChunk
@@ -29,9 +30,9 @@ class Alarms:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rings: dict[int, set[Callable[[], None]]] = {}
+        self._rings: dict[int, set[Callable[[], object]]] = {}
 
-    def watch(self, wids: Iterable[int], ring: Callable[[], None]) -> Callable[[], None]:
+    def watch(self, wids: Iterable[int], ring: Callable[[], object]) -> Callable[[], None]:
         """``ring`` is called whenever one of ``wids`` is rung, until the returned ``unwatch`` is."""
         wids = tuple(wids)
         with self._lock:
@@ -108,7 +109,7 @@ async def next_or_alarm(nxt: Awaitable[StreamChunk | None], alarms: Alarms, rid:
     is due (``p`` given), ``p`` suspect or holding ``rid``'s KV write past ``limit`` seconds).
     ``nxt`` is cancelled when the wait ends without it."""
     loop = asyncio.get_running_loop()
-    woke: list[asyncio.Future] = [loop.create_future()]   # the current wait's; a ring sets it
+    woke: list[asyncio.Future[Any]] = [loop.create_future()]   # the current wait's; a ring sets it
 
     def wake() -> None:
         if not woke[0].done():

@@ -9,10 +9,20 @@ import threading
 import time
 import uuid
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
-from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerRef
+from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerPool, WorkerRef
 from tandem.core.config import PlannerConfig
 from tandem.router.planner import Observation, Plan, Planner
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray.actor import ActorHandle
+
+    from tandem.cluster.supervisor import Supervisor
+    from tandem.cluster.workers import Launching
+    from tandem.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +31,15 @@ SPAWN_TIMEOUT_S = 300.0
 MIN_DRAIN_S = 2.5
 
 
-def _lease_class():
+def _lease_class() -> Any:
+    """The planner's lease actor class (:class:`~tandem.core.actors.PlannerLeaseAPI`), defined on first use."""
     import ray
 
     @ray.remote(num_cpus=0)
     class PlannerLease:
-        def __init__(self):
-            self.holder, self.until = None, 0.0
+        def __init__(self) -> None:
+            self.holder: str | None = None
+            self.until = 0.0
 
         def acquire(self, who: str, ttl_s: float) -> bool:
             now = time.monotonic()
@@ -44,7 +56,8 @@ def _lease_class():
 
 
 class Autoscaler:
-    def __init__(self, cfg: PlannerConfig, pool, dispatch, launcher, supervisor, mover=None):
+    def __init__(self, cfg: PlannerConfig, pool: WorkerPool, dispatch: Dispatcher, launcher: Launching,
+                 supervisor: Supervisor, mover: Callable[[WorkerRef], None] | None = None) -> None:
         """``mover(w)``: moves a draining decode worker's live requests away (live migration; the
         backend's), so a scale-down does not wait for them to finish; None: it waits."""
         self.cfg, self.pool, self.dispatch, self.launcher, self.supervisor = cfg, pool, dispatch, launcher, supervisor
@@ -53,12 +66,12 @@ class Autoscaler:
         self.me = uuid.uuid4().hex[:8]
         self.leader = False
         self.last: Plan | None = None
-        self.history: deque = deque(maxlen=64)
+        self.history: deque[Any] = deque(maxlen=64)
         self._spawning: dict[str, tuple[WorkerRef, float]] = {}
         self._draining: dict[int, tuple[WorkerRef, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lease = None
+        self._lease: ActorHandle[Any] | None = None   # the PlannerLeaseAPI actor
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="tandem-planner", daemon=True)
@@ -74,7 +87,7 @@ class Autoscaler:
             except Exception:  # noqa: BLE001
                 pass
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {"leader": self.leader, "plan": None if self.last is None else
                 {"prefill": self.last.prefill, "decode": self.last.decode, "reason": self.last.reason},
                 "spawning": sorted(self._spawning), "draining": sorted(w.name for w, _ in self._draining.values()),

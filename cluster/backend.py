@@ -11,7 +11,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
 
 from tandem.cluster.alarms import Died, DiedBeforeServing, Stalled, next_or_alarm
 from tandem.cluster.legs import Legs
@@ -28,6 +29,17 @@ from tandem.router.deferred import DeferredDispatch
 from tandem.router.dispatch import Dispatcher, Route
 from tandem.router.policies import L3_BLOCK_CREDIT, AdmissionLimits, PolicyConfig
 
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from ray import ObjectRefGenerator
+
+    from tandem.cluster.autoscaler import Autoscaler
+    from tandem.cluster.kv_feed import KVEventFeed
+    from tandem.cluster.responses import RayResponseStore
+    from tandem.cluster.workers import Launching
+    from tandem.core.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
@@ -41,8 +53,8 @@ class RayClusterBackend(ClusterObservability):
     """ServingBackend over Ray actors. ``generate``/``abort``/``health`` run on the caller's loop;
     ``metrics_text``/``close`` block."""
 
-    def __init__(self, cfg: ServeConfig, launcher, tokenizer, *, started_ray: bool = False,
-                 restart: bool = True):
+    def __init__(self, cfg: ServeConfig, launcher: Launching, tokenizer: Tokenizer, *, started_ray: bool = False,
+                 restart: bool = True) -> None:
         self.cfg = cfg
         self.launcher = launcher
         self.started_ray = started_ray
@@ -64,8 +76,8 @@ class RayClusterBackend(ClusterObservability):
         self.dispatch.latency.window_s = cfg.planner.window_s
         self.queue = DeferredDispatch(self.dispatch, cfg.dispatch_queue_size, cfg.dispatch_queue_ttl_s,
                                       prefer_sessions=cfg.dispatch_prefer_sessions)
-        self.autoscaler = None
-        self.feed = None
+        self.autoscaler: Autoscaler | None = None
+        self.feed: KVEventFeed | None = None
         if launcher.kv_events:
             from tandem.cluster.kv_feed import KVEventFeed
 
@@ -78,10 +90,10 @@ class RayClusterBackend(ClusterObservability):
         self.streams: dict[str, RequestStream] = {}   # client rid -> its stream (cluster/stream.py)
         self.migrator = Migrator(self.pool, self.dispatch, self._legs, self.supervisor, cfg.migration,
                                  router_id=self.router_id, page_size=cc.page_size)
-        self._policy: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._policy: asyncio.Task[Any] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.response_store = None
+        self.response_store: RayResponseStore | None = None
 
     @property
     def prefills(self) -> list[WorkerRef]:
@@ -91,7 +103,7 @@ class RayClusterBackend(ClusterObservability):
     def decodes(self) -> list[WorkerRef]:
         return self.pool.decodes
 
-    def _legs(self) -> dict:
+    def _legs(self) -> dict[str, Any]:
         """Worker-side rid -> the current :class:`~tandem.cluster.legs.Legs` of each stream on a decode
         worker now (a fresh map: the Migrator's read-only view of ``streams``)."""
         return {s.legs.req.rid: s.legs for s in list(self.streams.values()) if s.legs is not None}
@@ -123,7 +135,7 @@ class RayClusterBackend(ClusterObservability):
                                          self.supervisor, mover=self._migrate_off)
             self.autoscaler.start()
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Route, then stream from the decode worker. What a failure costs is the request's
         :class:`RequestStream`'s failure table (cluster/stream.py): a worker found dead before anything
         was sent, one re-route without it; one that stops making progress before anything was
@@ -137,7 +149,9 @@ class RayClusterBackend(ClusterObservability):
         await self.dispatch.wait_ahead(r, self.cfg.transfer_timeout_s)   # a sharer routed first goes first
         if req.trace:
             self._trace_route(req, r, t_route)
-        client_rid, excluded, dead = req.rid, set(), None
+        client_rid = req.rid
+        dead: WorkerRef | None = None
+        excluded: set[int] = set()
         stream = self.streams[client_rid] = RequestStream(
             client_rid, max_failovers=self.cfg.max_failovers, max_attempts=MAX_ATTEMPTS,
             failover_wait_s=self.cfg.failover_wait_s)
@@ -193,7 +207,7 @@ class RayClusterBackend(ClusterObservability):
         return self.dispatch.reroute(r, excluded)
 
     async def _attempt(self, req: GenerateRequest, r: Route, d: WorkerRef,
-                       stream: RequestStream) -> AsyncIterator[StreamChunk]:
+                       stream: RequestStream) -> AsyncGenerator[StreamChunk, None]:
         """Stream ``req`` from ``d`` and each worker it migrates, resumes or fails over to. A failure
         asks ``stream``'s table what comes next: REDISPATCH raises :class:`DiedBeforeServing` or
         :class:`Stalled` (``generate`` routes again), RESUME continues on a peer, FAIL is one error chunk."""
@@ -299,7 +313,7 @@ class RayClusterBackend(ClusterObservability):
                 except Exception:
                     pass
 
-    def _sent(self, stream: RequestStream, legs, c: StreamChunk) -> None:
+    def _sent(self, stream: RequestStream, legs: Legs, c: StreamChunk) -> None:
         """``c`` goes to the client: what ``stream`` has sent, and its state, follow."""
         stream.began, stream.sent = True, len(legs.ids)
         if c.token_ids:
@@ -309,7 +323,7 @@ class RayClusterBackend(ClusterObservability):
         elif c.token_ids:
             stream.to(Attempt.STREAMING)
 
-    async def _failover(self, stream: RequestStream, legs, dead: WorkerRef) -> bool:
+    async def _failover(self, stream: RequestStream, legs: Legs, dead: WorkerRef) -> bool:
         """``legs``' decode worker ``dead`` died mid-stream: resume it on a live decode worker after the
         tokens its client has (waiting up to ``failover_wait_s`` for one); whether it resumed. Counted,
         logged once and traced (a ``failover`` span)."""
@@ -321,7 +335,7 @@ class RayClusterBackend(ClusterObservability):
         self._report_failover(stream, legs, dead, t0, at)
         return True
 
-    def _leave_stuck(self, rid: str, d: WorkerRef, gen) -> None:
+    def _leave_stuck(self, rid: str, d: WorkerRef, gen: ObjectRefGenerator) -> None:
         """``rid`` leaves stuck decode worker ``d``: its stream is cancelled and an abort sent there."""
         import ray
 
@@ -339,19 +353,20 @@ class RayClusterBackend(ClusterObservability):
             return
         asyncio.run_coroutine_threadsafe(self.migrator.drain(w.name), self._loop)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     @staticmethod
-    async def _next_chunk(gen) -> StreamChunk | None:
+    async def _next_chunk(gen: ObjectRefGenerator) -> StreamChunk | None:
         """The next chunk of a worker's streaming ``generate``; None when it ended."""
         try:
             ref = await gen.__anext__()
         except StopAsyncIteration:
             return None
-        return await ref
+        chunk: StreamChunk = await ref
+        return chunk
 
     async def migrate(self, rid: str, to: str | None = None) -> str:
         """Move running ``rid`` to decode worker ``to`` (default: the least loaded other one);
@@ -363,11 +378,11 @@ class RayClusterBackend(ClusterObservability):
         s = self.streams.get(rid)
         return s.wire_rid if s is not None else rid
 
-    async def drain(self, name: str, stop: bool = False) -> dict:
+    async def drain(self, name: str, stop: bool = False) -> dict[str, Any]:
         """Move every live request off decode worker ``name`` (POST /admin/drain)."""
         return await self.migrator.drain(name, stop=stop)
 
-    async def undrain(self, name: str) -> dict:
+    async def undrain(self, name: str) -> dict[str, Any]:
         """Decode worker ``name`` back in rotation after a drain without stop (POST /admin/undrain)."""
         return await self.migrator.undrain(name)
 

@@ -9,13 +9,17 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from tandem.cluster.flags import ENGINE_FLAGS, SERVE_FLAGS, add_flags, engine_config_from_args
 from tandem.core.config import EngineConfig, ServeConfig
 from tandem.core.types import TandemError
 
+# what ``add_subparsers()`` returns: each command's ``register`` adds its parsers to it
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
-def register(subparsers) -> None:
+
+def register(subparsers: Subparsers) -> None:
     """Add ``generate`` and ``serve`` to an ``add_subparsers()`` object; each sets
     ``args.func(args) -> exit status``."""
     g = subparsers.add_parser("generate", help="generate a completion for one prompt, in-process")
@@ -42,7 +46,7 @@ def register(subparsers) -> None:
     s.set_defaults(func=_cmd_serve)
 
 
-def build_parser(commands: Sequence[Callable] = ()) -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[Callable[[Subparsers], object]] = ()) -> argparse.ArgumentParser:
     """The ``tandem`` parser: ``generate`` and ``serve``, then each ``register(subparsers)`` in
     ``commands`` (tandem/cli.py passes bench, simulate and chaos)."""
     p = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving.")
@@ -54,7 +58,7 @@ def build_parser(commands: Sequence[Callable] = ()) -> argparse.ArgumentParser:
     return p
 
 
-def _cmd_generate(args) -> int:
+def _cmd_generate(args: argparse.Namespace) -> int:
     from tandem.core.types import SamplingParams
     from tandem.engine.engine import Engine
 
@@ -76,7 +80,7 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _cmd_serve(args) -> int:
+def _cmd_serve(args: argparse.Namespace) -> int:
     from tandem.cluster.config import choose_mode, serve_config_from_args
     from tandem.cluster.serve import run_serve
 
@@ -86,14 +90,15 @@ def _cmd_serve(args) -> int:
     return run_serve(cfg)
 
 
-def main(argv: list[str] | None = None, commands: Sequence[Callable] = ()) -> int:
+def main(argv: list[str] | None = None, commands: Sequence[Callable[[Subparsers], object]] = ()) -> int:
     """Parse ``argv`` (``commands`` registered as well) and run the command; the exit status."""
     parser = build_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        status: int = args.func(args)
+        return status
     except (TandemError, ValueError) as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def load_serve_config(path: str | None) -> ServeConfig:
         raise TandemError(f"config file {path} is invalid: {e}") from None
 
 
-def serve_config_from_args(args) -> ServeConfig:
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """``--config`` YAML (or the defaults), then every serve and engine flag that was given."""
     return override(load_serve_config(args.config), serve_overrides(args))
 
@@ -46,7 +47,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_mode(cfg: ServeConfig, args, cores: int | None = None,
+def choose_mode(cfg: ServeConfig, args: argparse.Namespace, cores: int | None = None,
                 cuda: bool | None = None) -> tuple[ServeConfig, str | None]:
     """The mode of a bare ``tandem serve``: colocated on the real engine with no CUDA GPU and at most
     :data:`AUTO_COLOCATED_MAX_CORES` cores, when the user chose nothing; else as written. Returns the

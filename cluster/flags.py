@@ -9,11 +9,14 @@ import argparse
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from tandem.core.config import EngineConfig, ServeConfig
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -188,15 +191,21 @@ YAML_ONLY: frozenset[str] = frozenset({
 })
 
 
-def field_info(model: type[BaseModel], path: str):
+def field_info(model: type[BaseModel], path: str) -> FieldInfo:
     """The pydantic FieldInfo at dotted ``path`` under ``model``; KeyError names a wrong path."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        info = model.model_fields.get(part)
-        if info is None:
-            raise KeyError(f"{model.__name__} has no field {part!r} (flag path {path!r})")
-        if i < len(parts) - 1:
-            model = info.annotation
+    *sections, leaf = path.split(".")
+    for part in sections:
+        section = _field(model, part, path).annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            raise KeyError(f"{model.__name__}.{part} is not a section (flag path {path!r})")
+        model = section
+    return _field(model, leaf, path)
+
+
+def _field(model: type[BaseModel], name: str, path: str) -> FieldInfo:
+    info = model.model_fields.get(name)
+    if info is None:
+        raise KeyError(f"{model.__name__} has no field {name!r} (flag path {path!r})")
     return info
 
 
@@ -210,7 +219,7 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def argparse_kwargs(model: type[BaseModel], flag: Flag) -> dict:
+def argparse_kwargs(model: type[BaseModel], flag: Flag) -> dict[str, Any]:
     """What ``add_argument(flag.name, **kw)`` needs: type/choices/action and help from the field."""
     info = field_info(model, flag.path)
     kind = _base_type(info.annotation)
@@ -232,7 +241,7 @@ def argparse_kwargs(model: type[BaseModel], flag: Flag) -> dict:
     return kw
 
 
-def add_flags(group, flags: tuple[Flag, ...], model: type[BaseModel]) -> None:
+def add_flags(group: argparse._ActionsContainer, flags: tuple[Flag, ...], model: type[BaseModel]) -> None:
     """Add ``flags`` (for fields of ``model``) to an argparse parser or argument group."""
     for f in flags:
         group.add_argument(f.name, **argparse_kwargs(model, f))
@@ -240,7 +249,7 @@ def add_flags(group, flags: tuple[Flag, ...], model: type[BaseModel]) -> None:
 
 def given(args: argparse.Namespace, flags: tuple[Flag, ...]) -> dict[str, Any]:
     """``{path: value}`` of the flags that were given (not None) in ``args``."""
-    out = {}
+    out: dict[str, Any] = {}
     for f in flags:
         v = getattr(args, f.name.lstrip("-").replace("-", "_"), None)
         if v is not None:
@@ -248,7 +257,7 @@ def given(args: argparse.Namespace, flags: tuple[Flag, ...]) -> dict[str, Any]:
     return out
 
 
-def override(base: BaseModel, values: dict[str, Any]) -> BaseModel:
+def override(base: M, values: dict[str, Any]) -> M:
     """``base`` with each dotted path in ``values`` replaced, validated again as a whole."""
     d = base.model_dump()
     for path, v in values.items():

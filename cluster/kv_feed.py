@@ -10,10 +10,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tandem.cache.radix.events import replay_frames
 from tandem.router.kv_wire import APPLY, GAP, RESTART, SequenceCheck, decode_payload
 from tandem.router.prefix_index import GlobalBlockIndex
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import zmq
+
+    from tandem.router.kv_wire import KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -27,21 +35,23 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class _Source:
     endpoint: str
     replay: str | None
-    sock: object = None
+    sock: zmq.Socket[bytes]
     seq: SequenceCheck = field(default_factory=SequenceCheck)
     synced: bool = False
     last_try: float = float("-inf")
 
 
 class KVEventFeed:
-    def __init__(self, index: GlobalBlockIndex, lock, replay_timeout_ms: int = REPLAY_TIMEOUT_MS):
+    def __init__(self, index: GlobalBlockIndex, lock: AbstractContextManager[Any],
+                 replay_timeout_ms: int = REPLAY_TIMEOUT_MS) -> None:
         import zmq
 
         self._zmq = zmq
         self.index, self.lock = index, lock
         self.replay_timeout_ms = replay_timeout_ms
-        self._ctx = zmq.Context.instance()
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        # ("add", worker id, (endpoint, replay endpoint)) or ("remove", worker id, None)
+        self._cmds: queue.SimpleQueue[tuple[str, int, tuple[str, str | None] | None]] = queue.SimpleQueue()
         self._sources: dict[int, _Source] = {}
         self.counts = {"batches": 0, "events": 0, "malformed": 0, "gaps": 0, "replays": 0,
                        "restarts": 0, "dropped": 0}
@@ -67,7 +77,7 @@ class KVEventFeed:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _commands(self, poller) -> None:
+    def _commands(self, poller: zmq.Poller) -> None:
         zmq = self._zmq
         while True:
             try:
@@ -80,12 +90,13 @@ class KVEventFeed:
                 old.sock.close(0)
             with self.lock:
                 self.index.remove_worker(wid)
-            if op == "add":
-                src = _Source(*arg)
-                src.sock = self._ctx.socket(zmq.SUB)
-                src.sock.setsockopt(zmq.LINGER, 0)
-                src.sock.setsockopt(zmq.SUBSCRIBE, b"")
-                src.sock.connect(src.endpoint)
+            if op == "add" and arg is not None:
+                endpoint, replay = arg
+                sock = self._ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                sock.connect(endpoint)
+                src = _Source(endpoint, replay, sock)
                 self._sources[wid] = src
                 poller.register(src.sock, zmq.POLLIN)
                 self._sync(wid, src, 0)
@@ -133,12 +144,12 @@ class KVEventFeed:
                 action = src.seq.check(seq, events)
             elif action == GAP:
                 self.counts["gaps"] += 1
-                self._sync(wid, src, src.seq.expected)
+                self._sync(wid, src, src.seq.expected or 0)
                 action = src.seq.check(seq, events)
             if action == APPLY:
                 self._apply(wid, src, seq, events)
 
-    def _apply(self, wid: int, src: _Source, seq: int, events) -> None:
+    def _apply(self, wid: int, src: _Source, seq: int, events: list[KVEvent]) -> None:
         with self.lock:
             if self._sources.get(wid) is src:
                 self.index.apply_all(events)
@@ -171,11 +182,11 @@ class KVEventFeed:
                 self._apply(wid, src, seq, events)
         src.synced = True
 
-    def _replay(self, wid: int, endpoint: str, start: int) -> list[tuple[int, list]]:
+    def _replay(self, wid: int, endpoint: str, start: int) -> list[tuple[int, list[KVEvent]]]:
         frames = replay_frames(endpoint, start, self.replay_timeout_ms, ctx=self._ctx)
         return [(seq, decode_payload(wid, payload)) for seq, payload in frames]
 
-    def _parse(self, wid: int, parts: list[bytes]):
+    def _parse(self, wid: int, parts: list[bytes]) -> tuple[int, list[KVEvent]] | None:
         try:
             _topic, seq_b, payload = parts
             if len(seq_b) != 8:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Protocol
 
 from tandem.cluster.moves import Migration, Phase
 from tandem.cluster.workers import WorkerRef
@@ -14,14 +15,45 @@ from tandem.core.types import StreamChunk
 from tandem.router.dispatch import Route
 from tandem.router.rebalance import MoveRequest, plan_forced
 
+if TYPE_CHECKING:
+    from ray import ObjectRefGenerator
+
+    from tandem.cluster.supervisor import Supervisor
+    from tandem.core.config import MigrationConfig
+
+Leg = tuple["ObjectRefGenerator", WorkerRef]   # a leg's streaming ``generate`` and its decode worker
+
 log = logging.getLogger(__name__)
+
+
+class LegMover(Protocol):
+    """What :class:`Legs` asks of the Migrator (cluster/migration.py, which imports this module):
+    each verb starts the next leg, or ends a move."""
+
+    @property
+    def router_id(self) -> str | None: ...
+    @property
+    def moves(self) -> dict[str, Migration]: ...
+    @property
+    def supervisor(self) -> Supervisor | None: ...
+    @property
+    def cfg(self) -> MigrationConfig: ...
+
+    async def next_leg(self, legs: Legs, sent: Resume) -> Leg: ...
+    async def fall_back(self, legs: Legs, m: Migration, sent: Resume) -> Leg: ...
+    def recompute(self, legs: Legs, m: Migration, sent: Resume) -> Leg: ...
+    def prestop(self, legs: Legs, stuck: WorkerRef) -> Leg | None: ...
+    async def failover(self, legs: Legs, dead: WorkerRef, wait_s: float) -> Leg | None: ...
+    def end(self, m: Migration, phase: Phase, downtime_s: float | None = None, record: bool = True) -> None: ...
+    def close(self, legs: Legs) -> None: ...
 
 
 class Legs:
     """``migrator``: the Migrator that moves it (its ``moves``, ``next_leg``, ``fall_back``,
     ``recompute``, ``prestop``, ``end``); ``gen``: the streaming ``generate`` of the current leg."""
 
-    def __init__(self, migrator, req: GenerateRequest, route: Route, worker: WorkerRef, gen):
+    def __init__(self, migrator: LegMover, req: GenerateRequest, route: Route, worker: WorkerRef,
+                 gen: ObjectRefGenerator) -> None:
         self.migrator, self.req, self.route, self.worker, self.gen = migrator, req, route, worker, gen
         self.ids: list[int] = []
         self.chars, self.cached = 0, 0
@@ -29,7 +61,8 @@ class Legs:
         self.leg_tokens = 0
 
     @classmethod
-    def start(cls, migrator, req: GenerateRequest, route: Route, worker: WorkerRef, prefill: str | None) -> Legs:
+    def start(cls, migrator: LegMover, req: GenerateRequest, route: Route, worker: WorkerRef,
+              prefill: str | None) -> Legs:
         """``req``'s first leg on decode worker ``worker`` (``prefill``: its prefill worker's name)."""
         return cls(migrator, req, route, worker, worker.decode_api.generate(req.to_wire(), prefill, migrator.router_id))
 
@@ -39,15 +72,17 @@ class Legs:
     def _move(self) -> Migration | None:
         return self.migrator.moves.get(self.req.rid)
 
-    def _frozen_source(self) -> tuple[Migration | None, WorkerRef | None]:
+    def _frozen_source(self) -> tuple[Migration, WorkerRef] | None:
+        """The move copying this request's KV off a frozen source, and that source; None when none."""
         m = self._move()
-        return m, (m.frozen_source(self.worker) if m is not None else None)
+        src = m.frozen_source(self.worker) if m is not None else None
+        return None if m is None or src is None else (m, src)
 
     def target_died(self) -> StreamChunk | None:
         """The current leg's worker died. Mid-copy from a live source: it is marked dead and an
         empty abort chunk returned (:meth:`next_leg` then falls back); else None (not a move's to handle)."""
-        _, src = self._frozen_source()
-        if src is None or not src.alive:
+        frozen = self._frozen_source()
+        if frozen is None or not frozen[1].alive:
             return None
         if self.migrator.supervisor is not None:
             self.migrator.supervisor.mark_dead(self.worker, "died during a migration")
@@ -61,9 +96,10 @@ class Legs:
             self.leg_tokens = 0
             self.gen, self.worker = await self.migrator.next_leg(self, self.sent(c))
             return True
-        m, src = self._frozen_source()
-        if src is None or c.finish_reason != "abort" or c.token_ids:
+        frozen = self._frozen_source()
+        if frozen is None or c.finish_reason != "abort" or c.token_ids:
             return False
+        m, src = frozen
         if src.alive:
             log.warning("%s failed on %s after a migration (%s); back to %s",
                         self.req.rid, self.worker.name, c.error, src.name)

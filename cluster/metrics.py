@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -21,14 +22,14 @@ class _Families:
     def __init__(self, families: list[Metric]):
         self._families = families
 
-    def collect(self):
+    def collect(self) -> list[Metric]:
         return self._families
 
 
 def merge_expositions(workers: Mapping[str, bytes], driver: bytes = b"") -> bytes:
     """One exposition: ``driver``'s samples as they are, each worker's with ``worker=<name>``."""
     merged: dict[str, Metric] = {}
-    seen: set[tuple] = set()
+    seen: set[tuple[Any, ...]] = set()
 
     def add(text: bytes, worker: str | None) -> None:
         for fam in text_string_to_metric_families(text.decode("utf-8", errors="replace")):

@@ -13,7 +13,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tandem.cluster.legs import Legs
 from tandem.cluster.moves import Migration, Phase, OUTCOME
@@ -26,6 +27,12 @@ from tandem.router import metrics as rm
 from tandem.router.dispatch import Dispatcher, Route
 from tandem.router.rebalance import PERIODIC, MoveReason, MoveRequest, plan_drain
 
+if TYPE_CHECKING:
+    from ray import ObjectRefGenerator
+
+    from tandem.cluster.legs import Leg
+    from tandem.cluster.supervisor import Supervisor
+
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
@@ -34,8 +41,8 @@ FAILOVER_POLL_S = 0.1   # how often a request whose worker died looks for a live
 
 class Migrator:
     def __init__(self, pool: WorkerPool, dispatch: Dispatcher, legs: Callable[[], dict[str, Legs]],
-                 supervisor=None, cfg: MigrationConfig | None = None, router_id: str | None = None,
-                 page_size: int = 16):
+                 supervisor: Supervisor | None = None, cfg: MigrationConfig | None = None,
+                 router_id: str | None = None, page_size: int = 16) -> None:
         """``legs``: the backend's streams as a fresh worker-side rid -> current :class:`Legs` map on each
         call (a snapshot: the Migrator reads where a request is, it never files one; the backend's
         ``streams`` own that); ``router_id``: the workers' lease on this router; ``page_size``: a
@@ -154,7 +161,7 @@ class Migrator:
         if len(again) - len(ids) >= self.cfg.precopy_again_pages * self.page_size:
             await self._warm(m, req, r, again, "precopy2", end)
 
-    def warm_ids(self, prompt: tuple[int, ...], out) -> tuple[int, ...]:
+    def warm_ids(self, prompt: tuple[int, ...], out: Sequence[int]) -> tuple[int, ...]:
         """What a pre-copy round takes: the prompt, and with ``precopy_generated`` the generated
         tokens ``out`` (what the client has) up to the last whole page of the two together."""
         n = (len(prompt) + len(out)) // self.page_size * self.page_size
@@ -203,7 +210,7 @@ class Migrator:
         m.precopied = len(ids)
         return True
 
-    async def next_leg(self, legs: Legs, sent: Resume):
+    async def next_leg(self, legs: Legs, sent: Resume) -> Leg:
         """``legs``' leg ended "migrated": (the stream of its next leg, resumed after ``sent``,
         and that worker). The move's target, else the best peer, else the source itself."""
         rid, source = legs.req.rid, legs.worker
@@ -222,7 +229,7 @@ class Migrator:
             return self._start(legs, source, sent, None), source
         return self._start(legs, t, sent, source.name), t
 
-    async def fall_back(self, legs: Legs, m: Migration, sent: Resume):
+    async def fall_back(self, legs: Legs, m: Migration, sent: Resume) -> Leg:
         """``m``'s target failed before its first chunk: back to its source, whose frozen KV goes
         to its cache first (a full prefix hit). (stream, worker)."""
         self.counts["fallbacks"] += 1
@@ -231,14 +238,14 @@ class Migrator:
         self.end(m, Phase.FELL_BACK)
         return out
 
-    def recompute(self, legs: Legs, m: Migration, sent: Resume):
+    def recompute(self, legs: Legs, m: Migration, sent: Resume) -> Leg:
         """``m``'s source died mid-copy: its target (``legs.worker``) recomputes the KV it lacks."""
         self.counts["recomputed"] += 1
         out = self._start(legs, legs.worker, sent, None), legs.worker
         self.end(m, Phase.RECOMPUTED)
         return out
 
-    def prestop(self, legs: Legs, stuck: WorkerRef):
+    def prestop(self, legs: Legs, stuck: WorkerRef) -> Leg | None:
         """Resume the request off ``stuck`` on the best peer, which recomputes its KV. (stream, worker),
         or None when no peer is in rotation."""
         t = self.target({stuck.wid})
@@ -251,7 +258,7 @@ class Migrator:
         self.counts[MoveReason.PRESTOP.value] += 1
         return self._start(legs, t, legs.sent(), None), t
 
-    async def failover(self, legs: Legs, dead: WorkerRef, wait_s: float):
+    async def failover(self, legs: Legs, dead: WorkerRef, wait_s: float) -> Leg | None:
         """``legs``' decode worker ``dead`` died: the request resumes after what its client has on the
         best live decode worker, which recomputes the KV (its own cache first, then a local prefill),
         waiting up to ``wait_s`` for one to be in rotation (the supervisor's replacement, when ``dead``
@@ -280,22 +287,23 @@ class Migrator:
                 rm.MIGRATION_DOWNTIME.observe(downtime_s)
         legs = self._legs().get(m.rid)
         if legs is not None and legs.req.trace:
-            tracing.record("migration", legs.req.trace, time.time() - (time.monotonic() - m.started), **{
+            attrs: dict[str, Any] = {
                 "tandem.rid": m.rid, "tandem.from": m.source.name, "tandem.to": m.target.name,
                 "tandem.reason": m.reason.value, "tandem.outcome": outcome or phase.value,
-                "tandem.downtime_s": downtime_s, "tandem.precopied_tokens": m.precopied})
+                "tandem.downtime_s": downtime_s, "tandem.precopied_tokens": m.precopied}
+            tracing.record("migration", legs.req.trace, time.time() - (time.monotonic() - m.started), **attrs)
 
-    def in_flight(self) -> list[dict]:
+    def in_flight(self) -> list[dict[str, Any]]:
         return [m.view() for m in list(self.moves.values())]
 
-    def _start(self, legs: Legs, t: WorkerRef, sent: Resume, source_name: str | None):
+    def _start(self, legs: Legs, t: WorkerRef, sent: Resume, source_name: str | None) -> ObjectRefGenerator:
         """The request's next leg on ``t``, resumed after ``sent``; ``source_name``: the decode
         worker its KV is copied from (None: ``t`` recomputes what its cache lacks)."""
         self.dispatch.move(legs.route, t.wid)
         wire = dataclasses.replace(legs.req, resume=sent).to_wire()
         return t.decode_api.generate(wire, source_name, self.router_id)
 
-    async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict:
+    async def drain(self, name: str, stop: bool = False, timeout_s: float = 60.0) -> dict[str, Any]:
         """Take ``name`` out of rotation and move its requests away (``stop``: then stop it), within
         ``timeout_s``. Returns what moved and what did not."""
         w = self.pool.named(name)
@@ -333,7 +341,7 @@ class Migrator:
                 "remaining": still, "errors": {k: v for k, v in failed.items() if k in still},
                 "stopped": bool(stop and not still)}
 
-    async def undrain(self, name: str) -> dict:
+    async def undrain(self, name: str) -> dict[str, Any]:
         """``name`` takes new requests again (and is relaunched if it dies): a drain's undo."""
         w = self.pool.named(name)
         if w is None or w.role != DECODE or not w.alive:

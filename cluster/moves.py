@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from enum import Enum
+from typing import Any
 
 from tandem.cluster.workers import WorkerRef
 from tandem.router.rebalance import MoveReason
@@ -55,7 +56,7 @@ class Migration:
     precopied: int = 0
     froze: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.froze = self.froze or self.phase is Phase.FROZEN
 
     def to(self, phase: Phase) -> None:
@@ -75,7 +76,7 @@ class Migration:
             return self.source
         return None
 
-    def view(self) -> dict:
+    def view(self) -> dict[str, Any]:
         return {"rid": self.rid, "from": self.source.name, "to": self.target.name, "reason": self.reason.value,
                 "phase": self.phase.value, "precopied_tokens": self.precopied,
                 "age_s": round(time.monotonic() - self.started, 3)}

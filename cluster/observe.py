@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, generate_latest
 
@@ -14,6 +15,21 @@ from tandem.cluster.metrics import merge_expositions
 from tandem.cluster.supervisor import PING_TIMEOUT_S
 from tandem.cluster.workers import DECODE, PREFILL, WorkerRef
 from tandem.core import tracing
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Iterable
+
+    from tandem.cluster.autoscaler import Autoscaler
+    from tandem.cluster.kv_feed import KVEventFeed
+    from tandem.cluster.legs import Legs
+    from tandem.cluster.migration import Migrator
+    from tandem.cluster.stream import RequestStream
+    from tandem.cluster.supervisor import Supervisor
+    from tandem.cluster.workers import Launching, WorkerPool
+    from tandem.core.config import ServeConfig
+    from tandem.core.messages import GenerateRequest
+    from tandem.router.deferred import DeferredDispatch
+    from tandem.router.dispatch import Dispatcher, Route
 
 log = logging.getLogger(__name__)
 
@@ -23,28 +39,43 @@ HEALTH_PING_S = 1.0
 class ClusterObservability:
     """The backend's read side and its reports: spans and log lines of a route and a failover."""
 
-    def _trace_route(self, req, r, start_s: float) -> None:
+    # RayClusterBackend's, set in its __init__
+    cfg: ServeConfig
+    launcher: Launching
+    model_name: str
+    pool: WorkerPool
+    dispatch: Dispatcher
+    queue: DeferredDispatch
+    supervisor: Supervisor
+    feed: KVEventFeed | None
+    autoscaler: Autoscaler | None
+    streams: dict[str, RequestStream]
+    migrator: Migrator
+
+    def _trace_route(self, req: GenerateRequest, r: Route, start_s: float) -> None:
         """The routing span: the queue wait and policy time, and the workers chosen."""
         p, d = self.pool.get(r.prefill), self.pool.get(r.decode)
-        tracing.record("route", req.trace, start_s, **{
+        attrs: dict[str, Any] = {
             "tandem.rid": req.rid, "tandem.tenant": req.tenant, "tandem.policy": self.cfg.policy,
             "tandem.route_wait_s": time.time() - start_s, "tandem.prefill": p.name if p else "",
-            "tandem.decode": d.name if d else ""})
+            "tandem.decode": d.name if d else ""}
+        tracing.record("route", req.trace, start_s, **attrs)
 
-    def _report_failover(self, stream, legs, dead: WorkerRef, t0: float, at: int) -> None:
+    def _report_failover(self, stream: RequestStream, legs: Legs, dead: WorkerRef, t0: float, at: int) -> None:
         """One log line and a ``failover`` span for ``legs``' resume off ``dead`` after ``at`` tokens."""
         context = len(legs.req.prompt_ids) + at
         log.warning("decode worker %s died under %s: resumed on %s after %d streamed tokens (failover %d of "
                     "%d; %s recomputes up to %d tokens of KV, less its cache hit)", dead.name, legs.req.rid,
                     legs.worker.name, at, stream.failovers, stream.max_failovers, legs.worker.name, context - 1)
         if legs.req.trace:
-            tracing.record("failover", legs.req.trace, t0, **{
+            attrs: dict[str, Any] = {
                 "tandem.rid": legs.req.rid, "tandem.dead": dead.name, "tandem.to": legs.worker.name,
                 "tandem.resume_at": at, "tandem.kv_source": f"recompute on {legs.worker.name} (its cache first)",
                 "tandem.recomputed_tokens_max": context - 1, "tandem.failover": stream.failovers,
-                "tandem.wait_s": time.time() - t0})
+                "tandem.wait_s": time.time() - t0}
+            tracing.record("failover", legs.req.trace, t0, **attrs)
 
-    async def health(self) -> dict:
+    async def health(self) -> dict[str, Any]:
         """Per-worker liveness and progress; a suspect worker does not count as serving."""
         everyone = self.pool.everyone()
         alive = await asyncio.gather(*(self._ping(w, HEALTH_PING_S) for w in everyone))
@@ -68,9 +99,9 @@ class ClusterObservability:
                 **({"kv_events": dict(self.feed.counts)} if self.feed is not None else {}),
                 **({"planner": self.autoscaler.status()} if self.autoscaler is not None else {})}
 
-    def _node_resources(self, ids: set[str]) -> dict[str, dict]:
+    def _node_resources(self, ids: set[str]) -> dict[str, dict[str, float]]:
         """The custom resources (``prefill``, ``decode``, ...) of the Ray nodes ``ids``, cached."""
-        cache = self.__dict__.setdefault("_nodes", {})
+        cache: dict[str, dict[str, float]] = self.__dict__.setdefault("_nodes", {})
         if not ids <= set(cache):
             import ray
 
@@ -110,29 +141,29 @@ class ClusterObservability:
         """Live workers that are not suspect (a stuck one would hold every gather up)."""
         return [w for w in self.pool.everyone(alive_only=True) if w.suspect_since is None]
 
-    async def _gather(self, calls) -> list:
+    async def _gather(self, calls: Iterable[Awaitable[Any]]) -> list[Any]:
         """Each call's result or its exception; one that takes past ``PING_TIMEOUT_S`` (the
         worker hung since it was last judged) is a TimeoutError."""
         return await asyncio.gather(*(asyncio.wait_for(c, PING_TIMEOUT_S) for c in calls), return_exceptions=True)
 
-    async def stats(self) -> dict[str, dict]:
+    async def stats(self) -> dict[str, dict[str, Any]]:
         """Every answering worker's ``stats()`` (pool accounting, counters), by worker name."""
         live = self._answering()
         out = await self._gather(w.api.stats() for w in live)
         return {w.name: s for w, s in zip(live, out) if not isinstance(s, BaseException)}
 
-    def in_flight(self) -> list[dict]:
+    def in_flight(self) -> list[dict[str, Any]]:
         """The requests this router streams (GET /debug/kv): rid (worker-side), decode worker,
         tokens streamed, seconds since the last one (or since it was sent there)."""
         now = time.monotonic()
         return [{"rid": s.wire_rid, "worker": s.legs.worker.name, "tokens": s.sent,
                  "silent_s": round(now - s.last_token_at, 3)} for s in list(self.streams.values()) if s.legs is not None]
 
-    def migrations(self) -> list[dict]:
+    def migrations(self) -> list[dict[str, Any]]:
         """Live migrations in flight (GET /debug/kv): rid, from, to, reason, phase, age."""
         return self.migrator.in_flight()
 
-    async def debug_kv(self) -> list[dict]:
+    async def debug_kv(self) -> list[dict[str, Any]]:
         """Every answering worker's KV accounting and invariant verdict (GET /debug/kv)."""
         live = self._answering()
         out = await self._gather(w.api.debug_kv() for w in live)

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 BOOT = ("import sys, ray._private.services as s; s.get_node_ip_address = lambda address=None: '127.0.0.1'; "
         "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())")
@@ -39,15 +40,15 @@ def free_ports(n: int) -> list[int]:
 
 @dataclass
 class Node:
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log: str
-    resources: dict
+    resources: dict[str, Any]
     manager_port: int = 0
 
 
-def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict:
+def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict[str, Any]:
     """Ray's fake multi-node provider config with ``prefill`` and ``decode`` node types."""
-    node = {"node_config": {}}
+    node: dict[str, Any] = {"node_config": {}}
     return {
         "cluster_name": "tandem-fake", "max_workers": max_prefill + max_decode, "upscaling_speed": 10.0,
         "idle_timeout_minutes": 0.1, "docker": {}, "auth": {"ssh_user": "ubuntu"}, "file_mounts": {},
@@ -64,8 +65,8 @@ def fake_cluster_config(max_prefill: int = 3, max_decode: int = 2) -> dict:
 
 
 class RayNodes:
-    def __init__(self, token_auth: bool = True, env: dict | None = None, head_cpus: int = 0,
-                 autoscaling_config: dict | None = None, startup_timeout_s: float = 60.0):
+    def __init__(self, token_auth: bool = True, env: dict[str, Any] | None = None, head_cpus: int = 0,
+                 autoscaling_config: dict[str, Any] | None = None, startup_timeout_s: float = 60.0):
         self.dir = tempfile.mkdtemp(prefix="tandem-ray-")
         self.token = secrets.token_hex(16) if token_auth else None
         self.timeout = startup_timeout_s
@@ -109,7 +110,7 @@ class RayNodes:
                          f"--dashboard-agent-listen-port={listen}", f"--dashboard-agent-grpc-port={grpc}",
                          f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}"]
 
-    def _start(self, args: list[str], extra: dict, resources: dict) -> Node:
+    def _start(self, args: list[str], extra: dict[str, Any], resources: dict[str, Any]) -> Node:
         log = os.path.join(self.dir, f"node-{len(self.nodes)}.log")
         manager, ports = self._ports()
         cmd = [sys.executable, "-c", BOOT, "start", "--block", "--disable-usage-stats",
@@ -129,12 +130,12 @@ class RayNodes:
             time.sleep(0.1)
         raise RuntimeError(f"ray node did not start ({log}):\n{open(log).read()[-3000:]}")
 
-    def add_node(self, resources: dict, num_cpus: int = 1, env: dict | None = None) -> Node:
+    def add_node(self, resources: dict[str, Any], num_cpus: int = 1, env: dict[str, Any] | None = None) -> Node:
         """A worker node offering ``resources`` (KubeRay's groups: ``{"prefill": 1}``)."""
         return self._start([f"--address={self.address}", f"--num-cpus={num_cpus}",
                             f"--resources={json.dumps(resources)}"], env or {}, resources)
 
-    def client_env(self, **extra) -> dict:
+    def client_env(self, **extra: str) -> dict[str, Any]:
         """The environment of a driver of this cluster (its token, loopback addressing)."""
         return {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **extra}
 
@@ -183,7 +184,7 @@ class RayNodes:
     def __enter__(self) -> "RayNodes":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -191,7 +192,7 @@ class RayNodes:
 class Router:
     """A ``tandem serve`` process (a router: the HTTP front door and a Ray driver)."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     url: str
     log: str
 
@@ -212,7 +213,7 @@ class Router:
                 self.kill()
 
 
-def start_router(config: dict, env: dict, workdir: str, timeout_s: float = 300.0,
+def start_router(config: dict[str, Any], env: dict[str, Any], workdir: str, timeout_s: float = 300.0,
                  extra_args: tuple[str, ...] = ()) -> Router:
     """``tandem serve --config <config as YAML>`` on a free port of 127.0.0.1; returns once its
     /health answers 200 (every worker up), or raises with the log's tail."""

@@ -7,11 +7,12 @@ import signal
 
 from tandem.core import tracing
 from tandem.core.config import ServeConfig
+from tandem.router.backend import ServingBackend
 
 log = logging.getLogger(__name__)
 
 
-def build_backend(cfg: ServeConfig):
+def build_backend(cfg: ServeConfig) -> ServingBackend:
     """The router's ServingBackend for ``cfg``: simulated, colocated or disaggregated."""
     if cfg.engine == "sim" and (cfg.ray_address or cfg.planner.enabled):
         from tandem.cluster.launch import launch_disaggregated

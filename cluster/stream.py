@@ -16,6 +16,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.cluster.legs import Legs
 
 
 class Attempt(Enum):
@@ -94,7 +98,7 @@ class RequestStream:
         self.died = False       # a worker died before anything was sent (one re-route for that)
         self.wire_rid = rid     # the current attempt's worker-side id (``rid~n`` after a re-dispatch)
         self.last_token_at = time.monotonic()   # the last token sent (or when the attempt began)
-        self.legs = None        # the current attempt's Legs (its ``worker``: where it is now); None between
+        self.legs: Legs | None = None   # the current attempt's Legs (its ``worker``: where it is now); None between
         self.history: list[tuple[Attempt, Attempt]] = []
 
     def to(self, state: Attempt) -> None:
@@ -112,7 +116,8 @@ class RequestStream:
 
     def on_failure(self, kind: Failure, worker: str) -> Step:
         """What comes next after ``kind`` on the worker named ``worker`` (the table's method)."""
-        return getattr(self, self.failures[kind])(kind, worker)
+        step: Step = getattr(self, self.failures[kind])(kind, worker)
+        return step
 
     # --- the table's methods -------------------------------------------------------------------
 
@@ -156,6 +161,6 @@ class RequestStream:
         self.to(Attempt.REDISPATCHING)
         self.to(Attempt.ROUTED)
 
-    def view(self) -> dict:
+    def view(self) -> dict[str, Any]:
         return {"rid": self.rid, "state": self.state.value, "sent": self.sent, "attempt": self.attempt,
                 "failovers": self.failovers}

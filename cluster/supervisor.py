@@ -12,12 +12,21 @@ import itertools
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from tandem.cluster.alarms import Alarms
 from tandem.cluster.workers import DECODE, PREFILL, WorkerPool, WorkerRef, replacement_name
 from tandem.router import metrics as rm
 from tandem.router.dispatch import Dispatcher
 from tandem.router.view import WorkerSnapshot
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray import ObjectRef
+
+    from tandem.cluster.kv_feed import KVEventFeed
+    from tandem.cluster.workers import Launching
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +43,17 @@ class Supervisor:
     """``launcher`` is cluster/launch.py's :class:`Launcher` (spawn, info, pair); ``feed`` the
     KV-event feed or None."""
 
-    def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher, *, restart: bool = True,
-                 feed=None, discover: bool | None = None, progress_timeout_s: float = 5.0,
+    def __init__(self, pool: WorkerPool, dispatch: Dispatcher, launcher: Launching, *, restart: bool = True,
+                 feed: KVEventFeed | None = None, discover: bool | None = None, progress_timeout_s: float = 5.0,
                  progress_replace_s: float = 60.0, router_id: str | None = None,
-                 router_lease_s: float | None = None):
+                 router_lease_s: float | None = None) -> None:
         """``discover``: adopt workers this router did not start; ``router_id`` and ``router_lease_s``
         (None: the worker's default lease): sent with each heartbeat."""
         self.router_id, self.router_lease_s = router_id, router_lease_s
         self.pool, self.dispatch, self.launcher, self.feed = pool, dispatch, launcher, feed
         self.progress_timeout_s, self.progress_replace_s = progress_timeout_s, progress_replace_s
-        self._pings: dict[WorkerRef, object] = {}
-        self._stats: dict[WorkerRef, object] = {}
+        self._pings: dict[WorkerRef, ObjectRef[float]] = {}
+        self._stats: dict[WorkerRef, ObjectRef[dict[str, Any]]] = {}
         self.restart = restart
         self.discover = launcher.detached if discover is None else discover
         self.restarts = 0
@@ -80,20 +89,20 @@ class Supervisor:
         for th in list(self._helpers):
             th.join(timeout=HELPER_JOIN_S)
 
-    def _helper(self, target, w: WorkerRef, name: str) -> None:
+    def _helper(self, target: Callable[[WorkerRef], object], w: WorkerRef, name: str) -> None:
         th = threading.Thread(target=self._run_helper, args=(target, w), name=name, daemon=True)
         with self.pool.lock:
             self._helpers.add(th)
         th.start()
 
-    def _run_helper(self, target, w: WorkerRef) -> None:
+    def _run_helper(self, target: Callable[[WorkerRef], object], w: WorkerRef) -> None:
         try:
             target(w)
         finally:
             with self.pool.lock:
                 self._helpers.discard(threading.current_thread())
 
-    def register(self, w: WorkerRef, info: dict) -> None:
+    def register(self, w: WorkerRef, info: dict[str, Any]) -> None:
         """``w`` joins the rotation: the dispatcher routes to it, its KV events are followed."""
         self.dispatch.add_worker(w.wid, w.role, w.name, self.launcher.capacity[w.role])
         if self.feed is not None and info.get("kv_events"):
@@ -165,7 +174,7 @@ class Supervisor:
             self._stats.pop(gone, None)
         return True
 
-    def _take_stats(self, w: WorkerRef, ref) -> None:
+    def _take_stats(self, w: WorkerRef, ref: ObjectRef[dict[str, Any]]) -> None:
         import ray
 
         try:

@@ -14,22 +14,29 @@ import io
 import threading
 import warnings
 import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from tandem.engine.loader import LoadedModel
 
 _lock = threading.Lock()
-_refs: dict[int, tuple[str, object]] = {}     # id(loaded) -> (Ray node id, ObjectRef), while loaded lives
+_refs: dict[int, tuple[str, ObjectRef[Shared]]] = {}     # id(loaded) -> (Ray node id, ObjectRef), while loaded lives
 
 
 class Shared:
     """``loaded`` as (pickle bytes, arrays); unpickling it builds the LoadedModel back."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded: LoadedModel) -> None:
         from ray.cloudpickle import CloudPickler
         import torch
 
-        arrays, seen = [], {}
+        arrays: list[Any] = []   # numpy uint8 views, one a tensor
+        seen: dict[int, tuple[int, str, tuple[int, ...], bool, bool]] = {}
 
         class Pickler(CloudPickler):
-            def persistent_id(self, obj):
+            def persistent_id(self, obj: object) -> tuple[int, str, tuple[int, ...], bool, bool] | None:
                 if not isinstance(obj, torch.Tensor):
                     return None
                 if id(obj) not in seen:
@@ -40,14 +47,14 @@ class Shared:
                 return seen[id(obj)]
 
         buf = io.BytesIO()
-        Pickler(buf, protocol=5).dump(loaded)
+        Pickler(buf, protocol=5).dump(loaded)  # type: ignore[no-untyped-call]  # Ray's CloudPickler is unannotated
         self.data, self.arrays = buf.getvalue(), arrays
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[bytes, list[Any]]]:
         return _rebuild, (self.data, self.arrays)
 
 
-def _rebuild(data: bytes, arrays: list):
+def _rebuild(data: bytes, arrays: list[Any]) -> LoadedModel:
     import pickle
 
     import torch
@@ -55,7 +62,7 @@ def _rebuild(data: bytes, arrays: list):
     built: dict[int, torch.Tensor] = {}
 
     class Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid):
+        def persistent_load(self, pid: tuple[int, str, tuple[int, ...], bool, bool]) -> torch.Tensor:
             i, dtype, shape, param, grad = pid
             if i not in built:
                 with warnings.catch_warnings():
@@ -64,10 +71,11 @@ def _rebuild(data: bytes, arrays: list):
                 built[i] = torch.nn.Parameter(t, requires_grad=grad) if param else t
             return built[i]
 
-    return Unpickler(io.BytesIO(data)).load()
+    loaded: LoadedModel = Unpickler(io.BytesIO(data)).load()
+    return loaded
 
 
-def share(loaded):
+def share(loaded: LoadedModel) -> ObjectRef[Shared]:
     """An ObjectRef of ``loaded`` whose tensors the workers map read-only from the object store;
     the same ref for the same object within one Ray instance."""
     import ray

@@ -9,8 +9,12 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem.cluster.clients import DecodeClient, PrefillClient, RoleClient
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 _worker_ids = itertools.count()
 
@@ -34,7 +38,7 @@ class WorkerRef:
     name: str
     role: str
     slot: int
-    handle: object
+    handle: ActorHandle[Any]
     alive: bool = True
     error: str = ""
     node_id: str = ""
@@ -42,8 +46,8 @@ class WorkerRef:
     suspect_since: float | None = None
     last_answer: float = field(default_factory=time.monotonic)
     step_s: float = 0.0
-    stale: set = field(default_factory=set)
-    writing: dict = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)
+    writing: dict[str, float] = field(default_factory=dict)   # rid -> seconds its KV write has taken
     wid: int = field(default_factory=lambda: next(_worker_ids))
 
     @property
@@ -61,7 +65,7 @@ class WorkerRef:
         """A decode worker's verbs; ValueError for a prefill worker."""
         return DecodeClient(self._as(DECODE))
 
-    def _as(self, role: str):
+    def _as(self, role: str) -> ActorHandle[Any]:
         if self.role != role:
             raise ValueError(f"{self.name} is a {self.role} worker, not a {role} worker")
         return self.handle
@@ -120,7 +124,7 @@ class WorkerPool:
         return self.prefills if role == PREFILL else self.decodes
 
 
-def placement(n_workers: int, role: str, *, sim: bool = False, role_resource: bool = False) -> dict:
+def placement(n_workers: int, role: str, *, sim: bool = False, role_resource: bool = False) -> dict[str, Any]:
     """Ray ``.options()`` for one actor of ``role`` among ``n_workers``: a GPU each when there are
     enough, else an even CPU share; the role's resource when the cluster offers it, always with
     ``role_resource``; ``sim``: a tenth of a CPU."""
@@ -129,6 +133,7 @@ def placement(n_workers: int, role: str, *, sim: bool = False, role_resource: bo
     res = ray.cluster_resources()
     if role_resource:
         return {"num_gpus": 0, "num_cpus": 0.1 if sim else 1, "resources": {role: 1}}
+    opts: dict[str, Any]
     if sim:
         opts = {"num_gpus": 0, "num_cpus": 0.1}
     elif res.get("GPU", 0) >= n_workers:
@@ -139,3 +144,29 @@ def placement(n_workers: int, role: str, *, sim: bool = False, role_resource: bo
     if res.get(role, 0) >= 1:
         opts["resources"] = {role: 1}
     return opts
+
+
+class Launching(Protocol):
+    """What the backend, the supervisor and the planner use of cluster/launch.py's ``Launcher``
+    (which imports them, so they name it by this Protocol)."""
+
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def detached(self) -> bool: ...
+    @property
+    def kv_events(self) -> bool: ...
+    @property
+    def capacity(self) -> dict[str, int]:
+        """Each role's KV tokens per worker."""
+
+    def bootstrap(self, pool: WorkerPool) -> list[dict[str, Any]]:
+        """Launch (or adopt) and pair every worker into ``pool``; their ``info()``, in pool order."""
+
+    def spawn(self, role: str, slot: int, name: str) -> WorkerRef: ...
+    def discover(self) -> list[WorkerRef]: ...
+    def info(self, workers: list[WorkerRef], timeout: float = ...) -> list[dict[str, Any]]: ...
+    def answering(self, workers: list[WorkerRef],
+                  timeout: float = ...) -> list[tuple[WorkerRef, dict[str, Any]]]: ...
+    def pair(self, p: WorkerRef, d: WorkerRef) -> None: ...
+    def pair_decodes(self, a: WorkerRef, b: WorkerRef) -> None: ...

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -32,14 +32,14 @@ class GIESample:
 class GIECollector(Collector):
     """The five families above for one worker; ``read()`` is called at every scrape."""
 
-    def __init__(self, read: Callable[[], GIESample], model: str, worker: str, role: str):
+    def __init__(self, read: Callable[[], GIESample], model: str, worker: str, role: str) -> None:
         self.read, self.labels = read, {"model_name": model, "worker": worker, "role": role}
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.read()
         names, values = list(self.labels), list(self.labels.values())
 
-        def gauge(name: str, doc: str, v: float, extra: dict | None = None) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, v: float, extra: dict[str, str] | None = None) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names + list(extra or {}))
             g.add_metric(values + list((extra or {}).values()), float(v))
             return g

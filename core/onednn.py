@@ -18,6 +18,7 @@ Imports nothing but ``os``: the router, which has no torch, runs it too.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 
 VAR = "ONEDNN_MAX_CPU_ISA"
 CAP = "AVX512_CORE_BF16"
@@ -33,7 +34,7 @@ TESTED_LEVELS = {"AVX2": ("avx2", "fma"),
 _replaced: list[str] = []
 
 
-def pin_onednn_isa(environ=os.environ) -> str:
+def pin_onednn_isa(environ: MutableMapping[str, str] = os.environ) -> str:
     """Cap oneDNN at :data:`CAP` in ``environ`` unless it holds a level at or below it; the level in force."""
     asked = environ.get(VAR, "").strip().upper()
     if asked in AT_OR_BELOW_CAP:
@@ -45,7 +46,7 @@ def pin_onednn_isa(environ=os.environ) -> str:
     return CAP
 
 
-def describe(environ=os.environ) -> str:
+def describe(environ: Mapping[str, str] = os.environ) -> str:
     """One line for logs: the cap in force, and a user's value it replaced."""
     level = environ.get(VAR, "(unset)")
     note = f"; {_replaced[0]} replaced: above it a row's bits depend on its batch" if _replaced else ""

@@ -45,7 +45,7 @@ def salted(ids: Sequence[int], salt: int) -> list[int]:
     return out
 
 
-def common_pages(edge: Sequence, key: Sequence, pos: int, end: int, page_size: int) -> int:
+def common_pages(edge: Sequence[int], key: Sequence[int], pos: int, end: int, page_size: int) -> int:
     """The common prefix of ``edge`` and ``key[pos:end]``: the whole overlap, else whole pages."""
     n = min(len(edge), end - pos)
     if edge[:n] == key[pos:pos + n]:

@@ -8,12 +8,15 @@ import json
 import os
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from tandem.core.types import TandemError
+
+if TYPE_CHECKING:
+    import jinja2
 
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -132,10 +135,10 @@ class Tokenizer:
         vocab = {
             (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
             for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], dropout=None,
+        bpe = models.BPE(vocab=vocab, merges=[(a, b) for a, _, b in (m.partition(" ") for m in merges)], dropout=None,
                          continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
         tok = _HFTokenizer(bpe)
-        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
         if split is None:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
@@ -229,8 +232,9 @@ class Tokenizer:
         if bos_id is None and isinstance(model_cfg.get("bos_token_id"), int):
             bos_id = model_cfg["bos_token_id"]
         eos_ids: set[int] = set()
-        if special["eos_token"] and tok.token_to_id(special["eos_token"]) is not None:
-            eos_ids.add(tok.token_to_id(special["eos_token"]))
+        eos_id = tok.token_to_id(special["eos_token"]) if special["eos_token"] else None
+        if eos_id is not None:
+            eos_ids.add(eos_id)
         eos_ids |= _int_ids(gen.get("eos_token_id"))
         if not eos_ids:
             eos_ids = _int_ids(model_cfg.get("eos_token_id"))
@@ -292,7 +296,7 @@ class Tokenizer:
                 pass
         return self._tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render ``messages`` with the model's chat template (extra ``kwargs`` reach the template)."""
         if not self.chat_template:
@@ -375,7 +379,7 @@ def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[
     return [(a, b) for a, b, _ in merges]
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
     try:
@@ -396,11 +400,11 @@ def _int_ids(value: Any) -> set[int]:
 def _token_str(value: Any) -> str | None:
     """tokenizer_config.json spells special tokens as a string or an AddedToken dict."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _hf_chat_template(path: str, cfg: dict) -> str | None:
+def _hf_chat_template(path: str, cfg: dict[str, Any]) -> str | None:
     jinja = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
@@ -415,20 +419,21 @@ def _hf_chat_template(path: str, cfg: dict) -> str | None:
 
 
 @lru_cache(maxsize=16)
-def _compile_template(source: str):
+def _compile_template(source: str) -> jinja2.Template:
     """Compile like transformers' ``_compile_jinja_template`` (sandboxed, same helpers)."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
+    def raise_exception(message: str) -> NoReturn:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    def strftime_now(fmt):
+    def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

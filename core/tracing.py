@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
 
 _state: dict[str, Any] = {}
 
@@ -77,7 +81,7 @@ _OFF = _Off()
 
 
 class _Span:
-    def __init__(self, span):
+    def __init__(self, span: Span) -> None:
         self.span = span
 
     def set(self, key: str, value: Any) -> None:
@@ -92,7 +96,7 @@ class _Span:
         return carrier.get("traceparent", "")
 
 
-def _context(parent: str | Mapping[str, str] | None):
+def _context(parent: str | Mapping[str, str] | None) -> Context | None:
     """The OpenTelemetry context of ``parent`` (traceparent, headers, or None: the current one)."""
     if parent is None:
         return None
@@ -100,7 +104,8 @@ def _context(parent: str | Mapping[str, str] | None):
         "traceparent": parent.get("traceparent", ""), "tracestate": parent.get("tracestate", "")}
     if not carrier["traceparent"]:
         return None
-    return _state["propagator"].extract(carrier)
+    context: Context = _state["propagator"].extract(carrier)
+    return context
 
 
 @contextmanager
@@ -112,7 +117,7 @@ def span(name: str, parent: str | Mapping[str, str] | None = None, *, server: bo
         return
     from opentelemetry.trace import SpanKind
 
-    kw = {"context": _context(parent), "kind": SpanKind.SERVER if server else SpanKind.INTERNAL,
+    kw: dict[str, Any] = {"context": _context(parent), "kind": SpanKind.SERVER if server else SpanKind.INTERNAL,
           "attributes": {k: v for k, v in attrs.items() if v is not None}}
     if start_s is not None:
         kw["start_time"] = int(start_s * 1e9)

@@ -156,7 +156,7 @@ class Req:
     cache_salt: int = 0                 # the prefix-cache namespace (core/page_hash.py; 0: shared)
     trace: str = ""                     # W3C traceparent of its spans (retraction, L3 fetch); "": none
     tenant: str = ""                    # whose pin budget its pins use (the front door's)
-    pins: tuple = ()                    # (prefix tokens, ttl s): pinned in the cache when it finishes
+    pins: tuple[tuple[int, int], ...] = ()  # (prefix tokens, ttl s): pinned in the cache when it finishes
     pin_cap: int = -1                   # the tenant's pinned-token cap (-1: the cache's default share)
 
     status: ReqStatus = ReqStatus.WAITING

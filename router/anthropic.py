@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from pydantic import Field
@@ -173,6 +173,7 @@ def _upto(req: MessagesRequest, bp: Breakpoint) -> MessagesRequest:
     if kind == "tools":
         return req.model_copy(update={"messages": []})
     if kind == "system":
+        assert req.system is not None, "a system breakpoint lies in the system prompt"
         return req.model_copy(update={"system": req.system[:bp.where[1] + 1], "messages": []})
     i, j = bp.where[1], bp.where[2]
     last = req.messages[i]
@@ -271,7 +272,7 @@ class AnthropicRoutes:
         if done.last.error:
             return error(500, f"generation failed: {done.last.error}", headers)
         events = (parse_events(self.door.tool_format, done.text, "toolu_", done.last.finish_reason == "length",
-                               plan.max_calls) if active else [ParseEvent(done.text)])
+                               plan.max_calls) if plan is not None and active else [ParseEvent(done.text)])
         content = _blocks(events)   # in generation order
         calls = sum(b["type"] == "tool_use" for b in content)
         reason, seq = _stop_reason(done.last, calls)
@@ -280,7 +281,7 @@ class AnthropicRoutes:
                "usage": _usage(done.last, greq, done.n_tokens)}
         return Response(json.dumps(out, ensure_ascii=False), media_type="application/json", headers=headers)
 
-    async def _events(self, greq, runs: list[Running], plan: ToolPlan | None) -> AsyncIterator[bytes]:
+    async def _events(self, greq, runs: list[Running], plan: ToolPlan | None) -> AsyncGenerator[bytes, None]:
         def ev(kind: str, **data) -> bytes:
             return sse(json.dumps({"type": kind, **data}, ensure_ascii=False), kind)
 

@@ -45,7 +45,7 @@ class KeyEntry(BaseModel):
         return self
 
     def digest(self) -> bytes:
-        return hashlib.sha256(self.key.encode()).digest() if self.key else bytes.fromhex(self.key_sha256)
+        return hashlib.sha256(self.key.encode()).digest() if self.key else bytes.fromhex(self.key_sha256 or "")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ def load_keys(path: str) -> tuple[list[KeyEntry], dict[str, RateLimit]]:
         raw = yaml.safe_load(f)
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"{path}: the key file must be a non-empty YAML list of entries")
-    entries, limits = [], {}
+    entries: list[KeyEntry] = []
+    limits: dict[str, RateLimit] = {}
     for i, item in enumerate(raw):
         try:
             e = KeyEntry.model_validate(item)

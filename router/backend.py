@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import REGISTRY, generate_latest
@@ -41,7 +41,7 @@ class ServingBackend(Protocol):
     max_context: int
     tokenizer: Any
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]: ...
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]: ...
 
     async def abort(self, rid: str) -> None: ...
 
@@ -99,7 +99,7 @@ class LocalEngineBackend:
         self.speculative: str | None = getattr(engine, "spec_status", None)
         self.tokenizer = engine.tokenizer
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         async for chunk in self.engine.stream(req):
             yield chunk
 

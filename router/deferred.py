@@ -26,8 +26,9 @@ MAX_RETRY_AFTER_S = 60
 class _Waiter:
     __slots__ = ("key", "req", "evicted", "done")
 
-    def __init__(self, key: tuple, req: GenerateRequest):
-        self.key, self.req, self.evicted, self.done = key, req, None, False
+    def __init__(self, key: tuple[int, int, int], req: GenerateRequest):
+        self.key, self.req, self.done = key, req, False
+        self.evicted: str | None = None     # why it left the queue unserved
 
     def __lt__(self, other: "_Waiter") -> bool:
         return self.key < other.key
@@ -79,6 +80,8 @@ class DeferredDispatch:
 
     async def _wait(self, req: GenerateRequest) -> Route:
         fresh = 0 if self.prefer_sessions and self.dispatch.in_session(req) else 1
+        wake = self._wake
+        assert wake is not None, "route() made it"
         me = _Waiter((req.priority, fresh, next(self._seq)), req)
         if len(self) >= self.max_size:
             worst = max((w for w in self._heap if not w.done), default=None)
@@ -110,16 +113,16 @@ class DeferredDispatch:
                     me.done = True      # not among the waiters its Retry-After counts
                     raise self._refusal(f"no worker admitted it within the dispatch queue's "
                                         f"{self.ttl_s:g}s", last)
-                self._wake.clear()
+                wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), min(self.poll_s, left))
+                    await asyncio.wait_for(wake.wait(), min(self.poll_s, left))
                 except asyncio.TimeoutError:
                     pass
         finally:
             me.done = True
             self._head()
             rm.QUEUE_DEPTH.set(len(self))
-            self._wake.set()            # the next waiter may be the head now
+            wake.set()                  # the next waiter may be the head now
 
     def _try(self, req: GenerateRequest) -> Route:
         if self.refresh is not None:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import jinja2
 from fastapi import Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
@@ -35,12 +36,8 @@ BODY_READ_TIMEOUT_S = 30.0      # a client that stalls mid-body gets 408
 DRAIN_LIMIT_BYTES = 64 << 20    # read (and drop) this much of an oversized body so the client sees 413
 HEALTH_TIMEOUT_S = 10.0
 
-try:  # chat templates raise jinja2 errors for conversations they refuse
-    from jinja2 import TemplateError as _JinjaError
-except ImportError:  # pragma: no cover
-    _JinjaError = ValueError
-
-TEMPLATE_ERRORS = (TandemError, ValueError, TypeError, LookupError, _JinjaError)
+# chat templates raise jinja2 errors for conversations they refuse (jinja2 is a dependency)
+TEMPLATE_ERRORS = (TandemError, ValueError, TypeError, LookupError, jinja2.TemplateError)
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -174,7 +174,7 @@ class CompletionRequest(_SamplingFields):
             return list(p)
         if isinstance(p, list) and not p:
             raise ValueError("the prompt is empty")
-        return [p]
+        return [cast("str | list[int]", p)]     # not a batch: one string or one list of ids
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -68,7 +68,7 @@ class PromptLogprob(_Response):
 
 # vLLM's ``prompt_logprobs``: one entry per prompt token, the first null (no context)
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
-_UNLESS_ASKED = dict(default=None, exclude_if=lambda v: v is None)   # left out unless asked for
+_UNLESS_ASKED: dict[str, Any] = dict(default=None, exclude_if=lambda v: v is None)   # left out unless asked for
 
 
 class FunctionCall(_Response):

@@ -77,7 +77,8 @@ class Planner:
         if self._started is None:
             self._started = now
             self._busy_at = {"prefill": now, "decode": now}
-        p, d, why = o.prefill, o.decode, []
+        p, d = o.prefill, o.decode
+        why: list[str] = []
         if o.pending:
             return Plan(p, d, "settling")
         ttft_over = o.ttft_s is not None and o.ttft_s > c.ttft_slo_s

@@ -25,7 +25,7 @@ class PrefillEstimator:
     per_token_s: float = 2.68e-5        # 2 * 8.03e9 FLOP / 600 TFLOP/s
     per_pair_s: float = 1.05e-9         # 4 * 32 layers * 4096 FLOP / 500 TFLOP/s
 
-    def seconds(self, new: int, cached: int = 0) -> float:
+    def seconds(self, new: float, cached: float = 0) -> float:
         if new <= 0:
             return self.overhead_s
         return self.overhead_s + new * (self.per_token_s + self.per_pair_s * (cached + 0.5 * new))
@@ -267,23 +267,23 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
     est = c.estimator
     key = req.session_key
     entry = state.sessions.get(key, view.now)
-    chosen = None
+    chosen: WorkerView | None = None
     reason = ""
     m = state.approx.match(req.key)
     exact = _exact(state, req) if entry is None else {}
     if exact:
         m = dict(m)
-        for w, n in exact.items():
-            m[w] = max(m.get(w, 0), n)
+        for wid, n in exact.items():
+            m[wid] = max(m.get(wid, 0), n)
     if entry is not None:
-        w = next((w for w in ps if w.worker_id == entry.prefill_worker), None)
-        if w is not None and not _over(w, c.spill):
-            chosen, reason = w, "sticky"
+        sticky = next((w for w in ps if w.worker_id == entry.prefill_worker), None)
+        if sticky is not None and not _over(sticky, c.spill):
+            chosen, reason = sticky, "sticky"
     live_hit = any(m.get(w.worker_id, 0) for w in ps)
     if chosen is None and c.rendezvous and key is not None and not live_hit:
         chosen, reason = _rendezvous([w for w in ps if not _over(w, c.spill)] or ps, key), "rendezvous"
     if chosen is None:
-        best = None
+        best: tuple[float, int, int, int, int] | None = None
         top = _matched_tokens(req, max(m.values(), default=0))
         l3 = _l3_tokens(state, req) if exact else 0
         for w in [w for w in ps if not _over(w, c.spill)] or ps:    # the overloaded only if all are
@@ -294,7 +294,8 @@ def session(view: ClusterView, req: RouteRequest, state: RouterState) -> Decisio
             k = (t, -hit, state.approx.size(w.worker_id), w.in_flight, w.worker_id)
             if best is None or k < best:
                 best, chosen = k, w
-        reason = "spill" if entry is not None else ("prefix" if -best[1] > 0 else "load")
+        reason = "spill" if entry is not None else ("prefix" if best is not None and -best[1] > 0 else "load")
+    assert chosen is not None    # ps is not empty: the loop above chose one
     hit = _matched_tokens(req, m.get(chosen.worker_id, 0))
     ttft = chosen.pending_s + est.seconds(req.prompt_tokens - hit, hit)
     state.approx.insert(chosen.worker_id, req.key)

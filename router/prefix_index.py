@@ -16,7 +16,7 @@ HOST = "host"
 class _Node:
     __slots__ = ("id", "parent", "key", "end", "children", "workers")
 
-    def __init__(self, nid: int, parent: "_Node | None", key: tuple, end: int):
+    def __init__(self, nid: int, parent: "_Node | None", key: tuple[Any, ...], end: int):
         self.id = nid
         self.parent = parent
         self.key = key                          # this edge's key elements (whole pages), a tuple
@@ -40,36 +40,36 @@ class ApproxPrefixIndex:
         self._tick = 0
         self._size: dict[int, int] = {}          # worker -> key elements held
         self._nodes: dict[int, int] = {}         # worker -> nodes held
-        self._heap: dict[int, list] = {}         # worker -> [(tick, -end, node id, node)]
+        self._heap: dict[int, list[tuple[int, int, int, _Node]]] = {}         # worker -> [(tick, -end, node id, node)]
         self._version = 0                        # bumped by every change of structure
-        self._memo = None       # match()'s (key object, its tuple, version, fully matched nodes)
+        # match()'s (key object, its tuple, version, fully matched nodes)
+        self._memo: tuple[Sequence[int], tuple[int, ...], int, list[_Node]] | None = None
 
-    def _first(self, key: tuple, pos: int) -> Any:
+    def _first(self, key: tuple[Any, ...], pos: int) -> Any:
         return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
 
-    def _prep(self, key: Sequence[int]) -> tuple[tuple, int]:
-        tk = key if type(key) is tuple else tuple(key)
+    def _prep(self, key: Sequence[int]) -> tuple[tuple[int, ...], int]:
+        tk = key if isinstance(key, tuple) else tuple(key)
         return tk, len(tk) - len(tk) % self.page_size
 
     def match(self, key: Sequence[int]) -> dict[int, int]:
         """``{worker: matched key elements}`` for every worker holding a non-empty prefix of ``key``
         (page-aligned)."""
-        orig = key
-        key, n = self._prep(key)
+        tkey, n = self._prep(key)
         node, pos = self.root, 0
         out: dict[int, int] = {}
         live: set[int] | None = None
-        path = []
+        path: list[_Node] = []
         while pos < n:
-            child = node.children.get(self._first(key, pos))
+            child = node.children.get(self._first(tkey, pos))
             if child is None:
                 break
             ek = child.key
             L = len(ek)
-            if pos + L <= n and key[pos:pos + L] == ek:
+            if pos + L <= n and tkey[pos:pos + L] == ek:
                 got = L
             else:
-                got = common_pages(ek, key, pos, n, self.page_size)
+                got = common_pages(ek, tkey, pos, n, self.page_size)
             if live is None:
                 live = set(child.workers)
             elif not live.issubset(child.workers):
@@ -86,7 +86,7 @@ class ApproxPrefixIndex:
             node = child
         for w in live or ():
             out[w] = pos
-        self._memo = (orig, key, self._version, path)
+        self._memo = (key, tkey, self._version, path)
         return out
 
     def insert(self, worker: int, key: Sequence[int]) -> None:
@@ -94,18 +94,18 @@ class ApproxPrefixIndex:
         then drop its oldest leaves while it holds more than ``capacity``."""
         memo = self._memo
         hit = memo is not None and memo[0] is key and memo[2] == self._version
-        if hit:
-            key = memo[1]
-            n = len(key) - len(key) % self.page_size
+        if memo is not None and hit:
+            tkey = memo[1]
+            n = len(tkey) - len(tkey) % self.page_size
         else:
-            key, n = self._prep(key)
+            tkey, n = self._prep(key)
         self._tick += 1
         tick = self._tick
         heap = self._heap.setdefault(worker, [])
         size = self._size.get(worker, 0)
         held = 0                                # nodes newly held (a split counts itself)
         node, pos = self.root, 0
-        if hit:
+        if memo is not None and hit:
             for child in memo[3]:               # fully matched by the match() just before
                 if worker not in child.workers:
                     size += len(child.key)
@@ -115,16 +115,17 @@ class ApproxPrefixIndex:
                 node = child
             pos = node.end
         while pos < n:
-            first = self._first(key, pos)
-            child = node.children.get(first)
-            if child is None:
-                child = _Node(self._next_id, node, key[pos:n], n)
+            first = self._first(tkey, pos)
+            found = node.children.get(first)
+            if found is None:
+                child = _Node(self._next_id, node, tkey[pos:n], n)
                 self._next_id += 1
                 node.children[first] = child
             else:
+                child = found
                 L = len(child.key)
-                if pos + L > n or key[pos:pos + L] != child.key:
-                    child = self._split(child, common_pages(child.key, key, pos, n, self.page_size))
+                if pos + L > n or tkey[pos:pos + L] != child.key:
+                    child = self._split(child, common_pages(child.key, tkey, pos, n, self.page_size))
             if worker not in child.workers:
                 size += len(child.key)
                 held += 1
@@ -143,6 +144,7 @@ class ApproxPrefixIndex:
 
     def _split(self, child: _Node, m: int) -> _Node:
         parent = child.parent
+        assert parent is not None, "the root is never split"
         top = _Node(self._next_id, parent, child.key[:m], child.end - len(child.key) + m)
         self._next_id += 1
         top.workers = dict(child.workers)

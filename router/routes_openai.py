@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +21,7 @@ from tandem.router import metrics as m
 from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key, start_failed
 from tandem.router.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined,
                                     vllm_prompt_logprobs)
-from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorBody,
+from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, ErrorBody,
                                            ErrorResponse, parse_json_object, parse_request)
 from tandem.router.openai_responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                             ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
@@ -31,7 +31,7 @@ from tandem.router.streaming import (ClientGone, Collected, Running, SSEResponse
 from tandem.router.structured import constraint_from_response_format
 from tandem.router.tools.formats import StreamingToolParser, parse_all
 from tandem.router.tools.render import render_prompt
-from tandem.router.tools.spec import ToolPlan, parse_openai_tools
+from tandem.router.tools.spec import ToolCall, ToolPlan, parse_openai_tools
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,10 @@ def fan_out(rid: str, prompt_ids: list[int], params: SamplingParams, session: st
     return out
 
 
-def internal_messages(req: ChatCompletionRequest) -> list[dict]:
+def internal_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI chat messages in router/tools/render.py's internal shape."""
     out = []
-    for i, msg in enumerate(req.messages):
+    for i, msg in enumerate(messages):
         try:
             d: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
         except ValueError as e:
@@ -113,7 +113,8 @@ class OpenAIRoutes:
 
     def prepare(self, req: ChatCompletionRequest | CompletionRequest, body: dict, headers, rid: str) -> Prepared:
         chat = isinstance(req, ChatCompletionRequest)
-        plan = parse_openai_tools(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
+        plan = (parse_openai_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+                if isinstance(req, ChatCompletionRequest) else None)
         constraint = constraint_from_response_format(req.response_format)
         if plan is not None and plan.forced:
             if constraint is not None:
@@ -121,13 +122,13 @@ class OpenAIRoutes:
                                     f"{plan.choice!r} (the call grammar already constrains the output)",
                                param="response_format")
             constraint = self.door.tool_format.constraint(plan)
-        if chat:
-            msgs = internal_messages(req)
+        if isinstance(req, ChatCompletionRequest):
+            msgs = internal_messages(req.messages)
             prompts = [self.door.render(lambda tok: render_prompt(tok, msgs, plan, self.door.tool_format))]
         else:
             prompts = self._completion_ids(req)
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-        score_only = not chat and req.scores_only()
+        score_only = isinstance(req, CompletionRequest) and req.scores_only()
         top = req.top_logprobs_asked()
         prio = request_priority(headers, body)
         base = SamplingParams(
@@ -136,7 +137,8 @@ class OpenAIRoutes:
             stop=req.stop_strings(), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
             logprobs=top is not None, top_logprobs=top or 0, constraint=constraint,
             prompt_logprobs=req.prompt_logprobs_needed(), speculative=req.speculative)
-        greqs, firsts = [], []
+        greqs: list[GenerateRequest] = []
+        firsts: list[int] = []
         for k, ids in enumerate(prompts):      # each prompt its own room for output
             params = replace(base, max_tokens=self.door.output_budget(
                 len(ids), 1 if score_only else req.requested_max_tokens(),
@@ -151,7 +153,7 @@ class OpenAIRoutes:
                       for g in fan_out(rid if len(prompts) == 1 else f"{rid}-p{k}", ids, params,
                                        session_key(headers, body, ids), req.n)]
         echo = None
-        if not chat and req.echo:        # echo is refused with n > 1: a choice per prompt
+        if isinstance(req, CompletionRequest) and req.echo:        # echo is refused with n > 1: a choice per prompt
             echo = [p if isinstance(p, str) else self.door.backend.tokenizer.decode(ids)
                     for p, ids in zip(req.prompts(), prompts)]
         return Prepared(greqs, plan, top, firsts, echo, req.prompt_logprobs, score_only)
@@ -234,7 +236,8 @@ class OpenAIRoutes:
                 for i, c in enumerate(done)])
         choices = []
         for i, c in enumerate(done):
-            content, calls, finish = c.text, [], c.last.finish_reason
+            content, finish = c.text, c.last.finish_reason
+            calls: list[ToolCall] = []
             if prep.plan is not None and prep.plan.active:
                 content, calls = parse_all(self.door.tool_format, c.text, truncated=finish == "length",
                                            max_calls=prep.plan.max_calls)
@@ -272,11 +275,12 @@ class OpenAIRoutes:
         return CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs,
                                 prompt_logprobs=vllm), offset
 
-    async def _events(self, req, prep: Prepared, rid: str, runs: list[Running]) -> AsyncIterator[bytes]:
+    async def _events(self, req, prep: Prepared, rid: str, runs: list[Running]) -> AsyncGenerator[bytes, None]:
         chat = isinstance(req, ChatCompletionRequest)
         created, model, top = int(time.time()), self.door.backend.model_name, prep.top_logprobs
         active = prep.plan is not None and prep.plan.active
-        states = [_ChoiceState(self.door.tool_format.parser(max_calls=prep.plan.max_calls) if active else None)
+        states = [_ChoiceState(self.door.tool_format.parser(max_calls=prep.plan.max_calls)
+                               if prep.plan is not None and prep.plan.active else None)
                   for _ in runs]
 
         def chat_event(i: int, delta: ChatDelta, finish: str | None = None, lps=None) -> bytes:

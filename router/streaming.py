@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ async def unless_disconnected(aw: Awaitable[Any], receive) -> Any:
         await asyncio.gather(task, watch, return_exceptions=True)
 
 
-async def metered(backend: ServingBackend, greq: GenerateRequest, arrival: float) -> AsyncIterator[StreamChunk]:
+async def metered(backend: ServingBackend, greq: GenerateRequest, arrival: float) -> AsyncGenerator[StreamChunk, None]:
     """``backend.generate(greq)`` with the front door's metrics; aborts ``greq.rid`` when closed (or
     cancelled) before the final chunk."""
     chunks = backend.generate(greq)
@@ -104,7 +104,7 @@ class Running:
 
     greq: GenerateRequest
     first: StreamChunk
-    chunks: AsyncIterator[StreamChunk]
+    chunks: AsyncGenerator[StreamChunk, None]
 
 
 class StartFailed(Exception):
@@ -206,7 +206,12 @@ async def collect(runs: list[Running]) -> list[Collected]:
         counts[i] += len(c.token_ids)
         if c.finish_reason is not None:
             lasts[i] = c
-    return [Collected("".join(p), last, n, lp, pl) for p, last, n, lp, pl in zip(parts, lasts, counts, lps, plps)]
+    out = []
+    for p, last, n, lp, pl in zip(parts, lasts, counts, lps, plps):
+        if last is None:    # metered() raises first: its streams end with a finish_reason
+            raise RuntimeError("a generation ended without its final chunk")
+        out.append(Collected("".join(p), last, n, lp, pl))
+    return out
 
 
 class SSEResponse(Response):
@@ -215,7 +220,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: Mapping[str, str]):
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: Mapping[str, str]):
         self.events = events
         self.status_code = 200
         self.background = None

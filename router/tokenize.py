@@ -62,7 +62,7 @@ class TokenizeRoutes:
         if req.prompt is not None:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             return list(tok.encode(req.prompt, add_special_tokens=special))
-        msgs = internal_messages(req)
+        msgs = internal_messages(req.messages or [])   # the validator: messages when no prompt
         return self.door.render(lambda t: render_prompt(t, msgs, None, self.door.tool_format))
 
     async def detokenize(self, request: Request) -> Response:

@@ -12,6 +12,8 @@ from tandem.sim.remote import SimDecodeRole, SimPrefillRole
 
 
 class _Shell:
+    role: SimPrefillRole | SimDecodeRole    # the subclass's
+
     def handshake(self) -> bytes:
         return self.role.name.encode()
 
@@ -58,6 +60,7 @@ class _Shell:
 
 @ray.remote
 class SimPrefillActor(_Shell):
+    role: SimPrefillRole
     def __init__(self, name: str, serve_config: dict, kv_events: bool = False, _tokenizer=None):
         cfg = ServeConfig.model_validate(serve_config)
         pub = None
@@ -89,6 +92,7 @@ class _RemotePrefill:
 
 @ray.remote
 class SimDecodeActor(_Shell):
+    role: SimDecodeRole
     def __init__(self, name: str, serve_config: dict, kv_events: bool = False, tokenizer=None):
         self.role = SimDecodeRole(name, ServeConfig.model_validate(serve_config), tokenizer)
         self.prefills: dict[str, _RemotePrefill] = {}

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, generate_latest
@@ -38,9 +38,9 @@ class _Flight:
     route: Route
     prefill: PrefillWorker
     decode: DecodeWorker
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    detok: IncrementalDetokenizer
+    out: asyncio.Queue[StreamChunk] = field(default_factory=asyncio.Queue)
     rng: random.Random = field(default_factory=random.Random)
-    detok: IncrementalDetokenizer | None = None
     emitted: int = 0
     stage: str = "queued"
     aborted: bool = False
@@ -105,11 +105,12 @@ class SimServingBackend:
         self._t0 = 0.0
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._by_id = {w.id: w for w in self.prefills + self.decodes}
-        for w in self.prefills:
-            self.dispatch.add_worker(w.id, "prefill", self.names[w.id], prefill_cap)
-        for w in self.decodes:
-            self.dispatch.add_worker(w.id, "decode", self.names[w.id], decode_cap)
+        self._prefill_by_id = {p.id: p for p in self.prefills}
+        self._decode_by_id = {d.id: d for d in self.decodes}
+        for p in self.prefills:
+            self.dispatch.add_worker(p.id, "prefill", self.names[p.id], prefill_cap)
+        for d in self.decodes:
+            self.dispatch.add_worker(d.id, "decode", self.names[d.id], decode_cap)
 
     # ------------------------------------------------------------------ clock and tasks
     def now(self) -> float:
@@ -139,12 +140,12 @@ class SimServingBackend:
         if self._loop is not None:
             raise TandemError("SimServingBackend is bound to another event loop")
         self._loop, self._t0 = loop, loop.time()
-        for w in self.prefills:
-            self._wake[w.id] = asyncio.Event()
-            self._spawn(self._prefill_loop(w))
-        for w in self.decodes:
-            self._wake[w.id] = asyncio.Event()
-            self._spawn(self._decode_loop(w))
+        for p in self.prefills:
+            self._wake[p.id] = asyncio.Event()
+            self._spawn(self._prefill_loop(p))
+        for d in self.decodes:
+            self._wake[d.id] = asyncio.Event()
+            self._spawn(self._decode_loop(d))
 
     # ------------------------------------------------------------------ workers
     async def _prefill_loop(self, pw: PrefillWorker) -> None:
@@ -155,9 +156,11 @@ class SimServingBackend:
             while pw.queue:
                 start = self.now()
                 end = pw.start(start)
-                f = self._by_sim[pw.current.rid]
-                f.stage = "prefill"
                 r = pw.current
+                if end is None or r is None:    # not idle (cannot be: finish() ran) or nothing queued
+                    break
+                f = self._by_sim[r.rid]
+                f.stage = "prefill"
                 sm.PREFILL_TOKENS.labels(name, "cached").inc(r.cached_tokens)
                 sm.PREFILL_TOKENS.labels(name, "computed").inc(r.prompt_tokens - r.cached_tokens)
                 sm.BUSY.labels(name, "prefill").inc(max(end - start, 0.0))
@@ -253,11 +256,11 @@ class SimServingBackend:
     # ------------------------------------------------------------------ ServingBackend
     def _refresh_snapshots(self) -> None:
         now = self.now()
-        for w in self.prefills:
-            snap = w.snapshot(now)
-            self.dispatch.update_snapshot(w.id, dataclasses.replace(snap, pending_s=self._prefill_pending_s(w, now)))
-        for w in self.decodes:
-            self.dispatch.update_snapshot(w.id, w.snapshot(now))
+        for p in self.prefills:
+            snap = p.snapshot(now)
+            self.dispatch.update_snapshot(p.id, dataclasses.replace(snap, pending_s=self._prefill_pending_s(p, now)))
+        for d in self.decodes:
+            self.dispatch.update_snapshot(d.id, d.snapshot(now))
 
     def _prefill_pending_s(self, pw: PrefillWorker, now: float) -> float:
         """Simulated seconds before a new request's KV could leave prefill worker ``pw``: its
@@ -268,11 +271,11 @@ class SimServingBackend:
         nic = max(self._nic_free[pw.id] - now, 0.0) + sum(self.profile.kv_transfer_s(r.prompt_tokens) for r in ahead)
         return max(pw.pending_s(now), nic)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         self._ensure_started()
         route = await self.queue.route(req)
         now = self.now()
-        pw, dw = self._by_id[route.prefill], self._by_id[route.decode]
+        pw, dw = self._prefill_by_id[route.prefill], self._decode_by_id[route.decode]
         n = len(req.prompt_ids)
         sim = SimRequest(next(self._sim_ids), now, n, req.params.max_tokens, list(req.cache_key))
         f = _Flight(sim, req, route, pw, dw, rng=random.Random(req.rid),
@@ -329,15 +332,15 @@ class SimServingBackend:
 
     def metrics_text(self) -> bytes:
         now = self.now() if self._loop is not None else 0.0
-        for w in self.prefills:
-            name = self.names[w.id]
-            sm.PREFILL_QUEUE.labels(name).set(len(w.queue))
-            sm.PREFILL_PENDING.labels(name).set(w.pending_s(now))
-            sm.CACHE_TOKENS.labels(name).set(w.cache.stats().device)
-        for w in self.decodes:
-            name = self.names[w.id]
-            sm.DECODE_RUNNING.labels(name).set(len(w.running))
-            sm.DECODE_KV.labels(name).set(w.reserved)
+        for p in self.prefills:
+            name = self.names[p.id]
+            sm.PREFILL_QUEUE.labels(name).set(len(p.queue))
+            sm.PREFILL_PENDING.labels(name).set(p.pending_s(now))
+            sm.CACHE_TOKENS.labels(name).set(p.cache.stats().device)
+        for d in self.decodes:
+            name = self.names[d.id]
+            sm.DECODE_RUNNING.labels(name).set(len(d.running))
+            sm.DECODE_KV.labels(name).set(d.reserved)
         return generate_latest(REGISTRY)
 
     def close(self) -> None:

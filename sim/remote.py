@@ -64,8 +64,8 @@ class SimPrefillRole(_SimRole):
                                             events=publisher)
         self.worker = PrefillWorker(0, self.profile, cache, 1)
         self._ids = itertools.count()
-        self._done: dict[int, asyncio.Future] = {}
-        self._wake: asyncio.Event | None = None
+        self._done: dict[int, asyncio.Future[None]] = {}
+        self._wake = asyncio.Event()            # (an asyncio primitive binds a loop on first use)
         self._task: asyncio.Task | None = None
         self.metrics.register(GIECollector(self._gie, cfg.engine_config.model, name, self.role))
 
@@ -86,7 +86,6 @@ class SimPrefillRole(_SimRole):
         """Queue the prompt; returns ``{"cached_tokens", "prompt_tokens"}`` when its prefill ends."""
         greq = GenerateRequest.from_wire(req_wire)
         if self._task is None:
-            self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
         r = SimRequest(next(self._ids), self.now(), len(greq.prompt_ids), greq.params.max_tokens,
                        list(greq.cache_key))
@@ -103,6 +102,8 @@ class SimPrefillRole(_SimRole):
             self._wake.clear()
             while w.queue:
                 end = w.start(self.now())
+                if end is None:     # not idle (cannot be: finish() ran) or nothing queued
+                    break
                 await self.sleep(end - self.now())
                 r = w.finish(self.now())
                 fut = self._done.pop(r.rid, None)
@@ -129,7 +130,8 @@ class _Flight:
     __slots__ = ("req", "queue", "ctx", "left", "rng", "need")
 
     def __init__(self, req: GenerateRequest, need: int):
-        self.req, self.queue, self.need = req, asyncio.Queue(), need
+        self.req, self.need = req, need
+        self.queue: asyncio.Queue[int] = asyncio.Queue()
         self.ctx = len(req.prompt_ids)
         self.left = req.params.max_tokens
         self.rng = random.Random(req.rid)
@@ -151,7 +153,7 @@ class SimDecodeRole(_SimRole):
         self.reserved = 0
         self.waiting = 0
         self.running: list[_Flight] = []
-        self._room: asyncio.Condition | None = None
+        self._room = asyncio.Condition()
         self._stepper: asyncio.Task | None = None
         self.counts = {"ok": 0, "failed": 0}
         self.active = 0
@@ -168,8 +170,6 @@ class SimDecodeRole(_SimRole):
 
     async def generate(self, greq: GenerateRequest, prefill) -> AsyncIterator[StreamChunk]:
         """``prefill``: an object with ``async prefill(req_wire) -> dict``, or None (prefilled here)."""
-        if self._room is None:
-            self._room = asyncio.Condition()
         self.active += 1
         try:
             async for c in self._generate(greq, prefill):

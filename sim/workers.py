@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.router.policies import RouterState
 from tandem.router.prefix_index import KVEvent
@@ -58,7 +59,7 @@ class PrefillWorker:
         self.alive = True
         self.queue: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
-        self._node = None
+        self._node: Any = None         # the cache node the running prefill holds locked
         self.busy_until = 0.0
         self._queued_s = 0.0
         self._queued_new = 0
@@ -117,6 +118,8 @@ class PrefillWorker:
     def finish(self, now: float) -> SimRequest:
         """The running prefill is done: cache its pages, unlock its prefix, hand it back."""
         req, node = self.current, self._node
+        if req is None:
+            raise RuntimeError(f"prefill worker {self.id}: finish() with no prefill running")
         self.cache.insert(req.key)
         self.cache.unlock(node)
         self.current = self._node = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from tandem.cluster import cli as cluster_cli
@@ -12,7 +13,7 @@ from tandem.sim.replay.cli import register as register_simulate
 COMMANDS = (register_bench, register_simulate, register_chaos)
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     return cluster_cli.build_parser(COMMANDS)
 
 

@@ -10,7 +10,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, MutableMapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import numpy as np
 import torch
@@ -146,7 +146,7 @@ class KVTransferAgent:
         self._reg = [self._nixl.register_memory([(addr, n, i.dev_id, "")], i.mem_type)
                      for (addr, n), i in spans.items()]
         self._peers: dict[str, _Peer] = {}
-        self._local_prepped: dict[str, object] = {}
+        self._local_prepped: dict[str, Any] = {}   # region name -> NIXL's prepped descriptor list
         self._leaked: list = []
 
 
@@ -384,7 +384,7 @@ def _new_nixl_agent(name: str, num_threads: int, progress_thread: bool, delay_us
     conf = _api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"], num_threads=num_threads)
     bind = getattr(_api, "nixlBind", None)
     real = getattr(bind, "nixlAgent", None)
-    if real is None or not progress_thread:
+    if bind is None or real is None or not progress_thread:
         return _api.nixl_agent(name, conf)
 
     def make(agent_name, cfg):

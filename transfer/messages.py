@@ -106,6 +106,15 @@ class RegionInfo:
 class _Message:
     TYPE: ClassVar[str]
 
+    def _to_wire(self) -> dict[str, Any]:
+        """The fields as plain msgpack data (each message's own)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _from_wire(cls, d: dict[str, Any]) -> _Message:
+        """The message from :meth:`_to_wire`'s fields, checked (each message's own)."""
+        raise NotImplementedError
+
     def encode(self) -> bytes:
         return msgpack.packb({"type": self.TYPE, **self._to_wire()}, use_bin_type=True)
 
@@ -308,8 +317,8 @@ class Abort(_Message):
         return cls(_int(cls, "transfer_id", d["transfer_id"]), d["reason"])
 
 
-MESSAGE_TYPES: dict[str, type] = {c.TYPE: c for c in (Handshake, KVTransferRequest, PrefillResult, Abort)}
 Message = Handshake | KVTransferRequest | PrefillResult | Abort
+MESSAGE_TYPES: dict[str, type[Message]] = {c.TYPE: c for c in (Handshake, KVTransferRequest, PrefillResult, Abort)}
 
 
 def decode_message(data: bytes) -> Message:

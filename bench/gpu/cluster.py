@@ -74,7 +74,7 @@ def workers_seen(backend) -> dict:
 
     out = {}
     for w in backend.pool.everyone():
-        info, hs, gpu = ray.get([w.handle.info.remote(), w.handle.handshake.remote(),
+        info, hs, gpu = ray.get([w.api.info(), w.api.handshake(),
                                  w.handle.__ray_call__.remote(_gpu_share)], timeout=60)
         out[w.name] = {"gpu": gpu, "device": info["device"],
                        "regions": {r.name: r.mem_type for r in Handshake.decode(hs).regions}}

@@ -29,6 +29,14 @@ GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_gpu_pat
              "tests/cache/test_req_to_token.py"]
 
 
+def captured(output: bytes | str | None) -> str:
+    """A timed-out child's captured output as text: ``TimeoutExpired`` holds bytes even when the
+    run asked for text (Python's documented quirk), and None when nothing was read."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
 def run_pytest(log_path: str, timeout_s: float) -> dict:
     """The GPU tests, compiled (TRITON_INTERPRET=0), in a child process; its log to ``log_path``."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
@@ -39,7 +47,7 @@ def run_pytest(log_path: str, timeout_s: float) -> dict:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         out, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
-        out, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout_s:.0f} s", -1
+        out, rc = f"{captured(e.stdout)}{captured(e.stderr)}\nTIMEOUT after {timeout_s:.0f} s", -1
     with open(log_path, "w") as f:
         f.write(out)
     tail = out.strip().splitlines()[-1] if out.strip() else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ SHAPES = [Shape("decode", g, b, c, 1) for g in GEOMETRIES for b in (1, 32, 128) 
          [Shape("extend", g, 1, 0, 2048) for g in GEOMETRIES] + \
          [Shape("extend", g, 4, 2048, 512) for g in GEOMETRIES]
 SMOKE_SHAPES = [Shape("decode", "tiny", 2, 40, 1), Shape("extend", "tiny", 2, 8, 24)]
-SPACES = {
+SPACES: dict[str, dict[str, Any]] = {
     "quick": {"decode": [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in
                          itertools.product((32, 64), (4, 8), (2, 3))],
               "splits": (1, 2, 4, 8, 16),
@@ -176,10 +177,10 @@ def sweep(space: str, device, dtype, budget_s: float, smoke: bool = False) -> di
                           else choose_kv_splits(shape.prefix + 1, 16, 128))
         out = x.run(None, default_splits).clone()
         err = float((out.float() - ref).norm() / ref.norm())
-        row = {"shape": shape.name, "rel_err_vs_fp32": round(err, 5),
+        row: dict[str, Any] = {"shape": shape.name, "rel_err_vs_fp32": round(err, 5),
                "default_us": round(_bench(lambda: x.run(None, default_splits), cuda), 2),
                "default_splits": default_splits if shape.kind == "decode" else None}
-        best = (row["default_us"], "default")
+        best: tuple[float, Any] = (row["default_us"], "default")
         configs = sp[shape.kind]
         splits = sp["splits"] if shape.kind == "decode" else (1,)
         bad = 0

@@ -11,6 +11,8 @@ uses a tiny geometry of the same shape family.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 LLAMA31_8B = dict(arch="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_q_heads=32,
@@ -63,7 +65,7 @@ def measure(device, dtype, ceilings: dict, smoke: bool = False) -> dict:
     prompt, steps = (12, 4) if smoke else (512, 32)
     rows = []
     for B in ((1, 2) if smoke else (1, 16, 64)):
-        row = {"batch": B, "graphs": tp.runner_decode(pair, B, prompt, steps, graph)}
+        row: dict[str, Any] = {"batch": B, "graphs": tp.runner_decode(pair, B, prompt, steps, graph)}
         if "copy_GBps" in ceilings:
             floor = tp.decode_floor_s(wbytes, kv_bpt, B, prompt + steps // 2, ceilings["copy_GBps"])
             row["roofline_tok_s"] = round(B / floor, 1)

@@ -116,4 +116,5 @@ def resolve(spec: str, device: torch.device, dtype: torch.dtype) -> ModelPair:
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=os.path.basename(gguf), dtype=dtype)
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(gguf, dtype=dtype)
-    return ModelPair(loaded.name, True, loaded, hf.to(device).eval(), _prompt_ids(loaded.tokenizer))
+    moved = hf.to(device)  # type: ignore[arg-type]  # transformers types .to() through a decorator mypy misreads
+    return ModelPair(loaded.name, True, loaded, moved.eval(), _prompt_ids(loaded.tokenizer))

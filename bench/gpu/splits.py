@@ -5,6 +5,7 @@ on the same paged inputs, the fastest kept; its rows become the table the backen
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from tandem.engine.attention.split_rule import SplitTable
 SPANS = (512, 2048, 8192)
 BATCHES = (1, 4, 16, 64, 128)
 SPLITS = (1, 2, 4, 8, 16)
-SMOKE = {"geometries": ("tiny",), "spans": (16, 40), "batches": (1, 2), "splits": (1, 2)}
+SMOKE: dict[str, Any] = {"geometries": ("tiny",), "spans": (16, 40), "batches": (1, 2), "splits": (1, 2)}
 
 
 def sweep(device, dtype, budget_s: float, smoke: bool = False) -> dict:
@@ -22,7 +23,7 @@ def sweep(device, dtype, budget_s: float, smoke: bool = False) -> dict:
     fastest count),
     ``table`` (a :class:`SplitTable` as a dict; None when the budget cut the grid short),
     ``mismatches`` (counts whose output left the single pass's tolerance: never picked)."""
-    p = SMOKE if smoke else {"geometries": tuple(GEOMETRIES), "spans": SPANS, "batches": BATCHES,
+    p: dict[str, Any] = SMOKE if smoke else {"geometries": tuple(GEOMETRIES), "spans": SPANS, "batches": BATCHES,
                              "splits": SPLITS}
     cuda = torch.device(device).type == "cuda"
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -37,7 +38,7 @@ def sweep(device, dtype, budget_s: float, smoke: bool = False) -> dict:
                     continue
                 x = Inputs(Shape("decode", g, b, span - 1, 1), device, dtype)
                 one = x.run(None, 1).float().clone()
-                us = {}
+                us: dict[str, float] = {}
                 for s in p["splits"]:
                     out = x.run(None, s).float()
                     if float((out - one).norm() / one.norm()) > tol:
@@ -45,7 +46,7 @@ def sweep(device, dtype, budget_s: float, smoke: bool = False) -> dict:
                         continue
                     us[str(s)] = round(_bench(lambda: x.run(None, s), cuda), 2)
                 rows.append({"geometry": g, "span": span, "batch": b, "programs": b * hkv, "us": us,
-                             "best": int(min(us, key=us.get))})
+                             "best": int(min(us, key=lambda k: us[k]))})
                 del x
     table = None
     if not skipped:

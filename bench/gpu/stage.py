@@ -117,8 +117,8 @@ def split(src: str, out: str, limit_mib: float = LIMIT_MIB) -> dict:
         os.makedirs(d)
         with open(os.path.join(d, CHUNK), "wb") as f:
             f.write(c)
-        with open(os.path.join(d, MANIFEST), "w") as f:
-            json.dump({**manifest, "index": i}, f, indent=1)
+        with open(os.path.join(d, MANIFEST), "w") as mf:
+            json.dump({**manifest, "index": i}, mf, indent=1)
     return manifest
 
 
@@ -174,8 +174,10 @@ def join(store: str, dest: str) -> list[str]:
         for member in tar.getmembers():
             if not member.isfile() or os.path.basename(member.name) != member.name:
                 raise ValueError(f"unexpected entry {member.name!r} in the staged tar")
+            data = tar.extractfile(member)
+            assert data is not None, "a regular file (checked above)"
             with open(os.path.join(dest, member.name), "wb") as f:
-                f.write(tar.extractfile(member).read())
+                f.write(data.read())
     out = []
     for w, want in m["wheels"].items():
         p = os.path.join(dest, w)

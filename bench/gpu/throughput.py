@@ -18,6 +18,7 @@ forward of the prompt (prefill).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -230,7 +231,7 @@ def host_copies(arch, device, dtype, tokens: int, page_size: int = 16) -> dict:
     slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
     hslots = torch.arange(page_size, tokens + page_size)
     nbytes = tokens * dev.bytes_per_token
-    res = {"tokens": tokens, "MB": round(nbytes / 1e6, 1)}
+    res: dict[str, Any] = {"tokens": tokens, "MB": round(nbytes / 1e6, 1)}
     for name, call in (("backup", lambda: cp.to_host(slots, hslots)),
                        ("restore", lambda: cp.to_device(hslots, slots))):
         call()

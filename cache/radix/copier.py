@@ -62,6 +62,12 @@ class KVCopier:
         self._pending: deque[_ToHost] = deque()
         self._inflight: deque = deque()
 
+    @property
+    def _copy_stream(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            raise RuntimeError("the KV copier has a copy stream on CUDA only")
+        return self.stream
+
     def to_host(self, dev_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy device ``dev_slots`` [n] to host ``host_slots`` [n]. On return the device slots
         may be reused; the host rows are complete after :meth:`poll` / :meth:`synchronize`."""
@@ -73,7 +79,7 @@ class KVCopier:
         if len(dev_slots) == 0:
             return
         idx = _pinned_index(dev_slots)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             gathered = self.dev_data.index_select(2, idx.to(self.device, non_blocking=True))
             read = torch.cuda.Event()
@@ -104,7 +110,7 @@ class KVCopier:
         torch.index_select(self.host_data, 2, host_slots, out=staging)
         idx = _pinned_index(dev_slots)
         compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)          # the device slots are idle
+        self._copy_stream.wait_stream(compute)          # the device slots are idle
         with torch.cuda.stream(self.stream):
             data = staging.to(self.device, non_blocking=True)
             self.dev_data.index_copy_(2, idx.to(self.device, non_blocking=True), data)

@@ -6,11 +6,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import msgpack
 
 from tandem.core.page_hash import page_hashes  # noqa: F401  (the chain these events carry)
+
+if TYPE_CHECKING:
+    import zmq
 
 DEVICE = "device"
 HOST = "host"
@@ -66,16 +69,23 @@ class BlockUnpinned:
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 PinEvent = BlockPinned | BlockUnpinned
+WireEvent = KVEvent | PinEvent          # what a publisher sends (pins: Tandem's extension)
+
+
+class EventPublisher(Protocol):
+    """Where a cache sends its events: :class:`KVEventPublisher`, or a simulation's sink."""
+
+    def publish(self, events: Iterable[WireEvent]) -> None: ...
 
 
 @dataclass(frozen=True)
 class EventBatch:
     seq: int
     ts: float
-    events: list[KVEvent]
+    events: list[WireEvent]
 
 
-def _event_to_wire(e: KVEvent) -> list:
+def _event_to_wire(e: WireEvent) -> list[Any]:
     if isinstance(e, BlockStored):
         return ["BlockStored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids),
                 e.block_size, None, MEDIUM[e.medium], None]
@@ -90,16 +100,16 @@ def _event_to_wire(e: KVEvent) -> list:
     raise TypeError(f"not a KV event: {e!r}")
 
 
-def encode(ts: float, events: Sequence[KVEvent]) -> bytes:
+def encode(ts: float, events: Sequence[WireEvent]) -> bytes:
     return msgpack.packb([ts, [_event_to_wire(e) for e in events]], use_bin_type=True)
 
 
-def decode(payload: bytes) -> tuple[float, list[KVEvent]]:
+def decode(payload: bytes) -> tuple[float, list[WireEvent]]:
     """The inverse of :func:`encode`. Raises ValueError on anything else."""
     obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         raise ValueError("payload is not [ts, [events]]")
-    out: list[KVEvent] = []
+    out: list[WireEvent] = []
     for w in obj[1]:
         tag = w[0] if isinstance(w, list) and w else None
         if tag == "BlockStored":
@@ -127,7 +137,7 @@ class _Held:
         self.blocks: dict[tuple[int, str], tuple[int | None, list[int], int]] = {}
         self.pins: dict[int, float] = {}        # page hash -> monotonic time its pin ends
 
-    def apply(self, e: KVEvent | PinEvent) -> None:
+    def apply(self, e: WireEvent) -> None:
         if isinstance(e, BlockPinned):
             until = time.monotonic() + e.ttl_s
             for h in e.block_hashes:
@@ -147,7 +157,7 @@ class _Held:
             self.blocks.clear()
             self.pins.clear()
 
-    def snapshot(self) -> list[list[KVEvent | PinEvent]]:
+    def snapshot(self) -> list[list[WireEvent]]:
         """What a late subscriber needs, as batches: the held blocks, then the live pins."""
         now = time.monotonic()
         out: list[list] = [[AllBlocksCleared()] + [BlockStored([h], parent, tokens, bs, medium)
@@ -170,7 +180,7 @@ class KVEventPublisher:
         import zmq
 
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -198,7 +208,7 @@ class KVEventPublisher:
         sock.bind(endpoint)
         return endpoint
 
-    def publish(self, events: Iterable[KVEvent | PinEvent]) -> None:
+    def publish(self, events: Iterable[WireEvent]) -> None:
         """Send ``events`` as one batch; pin events (Tandem's extension) go in a batch of their own,
         after the others."""
         events = list(events)
@@ -262,7 +272,7 @@ class KVEventSubscriber:
         import zmq
 
         self._zmq = zmq
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sock.connect(endpoint)
@@ -289,7 +299,7 @@ def replay_frames(endpoint: str, start_seq: int, timeout_ms: int = 2000,
     try:
         sock.connect(endpoint)
         sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        out = []
+        out: list[tuple[int, bytes]] = []
         while True:
             if not sock.poll(timeout_ms, zmq.POLLIN):
                 raise TimeoutError(f"no replay answer from {endpoint} within {timeout_ms} ms")

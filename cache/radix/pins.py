@@ -14,17 +14,26 @@ Each pinned node's tokens are charged to one tenant (``pin_tenant``, the first t
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.cache.radix.node import Node
 
 
 class Pins:
+    leaves: set[Node]       # RadixTree's
+
+    if TYPE_CHECKING:       # RadixTree's methods
+        def path(self, node: Node) -> list[Node]: ...
+        def _split(self, child: Node, m: int) -> Node: ...
+        def _upd(self, nd: Node) -> None: ...
 
     def reset_pins(self) -> None:
-        self.pinned: set = set()
+        self.pinned: set[Node] = set()
         self.pin_tokens: dict[str, int] = {}
-        self.pin_expiry: list = []      # (until, node id, node), lazy: stale entries are skipped
+        self.pin_expiry: list[tuple[float, int, Node]] = []     # lazy: stale entries are skipped
 
-    def pin_path(self, node, n: int, until: float, tenant: str, cap: int | None) -> int | None:
+    def pin_path(self, node: Node, n: int, until: float, tenant: str, cap: int | None) -> int | None:
         """Pin root..``n`` (page-aligned, at most ``node.end``) of ``node``'s path until ``until``;
         a pin already there lasts the longer of the two. Returns the tokens newly charged to
         ``tenant``, or None (nothing changed) when that would take it past ``cap`` tokens."""
@@ -64,34 +73,35 @@ class Pins:
                 n += 1
         return n
 
-    def unpin(self, nd) -> None:
+    def unpin(self, nd: Node) -> None:
         """``nd`` is an ordinary node again (evicted in policy order among the unpinned)."""
         self.forget_pin(nd)
         self._requeue(nd)
 
-    def forget_pin(self, nd) -> None:
+    def forget_pin(self, nd: Node) -> None:
         """Release ``nd``'s pin and its tenant's charge (``nd`` leaves the tree, or is unpinned)."""
         self.pinned.discard(nd)
         t = nd.pin_tenant
-        left = self.pin_tokens[t] - len(nd.key)
-        if left:
-            self.pin_tokens[t] = left
-        else:
-            del self.pin_tokens[t]
+        if t is not None:       # pin_path() charged it
+            left = self.pin_tokens[t] - len(nd.key)
+            if left:
+                self.pin_tokens[t] = left
+            else:
+                del self.pin_tokens[t]
         nd.pin, nd.pin_tenant = 0.0, None
 
-    def pin_split(self, up, child) -> None:
+    def pin_split(self, up: Node, child: Node) -> None:
         """``up`` was cut from the top of pinned ``child``: it holds the same pin (the charge is
         unchanged: the tokens only moved)."""
         up.pin, up.pin_tenant = child.pin, child.pin_tenant
         self.pinned.add(up)
         heappush(self.pin_expiry, (up.pin, up.id, up))
 
-    def pinned_prefixes(self) -> list[Any]:
+    def pinned_prefixes(self) -> list[Node]:
         """The deepest pinned nodes (each names one pinned prefix: root..it)."""
         return [nd for nd in self.pinned if not any(c.pin for c in nd.children.values())]
 
-    def _requeue(self, nd) -> None:
+    def _requeue(self, nd: Node) -> None:
         """``nd``'s pin changed: file it again in the heap it now belongs to."""
         if nd.hk is not None:
             nd.hk = None

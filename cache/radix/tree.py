@@ -9,49 +9,12 @@ import torch
 
 from tandem.core.page_hash import common_pages, page_hashes
 
-from .events import DEVICE, BlockRemoved, BlockStored
+from .events import DEVICE, BlockRemoved, BlockStored, WireEvent
+from .components import TreeComponent
 from .eviction import EvictionPolicy, make_policy
-from tandem.cache.tiers.host_nodes import HostNodes
+from .node import Node, parent_of
+from tandem.cache.tiers.host_nodes import HostNodes, Spill
 from .pins import Pins
-
-
-class Node:
-    __slots__ = ("id", "parent", "children", "key", "start", "value", "host", "lock_ref", "ndc",
-                 "access", "created", "hits", "priority", "session", "aux", "aux_lock", "aux_host",
-                 "hashes", "hk", "pin", "pin_tenant")
-
-    def __init__(self, nid: int, parent: "Node | None", key: list, start: int, value: Any,
-                 tick: int, n_aux: int):
-        self.id = nid
-        self.parent = parent
-        self.children: dict[Hashable, Node] = {}   # plain dict: a missing key must raise
-        self.key = key
-        self.start = start
-        self.value = value
-        self.host = None
-        self.lock_ref = 0
-        self.ndc = 0
-        self.access = tick
-        self.created = tick
-        self.hits = 0
-        self.priority = 0
-        self.session = None
-        # Per auxiliary component: data (None = tombstone) and locks {lock floor depth: count}.
-        self.aux = [None] * n_aux if n_aux else None
-        self.aux_lock = [{} for _ in range(n_aux)] if n_aux else None
-        self.aux_host = [None] * n_aux if n_aux else None
-        self.hashes = None              # page hash chain, computed on first use (events, L3)
-        self.hk = None
-        self.pin = 0.0                  # pinned until this clock time (0: not pinned; see radix/pins.py)
-        self.pin_tenant = None          # the tenant whose pin budget holds these tokens
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
-
-    def __repr__(self) -> str:
-        tier = ("D" if self.value is not None else "") + ("H" if self.host is not None else "")
-        return f"Node(id={self.id}, [{self.start},{self.end}), {tier or '-'}, lock={self.lock_ref})"
 
 
 def _take(value: Any, a: int, b: int) -> Any:
@@ -79,7 +42,7 @@ def concat_values(pieces: list) -> torch.Tensor:
 
 class RadixTree(HostNodes, Pins):
     def __init__(self, page_size: int = 1, policy: EvictionPolicy | None = None,
-                 components: Sequence[Any] = (), record_events: bool = False):
+                 components: Sequence[TreeComponent] = (), record_events: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
         self.page_size = page_size
@@ -89,7 +52,7 @@ class RadixTree(HostNodes, Pins):
         for i, c in enumerate(self.components):
             c.index = i
         self.record_events = record_events
-        self.spills: list | None = None
+        self.spills: list[Spill] | None = None     # None: nothing records them (no L3 tier)
         self.reset()
 
     def reset(self) -> None:
@@ -99,8 +62,9 @@ class RadixTree(HostNodes, Pins):
         self.root = Node(0, None, [], 0, (), 0, n_aux)
         self.root.lock_ref = 1
         self.leaves: set[Node] = set()
-        self.heap: list = []
-        self.pheap: list = []           # pinned evictable leaves: popped only when ``heap`` is empty
+        self.heap: list[tuple[Any, int, Node]] = []
+        # pinned evictable leaves: popped only when ``heap`` is empty
+        self.pheap: list[tuple[Any, int, Node]] = []
         self.reset_pins()
         self.evictable = 0
         self.protected = 0
@@ -115,7 +79,7 @@ class RadixTree(HostNodes, Pins):
         self.host_frees: list = []
         self.aux_frees: list[tuple[int, Any]] = []
         self.aux_host_frees: list[tuple[int, Any]] = []
-        self.events: list = []
+        self.events: list[WireEvent] = []
         if self.spills is not None:
             self.spills = []
 
@@ -221,7 +185,7 @@ class RadixTree(HostNodes, Pins):
         root = self.root
         while node is not root:
             out.append(node)
-            node = node.parent
+            node = parent_of(node)
         out.reverse()
         return out
 
@@ -302,7 +266,7 @@ class RadixTree(HostNodes, Pins):
         child.key = child.key[m:]
         child.start += m
         up.children = {self.child_key(child.key): child}
-        child.parent.children[self.child_key(up.key)] = up
+        parent_of(child).children[self.child_key(up.key)] = up
         child.parent = up
         if self.components:
             self._aux_split(up, child, m)
@@ -330,7 +294,7 @@ class RadixTree(HostNodes, Pins):
                         nd.hk = None
                         self.leaves.discard(nd)
                 nd.lock_ref += 1
-                nd = nd.parent
+                nd = parent_of(nd)
         else:
             while nd is not root:
                 nd.lock_ref -= 1
@@ -339,7 +303,7 @@ class RadixTree(HostNodes, Pins):
                     self.evictable += L
                     self.protected -= L
                     self._upd(nd)
-                nd = nd.parent
+                nd = parent_of(nd)
         if self.components:
             end = node.start + len(node.key)
             for i, c in enumerate(self.components):
@@ -354,7 +318,7 @@ class RadixTree(HostNodes, Pins):
                     else:
                         del locks[floor]
                     self._aux_in(nd, i)
-                    nd = nd.parent
+                    nd = parent_of(nd)
 
     def _upd(self, nd: Node) -> None:
         if nd.value is not None and nd.lock_ref == 0 and nd.ndc == 0:
@@ -374,7 +338,8 @@ class RadixTree(HostNodes, Pins):
 
     def rebuild_heap(self) -> None:
         key = self._key
-        heap, pheap = [], []
+        heap: list[tuple[Any, int, Node]] = []
+        pheap: list[tuple[Any, int, Node]] = []
         for nd in self.leaves:
             nd.hk = key(nd)
             (pheap if nd.pin else heap).append((nd.hk, nd.id, nd))
@@ -414,7 +379,7 @@ class RadixTree(HostNodes, Pins):
         if nd.hk is not None:
             nd.hk = None
             self.leaves.discard(nd)
-        parent = nd.parent
+        parent = parent_of(nd)
         parent.ndc -= 1
         self.device_frees.append(v)
         if self.record_events:
@@ -439,9 +404,9 @@ class RadixTree(HostNodes, Pins):
             self.protected += L
         else:
             self.evictable += L
-        nd.parent.ndc += 1
+        parent_of(nd).ndc += 1
         self._upd(nd)
-        self._upd(nd.parent)
+        self._upd(parent_of(nd))
         if self.record_events:
             self._event_store(nd, DEVICE)
 
@@ -458,7 +423,7 @@ class RadixTree(HostNodes, Pins):
                 self.forget_pin(x)
             if x is not nd:
                 x.parent = None
-        del nd.parent.children[self.child_key(nd.key)]
+        del parent_of(nd).children[self.child_key(nd.key)]
         nd.parent = None
 
     def _aux_out(self, nd: Node, i: int) -> None:
@@ -541,11 +506,13 @@ class RadixTree(HostNodes, Pins):
             self.aux_frees.append((i, v))
         return freed
 
-    def spill(self, nd: Node, slots: Any, on_host: bool, aux=()) -> None:
+    def spill(self, nd: Node, slots: Any, on_host: bool, aux: Sequence[tuple[int, Any, bool]] = ()) -> None:
         """Record data of ``nd`` whose last copy leaves the tree (the L3 tier's write-back): FULL
         ``slots`` (None: only component data), on the host pool or the device, and
         ``aux``: ``(component index, value, on_host)`` items; last, the node's pin (its end on the
         cache's clock, 0: none), which the L3 store keeps as the entry's expiry."""
+        if self.spills is None:
+            raise RuntimeError("spill() with no spill record (the cache has no L3 tier)")
         self.spills.append((self.hashes(nd), slots, on_host, tuple(aux), nd.pin))
 
     def hashes(self, nd: Node) -> list[int]:
@@ -553,9 +520,11 @@ class RadixTree(HostNodes, Pins):
         x = nd
         while x is not self.root and x.hashes is None:
             todo.append(x)
-            x = x.parent
+            x = parent_of(x)
         for y in reversed(todo):
-            y.hashes = page_hashes(y.key, self.page_size, self._last_hash(y.parent))
+            y.hashes = page_hashes(y.key, self.page_size, self._last_hash(parent_of(y)))
+        if nd.hashes is None:
+            raise ValueError(f"{nd}: the root has no page hashes")
         return nd.hashes
 
     def _last_hash(self, nd: Node) -> int | None:
@@ -563,7 +532,7 @@ class RadixTree(HostNodes, Pins):
 
     def _event_store(self, nd: Node, medium: str) -> None:
         hs = self.hashes(nd)
-        self.events.append(BlockStored(list(hs), self._last_hash(nd.parent), list(nd.key),
+        self.events.append(BlockStored(list(hs), self._last_hash(parent_of(nd)), list(nd.key),
                                        self.page_size, medium))
 
     def _event_remove(self, nd: Node, medium: str) -> None:

@@ -63,10 +63,16 @@ class CachePort(Protocol):
     allocator: Any
     components: tuple
     tree: Any                       # the RadixTree (read-only but for the placement verbs)
-    host: Any
+
+    @property
+    def host(self) -> Any:
+        """The cache's host tier, or None."""
 
     def key(self, token_ids: Sequence[int]) -> list[int]:
         """The page-aligned key of ``token_ids``."""
+
+    def now(self) -> float:
+        """The cache's clock (the one pins end on)."""
 
     def make_room(self, n: int) -> None:
         """Evict at least ``n`` tokens of unlocked device KV (if there is that much) and free

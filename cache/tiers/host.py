@@ -11,6 +11,7 @@ from tandem.cache.allocator import PagedAllocator
 from tandem.cache.kv_pool import KVPool
 from tandem.cache.radix.copier import KVCopier
 from tandem.cache.radix.tree import concat_values
+from tandem.cache.tiers.base import CachePort
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -64,7 +65,14 @@ class HostTier:
         if len(self.stores) != len(stores):
             raise ValueError(f"host stores repeat a name: {[st.name for st in stores]}")
         self._aux: list[tuple[int, Any, HostStore]] = []
-        self._port = None
+        self._port: CachePort | None = None
+
+    @property
+    def port(self) -> CachePort:
+        """The bound cache's port (RuntimeError before :meth:`bind`)."""
+        if self._port is None:
+            raise RuntimeError("the host tier is not bound to a cache yet")
+        return self._port
 
     @property
     def write_through(self) -> bool:
@@ -73,7 +81,7 @@ class HostTier:
     name = "host"
     prefetching = False
 
-    def bind(self, port) -> None:
+    def bind(self, port: CachePort) -> None:
         if self._port is not None and self._port is not port:
             raise ValueError("a HostTier serves one cache")
         if port.allocator is None or port.page_size != self.page_size:
@@ -116,11 +124,11 @@ class HostTier:
         self.synchronize()
 
     def used(self) -> int:
-        return self._port.tree.host_size
+        return self.port.tree.host_size
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """``{"full": (tokens with a host copy, host pool tokens), name: (rows used, rows)}``."""
-        t = self._port.tree
+        t = self.port.tree
         out = {"full": (t.host_size, self.allocator.size)}
         for i, _, st in self._aux:
             out[st.name] = (t.aux_host_size[i], st.allocator.size)
@@ -140,10 +148,10 @@ class HostTier:
         """Copy what ``nd`` has on the device and not yet on the host to new host slots: its FULL
         KV, then each component's data (same-name transfer), evicting unlocked host
         copies when short."""
-        t = self._port.tree
+        t = self.port.tree
         if nd.host is None:
             if self.allocator.available_size() < len(nd.key):
-                self._port.make_room_host(len(nd.key) - self.allocator.available_size())
+                self.port.make_room_host(len(nd.key) - self.allocator.available_size())
             host_slots = self.allocator.alloc(len(nd.key))
             if host_slots is None:
                 return False
@@ -164,11 +172,11 @@ class HostTier:
                 self._copy_aux(nd, i, c, st)
 
     def _copy_aux(self, nd, i: int, c, st: HostStore) -> bool:
-        t = self._port.tree
+        t = self.port.tree
         v = nd.aux[i]
         n = c.size(v)
         if st.allocator.available_size() < n:
-            self._port.make_room_host(n - st.allocator.available_size(), i)
+            self.port.make_room_host(n - st.allocator.available_size(), i)
         rows = st.allocator.alloc(n)
         if rows is None:
             return False
@@ -180,7 +188,7 @@ class HostTier:
                extra: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
                session_id: Hashable | None = None) -> tuple[Any, int]:
         """Retraction: move a request's KV to the host tier and free its device slots."""
-        c = self._port
+        c = self.port
         _, node = c.cache(token_ids, slots, last_node, extra=extra, session_id=session_id)
         t = c.tree
         freed = 0
@@ -197,7 +205,7 @@ class HostTier:
         """Bring the host-only nodes on root..``node`` back to the device, then the components' data its
         ``lock_span`` covers. Returns the device slots of the whole path, or None when the device has no
         room for the FULL KV. Does not lock ``node``."""
-        c = self._port
+        c = self.port
         t = c.tree
         if node.parent is None and node is not t.root:
             raise ValueError(f"restore({node}): the node is not in the tree")
@@ -228,7 +236,7 @@ class HostTier:
     def _restore_aux(self, path: list, i: int, comp, st: HostStore) -> None:
         if not path:
             return
-        t, floor = self._port.tree, path[-1].end - comp.lock_span
+        t, floor = self.port.tree, path[-1].end - comp.lock_span
         todo = []
         for nd in reversed(path):
             if nd.end <= floor:
@@ -241,7 +249,7 @@ class HostTier:
         sizes = [comp.size(nd.aux_host[i]) for nd in todo]
         alloc = comp.allocator
         if alloc.available_size() < sum(sizes):
-            self._port.make_room_aux(i, sum(sizes) - alloc.available_size())
+            self.port.make_room_aux(i, sum(sizes) - alloc.available_size())
         rows = alloc.alloc(sum(sizes))
         if rows is None:
             return

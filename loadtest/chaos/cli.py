@@ -78,17 +78,17 @@ def _counters(text: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def _migrations(text: str, family: str = "tandem_decode_migrations") -> Counter:
+def _migrations(text: str, family: str = "tandem_decode_migrations") -> Counter[str]:
     """The router's ``tandem_decode_migrations_total`` (or another counter ``family`` with an
     ``outcome`` label, e.g. ``tandem_failovers``) by outcome, summed over the other labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: Counter = Counter()
+    out: Counter[str] = Counter()
     for f in text_string_to_metric_families(text):
         if f.name == family:
             for s in f.samples:
                 if s.name.endswith("_total"):
-                    out[s.labels.get("outcome", "")] += s.value
+                    out[s.labels.get("outcome", "")] += int(s.value)
     return out
 
 
@@ -273,7 +273,7 @@ def format_table(rep: dict) -> str:
     rows = [("requests", rep["requests"]), ("completed", rep["completed"]),
             ("aborted by the client (before the first token)", rep["aborted_early"]),
             ("aborted by the client (mid-stream)", rep["aborted_mid"]), ("failed", rep["failed"])]
-    grouped = Counter()
+    grouped: Counter[str] = Counter()
     for r, n in rep["failure_reasons"].items():
         grouped[re.sub(r"\d+", "N", r)[:90]] += n
     rows += [(f"  - {r}", n) for r, n in grouped.most_common()]

@@ -99,8 +99,8 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
                 o.kind, o.reason = "failed", "stream ended without a finish_reason"
 
     task = asyncio.ensure_future(stream())
-    here = o.router
-    cfg.inflight[here] = cfg.inflight.get(here, 0) + 1
+    here: int | None = o.router
+    cfg.inflight[o.router] = cfg.inflight.get(o.router, 0) + 1
     try:
         if turn.abort == "early":
             await asyncio.sleep(turn.early_delay_s)
@@ -118,7 +118,7 @@ async def _one(http: httpx.AsyncClient, cfg: RunConfig, o: Outcome, turn: Turn,
     except httpx.ReadTimeout:
         o.kind, o.reason = "failed", f"hung: no byte for {stall:g} s after {o.chunks} chunk(s)"
     except httpx.HTTPError as e:
-        cfg.inflight[here] -= 1
+        cfg.inflight[o.router] -= 1
         here = None
         o.kind, o.reason = "failed", f"{type(e).__name__}: {str(e)[:200] or 'connection failed'}"
         if retry is not None and o.router in cfg.dead and isinstance(e, httpx.TransportError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -35,20 +36,25 @@ def proc_stats(pid: int) -> dict | None:
     try:
         import psutil
     except ImportError:
-        psutil = None
-    if psutil is not None:
-        try:
-            p = psutil.Process(pid)
-            with p.oneshot():
-                return {"rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(), "threads": p.num_threads()}
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return None
+        return _proc_status(pid)
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return {"rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(), "threads": p.num_threads()}
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def _proc_status(pid: int) -> dict | None:
+    """:func:`proc_stats` from /proc, without psutil."""
     try:
         status = open(f"/proc/{pid}/status").read()
-        rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
-        threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))
-        return {"rss_mb": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
-    except (OSError, AttributeError):
+        rss, threads = re.search(r"VmRSS:\s+(\d+)", status), re.search(r"Threads:\s+(\d+)", status)
+        if rss is None or threads is None:
+            return None
+        return {"rss_mb": int(rss.group(1)) / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                "threads": int(threads.group(1))}
+    except OSError:
         return None
 
 
@@ -101,7 +107,7 @@ def actor_named(name: str, pids: list[int]) -> int | None:
     return next((p for p in pids if _title(p).startswith(f"ray::{name}:")), None)
 
 
-def local_processes(urls: list[str], roots: list[int] = ()) -> dict[str, int]:
+def local_processes(urls: list[str], roots: Sequence[int] = ()) -> dict[str, int]:
     """``{label: pid}`` of the routers at ``urls`` and the Tandem actors under them and ``roots``."""
     out = {}
     for i, u in enumerate(urls):
@@ -115,7 +121,7 @@ def local_processes(urls: list[str], roots: list[int] = ()) -> dict[str, int]:
     return out
 
 
-def sample_all(urls: list[str], roots: list[int] = ()) -> dict[str, dict | None]:
+def sample_all(urls: list[str], roots: Sequence[int] = ()) -> dict[str, dict | None]:
     """``{label: proc_stats}`` of :func:`local_processes` (blocking: psutil walks every process)."""
     return {label: proc_stats(pid) for label, pid in local_processes(urls, roots).items()}
 

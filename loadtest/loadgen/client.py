@@ -263,7 +263,7 @@ async def run_arrivals(client: StreamClient, sessions: list[Session], starts: li
             records.append(rec)
             bar.update(1)
             if rec.status == 429 and retry_429:
-                wait = float(rec.retry_after) if (rec.retry_after or "").isdigit() else 1.0
+                wait = float(rec.retry_after) if rec.retry_after and rec.retry_after.isdigit() else 1.0
                 await asyncio.sleep(wait)
                 rec = await client.chat(msgs, max_tokens=turn.max_tokens, exact=turn.exact_output,
                                         session=s.sid, turn=t, tools=s.tools)

@@ -79,7 +79,7 @@ def throughput(records: list[Record], path: Path, title: str) -> Path:
     nbins = int(end / bin_s) + 1
     tokens, done = [0.0] * nbins, [0] * nbins
     for r in ok:
-        times = [r.start + r.ttft]
+        times = [r.start + (r.ttft or 0.0)]    # ok: every one has its ttft
         for gap in r.itl:
             times.append(times[-1] + gap)
         per_chunk = (r.completion_tokens or len(times)) / len(times)

@@ -115,7 +115,7 @@ def by_turn(records: list[Record]) -> dict[int, dict]:
         if r.prompt_tokens is None or (t > 0 and (p is None or p.prompt_tokens is None)):
             continue
         computed = r.prompt_tokens - (r.cached_tokens or 0)
-        ideal = computed if p is None else r.prompt_tokens - p.prompt_tokens - (p.completion_tokens or 0)
+        ideal = computed if p is None else r.prompt_tokens - (p.prompt_tokens or 0) - (p.completion_tokens or 0)
         row = out.setdefault(t, {"n": 0, "computed": 0, "ideal": 0, "ttft": []})
         row["n"] += 1
         row["computed"] += computed

@@ -97,15 +97,20 @@ class Dist:
 
     @property
     def mean(self) -> float:
-        return (self.a + self.b) / 2 if self.kind == "uniform" else self.a
+        return (self.a + self._hi) / 2 if self.kind == "uniform" else self.a
+
+    @property
+    def _hi(self) -> float:
+        """``b``: uniform's upper bound (parse() always gives it one); ``a`` when unset."""
+        return self.a if self.b is None else self.b
 
     def sample(self, rng: random.Random) -> float:
         if self.kind == "const":
             return self.a
         if self.kind == "uniform":
-            if self.a.is_integer() and self.b.is_integer():
-                return float(rng.randint(int(self.a), int(self.b)))
-            return rng.uniform(self.a, self.b)
+            if self.a.is_integer() and self._hi.is_integer():
+                return float(rng.randint(int(self.a), int(self._hi)))
+            return rng.uniform(self.a, self._hi)
         if self.kind == "exp":
             return rng.expovariate(1.0 / self.a) if self.a > 0 else 0.0
         # lognormal: median = 0.85 * mean -> sigma^2 = 2 ln(mean / median), mu = ln(median)

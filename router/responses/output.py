@@ -22,7 +22,7 @@ class OutputBuilder:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.seq = 0
-        self._msg: dict | None = None       # the open message item
+        self._msg: dict[str, Any] | None = None       # the open message item
 
     def _ev(self, kind: str, **data) -> dict:
         out = {"type": kind, "sequence_number": self.seq, **data}
@@ -51,10 +51,12 @@ class OutputBuilder:
             elif e.text:
                 if self._msg is None:
                     out += self._open_message()
-                part = self._msg["content"][0]
+                msg = self._msg
+                assert msg is not None, "_open_message() opened it"
+                part = msg["content"][0]
                 part["text"] += e.text
                 out.append(self._ev("response.output_text.delta", output_index=len(self.items) - 1,
-                                    item_id=self._msg["id"], content_index=0, delta=e.text, logprobs=[]))
+                                    item_id=msg["id"], content_index=0, delta=e.text, logprobs=[]))
         return out
 
     def close(self, incomplete: bool) -> list[dict]:

@@ -145,7 +145,7 @@ class MemoryResponseStore:
         self.table = ResponseTable(max_stored, max_bytes, ttl_s)
 
     async def put(self, rec: StoredResponse, unless_cancelled: bool = False) -> StoredResponse:
-        return _copy(self.table.put(copy.deepcopy(rec.to_wire()), unless_cancelled))
+        return StoredResponse.from_wire(copy.deepcopy(self.table.put(copy.deepcopy(rec.to_wire()), unless_cancelled)))
 
     async def get(self, rid: str) -> StoredResponse | None:
         return _copy(self.table.get(rid))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.core.types import Constraint
 from tandem.router.tools.spec import Tool, ToolCall, ToolPlan, new_call_id
@@ -28,12 +29,13 @@ def _args_text(args) -> str:
 def _call_from(obj, ids: str, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
     return ToolCall(new_call_id(ids), obj["name"], _args_text(args))
 
 
-def _json_values(text: str, partial: bool = False) -> list | None:
-    dec, i, out = json.JSONDecoder(), 0, []
+def _json_values(text: str, partial: bool = False) -> list[Any] | None:
+    dec, i = json.JSONDecoder(), 0
+    out: list[Any] = []
     while True:
         while i < len(text) and text[i] in " \t\r\n;,":
             i += 1

@@ -7,6 +7,7 @@ import json
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def trace_key(rec: TraceRecord, block_size: int) -> list[int]:
     return [ids[min(i * m + m - 1, len(ids) - 1)] for i in range(n_pages)]
 
 
-def _pct(xs: list[float], p: float) -> float:
+def _pct(xs: Sequence[float], p: float) -> float:
     """Linear-interpolated percentile of sorted ``xs``."""
     if not xs:
         return float("nan")
@@ -80,7 +81,7 @@ def _dist(xs: list[float]) -> dict:
             "p99": _pct(xs, 0.99), "max": xs[-1]}
 
 
-def _ratio(xs: list[float]) -> float | None:
+def _ratio(xs: Sequence[float]) -> float | None:
     lo = min(xs) if xs else 0
     return (max(xs) / lo) if lo > 0 else None
 

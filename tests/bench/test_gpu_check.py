@@ -64,3 +64,16 @@ def test_gpu_check_imports_no_ray_nixl_or_transfer():
     p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_timed_out_childs_output_is_logged_as_text():
+    """``TimeoutExpired`` holds bytes even for a ``text=True`` run: the log gets the text, not
+    ``b'...'`` (found by the type check)."""
+    from tandem.bench.gpu.correctness import captured
+
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        subprocess.run([sys.executable, "-c", "import time; print('line one', flush=True); time.sleep(30)"],
+                       capture_output=True, text=True, timeout=2)
+    assert isinstance(timed_out.value.stdout, bytes)
+    assert captured(timed_out.value.stdout) == "line one\n"
+    assert captured(None) == "" and captured("already text") == "already text"

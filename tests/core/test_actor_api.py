@@ -1,5 +1,6 @@
 """The actor Protocols (core/actors.py, prefill/api.py, decode/api.py) against every actor that
-claims them: the Ray actors and the simulated ones. A method the Protocol names must exist with
+claims them: the Ray actors (the workers, the Responses store, the planner's lease) and the
+simulated ones. A method the Protocol names must exist with
 the Protocol's parameters, in order (extra parameters must have defaults). The driver's typed
 clients (cluster/clients.py) have exactly the Protocols' methods, and no other product module
 calls one of those methods on an actor handle (``h.<verb>.remote(...)``) or looks it up by name."""
@@ -13,8 +14,10 @@ from typing import Protocol
 
 import pytest
 
+from tandem.cluster.autoscaler import _lease_class
 from tandem.cluster.clients import DecodeClient, PrefillClient, RoleClient
-from tandem.core.actors import KVSource, RoleAPI
+from tandem.cluster.responses import ResponseStoreActor
+from tandem.core.actors import KVSource, PlannerLeaseAPI, ResponseStoreAPI, RoleAPI
 from tandem.decode.actor import DecodeActor
 from tandem.decode.api import DecodeAPI
 from tandem.prefill.actor import PrefillActor
@@ -33,11 +36,12 @@ def _members(proto) -> dict[str, inspect.Signature]:
 
 
 def _unwrap(actor):
-    return actor.__ray_actor_class__   # the class @ray.remote wrapped
+    return getattr(actor, "__ray_actor_class__", actor)   # the class @ray.remote wrapped, if it did
 
 
 CLAIMS = [(PrefillActor, (PrefillAPI, KVSource)), (DecodeActor, (DecodeAPI, KVSource)),
-          (SimPrefillActor, (PrefillAPI,)), (SimDecodeActor, (DecodeAPI,))]
+          (SimPrefillActor, (PrefillAPI,)), (SimDecodeActor, (DecodeAPI,)),
+          (ResponseStoreActor, (ResponseStoreAPI,)), (_lease_class(), (PlannerLeaseAPI,))]
 
 
 @pytest.mark.parametrize("actor,protos", CLAIMS, ids=lambda x: getattr(x, "__name__", "")[:40])
@@ -79,9 +83,13 @@ def test_each_client_has_exactly_its_protocols_methods(client, proto):
 
 
 ROOT = Path(__file__).resolve().parents[2]
-VERBS = set().union(*(_members(p) for p in (PrefillAPI, DecodeAPI, KVSource)))
-# where an actor method may be named: the driver's clients, and decode's KVSource client
-NAMED_IN = {"cluster/clients.py": VERBS, "decode/actor.py": set(_members(KVSource))}
+WORKER_VERBS = set().union(*(_members(p) for p in (PrefillAPI, DecodeAPI, KVSource)))
+STORE_VERBS, LEASE_VERBS = set(_members(ResponseStoreAPI)), set(_members(PlannerLeaseAPI))
+VERBS = WORKER_VERBS | STORE_VERBS | LEASE_VERBS
+# where an actor method may be named: the driver's clients, decode's KVSource client, and the
+# clients of the cluster's two singleton actors (the store's, the planner's lease)
+NAMED_IN = {"cluster/clients.py": WORKER_VERBS, "decode/actor.py": set(_members(KVSource)),
+            "cluster/responses.py": STORE_VERBS, "cluster/autoscaler.py": LEASE_VERBS}
 
 
 def _actor_verb(call: ast.Call) -> str | None:

@@ -63,7 +63,7 @@ def connect_tier(kv_pool, model: str, comps, aux_data: Mapping[str, Any] | None,
                                         dtype, layout(comps)), timeout_s=timeout_s, pin_config=mc.soft_pin)
     store.corrupt_all = corrupt
     tier = L3Tier(store, kv_pool.kv_data, kv_pool.page_size, write_policy=write_policy,
-                  aux_data={c.name: aux_data[c.name] for c in comps}, prefill_tok_s=prefill_tok_s,
+                  aux_data={c.name: (aux_data or {})[c.name] for c in comps}, prefill_tok_s=prefill_tok_s,
                   max_tokens=max_tokens)
     rate = tier.budget.probe(store, tier.budget.token_bytes * kv_pool.page_size)
     log.info("L3 store joined at %s (%s, prefix %s, read %s MB/s)", url, write_policy, store.prefix,

@@ -108,9 +108,11 @@ class _Child:
                               f"its last lines:\n{self.last_lines()}")
 
     def _read(self) -> None:
-        for line in iter(self.proc.stdout.readline, b""):
+        out = self.proc.stdout
+        assert out is not None, "started with stdout=PIPE"
+        for line in iter(out.readline, b""):
             self.tail.append(line.decode(errors="replace").rstrip()[:400])
-        self.proc.stdout.close()
+        out.close()
 
     def last_lines(self) -> str:
         return "\n".join(self.tail) or "(nothing)"

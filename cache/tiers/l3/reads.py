@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tandem.cache.tiers.l3.payload import Payload
 from tandem.cache.tiers.l3.reach import FULL, Reach, Rule
 from tandem.core.page_hash import page_hashes
+
+if TYPE_CHECKING:
+    from tandem.cache.radix.components import TreeComponent
+    from tandem.cache.tiers.base import CachePort
+    from tandem.cache.tiers.l3.budget import ReadBudget
+    from tandem.cache.tiers.l3.staging import Staging
+    from tandem.cache.tiers.l3.store import L3Store
 
 READ_BATCH = 256
 
@@ -32,7 +41,46 @@ class Ask:
         self.stopped = True
 
 
+@dataclass
+class L3TierStats:
+    lookups: int = 0
+    hit_pages: int = 0
+    miss_pages: int = 0
+    aux_hits: int = 0
+    aux_misses: int = 0         # component values a match end needed that could not be read
+    prefetch_s: float = 0.0     # seconds spent in fetch
+    written_pages: int = 0
+    prefetches: int = 0
+    prefetch_skipped: int = 0
+    prefetched_pages: int = 0
+    prefetch_used_pages: int = 0
+    prefetch_dropped_pages: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
 class L3Reads:
+    # L3Tier's (its __init__ and bind() set them; this mixin reads the store into the tree)
+    store: L3Store
+    page_size: int
+    stats: L3TierStats
+    budget: ReadBudget
+    _full: Payload
+    _aux: list[tuple[int, TreeComponent, Payload]]
+    _port: CachePort | None
+    _staging: Staging
+
+    if TYPE_CHECKING:       # L3Tier's
+        def _remember_refs(self, refs: Iterable[tuple[str, int]]) -> None: ...
+
+    @property
+    def port(self) -> CachePort:
+        """The bound cache's port (RuntimeError before ``bind()``)."""
+        if self._port is None:
+            raise RuntimeError("the L3 tier is not bound to a cache yet")
+        return self._port
+
 
     def _pages_to_ask(self, n_tokens: int) -> int:
         return max(self.budget.tokens(max(n_tokens, 0)) // self.page_size, 0)
@@ -47,7 +95,8 @@ class L3Reads:
         if found is None:
             return 0
         key, last, path, ask = found
-        c, t = self._port, self._port.tree
+        c = self.port
+        t = c.tree
         self.stats.lookups += 1
         reach = self._reach(ask, self._exists(ask.refs))
         got = 0
@@ -64,7 +113,7 @@ class L3Reads:
         return got * self.page_size
 
     def _lookup(self, token_ids, m) -> tuple[list, object, list, Ask] | None:
-        c = self._port
+        c = self.port
         t, ps = c.tree, self.page_size
         last = m.last_device_node
         if last is None or m.best_match_node is not last or not self.store.up:
@@ -120,7 +169,7 @@ class L3Reads:
 
     def _read(self, key: list, ask: Ask, reach: Reach, path: list, m, t0: float,
               session_id) -> int:
-        c, ps, s0 = self._port, self.page_size, reach.s0
+        c, ps, s0 = self.port, self.page_size, reach.s0
         if c.allocator.available_size() + c.tree.evictable < (reach.deepest() - s0) * ps:
             return 0                        # no room even after evicting everything unlocked
         read = self._collect(reach, ask, t0, self._take)
@@ -177,7 +226,7 @@ class L3Reads:
 
     def _place(self, key, hashes, reach: Reach, e: int, read: dict, path: list, m,
                session_id) -> int:
-        c, ps, s0 = self._port, self.page_size, reach.s0
+        c, ps, s0 = self.port, self.page_size, reach.s0
         alloc = c.allocator
         need = (e - s0) * ps
         if alloc.available_size() < need:
@@ -185,7 +234,9 @@ class L3Reads:
         slots = alloc.alloc(need)
         if slots is None:
             return 0
-        extra, taken, refs = {}, [], []
+        extra: dict[str, Any] = {}
+        taken: list[tuple[TreeComponent, torch.Tensor]] = []
+        refs: list[tuple[str, int]] = []
         for j, (i, comp, pl) in enumerate(self._aux):
             pages = [p for p in (reach.window(reach.rules[j], e) if comp.per_token else [e - 1])
                      if (j, p) in read]
@@ -225,5 +276,5 @@ class L3Reads:
             return torch.empty(0, dtype=torch.int64)
         alloc = comp.allocator
         if alloc.available_size() < n:
-            self._port.make_room_aux(i, n - alloc.available_size())
+            self.port.make_room_aux(i, n - alloc.available_size())
         return alloc.alloc(n)

@@ -238,7 +238,7 @@ class L3Store:
                 continue
             try:
                 t0 = self._clock()
-                if left is None:
+                if left is None or self.pin_config is None:    # (a pinned write has both)
                     rc = backend.put(key, value)
                 else:                       # held unpinned: replaced, with the expiry
                     rc = backend.upsert(key, value, self.pin_config(left))
@@ -277,8 +277,10 @@ class L3Store:
         t0 = time.perf_counter()
         backend = self.backend
         keys = [page_key(self.prefix, h, kind) for kind, h in refs]
-        many = getattr(backend, "get_batch", None) or (lambda ks: [backend.get(k) for k in ks])
-        values = self._call(many, keys, budget_s=budget_s) if backend else None
+        values = None
+        if backend is not None:
+            many = getattr(backend, "get_batch", None) or (lambda ks: [backend.get(k) for k in ks])
+            values = self._call(many, keys, budget_s=budget_s)
         self.stats.read_s += time.perf_counter() - t0
         return [self._payload(v) for v in (values or [None] * len(keys))]
 

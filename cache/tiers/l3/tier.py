@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from tandem.cache.tiers.l3.budget import ReadBudget
 from tandem.cache.tiers.l3.payload import Payload
 from tandem.cache.tiers.l3.prefetch import PREFETCH_JOBS, L3Prefetch
-from tandem.cache.tiers.l3.reads import L3Reads
+from tandem.cache.tiers.l3.reads import L3Reads, L3TierStats
 from tandem.cache.tiers.l3.staging import Jobs, Staging
 from tandem.cache.tiers.l3.store import L3Store
+
+if TYPE_CHECKING:
+    from tandem.cache.radix.components import TreeComponent
+    from tandem.cache.tiers.base import CachePort
 
 WRITE_POLICIES = ("write_back", "write_through")
 FULL_LAYOUT = "l2phd"       # a FULL page: [L, 2, page_size, H_kv, D]
@@ -21,25 +24,6 @@ STAGING_PAGES = 1024
 
 def layout(components=()) -> str:
     return FULL_LAYOUT + "".join(f"+{c.name}" for c in components)
-
-
-@dataclass
-class L3TierStats:
-    lookups: int = 0
-    hit_pages: int = 0
-    miss_pages: int = 0
-    aux_hits: int = 0
-    aux_misses: int = 0         # component values a match end needed that could not be read
-    prefetch_s: float = 0.0     # seconds spent in fetch
-    written_pages: int = 0
-    prefetches: int = 0
-    prefetch_skipped: int = 0
-    prefetched_pages: int = 0
-    prefetch_used_pages: int = 0
-    prefetch_dropped_pages: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class L3Tier(L3Reads, L3Prefetch):
@@ -68,8 +52,8 @@ class L3Tier(L3Reads, L3Prefetch):
                                  max(self._full.nbytes // page_size, 1),
                                  prefill_tok_s=prefill_tok_s, max_tokens=max_tokens)
         self._aux_data = dict(aux_data or {})
-        self._aux: list[tuple[int, object, Payload]] = []
-        self._port = None
+        self._aux: list[tuple[int, TreeComponent, Payload]] = []
+        self._port: CachePort | None = None
         if staging_bytes is None:
             staging_bytes = STAGING_PAGES * self._full.nbytes
         self._staging = Staging(staging_bytes)
@@ -83,7 +67,7 @@ class L3Tier(L3Reads, L3Prefetch):
     def write_through(self) -> bool:
         return self.write_policy == "write_through"
 
-    def bind(self, port) -> None:
+    def bind(self, port: CachePort) -> None:
         """Attach to one cache through its port. Raises ValueError for a second cache, a page
         size other than the allocator's, or a component without its device data."""
         if self._port is not None and self._port is not port:
@@ -140,7 +124,7 @@ class L3Tier(L3Reads, L3Prefetch):
     def write_node(self, nd) -> None:
         """Write-through: queue ``nd``'s values the store was not given recently (FULL pages and,
         with components, their data within the components' spans before ``nd``'s end)."""
-        t = self._port.tree
+        t = self.port.tree
         if not self._aux:
             self._write(self._full, t.hashes(nd), nd.value)
             return
@@ -161,11 +145,11 @@ class L3Tier(L3Reads, L3Prefetch):
         """Write-back: queue the values of the tree's ``spills`` records ``(hashes, FULL slots or
         None, on_host, ((component index, value, on_host),...))``; runs before the cache
         frees those slots and rows."""
-        host = self._port.host
+        host = self.port.host
         if host is not None and any(r[2] or any(a[2] for a in r[3]) for r in spills):
             host.synchronize()              # host rows may still be landing (CUDA)
         by_index = {i: (c, pl) for i, c, pl in self._aux}
-        now = self._port.now()
+        now = self.port.now()
         for hashes, slots, on_host, aux, pin in spills:
             ttl = pin - now if pin > now else None    # a pinned page: the store keeps it until then
             if slots is not None:
