@@ -12,7 +12,6 @@ from tandem.engine.attention.base import AttnSpec
 from tandem.engine.forward_batch import ForwardBatch
 
 _META_KEY = "torch"
-_WINDOWED_KEY = "torch:windowed"            # the step's rows for windowed layers (no expansion)
 
 
 @dataclass
@@ -40,14 +39,12 @@ class _StepMeta:
     mapped: dict = field(default_factory=dict)
     mirror: str | None = None
     mirror_rows: torch.Tensor | None = None  # [Bd * Hkv] rows of a mirror buffer's [-1, D] view
-    expanded: bool = False                   # short extends' tokens are decode rows (full layers)
 
 
 _MIRROR_MAX_BYTES = 512 * 2**20
 KEY_BLOCK = 64
 QUERY_BLOCK = 32
 _MIN_ROWS = 4
-DECODE_ROWS_MAX = 16         # an extend of at most this many tokens after a prefix runs as decode rows
 
 
 def _padded(n: int) -> int:
@@ -93,56 +90,32 @@ class TorchAttentionBackend:
         self._mirror: _DecodeMirror | None = None
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        meta = fb.attn_meta[_META_KEY] = self._step_meta(fb, expand=True)
-        if meta.expanded:
-            fb.attn_meta[_WINDOWED_KEY] = None          # built by the first windowed layer, if any
-        if not meta.decode_lens_cpu:
-            self._mirror = None
-
-    def _step_meta(self, fb: ForwardBatch, expand: bool) -> _StepMeta:
-        """The step's rows. ``expand``: each token of a short extend after a prefix (a verify
-        step's drafts, a prompt's short tail) is a decode row of its own, batched with the others
-        in one SDPA instead of a call per sequence: the query at position p sees keys [0, p]
-        either way, bitwise the same in full-attention layers (Exactness, below); windowed layers
-        keep the extend path (not covered by it)."""
         ext = fb.extend_lens_cpu
         if fb.is_decode:
             dec = list(range(fb.batch_size))
             decode_tok = None
             rows, lens = fb.req_pool_indices, fb.seq_lens
-            dec_lens, short = fb.seq_lens_cpu, []
         else:
             dec = [i for i, n in enumerate(ext) if n == 1]
-            short = [i for i, n in enumerate(ext)
-                     if expand and 1 < n <= DECODE_ROWS_MAX and fb.prefix_lens_cpu[i] > 0]
-            starts = fb.extend_starts.tolist()
-            tok = [starts[i] for i in dec] + [starts[i] + j for i in short for j in range(ext[i])]
-            src = dec + [i for i in short for _ in range(ext[i])]
-            dec_lens = ([fb.seq_lens_cpu[i] for i in dec]
-                        + [fb.prefix_lens_cpu[i] + j + 1 for i in short for j in range(ext[i])])
-            dev = fb.seq_lens.device
-            decode_tok = torch.tensor(tok, dtype=torch.int64, device=dev)
-            rows = fb.req_pool_indices[torch.tensor(src, dtype=torch.int64, device=dev)]
-            lens = torch.tensor(dec_lens, dtype=fb.seq_lens.dtype, device=dev)
-            dec = dec + short
+            sel = torch.tensor(dec, dtype=torch.int64, device=fb.seq_lens.device)
+            decode_tok = fb.extend_starts[sel]
+            rows, lens = fb.req_pool_indices[sel], fb.seq_lens[sel]
         dec_set = set(dec)
         starts = fb.extend_starts.tolist() if len(dec_set) < fb.batch_size else []
         row_list = fb.req_pool_indices.tolist() if starts else []
         extends = [_Extend(row_list[i], starts[i], ext[i], fb.prefix_lens_cpu[i], fb.seq_lens_cpu[i])
                    for i in range(fb.batch_size) if i not in dec_set]
+        dec_lens = fb.seq_lens_cpu if fb.is_decode else [fb.seq_lens_cpu[i] for i in dec]
         max_len, min_len = max(dec_lens, default=0), min(dec_lens, default=0)
-        # the decode mirror holds one row per request growing by one token: not this step's rows
-        return _StepMeta(decode_tok, rows, lens, max_len, min_len, list(dec_lens), extends,
-                         mirror="off" if short else None, expanded=bool(short))
+        fb.attn_meta[_META_KEY] = _StepMeta(decode_tok, rows, lens, max_len, min_len, list(dec_lens),
+                                            extends)
+        if not dec:
+            self._mirror = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> o: [T, Hq, D]."""
         meta: _StepMeta = fb.attn_meta[_META_KEY]
-        if meta.expanded and spec.sliding_window is not None:
-            meta = fb.attn_meta[_WINDOWED_KEY]
-            if meta is None:
-                meta = fb.attn_meta[_WINDOWED_KEY] = self._step_meta(fb, expand=False)
         lkv = fb.kv_pool.layer(spec.layer_id)
         loc = self._mapped(meta, ("out",), fb.out_cache_loc, lkv.index_map)
         lkv.k[loc] = k.to(lkv.k.dtype)
