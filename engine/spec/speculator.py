@@ -40,8 +40,8 @@ class StepCost:
     step may cost more than its tokens: another attention path (the torch backend attends each
     drafting request on its own) and a decode step after it that rebuilds what the verify
     disturbed (the decode KV mirror). ``extra`` is that overhead, in seconds: an EWMA over verify
-    steps of their seconds beyond the fit's prediction, plus the next step's beyond it when that
-    one is a plain step."""
+    steps of their seconds beyond the fit's prediction (signed, so a noisy machine's scatter
+    averages out), plus the next step's beyond it when that one is a plain step."""
 
     def __init__(self, decay: float = 0.95, fixed: float | None = None):
         """``fixed``: the ratio, never measured, and no verify overhead (tests whose drafts must
@@ -57,14 +57,13 @@ class StepCost:
         over = seconds - self.predict(tokens) if self.w >= 4 else None
         if self._pending is not None:                  # the step after a verify step
             if not verify and over is not None:
-                self._extra(self._pending + max(over, 0.0))
+                self._extra(self._pending + over)
                 self._pending = None
                 return
             self._extra(self._pending)
             self._pending = None
         if verify:
-            if over is not None:
-                self._pending = max(over, 0.0)
+            self._pending = over                       # signed: noise averages out, not up
             return
         d = self.decay
         self.w, self.t, self.tt = d * self.w + 1, d * self.t + tokens, d * self.tt + tokens * tokens
@@ -105,7 +104,7 @@ class StepCost:
         step = self.predict(batch)
         if step <= 0:
             return True
-        return expected * step > batch * (self.predict(batch + drafted) - step + self.extra)
+        return expected * step > batch * (self.predict(batch + drafted) - step + max(self.extra, 0.0))
 
 
 class Speculator:

@@ -207,6 +207,13 @@ def test_a_verify_steps_own_overhead_is_measured_and_paid_for():
     assert 0.012 < c.extra < 0.016, c.extra
     assert not c.pays(4, 2, 0.6) and c.pays(4, 2, 3.0)
     assert c.pays(16, 2, 8.0) and not c.pays(16, 2, 4.0)  # a bigger batch needs more accepted tokens
+    noisy = StepCost()
+    for i in range(40):
+        noisy.observe(4 + i % 2, 0.030)
+    for i in range(40):                                   # scatter around the fit, no overhead
+        noisy.observe(6, noisy.predict(6) + (0.004 if i % 2 else -0.004), verify=True)
+        noisy.observe(4, noisy.predict(4) + (-0.004 if i % 2 else 0.004))
+    assert abs(noisy.extra) < 0.003, noisy.extra         # the scatter averages out, not up
     fixed = StepCost(fixed=PRIOR_RATIO)
     fixed.observe(6, 1.0, verify=True)
     assert fixed.extra == 0                               # fixed: timing never changes drafting
