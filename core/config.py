@@ -221,6 +221,7 @@ class WorkerOptions(_Strict):
     debug_push_fault: Literal["", "fail"] = ""
     debug_transfer_delay_ms: float = Field(0.0, ge=0)   # prefill's sends
     debug_transfer_stall: bool = False
+    prefix_warmup: bool = False                  # prefill takes a peer's held prefix into its cache (prefill/warmup.py)
 
 
 class ServeConfig(_Strict):

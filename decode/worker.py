@@ -87,23 +87,12 @@ class DecodeWorker(RoleWorker):
                               can_push=lambda peer: peer in self.agent.peers,
                               whole_pages_only=set(self.regions) != {KV}, page_size=self.page_size)
 
-    @property
-    def debug_corrupt_kv(self) -> bool:
-        """Test lever (settable): corrupt every received page run before the digest check."""
-        return self.receiver.corrupt
-
-    @debug_corrupt_kv.setter
-    def debug_corrupt_kv(self, on: bool) -> None:
-        self.receiver.corrupt = on
-
-    @property
-    def debug_push_fault(self) -> str:
-        """Test lever (settable): "fail" answers every reply push's write FAILED."""
-        return self.push.fault
-
-    @debug_push_fault.setter
-    def debug_push_fault(self, fault: str) -> None:
-        self.push.fault = fault
+    # test levers, settable on a running worker
+    debug_corrupt_kv = property(lambda self: self.receiver.corrupt,
+                                lambda self, on: setattr(self.receiver, "corrupt", on),
+                                doc="corrupt every received page run before the digest check")
+    debug_push_fault = property(lambda self: self.push.fault, lambda self, f: setattr(self.push, "fault", f),
+                                doc='"fail": every reply push\'s write answers FAILED, unwritten')
 
     def _metrics(self) -> None:
         m = self.metrics

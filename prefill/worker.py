@@ -16,6 +16,7 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
 from tandem.prefill.connector import PrefillConnector, PrefillHandle
 from tandem.prefill.store import ReplyStore
+from tandem.prefill.warmup import warm_up
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
@@ -88,6 +89,12 @@ class PrefillWorker(RoleWorker):
     async def store(self, req_wire: dict, source: KVSource) -> int:
         """Reply push, the receiving side (prefill/store.py): the tokens received and cached."""
         return await self.store_flow.store(req_wire, source)
+
+    async def warm(self, prefix_ids: list[int], source: KVSource) -> int:
+        """P->P warm-up (``prefix_warmup``; prefill/warmup.py): the tokens received and cached."""
+        if not self.options.prefix_warmup:
+            raise ValueError(f"{self.name}: prefix_warmup is off")
+        return await warm_up(self.store_flow, prefix_ids, source)
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """Prefill ``req_wire`` (a GenerateRequest on the wire) and write positions

@@ -19,11 +19,11 @@ from tandem.core.types import StreamChunk
 from tandem.transfer.agent import KVTransferAgent
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
+from tandem.transfer.pump import PUMP_S, Pump
 from tandem.transfer.state import TransferState
 from tandem.worker.receiving import ReceivingHandle, Reservation
 
 IN_FLIGHT_LIMIT = 10   # a write neither done nor failed after this many transfer timeouts: QUARANTINED
-PUMP_S = 0.0005
 log = logging.getLogger(__name__)
 _S = TransferState
 
@@ -91,31 +91,6 @@ class Stop:
     def set(self, reason: str) -> None:
         self.reason = self.reason or reason
         self.event.set()
-
-
-class Pump:
-    """The worker's one NIXL progress loop: while ``live()``, progress the agent every ``PUMP_S``
-    (UCX tcp writes into this worker move only when it progresses)."""
-
-    def __init__(self, agent: KVTransferAgent, name: str, live: Callable[[], bool]):
-        self.agent, self.name, self.live = agent, name, live
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        while self.live():
-            try:
-                self.agent.progress()
-            except Exception:   # keep pumping: the writer's own bound ends its call
-                log.exception("NIXL progress failed on %s", self.name)
-            await asyncio.sleep(PUMP_S)
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
 
 class KVSender:
@@ -250,13 +225,12 @@ class KVReceiver:
         reservation and, when ``bounded``, the source's call (else its own bound ends it).
         ``check(result)``: the policy's verdict ("" accepts). ``alternate(dead)``: one
         replacement source when ``source`` died before writing. Chunks go to ``on_chunk``."""
-        stop = stop or Stop()
-        t0 = time.monotonic()
+        stop, t0, cancelled = stop or Stop(), time.monotonic(), f"request {greq.rid} aborted during KV transfer"
         deadline = t0 + self.timeout_s if deadline is None else deadline
         try:
             res = await self._reserve(greq, on_chunk, stop, deadline)
         except asyncio.CancelledError:   # no write was posted: the engine frees it now
-            self.handle.cancel(greq.rid, f"request {greq.rid} aborted during KV transfer")
+            self.handle.cancel(greq.rid, cancelled)
             raise
         if isinstance(res, Failed):
             self.on_failure(res.reason)
@@ -264,12 +238,11 @@ class KVReceiver:
         t1 = time.monotonic()
         job = _Inbound(greq.rid, Handoff(greq.rid, deadline=deadline), len(greq.prompt_ids) - res.prefix_len)
         self.handoffs[greq.rid] = job.handoff
-        wire = greq.to_wire() if wire is None else wire
         try:
-            result = await self._transfer(job, wire, res, source, stop, deadline if bounded else math.inf,
-                                          check, alternate)
+            result = await self._transfer(job, greq.to_wire() if wire is None else wire, res, source, stop,
+                                          deadline if bounded else math.inf, check, alternate)
         except asyncio.CancelledError:
-            self._fail(job, f"request {greq.rid} aborted during KV transfer", "aborted")
+            self._fail(job, cancelled, "aborted")
             raise
         if isinstance(result, Failed):
             self._fail(job, result.error, result.reason)
@@ -294,8 +267,8 @@ class KVReceiver:
                 return reserved.result()
             if ended.done() or (reserved.done() and not stopped.done()):
                 c = await asyncio.wait_for(ended, 5.0)
-                return Failed(c.error or f"request {greq.rid} ended before its KV was reserved", "refused",
-                              final=replace(c, error=c.error or f"request {greq.rid} ended before its KV was reserved"))
+                c = replace(c, error=c.error or f"request {greq.rid} ended before its KV was reserved")
+                return Failed(c.error, "refused", final=c)
         finally:
             stopped.cancel()
         self.handle.cancel(greq.rid, None)
