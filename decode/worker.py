@@ -12,10 +12,10 @@ from typing import Callable
 from prometheus_client import Counter, Histogram
 
 from tandem.core import tracing
-from tandem.core.config import EngineConfig, WorkerOptions
+from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
-from tandem.decode.connector import DecodeConnector, DecodeHandle
+from tandem.decode.connector import DecodeHandle
 from tandem.decode.groups import GroupGates
 from tandem.decode.local_prefill import PrefillCosts, SentPrefixes, choose_local
 from tandem.decode.migration import MigrationSource
@@ -24,7 +24,7 @@ from tandem.transfer.messages import PrefillResult
 from tandem.worker.kv_flow import Failed, KVReceiver, KVSource, Landed, Stop
 from tandem.worker.kv_flow import SourceUnavailable as PrefillUnavailable
 from tandem.worker.kv_regions import KV
-from tandem.worker.role_worker import RoleWorker, options_of, role_engine
+from tandem.worker.role_worker import RoleWorker
 
 __all__ = ["DecodeWorker", "PrefillClient", "PrefillUnavailable"]
 
@@ -57,20 +57,16 @@ class DecodeWorker(RoleWorker):
     """A decode engine composed with a :class:`KVReceiver` (prompts, migrated requests), the
     sender's :class:`MigrationSource` (frozen requests) and a :class:`ReplyPush`."""
 
-    role = "decode"
+    role, HANDLE = "decode", DecodeHandle
 
-    def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
-                 options: WorkerOptions | None = None, **fields):
-        """``options`` (worker fields: core/config.py ``WorkerOptions``; keywords override them):
+    def __init__(self, name: str, config: EngineConfig | None = None, **kw):
+        """RoleWorker's arguments. Options this role reads (core/config.py ``WorkerOptions``):
         ``kv_digest`` verifies received pages, ``debug_corrupt_kv`` corrupts them first (test
         lever), ``local_prefill_threshold`` (decode/local_prefill.py), ``reply_push`` and
         ``debug_push_fault`` (decode/reply_push.py), ``kv_events``, ``l3``."""
-        options = options_of(options, fields)
-        publisher = None
-        if engine is None:
-            engine, publisher = role_engine(name, "decode", DecodeConnector, config, options, loaded=loaded)
-        super().__init__(name, engine, DecodeHandle(engine), options, publisher)
+        super().__init__(name, config, **kw)
         self.handle: DecodeHandle
+        engine, options = self.engine, self.options
         self.local_prefill_threshold = options.local_prefill_threshold
         self.prefill_costs = PrefillCosts()
         self._sent = SentPrefixes(engine.kv.page_size)

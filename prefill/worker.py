@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Histogram
 
 from tandem.core import tracing
-from tandem.core.config import EngineConfig, WorkerOptions
+from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
-from tandem.prefill.connector import PrefillConnector, PrefillHandle
+from tandem.prefill.connector import PrefillHandle
 from tandem.prefill.store import ReplyStore
 from tandem.prefill.warmup import warm_up
 from tandem.transfer.handoff import Handoff
@@ -22,7 +22,7 @@ from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
 from tandem.worker.kv_flow import KVReceiver, KVSource
 from tandem.worker.kv_regions import KV
-from tandem.worker.role_worker import RoleWorker, options_of, role_engine
+from tandem.worker.role_worker import RoleWorker
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,13 @@ class PrefillWorker(RoleWorker):
     decode worker that reserved it) and a :class:`KVReceiver` (a decode worker's pushed reply:
     prefill/store.py)."""
 
-    role = "prefill"
+    role, HANDLE = "prefill", PrefillHandle
 
-    def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
-                 options: WorkerOptions | None = None, **fields):
-        """``options``: core/config.py ``WorkerOptions`` (keywords override its fields); this role
-        reads ``transfer_timeout_s``, ``kv_events``, ``l3`` and the ``debug_transfer_*`` levers."""
-        options = options_of(options, fields)
-        publisher = None
-        if engine is None:
-            engine, publisher = role_engine(name, "prefill", PrefillConnector, config, options, loaded=loaded)
-        super().__init__(name, engine, PrefillHandle(engine), options, publisher)
+    def __init__(self, name: str, config: EngineConfig | None = None, **kw):
+        """RoleWorker's arguments; of core/config.py ``WorkerOptions`` this role reads
+        ``transfer_timeout_s``, ``kv_events``, ``l3``, the ``debug_transfer_*`` levers and
+        ``prefix_warmup``."""
+        super().__init__(name, config, **kw)
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
         self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort

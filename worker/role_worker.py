@@ -60,13 +60,21 @@ def attach_tier(engine, name: str, options: dict | None):
 class RoleWorker:
     role = "worker"
 
-    def __init__(self, name: str, engine, handle: ReceivingHandle, options: WorkerOptions, publisher=None):
-        """``publisher``: the engine's KV-event publisher, closed with the worker (None: none)."""
+    HANDLE: type[ReceivingHandle] = ReceivingHandle   # the role's handle; its CONNECTOR runs in the engine
+
+    def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
+                 options: WorkerOptions | None = None, **fields):
+        """A worker of ``engine`` (None: a new one of ``config``, ``loaded`` weights); ``options``
+        (core/config.py ``WorkerOptions``), its fields overridden by keywords (in-process workers)."""
+        options = options_of(options, fields)
+        self.kv_publisher = None
+        if engine is None:
+            engine, self.kv_publisher = role_engine(name, self.role, self.HANDLE.CONNECTOR, config, options,
+                                                    loaded=loaded)
         self.name = name
         self.engine = engine
-        self.handle = handle
+        self.handle = self.HANDLE(engine)
         self.options = options
-        self.kv_publisher = publisher
         tracing.setup(name)
         self.page_size = engine.kv_pool.page_size
         self.transfer_timeout_s = options.transfer_timeout_s
@@ -75,7 +83,7 @@ class RoleWorker:
                                             for n, r in self.regions.items()],
                                      **engine.config.transfer.model_dump())
         self.counts: dict[str, int] = {}
-        self.sender = KVSender(name, handle, self.agent, self.transfer_timeout_s)
+        self.sender = KVSender(name, self.handle, self.agent, self.transfer_timeout_s)
         self.receiver: KVReceiver   # the role's, with its counting hooks
         self.l3 = attach_tier(engine, "l3", options.l3)
         self.draining = False
