@@ -28,11 +28,8 @@ recurrent state at the prompt's end, never the checkpoint at the hit).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-from typing import Callable
 
-from tandem.core.messages import GenerateRequest
-from tandem.core.types import StreamChunk, TokenLogprob
+from tandem.core.types import TokenLogprob
 from tandem.engine.commands import Activate, Migrate
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages

@@ -154,7 +154,6 @@ class DecodeWorker(RoleWorker):
             if not 0 <= t < vocab:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         await self.handle.check_constraint(greq.params)
-        n = len(greq.prompt_ids)
         await self.push.settled(greq)   # the session's previous reply is where it is going
         remote = prefill is not None and prefill.name in self.agent.peers
         if remote and self.local_prefill_threshold != 0 and greq.resume is None:
