@@ -126,17 +126,11 @@ class Launcher:
         from tandem.cache.tiers.l3.connect import l3_options
 
         l3 = l3_options(cfg.kv_store, cfg.l3_timeout_s, cfg.debug_corrupt_l3, cfg.l3_worker_segment_bytes)
+        options = cfg.worker_options(l3=l3, kv_events=self.kv_events)
         if role == PREFILL:
-            h = PrefillActor.options(**opts).remote(
-                name, cfg.engine_config.model_dump(), cfg.transfer_timeout_s, self.weights, self.kv_events,
-                l3=l3, debug_transfer_delay_ms=cfg.debug_transfer_delay_ms,
-                debug_transfer_stall=cfg.debug_transfer_stall)
+            h = PrefillActor.options(**opts).remote(name, cfg.engine_config.model_dump(), options, self.weights)
         else:
-            h = DecodeActor.options(**opts).remote(
-                name, decode_engine_config(cfg).model_dump(), cfg.transfer_timeout_s,
-                cfg.local_prefill_threshold, self.weights, cfg.kv_digest, cfg.debug_corrupt_kv,
-                self.kv_events, l3, reply_push=cfg.reply_push == "on",
-                debug_push_fault="" if cfg.debug_push_fault == "off" else cfg.debug_push_fault)
+            h = DecodeActor.options(**opts).remote(name, decode_engine_config(cfg).model_dump(), options, self.weights)
         return WorkerRef(name, role, slot, h)
 
     def discover(self) -> list[WorkerRef]:

@@ -204,6 +204,26 @@ class ResponsesConfig(_Strict):
     ttl_s: float = Field(24 * 3600.0, gt=0, description="a response not used for this long is dropped")
 
 
+class WorkerOptions(_Strict):
+    """What a prefill or decode worker runs with besides its engine, built once from a
+    ServeConfig (:meth:`ServeConfig.worker_options`) and handed whole to the actor and the
+    worker; each role reads the fields it uses. In-process workers take the same fields as
+    keywords (tests)."""
+
+    transfer_timeout_s: float = Field(30.0, gt=0)
+    kv_events: bool = False
+    kv_events_host: str = "127.0.0.1"
+    l3: dict | None = None                       # cache/tiers/l3/connect.py ``l3_options``
+    kv_digest: bool = False                      # decode verifies received pages (ServeConfig's)
+    debug_corrupt_kv: bool = False
+    local_prefill_threshold: int | None = Field(0, ge=0)   # decode/local_prefill.py; ServeConfig's default is None
+    reply_push: bool = True
+    debug_push_fault: Literal["", "fail"] = ""
+    debug_transfer_delay_ms: float = Field(0.0, ge=0)   # prefill's sends
+    debug_transfer_stall: bool = False
+    prefix_warmup: bool = False                  # prefill takes a peer's held prefix into its cache (prefill/warmup.py)
+
+
 class ServeConfig(_Strict):
     """``tandem serve``'s config: the YAML of ``--config`` has exactly these keys."""
 
@@ -312,6 +332,17 @@ class ServeConfig(_Strict):
     planner: PlannerConfig = PlannerConfig()
     migration: MigrationConfig = MigrationConfig()
     responses: ResponsesConfig = ResponsesConfig()
+
+    def worker_options(self, *, l3: dict | None = None, kv_events: bool = False) -> WorkerOptions:
+        """The options every worker of this cluster runs with (``l3``, ``kv_events``: resolved
+        by cluster/launch.py)."""
+        return WorkerOptions(
+            transfer_timeout_s=self.transfer_timeout_s, kv_events=kv_events, l3=l3,
+            kv_digest=self.kv_digest, debug_corrupt_kv=self.debug_corrupt_kv,
+            local_prefill_threshold=self.local_prefill_threshold, reply_push=self.reply_push == "on",
+            debug_push_fault="" if self.debug_push_fault == "off" else self.debug_push_fault,
+            debug_transfer_delay_ms=self.debug_transfer_delay_ms,
+            debug_transfer_stall=self.debug_transfer_stall)
 
     @property
     def detached_workers(self) -> bool:

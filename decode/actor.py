@@ -10,13 +10,18 @@ from tandem.core.messages import GenerateRequest
 from tandem.decode.leases import TICK_S, RouterLeases
 from tandem.decode.worker import DecodeWorker, PrefillUnavailable
 from tandem.transfer.messages import PrefillResult
-from tandem.worker.actor import RoleActorMixin, actor_config
+from tandem.core.config import WorkerOptions
+from tandem.worker.actor import RoleActorMixin, actor_config, actor_options
 
 
-class _RayKVSource:
+class RayKVSource:
+    """The one adapter: a KVSource actor's handle (core/actors.py: a prefill worker, a decode
+    worker holding a frozen request or a pushed sequence) as worker/kv_flow.py's in-process
+    KVSource. Picklable: a decode actor hands itself, wrapped, to a prefill worker's ``store_kv``."""
 
-    def __init__(self, name: str, handle):
-        self.name, self.handle = name, handle
+    def __init__(self, name: str, handle, me: "RayKVSource | None" = None):
+        """``me``: the calling decode actor as a KVSource (what a reply push's ``store`` hands over)."""
+        self.name, self.handle, self.me = name, handle, me
         self.dead = False
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
@@ -32,41 +37,34 @@ class _RayKVSource:
 
     async def store(self, req_wire: dict) -> int:
         """Reply push (decode/reply_push.py): the prefill worker reserves and calls back this
-        decode actor's ``push_kv``; the tokens it received."""
-        me = ray.get_runtime_context().current_actor
-        return await self.handle.store_kv.remote(req_wire, me)
+        decode actor's ``write_kv``; the tokens it received."""
+        return await self.handle.store_kv.remote(req_wire, self.me)
 
 
 @ray.remote
 class DecodeActor(RoleActorMixin):
-    def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float,
-                 local_prefill_threshold: int | None, loaded=None, kv_digest: bool = False,
-                 debug_corrupt_kv: bool = False, kv_events: bool = False, l3: dict | None = None,
-                 reply_push: bool = True, debug_push_fault: str = ""):
+    def __init__(self, name: str, engine_config: dict, options: WorkerOptions, loaded=None):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
-        cfg = actor_config(engine_config)
-        self.worker = DecodeWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
-                                   local_prefill_threshold=local_prefill_threshold,
-                                   kv_digest=kv_digest, debug_corrupt_kv=debug_corrupt_kv,
-                                   kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
-                                   l3=l3, reply_push=reply_push, debug_push_fault=debug_push_fault)
+        self.worker = DecodeWorker(name, actor_config(engine_config), loaded=loaded,
+                                   options=actor_options(options))
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)   # Ray forwards it to the driver
-        self.prefills: dict[str, _RayKVSource] = {}
-        self.sources: dict[str, _RayKVSource] = {}
+        self.prefills: dict[str, RayKVSource] = {}
+        self.sources: dict[str, RayKVSource] = {}
         self.leases = RouterLeases()
         self._lease_task: asyncio.Task | None = None
 
     def add_prefill(self, handshake: bytes, handle) -> str:
         name = self.worker.add_peer(handshake)
         if name not in self.prefills or self.prefills[name].dead or self.prefills[name].handle != handle:
-            self.prefills[name] = _RayKVSource(name, handle)   # new, or restarted under its name
+            me = RayKVSource(self.worker.name, ray.get_runtime_context().current_actor)
+            self.prefills[name] = RayKVSource(name, handle, me)   # new, or restarted under its name
         return name
 
     def add_decode(self, handshake: bytes, handle) -> str:
         """Another decode worker: a peer a migrated request's KV may come from (or go to)."""
         name = self.worker.add_peer(handshake)
         if name not in self.sources or self.sources[name].dead or self.sources[name].handle != handle:
-            self.sources[name] = _RayKVSource(name, handle)
+            self.sources[name] = RayKVSource(name, handle)
         return name
 
     def remove_decode(self, name: str) -> None:
@@ -79,17 +77,12 @@ class DecodeActor(RoleActorMixin):
         return True
 
     async def write_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
-        """KVSource: a frozen request's KV, to the decode worker that continues it (its ``migrate_out``)."""
-        return (await self.worker.migrate_out(req_wire, xfer, dst_prefix_len)).encode()
+        """KVSource: a frozen request's or a pushed sequence's held KV, into the target's pages."""
+        return (await self.worker.write_kv(req_wire, xfer, dst_prefix_len)).encode()
 
     async def drop_kv(self, rid: str, reason: str) -> None:
-        """KVSource: no copy of frozen ``rid`` will be asked (:meth:`release_frozen`)."""
+        """KVSource: no copy of held ``rid`` will be asked (:meth:`release_frozen`)."""
         self.worker.release_frozen(rid)
-
-    async def push_kv(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> bytes:
-        """Reply push: a prefill worker's ``store_kv`` writes a finished sequence's held KV
-        into its pages (decode/reply_push.py ``push_out``); PrefillResult bytes."""
-        return (await self.worker.push_out(req_wire, xfer, dst_prefix_len)).encode()
 
     def release_frozen(self, rid: str) -> None:
         self.worker.release_frozen(rid)

@@ -28,16 +28,12 @@ recurrent state at the prompt's end, never the checkpoint at the hit).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-from typing import Callable
 
-from tandem.core.messages import GenerateRequest
-from tandem.core.types import StreamChunk, TokenLogprob
-from tandem.engine.commands import Activate, Migrate, Release
+from tandem.core.types import TokenLogprob
+from tandem.engine.commands import Activate, Migrate
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
-from tandem.worker.held_kv import HeldKV, held_kv
-from tandem.worker.kv_digest import corrupt_page, regions_digest
+from tandem.worker.kv_digest import corrupt_page
 from tandem.worker.receiving import ReceivingConnector, ReceivingHandle, Reservation
 
 __all__ = ["DecodeConnector", "DecodeHandle", "Reservation"]
@@ -81,9 +77,6 @@ class DecodeConnector(ReceivingConnector):
             self.kv.cache_prefix(sr)
         return held or reason == "migrated"
 
-    def digest(self, regions: tuple[RegionPages, ...]) -> str:
-        return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
-
     def corrupt(self, regions: tuple[RegionPages, ...]) -> None:
         """Perturb the first page of the first region (``debug_corrupt_kv``)."""
         for rp in regions:
@@ -103,13 +96,6 @@ class DecodeHandle(ReceivingHandle):
         self.check_alive()
         self.engine.send(Activate(rid, first_token, first_logprob))
 
-    async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
-        """Digest of the received ``regions`` (a Reservation's), in their order, hashed on a
-        helper thread (the step loop keeps decoding): the reserved pages are this request's
-        alone and no write into them is in flight once its PrefillResult arrived."""
-        self.check_alive()
-        return await asyncio.to_thread(self.connector.digest, regions)
-
     async def migrate(self, rid: str) -> None:
         """End decoding ``rid`` here with "migrated", its KV held; ValueError (nothing changed)
         when it is not decoding here."""
@@ -117,14 +103,6 @@ class DecodeHandle(ReceivingHandle):
         cmd = Migrate(rid)
         self.engine.send(cmd)
         await asyncio.wait_for(asyncio.wrap_future(cmd.future), self.timeout_s)
-
-    async def held_pages(self, rid: str, start: int) -> HeldKV:
-        """A migrated request's KV from ``start`` (KeyError when it holds none here)."""
-        return await self._read(held_kv, self.engine, rid, start)
-
-    def release_held(self, rid: str) -> None:
-        """Queued: a migrated request's held KV goes to this worker's cache."""
-        self.engine.send(Release(rid))
 
     async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
         self.check_alive()

@@ -4,31 +4,17 @@ from __future__ import annotations
 
 import ray
 
+from tandem.core.config import WorkerOptions
 from tandem.prefill.worker import PrefillWorker
-from tandem.transfer.messages import PrefillResult
-from tandem.worker.actor import RoleActorMixin, actor_config
-
-
-class _PushSource:
-    """A decode actor as prefill/store.py's KVWriter: ``prefill`` is its ``push_kv``."""
-
-    def __init__(self, handle):
-        self.handle, self.name = handle, "decode"
-
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
-        return PrefillResult.decode(await self.handle.push_kv.remote(req_wire, xfer, dst_prefix_len))
+from tandem.worker.actor import RoleActorMixin, actor_config, actor_options
 
 
 @ray.remote
 class PrefillActor(RoleActorMixin):
-    def __init__(self, name: str, engine_config: dict, transfer_timeout_s: float, loaded=None,
-                 kv_events: bool = False, l3: dict | None = None, debug_transfer_delay_ms: float = 0.0,
-                 debug_transfer_stall: bool = False):
-        cfg = actor_config(engine_config)
-        self.worker = PrefillWorker(name, cfg, loaded=loaded, transfer_timeout_s=transfer_timeout_s,
-                                    kv_events=kv_events, kv_events_host=ray.util.get_node_ip_address(),
-                                    l3=l3, debug_transfer_delay_ms=debug_transfer_delay_ms,
-                                    debug_transfer_stall=debug_transfer_stall)
+    def __init__(self, name: str, engine_config: dict, options: WorkerOptions, loaded=None):
+        """``loaded``: the shared CPU weights, or None to load here."""
+        self.worker = PrefillWorker(name, actor_config(engine_config), loaded=loaded,
+                                    options=actor_options(options))
         print(f"tandem: {self.worker.engine.startup_line}", flush=True)
 
     def add_peer(self, handshake: bytes) -> str:
@@ -42,9 +28,9 @@ class PrefillActor(RoleActorMixin):
         return (await self.worker.prefill(req_wire, xfer, dst_prefix_len)).encode()
 
     async def store_kv(self, req_wire: dict, source) -> int:
-        """Reply push (prefill/store.py): receive the sequence decode actor ``source`` holds
-        (its ``push_kv`` writes it) and cache it; the tokens received."""
-        return await self.worker.store(req_wire, _PushSource(source))
+        """Reply push (prefill/store.py): receive the sequence ``source`` (a KVSource: the decode
+        actor holding it, wrapped by decode/actor.py's adapter) holds and cache it; the tokens received."""
+        return await self.worker.store(req_wire, source)
 
     async def drop_kv(self, rid: str, reason: str) -> None:
         """KVSource: the decode worker will not take ``rid``'s KV: stop it here."""

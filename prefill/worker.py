@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -13,12 +14,15 @@ from tandem.core import tracing
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk, TandemError
-from tandem.prefill.connector import PrefillConnector, PrefillHandle
+from tandem.prefill.connector import PrefillHandle
 from tandem.prefill.store import ReplyStore
+from tandem.prefill.warmup import warm_up
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
-from tandem.worker.role_worker import REGION, RoleWorker, attach_tier, role_engine
+from tandem.worker.kv_flow import KVReceiver, KVSource
+from tandem.worker.kv_regions import KV
+from tandem.worker.role_worker import RoleWorker
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +54,25 @@ class _Result:
         return PrefillResult(status=status, **{**self.f, "error": error})
 
 
-class PrefillWorker(ReplyStore, RoleWorker):
-    role = "prefill"
+class PrefillWorker(RoleWorker):
+    """A prefill engine composed with the worker's :class:`KVSender` (a prompt's held KV to the
+    decode worker that reserved it) and a :class:`KVReceiver` (a decode worker's pushed reply:
+    prefill/store.py)."""
 
-    def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
-                 transfer_timeout_s: float = 30.0, agent_opts: dict | None = None,
-                 kv_events: bool = False, kv_events_host: str = "127.0.0.1", l3: dict | None = None,
-                 debug_transfer_delay_ms: float = 0.0, debug_transfer_stall: bool = False):
-        self.debug_transfer_delay_ms, self.debug_transfer_stall = debug_transfer_delay_ms, debug_transfer_stall
-        self.kv_publisher = None
-        if engine is None:
-            engine, self.kv_publisher = role_engine(name, "prefill", PrefillConnector, config, loaded=loaded,
-                                                    kv_events=kv_events, kv_events_host=kv_events_host)
-        super().__init__(name, engine, PrefillHandle(engine), transfer_timeout_s=transfer_timeout_s,
-                         agent_opts=agent_opts)
-        self.l3 = attach_tier(engine, "l3", l3)
+    role, HANDLE = "prefill", PrefillHandle
+
+    def __init__(self, name: str, config: EngineConfig | None = None, **kw):
+        """RoleWorker's arguments; of core/config.py ``WorkerOptions`` this role reads
+        ``transfer_timeout_s``, ``kv_events``, ``l3``, the ``debug_transfer_*`` levers and
+        ``prefix_warmup``."""
+        super().__init__(name, config, **kw)
         self.handle: PrefillHandle
         self._jobs: dict[str, _Job] = {}
         self._tombstones: dict[str, float] = {}   # rid -> monotonic time of an early abort
         self.counts = {"ok": 0, "failed": 0, "aborted": 0, "bytes": 0, "pages": 0,
                        "stored_tokens": 0, "store_failed": 0, "store_skipped": 0, "quarantined_tokens": 0}
+        self.receiver = KVReceiver(name, self.handle, self.agent, self.transfer_timeout_s, self.counts)
+        self.store_flow = ReplyStore(self.receiver, self.handle, self.counts, self.metrics)
         m = self.metrics
         self._bytes = Counter("tandem_kv_transfer_bytes_total",
                               "KV bytes written to decode workers.", registry=m)
@@ -78,9 +81,16 @@ class PrefillWorker(ReplyStore, RoleWorker):
                                   buckets=_TRANSFER_BUCKETS, registry=m)
         self._outcomes = Counter("tandem_kv_transfers_total", "KV transfers by outcome.",
                                  labelnames=("status",), registry=m)
-        self._stored = Counter("tandem_prefill_stored_tokens_total",
-                               "Tokens of decode workers' finished sequences received and cached here "
-                               "(reply push, prefill/store.py).", registry=m)
+
+    async def store(self, req_wire: dict, source: KVSource) -> int:
+        """Reply push, the receiving side (prefill/store.py): the tokens received and cached."""
+        return await self.store_flow.store(req_wire, source)
+
+    async def warm(self, prefix_ids: list[int], source: KVSource) -> int:
+        """P->P warm-up (``prefix_warmup``; prefill/warmup.py): the tokens received and cached."""
+        if not self.options.prefix_warmup:
+            raise ValueError(f"{self.name}: prefix_warmup is off")
+        return await warm_up(self.store_flow, prefix_ids, source)
 
     async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """Prefill ``req_wire`` (a GenerateRequest on the wire) and write positions
@@ -100,9 +110,7 @@ class PrefillWorker(ReplyStore, RoleWorker):
         err = self._check(greq, req, dst_prefix_len)
         if err:
             return self._count(out.fail(err))
-        h = self.handoffs[rid] = Handoff(rid, tid, TransferState.BOOTSTRAPPED,
-                                         deadline=time.monotonic() + self.transfer_timeout_s)
-        job = self._jobs[rid] = _Job(rid, h)
+        job = self._jobs[rid] = _Job(rid, self.sender.open(rid, tid))
         task = asyncio.ensure_future(self._run_job(job, greq, req, dst_prefix_len, out))
         try:
             return await asyncio.shield(task)
@@ -118,7 +126,7 @@ class PrefillWorker(ReplyStore, RoleWorker):
             return self._count(await self._run(job, greq, req, start, out))
         finally:
             del self._jobs[job.rid]
-            self.handoffs.pop(job.rid, None)
+            self.sender.close(job.rid)
             if greq.trace:
                 self._trace(greq, start, out, t0)
 
@@ -159,46 +167,19 @@ class PrefillWorker(ReplyStore, RoleWorker):
             out.f["first_logprob"] = last.logprobs[-1].logprob
             out.f["first_top_logprobs"] = last.logprobs[-1].top
         out.f["prompt_logprobs"] = last.prompt_logprobs
-        # (2) from here the request's KV is held: release it on every path below
-        try:
-            if job.aborted:
-                h.fail(job.aborted, aborted=True)
-                return out.fail(job.aborted, TransferState.ABORTED)
-            held = await self.handle.held_pages(rid, start)
-            out.f["cached_tokens"] = held.cached_tokens
-            bad = [f"{n}: {len(held.source(n))} held, {len(req.pages(n))} reserved"
-                   for n in req.regions if len(held.source(n)) != len(req.pages(n))]
-            if bad:   # the two workers disagree on the window / page size: send nothing
-                h.fail("region sizes differ")
-                return out.fail(f"transfer {h.transfer_id}: source and destination sizes differ ({'; '.join(bad)})")
-            if req.digest:
-                out.f["digest"] = await self.handle.page_digest(
-                    tuple((n, held.source(n)) for n in req.regions))
-            return await self._write(job, req, held, out)
-        finally:
-            self.handle.release_held(rid)
-
-    async def _write(self, job: _Job, req: KVTransferRequest, held, out: _Result) -> PrefillResult:
-        tid = job.handoff.transfer_id
+        # (2) from here the request's KV is held: the sender releases it on every path
         job.writing_since = time.monotonic()
-        if self.debug_transfer_stall or self.debug_transfer_delay_ms:
-            end = job.writing_since + (float("inf") if self.debug_transfer_stall else self.debug_transfer_delay_ms / 1e3)
-            while time.monotonic() < end and not job.aborted:
-                await asyncio.sleep(0.01)
-            if job.aborted:
-                job.handoff.fail(job.aborted, aborted=True)
-                return out.fail(job.aborted, TransferState.ABORTED)
-        w = await self.write_held(job.handoff, req, held)
-        out.f["transfer_s"] = w.seconds
-        if w.state is TransferState.QUARANTINED:
-            out.f["in_flight"] = True
-        if w.state is not TransferState.DONE:
-            return out.fail(f"transfer {tid} to {req.agent_name} {w.error}")
-        self._bytes.inc(w.nbytes)
-        self._seconds.observe(w.seconds)
-        self.counts["bytes"] += w.nbytes
-        self.counts["pages"] += len(held.pages)
-        out.f.update(bytes=w.nbytes, pages=len(held.pages))
+        o = self.options
+        r = await self.sender.send(rid, req, start, stopped=lambda: job.aborted,
+                                   delay_s=math.inf if o.debug_transfer_stall else o.debug_transfer_delay_ms / 1e3)
+        out.f.update(cached_tokens=r.cached_tokens, digest=r.digest, in_flight=r.in_flight, bytes=r.bytes,
+                     pages=r.pages, **({"transfer_s": r.transfer_s} if r.transfer_s else {}))
+        if r.status is not TransferState.DONE:
+            return out.fail(r.error, r.status)
+        self._bytes.inc(r.bytes)
+        self._seconds.observe(r.transfer_s)
+        self.counts["bytes"] += r.bytes
+        self.counts["pages"] += r.pages
         if job.aborted:  # aborted while writing: the bytes landed but decode no longer wants them
             return out.fail(job.aborted, TransferState.ABORTED)
         return out.done()
@@ -223,9 +204,9 @@ class PrefillWorker(ReplyStore, RoleWorker):
             return (f"transfer {req.transfer_id} names regions {list(req.regions)}, this worker "
                     f"sends {sorted(self.regions)}")
         need = -(-(n - start) // ps)
-        if REGION in self.regions and len(req.pages(REGION)) != need:
+        if KV in self.regions and len(req.pages(KV)) != need:
             return (f"transfer {req.transfer_id}: positions [{start}, {n}) need {need} pages of "
-                    f"{ps}, got {len(req.pages(REGION))}")
+                    f"{ps}, got {len(req.pages(KV))}")
         if req.agent_name not in self.agent.peers:
             return f"decode worker {req.agent_name!r} is not a peer of {self.name} (peers: {self.agent.peers})"
         return ""
@@ -261,13 +242,6 @@ class PrefillWorker(ReplyStore, RoleWorker):
     @property
     def kv_events_endpoint(self) -> str | None:
         return self.kv_publisher.endpoint if self.kv_publisher is not None else None
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            if self.kv_publisher is not None:
-                self.kv_publisher.close()
 
 
 def _less(total: float | None, part: float | None) -> float | None:

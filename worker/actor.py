@@ -1,4 +1,4 @@
-"""The Ray actor shell's shared pieces: :class:`RoleActorMixin` and :func:`actor_config`."""
+"""The Ray actor shell's shared pieces: :class:`RoleActorMixin`, :func:`actor_config`, :func:`actor_options`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import ray
 
-from tandem.core.config import EngineConfig
+from tandem.core.config import EngineConfig, WorkerOptions
 
 
 def assigned_threads() -> int:
@@ -21,6 +21,12 @@ def actor_config(engine_config: dict) -> EngineConfig:
     if cfg.num_threads is None:
         cfg = cfg.model_copy(update={"num_threads": assigned_threads()})
     return cfg
+
+
+def actor_options(options: WorkerOptions | dict) -> WorkerOptions:
+    """``options`` validated, its KV events published on this node's address."""
+    return WorkerOptions.model_validate(options).model_copy(
+        update={"kv_events_host": ray.util.get_node_ip_address()})
 
 
 class RoleActorMixin:

@@ -11,6 +11,7 @@ decode worker's finished reply, only to cache it (decode/README.md, "reply push"
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 from dataclasses import dataclass
@@ -18,10 +19,13 @@ from typing import Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
+from tandem.engine.commands import Release
 from tandem.engine.connector import KVConnector
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
+from tandem.worker.held_kv import HeldKV, held_kv
+from tandem.worker.kv_digest import regions_digest
 from tandem.worker.kv_regions import KV, kv_regions
 
 
@@ -45,6 +49,7 @@ class ReceivingConnector(KVConnector):
     """Engine thread, except :meth:`expect` and :meth:`forget` (any thread)."""
 
     def __init__(self, engine):
+        self.engine = engine
         self.kv = engine.kv
         self.regions = kv_regions(engine)   # name -> RegionSpec
         self._expected: dict[str, concurrent.futures.Future] = {}
@@ -77,9 +82,17 @@ class ReceivingConnector(KVConnector):
         if fut is not None and not fut.done():
             fut.set_result(Reservation(p, pages, regions))
 
+    def held_kv(self, rid: str, start: int) -> HeldKV:
+        """Source ids of held ``rid``'s positions from ``start``; KeyError if not held."""
+        return held_kv(self.engine, rid, start)
+
+    def digest(self, regions: tuple[RegionPages, ...]) -> str:
+        return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
+
 
 class ReceivingHandle(RoleHandle):
-    """The worker's typed way to a :class:`ReceivingConnector`: ``receive`` and ``cancel``."""
+    """The worker's typed way to a :class:`ReceivingConnector`: KV in (``receive``, ``cancel``)
+    and KV out (``held_pages``, ``release_held``), and ``page_digest`` for either."""
 
     connector: ReceivingConnector
 
@@ -102,3 +115,18 @@ class ReceivingHandle(RoleHandle):
         guarantees that no write into them is in flight (transfer/handoff.py)."""
         self.connector.forget(rid)
         self.engine.abort(rid, error=why)
+
+    async def held_pages(self, rid: str, start: int) -> HeldKV:
+        """Held ``rid``'s source ids from ``start`` (KeyError when it holds none here)."""
+        return await self._read(self.connector.held_kv, rid, start)
+
+    def release_held(self, rid: str) -> None:
+        """Queued: ``rid``'s held KV goes to this worker's cache (a no-op if it holds none)."""
+        self.engine.send(Release(rid))
+
+    async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
+        """Digest of ``regions``' pages, in their order, hashed on a helper thread (the step loop
+        keeps running): held pages are locked, and received pages are the request's alone once
+        no write into them is in flight."""
+        self.check_alive()
+        return await asyncio.to_thread(self.connector.digest, regions)

@@ -2,39 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.cache.tiers.factory import build_tier
-from tandem.core.config import EngineConfig
+from tandem.core.config import EngineConfig, WorkerOptions
 from tandem.core import tracing
 from tandem.engine.gie_metrics import register_gie_metrics
-from tandem.engine.handle import EngineHandle
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
-from tandem.transfer.handoff import Handoff
-from tandem.transfer.messages import Handshake, KVTransferRequest
-from tandem.transfer.state import TransferState
-from tandem.worker.kv_regions import KV, kv_regions
+from tandem.transfer.messages import Handshake
+from tandem.worker.kv_flow import KVReceiver, KVSender
+from tandem.worker.kv_regions import kv_regions
+from tandem.worker.receiving import ReceivingHandle
 
-REGION = KV
-IN_FLIGHT_LIMIT = 10
-_POLL_S = 0.0005
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WriteOutcome:
-    """How a WRITE ended: DONE, FAILED, or QUARANTINED (its destination pages are never reused)."""
-
-    state: TransferState
-    nbytes: int = 0
-    seconds: float = 0.0
-    error: str = ""
 
 
 def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
@@ -47,14 +30,14 @@ def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
                             replay_endpoint=f"tcp://{host}:0")
 
 
-def role_engine(name: str, role: str, connector, config: EngineConfig | None, *, loaded=None,
-                kv_events: bool = False, kv_events_host: str = "127.0.0.1"):
+def role_engine(name: str, role: str, connector, config: EngineConfig | None, options: WorkerOptions, *,
+                loaded=None):
     """``(engine, publisher or None)``: a new engine of ``role`` running ``connector``."""
     from tandem.engine.engine import Engine
 
     publisher = None
-    if kv_events:
-        publisher = kv_publisher(name, (config or EngineConfig()).model, kv_events_host)
+    if options.kv_events:
+        publisher = kv_publisher(name, (config or EngineConfig()).model, options.kv_events_host)
     engine = Engine(config or EngineConfig(), loaded=loaded, kv_events=publisher, role=role,
                     name=name, connector=connector)
     return engine, publisher
@@ -77,21 +60,32 @@ def attach_tier(engine, name: str, options: dict | None):
 class RoleWorker:
     role = "worker"
 
-    def __init__(self, name: str, engine, handle: EngineHandle, *, transfer_timeout_s: float,
-                 agent_opts: dict | None = None):
+    HANDLE: type[ReceivingHandle] = ReceivingHandle   # the role's handle; its CONNECTOR runs in the engine
+
+    def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
+                 options: WorkerOptions | None = None, **fields):
+        """A worker of ``engine`` (None: a new one of ``config``, ``loaded`` weights); ``options``
+        (core/config.py ``WorkerOptions``), its fields overridden by keywords (in-process workers)."""
+        options = options_of(options, fields)
+        self.kv_publisher = None
+        if engine is None:
+            engine, self.kv_publisher = role_engine(name, self.role, self.HANDLE.CONNECTOR, config, options,
+                                                    loaded=loaded)
         self.name = name
         self.engine = engine
-        self.handle = handle
+        self.handle = self.HANDLE(engine)
+        self.options = options
         tracing.setup(name)
         self.page_size = engine.kv_pool.page_size
-        self.transfer_timeout_s = transfer_timeout_s
-        if agent_opts is None:
-            agent_opts = engine.config.transfer.model_dump()
+        self.transfer_timeout_s = options.transfer_timeout_s
         self.regions = kv_regions(engine)
         self.agent = KVTransferAgent(name, [Region.of(n, r.tensor, r.page_size, r.slab_dims)
-                                            for n, r in self.regions.items()], **agent_opts)
-        self.handoffs: dict[str, Handoff] = {}
+                                            for n, r in self.regions.items()],
+                                     **engine.config.transfer.model_dump())
         self.counts: dict[str, int] = {}
+        self.sender = KVSender(name, self.handle, self.agent, self.transfer_timeout_s)
+        self.receiver: KVReceiver   # the role's, with its counting hooks
+        self.l3 = attach_tier(engine, "l3", options.l3)
         self.draining = False
         self.metrics = CollectorRegistry()
         register_engine_metrics(engine, worker=name, role=self.role, registry=self.metrics)
@@ -113,47 +107,19 @@ class RoleWorker:
         """Forget a (dead) peer; transfers with it fail from now on."""
         self.agent.remove_peer(name)
 
-    async def write_held(self, h: Handoff, req: KVTransferRequest, held) -> WriteOutcome:
-        """One WRITE of ``held`` into ``req``'s pages, moving ``h`` to DONE, FAILED or QUARANTINED; returns
-        only when no write is in flight (except QUARANTINED)."""
-        pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
-        limit = self.transfer_timeout_s * IN_FLIGHT_LIMIT
-        t0 = time.monotonic()
-        try:
-            w = self.agent.write(req.agent_name, pages, timeout_s=limit * 2)
-        except (KeyError, ValueError) as e:
-            h.fail(str(e))
-            return WriteOutcome(TransferState.FAILED, error=f"not posted: {e}")
-        h.send()
-        state = self.agent.poll(w)
-        while state is TransferState.TRANSFERRING:
-            if time.monotonic() - t0 > limit:
-                h.fail("write still in flight")
-                h.settle(in_flight=True)
-                log.error("transfer %d to %s still in flight after %.0fs; quarantined",
-                          h.transfer_id, req.agent_name, limit)
-                self.agent.release(w)
-                return WriteOutcome(TransferState.QUARANTINED, seconds=time.monotonic() - t0,
-                                    error=f"still in flight after {limit:.0f}s")
-            await asyncio.sleep(_POLL_S)
-            state = self.agent.poll(w)
-        seconds = time.monotonic() - t0
-        self.agent.release(w)
-        if state is not TransferState.DONE:
-            h.fail(w.error or f"write ended {state.name}")
-            h.settle(in_flight=False)
-            return WriteOutcome(TransferState.FAILED, seconds=seconds, error=f"failed: {w.error}")
-        h.land()
-        return WriteOutcome(TransferState.DONE, w.nbytes, seconds)
-
     async def stats(self) -> dict:
         """Pool accounting (:class:`EngineSnapshot` fields), live transfers and counters."""
         snap = await self.handle.snapshot()
         return {"worker": self.name, "role": self.role, **snap.as_dict(), "draining": self.draining,
-                "live_transfers": sum(h.live for h in self.handoffs.values()), **self.counts, **self._extra_stats(snap)}
+                "live_transfers": self.live_transfers, **self.counts, **self._extra_stats(snap)}
 
     def _extra_stats(self, snap) -> dict:
         return {}
+
+    @property
+    def live_transfers(self) -> int:
+        """Handoffs in progress, sending and receiving."""
+        return self.sender.live + self.receiver.live
 
     async def debug_kv(self) -> dict:
         """Every KV slot's place, the leak count and the invariant recount's verdict."""
@@ -167,7 +133,7 @@ class RoleWorker:
         return {"worker": self.name, "role": self.role, **snap.as_dict(),
                 "leaked_tokens": snap.leaked_tokens, "invariants": verdict,
                 "l3": l3.as_dict() if l3 is not None else None, "pins": await self.handle.pins(),
-                "live_transfers": sum(h.live for h in self.handoffs.values()), **self.counts}
+                "live_transfers": self.live_transfers, **self.counts}
 
     async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
         """End the pins of prefix ``prefix_hash`` in this worker's cache; the tokens unpinned."""
@@ -184,7 +150,18 @@ class RoleWorker:
             raise RuntimeError(f"{self.name}: {e}") from None
 
     def close(self) -> None:
+        self.receiver.pump.close()
         try:
             self.engine.shutdown()
         finally:
             self.agent.close()
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
+
+
+def options_of(options: WorkerOptions | None, fields: dict) -> WorkerOptions:
+    """``options`` (None: the defaults) with ``fields`` (an in-process worker's keywords) over
+    them, validated (an unknown keyword is a ValidationError)."""
+    if not fields:
+        return options or WorkerOptions()
+    return WorkerOptions.model_validate({**(options or WorkerOptions()).model_dump(), **fields})
