@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -213,7 +213,7 @@ class WorkerOptions(_Strict):
     transfer_timeout_s: float = Field(30.0, gt=0)
     kv_events: bool = False
     kv_events_host: str = "127.0.0.1"
-    l3: dict | None = None                       # cache/tiers/l3/connect.py ``l3_options``
+    l3: dict[str, Any] | None = None             # cache/tiers/l3/connect.py ``l3_options``
     kv_digest: bool = False                      # decode verifies received pages (ServeConfig's)
     debug_corrupt_kv: bool = False
     local_prefill_threshold: int | None = Field(0, ge=0)   # decode/local_prefill.py; ServeConfig's default is None
@@ -333,7 +333,8 @@ class ServeConfig(_Strict):
     migration: MigrationConfig = MigrationConfig()
     responses: ResponsesConfig = ResponsesConfig()
 
-    def worker_options(self, *, l3: dict | None = None, kv_events: bool = False) -> WorkerOptions:
+    def worker_options(self, *, l3: dict[str, Any] | None = None,
+                       kv_events: bool = False) -> WorkerOptions:
         """The options every worker of this cluster runs with (``l3``, ``kv_events``: resolved
         by cluster/launch.py)."""
         return WorkerOptions(
