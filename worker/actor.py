@@ -1,12 +1,20 @@
-"""The Ray actor shell's shared pieces: :class:`RoleActorMixin`, :func:`actor_config`, :func:`actor_options`."""
+"""The Ray actor shell's shared pieces: :class:`RoleActorMixin`, :func:`actor_config`,
+:func:`actor_options`, and :class:`RayKVSource`, the one adapter from a KVSource actor to
+worker/kv_flow.py's in-process ``KVSource``."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from tandem.core.config import EngineConfig, WorkerOptions
+from tandem.transfer.messages import PrefillResult
+from tandem.worker.kv_flow import SourceUnavailable
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 def assigned_threads() -> int:
@@ -86,3 +94,35 @@ class RoleActorMixin:
 
     def shutdown(self) -> None:
         self.worker.close()
+
+
+class RayKVSource:
+    """The one adapter: a KVSource actor's handle (core/actors.py: a prefill worker, a decode
+    worker holding a frozen request or a pushed sequence) as worker/kv_flow.py's in-process
+    ``KVSource``. Picklable: a decode actor hands itself, wrapped, to a prefill worker's
+    ``store_kv`` (prefill/api.py), and the prefill process unpickles it from here (worker/, which
+    both roles import), never from decode/."""
+
+    def __init__(self, name: str, handle: ActorHandle[Any], me: RayKVSource | None = None) -> None:
+        """``me``: the calling decode actor as a KVSource (what a reply push's ``store`` hands over)."""
+        self.name, self.handle, self.me = name, handle, me
+        self.dead = False
+
+    async def prefill(self, req_wire: dict[str, Any], xfer: bytes, dst_prefix_len: int) -> PrefillResult:
+        """``KVSource.write_kv``; a dead actor raises :class:`SourceUnavailable` (marks it ``dead``)."""
+        try:
+            raw: bytes = await self.handle.write_kv.remote(req_wire, xfer, dst_prefix_len)
+        except ray.exceptions.RayActorError as e:
+            self.dead = True
+            raise SourceUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
+        return PrefillResult.decode(raw)
+
+    async def abort(self, rid: str, reason: str) -> None:
+        """``KVSource.drop_kv``."""
+        await self.handle.drop_kv.remote(rid, reason)
+
+    async def store(self, req_wire: dict[str, Any]) -> int:
+        """Reply push (decode/reply_push.py): ``PrefillAPI.store_kv``; the prefill worker reserves
+        and calls back ``me`` (this decode actor's ``write_kv``); the tokens it received."""
+        n: int = await self.handle.store_kv.remote(req_wire, self.me)
+        return n

@@ -31,7 +31,7 @@ _S = TransferState
 class KVSource(Protocol):
     """Whoever writes a request's KV into pages a worker reserved (a prefill worker computing it,
     a decode worker holding it), in process; over Ray it is core/actors.py's ``KVSource``
-    (``write_kv`` / ``drop_kv``) through decode/actor.py's one adapter."""
+    (``write_kv`` / ``drop_kv``) through worker/actor.py's one adapter, ``RayKVSource``."""
 
     name: str
 
