@@ -15,6 +15,8 @@ from tandem.worker.actor import RayKVSource, RoleActorMixin, actor_config, actor
 
 @ray.remote
 class DecodeActor(RoleActorMixin):
+    worker: DecodeWorker
+
     def __init__(self, name: str, engine_config: dict, options: WorkerOptions, loaded=None):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         self.worker = DecodeWorker(name, actor_config(engine_config), loaded=loaded,

@@ -12,6 +12,8 @@ from tandem.worker.kv_flow import KVSource
 
 @ray.remote
 class PrefillActor(RoleActorMixin):
+    worker: PrefillWorker
+
     def __init__(self, name: str, engine_config: dict, options: WorkerOptions, loaded=None):
         """``loaded``: the shared CPU weights, or None to load here."""
         self.worker = PrefillWorker(name, actor_config(engine_config), loaded=loaded,

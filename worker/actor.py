@@ -16,6 +16,8 @@ from tandem.worker.kv_flow import SourceUnavailable
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from tandem.worker.role_worker import RoleWorker
+
 
 def assigned_threads() -> int:
     """Torch threads for this actor: the CPUs Ray assigned it, at least one."""
@@ -23,7 +25,7 @@ def assigned_threads() -> int:
     return max(1, int(cpus))
 
 
-def actor_config(engine_config: dict) -> EngineConfig:
+def actor_config(engine_config: dict[str, Any]) -> EngineConfig:
     """``engine_config`` validated; ``num_threads`` unset: :func:`assigned_threads`."""
     cfg = EngineConfig.model_validate(engine_config)
     if cfg.num_threads is None:
@@ -31,7 +33,7 @@ def actor_config(engine_config: dict) -> EngineConfig:
     return cfg
 
 
-def actor_options(options: WorkerOptions | dict) -> WorkerOptions:
+def actor_options(options: WorkerOptions | dict[str, Any]) -> WorkerOptions:
     """``options`` validated, its KV events published on this node's address."""
     return WorkerOptions.model_validate(options).model_copy(
         update={"kv_events_host": ray.util.get_node_ip_address()})
@@ -40,7 +42,9 @@ def actor_options(options: WorkerOptions | dict) -> WorkerOptions:
 class RoleActorMixin:
     """The thin methods every worker's Ray actor has (``self.worker`` is a RoleWorker)."""
 
-    def info(self) -> dict:
+    worker: RoleWorker   # the subclass's
+
+    def info(self) -> dict[str, Any]:
         w, e = self.worker, self.worker.engine
         pub = getattr(w, "kv_publisher", None)
         return {"name": w.name, "role": w.role, "model_name": e.model_name,
@@ -59,10 +63,10 @@ class RoleActorMixin:
     async def abort(self, rid: str, reason: str = "") -> bool:
         return await self.worker.abort(rid, reason)
 
-    async def stats(self) -> dict:
+    async def stats(self) -> dict[str, Any]:
         return await self.worker.stats()
 
-    async def debug_kv(self) -> dict:
+    async def debug_kv(self) -> dict[str, Any]:
         return await self.worker.debug_kv()
 
     async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
