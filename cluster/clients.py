@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
     from ray.actor import ActorHandle
 
+    from tandem.worker.kv_flow import KVSource
+
 
 class RoleClient:
     """``RoleAPI`` over ``handle``, the actor of a prefill or a decode worker."""
@@ -64,6 +66,9 @@ class PrefillClient(RoleClient):
 
     def remove_peer(self, name: str) -> ObjectRef[None]:
         return self.handle.remove_peer.remote(name)
+
+    def store_kv(self, req_wire: dict[str, Any], source: KVSource) -> ObjectRef[int]:
+        return self.handle.store_kv.remote(req_wire, source)
 
 
 class DecodeClient(RoleClient):

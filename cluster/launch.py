@@ -8,20 +8,39 @@ import functools
 import math
 import os
 import uuid
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from tandem.cluster.backend import RayClusterBackend
-from tandem.cluster.weights import share
+from tandem.cluster.weights import Shared, share
 from tandem.cluster.workers import DECODE, PREFILL, WORKER_NAME, WorkerPool, WorkerRef, placement
 from tandem.core import tracing
 from tandem.core.config import EngineConfig, ServeConfig
 from tandem.core.types import TandemError
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorClass, ActorHandle
+
+    from tandem.core.tokenizer import Tokenizer
+    from tandem.engine.loader import LoadedModel
 
 STARTUP_TIMEOUT_S = 600.0
 PAIR_TIMEOUT_S = 60.0
 ADOPT_TIMEOUT_S = 5.0
 
 
-def load_tokenizer(model: str):
+T = TypeVar("T")
+
+
+def start_actor(cls: type[T], options: dict[str, Any], *args: Any) -> ActorHandle[T]:
+    """A new actor of ``cls``, an ``@ray.remote`` class, with Ray ``options``. Typed here once:
+    mypy keeps a decorated class's own type (no ``.options``), and Ray types what ``.remote``
+    makes "a handle or the class"."""
+    handle = cast("ActorClass[T]", cls).options(**options).remote(*args)
+    return cast("ActorHandle[T]", handle)
+
+
+def load_tokenizer(model: str) -> Tokenizer:
     """The model's tokenizer without its weights; cached per model until its files change. Shared:
     callers only read it."""
     from tandem.engine.loader import smollm2_path
@@ -46,7 +65,7 @@ def _stamp(path: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_of(path: str, stamps: tuple):
+def _tokenizer_of(path: str, stamps: tuple[tuple[int, int], ...]) -> Tokenizer:
     """``stamps`` only keys the cache: a changed file misses it."""
     from tandem.core.tokenizer import Tokenizer
 
@@ -80,7 +99,8 @@ class Launcher:
     """Creates and wires actors for one cluster. ``weights``: an ObjectRef of a shared
     LoadedModel, or None (each actor loads the model itself)."""
 
-    def __init__(self, cfg: ServeConfig, weights=None, kv_events: bool = False, tokenizer=None):
+    def __init__(self, cfg: ServeConfig, weights: ObjectRef[Shared] | None = None, kv_events: bool = False,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.cfg = cfg
         self.weights = weights
         self.kv_events = kv_events
@@ -90,7 +110,7 @@ class Launcher:
         self.capacity = {PREFILL: cfg.engine_config.cache.max_total_tokens,
                          DECODE: decode_engine_config(cfg).cache.max_total_tokens}
 
-    def _options(self, role: str, name: str) -> dict:
+    def _options(self, role: str, name: str) -> dict[str, Any]:
         """Ray ``.options()`` of one actor: cluster/workers.py ``placement``, then the role's
         configured ``num_gpus`` (:func:`role_num_gpus`) when there is one."""
         opts = placement(self.cfg.prefill + self.cfg.decode, role, sim=self.cfg.engine == "sim",
@@ -116,9 +136,9 @@ class Launcher:
         if cfg.engine == "sim":
             from tandem.sim.actor import SimDecodeActor, SimPrefillActor
 
-            cls = SimPrefillActor if role == PREFILL else SimDecodeActor
-            h = cls.options(**opts).remote(name, cfg.model_dump(), self.kv_events,
-                                           self.tokenizer if role == DECODE else None)
+            sim_cls: type[SimPrefillActor | SimDecodeActor] = SimPrefillActor if role == PREFILL else SimDecodeActor
+            h: ActorHandle[Any] = start_actor(sim_cls, opts, name, cfg.model_dump(), self.kv_events,
+                                              self.tokenizer if role == DECODE else None)
             return WorkerRef(name, role, slot, h)
         from tandem.decode.actor import DecodeActor
         from tandem.prefill.actor import PrefillActor
@@ -128,9 +148,9 @@ class Launcher:
         l3 = l3_options(cfg.kv_store, cfg.l3_timeout_s, cfg.debug_corrupt_l3, cfg.l3_worker_segment_bytes)
         options = cfg.worker_options(l3=l3, kv_events=self.kv_events)
         if role == PREFILL:
-            h = PrefillActor.options(**opts).remote(name, cfg.engine_config.model_dump(), options, self.weights)
+            h = start_actor(PrefillActor, opts, name, cfg.engine_config.model_dump(), options, self.weights)
         else:
-            h = DecodeActor.options(**opts).remote(name, decode_engine_config(cfg).model_dump(), options, self.weights)
+            h = start_actor(DecodeActor, opts, name, decode_engine_config(cfg).model_dump(), options, self.weights)
         return WorkerRef(name, role, slot, h)
 
     def discover(self) -> list[WorkerRef]:
@@ -152,7 +172,7 @@ class Launcher:
             found.append(WorkerRef(a["name"], m[1], int(m[2]), h))
         return sorted(found, key=lambda w: (w.role != PREFILL, w.slot, w.name))
 
-    def info(self, workers: list[WorkerRef], timeout: float = STARTUP_TIMEOUT_S) -> list[dict]:
+    def info(self, workers: list[WorkerRef], timeout: float = STARTUP_TIMEOUT_S) -> list[dict[str, Any]]:
         """Each worker's ``info()``, waiting for its model to load; a worker that failed to
         start is a TandemError."""
         import ray
@@ -165,7 +185,8 @@ class Launcher:
             w.node_id = i.get("node_id", "")
         return infos
 
-    def answering(self, workers: list[WorkerRef], timeout: float = ADOPT_TIMEOUT_S) -> list[tuple[WorkerRef, dict]]:
+    def answering(self, workers: list[WorkerRef],
+                  timeout: float = ADOPT_TIMEOUT_S) -> list[tuple[WorkerRef, dict[str, Any]]]:
         """The ``(worker, info)`` of those of ``workers`` that answer within ``timeout`` (the
         others are still loading, or dead)."""
         import ray
@@ -199,7 +220,8 @@ class Launcher:
         ray.get([a.decode_api.add_decode(hb, b.handle), b.decode_api.add_decode(ha, a.handle)],
                 timeout=PAIR_TIMEOUT_S)
 
-    def pair_missing(self, prefills: list[tuple[WorkerRef, dict]], decodes: list[tuple[WorkerRef, dict]]) -> int:
+    def pair_missing(self, prefills: list[tuple[WorkerRef, dict[str, Any]]],
+                     decodes: list[tuple[WorkerRef, dict[str, Any]]]) -> int:
         """Pair every unpaired prefill-decode and decode-decode couple; returns how many were paired."""
         n = 0
         for p, pi in prefills:
@@ -214,7 +236,7 @@ class Launcher:
                     n += 1
         return n
 
-    def bootstrap(self, pool: WorkerPool) -> list[dict]:
+    def bootstrap(self, pool: WorkerPool) -> list[dict[str, Any]]:
         """Fill ``pool`` with the namespace's running workers, else new ones; pair them. Returns their
         ``info()`` in pool order."""
         found = self.discover() if self.detached else []
@@ -253,7 +275,7 @@ def start_ray(cfg: ServeConfig) -> bool:
     return True
 
 
-def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded=None,
+def launch_disaggregated(cfg: ServeConfig, *, restart: bool = True, loaded: LoadedModel | None = None,
                          share_weights: bool | None = None) -> RayClusterBackend:
     """Start (or join) Ray, launch and bootstrap the workers; returns the serving backend.
     ``loaded``: weights to hand every worker; ``restart``: relaunch dead workers."""

@@ -8,41 +8,15 @@ import ray
 
 from tandem.core.messages import GenerateRequest
 from tandem.decode.leases import TICK_S, RouterLeases
-from tandem.decode.worker import DecodeWorker, PrefillUnavailable
-from tandem.transfer.messages import PrefillResult
+from tandem.decode.worker import DecodeWorker
 from tandem.core.config import WorkerOptions
-from tandem.worker.actor import RoleActorMixin, actor_config, actor_options
-
-
-class RayKVSource:
-    """The one adapter: a KVSource actor's handle (core/actors.py: a prefill worker, a decode
-    worker holding a frozen request or a pushed sequence) as worker/kv_flow.py's in-process
-    KVSource. Picklable: a decode actor hands itself, wrapped, to a prefill worker's ``store_kv``."""
-
-    def __init__(self, name: str, handle, me: "RayKVSource | None" = None):
-        """``me``: the calling decode actor as a KVSource (what a reply push's ``store`` hands over)."""
-        self.name, self.handle, self.me = name, handle, me
-        self.dead = False
-
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
-        try:
-            raw = await self.handle.write_kv.remote(req_wire, xfer, dst_prefix_len)
-        except ray.exceptions.RayActorError as e:
-            self.dead = True
-            raise PrefillUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from None
-        return PrefillResult.decode(raw)
-
-    async def abort(self, rid: str, reason: str) -> None:
-        await self.handle.drop_kv.remote(rid, reason)
-
-    async def store(self, req_wire: dict) -> int:
-        """Reply push (decode/reply_push.py): the prefill worker reserves and calls back this
-        decode actor's ``write_kv``; the tokens it received."""
-        return await self.handle.store_kv.remote(req_wire, self.me)
+from tandem.worker.actor import RayKVSource, RoleActorMixin, actor_config, actor_options
 
 
 @ray.remote
 class DecodeActor(RoleActorMixin):
+    worker: DecodeWorker
+
     def __init__(self, name: str, engine_config: dict, options: WorkerOptions, loaded=None):
         """``loaded``: as for PrefillActor (shared CPU weights, or None to load here)."""
         self.worker = DecodeWorker(name, actor_config(engine_config), loaded=loaded,

@@ -33,7 +33,6 @@ from tandem.core.types import TokenLogprob
 from tandem.engine.commands import Activate, Migrate
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
-from tandem.worker.kv_digest import corrupt_page
 from tandem.worker.receiving import ReceivingConnector, ReceivingHandle, Reservation
 
 __all__ = ["DecodeConnector", "DecodeHandle", "Reservation"]
@@ -77,14 +76,6 @@ class DecodeConnector(ReceivingConnector):
             self.kv.cache_prefix(sr)
         return held or reason == "migrated"
 
-    def corrupt(self, regions: tuple[RegionPages, ...]) -> None:
-        """Perturb the first page of the first region (``debug_corrupt_kv``)."""
-        for rp in regions:
-            if rp.pages:
-                spec = self.regions[rp.region]
-                corrupt_page(spec.tensor, rp.pages, spec.page_size)
-                return
-
 
 class DecodeHandle(ReceivingHandle):
     ROLE, CONNECTOR = "decode", DecodeConnector
@@ -103,7 +94,3 @@ class DecodeHandle(ReceivingHandle):
         cmd = Migrate(rid)
         self.engine.send(cmd)
         await asyncio.wait_for(asyncio.wrap_future(cmd.future), self.timeout_s)
-
-    async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
-        self.check_alive()
-        await asyncio.to_thread(self.connector.corrupt, regions)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -139,7 +139,7 @@ class DecodeWorker(RoleWorker):
 
     async def generate(self, greq: GenerateRequest, prefill: KVSource | None = None,
                        alternate: Callable[[str], KVSource | None] | None = None
-                       ) -> AsyncIterator[StreamChunk]:
+                       ) -> AsyncGenerator[StreamChunk, None]:
         """Stream ``greq``'s chunks. Refusals (bad prompt) raise InvalidRequest before the first
         chunk; every other failure is a final chunk with finish_reason "abort" and
         ``error``."""
@@ -172,7 +172,8 @@ class DecodeWorker(RoleWorker):
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
             inner = self.handle.stream(greq)
-        t0, first, out_ids, spec = time.time(), None, [], (0, 0)
+        out_ids: list[int] = []
+        t0, first, spec = time.time(), None, (0, 0)
         try:
             async for c in inner:
                 if c.token_ids:
@@ -207,13 +208,16 @@ class DecodeWorker(RoleWorker):
                             self.engine.kv.page_size)
 
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: KVSource,
-                               alternate=None) -> AsyncIterator[StreamChunk]:
+                               alternate=None) -> AsyncGenerator[StreamChunk, None]:
         """The prompt (P->D) and migration (D->D) flows: receive, count, activate, stream."""
         loop = asyncio.get_running_loop()
         job.gate = await self._groups.enter(greq, job.stop.event, self.transfer_timeout_s)
+        def on_chunk(c: StreamChunk) -> None:
+            loop.call_soon_threadsafe(job.chunks.put_nowait, c)
+
         try:
             got = await self.receiver.receive(
-                greq, prefill, on_chunk=lambda c: loop.call_soon_threadsafe(job.chunks.put_nowait, c),
+                greq, prefill, on_chunk=on_chunk,
                 stop=job.stop, check=lambda r: self._check(job, r), alternate=alternate)
             if isinstance(got, Failed):
                 job.ended = True

@@ -9,7 +9,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import torch
 
@@ -226,7 +226,7 @@ class Engine(StepLoop):
         self._inbox.put(command)
         self._wake.set()
 
-    async def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def stream(self, greq: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()
         await self.check_constraint(greq.params)

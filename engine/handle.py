@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -75,7 +75,7 @@ class EngineHandle:
         fut = self.engine.inspect(fn, *args)
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
 
-    def stream(self, greq: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    def stream(self, greq: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         return self.engine.stream(greq)
 
     def submit(self, greq: GenerateRequest, on_chunk: Callable[[StreamChunk], None]) -> None:

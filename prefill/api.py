@@ -1,12 +1,13 @@
-"""The prefill actor's API: :class:`PrefillAPI` (cluster/ calls it) and core's ``KVSource``
-(decode workers call it). prefill/actor.py's ``PrefillActor`` implements both; sim/actor.py's
-``SimPrefillActor`` implements PrefillAPI."""
+"""The prefill actor's API: :class:`PrefillAPI` (cluster/ calls it; a decode worker calls its
+``store_kv``) and core's ``KVSource`` (decode workers call it). prefill/actor.py's
+``PrefillActor`` implements both; sim/actor.py's ``SimPrefillActor`` implements PrefillAPI."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.core.actors import RoleAPI
+from tandem.worker.kv_flow import KVSource
 
 
 class PrefillAPI(RoleAPI, Protocol):
@@ -15,3 +16,8 @@ class PrefillAPI(RoleAPI, Protocol):
 
     def remove_peer(self, name: str) -> None:
         """Forget decode worker ``name`` (dead or gone)."""
+
+    async def store_kv(self, req_wire: dict[str, Any], source: KVSource) -> int:
+        """Reply push (prefill/store.py): reserve pages past this cache's match for ``req_wire``'s
+        sequence, have ``source`` (the decode actor holding it, as worker/actor.py's
+        ``RayKVSource``) write them, cache it; the tokens received (0: nothing moved)."""

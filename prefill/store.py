@@ -54,5 +54,10 @@ def _on_final(fut: asyncio.Future):
 
     def on_chunk(c: StreamChunk) -> None:
         if c.finish_reason is not None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(c))
+            loop.call_soon_threadsafe(_resolve, fut, c)
     return on_chunk
+
+
+def _resolve(fut: asyncio.Future[StreamChunk], c: StreamChunk) -> None:
+    if not fut.done():
+        fut.set_result(c)

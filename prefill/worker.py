@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -44,7 +45,7 @@ class _Job:
 class _Result:
 
     def __init__(self, worker: str, transfer_id: int):
-        self.f = {"transfer_id": transfer_id, "worker": worker}
+        self.f: dict[str, Any] = {"transfer_id": transfer_id, "worker": worker}   # PrefillResult's fields
         self.queue_s: float | None = None
 
     def done(self) -> PrefillResult:
@@ -217,7 +218,11 @@ class PrefillWorker(RoleWorker):
 
         def on_chunk(c: StreamChunk) -> None:
             if c.finish_reason is not None:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(c))
+                loop.call_soon_threadsafe(resolve, c)
+
+        def resolve(c: StreamChunk) -> None:
+            if not done.done():
+                done.set_result(c)
 
         self.handle.check_alive()
         self.handle.submit(greq, on_chunk)

@@ -1,8 +1,12 @@
 """Thin Ray shells around the simulated workers, implementing the real workers' actor Protocols
-(``freeze`` refuses: simulated workers do not migrate).
+(``freeze`` refuses: simulated workers do not migrate; ``store_kv`` takes nothing: they push no
+replies), and the simulated prefill's own verb, :class:`SimPrefillAPI` (a simulated decode
+actor calls it through :class:`_RemotePrefill`, the only module naming it).
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import ray
 
@@ -58,6 +62,13 @@ class _Shell:
         self.role.close()
 
 
+class SimPrefillAPI(Protocol):
+    """What a simulated decode actor calls on a simulated prefill actor (beside ``PrefillAPI``)."""
+
+    async def prefill(self, req_wire: dict[str, Any]) -> dict[str, Any]:
+        """The simulated prefill of ``req_wire``: its result as plain data (sim/remote.py)."""
+
+
 @ray.remote
 class SimPrefillActor(_Shell):
     role: SimPrefillRole
@@ -81,8 +92,14 @@ class SimPrefillActor(_Shell):
     async def prefill(self, req_wire: dict, *_ignored) -> dict:
         return await self.role.prefill(req_wire)
 
+    async def store_kv(self, req_wire: dict, source: Any) -> int:
+        """Simulated workers push no replies: nothing is received."""
+        return 0
+
 
 class _RemotePrefill:
+    """``SimPrefillAPI`` over a simulated prefill actor's handle."""
+
     def __init__(self, handle):
         self.handle = handle
 

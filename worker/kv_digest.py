@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from tandem.worker.kv_regions import RegionSpec
 
-def _rows(pages: Sequence[int], page_size: int, device) -> torch.Tensor:
+
+def _rows(pages: Sequence[int], page_size: int, device: torch.device) -> torch.Tensor:
     p = torch.as_tensor(list(pages), dtype=torch.int64)
     rows = (p[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
     return rows.to(device)
@@ -25,7 +29,7 @@ def _runs(pages: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _update(h, data: torch.Tensor, pages: Sequence[int], page_size: int, axis: int) -> None:
+def _update(h: hashlib.blake2b, data: torch.Tensor, pages: Sequence[int], page_size: int, axis: int) -> None:
     """Feed ``h`` the rows of ``pages`` along ``axis``, slab by slab, pages in list order."""
     if not len(pages):
         return
@@ -48,7 +52,7 @@ def page_digest(kv_data: torch.Tensor, pages: Sequence[int], page_size: int) -> 
     return h.hexdigest()
 
 
-def regions_digest(regions: Mapping, named_pages: Sequence[tuple[str, Sequence[int]]]) -> str:
+def regions_digest(regions: Mapping[str, RegionSpec], named_pages: Sequence[tuple[str, Sequence[int]]]) -> str:
     """Hex digest of ``named_pages`` (``[(region, pages)]``, in the transfer's order)."""
     h = hashlib.blake2b(digest_size=16)
     for name, pages in named_pages:

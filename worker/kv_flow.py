@@ -12,7 +12,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
@@ -21,6 +21,7 @@ from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.pump import PUMP_S, Pump
 from tandem.transfer.state import TransferState
+from tandem.worker.held_kv import HeldKV
 from tandem.worker.receiving import ReceivingHandle, Reservation
 
 IN_FLIGHT_LIMIT = 10   # a write neither done nor failed after this many transfer timeouts: QUARANTINED
@@ -31,11 +32,11 @@ _S = TransferState
 class KVSource(Protocol):
     """Whoever writes a request's KV into pages a worker reserved (a prefill worker computing it,
     a decode worker holding it), in process; over Ray it is core/actors.py's ``KVSource``
-    (``write_kv`` / ``drop_kv``) through decode/actor.py's one adapter."""
+    (``write_kv`` / ``drop_kv``) through worker/actor.py's one adapter, ``RayKVSource``."""
 
     name: str
 
-    async def prefill(self, req_wire: dict, xfer: bytes, dst_prefix_len: int) -> PrefillResult:
+    async def prefill(self, req_wire: dict[str, Any], xfer: bytes, dst_prefix_len: int) -> PrefillResult:
         """WRITE ``req_wire``'s KV from ``dst_prefix_len`` into ``xfer``'s pages; returns (or raises)
         only when no write can still be in flight, except a result with ``in_flight=True``."""
 
@@ -152,7 +153,7 @@ class KVSender:
             self.close(rid)
             self.handle.release_held(rid)
 
-    async def write(self, h: Handoff, req: KVTransferRequest, held) -> WriteOutcome:
+    async def write(self, h: Handoff, req: KVTransferRequest, held: HeldKV) -> WriteOutcome:
         """One WRITE of ``held`` into ``req``'s pages, moving ``h`` to DONE, FAILED or QUARANTINED
         (past ``IN_FLIGHT_LIMIT`` timeouts); returns only when no write is in flight (but QUARANTINED)."""
         pages = {n: (list(held.source(n)), list(req.pages(n))) for n in req.regions}
@@ -195,8 +196,14 @@ class _Inbound:
     rid: str
     handoff: Handoff
     reserved_tokens: int
-    source: KVSource | None = None
-    call: asyncio.Future | None = None
+    source: KVSource | None = None                       # set by the first ask
+    call: asyncio.Future[PrefillResult] | None = None
+
+    def asked(self) -> tuple[KVSource, asyncio.Future[PrefillResult]]:
+        """The source asked last and its call (after ``KVReceiver._ask``)."""
+        if self.source is None or self.call is None:
+            raise RuntimeError(f"the KV of {self.rid} was never asked for")
+        return self.source, self.call
 
 
 class KVReceiver:
@@ -206,7 +213,7 @@ class KVReceiver:
     to ``counts["quarantined_tokens"]``."""
 
     def __init__(self, name: str, handle: ReceivingHandle, agent: KVTransferAgent, timeout_s: float,
-                 counts: dict, *, digest: bool = False, corrupt: bool = False,
+                 counts: dict[str, int], *, digest: bool = False, corrupt: bool = False,
                  on_failure: Callable[[str], None] = lambda reason: None,
                  on_redispatch: Callable[[], None] = lambda: None):
         self.name, self.handle, self.timeout_s, self.counts = name, handle, timeout_s, counts
@@ -214,11 +221,11 @@ class KVReceiver:
         self.on_failure, self.on_redispatch = on_failure, on_redispatch
         self.handoffs: dict[str, Handoff] = {}
         self.pump = Pump(agent, name, lambda: self.live > 0)
-        self.background: set[asyncio.Task] = set()
+        self.background: set[asyncio.Task[None]] = set()
 
     async def receive(self, greq: GenerateRequest, source: KVSource, *, on_chunk: Callable[[StreamChunk], None],
                       stop: Stop | None = None, deadline: float | None = None, bounded: bool = True,
-                      wire: dict | None = None, check: Callable[[PrefillResult], str] = lambda r: "",
+                      wire: dict[str, Any] | None = None, check: Callable[[PrefillResult], str] = lambda r: "",
                       alternate: Callable[[str], KVSource | None] | None = None) -> Landed | Failed:
         """Receive ``greq``'s KV (past this cache's match) from ``source``, asked with ``wire``
         (default: ``greq``'s). ``deadline`` (monotonic; default one timeout from now) bounds the
@@ -247,28 +254,35 @@ class KVReceiver:
         if isinstance(result, Failed):
             self._fail(job, result.error, result.reason)
             return result
-        return Landed(res, result, job.source, t1 - t0, time.monotonic() - t1)
+        return Landed(res, result, job.asked()[0], t1 - t0, time.monotonic() - t1)
 
-    async def _reserve(self, greq: GenerateRequest, on_chunk, stop: Stop, deadline: float) -> Reservation | Failed:
+    async def _reserve(self, greq: GenerateRequest, on_chunk: Callable[[StreamChunk], None], stop: Stop,
+                       deadline: float) -> Reservation | Failed:
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[StreamChunk] = loop.create_future()
 
         def chunk(c: StreamChunk) -> None:
             if c.finish_reason is not None:
-                loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(c))
+                loop.call_soon_threadsafe(end, c)
             on_chunk(c)
+
+        def end(c: StreamChunk) -> None:
+            if not ended.done():
+                ended.set_result(c)
 
         reserved = asyncio.wrap_future(self.handle.receive(greq, chunk))
         stopped = asyncio.ensure_future(stop.event.wait())
         try:
-            await asyncio.wait([reserved, ended, stopped], timeout=max(deadline - time.monotonic(), 0),
+            waits: list[asyncio.Future[Any]] = [reserved, ended, stopped]
+            await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 0),
                                return_when=asyncio.FIRST_COMPLETED)
-            if reserved.done() and reserved.result() is not None and not stopped.done():
-                return reserved.result()
+            got = reserved.result() if reserved.done() else None
+            if got is not None and not stopped.done():
+                return got
             if ended.done() or (reserved.done() and not stopped.done()):
                 c = await asyncio.wait_for(ended, 5.0)
-                c = replace(c, error=c.error or f"request {greq.rid} ended before its KV was reserved")
-                return Failed(c.error, "refused", final=c)
+                error = c.error or f"request {greq.rid} ended before its KV was reserved"
+                return Failed(error, "refused", final=replace(c, error=error))
         finally:
             stopped.cancel()
         self.handle.cancel(greq.rid, None)
@@ -276,8 +290,9 @@ class KVReceiver:
                               f"within {self.timeout_s:.1f}s")
         return Failed(why, "aborted" if stop.reason else "no_room")
 
-    async def _transfer(self, job: _Inbound, wire: dict, res: Reservation, source: KVSource, stop: Stop,
-                        deadline: float, check, alternate) -> PrefillResult | Failed:
+    async def _transfer(self, job: _Inbound, wire: dict[str, Any], res: Reservation, source: KVSource,
+                        stop: Stop, deadline: float, check: Callable[[PrefillResult], str],
+                        alternate: Callable[[str], KVSource | None] | None) -> PrefillResult | Failed:
         self._ask(job, wire, res, source, deadline)
         redispatched = False
         while True:
@@ -290,7 +305,7 @@ class KVReceiver:
                 return out
             alt = None
             if out.redispatch and not redispatched and alternate is not None and not stop.event.is_set():
-                alt = alternate(job.source.name)
+                alt = alternate(job.asked()[0].name)
             if alt is None:
                 return out
             log.warning("%s; re-dispatching %s to %s", out.error, job.rid, alt.name)
@@ -298,7 +313,7 @@ class KVReceiver:
             redispatched = True
             self._ask(job, wire, res, alt, deadline, redispatch=True)
 
-    def _ask(self, job: _Inbound, wire: dict, res: Reservation, source: KVSource, deadline: float,
+    def _ask(self, job: _Inbound, wire: dict[str, Any], res: Reservation, source: KVSource, deadline: float,
              redispatch: bool = False) -> None:
         tid = secrets.randbits(63)
         job.handoff.redispatch(tid) if redispatch else job.handoff.bootstrap(tid)
@@ -310,20 +325,22 @@ class KVReceiver:
         job.handoff.send()                                 # TRANSFERRING: a write may land from now on
 
     async def _result(self, job: _Inbound, stop: Stop, deadline: float) -> PrefillResult | Failed:
-        call, peer, tid = job.call, job.source.name, job.handoff.transfer_id
+        source, call = job.asked()
+        peer, tid = source.name, job.handoff.transfer_id
         stopped = asyncio.ensure_future(stop.event.wait())
         try:
             left = deadline - time.monotonic()
             if left > 0:
-                await asyncio.wait([call, stopped], timeout=None if math.isinf(left) else left,
+                waits: list[asyncio.Future[Any]] = [call, stopped]
+                await asyncio.wait(waits, timeout=None if math.isinf(left) else left,
                                    return_when=asyncio.FIRST_COMPLETED)
             if stopped.done():
                 return Failed(stop.reason, "aborted")
             if not call.done():
                 return Failed(f"KV transfer of {job.rid} from {peer} timed out after "
                               f"{self.timeout_s:.1f}s", "timeout")
-            if call.exception() is not None:
-                e = call.exception()
+            e = call.exception()
+            if e is not None:
                 return Failed(f"prefill worker {peer} failed for {job.rid}: {type(e).__name__}: "
                               f"{str(e)[:300]}", "prefill_failed", redispatch=isinstance(e, SourceUnavailable))
             r = call.result()
@@ -335,7 +352,8 @@ class KVReceiver:
         finally:
             stopped.cancel()
 
-    async def _verify(self, job: _Inbound, res: Reservation, result: PrefillResult, check) -> PrefillResult | Failed:
+    async def _verify(self, job: _Inbound, res: Reservation, result: PrefillResult,
+                      check: Callable[[PrefillResult], str]) -> PrefillResult | Failed:
         why = check(result)
         if why:
             return Failed(why, "prefill_failed")
@@ -366,14 +384,15 @@ class KVReceiver:
     async def _settle(self, job: _Inbound, why: str) -> None:
         """The source's call ended (abort it first): free the pages, or quarantine them."""
         rid, h = job.rid, job.handoff
-        if not job.call.done():
+        source, call = job.asked()
+        if not call.done():
             try:
-                await job.source.abort(rid, why)
+                await source.abort(rid, why)
             except Exception as e:
-                log.info("abort of %s on %s failed: %s", rid, job.source.name, e)
+                log.info("abort of %s on %s failed: %s", rid, source.name, e)
         in_flight = False
         try:
-            in_flight = (await asyncio.shield(job.call)).in_flight
+            in_flight = (await asyncio.shield(call)).in_flight
         except BaseException as e:  # noqa: BLE001 - the source's call raised: nothing in flight
             log.info("the source's call for %s ended with %s", rid, type(e).__name__)
         self.handoffs.pop(rid, None)

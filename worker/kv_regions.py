@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.engine.engine import Engine
 
 KV, SWA_ROWS, STATE = "kv", "swa", "state"
 
@@ -18,7 +22,7 @@ class RegionSpec:
     slab_dims: int = 2
 
 
-def kv_regions(engine) -> dict[str, RegionSpec]:
+def kv_regions(engine: Engine) -> dict[str, RegionSpec]:
     """Name -> :class:`RegionSpec` of every pool whose bytes a KV transfer may move."""
     h = engine.hybrid
     out: dict[str, RegionSpec] = {}
@@ -32,7 +36,7 @@ def kv_regions(engine) -> dict[str, RegionSpec]:
     return out
 
 
-def transfer_bytes(engine, pages: dict[str, int]) -> int:
+def transfer_bytes(engine: Engine, pages: dict[str, int]) -> int:
     """Bytes a transfer of ``pages[region]`` pages per region moves (for reports and tests)."""
     total = 0
     for name, n in pages.items():

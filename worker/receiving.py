@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
@@ -25,8 +25,11 @@ from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
 from tandem.worker.held_kv import HeldKV, held_kv
-from tandem.worker.kv_digest import regions_digest
+from tandem.worker.kv_digest import corrupt_page, regions_digest
 from tandem.worker.kv_regions import KV, kv_regions
+
+if TYPE_CHECKING:
+    from tandem.engine.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -48,14 +51,14 @@ class Reservation:
 class ReceivingConnector(KVConnector):
     """Engine thread, except :meth:`expect` and :meth:`forget` (any thread)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.kv = engine.kv
         self.regions = kv_regions(engine)   # name -> RegionSpec
-        self._expected: dict[str, concurrent.futures.Future] = {}
+        self._expected: dict[str, concurrent.futures.Future[Reservation | None]] = {}
         self._lock = threading.Lock()
 
-    def expect(self, rid: str) -> concurrent.futures.Future:
+    def expect(self, rid: str) -> concurrent.futures.Future[Reservation | None]:
         """Before ``rid`` is submitted: a peer writes its KV. The future gets its Reservation
         (None: it ended first)."""
         with self._lock:
@@ -89,6 +92,14 @@ class ReceivingConnector(KVConnector):
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
         return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
 
+    def corrupt(self, regions: tuple[RegionPages, ...]) -> None:
+        """Perturb the first page of the first region (the ``debug_corrupt_kv`` test lever)."""
+        for rp in regions:
+            if rp.pages:
+                spec = self.regions[rp.region]
+                corrupt_page(spec.tensor, rp.pages, spec.page_size)
+                return
+
 
 class ReceivingHandle(RoleHandle):
     """The worker's typed way to a :class:`ReceivingConnector`: KV in (``receive``, ``cancel``)
@@ -97,7 +108,7 @@ class ReceivingHandle(RoleHandle):
     connector: ReceivingConnector
 
     def receive(self, greq: GenerateRequest,
-                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future:
+                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future[Reservation | None]:
         """Queue ``greq`` to be filled by a peer; its Reservation once reserved (None: it ended
         first, its final chunk says why). Raises InvalidRequest for a prompt this engine can
         never serve. Chunks go to ``on_chunk``."""
@@ -118,7 +129,8 @@ class ReceivingHandle(RoleHandle):
 
     async def held_pages(self, rid: str, start: int) -> HeldKV:
         """Held ``rid``'s source ids from ``start`` (KeyError when it holds none here)."""
-        return await self._read(self.connector.held_kv, rid, start)
+        held: HeldKV = await self._read(self.connector.held_kv, rid, start)
+        return held
 
     def release_held(self, rid: str) -> None:
         """Queued: ``rid``'s held KV goes to this worker's cache (a no-op if it holds none)."""
@@ -130,3 +142,8 @@ class ReceivingHandle(RoleHandle):
         no write into them is in flight."""
         self.check_alive()
         return await asyncio.to_thread(self.connector.digest, regions)
+
+    async def corrupt_page(self, regions: tuple[RegionPages, ...]) -> None:
+        """Test lever (``debug_corrupt_kv``): perturb received pages, as a bad transfer would."""
+        self.check_alive()
+        await asyncio.to_thread(self.connector.corrupt, regions)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -17,10 +18,17 @@ from tandem.worker.kv_flow import KVReceiver, KVSender
 from tandem.worker.kv_regions import kv_regions
 from tandem.worker.receiving import ReceivingHandle
 
+if TYPE_CHECKING:
+    from tandem.cache.radix.events import KVEventPublisher
+    from tandem.cache.tiers.base import KVTier
+    from tandem.engine.connector import KVConnector
+    from tandem.engine.engine import Engine
+    from tandem.engine.handle import EngineSnapshot
+
 log = logging.getLogger(__name__)
 
 
-def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
+def kv_publisher(name: str, model: str, host: str = "127.0.0.1") -> KVEventPublisher:
     """Worker ``name``'s KV-event publisher (vLLM's format, replay socket) on ``host``."""
     import os
 
@@ -30,8 +38,8 @@ def kv_publisher(name: str, model: str, host: str = "127.0.0.1"):
                             replay_endpoint=f"tcp://{host}:0")
 
 
-def role_engine(name: str, role: str, connector, config: EngineConfig | None, options: WorkerOptions, *,
-                loaded=None):
+def role_engine(name: str, role: str, connector: type[KVConnector], config: EngineConfig | None,
+                options: WorkerOptions, *, loaded: Any = None) -> tuple[Engine, KVEventPublisher | None]:
     """``(engine, publisher or None)``: a new engine of ``role`` running ``connector``."""
     from tandem.engine.engine import Engine
 
@@ -43,7 +51,7 @@ def role_engine(name: str, role: str, connector, config: EngineConfig | None, op
     return engine, publisher
 
 
-def attach_tier(engine, name: str, options: dict | None):
+def attach_tier(engine: Engine, name: str, options: dict[str, Any] | None) -> KVTier | None:
     """Tier ``name`` from ``options`` added to the cache; None when off or it could not start (logged)."""
     if not options:
         return None
@@ -62,12 +70,12 @@ class RoleWorker:
 
     HANDLE: type[ReceivingHandle] = ReceivingHandle   # the role's handle; its CONNECTOR runs in the engine
 
-    def __init__(self, name: str, config: EngineConfig | None = None, *, engine=None, loaded=None,
-                 options: WorkerOptions | None = None, **fields):
+    def __init__(self, name: str, config: EngineConfig | None = None, *, engine: Engine | None = None,
+                 loaded: Any = None, options: WorkerOptions | None = None, **fields: Any) -> None:
         """A worker of ``engine`` (None: a new one of ``config``, ``loaded`` weights); ``options``
         (core/config.py ``WorkerOptions``), its fields overridden by keywords (in-process workers)."""
         options = options_of(options, fields)
-        self.kv_publisher = None
+        self.kv_publisher: KVEventPublisher | None = None
         if engine is None:
             engine, self.kv_publisher = role_engine(name, self.role, self.HANDLE.CONNECTOR, config, options,
                                                     loaded=loaded)
@@ -93,27 +101,33 @@ class RoleWorker:
 
     def handshake(self) -> bytes:
         """This worker's Handshake (NIXL metadata + region layout), encoded."""
-        return self.agent.handshake_bytes()
+        hs: bytes = self.agent.handshake_bytes()
+        return hs
 
     def add_peer(self, handshake: bytes) -> str:
         """Load a peer's handshake; its agent name. A peer known with the same metadata is kept as it
         is; new metadata under a known name (the peer restarted under its name) replaces the old."""
         hs = Handshake.decode(handshake)
-        if self.agent.knows(hs.agent_name, hs.agent_metadata):
-            return hs.agent_name
+        name: str = hs.agent_name
+        if self.agent.knows(name, hs.agent_metadata):
+            return name
         return self.agent.connect(handshake)
 
     def remove_peer(self, name: str) -> None:
         """Forget a (dead) peer; transfers with it fail from now on."""
         self.agent.remove_peer(name)
 
-    async def stats(self) -> dict:
+    async def abort(self, rid: str, reason: str = "") -> bool:
+        """Finish ``rid`` here and free its KV; False when it is not here (the role's)."""
+        raise NotImplementedError
+
+    async def stats(self) -> dict[str, Any]:
         """Pool accounting (:class:`EngineSnapshot` fields), live transfers and counters."""
         snap = await self.handle.snapshot()
         return {"worker": self.name, "role": self.role, **snap.as_dict(), "draining": self.draining,
                 "live_transfers": self.live_transfers, **self.counts, **self._extra_stats(snap)}
 
-    def _extra_stats(self, snap) -> dict:
+    def _extra_stats(self, snap: EngineSnapshot) -> dict[str, Any]:
         return {}
 
     @property
@@ -121,7 +135,7 @@ class RoleWorker:
         """Handoffs in progress, sending and receiving."""
         return self.sender.live + self.receiver.live
 
-    async def debug_kv(self) -> dict:
+    async def debug_kv(self) -> dict[str, Any]:
         """Every KV slot's place, the leak count and the invariant recount's verdict."""
         snap = await self.handle.snapshot()
         try:
@@ -159,7 +173,7 @@ class RoleWorker:
                 self.kv_publisher.close()
 
 
-def options_of(options: WorkerOptions | None, fields: dict) -> WorkerOptions:
+def options_of(options: WorkerOptions | None, fields: dict[str, Any]) -> WorkerOptions:
     """``options`` (None: the defaults) with ``fields`` (an in-process worker's keywords) over
     them, validated (an unknown keyword is a ValidationError)."""
     if not fields:
