@@ -28,6 +28,34 @@ def stalling(ray_local, smollm2_default):
     backend.close()
 
 
+def test_the_only_decode_worker_killed_before_the_first_token_its_streams_wait_for_the_replacement(stalling):
+    """First in the module, on the fresh cluster: there the stalled KV write holds every request
+    before its first token until the progress deadline (after a stall was seen, later requests
+    prefill on the decode worker at once, and on a fast machine the window with all of them opened
+    and none streamed is too short to catch). 1P+1D, the one decode worker SIGKILLed with every
+    request opened on it and none streamed yet: each request waits (``failover_wait_s``) for the supervisor's replacement and is routed
+    there (it used to end "no live decode worker"): the healthy text, no error event, each such
+    request counted re-dispatched, nothing held anywhere."""
+    backend, server, want = stalling
+    before = {o: _failovers(server, o) for o in ("redispatched", "resumed", "failed")}
+    out: dict = {}
+    ths = start_streams(server, out, "b")
+    wait_for(lambda: _on_decode_none_sent(backend, len(TOPICS)), 120, "no request opened on the decode worker")
+    d = backend.decodes[0]
+    os.kill(pid_of(d), signal.SIGKILL)
+    for th in ths:
+        th.join(300)
+    check_texts(out, want, "b", within=300)
+    assert not d.alive and _replaced(backend, d)
+    # each stream is re-dispatched (nothing reached its client before the kill: most, as pid_of
+    # takes a call) or resumed (a first token was on its way), once; none fails. Which, for a
+    # stream whose first token raced the kill, is the race's: the count of each is not asserted.
+    got = {o: _failovers(server, o) - v for o, v in before.items()}
+    assert got["redispatched"] >= 1 and got["redispatched"] + got["resumed"] == len(TOPICS), got
+    assert got["failed"] == 0, got
+    wait_idle(server)
+
+
 def test_a_stalled_kv_transfer_is_re_dispatched_and_frees_its_pages(stalling):
     """Every prefill worker holds its KV writes forever. The router sees the write pending past
     the deadline (prefill's stats) and re-dispatches each request without that prefill worker
@@ -106,27 +134,6 @@ def _on_decode_none_sent(backend, n: int) -> bool:
     """``n`` requests opened on a decode worker, none of which sent its client anything yet."""
     ss = list(backend.streams.values())
     return len(ss) == n and not any(s.began for s in ss) and all(s.wire_rid in backend.inflight for s in ss)
-
-
-def test_the_only_decode_worker_killed_before_the_first_token_its_streams_wait_for_the_replacement(stalling):
-    """1P+1D, the one decode worker SIGKILLed with every request opened on it and none streamed
-    yet: each request waits (``failover_wait_s``) for the supervisor's replacement and is routed
-    there (it used to end "no live decode worker"): the healthy text, no error event, each such
-    request counted re-dispatched, nothing held anywhere."""
-    backend, server, want = stalling
-    before = _failovers(server, "redispatched")
-    out: dict = {}
-    ths = start_streams(server, out, "b")
-    wait_for(lambda: _on_decode_none_sent(backend, len(TOPICS)), 120, "no request opened on the decode worker")
-    d = backend.decodes[0]
-    os.kill(pid_of(d), signal.SIGKILL)
-    early = sum(not s.began for s in list(backend.streams.values()))   # most: pid_of takes a call
-    for th in ths:
-        th.join(300)
-    check_texts(out, want, "b", within=300)
-    assert not d.alive and _replaced(backend, d)
-    assert _failovers(server, "redispatched") - before >= max(early, 1)
-    wait_idle(server)
 
 
 def test_the_only_decode_worker_killed_past_the_wait_each_stream_ends_with_one_error(stalling, monkeypatch):
