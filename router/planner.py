@@ -100,6 +100,9 @@ class Planner:
         if d == o.decode and d > c.min_decode and not busy_d and now - self._busy_at["decode"] >= c.scale_down_after_s:
             d, why = d - 1, why + ["decode idle"]
             self._busy_at["decode"] = now
+        for role, n, low in (("prefill", p, c.min_prefill), ("decode", d, c.min_decode)):
+            if n < low:                     # e.g. a worker out of rotation: the count read low
+                why.append(f"{role} {n} below its minimum {low}")
         p = min(max(p, c.min_prefill), c.max_prefill)
         d = min(max(d, c.min_decode), c.max_decode)
         return Plan(p, d, "; ".join(why) if (p, d) != (o.prefill, o.decode) else "hold")

@@ -135,3 +135,5 @@ def test_planner_adds_the_role_that_misses_its_slo_and_removes_idle_workers():
     down = p.plan(Observation(4, 2, ttft_s=0.1, itl_s=0.001), 16.0)
     assert (down.prefill, down.decode) == (3, 1) and "idle" in down.reason
     assert p.plan(Observation(1, 1), 100.0) == p.plan(Observation(1, 1), 200.0)   # floors hold
+    low = p.plan(Observation(0, 1), 300.0)         # a worker out of rotation: the count read 0
+    assert low.prefill == 1 and low.reason == "prefill 0 below its minimum 1", low
