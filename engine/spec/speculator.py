@@ -154,8 +154,11 @@ class Speculator:
     def draft(self, sr, batch: int) -> tuple[int, ...]:
         """The draft of ``sr`` for this step (() for none)."""
         r = sr.req
-        if ((sr.grammar is not None and sr.matcher is None) or sr.ahead or sr.inflight
+        if (sr.grammar is not None or sr.matcher is not None or sr.ahead or sr.inflight
                 or not r.params.speculative):
+            # a constrained request does not draft: with drafts on, a fresh-clone run saw a lark
+            # tool-call grammar refuse an accepted token (test_serve_agent); until that is found,
+            # grammars decode one token a step (Matcher.valid_prefix / fill_along / forced stay)
             return ()
         if sr.spec is None:
             sr.spec = DraftState()
