@@ -152,7 +152,9 @@ def test_a_hybrid_request_migrates_with_its_window_and_state(hybrid_family, loop
     name, loaded = hybrid_family
     cfg = hybrid_engine_config(page_size=PAGE)
     ids = list(b"[7] tell me about hybrid models and their windows, please: ")
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    # one token a step: the tiny random model's repetitive text is drafted and accepted many tokens
+    # a step, and the request could end before the migration reached it ("not decoding here")
+    params = SamplingParams(max_tokens=14, ignore_eos=True, speculative=False)
 
     async def go():
         p = PrefillWorker(f"hm-{name}-p", cfg, loaded=loaded, transfer_timeout_s=20)
