@@ -170,8 +170,6 @@ class Speculator:
         ids = r.all_ids
         min_n = 1 if st.alpha >= TRUST_SHORT else st.index.max_n   # a short match is weak evidence
         d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
-        if sr.matcher is not None:
-            d = d[:sr.matcher.valid_prefix(d)] or sr.matcher.forced(k)   # a refused token ends it
         return d
 
     def plan(self, plan, decodes: list, kv) -> list:
