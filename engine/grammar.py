@@ -152,21 +152,31 @@ class Matcher:
         return True
 
     def valid_prefix(self, tokens) -> int:
-        """How many of ``tokens``, in order, the grammar would accept from here (changes nothing):
-        a draft is cut there (engine/spec/)."""
+        """How many of ``tokens``, in order, the grammar would accept from here, stopping before
+        the first EOS (changes nothing): a draft is cut there (engine/spec/). An EOS is never
+        drafted under a grammar: llguidance consumes an EOS once the grammar is complete without
+        recording it, so rolling the draft back would undo one token too many (and an EOS ends the
+        request anyway: the target's own token at that row finds it)."""
         if not tokens or self._m.is_error():
             return 0
-        return self._m.validate_tokens([int(t) for t in tokens])
+        ids = [int(t) for t in tokens]
+        n = self._m.validate_tokens(ids)
+        return next((i for i, t in enumerate(ids[:n]) if t in self._eos), n)
 
     def forced(self, limit: int) -> tuple[int, ...]:
         """Up to ``limit`` tokens the grammar forces from here (llguidance's fast-forward tokens: a
         JSON schema's keys and punctuation); changes nothing. A draft where no text matches."""
         if limit <= 0 or self._m.is_error() or self._m.is_stopped():
             return ()
-        return tuple(self._m.compute_ff_tokens()[:limit])
+        ff = [int(t) for t in self._m.compute_ff_tokens()[:limit]]
+        return tuple(ff[:next((i for i, t in enumerate(ff) if t in self._eos), len(ff))])
 
     def ends_at(self, token_id: int) -> bool:
-        """Whether accepting ``token_id`` now would complete the grammar (changes nothing)."""
+        """Whether accepting ``token_id`` now would complete the grammar (changes nothing). An EOS
+        the grammar allows ends it, and is not consumed to find out (llguidance would not record
+        it, and the rollback would undo the token before it)."""
+        if int(token_id) in self._eos:
+            return self.is_terminated() or (not self._m.is_error() and self._m.validate_tokens([int(token_id)]) == 1)
         if not self.accept(token_id):
             return False
         done = self.is_terminated()
@@ -176,7 +186,10 @@ class Matcher:
     def fill_along(self, tokens, bitmask: torch.Tensor, rows: list[int]) -> None:
         """``bitmask[rows[j]]``: the tokens allowed after ``tokens[:j]`` (j = 0 .. len(tokens);
         ``tokens`` a prefix the grammar accepts, :meth:`valid_prefix`): a verify step's draft
-        positions. The state is the same after."""
+        positions; no EOS among them (:meth:`valid_prefix` cuts before one). The state is the same
+        after."""
+        if any(int(t) in self._eos for t in tokens):
+            raise ValueError(f"a draft under a grammar never holds an EOS ({sorted(self._eos)}): {list(tokens)}")
         self.fill_bitmask(bitmask, rows[0])
         for j, t in enumerate(tokens):
             if not self._m.consume_token(int(t)):

@@ -154,11 +154,8 @@ class Speculator:
     def draft(self, sr, batch: int) -> tuple[int, ...]:
         """The draft of ``sr`` for this step (() for none)."""
         r = sr.req
-        if (sr.grammar is not None or sr.matcher is not None or sr.ahead or sr.inflight
+        if ((sr.grammar is not None and sr.matcher is None) or sr.ahead or sr.inflight
                 or not r.params.speculative):
-            # a constrained request does not draft: with drafts on, a fresh-clone run saw a lark
-            # tool-call grammar refuse an accepted token (test_serve_agent); until that is found,
-            # grammars decode one token a step (Matcher.valid_prefix / fill_along / forced stay)
             return ()
         if sr.spec is None:
             sr.spec = DraftState()
@@ -170,6 +167,8 @@ class Speculator:
         ids = r.all_ids
         min_n = 1 if st.alpha >= TRUST_SHORT else st.index.max_n   # a short match is weak evidence
         d = st.index.propose(ids, k, min_n) or self.pool.propose((r.cache_salt, r.tenant), ids, k)
+        if sr.matcher is not None:
+            d = d[:sr.matcher.valid_prefix(d)] or sr.matcher.forced(k)   # a refused token ends it
         return d
 
     def plan(self, plan, decodes: list, kv) -> list:

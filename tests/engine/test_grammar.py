@@ -228,6 +228,34 @@ def test_draft_helpers_change_nothing(tok, compiler):
     assert named.accepted == [] and all(named.accept(t) for t in forced)
 
 
+def test_a_draft_stops_before_an_eos_which_llguidance_would_not_roll_back(tok, compiler):
+    """The cause of a refused tool call (test_serve_agent with drafts on, 1P+1D): a draft copied
+    from the tenant's pool ran past the grammar's end into an EOS. llguidance consumes an EOS after
+    the grammar is complete without recording it, so rolling the draft back undid one token too
+    many, and the next accepted token was refused. The first half pins llguidance's behaviour (if
+    a release changes it, this says so); the second that a draft never holds an EOS: it is cut
+    before one, ``fill_along`` refuses one and ``ends_at`` decides an EOS without consuming it."""
+    c = Constraint("lark", 'start: "<tool_call>\\n" "x" "\\n</tool_call>"\n')
+    ids = tok.encode("<tool_call>\nx\n</tool_call>")
+    eos = sorted(compiler.eos_ids)[0]
+    raw = compiler.matcher_from(c, ids[:-3])._m
+    assert all(raw.consume_token(t) for t in ids[-3:] + [eos]) and raw.is_stopped()
+    assert raw.rollback(4) and raw.validate_tokens(ids[-3:]) == 0           # one token too far back
+    m = compiler.matcher_from(c, ids[:-3])
+    draft = ids[-3:] + [eos]
+    assert m.valid_prefix(draft) == 3 and m.valid_prefix([eos]) == 0
+    with pytest.raises(ValueError, match="EOS"):
+        m.fill_along(draft, compiler.allocate_bitmask(5), list(range(5)))
+    assert m.accepted == ids[:-3] and m.valid_prefix(ids[-3:]) == 3
+    bits = compiler.allocate_bitmask(4)
+    m.fill_along(ids[-3:], bits, list(range(4)))                            # ends on the stopped state
+    assert m.valid_prefix(ids[-3:]) == 3
+    assert all(m.accept(t) for t in ids[-3:]) and m.is_terminated()
+    assert m.ends_at(eos) and m.accepted == ids                              # decided, not consumed
+    early = compiler.matcher_from(c, ids[:-1])
+    assert not early.ends_at(eos) and early.accepted == ids[:-1]             # not allowed yet
+    assert m.forced(8) == ()
+
 def test_batch_mixes_constrained_and_unconstrained_rows(tok, compiler):
     v = compiler.vocab_size
     logits = torch.randn(3, v)
