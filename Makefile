@@ -58,9 +58,10 @@ typecheck: setup
 # processes, then both the rest (tests/conftest.py pytest_xdist_make_scheduler). Bytecode is
 # written (PYTHONDONTWRITEBYTECODE emptied; __pycache__ is git-ignored) so that the run's hundreds
 # of Ray actors and child processes load the product compiled once.
+# Every test's seconds go to build/test-times.xml: `python tests/durations.py` reads it (and compares two).
 test: setup test-models
 	$(PY) -c "from tandem.core import onednn; from tandem.engine.quant import cpu, native_lib; print(cpu.describe_cpu()); print(onednn.describe()); print(native_lib.describe())"
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n 2 --durations=25 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n 2 --durations=25 --junitxml=build/test-times.xml tests
 
 # The inner loop while developing: the type check (above), then the unit, engine and cache tests, no
 # Ray, no cluster and no real weights (the folders below minus the `ray` and `model` markers,
