@@ -33,14 +33,14 @@ class TierPort:
 
     def make_room_aux(self, i: int, n: int) -> None:
         host = self._cache.host
-        self.tree.evict_aux(i, n, backup=host.copy_aux if host is not None else None)
+        self.tree.aux.evict(i, n, backup=host.copy_aux if host is not None else None)
         self._cache._free_aux()
 
     def make_room_host(self, n: int, i: int | None = None) -> None:
         if i is None:
-            self.tree.evict_host(n)
+            self.tree.hosted.evict(n)
         else:
-            self.tree.evict_host_aux(i, n)
+            self.tree.hosted.evict_aux(i, n)
         self._cache._free_host()
 
     def insert_loaded(self, key: list, value, extra, session_id=None) -> int:

@@ -243,7 +243,7 @@ class UnifiedRadixCache:
         now = self._expire_pins()
         n = min(num_tokens, node.end) // self.page_size * self.page_size
         until = now + min(ttl_s, self.config.pin_max_ttl_s)
-        got = t.pin_path(node, n, until, tenant, self._pin_cap() if cap is None else cap)
+        got = t.pins.pin(node, n, until, tenant, self._pin_cap() if cap is None else cap)
         if got is None:
             self.pin_refused += 1
         elif t.record_events:           # the router's index learns the pin (router/prefix_index.py)
@@ -262,14 +262,14 @@ class UnifiedRadixCache:
         now = self._expire_pins()
         out = [{"tenant": nd.pin_tenant, "hash": self._prefix_hash(nd), "tokens": nd.end,
                 "tier": "device" if nd.value is not None else "host", "expires_in_s": round(nd.pin - now, 3)}
-               for nd in t.pinned_prefixes()]
+               for nd in t.pins.prefixes()]
         return sorted(out, key=lambda d: (-d["tokens"], d["hash"]))
 
     def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
         """End the pins of the prefix whose last page hashes to ``prefix_hash`` (as :meth:`pins`
         names it; only ``tenant``'s when given). Returns the tokens unpinned (0: none such)."""
         t = self._tree
-        for nd in t.pinned_prefixes():
+        for nd in t.pins.prefixes():
             if self._prefix_hash(nd) == prefix_hash and tenant in (None, nd.pin_tenant):
                 n, gone = 0, []
                 for x in reversed(t.path(nd)):   # up to where another pinned prefix needs the rest
@@ -277,7 +277,7 @@ class UnifiedRadixCache:
                         break
                     n += len(x.key)
                     gone.extend(t.hashes(x))
-                    t.unpin(x)
+                    t.pins.unpin(x)
                 if t.record_events and gone:
                     t.events.append(BlockUnpinned(gone))
                 self._after()
@@ -298,14 +298,14 @@ class UnifiedRadixCache:
     def _expire_pins(self) -> float:
         """End the pins past their time; the cache clock's now."""
         now = self._clock()
-        if self._tree.pin_expiry:
-            self._tree.expire_pins(now)
+        if self._tree.pins.expiry:
+            self._tree.pins.expire(now)
         return now
 
     @property
     def pinned_tokens(self) -> dict[str, int]:
         """Pinned tokens per tenant (on any tier)."""
-        return dict(self._tree.pin_tokens)
+        return dict(self._tree.pins.tokens)
 
     def evict(self, num_tokens: int, component: str = "full") -> int:
         """Free at least ``num_tokens`` of unlocked cache if there is that much; returns how much
@@ -316,10 +316,10 @@ class UnifiedRadixCache:
             freed = self._evict_device(num_tokens)
         elif component == "host":
             self._expire_pins()
-            freed = self._tree.evict_host(num_tokens)
+            freed = self._tree.hosted.evict(num_tokens)
         elif component in self._aux_index:
             backup = self.host.copy_aux if self.host is not None else None
-            freed = self._tree.evict_aux(self._aux_index[component], num_tokens, backup=backup)
+            freed = self._tree.aux.evict(self._aux_index[component], num_tokens, backup=backup)
         else:
             raise ValueError(f"unknown component {component!r}")
         self._after()
@@ -330,10 +330,10 @@ class UnifiedRadixCache:
         self._expire_pins()
         if self.policy.time_dependent:
             self.policy.begin_pass()
-            t.rebuild_heap()
+            t.leaves.rebuild()
         freed = 0
         while freed < num_tokens:
-            nd = t.pop_leaf()
+            nd = t.leaves.pop()
             if nd is None:
                 break
             for tier in self.tiers:
@@ -349,9 +349,9 @@ class UnifiedRadixCache:
 
     def stats(self) -> CacheStats:
         t = self._tree
-        comps = ({c.name: (t.aux_evictable[i], t.aux_protected[i]) for i, c in enumerate(self._aux)}
+        comps = ({c.name: (t.aux.evictable[i], t.aux.protected[i]) for i, c in enumerate(self._aux)}
                  if self._aux else _NO_COMPONENTS)
-        return CacheStats(t.evictable, t.protected, t.host_size if self.host else 0, comps)
+        return CacheStats(t.evictable, t.protected, t.hosted.size if self.host else 0, comps)
 
     def check(self, extra_owned: Any = None) -> None:
         """Recount everything; raise AssertionError listing every violation."""
@@ -405,32 +405,32 @@ class UnifiedRadixCache:
         host = self.host
         if host is None:        # the tree holds host copies only with a host tier
             return
-        if t.host_frees:
-            host.allocator.free(torch.cat(t.host_frees))
-            t.host_frees = []
-        if t.aux_host_frees:
-            for i, v in t.aux_host_frees:
+        if t.hosted.frees:
+            host.allocator.free(torch.cat(t.hosted.frees))
+            t.hosted.frees = []
+        if t.hosted.aux_frees:
+            for i, v in t.hosted.aux_frees:
                 host.stores[self._aux[i].name].allocator.free(
                     v if isinstance(v, torch.Tensor) else torch.tensor([int(v)], dtype=torch.int64))
-            t.aux_host_frees = []
+            t.hosted.aux_frees = []
 
     def _free_aux(self) -> None:
         t = self._tree
         if t.spills:
             self._spill()
-        if t.aux_frees:
+        if t.aux.frees:
             # no copier wait: a D2H copy has read its device rows when to_host returns
-            for i, v in t.aux_frees:
+            for i, v in t.aux.frees:
                 self._aux[i].free(v)
-            t.aux_frees = []
+            t.aux.frees = []
 
     def _after(self) -> None:
         t = self._tree
         if t.device_frees:
             self._free_device()
-        if t.host_frees or t.aux_host_frees:
+        if t.hosted.frees or t.hosted.aux_frees:
             self._free_host()
-        if t.aux_frees or t.spills:
+        if t.aux.frees or t.spills:
             self._free_aux()
         if self.host is not None:
             self.host.poll()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.cache.radix.node import Node
+    from tandem.cache.tiers.host_nodes import HostCopies
 
 
 class _Full:
@@ -180,3 +184,37 @@ class Mamba(TreeComponent):
     def free(self, value) -> None:
         if self.allocator is not None:
             self.allocator.free(torch.tensor([int(value)], dtype=torch.int64))
+
+
+def vote(components: tuple[TreeComponent, ...], path: list[Node], hosted: HostCopies) -> tuple[int, int]:
+    """``(n_dev, n_best)``: how many leading nodes of ``path`` end at the deepest boundary
+    every component of a tree accepts with device data (``n_dev``) and with data on either tier
+    (``n_best``: host copies of component data count, so a load-back can serve it)."""
+    if not components:
+        if not hosted.nodes:
+            return len(path), len(path)
+        for i, nd in enumerate(path):
+            if nd.value is None:
+                return i, len(path)
+        return len(path), len(path)
+    validators = [c.validator() for c in components]
+    anywhere = [c.validator(host=True) for c in components] if any(hosted.aux_nodes) else None
+    n_dev = n_best = 0
+    on_device = True
+    for i, nd in enumerate(path, 1):
+        if nd.value is None:
+            on_device = False
+        ok = True
+        for accept in validators:
+            if not accept(nd):
+                ok = False
+        if ok and on_device:
+            n_dev = i
+        if anywhere is not None:
+            ok = True
+            for accept in anywhere:
+                if not accept(nd):
+                    ok = False
+        if ok:
+            n_best = i
+    return n_dev, n_best

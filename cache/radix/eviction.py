@@ -1,8 +1,9 @@
-"""Eviction policies: which unlocked leaf goes first."""
+"""Eviction policies (which unlocked leaf goes first) and the heap of evictable leaves they order."""
 
 from __future__ import annotations
 
 import time
+from heapq import heapify, heappop, heappush
 from operator import attrgetter
 from typing import Any, Callable, Hashable
 
@@ -79,3 +80,70 @@ def make_policy(name: str, *, session_ttl_s: float = 300.0, slru_threshold: int 
     if name == "session":
         return SessionPolicy(session_ttl_s, clock)
     raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICIES)}")
+
+
+class LeafHeap:
+    """A tree's evictable leaves (device data, unlocked, no child with device data) in policy
+    order: ``nodes`` is the set, ``heap`` / ``pheap`` lazy heaps of ``(key, id, node)`` for
+    unpinned / pinned ones (an entry is live while ``node.hk`` equals its key; stale ones are
+    skipped and the heaps rebuilt when they pass twice the live count)."""
+
+    def __init__(self, key: Callable[[Any], Any]):
+        self.key = key
+        self.nodes: set = set()
+        self.heap: list[tuple[Any, int, Any]] = []
+        self.pheap: list[tuple[Any, int, Any]] = []     # pinned: popped only when ``heap`` is empty
+
+    def update(self, nd) -> None:
+        """File ``nd`` by its state now: in (at its current key) if it is an evictable leaf, else out."""
+        if nd.value is not None and nd.lock_ref == 0 and nd.ndc == 0:
+            k = self.key(nd)
+            hk = nd.hk
+            if hk is None:
+                self.nodes.add(nd)
+            elif hk == k:
+                return
+            nd.hk = k
+            heappush(self.pheap if nd.pin else self.heap, (k, nd.id, nd))
+            if len(self.heap) + len(self.pheap) > 2 * len(self.nodes) + 256:
+                self.rebuild()
+        elif nd.hk is not None:
+            self.discard(nd)
+
+    def discard(self, nd) -> None:
+        """``nd`` is no evictable leaf any more (its heap entries go stale)."""
+        nd.hk = None
+        self.nodes.discard(nd)
+
+    def refile(self, nd) -> None:
+        """``nd``'s pin changed: file it again in the heap it now belongs to."""
+        if nd.hk is not None:
+            self.discard(nd)
+            self.update(nd)
+
+    def rebuild(self) -> None:
+        """Both heaps anew from ``nodes`` at today's keys (a time-dependent policy's keys move)."""
+        key = self.key
+        heap: list[tuple[Any, int, Any]] = []
+        pheap: list[tuple[Any, int, Any]] = []
+        for nd in self.nodes:
+            nd.hk = key(nd)
+            (pheap if nd.pin else heap).append((nd.hk, nd.id, nd))
+        heapify(heap)
+        heapify(pheap)
+        self.heap, self.pheap = heap, pheap
+
+    def pop(self):
+        """The next evictable leaf: every unpinned one (policy order) before any pinned one; None
+        when there is none."""
+        heap = self.heap
+        while heap:
+            k, _, nd = heappop(heap)
+            if nd.hk == k and not nd.pin:
+                return nd
+        heap = self.pheap
+        while heap:
+            k, _, nd = heappop(heap)
+            if nd.hk == k and nd.pin:
+                return nd
+        return None

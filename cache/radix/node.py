@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.cache.radix.eviction import EvictionPolicy, LeafHeap
 
 
 class Node:
@@ -50,3 +56,48 @@ def parent_of(nd: Node) -> Node:
     if p is None:
         raise ValueError(f"{nd} has no parent: the root, or a node no longer in the tree")
     return p
+
+
+def take_value(value: Any, a: int, b: int) -> Any:
+    """Positions ``[a, b)`` of a node value (None: the positions themselves, as a range); a tensor
+    piece is a copy."""
+    if value is None:
+        return range(a, b)
+    piece = value[a:b]
+    return piece.clone() if isinstance(piece, torch.Tensor) else piece
+
+
+def cut_value(value: Any, m: int) -> tuple[Any, Any]:
+    """A node value cut after ``m`` positions: (head, tail), copies for a tensor."""
+    if isinstance(value, torch.Tensor):
+        return value[:m].clone(), value[m:].clone()
+    return value[:m], value[m:]
+
+
+def concat_values(pieces: list) -> torch.Tensor:
+    """One int64 tensor of the path's values: always a new tensor, never the tree's own."""
+    if not pieces:
+        return torch.empty(0, dtype=torch.int64)
+    if all(type(p) is range for p in pieces):
+        return torch.arange(pieces[0].start, pieces[-1].stop, dtype=torch.int64)
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.as_tensor(list(p), dtype=torch.int64)
+                      for p in pieces])
+
+
+class TreePort(Protocol):
+    """What the tree's parts (``aux``, ``hosted``, ``pins``: cache/radix/aux.py,
+    cache/tiers/host_nodes.py, cache/radix/pins.py) read and call of the tree that owns them."""
+
+    root: Node
+    components: tuple
+    policy: EvictionPolicy
+    leaves: LeafHeap
+    record_events: bool
+    spills: list | None
+
+    def path(self, node: Node) -> list[Node]: ...
+    def split(self, child: Node, m: int) -> Node: ...
+    def delete_subtree(self, nd: Node) -> None: ...
+    def spill(self, nd: Node, slots: Any, on_host: bool, aux: Sequence[tuple[int, Any, bool]] = ()) -> None: ...
+    def event_store(self, nd: Node, medium: str) -> None: ...
+    def event_remove(self, nd: Node, medium: str) -> None: ...

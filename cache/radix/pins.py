@@ -1,109 +1,99 @@
-"""The radix tree's pins (a mixin of :class:`~tandem.cache.radix.tree.RadixTree`): prefixes a
-client asked to keep (Anthropic ``cache_control``, OpenAI ``prompt_cache_retention``) until a
-clock time.
+"""The radix tree's pins (an object the tree owns: ``tree.pins``): prefixes a client asked to
+keep (Anthropic ``cache_control``, OpenAI ``prompt_cache_retention``) until a clock time.
 
 A pin covers a whole prefix, root..n, so a pinned node's parent is pinned at least as long
 (``parent.pin >= nd.pin``; the recount checks it). A pinned evictable leaf waits in the tree's
-``pheap``, which ``pop_leaf`` reaches only when no unpinned leaf is left; host eviction takes
+``leaves.pheap``, which ``leaves.pop`` reaches only when no unpinned leaf is left; host eviction takes
 unpinned host copies first too. A pin never blocks anything: past every unpinned page, pinned
 pages are evicted (demoted to the host tier when there is one, whose eviction spills to L3).
 Each pinned node's tokens are charged to one tenant (``pin_tenant``, the first to pin it);
-``pin_tokens[tenant]`` is their sum, kept exact as nodes split, expire and leave the tree.
+``tokens[tenant]`` is their sum, kept exact as nodes split, expire and leave the tree.
 """
 
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tandem.cache.radix.node import Node
+    from tandem.cache.radix.node import Node, TreePort
 
 
 class Pins:
-    leaves: set[Node]       # RadixTree's
+    """The pinned nodes of one tree, their tenants' charges and their expiry times. Reads the
+    tree's paths and splits edges through it; moves a node between the tree's heaps when its pin
+    changes."""
 
-    if TYPE_CHECKING:       # RadixTree's methods
-        def path(self, node: Node) -> list[Node]: ...
-        def _split(self, child: Node, m: int) -> Node: ...
-        def _upd(self, nd: Node) -> None: ...
+    def __init__(self, tree: TreePort):
+        self.tree = tree
+        self.nodes: set[Node] = set()
+        self.tokens: dict[str, int] = {}
+        self.expiry: list[tuple[float, int, Node]] = []     # lazy: stale entries are skipped
 
-    def reset_pins(self) -> None:
-        self.pinned: set[Node] = set()
-        self.pin_tokens: dict[str, int] = {}
-        self.pin_expiry: list[tuple[float, int, Node]] = []     # lazy: stale entries are skipped
-
-    def pin_path(self, node: Node, n: int, until: float, tenant: str, cap: int | None) -> int | None:
+    def pin(self, node: Node, n: int, until: float, tenant: str, cap: int | None) -> int | None:
         """Pin root..``n`` (page-aligned, at most ``node.end``) of ``node``'s path until ``until``;
         a pin already there lasts the longer of the two. Returns the tokens newly charged to
         ``tenant``, or None (nothing changed) when that would take it past ``cap`` tokens."""
-        path = self.path(node)
+        path = self.tree.path(node)
         k = 0
         while k < len(path) and path[k].end <= n:
             k += 1
         if k < len(path) and path[k].start < n:          # the boundary is inside this edge
-            self._split(path[k], n - path[k].start)
-            path = self.path(node)
+            self.tree.split(path[k], n - path[k].start)
+            path = self.tree.path(node)
             k += 1
         path = path[:k]
         new = sum(len(nd.key) for nd in path if not nd.pin)
-        if cap is not None and new and self.pin_tokens.get(tenant, 0) + new > cap:
+        if cap is not None and new and self.tokens.get(tenant, 0) + new > cap:
             return None
         for nd in path:
             if not nd.pin:
                 nd.pin_tenant = tenant
-                self.pinned.add(nd)
-                self.pin_tokens[tenant] = self.pin_tokens.get(tenant, 0) + len(nd.key)
+                self.nodes.add(nd)
+                self.tokens[tenant] = self.tokens.get(tenant, 0) + len(nd.key)
                 nd.pin = until
-                self._requeue(nd)
+                self.tree.leaves.refile(nd)
             elif until > nd.pin:
                 nd.pin = until
             else:
                 continue
-            heappush(self.pin_expiry, (nd.pin, nd.id, nd))
+            heappush(self.expiry, (nd.pin, nd.id, nd))
         return new
 
-    def expire_pins(self, now: float) -> int:
+    def expire(self, now: float) -> int:
         """End every pin whose time is past ``now``. Returns how many nodes it unpinned."""
-        heap, n = self.pin_expiry, 0
+        heap, n = self.expiry, 0
         while heap and heap[0][0] <= now:
             until, _, nd = heappop(heap)
-            if nd.pin == until and nd in self.pinned:
+            if nd.pin == until and nd in self.nodes:
                 self.unpin(nd)
                 n += 1
         return n
 
     def unpin(self, nd: Node) -> None:
         """``nd`` is an ordinary node again (evicted in policy order among the unpinned)."""
-        self.forget_pin(nd)
-        self._requeue(nd)
+        self.forget(nd)
+        self.tree.leaves.refile(nd)
 
-    def forget_pin(self, nd: Node) -> None:
+    def forget(self, nd: Node) -> None:
         """Release ``nd``'s pin and its tenant's charge (``nd`` leaves the tree, or is unpinned)."""
-        self.pinned.discard(nd)
+        self.nodes.discard(nd)
         t = nd.pin_tenant
-        if t is not None:       # pin_path() charged it
-            left = self.pin_tokens[t] - len(nd.key)
+        if t is not None:       # pin() charged it
+            left = self.tokens[t] - len(nd.key)
             if left:
-                self.pin_tokens[t] = left
+                self.tokens[t] = left
             else:
-                del self.pin_tokens[t]
+                del self.tokens[t]
         nd.pin, nd.pin_tenant = 0.0, None
 
-    def pin_split(self, up: Node, child: Node) -> None:
+    def split(self, up: Node, child: Node) -> None:
         """``up`` was cut from the top of pinned ``child``: it holds the same pin (the charge is
         unchanged: the tokens only moved)."""
         up.pin, up.pin_tenant = child.pin, child.pin_tenant
-        self.pinned.add(up)
-        heappush(self.pin_expiry, (up.pin, up.id, up))
+        self.nodes.add(up)
+        heappush(self.expiry, (up.pin, up.id, up))
 
-    def pinned_prefixes(self) -> list[Node]:
+    def prefixes(self) -> list[Node]:
         """The deepest pinned nodes (each names one pinned prefix: root..it)."""
-        return [nd for nd in self.pinned if not any(c.pin for c in nd.children.values())]
-
-    def _requeue(self, nd: Node) -> None:
-        """``nd``'s pin changed: file it again in the heap it now belongs to."""
-        if nd.hk is not None:
-            nd.hk = None
-            self.leaves.discard(nd)
-            self._upd(nd)
+        return [nd for nd in self.nodes if not any(c.pin for c in nd.children.values())]

@@ -50,19 +50,19 @@ def _check_pins(tree, nodes: list) -> list[str]:
     """Pins: the pinned set and each tenant's charge recounted; a pin covers a whole prefix."""
     E: list[str] = []
     pinned = {nd for nd in nodes if nd.pin}
-    if tree.pinned != pinned:
-        E.append(f"[pin] pinned set ({len(tree.pinned)}) != recount ({len(pinned)}): "
-                 f"{sorted(n.id for n in tree.pinned ^ pinned)[:8]} differ")
+    if tree.pins.nodes != pinned:
+        E.append(f"[pin] pinned set ({len(tree.pins.nodes)}) != recount ({len(pinned)}): "
+                 f"{sorted(n.id for n in tree.pins.nodes ^ pinned)[:8]} differ")
     charge: dict = {}
-    expiries = {(u, i) for u, i, _ in tree.pin_expiry}
+    expiries = {(u, i) for u, i, _ in tree.pins.expiry}
     for nd in pinned:
         charge[nd.pin_tenant] = charge.get(nd.pin_tenant, 0) + len(nd.key)
         if nd.parent is not tree.root and nd.parent.pin < nd.pin:
             E.append(f"[pin] {nd} pinned until {nd.pin} under {nd.parent} pinned until {nd.parent.pin}")
         if (nd.pin, nd.id) not in expiries:
             E.append(f"[pin] {nd} has no expiry entry for {nd.pin}")
-    if charge != tree.pin_tokens:
-        E.append(f"[pin] pin_tokens {tree.pin_tokens} != recount {charge}")
+    if charge != tree.pins.tokens:
+        E.append(f"[pin] pin_tokens {tree.pins.tokens} != recount {charge}")
     return E
 
 
@@ -169,25 +169,25 @@ def check(tree, *, allocator=None, extra_owned: Any = None, host_allocator=None,
     if (tree.evictable, tree.protected) != (evictable, protected):
         E.append(f"[size] evictable={tree.evictable} protected={tree.protected} != recount "
                  f"{evictable}/{protected}")
-    if tree.host_size != host_size or tree.host_nodes != host_nodes:
-        E.append(f"[size] host_size={tree.host_size} ({len(tree.host_nodes)} nodes) != recount "
+    if tree.hosted.size != host_size or tree.hosted.nodes != host_nodes:
+        E.append(f"[size] host_size={tree.hosted.size} ({len(tree.hosted.nodes)} nodes) != recount "
                  f"{host_size} ({len(host_nodes)} nodes)")
     for i, c in enumerate(comps):
-        if (tree.aux_evictable[i], tree.aux_protected[i]) != (aux_ev[i], aux_pr[i]):
-            E.append(f"[size] {c.name} evictable={tree.aux_evictable[i]} protected="
-                     f"{tree.aux_protected[i]} != recount {aux_ev[i]}/{aux_pr[i]}")
-        if tree.aux_unlocked[i] != aux_unlocked[i]:
-            E.append(f"[set] {c.name} unlocked set ({len(tree.aux_unlocked[i])}) != recount "
+        if (tree.aux.evictable[i], tree.aux.protected[i]) != (aux_ev[i], aux_pr[i]):
+            E.append(f"[size] {c.name} evictable={tree.aux.evictable[i]} protected="
+                     f"{tree.aux.protected[i]} != recount {aux_ev[i]}/{aux_pr[i]}")
+        if tree.aux.unlocked[i] != aux_unlocked[i]:
+            E.append(f"[set] {c.name} unlocked set ({len(tree.aux.unlocked[i])}) != recount "
                      f"({len(aux_unlocked[i])})")
-        if tree.aux_host_size[i] != aux_host_size[i] or tree.aux_host_nodes[i] != aux_host_nodes[i]:
-            E.append(f"[size] {c.name} host size={tree.aux_host_size[i]} "
-                     f"({len(tree.aux_host_nodes[i])} nodes) != recount {aux_host_size[i]} "
+        if tree.hosted.aux_size[i] != aux_host_size[i] or tree.hosted.aux_nodes[i] != aux_host_nodes[i]:
+            E.append(f"[size] {c.name} host size={tree.hosted.aux_size[i]} "
+                     f"({len(tree.hosted.aux_nodes[i])} nodes) != recount {aux_host_size[i]} "
                      f"({len(aux_host_nodes[i])} nodes)")
-    if tree.leaves != leaves:
-        E.append(f"[leaf] leaf set has {sorted(n.id for n in tree.leaves - leaves)[:8]} extra, "
-                 f"{sorted(n.id for n in leaves - tree.leaves)[:8]} missing")
-    live = {(nd.id, k) for k, _, nd in tree.heap}
-    live_pinned = {(nd.id, k) for k, _, nd in tree.pheap}
+    if tree.leaves.nodes != leaves:
+        E.append(f"[leaf] leaf set has {sorted(n.id for n in tree.leaves.nodes - leaves)[:8]} extra, "
+                 f"{sorted(n.id for n in leaves - tree.leaves.nodes)[:8]} missing")
+    live = {(nd.id, k) for k, _, nd in tree.leaves.heap}
+    live_pinned = {(nd.id, k) for k, _, nd in tree.leaves.pheap}
     for nd in leaves:
         if not tree.policy.time_dependent and nd.hk != tree.policy.key(nd):
             E.append(f"[leaf] {nd} heap key {nd.hk} != policy key {tree.policy.key(nd)}")

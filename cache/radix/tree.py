@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
-from heapq import heapify, heappop, heappush
 from typing import Any, Hashable, Sequence
-
-import torch
 
 from tandem.core.page_hash import common_pages, page_hashes
 
+from tandem.cache.tiers.host_nodes import HostCopies, Spill
+
+from .aux import AuxData
+from .components import TreeComponent, vote
 from .events import DEVICE, BlockRemoved, BlockStored, WireEvent
-from .components import TreeComponent
-from .eviction import EvictionPolicy, make_policy
-from .node import Node, parent_of
-from tandem.cache.tiers.host_nodes import HostNodes, Spill
+from .eviction import EvictionPolicy, LeafHeap, make_policy
+from .node import Node, concat_values, cut_value, parent_of, take_value  # noqa: F401 (concat_values: re-exported)
 from .pins import Pins
 
 
-def _take(value: Any, a: int, b: int) -> Any:
-    if value is None:
-        return range(a, b)
-    piece = value[a:b]
-    return piece.clone() if isinstance(piece, torch.Tensor) else piece
+class RadixTree:
+    """One tree over token pages: device data on nodes (``value``) and locks; and the objects it
+    owns, each with its own books: ``leaves`` (evictable leaves in policy order), ``aux``
+    (components' device data), ``hosted`` (host-tier copies), ``pins`` (prefixes kept until a time)."""
 
-
-def _cut(value: Any, m: int) -> tuple[Any, Any]:
-    if isinstance(value, torch.Tensor):
-        return value[:m].clone(), value[m:].clone()
-    return value[:m], value[m:]
-
-
-def concat_values(pieces: list) -> torch.Tensor:
-    """One int64 tensor of the path's values: always a new tensor, never the tree's own."""
-    if not pieces:
-        return torch.empty(0, dtype=torch.int64)
-    if all(type(p) is range for p in pieces):
-        return torch.arange(pieces[0].start, pieces[-1].stop, dtype=torch.int64)
-    return torch.cat([p if isinstance(p, torch.Tensor) else torch.as_tensor(list(p), dtype=torch.int64)
-                      for p in pieces])
-
-
-class RadixTree(HostNodes, Pins):
     def __init__(self, page_size: int = 1, policy: EvictionPolicy | None = None,
                  components: Sequence[TreeComponent] = (), record_events: bool = False) -> None:
         if page_size < 1:
@@ -61,24 +41,13 @@ class RadixTree(HostNodes, Pins):
         self.tick = 0
         self.root = Node(0, None, [], 0, (), 0, n_aux)
         self.root.lock_ref = 1
-        self.leaves: set[Node] = set()
-        self.heap: list[tuple[Any, int, Node]] = []
-        # pinned evictable leaves: popped only when ``heap`` is empty
-        self.pheap: list[tuple[Any, int, Node]] = []
-        self.reset_pins()
+        self.leaves = LeafHeap(self._key)
         self.evictable = 0
         self.protected = 0
-        self.aux_evictable = [0] * n_aux
-        self.aux_protected = [0] * n_aux
-        self.aux_unlocked: list[set[Node]] = [set() for _ in range(n_aux)]
-        self.host_nodes: set[Node] = set()
-        self.host_size = 0
-        self.aux_host_size = [0] * n_aux
-        self.aux_host_nodes: list[set[Node]] = [set() for _ in range(n_aux)]
         self.device_frees: list = []
-        self.host_frees: list = []
-        self.aux_frees: list[tuple[int, Any]] = []
-        self.aux_host_frees: list[tuple[int, Any]] = []
+        self.aux = AuxData(self)
+        self.hosted = HostCopies(self)
+        self.pins = Pins(self)
         self.events: list[WireEvent] = []
         if self.spills is not None:
             self.spills = []
@@ -101,7 +70,7 @@ class RadixTree(HostNodes, Pins):
             ek = child.key
             L = len(ek)
             if key[pos:pos + L] != ek:
-                path.append(self._split(child, common_pages(ek, key, pos, n, ps)))
+                path.append(self.split(child, common_pages(ek, key, pos, n, ps)))
                 break
             path.append(child)
             pos += L
@@ -117,7 +86,7 @@ class RadixTree(HostNodes, Pins):
                 if priority is not None and priority > nd.priority:
                     nd.priority = priority
                 if nd.hk is not None:
-                    self._upd(nd)
+                    self.leaves.update(nd)
         return path
 
     def peek(self, key: list) -> int:
@@ -147,38 +116,8 @@ class RadixTree(HostNodes, Pins):
         return depth
 
     def vote(self, path: list[Node]) -> tuple[int, int]:
-        """``(n_dev, n_best)``: how many leading nodes of ``path`` end at the deepest boundary
-        every component accepts with device data (``n_dev``) and with data on either tier
-        (``n_best``: host copies of component data count, so a load-back can serve it)."""
-        if not self.components:
-            if not self.host_nodes:
-                return len(path), len(path)
-            for i, nd in enumerate(path):
-                if nd.value is None:
-                    return i, len(path)
-            return len(path), len(path)
-        validators = [c.validator() for c in self.components]
-        hosted = any(self.aux_host_nodes)
-        anywhere = [c.validator(host=True) for c in self.components] if hosted else None
-        n_dev = n_best = 0
-        on_device = True
-        for i, nd in enumerate(path, 1):
-            if nd.value is None:
-                on_device = False
-            ok = True
-            for accept in validators:
-                if not accept(nd):
-                    ok = False
-            if ok and on_device:
-                n_dev = i
-            if anywhere is not None:
-                ok = True
-                for accept in anywhere:
-                    if not accept(nd):
-                        ok = False
-            if ok:
-                n_best = i
-        return n_dev, n_best
+        """``(n_dev, n_best)`` of ``path`` (:func:`~tandem.cache.radix.components.vote`)."""
+        return vote(self.components, path, self.hosted)
 
     def path(self, node: Node) -> list[Node]:
         out = []
@@ -210,25 +149,25 @@ class RadixTree(HostNodes, Pins):
             L = len(ek)
             if key[pos:pos + L] != ek:
                 L = common_pages(ek, key, pos, n, ps)
-                child = self._split(child, L)
+                child = self.split(child, L)
             child.access = t
             if priority > child.priority:
                 child.priority = priority
             if session is not None:
                 child.session = session
             if child.value is None:
-                self.set_device(child, _take(value, pos, pos + L))
+                self.set_device(child, take_value(value, pos, pos + L))
             elif cached == pos:
                 cached = pos + L
             if comps:
-                self._aux_insert(child, aux_values, pos, pos + L, n)
+                self.aux.insert(child, aux_values, pos, pos + L, n)
             if child.hk is not None:
-                self._upd(child)
+                self.leaves.update(child)
             node = child
             pos += L
         if pos >= n:
             return cached, node, False
-        new = Node(self._next_id, node, key[pos:], pos, _take(value, pos, n), t, len(comps))
+        new = Node(self._next_id, node, key[pos:], pos, take_value(value, pos, n), t, len(comps))
         self._next_id += 1
         new.hits = 1
         new.priority = priority
@@ -236,30 +175,29 @@ class RadixTree(HostNodes, Pins):
         node.children[ck] = new
         node.ndc += 1
         self.evictable += n - pos
-        self._upd(new)
-        self._upd(node)
+        self.leaves.update(new)
+        self.leaves.update(node)
         if self.record_events:
-            self._event_store(new, DEVICE)
+            self.event_store(new, DEVICE)
         if comps:
-            self._aux_insert(new, aux_values, pos, n, n)
+            self.aux.insert(new, aux_values, pos, n, n)
         return cached, new, True
 
-    def _split(self, child: Node, m: int) -> Node:
+    def split(self, child: Node, m: int) -> Node:
+        """Cut ``child``'s edge after its first ``m`` tokens; returns the new upper node."""
         up = Node(self._next_id, child.parent, child.key[:m], child.start, None, child.access,
                   len(self.components))
         self._next_id += 1
         up.created, up.hits, up.priority, up.session = child.created, child.hits, child.priority, child.session
         up.lock_ref = child.lock_ref
         if child.pin:
-            self.pin_split(up, child)
+            self.pins.split(up, child)
         if child.value is not None:
-            up.value, child.value = _cut(child.value, m)
+            up.value, child.value = cut_value(child.value, m)
             up.ndc = 1
         if child.host is not None:
-            up.host, child.host = _cut(child.host, m)
-            self.host_nodes.add(up)
-            if self.components:
-                self._aux_host_split(up, child, m)
+            up.host, child.host = cut_value(child.host, m)
+            self.hosted.split(up, child, m)
         if child.hashes is not None:
             k = m // self.page_size
             up.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
@@ -269,7 +207,7 @@ class RadixTree(HostNodes, Pins):
         parent_of(child).children[self.child_key(up.key)] = up
         child.parent = up
         if self.components:
-            self._aux_split(up, child, m)
+            self.aux.split(up, child, m)
         return up
 
     def lock(self, node: Node, delta: int) -> None:
@@ -291,7 +229,6 @@ class RadixTree(HostNodes, Pins):
                         self.evictable -= L
                         self.protected += L
                     if nd.hk is not None:
-                        nd.hk = None
                         self.leaves.discard(nd)
                 nd.lock_ref += 1
                 nd = parent_of(nd)
@@ -302,64 +239,24 @@ class RadixTree(HostNodes, Pins):
                     L = len(nd.key)
                     self.evictable += L
                     self.protected -= L
-                    self._upd(nd)
+                    self.leaves.update(nd)
                 nd = parent_of(nd)
         if self.components:
             end = node.start + len(node.key)
+            aux = self.aux
             for i, c in enumerate(self.components):
                 floor = max(0, end - c.lock_span)
                 nd = node
                 while nd is not root and nd.start + len(nd.key) > floor:
                     locks = nd.aux_lock[i]
-                    self._aux_out(nd, i)
+                    aux.out(nd, i)
                     cnt = locks.get(floor, 0) + delta
                     if cnt:
                         locks[floor] = cnt
                     else:
                         del locks[floor]
-                    self._aux_in(nd, i)
+                    aux.into(nd, i)
                     nd = parent_of(nd)
-
-    def _upd(self, nd: Node) -> None:
-        if nd.value is not None and nd.lock_ref == 0 and nd.ndc == 0:
-            k = self._key(nd)
-            hk = nd.hk
-            if hk is None:
-                self.leaves.add(nd)
-            elif hk == k:
-                return
-            nd.hk = k
-            heappush(self.pheap if nd.pin else self.heap, (k, nd.id, nd))
-            if len(self.heap) + len(self.pheap) > 2 * len(self.leaves) + 256:
-                self.rebuild_heap()
-        elif nd.hk is not None:
-            nd.hk = None
-            self.leaves.discard(nd)
-
-    def rebuild_heap(self) -> None:
-        key = self._key
-        heap: list[tuple[Any, int, Node]] = []
-        pheap: list[tuple[Any, int, Node]] = []
-        for nd in self.leaves:
-            nd.hk = key(nd)
-            (pheap if nd.pin else heap).append((nd.hk, nd.id, nd))
-        heapify(heap)
-        heapify(pheap)
-        self.heap, self.pheap = heap, pheap
-
-    def pop_leaf(self) -> Node | None:
-        """The next evictable leaf: every unpinned one (policy order) before any pinned one."""
-        heap = self.heap
-        while heap:
-            k, _, nd = heappop(heap)
-            if nd.hk == k and not nd.pin:
-                return nd
-        heap = self.pheap
-        while heap:
-            k, _, nd = heappop(heap)
-            if nd.hk == k and nd.pin:
-                return nd
-        return None
 
     def drop_device(self, nd: Node) -> int:
         """Release ``nd``'s device data (queued in ``device_frees``). With a host copy the node
@@ -377,24 +274,23 @@ class RadixTree(HostNodes, Pins):
         else:
             self.evictable -= L
         if nd.hk is not None:
-            nd.hk = None
             self.leaves.discard(nd)
         parent = parent_of(nd)
         parent.ndc -= 1
         self.device_frees.append(v)
         if self.record_events:
-            self._event_remove(nd, DEVICE)
+            self.event_remove(nd, DEVICE)
         if self.components:
-            self._aux_drop(nd)
+            self.aux.drop(nd)
         if nd.host is None:
             if nd.children:
-                self._delete_subtree(nd)
+                self.delete_subtree(nd)
             else:
                 del parent.children[nd.key[0] if self.page_size == 1 else tuple(nd.key[:self.page_size])]
                 nd.parent = None
                 if nd.pin:
-                    self.forget_pin(nd)
-        self._upd(parent)
+                    self.pins.forget(nd)
+        self.leaves.update(parent)
         return L
 
     def set_device(self, nd: Node, value: Any) -> None:
@@ -405,106 +301,28 @@ class RadixTree(HostNodes, Pins):
         else:
             self.evictable += L
         parent_of(nd).ndc += 1
-        self._upd(nd)
-        self._upd(parent_of(nd))
+        self.leaves.update(nd)
+        self.leaves.update(parent_of(nd))
         if self.record_events:
-            self._event_store(nd, DEVICE)
+            self.event_store(nd, DEVICE)
 
-    def _delete_subtree(self, nd: Node) -> None:
+    def delete_subtree(self, nd: Node) -> None:
+        """Remove ``nd`` and everything under it (no device data is left there: host copies are
+        dropped, pins forgotten)."""
         stack = [nd]
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())
             if x.host is not None:
-                self._drop_host_value(x)
+                self.hosted.drop(x)
             if self.components:
-                self._aux_drop(x)
+                self.aux.drop(x)
             if x.pin:
-                self.forget_pin(x)
+                self.pins.forget(x)
             if x is not nd:
                 x.parent = None
         del parent_of(nd).children[self.child_key(nd.key)]
         nd.parent = None
-
-    def _aux_out(self, nd: Node, i: int) -> None:
-        v = nd.aux[i]
-        if v is None:
-            return
-        sz = self.components[i].size(v)
-        if nd.aux_lock[i]:
-            self.aux_protected[i] -= sz
-        else:
-            self.aux_evictable[i] -= sz
-            self.aux_unlocked[i].discard(nd)
-
-    def _aux_in(self, nd: Node, i: int) -> None:
-        v = nd.aux[i]
-        if v is None:
-            return
-        sz = self.components[i].size(v)
-        if nd.aux_lock[i]:
-            self.aux_protected[i] += sz
-        else:
-            self.aux_evictable[i] += sz
-            self.aux_unlocked[i].add(nd)
-
-    def set_aux(self, nd: Node, i: int, value: Any) -> None:
-        """Give ``nd`` component ``i``'s device data ``value`` (None: a tombstone); sizes follow."""
-        self._aux_out(nd, i)
-        nd.aux[i] = value
-        self._aux_in(nd, i)
-
-    def _aux_insert(self, nd: Node, aux_values: list | None, a: int, b: int, n: int) -> None:
-        if aux_values is None:
-            return
-        for i, c in enumerate(self.components):
-            incoming = aux_values[i]
-            if incoming is None:
-                continue
-            cur = nd.aux[i]
-            keep, free = c.reconcile(nd, cur, incoming, a, b, b == n)
-            if keep is not cur:
-                self.set_aux(nd, i, keep)
-            if free is not None:
-                self.aux_frees.append((i, free))
-
-    def _aux_split(self, up: Node, child: Node, m: int) -> None:
-        s = child.start
-        for i, c in enumerate(self.components):
-            up.aux_lock[i] = {f: k for f, k in child.aux_lock[i].items() if f < s}
-            v = child.aux[i]
-            if v is None:
-                continue
-            self._aux_out(child, i)
-            up.aux[i], child.aux[i] = c.split(v, m)
-            self._aux_in(up, i)
-            self._aux_in(child, i)
-
-    def _aux_drop(self, nd: Node) -> None:
-        for i, v in enumerate(nd.aux):
-            if v is not None:
-                self.set_aux(nd, i, None)
-                self.aux_frees.append((i, v))
-
-    def evict_aux(self, i: int, num: int, backup=None) -> int:
-        """Tombstone component ``i``'s data on unlocked nodes (unpinned ones first, then policy
-        order) until ``num`` units are freed. The nodes stay; their FULL data is untouched."""
-        self.policy.begin_pass()
-        c, key = self.components[i], self._key
-        heap = [(nd.pin > 0, key(nd), nd.id, nd) for nd in self.aux_unlocked[i]]
-        heapify(heap)
-        freed = 0
-        while freed < num and heap:
-            *_, nd = heappop(heap)
-            v = nd.aux[i]
-            if backup is not None:
-                backup(nd, i)
-            if self.spills is not None and nd.aux_host[i] is None:      # its last copy
-                self.spill(nd, None, False, [(i, v, False)])
-            freed += c.size(v)
-            self.set_aux(nd, i, None)
-            self.aux_frees.append((i, v))
-        return freed
 
     def spill(self, nd: Node, slots: Any, on_host: bool, aux: Sequence[tuple[int, Any, bool]] = ()) -> None:
         """Record data of ``nd`` whose last copy leaves the tree (the L3 tier's write-back): FULL
@@ -530,10 +348,10 @@ class RadixTree(HostNodes, Pins):
     def _last_hash(self, nd: Node) -> int | None:
         return None if nd is self.root else self.hashes(nd)[-1]
 
-    def _event_store(self, nd: Node, medium: str) -> None:
+    def event_store(self, nd: Node, medium: str) -> None:
         hs = self.hashes(nd)
         self.events.append(BlockStored(list(hs), self._last_hash(parent_of(nd)), list(nd.key),
                                        self.page_size, medium))
 
-    def _event_remove(self, nd: Node, medium: str) -> None:
+    def event_remove(self, nd: Node, medium: str) -> None:
         self.events.append(BlockRemoved(list(self.hashes(nd)), medium))

@@ -124,14 +124,14 @@ class HostTier:
         self.synchronize()
 
     def used(self) -> int:
-        return self.port.tree.host_size
+        return self.port.tree.hosted.size
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """``{"full": (tokens with a host copy, host pool tokens), name: (rows used, rows)}``."""
         t = self.port.tree
-        out = {"full": (t.host_size, self.allocator.size)}
+        out = {"full": (t.hosted.size, self.allocator.size)}
         for i, _, st in self._aux:
-            out[st.name] = (t.aux_host_size[i], st.allocator.size)
+            out[st.name] = (t.hosted.aux_size[i], st.allocator.size)
         return out
 
     def synchronize(self) -> None:
@@ -156,7 +156,7 @@ class HostTier:
             if host_slots is None:
                 return False
             self.copier.to_host(nd.value, host_slots)
-            t.set_host(nd, host_slots)
+            t.hosted.set(nd, host_slots)
         for i, c, st in self._aux:
             if nd.aux[i] is not None and nd.aux_host[i] is None:
                 self._copy_aux(nd, i, c, st)
@@ -181,7 +181,7 @@ class HostTier:
         if rows is None:
             return False
         st.copier.to_host(_as_rows(v), rows)
-        t.set_aux_host(nd, i, rows if c.per_token else int(rows[0]))
+        t.hosted.set_aux(nd, i, rows if c.per_token else int(rows[0]))
         return True
 
     def backup(self, token_ids: Sequence[int], slots: torch.Tensor, last_node, *,
@@ -259,7 +259,7 @@ class HostTier:
             part = rows[off:off + n]
             off += n
             value = part.clone() if comp.per_token else int(part[0])
-            t.set_aux(nd, i, value)
+            t.aux.set(nd, i, value)
             comp.bind(nd, value)
 
     @staticmethod

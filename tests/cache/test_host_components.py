@@ -139,9 +139,9 @@ def test_full_component_host_pool_leaves_host_only_nodes_failing_its_vote():
     assert g.cache.match(b).best_match_node is nb
     # Host eviction of component data keeps each pool within its size, never past a lock.
     g.cache.lock(nb)
-    assert g.cache._tree.evict_host_aux(1, 1) == 0
+    assert g.cache._tree.hosted.evict_aux(1, 1) == 0
     g.cache.unlock(nb)
-    assert g.cache._tree.evict_host_aux(1, 1) == 1
+    assert g.cache._tree.hosted.evict_aux(1, 1) == 1
     g.cache._after()
     assert g.host.usage()["mamba"] == (0, 1)
     g.check()
@@ -172,7 +172,7 @@ def test_retraction_backup_moves_component_data_and_restore_brings_it_back():
     assert g.swa_alloc.available_size() == 64 and g.state_alloc.available_size() == 8
     # locked: neither its FULL nor its component host copies can be evicted
     assert g.cache.evict(100, component="host") == 0
-    assert g.cache._tree.evict_host_aux(0, 100) == 0 and g.cache._tree.evict_host_aux(1, 1) == 0
+    assert g.cache._tree.hosted.evict_aux(0, 100) == 0 and g.cache._tree.hosted.evict_aux(1, 1) == 0
     r = g.cache.match(ids)
     assert r.best_match_node is node and r.host_hit_length == 12
     back = g.host.restore(node)

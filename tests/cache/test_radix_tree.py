@@ -260,7 +260,7 @@ def test_eviction_heap_is_compacted():
         cache._debug = False
         cache.match([1, 2])
     tree = cache._tree
-    assert len(tree.heap) <= 2 * len(tree.leaves) + 256
+    assert len(tree.leaves.heap) <= 2 * len(tree.leaves.nodes) + 256
     cache.check()
     assert cache.evict(1) == 2 and cache.match([1, 2]).prefix_len == 2
 
