@@ -11,9 +11,10 @@ how the decode worker (asyncio, another thread) reaches it:
     receive(greq, on_chunk) -> Future[Reservation | None]
                                 queue the request; its Reservation once reserved (None: it
                                 ended first, its final chunk says why)
-    activate(rid, first_token, first_logprob)
-                                the KV landed: decode from here (chunks go to on_chunk); a
-                                resumed request (``greq.resume``) has no first token
+    land(rid, first_token, first_logprob) / land_resumed(rid)
+                                the KV landed: decode from here (chunks go to on_chunk) from
+                                prefill's first token, or, for a resumed request
+                                (``greq.resume``), from the tokens it came with
     cancel(rid, why)            free the reserved pages: only once no write into them is in flight
     page_digest(regions)        digest of the received regions' pages (``--kv-digest``)
     migrate(rid)                live migration, the source side: end rid here ("migrated", its
@@ -27,13 +28,7 @@ recurrent state at the prompt's end, never the checkpoint at the hit).
 
 from __future__ import annotations
 
-import asyncio
-
-from tandem.core.types import TokenLogprob
-from tandem.engine.commands import Activate, Migrate
-from tandem.engine.sched_types import SchedReq
-from tandem.transfer.messages import RegionPages
-from tandem.worker.receiving import ReceivingConnector, ReceivingHandle, Reservation
+from tandem.worker.receiving import Keep, ReceivingConnector, ReceivingHandle, Reservation
 
 __all__ = ["DecodeConnector", "DecodeHandle", "Reservation"]
 
@@ -62,35 +57,23 @@ class DecodeConnector(ReceivingConnector):
                 return True
             return False
 
-    def finished(self, sr: SchedReq, reason: str) -> bool:
+    def keeps(self, rid: str, reason: str) -> Keep:
         """Holds the KV of a request that migrated (until the new worker has copied it), and of
         one marked :meth:`hold` that finished normally (until its push ended; its sequence is
         cached now, so later requests here hit it while it is held)."""
-        self.forget(sr.rid)
         with self._lock:
-            held = sr.rid in self._hold and reason in ("stop", "length")
-            self._hold.discard(sr.rid)
+            held = rid in self._hold and reason in ("stop", "length")
+            self._hold.discard(rid)
             if held:
-                self._held.add(sr.rid)
+                self._held.add(rid)
         if held:
-            self.kv.cache_prefix(sr)
-        return held or reason == "migrated"
+            return Keep.HELD_CACHED
+        return Keep.HELD if reason == "migrated" else Keep.NO
 
 
 class DecodeHandle(ReceivingHandle):
+    """``receive``, ``cancel``, ``page_digest``: worker/receiving.py; ``land``, ``land_resumed``,
+    ``migrate``, ``held_pages``, ``release_held``: engine/handle.py."""
+
     ROLE, CONNECTOR = "decode", DecodeConnector
     connector: DecodeConnector
-
-    def activate(self, rid: str, first_token: int | None, first_logprob: TokenLogprob | None = None) -> None:
-        """Start decoding ``rid`` from prefill's first token (and its logprob when asked). A
-        constrained request's grammar continues from it."""
-        self.check_alive()
-        self.engine.send(Activate(rid, first_token, first_logprob))
-
-    async def migrate(self, rid: str) -> None:
-        """End decoding ``rid`` here with "migrated", its KV held; ValueError (nothing changed)
-        when it is not decoding here."""
-        self.check_alive()
-        cmd = Migrate(rid)
-        self.engine.send(cmd)
-        await asyncio.wait_for(asyncio.wrap_future(cmd.future), self.timeout_s)

@@ -43,6 +43,7 @@ class _Job:
     """A remote request's stream on this worker."""
 
     rid: str
+    resumed: bool = False
     logprobs: bool = False
     prompt_logprobs: int = 0
     stop: Stop = field(default_factory=Stop)
@@ -149,10 +150,6 @@ class DecodeWorker(RoleWorker):
             await asyncio.sleep(_REUSE_WAIT_S)
         else:
             raise InvalidRequest(f"request id {greq.rid} is already running on {self.name}")
-        vocab = self.engine.arch.vocab_size
-        for t in greq.prompt_ids:
-            if not 0 <= t < vocab:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         await self.handle.check_constraint(greq.params)
         await self.push.settled(greq)   # the session's previous reply is where it is going
         remote = prefill is not None and prefill.name in self.agent.peers
@@ -167,7 +164,7 @@ class DecodeWorker(RoleWorker):
         if remote:
             fresh = greq.resume is None
             plps = len(greq.prompt_ids) - 1 if fresh and greq.params.prompt_logprobs is not None else 0
-            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs and fresh,
+            job = self._jobs[greq.rid] = _Job(greq.rid, resumed=not fresh, logprobs=greq.params.logprobs and fresh,
                                               prompt_logprobs=plps)
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
@@ -227,7 +224,10 @@ class DecodeWorker(RoleWorker):
             job.landed = True
             self._received(job, greq, got)
             r = got.result
-            self.handle.activate(greq.rid, r.first_token, None if r.first_logprob is None else
+            if r.first_token is None:          # a resumed request (a fresh one's is checked)
+                self.handle.land_resumed(greq.rid)
+            else:
+                self.handle.land(greq.rid, r.first_token, None if r.first_logprob is None else
                                  TokenLogprob(r.first_token, r.first_logprob, r.first_top_logprobs))
             async for c in self._stream(job, greq, r):
                 yield c
@@ -253,6 +253,9 @@ class DecodeWorker(RoleWorker):
             self.prefill_costs.observe(len(greq.prompt_ids) - r.cached_tokens, r.prefill_s, got.receive_s)
 
     def _check(self, job: _Job, result: PrefillResult) -> str:
+        if (result.first_token is None) != job.resumed:
+            return (f"{job.rid} {'resumes' if job.resumed else 'is fresh'}, but prefill worker {result.worker} "
+                    f"sent {'a' if result.first_token is not None else 'no'} first token")
         if job.logprobs and result.first_logprob is None:
             return (f"prefill worker {result.worker} sent no logprob for the first token of {job.rid}, "
                     f"which asked for logprobs")

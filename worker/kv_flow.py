@@ -16,12 +16,12 @@ from typing import Any, Callable, Protocol
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
+from tandem.engine.queries import HeldKV
 from tandem.transfer.agent import KVTransferAgent
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.pump import PUMP_S, Pump
 from tandem.transfer.state import TransferState
-from tandem.worker.held_kv import HeldKV
 from tandem.worker.receiving import ReceivingHandle, Reservation
 
 IN_FLIGHT_LIMIT = 10   # a write neither done nor failed after this many transfer timeouts: QUARANTINED

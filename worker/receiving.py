@@ -6,25 +6,25 @@ here; the scheduler reserves a row, its cached prefix (the normal match and comp
 slots for the rest, and the connector turns them into a :class:`Reservation`, the future's
 result; :class:`ReceivingHandle` is how the worker (asyncio, another thread) reaches it. A
 decode worker receives prompts (and migrated requests); a prefill worker receives a
-decode worker's finished reply, only to cache it (decode/README.md, "reply push").
+decode worker's finished reply, only to cache it (decode/README.md, "reply push"). What a role
+keeps of a finished request's KV is its connector's :meth:`~ReceivingConnector.keeps` rule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
-from tandem.engine.commands import Release
 from tandem.engine.connector import KVConnector
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
-from tandem.worker.held_kv import HeldKV, held_kv
 from tandem.worker.kv_digest import corrupt_page, regions_digest
 from tandem.worker.kv_regions import KV, kv_regions
 
@@ -46,6 +46,14 @@ class Reservation:
     def named(self) -> tuple[RegionPages, ...]:
         """``regions``, or the ``"kv"`` pages alone for a model without other regions."""
         return self.regions or (RegionPages(KV, self.pages),)
+
+
+class Keep(enum.Enum):
+    """What a finished request's KV does (:meth:`ReceivingConnector.keeps`, the role's rule)."""
+
+    NO = "no"                      # cached or freed now, as any finished request's
+    HELD = "held"                  # held (locked, its row kept) until a Release
+    HELD_CACHED = "held, cached"   # held, its sequence cached now: later requests hit it while held
 
 
 class ReceivingConnector(KVConnector):
@@ -85,9 +93,17 @@ class ReceivingConnector(KVConnector):
         if fut is not None and not fut.done():
             fut.set_result(Reservation(p, pages, regions))
 
-    def held_kv(self, rid: str, start: int) -> HeldKV:
-        """Source ids of held ``rid``'s positions from ``start``; KeyError if not held."""
-        return held_kv(self.engine, rid, start)
+    def finished(self, sr: SchedReq, reason: str) -> bool:
+        self.forget(sr.rid)
+        keep = self.keeps(sr.rid, reason)
+        if keep is Keep.HELD_CACHED:
+            self.kv.cache_prefix(sr)
+        return keep is not Keep.NO
+
+    def keeps(self, rid: str, reason: str) -> Keep:
+        """The role's rule, on the engine thread: what the KV of ``rid``, finishing ``reason``
+        ("stop", "length", "abort", "migrated", "stored"), does."""
+        return Keep.NO
 
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
         return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
@@ -102,8 +118,8 @@ class ReceivingConnector(KVConnector):
 
 
 class ReceivingHandle(RoleHandle):
-    """The worker's typed way to a :class:`ReceivingConnector`: KV in (``receive``, ``cancel``)
-    and KV out (``held_pages``, ``release_held``), and ``page_digest`` for either."""
+    """The worker's typed way to a :class:`ReceivingConnector`: KV in (``receive``, ``cancel``),
+    and ``page_digest`` for KV in or out (out: EngineHandle's ``held_pages``, ``release_held``)."""
 
     connector: ReceivingConnector
 
@@ -126,15 +142,6 @@ class ReceivingHandle(RoleHandle):
         guarantees that no write into them is in flight (transfer/handoff.py)."""
         self.connector.forget(rid)
         self.engine.abort(rid, error=why)
-
-    async def held_pages(self, rid: str, start: int) -> HeldKV:
-        """Held ``rid``'s source ids from ``start`` (KeyError when it holds none here)."""
-        held: HeldKV = await self._read(self.connector.held_kv, rid, start)
-        return held
-
-    def release_held(self, rid: str) -> None:
-        """Queued: ``rid``'s held KV goes to this worker's cache (a no-op if it holds none)."""
-        self.engine.send(Release(rid))
 
     async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
         """Digest of ``regions``' pages, in their order, hashed on a helper thread (the step loop
