@@ -8,9 +8,10 @@ A request marked :meth:`~DecodeConnector.hold` keeps its KV when it finishes nor
 is pushed to a prefill worker, then released). :class:`DecodeHandle` is
 how the decode worker (asyncio, another thread) reaches it:
 
-    receive(greq, on_chunk) -> Future[Reservation | None]
+    receive(greq, on_chunk) -> Future[Reservation | ComputeHere | None]
                                 queue the request; its Reservation once reserved (None: it
-                                ended first, its final chunk says why)
+                                ended first, its final chunk says why; HERE: the connector's
+                                ``rule(rid, LocalRule)``, asked as it is queued, prefills it here)
     land(rid, first_token, first_logprob) / land_resumed(rid)
                                 the KV landed: decode from here (chunks go to on_chunk) from
                                 prefill's first token, or, for a resumed request
@@ -28,19 +29,37 @@ recurrent state at the prompt's end, never the checkpoint at the hit).
 
 from __future__ import annotations
 
+from tandem.decode.local_prefill import LocalRule
 from tandem.worker.receiving import Keep, ReceivingConnector, ReceivingHandle, Reservation
 
 __all__ = ["DecodeConnector", "DecodeHandle", "Reservation"]
 
 
 class DecodeConnector(ReceivingConnector):
-    """Engine thread, except :meth:`expect`, :meth:`forget`, :meth:`hold` and :meth:`unhold`
-    (any thread)."""
+    """Engine thread, except :meth:`expect`, :meth:`forget`, :meth:`rule`, :meth:`hold` and
+    :meth:`unhold` (any thread)."""
 
     def __init__(self, engine):
         super().__init__(engine)
         self._hold: set[str] = set()   # requests whose KV is held when they finish normally
         self._held: set[str] = set()   # ... that did finish so: held until a Release
+        self._rules: dict[str, LocalRule] = {}   # expected requests that may be prefilled here
+
+    def rule(self, rid: str, rule: LocalRule) -> None:
+        """Before expected ``rid`` is submitted: it is prefilled here instead when ``rule`` says so
+        as it is queued (its receive's answer is then ``HERE``)."""
+        with self._lock:
+            self._rules[rid] = rule
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            self._rules.pop(rid, None)
+        super().forget(rid)
+
+    def computes_here(self, rid: str, ids: list[int]) -> bool:
+        with self._lock:
+            rule = self._rules.pop(rid, None)
+        return rule is not None and rule.here(len(ids), self.cached_prefix(ids))
 
     def hold(self, rid: str) -> None:
         """``rid``'s KV is held when it finishes "stop" or "length" (its reply is pushed to a

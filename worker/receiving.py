@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
 from tandem.engine.connector import KVConnector
+from tandem.engine.queries import cached_prefix
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
@@ -48,6 +49,16 @@ class Reservation:
         return self.regions or (RegionPages(KV, self.pages),)
 
 
+@dataclass(frozen=True)
+class ComputeHere:
+    """A receive's answer when the role's :meth:`ReceivingConnector.computes_here` took the
+    request: it is prefilled on this worker as any other request (its chunks go to the receive's
+    ``on_chunk``); no page was reserved for a peer."""
+
+
+HERE = ComputeHere()
+
+
 class Keep(enum.Enum):
     """What a finished request's KV does (:meth:`ReceivingConnector.keeps`, the role's rule)."""
 
@@ -63,10 +74,10 @@ class ReceivingConnector(KVConnector):
         self.engine = engine
         self.kv = engine.kv
         self.regions = kv_regions(engine)   # name -> RegionSpec
-        self._expected: dict[str, concurrent.futures.Future[Reservation | None]] = {}
+        self._expected: dict[str, concurrent.futures.Future[Reservation | ComputeHere | None]] = {}
         self._lock = threading.Lock()
 
-    def expect(self, rid: str) -> concurrent.futures.Future[Reservation | None]:
+    def expect(self, rid: str) -> concurrent.futures.Future[Reservation | ComputeHere | None]:
         """Before ``rid`` is submitted: a peer writes its KV. The future gets its Reservation
         (None: it ended first)."""
         with self._lock:
@@ -80,8 +91,27 @@ class ReceivingConnector(KVConnector):
             fut.set_result(None)
 
     def receives(self, sr: SchedReq) -> bool:
+        """As ``sr`` is queued: whether a peer writes its KV (it was expected, and the role's
+        :meth:`computes_here` did not take it; a taken one's future gets ``HERE``)."""
         with self._lock:
-            return sr.rid in self._expected
+            if sr.rid not in self._expected:
+                return False
+        if not self.computes_here(sr.rid, sr.req.cache_ids):
+            return True
+        with self._lock:
+            fut = self._expected.pop(sr.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(HERE)
+        return False
+
+    def computes_here(self, rid: str, ids: list[int]) -> bool:
+        """The role's rule, on the engine thread as expected ``rid`` (cache key ``ids``) is queued:
+        True to prefill it here after all (:meth:`cached_prefix` says what this cache holds)."""
+        return False
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """Engine thread: tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the device cache holds."""
+        return cached_prefix(self.engine, ids)
 
     def reserved(self, sr: SchedReq) -> None:
         kv, p = self.kv, sr.locked_len
@@ -124,9 +154,9 @@ class ReceivingHandle(RoleHandle):
     connector: ReceivingConnector
 
     def receive(self, greq: GenerateRequest,
-                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future[Reservation | None]:
+                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future[Reservation | ComputeHere | None]:
         """Queue ``greq`` to be filled by a peer; its Reservation once reserved (None: it ended
-        first, its final chunk says why). Raises InvalidRequest for a prompt this engine can
+        first, its final chunk says why; ``HERE``: the role's rule computes it here instead). Raises InvalidRequest for a prompt this engine can
         never serve. Chunks go to ``on_chunk``."""
         self.check_alive()
         fut = self.connector.expect(greq.rid)
