@@ -117,7 +117,7 @@ def held_kv(engine, rid: str, start: int) -> HeldKV:
     return HeldKV(kv.pages(sr, start, sr.req.computed_len), sr.req.cached_len, kv.transfer_rows(sr, start))
 
 
-def cached_prefix(engine, ids: tuple[int, ...]) -> int:
+def cached_prefix(engine, ids: tuple[int, ...] | list[int]) -> int:
     ps = engine.kv.page_size
     usable = (len(ids) - 1) // ps * ps
     return min(engine.kv.cache.peek(list(ids[:usable])), usable)

@@ -129,14 +129,14 @@ class Scheduler:
                 self._land(sr)
                 return self._on_token(sr, tok, sampled=False, logprob=lp)
             case LandResumed() if landing and r.output_ids:
-                return self._land(sr)
+                self._land(sr)
+                return None
             case Store() if landing and not r.output_ids:
                 del self.detached[r.rid]             # a prompt received only to be cached here
                 self.kv.cache_prefix(sr)
                 return self._finish(sr, "stored", "")
             case Release() if r.finished:
-                del self.detached[r.rid]
-                self.kv.release(sr)
+                self.kv.release(self.detached.pop(r.rid))
                 return None
         raise ValueError(f"{type(event).__name__} for {event.rid}, which is {r.status.name}")
 
