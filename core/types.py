@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,16 @@ class TandemError(Exception):
 
 class InvalidRequest(TandemError, ValueError):
     """A request that cannot be served as given (the message says why, with the numbers)."""
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int | None) -> None:
+    """The one vocabulary check: InvalidRequest naming the first id outside ``0..vocab_size-1``
+    (only negative ids when ``vocab_size`` is unknown). The engine runs it on every request it
+    takes (engine.py ``submit``); the front door, on ids a client sends (a 400 naming the field)."""
+    for t in ids:
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            top = vocab_size - 1 if vocab_size else "?"
+            raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{top})")
 
 
 class Overloaded(TandemError):

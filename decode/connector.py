@@ -8,12 +8,14 @@ A request marked :meth:`~DecodeConnector.hold` keeps its KV when it finishes nor
 is pushed to a prefill worker, then released). :class:`DecodeHandle` is
 how the decode worker (asyncio, another thread) reaches it:
 
-    receive(greq, on_chunk) -> Future[Reservation | None]
+    receive(greq, on_chunk) -> Future[Reservation | ComputeHere | None]
                                 queue the request; its Reservation once reserved (None: it
-                                ended first, its final chunk says why)
-    activate(rid, first_token, first_logprob)
-                                the KV landed: decode from here (chunks go to on_chunk); a
-                                resumed request (``greq.resume``) has no first token
+                                ended first, its final chunk says why; HERE: the connector's
+                                ``rule(rid, LocalRule)``, asked as it is queued, prefills it here)
+    land(rid, first_token, first_logprob) / land_resumed(rid)
+                                the KV landed: decode from here (chunks go to on_chunk) from
+                                prefill's first token, or, for a resumed request
+                                (``greq.resume``), from the tokens it came with
     cancel(rid, why)            free the reserved pages: only once no write into them is in flight
     page_digest(regions)        digest of the received regions' pages (``--kv-digest``)
     migrate(rid)                live migration, the source side: end rid here ("migrated", its
@@ -27,25 +29,37 @@ recurrent state at the prompt's end, never the checkpoint at the hit).
 
 from __future__ import annotations
 
-import asyncio
-
-from tandem.core.types import TokenLogprob
-from tandem.engine.commands import Activate, Migrate
-from tandem.engine.sched_types import SchedReq
-from tandem.transfer.messages import RegionPages
-from tandem.worker.receiving import ReceivingConnector, ReceivingHandle, Reservation
+from tandem.decode.local_prefill import LocalRule
+from tandem.worker.receiving import Keep, ReceivingConnector, ReceivingHandle, Reservation
 
 __all__ = ["DecodeConnector", "DecodeHandle", "Reservation"]
 
 
 class DecodeConnector(ReceivingConnector):
-    """Engine thread, except :meth:`expect`, :meth:`forget`, :meth:`hold` and :meth:`unhold`
-    (any thread)."""
+    """Engine thread, except :meth:`expect`, :meth:`forget`, :meth:`rule`, :meth:`hold` and
+    :meth:`unhold` (any thread)."""
 
     def __init__(self, engine):
         super().__init__(engine)
         self._hold: set[str] = set()   # requests whose KV is held when they finish normally
         self._held: set[str] = set()   # ... that did finish so: held until a Release
+        self._rules: dict[str, LocalRule] = {}   # expected requests that may be prefilled here
+
+    def rule(self, rid: str, rule: LocalRule) -> None:
+        """Before expected ``rid`` is submitted: it is prefilled here instead when ``rule`` says so
+        as it is queued (its receive's answer is then ``HERE``)."""
+        with self._lock:
+            self._rules[rid] = rule
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            self._rules.pop(rid, None)
+        super().forget(rid)
+
+    def computes_here(self, rid: str, ids: list[int]) -> bool:
+        with self._lock:
+            rule = self._rules.pop(rid, None)
+        return rule is not None and rule.here(len(ids), self.cached_prefix(ids))
 
     def hold(self, rid: str) -> None:
         """``rid``'s KV is held when it finishes "stop" or "length" (its reply is pushed to a
@@ -62,35 +76,23 @@ class DecodeConnector(ReceivingConnector):
                 return True
             return False
 
-    def finished(self, sr: SchedReq, reason: str) -> bool:
+    def keeps(self, rid: str, reason: str) -> Keep:
         """Holds the KV of a request that migrated (until the new worker has copied it), and of
         one marked :meth:`hold` that finished normally (until its push ended; its sequence is
         cached now, so later requests here hit it while it is held)."""
-        self.forget(sr.rid)
         with self._lock:
-            held = sr.rid in self._hold and reason in ("stop", "length")
-            self._hold.discard(sr.rid)
+            held = rid in self._hold and reason in ("stop", "length")
+            self._hold.discard(rid)
             if held:
-                self._held.add(sr.rid)
+                self._held.add(rid)
         if held:
-            self.kv.cache_prefix(sr)
-        return held or reason == "migrated"
+            return Keep.HELD_CACHED
+        return Keep.HELD if reason == "migrated" else Keep.NO
 
 
 class DecodeHandle(ReceivingHandle):
+    """``receive``, ``cancel``, ``page_digest``: worker/receiving.py; ``land``, ``land_resumed``,
+    ``migrate``, ``held_pages``, ``release_held``: engine/handle.py."""
+
     ROLE, CONNECTOR = "decode", DecodeConnector
     connector: DecodeConnector
-
-    def activate(self, rid: str, first_token: int | None, first_logprob: TokenLogprob | None = None) -> None:
-        """Start decoding ``rid`` from prefill's first token (and its logprob when asked). A
-        constrained request's grammar continues from it."""
-        self.check_alive()
-        self.engine.send(Activate(rid, first_token, first_logprob))
-
-    async def migrate(self, rid: str) -> None:
-        """End decoding ``rid`` here with "migrated", its KV held; ValueError (nothing changed)
-        when it is not decoding here."""
-        self.check_alive()
-        cmd = Migrate(rid)
-        self.engine.send(cmd)
-        await asyncio.wait_for(asyncio.wrap_future(cmd.future), self.timeout_s)

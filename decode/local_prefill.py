@@ -46,6 +46,27 @@ def choose_local(n: int, decode_cached: int, prefill_cached: int, costs: Prefill
     return costs.per_token_s * local <= costs.overhead_s + costs.per_token_s * wasted
 
 
+@dataclass(frozen=True)
+class LocalRule:
+    """One remote-bound request's rule, decided on the engine thread as it is queued, from what
+    this worker's cache holds then (decode/connector.py ``computes_here``): with a
+    ``threshold``, prefill here when the uncached suffix is shorter; without, :func:`choose_local`
+    over ``peer_held`` (the prefill worker's estimate, :class:`SentPrefixes`) and ``costs`` (a copy)."""
+
+    threshold: int | None
+    peer_held: int
+    costs: PrefillCosts
+    page_size: int
+
+    def here(self, n: int, cached: int) -> bool:
+        """Prefill the ``n``-token prompt here, ``cached`` of it held in this worker's cache."""
+        if self.threshold is not None:
+            return n - cached < self.threshold
+        if cached < self.page_size:      # nothing held here: no prefill worker holds less
+            return False
+        return choose_local(n, cached, self.peer_held, self.costs, self.page_size)
+
+
 class SentPrefixes:
     """Per prefill worker, the page-aligned prompt prefixes it computed for this decode worker (it
     caches them), as chained page hashes in a bounded LRU."""

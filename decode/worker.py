@@ -17,13 +17,14 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
 from tandem.decode.connector import DecodeHandle
 from tandem.decode.groups import GroupGates
-from tandem.decode.local_prefill import PrefillCosts, SentPrefixes, choose_local
+from tandem.decode.local_prefill import LocalRule, PrefillCosts, SentPrefixes
 from tandem.decode.migration import MigrationSource
 from tandem.decode.reply_push import ReplyPush
 from tandem.transfer.messages import PrefillResult
 from tandem.worker.kv_flow import Failed, KVReceiver, KVSource, Landed, Stop
 from tandem.worker.kv_flow import SourceUnavailable as PrefillUnavailable
 from tandem.worker.kv_regions import KV
+from tandem.worker.receiving import ComputeHere
 from tandem.worker.role_worker import RoleWorker
 
 __all__ = ["DecodeWorker", "PrefillClient", "PrefillUnavailable"]
@@ -43,10 +44,12 @@ class _Job:
     """A remote request's stream on this worker."""
 
     rid: str
+    resumed: bool = False
     logprobs: bool = False
     prompt_logprobs: int = 0
     stop: Stop = field(default_factory=Stop)
     landed: bool = False
+    here: bool = False             # the connector's local-prefill rule took it: computed here
     ended: bool = False
     timings: dict = field(default_factory=dict)
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -149,28 +152,20 @@ class DecodeWorker(RoleWorker):
             await asyncio.sleep(_REUSE_WAIT_S)
         else:
             raise InvalidRequest(f"request id {greq.rid} is already running on {self.name}")
-        vocab = self.engine.arch.vocab_size
-        for t in greq.prompt_ids:
-            if not 0 <= t < vocab:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         await self.handle.check_constraint(greq.params)
         await self.push.settled(greq)   # the session's previous reply is where it is going
         remote = prefill is not None and prefill.name in self.agent.peers
-        if remote and self.local_prefill_threshold != 0 and greq.resume is None:
-            remote = not await self._prefill_here(greq, prefill.name)
-        path = "remote" if remote else "local"
         push = self.push.wanted(greq, prefill)
         if push:   # its KV is held when it finishes normally, then pushed (decode/reply_push.py)
             self.handle.connector.hold(greq.rid)
-        self.counts[path] += 1
-        self._path.labels(path).inc()
         if remote:
             fresh = greq.resume is None
             plps = len(greq.prompt_ids) - 1 if fresh and greq.params.prompt_logprobs is not None else 0
-            job = self._jobs[greq.rid] = _Job(greq.rid, logprobs=greq.params.logprobs and fresh,
+            job = self._jobs[greq.rid] = _Job(greq.rid, resumed=not fresh, logprobs=greq.params.logprobs and fresh,
                                               prompt_logprobs=plps)
             inner = self._generate_remote(job, greq, prefill, alternate)
         else:
+            self._count_path("local")
             inner = self.handle.stream(greq)
         out_ids: list[int] = []
         t0, first, spec = time.time(), None, (0, 0)
@@ -188,37 +183,51 @@ class DecodeWorker(RoleWorker):
                 self.push.ended(greq, prefill, out_ids)
             if remote:
                 self._jobs.pop(greq.rid, None)
-                self.last_timings = job.timings
+                if not job.here:
+                    self.last_timings = job.timings
                 self._groups.open(greq, job.gate)
             if greq.trace:
+                path = "remote" if remote and not job.here else "local"
                 tracing.record("decode", greq.trace, t0, **{
                     "tandem.worker": self.name, "tandem.rid": greq.rid, "tandem.path": path,
                     "tandem.tokens": len(out_ids), "tandem.first_token_s": first - t0 if first else None,
                     "tandem.resumed": greq.resume is not None, "tandem.spec_drafted": spec[0],
                     "tandem.spec_accepted": spec[1]})
 
-    async def _prefill_here(self, greq: GenerateRequest, peer: str) -> bool:
-        ids = list(greq.cache_key)      # the tenant's salted key: what the caches hold
-        cached = await self.handle.cached_prefix(ids)
-        if self.local_prefill_threshold is not None:
-            return len(ids) - cached < self.local_prefill_threshold
-        if cached < self.engine.kv.page_size:      # nothing held here: no prefill worker holds less
-            return False
-        return choose_local(len(ids), cached, self._sent.held(peer, ids), self.prefill_costs,
-                            self.engine.kv.page_size)
+    def _local_rule(self, greq: GenerateRequest, peer: str) -> LocalRule:
+        return LocalRule(self.local_prefill_threshold, self._sent.held(peer, greq.cache_key),
+                         replace(self.prefill_costs), self.page_size)
+
+    def _count_path(self, path: str) -> None:
+        self.counts[path] += 1
+        self._path.labels(path).inc()
 
     async def _generate_remote(self, job: _Job, greq: GenerateRequest, prefill: KVSource,
                                alternate=None) -> AsyncGenerator[StreamChunk, None]:
-        """The prompt (P->D) and migration (D->D) flows: receive, count, activate, stream."""
+        """The prompt (P->D) and migration (D->D) flows: receive, count, land, stream; or, when the
+        local-prefill rule takes a fresh prompt as the engine queues it, the engine's own chunks."""
         loop = asyncio.get_running_loop()
         job.gate = await self._groups.enter(greq, job.stop.event, self.transfer_timeout_s)
         def on_chunk(c: StreamChunk) -> None:
             loop.call_soon_threadsafe(job.chunks.put_nowait, c)
 
+        if not job.resumed and self.local_prefill_threshold != 0:   # decided as the engine queues it
+            self.handle.connector.rule(greq.rid, self._local_rule(greq, prefill.name))
+        got: Landed | Failed | ComputeHere | None = None
         try:
-            got = await self.receiver.receive(
-                greq, prefill, on_chunk=on_chunk,
-                stop=job.stop, check=lambda r: self._check(job, r), alternate=alternate)
+            try:
+                got = await self.receiver.receive(
+                    greq, prefill, on_chunk=on_chunk,
+                    stop=job.stop, check=lambda r: self._check(job, r), alternate=alternate)
+            finally:
+                job.here = isinstance(got, ComputeHere)
+                self._count_path("local" if job.here else "remote")
+            if isinstance(got, ComputeHere):     # the connector's rule prefills it here
+                job.landed = True
+                self._groups.open(greq, job.gate)
+                async for c in self._chunks(job):
+                    yield c
+                return
             if isinstance(got, Failed):
                 job.ended = True
                 yield got.final or StreamChunk(greq.rid, (), "", "abort", len(greq.prompt_ids), error=got.error,
@@ -227,7 +236,10 @@ class DecodeWorker(RoleWorker):
             job.landed = True
             self._received(job, greq, got)
             r = got.result
-            self.handle.activate(greq.rid, r.first_token, None if r.first_logprob is None else
+            if r.first_token is None:          # a resumed request (a fresh one's is checked)
+                self.handle.land_resumed(greq.rid)
+            else:
+                self.handle.land(greq.rid, r.first_token, None if r.first_logprob is None else
                                  TokenLogprob(r.first_token, r.first_logprob, r.first_top_logprobs))
             async for c in self._stream(job, greq, r):
                 yield c
@@ -253,6 +265,9 @@ class DecodeWorker(RoleWorker):
             self.prefill_costs.observe(len(greq.prompt_ids) - r.cached_tokens, r.prefill_s, got.receive_s)
 
     def _check(self, job: _Job, result: PrefillResult) -> str:
+        if (result.first_token is None) != job.resumed:
+            return (f"{job.rid} {'resumes' if job.resumed else 'is fresh'}, but prefill worker {result.worker} "
+                    f"sent {'a' if result.first_token is not None else 'no'} first token")
         if job.logprobs and result.first_logprob is None:
             return (f"prefill worker {result.worker} sent no logprob for the first token of {job.rid}, "
                     f"which asked for logprobs")
@@ -287,6 +302,13 @@ class DecodeWorker(RoleWorker):
                 job.ended = True
                 yield replace(c, cached_tokens=result.cached_tokens)
                 return
+            yield c
+
+    async def _chunks(self, job: _Job) -> AsyncIterator[StreamChunk]:
+        """A request computed here: its chunks as the engine made them."""
+        while not job.ended:
+            c = await job.chunks.get()
+            job.ended = c.finish_reason is not None
             yield c
 
     def _count_failure(self, reason: str) -> None:

@@ -1,11 +1,17 @@
-"""The engine's typed commands: everything another thread asks of the engine thread."""
+"""The engine's typed commands: everything another thread asks of the engine thread.
+
+Commands change the engine (a request, its KV, the cache); queries (engine/queries.py) only read
+it. Each names one verb; none carries a function to run."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tandem.engine.queries import Query
 
 if TYPE_CHECKING:
     from tandem.core.messages import Resume, SampleGroup
@@ -27,15 +33,27 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class Activate:
-    """The KV of a request in WAITING_FOR_KV landed (no write into it is in flight any more);
-    ``first_token`` was sampled by the prefill worker, with ``logprob`` when the request asked;
-    None for a resumed request (its tokens came with it), and for a fresh one received only to
-    be cached (it finishes "stored", its KV in the cache)."""
+class Land:
+    """A prefilled request's KV landed here (no write into it is in flight any more): decode on
+    from ``first_token``, sampled by the prefill worker (with ``logprob`` when the request asked)."""
 
     rid: str
-    first_token: int | None
+    first_token: int
     logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class LandResumed:
+    """A migrated request's KV landed here: decode on from its own tokens (they came with it)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class Store:
+    """A sequence received only to be cached landed here: cache it; it finishes "stored"."""
+
+    rid: str
 
 
 @dataclass(frozen=True)
@@ -72,10 +90,15 @@ class Unpin:
 
 
 @dataclass(frozen=True)
-class Inspect:
-    fn: Callable[..., Any]
-    args: tuple = ()
+class Pause:
+    """Test-only (``Engine.paused_for_tests``): between steps, the engine thread sets ``future``
+    and waits (at most ``timeout_s``) for ``resume``, so a test may read the engine's private
+    structures without a race. The product never sends it."""
+
+    resume: threading.Event
+    timeout_s: float
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-Command = Submit | Abort | Activate | Migrate | Release | Evict | Unpin | Inspect
+Handoff = Land | LandResumed | Store | Release | Migrate     # Scheduler.handoff's events
+Command = Submit | Abort | Land | LandResumed | Store | Migrate | Release | Evict | Unpin | Pause | Query

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import itertools
 import logging
 import os
 import queue
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 
 import torch
 
@@ -21,9 +23,9 @@ from tandem.cache.req_to_token import ReqToTokenPool
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import EngineConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import Completion, InvalidRequest, Req, SamplingParams, StreamChunk
+from tandem.core.types import Completion, Req, SamplingParams, StreamChunk, check_token_ids
 from tandem.engine.attention import make_attention_backend
-from tandem.engine.commands import Abort, Command, Evict, Inspect, Submit, Unpin
+from tandem.engine.commands import Abort, Command, Evict, Pause, Submit, Unpin
 from tandem.engine.connector import KVConnector
 from tandem.engine.cuda_graph import make_decode_graph
 from tandem.engine.describe import components_clause
@@ -31,6 +33,7 @@ from tandem.engine.host_sizing import host_pool_tokens
 from tandem.engine.hybrid import HybridConfig, make_hybrid
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.overlap import DeviceLane, Launched, resolve_overlap
+from tandem.engine.queries import CheckInvariants, EngineSnapshot, PinReport, Query, Snapshot, Stats, answer
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
@@ -209,12 +212,7 @@ class Engine(StepLoop):
                   pin_cap=greq.pin_cap)
         if greq.resume is not None:
             req.output_ids = list(greq.resume.output_ids)
-        for t in req.prompt_ids:
-            if not 0 <= t < self.arch.vocab_size:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
-        for t in req.output_ids:
-            if not 0 <= t < self.arch.vocab_size:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+        check_token_ids(itertools.chain(req.prompt_ids, req.output_ids), self.arch.vocab_size)
         self.scheduler.validate(req)
         self.send(Submit(req, on_chunk, greq.group, greq.resume))
 
@@ -276,14 +274,13 @@ class Engine(StepLoop):
                                   last.cached_tokens, last.finish_reason, last.error))
         return out
 
-    def inspect(self, fn: Callable, *args) -> concurrent.futures.Future:
-        """A Future of ``fn(*args)`` run on the engine thread between steps; ``fn`` only reads."""
-        cmd = Inspect(fn, args)
+    def query(self, q: Query) -> concurrent.futures.Future:
+        """``q.future``, answered on the engine thread between steps (engine/queries.py)."""
         if self._error is not None or not self._thread.is_alive():
-            cmd.future.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
-            return cmd.future
-        self.send(cmd)
-        return cmd.future
+            q.future.set_exception(RuntimeError(f"engine thread is not running: {self._error!r}"))
+            return q.future
+        self.send(q)
+        return q.future
 
     def unpin(self, prefix_hash: str, tenant: str | None = None) -> concurrent.futures.Future:
         """A Future of the tokens unpinned: the pins of the prefix ``prefix_hash`` names
@@ -303,29 +300,40 @@ class Engine(StepLoop):
         from tandem.engine.handle import EngineHandle
         return EngineHandle(self)
 
-    def snapshot(self, timeout: float = 30.0):
-        """Blocking: the engine's :class:`~tandem.engine.handle.EngineSnapshot` (tests, CLI), read
-        on the engine thread (directly once that thread has stopped)."""
-        from tandem.engine.handle import take_snapshot
-        return self._on_thread(take_snapshot, self, timeout=timeout)
+    def snapshot(self, timeout: float = 30.0) -> EngineSnapshot:
+        """Blocking: the engine's accounting (tests, CLI), read on the engine thread."""
+        return self._ask(Snapshot(), timeout)
 
     def pins(self, timeout: float = 30.0) -> dict:
-        """Blocking: the cache's pins (engine/handle.py ``pin_report``), read on the engine thread."""
-        from tandem.engine.handle import pin_report
-        return self._on_thread(pin_report, self, timeout=timeout)
+        """Blocking: the cache's pins (engine/queries.py ``PinReport``), read on the engine thread."""
+        return self._ask(PinReport(), timeout)
 
     def stats(self, timeout: float = 30.0) -> dict:
         """Blocking: a copy of the scheduler's counters, read on the engine thread."""
-        return self._on_thread(dict, self.scheduler.stats, timeout=timeout)
+        return self._ask(Stats(), timeout)
 
     def check_invariants(self, timeout: float = 30.0) -> None:
         """Blocking: the ownership recount on the engine thread (raises AssertionError)."""
-        self._on_thread(self.scheduler.check_invariants, timeout=timeout)
+        self._ask(CheckInvariants(), timeout)
 
-    def _on_thread(self, fn, *args, timeout: float):
+    def _ask(self, q: Query, timeout: float):
+        """``q``'s answer: on the engine thread, or directly once that thread has stopped cleanly."""
         if not self._thread.is_alive() and self._error is None:
-            return fn(*args)
-        return self.inspect(fn, *args).result(timeout)
+            return answer(self, q)
+        return self.query(q).result(timeout)
+
+    @contextlib.contextmanager
+    def paused_for_tests(self, timeout_s: float = 30.0) -> Iterator[None]:
+        """Test-only: the engine thread waits between steps (inbox drained, no step in flight)
+        while the ``with`` body reads private structures (the tree, the pools) from the calling
+        thread; it goes on at the block's end, or after ``timeout_s``. The product never pauses."""
+        cmd = Pause(threading.Event(), timeout_s)
+        self.send(cmd)
+        cmd.future.result(timeout_s)
+        try:
+            yield
+        finally:
+            cmd.resume.set()
 
     def shutdown(self) -> None:
         self._stop = True

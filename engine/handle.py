@@ -1,68 +1,20 @@
-"""EngineHandle: the only way a worker reaches its engine."""
+"""EngineHandle: the only way a worker reaches its engine: its commands (engine/commands.py) and
+queries (engine/queries.py) as typed methods, async where an answer comes back."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import AsyncGenerator
-from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from tandem.core.messages import GenerateRequest
-from tandem.core.types import StreamChunk
+from tandem.core.types import StreamChunk, TokenLogprob
+from tandem.engine.commands import Land, LandResumed, Migrate, Release, Store
+from tandem.engine.queries import (CachedPrefix, CheckInvariants, EngineSnapshot, HeldKV, HeldPages, PinReport, Query,
+                                   Snapshot)
 
 ENGINE_CALL_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """One engine's accounting at one moment (read on the engine thread)."""
-
-    available_tokens: int
-    evictable_tokens: int
-    locked_tokens: int
-    total_tokens: int
-    request_tokens: int
-    host_used_tokens: int
-    running: int
-    waiting: int
-    retracted: int
-    detached: int
-    rows_free: int
-    waiting_prompt_tokens: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def leaked_tokens(self) -> int:
-        """Allocated slots neither cached nor owned by a request (0 unless there is a leak)."""
-        return (self.total_tokens - self.available_tokens - self.evictable_tokens
-                - self.locked_tokens - self.request_tokens)
-
-
-def _whole_pages(slots, page_size: int) -> int:
-    return int(len(set((slots // page_size).tolist()))) * page_size
-
-
-def take_snapshot(engine) -> EngineSnapshot:
-    """Engine thread only."""
-    s, kv = engine.scheduler, engine.kv
-    st = kv.cache.stats()
-    host = kv.cache.host.used() if kv.cache.host is not None else 0
-    return EngineSnapshot(
-        available_tokens=kv.alloc.available_size(), evictable_tokens=st.evictable,
-        locked_tokens=st.protected, total_tokens=kv.alloc.size,
-        request_tokens=_whole_pages(kv.owned_slots(), kv.page_size), host_used_tokens=host,
-        running=len(s.running), waiting=len(s.waiting), retracted=len(s.retraction.retracted),
-        detached=len(kv.holders) - len(s.running), rows_free=kv.r2t.available_size(),
-        waiting_prompt_tokens=sum(len(sr.req.prompt_ids) for sr in s.waiting))
-
-
-def pin_report(engine) -> dict:
-    """Engine thread only: the live pinned prefixes (``cache.pins()``), pinned tokens per tenant,
-    matches that ended on a pinned node and pins refused past a tenant's cap."""
-    c = engine.kv.cache
-    return {"prefixes": c.pins(), "tokens": c.pinned_tokens, "hits": c.pin_hits, "refused": c.pin_refused}
 
 
 class EngineHandle:
@@ -70,15 +22,20 @@ class EngineHandle:
         self.engine = engine
         self.timeout_s = timeout_s
 
-    async def _read(self, fn: Callable, *args):
+    async def _ask(self, q: Query) -> Any:
         self.check_alive()
-        fut = self.engine.inspect(fn, *args)
+        return await self._wait(self.engine.query(q))
+
+    async def _wait(self, fut: concurrent.futures.Future) -> Any:
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
 
+    # requests
     def stream(self, greq: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         return self.engine.stream(greq)
 
     def submit(self, greq: GenerateRequest, on_chunk: Callable[[StreamChunk], None]) -> None:
+        """Queue ``greq`` (InvalidRequest, before anything is queued, for ids outside the
+        vocabulary or a prompt this engine can never serve); its chunks go to ``on_chunk``."""
         self.engine.submit(greq, on_chunk)
 
     def abort(self, rid: str, error: str | None = None) -> None:
@@ -89,31 +46,65 @@ class EngineHandle:
         raises InvalidRequest when it does not compile, before anything is reserved."""
         await self.engine.check_constraint(params)
 
-    async def cached_prefix(self, ids: list[int]) -> int:
-        """Tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the prefix cache holds on the
-        device."""
-        return await self._read(self._cached_prefix, list(ids))
+    # a request whose KV crosses workers (engine/scheduler.py ``handoff``); queued, in order
+    def land(self, rid: str, first_token: int, logprob: TokenLogprob | None = None) -> None:
+        """Received ``rid``'s KV landed (no write into it in flight): decode on from prefill's first
+        token (and its logprob when asked); a constrained request's grammar continues from it."""
+        self.check_alive()
+        self.engine.send(Land(rid, first_token, logprob))
 
-    def _cached_prefix(self, ids: list[int]) -> int:
-        ps = self.engine.kv.page_size
-        usable = (len(ids) - 1) // ps * ps
-        return min(self.engine.kv.cache.peek(ids[:usable]), usable)
+    def land_resumed(self, rid: str) -> None:
+        """Migrated ``rid``'s KV landed: decode on from the tokens it came with."""
+        self.check_alive()
+        self.engine.send(LandResumed(rid))
 
-    async def pins(self) -> dict:
-        """The cache's pins (:func:`pin_report`), read on the engine thread."""
-        return await self._read(pin_report, self.engine)
+    def store(self, rid: str) -> None:
+        """Received ``rid``'s KV landed: cache it; it finishes "stored"."""
+        self.check_alive()
+        self.engine.send(Store(rid))
 
+    def release_held(self, rid: str) -> None:
+        """``rid``'s held KV goes to the cache (a no-op if it holds none): its write ended."""
+        self.engine.send(Release(rid))
+
+    async def migrate(self, rid: str) -> None:
+        """End decoding ``rid`` here with "migrated", its KV held; ValueError (nothing changed)
+        when it is not decoding here."""
+        self.check_alive()
+        cmd = Migrate(rid)
+        self.engine.send(cmd)
+        await asyncio.wait_for(asyncio.wrap_future(cmd.future), self.timeout_s)
+
+    # the cache
     async def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
         """Tokens unpinned by ending the pins of prefix ``prefix_hash`` (0: none such)."""
         self.check_alive()
-        fut = self.engine.unpin(prefix_hash, tenant)
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
+        n: int = await self._wait(self.engine.unpin(prefix_hash, tenant))
+        return n
+
+    # queries (engine/queries.py), each read on the engine thread
+    async def held_pages(self, rid: str, start: int) -> HeldKV:
+        """Held ``rid``'s source ids from ``start`` (KeyError when it holds none here)."""
+        held: HeldKV = await self._ask(HeldPages(rid, start))
+        return held
+
+    async def cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the prefix cache holds on the
+        device."""
+        n: int = await self._ask(CachedPrefix(tuple(ids)))
+        return n
+
+    async def pins(self) -> dict:
+        """The cache's pins (engine/queries.py ``PinReport``)."""
+        report: dict = await self._ask(PinReport())
+        return report
 
     async def snapshot(self) -> EngineSnapshot:
-        return await self._read(take_snapshot, self.engine)
+        snap: EngineSnapshot = await self._ask(Snapshot())
+        return snap
 
     async def check_invariants(self) -> None:
-        await self._read(self.engine.scheduler.check_invariants)
+        await self._ask(CheckInvariants())
 
     def check_alive(self) -> None:
         """Raise if the engine thread died."""

@@ -10,7 +10,7 @@ from typing import Callable
 from tandem.core.messages import Resume, SampleGroup
 from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, TokenLogprob
 from tandem.engine.admission import Admission
-from tandem.engine.commands import Activate, Migrate, Release
+from tandem.engine.commands import Handoff, Land, LandResumed, Migrate, Release, Store
 from tandem.engine.connector import KVConnector
 from tandem.engine.hybrid import NO_HYBRID
 from tandem.engine.queue_policy import InStepPrefixes
@@ -113,36 +113,37 @@ class Scheduler:
         return sr.ahead > 0 and (len(r.output_ids) + sr.ahead >= r.params.max_tokens
                                  or r.seq_len + sr.ahead >= sr.tracker.max_context)
 
-    def handoff(self, event: Activate | Migrate | Release) -> StreamChunk | None:
+    def handoff(self, event: Handoff) -> StreamChunk | None:
         """The worker side of a KV handoff (engine/commands.py): the chunk it makes (first token,
-        "migrated"), None if the request ended meanwhile; ValueError (no change) if it cannot."""
+        "stored", "migrated"), None if the request ended meanwhile; ValueError (no change) if it cannot."""
         if isinstance(event, Migrate):
             sr = self.running.get(event.rid)
             if sr is None or sr.req.computed_len != sr.req.seq_len - 1:
                 raise ValueError(f"Migrate for {event.rid}, which is not decoding here")
             return self._finish(sr, "migrated", "")
-        sr = self.detached.get(event.rid)
-        if sr is None:
+        if (sr := self.detached.get(event.rid)) is None:
             return None
-        r = sr.req
+        r, landing = sr.req, sr.req.status is ReqStatus.WAITING_FOR_KV
         match event:
-            case Activate(first_token=tok, logprob=lp) if (
-                    r.status is ReqStatus.WAITING_FOR_KV and (tok is None) == bool(r.output_ids)):
-                del self.detached[r.rid]
-                sr.receive = False
-                r.status, r.first_token_time = ReqStatus.RUNNING, time.monotonic()
-                self.running[r.rid] = sr
-                self.kv.cache_prefix(sr)
-                return None if tok is None else self._on_token(sr, tok, sampled=False, logprob=lp)
-            case Activate(first_token=None) if r.status is ReqStatus.WAITING_FOR_KV and not r.output_ids:
+            case Land(first_token=tok, logprob=lp) if landing and not r.output_ids:
+                self._land(sr)
+                return self._on_token(sr, tok, sampled=False, logprob=lp)
+            case LandResumed() if landing and r.output_ids:
+                self._land(sr)
+                return None
+            case Store() if landing and not r.output_ids:
                 del self.detached[r.rid]             # a prompt received only to be cached here
                 self.kv.cache_prefix(sr)
                 return self._finish(sr, "stored", "")
             case Release() if r.finished:
-                del self.detached[r.rid]
-                self.kv.release(sr)
+                self.kv.release(self.detached.pop(r.rid))
                 return None
         raise ValueError(f"{type(event).__name__} for {event.rid}, which is {r.status.name}")
+
+    def _land(self, sr: SchedReq) -> None:
+        sr.receive, sr.req.status, sr.req.first_token_time = False, ReqStatus.RUNNING, time.monotonic()
+        self.running[sr.rid] = self.detached.pop(sr.rid)
+        self.kv.cache_prefix(sr)
 
     def schedule(self) -> StepPlan:
         """Decide the next step (allocating its slots, retracting or aborting as needed)."""
@@ -455,8 +456,7 @@ class Scheduler:
         r = sr.req
         self.connector.finished(sr, "abort")
         self.groups.remove(sr)
-        r.status, r.finish_reason, r.error = ReqStatus.FINISHED_ABORT, "abort", error
-        r.finish_time = time.monotonic()
+        r.status, r.finish_reason, r.error, r.finish_time = ReqStatus.FINISHED_ABORT, "abort", error, time.monotonic()
         return StreamChunk(r.rid, (), "", "abort", len(r.prompt_ids), r.cached_len,
                            len(r.output_ids), error)
 

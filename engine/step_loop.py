@@ -10,9 +10,11 @@ import time
 import torch
 
 from tandem.core.types import InvalidRequest, StreamChunk
-from tandem.engine.commands import Abort, Activate, Command, Evict, Inspect, Migrate, Release, Submit, Unpin
+from tandem.engine.commands import (Abort, Command, Evict, Land, LandResumed, Migrate, Pause, Release, Store, Submit,
+                                    Unpin)
 from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.overlap import device_sampleable, fill_indices, fill_inputs
+from tandem.engine.queries import Query, answer
 from tandem.engine.spec.speculator import accepted_runs, logit_layout
 
 log = logging.getLogger("tandem.engine.engine")
@@ -58,7 +60,7 @@ class StepLoop:
                 c = self.scheduler.abort(rid, error)
                 if c is not None:
                     self._emit([c])
-            case Activate() | Release():
+            case Land() | LandResumed() | Store() | Release():
                 try:
                     c = self.scheduler.handoff(cmd)
                 except ValueError as e:
@@ -80,13 +82,17 @@ class StepLoop:
             case Unpin(prefix_hash=h, tenant=tenant, future=fut):
                 if fut.set_running_or_notify_cancel():
                     fut.set_result(self.cache.unpin(h, tenant))
-            case Inspect(fn=fn, args=args, future=fut):
+            case Query(future=fut):
                 if not fut.set_running_or_notify_cancel():
                     return
                 try:
-                    fut.set_result(fn(*args))
+                    fut.set_result(answer(self, cmd))
                 except Exception as e:
                     fut.set_exception(e)
+            case Pause(resume=resume, timeout_s=t, future=fut):
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(None)
+                    resume.wait(t)
             case _:
                 raise TypeError(f"unknown engine command {cmd!r}")
 
@@ -216,6 +222,6 @@ class StepLoop:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, Inspect | Evict | Unpin | Migrate) and cmd.future.set_running_or_notify_cancel():
+                if isinstance(cmd, Query | Evict | Unpin | Migrate | Pause) and cmd.future.set_running_or_notify_cancel():
                     cmd.future.set_exception(RuntimeError(error))
             self._emit([StreamChunk(rid, (), "", "abort", error=error) for rid in list(self._callbacks)])

@@ -1,8 +1,8 @@
 """The prefill role's side of the engine: finished prompts whose KV is held until it is sent.
 
 :class:`PrefillConnector` is the scheduler's KVConnector on a prefill worker (engine/connector.py):
-a request that finishes normally (its one sampled token) keeps its row and locked KV, in the
-scheduler's ``detached``, until a ``Release``. :class:`PrefillHandle` is how the prefill worker
+a request that finishes normally (its one sampled token) keeps its row and locked KV (``Keep.HELD``)
+until a ``Release``. :class:`PrefillHandle` is how the prefill worker
 reaches it:
 
     held_pages(rid, start) -> HeldKV    page ids of positions [start, len(prompt)) and usage;
@@ -14,33 +14,25 @@ reaches it:
     receive(greq, on_chunk), cancel(rid, why), store(rid)
                                         a decode worker's finished sequence written into
                                         reserved pages (worker/receiving.py), then cached
-                                        (prefill/store.py)
+                                        (prefill/store.py; ``store`` sends the engine's ``Store``)
 """
 
 from __future__ import annotations
 
-from tandem.engine.commands import Activate
-from tandem.engine.sched_types import SchedReq
-from tandem.worker.receiving import ReceivingConnector, ReceivingHandle
+from tandem.worker.receiving import Keep, ReceivingConnector, ReceivingHandle
 
 
 class PrefillConnector(ReceivingConnector):
     """Engine thread, except :meth:`expect` and :meth:`forget`: every computed prompt that
     finishes normally is held for sending; a received one ("stored") goes to the cache."""
 
-    def finished(self, sr: SchedReq, reason: str) -> bool:
-        self.forget(sr.rid)
-        return reason not in ("abort", "stored")
+    def keeps(self, rid: str, reason: str) -> Keep:
+        return Keep.NO if reason in ("abort", "stored") else Keep.HELD
 
 
 class PrefillHandle(ReceivingHandle):
-    """``held_pages``, ``release_held``, ``page_digest``, ``receive`` and ``cancel``: worker/receiving.py."""
+    """``receive``, ``cancel``, ``page_digest``: worker/receiving.py; ``held_pages``,
+    ``release_held``, ``store``: engine/handle.py."""
 
     ROLE, CONNECTOR = "prefill", PrefillConnector
     connector: PrefillConnector
-
-    def store(self, rid: str) -> None:
-        """Queued: received ``rid``'s KV landed (no write into it is in flight): cache it; it
-        finishes "stored"."""
-        self.check_alive()
-        self.engine.send(Activate(rid, None))

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams, StreamChunk
 from tandem.prefill.connector import PrefillHandle
-from tandem.worker.kv_flow import Failed, KVReceiver, KVSource
+from tandem.worker.kv_flow import Failed, KVReceiver, KVSource, Landed
 
 
 class ReplyStore:
@@ -40,6 +40,8 @@ class ReplyStore:
         if isinstance(got, Failed):
             self.counts["store_skipped" if got.reason in ("refused", "no_room") else "store_failed"] += 1
             return 0
+        if not isinstance(got, Landed):   # PrefillConnector prefills nothing it expects
+            raise TypeError(f"receive of {greq.rid} answered {got!r}, not Landed")
         self.handle.store(greq.rid)
         await final
         n = len(greq.prompt_ids) - got.reservation.prefix_len

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tandem.core.messages import GenerateRequest, SampleGroup
-from tandem.core.types import InvalidRequest, SamplingParams
+from tandem.core.types import InvalidRequest, SamplingParams, check_token_ids
 from tandem.router.prompt_cache import retention_pins
 from tandem.router import metrics as m
 from tandem.router.front_door import FrontDoor, error_response, refusal, request_priority, session_key, start_failed
@@ -170,10 +170,10 @@ class OpenAIRoutes:
             if isinstance(prompt, str):
                 out.append(list(self.door.backend.tokenizer.encode(prompt, add_special_tokens=True)))
                 continue
-            for t in prompt:
-                if t < 0 or (vocab is not None and t >= vocab):
-                    raise APIError(400, f"token id {t} is outside the vocabulary "
-                                        f"(0..{vocab - 1 if vocab else '?'})", param="prompt")
+            try:
+                check_token_ids(prompt, vocab)
+            except InvalidRequest as e:
+                raise APIError(400, str(e), param="prompt") from None
             out.append(list(prompt))
         return out
 

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tandem.core.types import InvalidRequest, check_token_ids
 from tandem.router.front_door import FrontDoor, refusal
 from tandem.router.openai_protocol import APIError, ChatMessage, _Request, parse_json_object, parse_request
 from tandem.router.routes_openai import internal_messages
@@ -68,10 +69,10 @@ class TokenizeRoutes:
     async def detokenize(self, request: Request) -> Response:
         try:
             req = await self._parse(request, DetokenizeRequest)
-            vocab = self.door.backend.tokenizer.vocab_size
-            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+            try:
+                check_token_ids(req.tokens, self.door.backend.tokenizer.vocab_size)
+            except InvalidRequest as e:
+                raise APIError(400, str(e), param="tokens") from None
             text = await asyncio.to_thread(self.door.backend.tokenizer.decode, req.tokens,
                                            skip_special_tokens=False)
         except APIError as e:

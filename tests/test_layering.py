@@ -1,7 +1,9 @@
 """The dependency directions of README.md's layout, checked by walking every import statement.
 
 cluster -> {router, prefill, decode, sim} -> worker -> {engine, transfer}; engine -> cache ->
-core, transfer -> core (engine and transfer never import each other); sim ->
+core, transfer -> core (engine and transfer never import each other); prefill and decode reach
+their engine only through worker/ (its handles and connectors), never engine/ or cache/ (they
+still read transfer/'s wire messages and Handoff states); sim ->
 {router, cache} (the simulated engine serves through the router's dispatcher); loadtest ->
 {engine, router} (it drives a server over HTTP; its oracle runs a fresh engine behind the real
 front door); workloads (the vendored traces: paths only) imports nothing, and sim and loadtest
@@ -31,8 +33,8 @@ PRODUCT = {
     "engine": {"core", "cache"},
     "worker": {"core", "cache", "transfer", "engine"},
     "router": {"core"},
-    "prefill": {"core", "cache", "transfer", "engine", "worker"},
-    "decode": {"core", "cache", "transfer", "engine", "worker"},
+    "prefill": {"core", "transfer", "worker"},
+    "decode": {"core", "transfer", "worker"},
     "sim": {"core", "cache", "router", "workloads"},
     "cluster": {"core", "cache", "transfer", "engine", "worker", "router", "prefill", "decode", "sim"},
     "workloads": set(),

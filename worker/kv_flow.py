@@ -16,13 +16,13 @@ from typing import Any, Callable, Protocol
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
+from tandem.engine.queries import HeldKV
 from tandem.transfer.agent import KVTransferAgent
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.pump import PUMP_S, Pump
 from tandem.transfer.state import TransferState
-from tandem.worker.held_kv import HeldKV
-from tandem.worker.receiving import ReceivingHandle, Reservation
+from tandem.worker.receiving import ComputeHere, ReceivingHandle, Reservation
 
 IN_FLIGHT_LIMIT = 10   # a write neither done nor failed after this many transfer timeouts: QUARANTINED
 log = logging.getLogger(__name__)
@@ -226,12 +226,13 @@ class KVReceiver:
     async def receive(self, greq: GenerateRequest, source: KVSource, *, on_chunk: Callable[[StreamChunk], None],
                       stop: Stop | None = None, deadline: float | None = None, bounded: bool = True,
                       wire: dict[str, Any] | None = None, check: Callable[[PrefillResult], str] = lambda r: "",
-                      alternate: Callable[[str], KVSource | None] | None = None) -> Landed | Failed:
+                      alternate: Callable[[str], KVSource | None] | None = None) -> Landed | Failed | ComputeHere:
         """Receive ``greq``'s KV (past this cache's match) from ``source``, asked with ``wire``
         (default: ``greq``'s). ``deadline`` (monotonic; default one timeout from now) bounds the
         reservation and, when ``bounded``, the source's call (else its own bound ends it).
         ``check(result)``: the policy's verdict ("" accepts). ``alternate(dead)``: one
-        replacement source when ``source`` died before writing. Chunks go to ``on_chunk``."""
+        replacement source when ``source`` died before writing. Chunks go to ``on_chunk``.
+        ``ComputeHere``: the role's connector prefills it here instead, nothing was asked."""
         stop, t0, cancelled = stop or Stop(), time.monotonic(), f"request {greq.rid} aborted during KV transfer"
         deadline = t0 + self.timeout_s if deadline is None else deadline
         try:
@@ -241,6 +242,7 @@ class KVReceiver:
             raise
         if isinstance(res, Failed):
             self.on_failure(res.reason)
+        if not isinstance(res, Reservation):
             return res
         t1 = time.monotonic()
         job = _Inbound(greq.rid, Handoff(greq.rid, deadline=deadline), len(greq.prompt_ids) - res.prefix_len)
@@ -257,7 +259,7 @@ class KVReceiver:
         return Landed(res, result, job.asked()[0], t1 - t0, time.monotonic() - t1)
 
     async def _reserve(self, greq: GenerateRequest, on_chunk: Callable[[StreamChunk], None], stop: Stop,
-                       deadline: float) -> Reservation | Failed:
+                       deadline: float) -> Reservation | ComputeHere | Failed:
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[StreamChunk] = loop.create_future()
 

@@ -6,25 +6,26 @@ here; the scheduler reserves a row, its cached prefix (the normal match and comp
 slots for the rest, and the connector turns them into a :class:`Reservation`, the future's
 result; :class:`ReceivingHandle` is how the worker (asyncio, another thread) reaches it. A
 decode worker receives prompts (and migrated requests); a prefill worker receives a
-decode worker's finished reply, only to cache it (decode/README.md, "reply push").
+decode worker's finished reply, only to cache it (decode/README.md, "reply push"). What a role
+keeps of a finished request's KV is its connector's :meth:`~ReceivingConnector.keeps` rule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
-from tandem.engine.commands import Release
 from tandem.engine.connector import KVConnector
+from tandem.engine.queries import cached_prefix
 from tandem.engine.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
-from tandem.worker.held_kv import HeldKV, held_kv
 from tandem.worker.kv_digest import corrupt_page, regions_digest
 from tandem.worker.kv_regions import KV, kv_regions
 
@@ -48,6 +49,24 @@ class Reservation:
         return self.regions or (RegionPages(KV, self.pages),)
 
 
+@dataclass(frozen=True)
+class ComputeHere:
+    """A receive's answer when the role's :meth:`ReceivingConnector.computes_here` took the
+    request: it is prefilled on this worker as any other request (its chunks go to the receive's
+    ``on_chunk``); no page was reserved for a peer."""
+
+
+HERE = ComputeHere()
+
+
+class Keep(enum.Enum):
+    """What a finished request's KV does (:meth:`ReceivingConnector.keeps`, the role's rule)."""
+
+    NO = "no"                      # cached or freed now, as any finished request's
+    HELD = "held"                  # held (locked, its row kept) until a Release
+    HELD_CACHED = "held, cached"   # held, its sequence cached now: later requests hit it while held
+
+
 class ReceivingConnector(KVConnector):
     """Engine thread, except :meth:`expect` and :meth:`forget` (any thread)."""
 
@@ -55,10 +74,10 @@ class ReceivingConnector(KVConnector):
         self.engine = engine
         self.kv = engine.kv
         self.regions = kv_regions(engine)   # name -> RegionSpec
-        self._expected: dict[str, concurrent.futures.Future[Reservation | None]] = {}
+        self._expected: dict[str, concurrent.futures.Future[Reservation | ComputeHere | None]] = {}
         self._lock = threading.Lock()
 
-    def expect(self, rid: str) -> concurrent.futures.Future[Reservation | None]:
+    def expect(self, rid: str) -> concurrent.futures.Future[Reservation | ComputeHere | None]:
         """Before ``rid`` is submitted: a peer writes its KV. The future gets its Reservation
         (None: it ended first)."""
         with self._lock:
@@ -72,8 +91,27 @@ class ReceivingConnector(KVConnector):
             fut.set_result(None)
 
     def receives(self, sr: SchedReq) -> bool:
+        """As ``sr`` is queued: whether a peer writes its KV (it was expected, and the role's
+        :meth:`computes_here` did not take it; a taken one's future gets ``HERE``)."""
         with self._lock:
-            return sr.rid in self._expected
+            if sr.rid not in self._expected:
+                return False
+        if not self.computes_here(sr.rid, sr.req.cache_ids):
+            return True
+        with self._lock:
+            fut = self._expected.pop(sr.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(HERE)
+        return False
+
+    def computes_here(self, rid: str, ids: list[int]) -> bool:
+        """The role's rule, on the engine thread as expected ``rid`` (cache key ``ids``) is queued:
+        True to prefill it here after all (:meth:`cached_prefix` says what this cache holds)."""
+        return False
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """Engine thread: tokens of ``ids`` (page-aligned, at most ``len(ids) - 1``) the device cache holds."""
+        return cached_prefix(self.engine, ids)
 
     def reserved(self, sr: SchedReq) -> None:
         kv, p = self.kv, sr.locked_len
@@ -85,9 +123,17 @@ class ReceivingConnector(KVConnector):
         if fut is not None and not fut.done():
             fut.set_result(Reservation(p, pages, regions))
 
-    def held_kv(self, rid: str, start: int) -> HeldKV:
-        """Source ids of held ``rid``'s positions from ``start``; KeyError if not held."""
-        return held_kv(self.engine, rid, start)
+    def finished(self, sr: SchedReq, reason: str) -> bool:
+        self.forget(sr.rid)
+        keep = self.keeps(sr.rid, reason)
+        if keep is Keep.HELD_CACHED:
+            self.kv.cache_prefix(sr)
+        return keep is not Keep.NO
+
+    def keeps(self, rid: str, reason: str) -> Keep:
+        """The role's rule, on the engine thread: what the KV of ``rid``, finishing ``reason``
+        ("stop", "length", "abort", "migrated", "stored"), does."""
+        return Keep.NO
 
     def digest(self, regions: tuple[RegionPages, ...]) -> str:
         return regions_digest(self.regions, [(rp.region, rp.pages) for rp in regions])
@@ -102,15 +148,15 @@ class ReceivingConnector(KVConnector):
 
 
 class ReceivingHandle(RoleHandle):
-    """The worker's typed way to a :class:`ReceivingConnector`: KV in (``receive``, ``cancel``)
-    and KV out (``held_pages``, ``release_held``), and ``page_digest`` for either."""
+    """The worker's typed way to a :class:`ReceivingConnector`: KV in (``receive``, ``cancel``),
+    and ``page_digest`` for KV in or out (out: EngineHandle's ``held_pages``, ``release_held``)."""
 
     connector: ReceivingConnector
 
     def receive(self, greq: GenerateRequest,
-                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future[Reservation | None]:
+                on_chunk: Callable[[StreamChunk], None]) -> concurrent.futures.Future[Reservation | ComputeHere | None]:
         """Queue ``greq`` to be filled by a peer; its Reservation once reserved (None: it ended
-        first, its final chunk says why). Raises InvalidRequest for a prompt this engine can
+        first, its final chunk says why; ``HERE``: the role's rule computes it here instead). Raises InvalidRequest for a prompt this engine can
         never serve. Chunks go to ``on_chunk``."""
         self.check_alive()
         fut = self.connector.expect(greq.rid)
@@ -126,15 +172,6 @@ class ReceivingHandle(RoleHandle):
         guarantees that no write into them is in flight (transfer/handoff.py)."""
         self.connector.forget(rid)
         self.engine.abort(rid, error=why)
-
-    async def held_pages(self, rid: str, start: int) -> HeldKV:
-        """Held ``rid``'s source ids from ``start`` (KeyError when it holds none here)."""
-        held: HeldKV = await self._read(self.connector.held_kv, rid, start)
-        return held
-
-    def release_held(self, rid: str) -> None:
-        """Queued: ``rid``'s held KV goes to this worker's cache (a no-op if it holds none)."""
-        self.engine.send(Release(rid))
 
     async def page_digest(self, regions: tuple[RegionPages, ...]) -> str:
         """Digest of ``regions``' pages, in their order, hashed on a helper thread (the step loop

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tandem.cache.tiers.base import KVTier
     from tandem.engine.connector import KVConnector
     from tandem.engine.engine import Engine
-    from tandem.engine.handle import EngineSnapshot
+    from tandem.engine.queries import EngineSnapshot
 
 log = logging.getLogger(__name__)
 

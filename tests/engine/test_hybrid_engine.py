@@ -59,7 +59,8 @@ def test_prefix_reuse_equals_no_cache_and_dense(tiny, layout, page_size):
         b = run_sessions(plain)
         stats, hstats = dict(cached.scheduler.stats), dict(cached.hybrid.stats)
         if "swa" in layout:
-            assert cached.inspect(check_index_map, cached).result(10) > 0
+            with cached.paused_for_tests():
+                assert check_index_map(cached) > 0
     finally:
         cached.shutdown()
         plain.shutdown()
@@ -175,7 +176,8 @@ def test_mamba_match_lands_only_on_checkpoints(tiny):
         p = list(range(40, 90))                      # 50 tokens: chunks end at 16, 32, 48, prompt at 50
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         a = e.generate(p, params)
-        ends = e.inspect(_checkpoint_ends, e.kv.cache).result(10)
+        with e.paused_for_tests():
+            ends = _checkpoint_ends(e.kv.cache)
         assert ends == {16, 32, 48, 50, 50 + 6 - 1}             # chunk ends, prompt end, finish
         b_ids = p[:40] + [7, 7, 7, 7]                              # diverges at 40 (mid-edge 32..48)
         b = e.generate(b_ids, params)
@@ -184,7 +186,8 @@ def test_mamba_match_lands_only_on_checkpoints(tiny):
         c_ids = p + a.token_ids + [1, 2, 3]                       # the next turn: the finish checkpoint
         c = e.generate(c_ids, params)
         assert c.cached_tokens == 55 and c.token_ids == plain.generate(c_ids, params).token_ids
-        ends = e.inspect(_checkpoint_ends, e.kv.cache).result(10)
+        with e.paused_for_tests():
+            ends = _checkpoint_ends(e.kv.cache)
         assert {16, 32, 48, 55} <= ends and 40 not in ends       # the split at 40 has no state
     finally:
         e.shutdown()
@@ -201,7 +204,8 @@ def test_mamba_checkpoint_at_page_boundary_via_track_row(tiny):
         p = list(range(40, 90))
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         a = e.generate(p, params)                                  # computed: 50 + 5 = 55
-        assert e.inspect(_checkpoint_ends, e.kv.cache).result(10) == {16, 32, 48, 52}
+        with e.paused_for_tests():
+            assert _checkpoint_ends(e.kv.cache) == {16, 32, 48, 52}
         c_ids = p + a.token_ids + [1, 2, 3]
         c = e.generate(c_ids, params)
         assert c.cached_tokens == 52 and c.token_ids == plain.generate(c_ids, params).token_ids

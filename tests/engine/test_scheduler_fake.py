@@ -18,8 +18,8 @@ from tandem.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import Req, ReqStatus, SamplingParams
 from tandem.decode.connector import DecodeConnector
-from tandem.engine.commands import Activate, Release
-from tandem.worker.held_kv import held_kv
+from tandem.engine.commands import Land, LandResumed, Release
+from tandem.engine.queries import held_kv
 from tandem.engine.engine import Engine
 from tandem.engine.sched_types import SchedulerObserver
 from tandem.prefill.connector import PrefillConnector
@@ -280,7 +280,7 @@ def test_abort_while_waiting_running_and_retracted_frees_everything(overlap):
 def test_decode_receive_activate_cancel_through_the_connectors(overlap):
     """The roles' sequence on stopped engines: prefill holds a finished prompt's KV (its
     connector), decode reserves a row + cached prefix + pages for a request it expects, the
-    prompt's KV is copied as the NIXL WRITE would, Release frees prefill's copy, Activate decodes
+    prompt's KV is copied as the NIXL WRITE would, Release frees prefill's copy, Land decodes
     from the first token; a cancelled (aborted) reservation frees its pages."""
     pre, dec = make(connector=PrefillConnector, overlap=overlap), make(connector=DecodeConnector, overlap=overlap)
     p = prompt(4, 19)
@@ -289,7 +289,7 @@ def test_decode_receive_activate_cancel_through_the_connectors(overlap):
     dp.submit("x", p, 1)
     dp.run()
     first = dp.tokens("x")[0]
-    held = pre.connector.held_kv("x", 0)
+    held = held_kv(pre, "x", 0)
     assert pre.scheduler.detached["x"].req.finished
     # decode: expect, submit, one step reserves
     dd = Driver(dec)
@@ -307,7 +307,7 @@ def test_decode_receive_activate_cancel_through_the_connectors(overlap):
     dp.step()
     assert "x" not in pre.scheduler.detached
     idle(pre)
-    dec.send(Activate("x", first))
+    dec.send(Land("x", first))
     dd.run()
     assert dd.tokens("x") == oracle(p, 6)
     idle(dec)
@@ -326,11 +326,11 @@ def test_decode_receive_activate_cancel_through_the_connectors(overlap):
 
 def _disaggregated(pre: Engine, dec: Engine, rid: str, p: list[int], n: int) -> Driver:
     """Prefill ``p`` on ``pre``, reserve on ``dec``, copy the pages as the WRITE does, Release,
-    Activate: returns ``dec``'s driver with ``rid`` decoding."""
+    Land: returns ``dec``'s driver with ``rid`` decoding."""
     dp, dd = Driver(pre), Driver(dec)
     dp.submit(rid, p, 1)
     dp.run()
-    held = pre.connector.held_kv(rid, 0)
+    held = held_kv(pre, rid, 0)
     fut = dec.connector.expect(rid)
     dd.submit(rid, p, n)
     dd.step()
@@ -340,7 +340,7 @@ def _disaggregated(pre: Engine, dec: Engine, rid: str, p: list[int], n: int) -> 
     dec.kv_pool.kv_data[:, :, dst] = pre.kv_pool.kv_data[:, :, src]
     pre.send(Release(rid))
     dp.step()
-    dec.send(Activate(rid, dp.tokens(rid)[0]))
+    dec.send(Land(rid, dp.tokens(rid)[0]))
     return dd
 
 
@@ -359,14 +359,14 @@ def test_a_received_request_retracted_without_a_host_pool_is_recomputed_here():
 
 
 def test_handoff_events_are_checked_and_late_ones_ignored():
-    """An Activate for a request that is not receiving (held, or already gone) is refused with
+    """A Land for a request that is not receiving (held, or already gone) is refused with
     the states named; one for a request that ended meanwhile has nothing left to apply."""
     pre = make(connector=PrefillConnector)
     d = Driver(pre)
     d.submit("x", prompt(1, 9), 1)
     d.run()
-    with pytest.raises(ValueError, match="Activate for x, which is FINISHED_LENGTH"):
-        pre.scheduler.handoff(Activate("x", 3))
+    with pytest.raises(ValueError, match="Land for x, which is FINISHED_LENGTH"):
+        pre.scheduler.handoff(Land("x", 3))
     assert pre.scheduler.handoff(Release("x")) is None and "x" not in pre.scheduler.detached
     assert pre.scheduler.handoff(Release("x")) is None     # late: nothing left
     idle(pre)
@@ -497,7 +497,7 @@ def _decode_a_while(page_size=4, warm_b=False, steps=5, overlap="off", **params)
     _copy_pages(a, b, held.pages, res.pages)
     a.send(Release("m"))
     da.step()
-    b.send(Activate("m", None))
+    b.send(LandResumed("m"))
     db.run()
     return a, b, p, n, da, db, res
 
