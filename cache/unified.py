@@ -8,7 +8,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import torch
 
 from tandem.cache.allocator import PagedAllocator
-from tandem.cache.radix.components import FULL, TreeComponent
+from tandem.cache.radix.components import FULL, TreeComponent, insert_values, released_floor
 from tandem.cache.radix.events import AllBlocksCleared, BlockPinned, BlockUnpinned, EventPublisher
 from tandem.cache.radix.eviction import make_policy
 from tandem.cache.tiers.base import KVTier
@@ -166,12 +166,12 @@ class UnifiedRadixCache:
         t = self._tree
         if session_id is not None:
             self.policy.touch_session(session_id)
-        aux = self._aux_values(extra, len(key))
+        aux = insert_values(self._aux, extra, len(key), simulated=self.allocator is None)
         if aux and not key:
             for c, v in zip(self._aux, aux):
                 if v is not None and not c.per_token:
                     c.free(v)
-        floor = self._released_floor(aux, len(key))
+        floor = released_floor(self._aux, aux, len(key), self.page_size)
         if aux is not None and 0 < floor < len(key):
             first = [v if c.per_token else None for c, v in zip(self._aux, aux)]
             cached, _, _ = t.insert(key[:floor], value, first, session_id, priority)
@@ -183,35 +183,6 @@ class UnifiedRadixCache:
         for tier in self.tiers:
             tier.on_insert(node, created, bool(aux))
         return cached, node, created
-
-    def _aux_values(self, extra: Mapping[str, Any] | None, n: int) -> list | None:
-        if not self._aux:
-            return None
-        extra = extra or {}
-        unknown = set(extra) - set(self._aux_index)
-        if unknown:
-            raise ValueError(f"extra has values for {sorted(unknown)}, which are not components "
-                             f"of this cache ({sorted(self._aux_index)})")
-        out = []
-        for c in self._aux:
-            v = extra.get(c.name)
-            if v is None and self.allocator is None:
-                v = range(n) if c.per_token else n
-            elif c.per_token and isinstance(v, torch.Tensor):
-                if len(v) < n:
-                    raise ValueError(f"{c.name} values cover {len(v)} tokens, need {n}")
-                v = v.to(torch.int64)
-            out.append(v)
-        return out
-
-    def _released_floor(self, aux: list | None, n: int) -> int:
-        floor = 0
-        for c, v in zip(self._aux, aux or ()):
-            if c.per_token and isinstance(v, torch.Tensor):
-                neg = torch.nonzero(v[:n] < 0)
-                if len(neg):
-                    floor = max(floor, int(neg[-1]) + 1)
-        return min(n, -(-floor // self.page_size) * self.page_size)
 
     def lock(self, node: Node | None) -> None:
         """Protect the path root..node from eviction (device and host copies). None: no-op."""
@@ -247,7 +218,7 @@ class UnifiedRadixCache:
         if got is None:
             self.pin_refused += 1
         elif t.record_events:           # the router's index learns the pin (router/prefix_index.py)
-            t.events.append(BlockPinned(self._path_hashes(node, n), until - now))
+            t.events.append(BlockPinned(t.pins.path_hashes(node, n), until - now))
         self._after()
         return got
 
@@ -258,42 +229,20 @@ class UnifiedRadixCache:
     def pins(self) -> list[dict]:
         """The live pinned prefixes: ``{"tenant", "hash"`` (the last page's chain hash, hex),
         ``"tokens", "tier"`` ("device" or "host"), ``"expires_in_s"}``, longest first."""
-        t = self._tree
-        now = self._expire_pins()
-        out = [{"tenant": nd.pin_tenant, "hash": self._prefix_hash(nd), "tokens": nd.end,
-                "tier": "device" if nd.value is not None else "host", "expires_in_s": round(nd.pin - now, 3)}
-               for nd in t.pins.prefixes()]
-        return sorted(out, key=lambda d: (-d["tokens"], d["hash"]))
+        return self._tree.pins.report(self._expire_pins())
 
     def unpin(self, prefix_hash: str, tenant: str | None = None) -> int:
         """End the pins of the prefix whose last page hashes to ``prefix_hash`` (as :meth:`pins`
         names it; only ``tenant``'s when given). Returns the tokens unpinned (0: none such)."""
         t = self._tree
-        for nd in t.pins.prefixes():
-            if self._prefix_hash(nd) == prefix_hash and tenant in (None, nd.pin_tenant):
-                n, gone = 0, []
-                for x in reversed(t.path(nd)):   # up to where another pinned prefix needs the rest
-                    if any(c.pin for c in x.children.values()):
-                        break
-                    n += len(x.key)
-                    gone.extend(t.hashes(x))
-                    t.pins.unpin(x)
-                if t.record_events and gone:
-                    t.events.append(BlockUnpinned(gone))
-                self._after()
-                return n
-        return 0
-
-    def _path_hashes(self, node: Node, n: int) -> list[int]:
-        """The page hashes of root..``n`` (page-aligned) of ``node``'s path."""
-        out: list[int] = []
-        for x in self._tree.path(node):
-            out.extend(self._tree.hashes(x))
-        return out[:n // self.page_size]
-
-    def _prefix_hash(self, nd: Node) -> str:
-        """How :meth:`pins` and :meth:`unpin` name the prefix root..``nd``: its last page's chain hash."""
-        return f"{self._tree.hashes(nd)[-1] & (2**64 - 1):016x}"
+        ended = t.pins.end(prefix_hash, tenant)
+        if ended is None:
+            return 0
+        n, gone = ended
+        if t.record_events and gone:
+            t.events.append(BlockUnpinned(gone))
+        self._after()
+        return n
 
     def _expire_pins(self) -> float:
         """End the pins past their time; the cache clock's now."""

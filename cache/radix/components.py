@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -218,3 +219,40 @@ def vote(components: tuple[TreeComponent, ...], path: list[Node], hosted: HostCo
         if ok:
             n_best = i
     return n_dev, n_best
+
+
+def insert_values(components: Sequence[TreeComponent], extra: Mapping[str, Any] | None, n: int,
+                  simulated: bool) -> list | None:
+    """Each auxiliary component's value for an insert of ``n`` tokens, from ``extra`` (by
+    component name; a per-token one's tensor is int64 and covers ``n``); None without components.
+    ``simulated`` (no pools): a missing value is the token positions (per token) or ``n``."""
+    if not components:
+        return None
+    extra = extra or {}
+    unknown = set(extra) - {c.name for c in components}
+    if unknown:
+        raise ValueError(f"extra has values for {sorted(unknown)}, which are not components "
+                         f"of this cache ({sorted(c.name for c in components)})")
+    out = []
+    for c in components:
+        v = extra.get(c.name)
+        if v is None and simulated:
+            v = range(n) if c.per_token else n
+        elif c.per_token and isinstance(v, torch.Tensor):
+            if len(v) < n:
+                raise ValueError(f"{c.name} values cover {len(v)} tokens, need {n}")
+            v = v.to(torch.int64)
+        out.append(v)
+    return out
+
+
+def released_floor(components: Sequence[TreeComponent], aux: list | None, n: int, page_size: int) -> int:
+    """The page-aligned position up to which a per-token component's values were released
+    (negative ids: a sliding window's rows already freed), 0 when none were."""
+    floor = 0
+    for c, v in zip(components, aux or ()):
+        if c.per_token and isinstance(v, torch.Tensor):
+            neg = torch.nonzero(v[:n] < 0)
+            if len(neg):
+                floor = max(floor, int(neg[-1]) + 1)
+    return min(n, -(-floor // page_size) * page_size)

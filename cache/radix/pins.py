@@ -97,3 +97,39 @@ class Pins:
     def prefixes(self) -> list[Node]:
         """The deepest pinned nodes (each names one pinned prefix: root..it)."""
         return [nd for nd in self.nodes if not any(c.pin for c in nd.children.values())]
+
+    def prefix_hash(self, nd: Node) -> str:
+        """How :meth:`report` and :meth:`end` name the prefix root..``nd``: its last page's chain
+        hash, hex."""
+        return f"{self.tree.hashes(nd)[-1] & (2**64 - 1):016x}"
+
+    def path_hashes(self, node: Node, n: int) -> list[int]:
+        """The page hashes of root..``n`` (page-aligned) of ``node``'s path."""
+        out: list[int] = []
+        for x in self.tree.path(node):
+            out.extend(self.tree.hashes(x))
+        return out[:n // self.tree.page_size]
+
+    def report(self, now: float) -> list[dict]:
+        """The live pinned prefixes: ``{"tenant", "hash", "tokens", "tier"`` ("device" or "host"),
+        ``"expires_in_s"}``, longest first."""
+        out = [{"tenant": nd.pin_tenant, "hash": self.prefix_hash(nd), "tokens": nd.end,
+                "tier": "device" if nd.value is not None else "host", "expires_in_s": round(nd.pin - now, 3)}
+               for nd in self.prefixes()]
+        return sorted(out, key=lambda d: (-d["tokens"], d["hash"]))
+
+    def end(self, prefix_hash: str, tenant: str | None) -> tuple[int, list[int]] | None:
+        """End the pins of the prefix :meth:`prefix_hash` names (only ``tenant``'s when given), up
+        to where another pinned prefix needs the rest: ``(tokens unpinned, their page hashes)``,
+        or None when no such prefix is pinned."""
+        for nd in self.prefixes():
+            if self.prefix_hash(nd) == prefix_hash and tenant in (None, nd.pin_tenant):
+                n, gone = 0, []
+                for x in reversed(self.tree.path(nd)):
+                    if any(c.pin for c in x.children.values()):
+                        break
+                    n += len(x.key)
+                    gone.extend(self.tree.hashes(x))
+                    self.unpin(x)
+                return n, gone
+        return None
