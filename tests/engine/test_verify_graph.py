@@ -147,7 +147,7 @@ def _verify_logits(runner, prompts, steps):
             plans.append((s.row, s.length, [(31 * i + 7 * k + j) % 250 for j in range(n)], slots))
             s.length, s.last_slot = s.length + n, int(slots[-1])
         fb = runner.build_forward_batch(plans)
-        fb.logit_rows = torch.arange(fb.num_tokens)
+        fb.logit_rows = torch.arange(fb.num_tokens, device=fb.input_ids.device)
         out.append(runner.forward(fb).clone())
     for s in seqs:
         runner.release(s)
