@@ -1,10 +1,11 @@
 """CUDA-graph verify steps (engine/verify_graph.py). On the CPU: the widths and sizes, the
 graph-or-eager decision, the static buffers' exact contents after fill (each request padded to the
 width after its real tokens, padding requests, stale columns), the stand-in runner (the same fill /
-pad / slice path, eager) giving bitwise the logits of unpadded eager verify steps on the torch
-backend and, under TRITON_INTERPRET=1, the triton one, and the Engine's greedy tokens with
-speculation on and the stand-in equal to speculation off. On a GPU (gpu-marked): real capture,
-replay bitwise equal to the stand-in at the same padded shape, tokens equal to eager."""
+pad / slice path, eager) giving bitwise the logits of unpadded eager verify steps on the torch and
+cpu_kernel backends (float32 and bf16) and, under TRITON_INTERPRET=1, on triton (also through the
+capture path with a recorded graph), and the Engine's greedy tokens with speculation on and the
+stand-in equal to speculation off. On a GPU (gpu-marked): real capture, replay bitwise equal to
+the stand-in at the same padded shape, logits close to and tokens equal to eager."""
 
 from __future__ import annotations
 
@@ -160,12 +161,19 @@ def _assert_bitwise(got, want):
         assert g.shape == w.shape and torch.equal(g, w), (g - w).abs().max()
 
 
-def test_standin_equals_eager_torch_backend(tiny):
-    eager = _verify_logits(_runner(tiny), PROMPTS, STEPS)
-    r = _runner(tiny)
+@pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_standin_equals_eager_cpu_backends(tiny, backend, dtype):
+    from tandem.engine.attention import make_attention_backend
+    from tandem.engine.attention.cpu_backend import cpu_kernel_unavailable
+
+    if backend == "cpu_kernel" and (why := cpu_kernel_unavailable()) is not None:
+        pytest.skip(why)
+    model = tiny if dtype == torch.float32 else tiny_hybrid(["full", "full"], seed=3, dtype=dtype)
+    eager = _verify_logits(_runner(model, make_attention_backend(backend, "cpu")), PROMPTS, STEPS)
+    r = _runner(model, make_attention_backend(backend, "cpu"))
     r.verify_graph = VerifyGraphRunner(r, [1, 2, 4, 8], [2, 3, 5, 9], mode="standin")
-    got = _verify_logits(r, PROMPTS, STEPS)
-    _assert_bitwise(got, eager)
+    _assert_bitwise(_verify_logits(r, PROMPTS, STEPS), eager)
     assert r.verify_graph.stats == {"replay": 4}
     assert r.verify_graph.tokens == {"real": 12 + 17 + 10 + 10, "run": 8 * (5 + 9 + 2 + 9)}
 
@@ -213,7 +221,8 @@ def _engine(loaded, spec: str, **kw):
     return eng
 
 
-def test_engine_spec_with_standin_equals_spec_off(tiny):
+@pytest.mark.parametrize("attention", ["torch", "auto"])
+def test_engine_spec_with_standin_equals_spec_off(tiny, attention):
     """Greedy tokens with speculation and the verify stand-in equal speculation off, for batches
     whose requests draft different lengths (a prefill chunk in some steps: those stay eager); run
     twice, so the second run copies the first through the n-gram pool."""
@@ -224,7 +233,7 @@ def test_engine_spec_with_standin_equals_spec_off(tiny):
     prompts = [list(range(40, 60)), [7, 8, 9] * 6, PROMPTS[1], PROMPTS[4] * 3]
     toks, stats, tokens, accepted = {}, {}, None, 0
     for spec in ("off", "ngram"):
-        eng = _engine(tiny, spec)
+        eng = _engine(tiny, spec, attention_backend=attention)
         assert eng.runner.verify_graph is None                       # CPU: no capture
         eng.runner.decode_graph = DecodeGraphRunner(eng.runner, capture_sizes(8), mode="standin")
         if spec == "ngram":
