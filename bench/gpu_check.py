@@ -15,7 +15,7 @@ staged GGUF, then runs this); bench/gpu_stage.sh prepares what it carries. Write
       extend over a cached prefix vs a dense reference, page sizes 1/16, GQA, windows, long and
       short contexts, fp32 and bf16), tests/engine/test_gpu_path.py (the fused layer kernels
       against their unfused references, the fused Llama path against the composed one),
-      tests/engine/test_cuda_graph.py, tests/cache/test_copier.py,
+      tests/engine/test_cuda_graph.py, tests/engine/test_verify_graph.py, tests/cache/test_copier.py,
       tests/cache/test_host_tier.py, tests/cache/test_host_components.py, tests/cache/test_req_to_token.py;
    b. the engine's greedy tokens (bf16, CUDA graphs on) vs transformers' ``generate`` on the same
       GPU for the five prompts of tests/engine/test_model_smollm2.py: equal, or the first
@@ -29,7 +29,9 @@ staged GGUF, then runs this); bench/gpu_stage.sh prepares what it carries. Write
    pinned copy GB/s); prefill tok/s of a 2,048-token prompt and decode tok/s at batch 1, 32 and
    128 (512-token prompts, 128 steps), Tandem's runner and Engine with and without CUDA graphs
    (the Engine with graphs also with overlap scheduling off: the engine / runner ratio with and
-   without it), against transformers and the roofline; kernel launches per layer of a decode
+   without it), against transformers and the roofline; n-gram speculation on vs off at batch 1
+   and 16 with CUDA graphs on (decode and verify graphs; bench/gpu/spec.py: a repeated batch,
+   tok/s, forwards, acceptance, verify replays); kernel launches per layer of a decode
    step (torch.profiler, bench/gpu/profile.py); the Llama-3.1-8B geometry with random bf16
    weights made on the GPU (bench/gpu/llama8b.py: decode at batch 1 / 16 / 64 and an 8,192-token
    prefill against their rooflines, its launches per layer); host-pool backup/restore GB/s
@@ -74,6 +76,7 @@ class Plan:
     decode_batches: tuple = (1, 32, 128)
     decode_prompt: int = 512
     decode_steps: int = 128
+    spec_batches: tuple = (1, 16)
     new_tokens: int = 32
     sweep: str = "quick"
     graph_mode: str = "cuda"
@@ -84,7 +87,7 @@ class Plan:
 
 
 SMOKE = Plan(device="cpu", dtype="float32", model="tiny", prefill_len=48, decode_batches=(1, 2),
-             decode_prompt=12, decode_steps=4, new_tokens=6, sweep="smoke", graph_mode="standin",
+             decode_prompt=12, decode_steps=4, spec_batches=(1, 2), new_tokens=6, sweep="smoke", graph_mode="standin",
              pytest=False, host_copy_tokens=256, threads=1, budget_s=240.0)
 
 
@@ -122,6 +125,7 @@ def measurements(plan: Plan, pair, report: dict, t_start: float) -> None:
 
     from tandem.bench.gpu import kernels as k
     from tandem.bench.gpu import llama8b, splits
+    from tandem.bench.gpu.spec import spec_on_off
     from tandem.bench.gpu import throughput as tp
     from tandem.bench.gpu.profile import decode_launches as launches
 
@@ -167,6 +171,7 @@ def measurements(plan: Plan, pair, report: dict, t_start: float) -> None:
                 + f"; engine / runner {row['engine_over_runner']}", flush=True)
         return {"rows": rows, "ok": True}
     _phase(report, "decode", decode, required=False)
+    _phase(report, "spec_graphs", lambda: spec_on_off(pair, plan), required=False)
     _phase(report, "decode_launches", lambda: {
         "rows": [launches(pair, B, 32 if small else plan.decode_prompt) for B in plan.decode_batches[:2]],
         "ok": True}, required=False)
@@ -224,6 +229,16 @@ def table(report: dict) -> str:
                      f"{r['engine_graph']['tok_s']} | {r['engine_graph_no_overlap']['tok_s']} | "
                      f"{r['engine_eager']['tok_s']} | {r['transformers']['tok_s']} | {roof or '-'} | {frac} | "
                      f"{ratio.get('engine_graph', '-')}, {ratio.get('engine_graph_no_overlap', '-')} |")
+    sg = report.get("spec_graphs", {})
+    if sg.get("rows"):
+        L += ["", "## Speculative decoding on vs off, CUDA graphs on (a repeated batch: drafts from the pool)", "",
+              "| batch | off tok/s | on tok/s | on / off | steps off / on | acceptance | verify graph | tokens equal |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in sg["rows"]:
+            on, off, vg = r["on"], r["off"], r["on"].get("verify_graph") or {}
+            L.append(f"| {r['batch']} | {off['tok_s']} | {on['tok_s']} | {r['on_over_off']} | {off['steps']} / "
+                     f"{on['steps']} | {on.get('acceptance', '-')} | {vg.get('stats', '-')} {vg.get('tokens', '')} | "
+                     f"{r['tokens_equal']} |")
     dl = report.get("decode_launches", {})
     if dl.get("rows"):
         L += ["", "## Launches per decode step (torch.profiler, eager runner)", "",

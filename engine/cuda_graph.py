@@ -115,6 +115,7 @@ class DecodeGraphRunner:
         self.stats: Counter = Counter()
         self._graphs: dict[int, tuple] = {}
         self.capture_seconds = 0.0
+        self.pool = None                           # the graphs' memory pool (a verify graph shares it)
         if mode == "cuda":
             self._capture_all()
 
@@ -162,6 +163,7 @@ class DecodeGraphRunner:
             graph, logits = self._capture_one(lambda fb=fb: r.model.forward(fb, r.backend), pool)
             pool = graph.pool()
             self._graphs[size] = (graph, logits, fb)
+        self.pool = pool
         self._sync()
         self.capture_seconds = time.perf_counter() - t0
 
@@ -169,17 +171,23 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.runner.device)
 
     def _capture_one(self, forward, pool):
-        dev = self.runner.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = forward()
-        return graph, out
+        return capture_graph(self.runner.device, forward, pool)
+
+
+def capture_graph(dev: torch.device, forward, pool):
+    """``(graph, out)``: ``forward()`` run twice on a side stream (warm-up: triton compiles, the
+    allocator settles), then captured into ``pool`` (None: a new one); ``out`` is what the capture
+    returned, rewritten by every replay."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 def _ranges(sizes: list[int]) -> str:

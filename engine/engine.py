@@ -39,6 +39,7 @@ from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec.speculator import make_speculator
 from tandem.engine.step_loop import StepLoop
+from tandem.engine.verify_graph import make_verify_graph
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class Engine(StepLoop):
         sc = cfg.scheduler
         speculator, spec_line = make_speculator(cfg, self.loaded.arch, self.max_context)
         self.spec_status = spec_line
+        self.runner.verify_graph, verify_line = make_verify_graph(self.runner, self.runner.decode_graph,
+                                                                  speculator)
+        if verify_line:
+            self.startup_line += f"; {verify_line}"
         self.scheduler = Scheduler(
             kv=self.kv, tokenizer=self.tokenizer, max_context=self.max_context,
             chunked_prefill_size=sc.chunked_prefill_size, max_batch_tokens=sc.max_batch_tokens,

@@ -31,6 +31,7 @@ class ModelRunner:
         self.backend = backend
         self.device = kv_pool.device
         self.decode_graph = None
+        self.verify_graph = None
 
     def build_forward_batch(self, seqs: list[SeqPlan]) -> ForwardBatch:
         """Write each sequence's new slots into its req_to_token row and build the step's tensors
@@ -42,12 +43,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] (float32) at each sequence's last new token, or [T, V]."""
-        graph = self.decode_graph
-        if graph is not None:
-            size = graph.size_for(fb, return_all_logits)
+        """Logits [B, V] (float32) at each sequence's last new token (``fb.logit_rows``: [R, V] at
+        those), or [T, V]."""
+        if fb.logit_rows is not None and self.verify_graph is not None:       # a verify step
+            shape = self.verify_graph.shape_for(fb, return_all_logits)
+            if shape is not None:
+                return self.verify_graph.run(fb, shape)
+        elif self.decode_graph is not None:
+            size = self.decode_graph.size_for(fb, return_all_logits)
             if size is not None:
-                return graph.run(fb, size)
+                return self.decode_graph.run(fb, size)
         self.backend.init_forward(fb)
         return self.model.forward(fb, self.backend, return_all_logits=return_all_logits)
 

@@ -25,6 +25,7 @@ from tandem.core.types import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_TESTS = ["tests/engine/test_triton_attention.py", "tests/engine/test_gpu_path.py", "tests/engine/test_cuda_graph.py",
+             "tests/engine/test_verify_graph.py",
              "tests/cache/test_copier.py", "tests/cache/test_host_tier.py", "tests/cache/test_host_components.py",
              "tests/cache/test_req_to_token.py"]
 
@@ -55,21 +56,27 @@ def run_pytest(log_path: str, timeout_s: float) -> dict:
             "log": os.path.basename(log_path)}
 
 
-def make_engine(pair, plan, *, graphs: bool, overlap: str = "auto", **cache_kw):
-    """An Engine over the pair's model. ``graphs``: captured on CUDA; the eager stand-in
-    elsewhere (so the CPU smoke run takes the same path). ``overlap``: its overlap_schedule."""
+def make_engine(pair, plan, *, graphs: bool, overlap: str = "auto", speculative: str = "ngram", **cache_kw):
+    """An Engine over the pair's model. ``graphs``: captured on CUDA (decode, and verify where
+    ``speculative`` is on); the eager stand-ins elsewhere (so the CPU smoke run takes the same
+    path). ``overlap``: its overlap_schedule; ``speculative``: its speculative_algorithm."""
     from tandem.engine.cuda_graph import DecodeGraphRunner, capture_sizes
     from tandem.engine.engine import Engine
+    from tandem.engine.verify_graph import VerifyGraphRunner, verify_sizes, verify_widths
 
     sched = cache_kw.pop("scheduler", SchedulerConfig())
     cache = dict(max_total_tokens=16384, max_running_requests=16, page_size=16)
     cache.update(cache_kw)
     cfg = EngineConfig(device=plan.device, disable_cuda_graph=not graphs, num_threads=plan.threads,
-                       overlap_schedule=overlap, cache=CacheConfig(**cache), scheduler=sched)
+                       overlap_schedule=overlap, speculative_algorithm=speculative,
+                       cache=CacheConfig(**cache), scheduler=sched)
     eng = Engine(cfg, loaded=pair.loaded)
-    if graphs and eng.runner.decode_graph is None:
-        eng.runner.decode_graph = DecodeGraphRunner(eng.runner, capture_sizes(cache["max_running_requests"]),
-                                                    mode="standin")
+    r, spec = eng.runner, eng.scheduler.spec
+    if graphs and r.decode_graph is None:
+        r.decode_graph = DecodeGraphRunner(r, capture_sizes(cache["max_running_requests"]), mode="standin")
+    if graphs and r.verify_graph is None and spec is not None:
+        r.verify_graph = VerifyGraphRunner(r, verify_sizes(cache["max_running_requests"]),
+                                           verify_widths(spec.max_draft), mode="standin")
     return eng
 
 

@@ -28,6 +28,9 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
         assert rep[name]["ok"], name
     assert rep["retraction_restore"]["stats"]["retraction_restores"] > 0
     assert [r["batch"] for r in rep["decode"]["rows"]] == [1, 2]
+    sg = rep["spec_graphs"]                  # the verify graph's stand-in replayed, tokens as without drafts
+    assert sg["ok"] and [r["batch"] for r in sg["rows"]] == [1, 2]
+    assert all(r["tokens_equal"] and r["verify_replays"] > 0 for r in sg["rows"]), sg["rows"]
     assert rep["host_copies"]["round_trip_exact"]
     assert len(rep["kernel_sweep"]["shapes"]) == 2
     sw = rep["split_sweep"]
@@ -36,6 +39,7 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Decode tok/s" in md and "## Triton kernels" in md and "status: **pass**" in md
     assert "## Decode attention split-K sweep" in md
+    assert "## Speculative decoding on vs off, CUDA graphs on" in md
     assert "## Launches per decode step" in md and "## Llama-3.1-8B geometry" in md
     assert set(rep["decode"]["rows"][0]["engine_over_runner"]) == {"engine_graph", "engine_graph_no_overlap"}
 
@@ -58,7 +62,7 @@ def test_gpu_check_imports_no_ray_nixl_or_transfer():
     """The GPU machine has no Ray and no NIXL: the Engine and gpu_check's modules must not
     import them (nor transfer/, which imports NIXL) at import time."""
     code = ("import sys; import tandem.engine.engine, tandem.bench.gpu.correctness, tandem.bench.gpu.throughput, "
-            "tandem.bench.gpu.kernels, tandem.bench.gpu.models, tandem.bench.gpu.splits; "
+            "tandem.bench.gpu.kernels, tandem.bench.gpu.models, tandem.bench.gpu.splits, tandem.bench.gpu.spec; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'nixl') "
             "or m.startswith('tandem.transfer')); print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
