@@ -12,8 +12,7 @@ from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, Token
 from tandem.engine.admission import Admission
 from tandem.engine.commands import Handoff, Land, LandResumed, Migrate, Release, Store
 from tandem.engine.connector import KVConnector
-from tandem.engine.hybrid import NO_HYBRID
-from tandem.engine.queue_policy import InStepPrefixes
+from tandem.engine.fill_budget import plan_admissions, plan_prefills, plan_receives, plan_restores
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.retraction import Retraction
 from tandem.engine.sample_groups import SampleGroups
@@ -81,10 +80,10 @@ class Scheduler:
         for sr in self.waiting:
             if sr.rid == rid:
                 self.waiting.remove(sr)
-                return self._finish_unstarted(sr, error)
+                return self.finish_unstarted(sr, error)
         sr = self.retraction.abort(rid)
         if sr is not None:
-            return self._finish_unstarted(sr, error)
+            return self.finish_unstarted(sr, error)
         sr = self.running.get(rid)
         return None if sr is None else self._finish(sr, "abort", "", error=error)
 
@@ -149,12 +148,12 @@ class Scheduler:
         """Decide the next step (allocating its slots, retracting or aborting as needed)."""
         plan = StepPlan()
         self._plan_decodes(plan)
-        self._plan_receives(plan)
+        plan_receives(self, plan)
         budget = min(self.chunk, self.max_batch_tokens - len(plan.entries))
-        budget = self._plan_prefills(plan, budget)
-        budget = self._plan_restores(plan, budget)
+        budget = plan_prefills(self, plan, budget)
+        budget = plan_restores(self, plan, budget)
         if not self.retraction.retracted:
-            self._plan_admissions(plan, budget)
+            plan_admissions(self, plan, budget)
         return plan
 
     def _plan_decodes(self, plan: StepPlan) -> None:
@@ -199,104 +198,14 @@ class Scheduler:
                 continue
             plan.add(sr, 1, slots)
 
-    def _plan_receives(self, plan: StepPlan) -> None:
-        for sr in [s for s in self.waiting if s.receive]:
-            if self.kv.r2t.available_size() == 0:
-                return
-            if not self._grammar_ready(sr, plan) or not self._admit(sr, running=False):
-                continue
-            r = sr.req
-            end = r.seq_len - 1 if r.output_ids else r.seq_len
-            slots = self.kv.extend(sr, end - r.computed_len, received=True)
-            if slots is None:
-                self._unadmit(sr, requeue=False)
-                continue
-            self.waiting.remove(sr)
-            self.kv.r2t.write(r.req_pool_idx, r.computed_len, slots)
-            r.computed_len, r.status = end, ReqStatus.WAITING_FOR_KV
-            self.detached[r.rid] = sr
-            self.connector.reserved(sr)
-
-    def _plan_prefills(self, plan: StepPlan, budget: int) -> int:
-        for sr in list(self.running.values()):
-            if budget <= 0:
-                break
-            r = sr.req
-            if r.computed_len < r.seq_len - 1 and not plan.holds(sr):
-                n = min(r.seq_len - r.computed_len, budget)
-                slots = self.kv.extend(sr, n)
-                if slots is None:
-                    continue
-                plan.add(sr, n, slots)
-                budget -= n
-        return budget
-
-    def _plan_restores(self, plan: StepPlan, budget: int) -> int:
-        for sr in self.retraction.restorable(anything_held=bool(self.kv.holders)):
-            if budget <= 0 or self.kv.r2t.available_size() == 0:
-                break
-            t0 = time.perf_counter()
-            if not self._admit(sr):
-                break
-            r = sr.req
-            n = min(r.seq_len - r.computed_len, budget)
-            slots = self.kv.extend(sr, n)
-            if slots is None:
-                alone = not plan.entries and len(self.kv.holders) == 1
-                self._unadmit(sr, requeue=False)
-                if alone:
-                    self.retraction.abort(sr.rid)
-                    self.stats["retraction_aborts"] += 1
-                    plan.chunks.append(self._finish_unstarted(sr, (
-                        f"KV pool exhausted: {self.kv.alloc.size} tokens cannot hold this "
-                        f"retracted request at {r.seq_len} tokens")))
-                    continue
-                break
-            self.retraction.restored(sr, time.perf_counter() - t0)
-            plan.add(sr, n, slots)
-            budget -= n
-        return budget
-
-    def _plan_admissions(self, plan: StepPlan, budget: int) -> None:
-        """(3c) Waiting requests, in the queue policy's order, while budget and rows last."""
-        in_step = None
-        if self.kv.cache.retains:   # a prefix being computed is worth waiting for only if it is cached
-            in_step = InStepPrefixes(self.kv.cache.peek, self.kv.page_size,
-                                     [sr.req.cache_ids for sr in self.running.values()
-                                      if sr.req.computed_len < sr.req.seq_len - 1]
-                                     if self.kv.hybrid is NO_HYBRID else (),   # hybrid: the vote decides reuse
-                                     in_step=self.policy == "lpm")
-        for sr in self.admission.order(self.waiting):
-            if budget <= 0 or self.kv.r2t.available_size() == 0:
-                break
-            if sr.receive:
-                continue
-            if not self._grammar_ready(sr, plan):
-                continue
-            if self.groups.prefilling_sibling(sr, self.running) is not None:
-                continue   # a sibling computes the shared prompt: hit it in the cache once cached
-            if in_step is not None and in_step.should_wait(sr.req.cache_ids):
-                continue   # another request computes the shared prefix: hit it once cached
-            if not self._admit(sr):
-                break
-            self.waiting.remove(sr)
-            if sr.group is not None and not self.kv.cache.retains:
-                self.admission.fork_prompt(sr)
-            r = sr.req
-            n = min(r.seq_len - r.computed_len, budget)
-            slots = self.kv.extend(sr, n)
-            if slots is None:
-                self._unadmit(sr)
-                break
-            plan.add(sr, n, slots)
-            budget -= n
-
-    def _grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:
+    def grammar_ready(self, sr: SchedReq, plan: StepPlan) -> bool:
+        """Whether ``sr``'s grammar is compiled (its matcher made); one that cannot compile ends
+        the request here (its chunk goes to ``plan``)."""
         try:
             return self.admission.grammar_ready(sr)
         except InvalidRequest as e:
             self.waiting.remove(sr)
-            plan.chunks.append(self._finish_unstarted(sr, str(e)))
+            plan.chunks.append(self.finish_unstarted(sr, str(e)))
             return False
 
     def update(self, plan: StepPlan, tokens: list[int | None],
@@ -391,7 +300,9 @@ class Scheduler:
                            cached_tokens=r.cached_len if first else 0, logprobs=lps, prompt_logprobs=plps,
                            queue_s=_queued(r) if first else None)
 
-    def _admit(self, sr: SchedReq, running: bool = True) -> bool:
+    def admit(self, sr: SchedReq, running: bool = True) -> bool:
+        """Give ``sr`` a request row and lock its cached prefix (False: no row); ``running``: it
+        runs here (else it waits for KV another worker writes)."""
         if not self.kv.admit(sr):
             return False
         r = sr.req
@@ -407,7 +318,9 @@ class Scheduler:
             o.admitted(sr)
         return True
 
-    def _unadmit(self, sr: SchedReq, requeue: bool = True) -> None:
+    def unadmit(self, sr: SchedReq, requeue: bool = True) -> None:
+        """Undo this step's :meth:`admit` of ``sr`` (no slots after all); back in the queue when
+        ``requeue``."""
         r = sr.req
         if r.computed_len > sr.locked_len:
             self.kv.free_range(sr, sr.locked_len, r.computed_len)
@@ -452,7 +365,8 @@ class Scheduler:
                            stop_str=sr.tracker.stop_str if reason == "stop" else None, queue_s=_queued(r),
                            spec_tokens=(sr.spec.drafted, sr.spec.accepted) if sr.spec else (0, 0))
 
-    def _finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
+    def finish_unstarted(self, sr: SchedReq, error: str | None) -> StreamChunk:
+        """End ``sr`` with ``error`` before it ran (its last chunk)."""
         r = sr.req
         self.connector.finished(sr, "abort")
         self.groups.remove(sr)
