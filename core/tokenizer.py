@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from tandem.core.chat_templates import GEMMA_TEMPLATE
 from tandem.core.types import TandemError
 
 if TYPE_CHECKING:
@@ -33,40 +34,6 @@ _PRE_SPLITS = {
     **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")},
     **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "megrez")},
 }
-
-
-# Gemma's chat template (Gemma 3's tokenizer_config.json, text parts): a system message becomes the
-# first user turn's prefix; the assistant's role is "model".
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
-    "{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = \"\" -%}"
-    "{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
-    "{%- endif -%}"
-    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
-    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
-    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
-    "{%- elif message['content'] is iterable -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- else -%}{{ raise_exception(\"Invalid content type\") }}{%- endif -%}"
-    "{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
-)
 
 
 class TokenizerError(TandemError):
@@ -312,46 +279,6 @@ class Tokenizer:
                                    **context)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from None
-
-
-class IncrementalDetokenizer:
-    """Ids in, complete text out; pieces plus :meth:`flush` equal ``decode(all ids)``."""
-
-    _CONTEXT = 5
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids or [])
-        self._read = len(self._ids)
-        self._prefix = max(self._read - self._CONTEXT, 0)
-        self.text = ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._ids
-
-    def add(self, token_id: int) -> str:
-        """Append one id; return the newly complete text ('' when nothing is complete yet)."""
-        self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self._ids)
-            self.text += delta
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """Return the held-back text (possibly ending in U+FFFD) and mark it read."""
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        delta = new_text[len(prefix_text):]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
-        return delta
 
 
 def _gguf_fields(reader: Any) -> dict[str, Any]:

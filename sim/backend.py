@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY, generate_latest
 from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import ServeConfig
 from tandem.core.messages import GenerateRequest
-from tandem.core.tokenizer import IncrementalDetokenizer
+from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.types import StreamChunk, TandemError
 from tandem.router.deferred import DeferredDispatch
 from tandem.router.dispatch import Dispatcher, Route

@@ -13,7 +13,7 @@ from tandem.cache.unified import UnifiedRadixCache
 from tandem.core.config import ServeConfig
 from tandem.core.gie import GIECollector, GIESample
 from tandem.core.messages import GenerateRequest
-from tandem.core.tokenizer import IncrementalDetokenizer
+from tandem.core.detokenizer import IncrementalDetokenizer
 from tandem.core.types import StreamChunk
 from tandem.sim.cost_model import get_profile
 from tandem.sim.workers import PrefillWorker, SimRequest

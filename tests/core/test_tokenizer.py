@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.core.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from tandem.core.detokenizer import IncrementalDetokenizer
+from tandem.core.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello world!",
