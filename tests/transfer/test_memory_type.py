@@ -9,8 +9,9 @@ import torch
 
 pytest.importorskip("nixl")
 
-from tandem.transfer.agent import (  # noqa: E402
-    CUDA_UCX_TLS, DEFAULT_UCX_TLS, KVTransferAgent, Region, configure_ucx_tls, default_ucx_tls, memory_type,
+from tandem.transfer.agent import KVTransferAgent, Region  # noqa: E402
+from tandem.transfer.ucx_env import (  # noqa: E402
+    CUDA_UCX_TLS, DEFAULT_UCX_TLS, configure_ucx_tls, default_ucx_tls, memory_type,
 )
 
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from tandem.transfer.agent import DEFAULT_UCX_MODULES, configure_ucx_modules  # noqa: E402
+from tandem.transfer.ucx_env import DEFAULT_UCX_MODULES, configure_ucx_modules  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
