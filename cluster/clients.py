@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
     from ray.actor import ActorHandle
 
-    from tandem.worker.kv_flow import KVSource
+    from tandem.worker.kv_flow_types import KVSource
 
 
 class RoleClient:

@@ -21,8 +21,9 @@ from tandem.decode.local_prefill import LocalRule, PrefillCosts, SentPrefixes
 from tandem.decode.migration import MigrationSource
 from tandem.decode.reply_push import ReplyPush
 from tandem.transfer.messages import PrefillResult
-from tandem.worker.kv_flow import Failed, KVReceiver, KVSource, Landed, Stop
-from tandem.worker.kv_flow import SourceUnavailable as PrefillUnavailable
+from tandem.worker.kv_flow import KVReceiver
+from tandem.worker.kv_flow_types import Failed, KVSource, Landed, Stop
+from tandem.worker.kv_flow_types import SourceUnavailable as PrefillUnavailable
 from tandem.worker.kv_regions import KV
 from tandem.worker.receiving import ComputeHere
 from tandem.worker.role_worker import RoleWorker

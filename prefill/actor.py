@@ -7,7 +7,7 @@ import ray
 from tandem.core.config import WorkerOptions
 from tandem.prefill.worker import PrefillWorker
 from tandem.worker.actor import RoleActorMixin, actor_config, actor_options
-from tandem.worker.kv_flow import KVSource
+from tandem.worker.kv_flow_types import KVSource
 
 
 @ray.remote

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from tandem.core.actors import RoleAPI
-from tandem.worker.kv_flow import KVSource
+from tandem.worker.kv_flow_types import KVSource
 
 
 class PrefillAPI(RoleAPI, Protocol):

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import SamplingParams, StreamChunk
 from tandem.prefill.connector import PrefillHandle
-from tandem.worker.kv_flow import Failed, KVReceiver, KVSource, Landed
+from tandem.worker.kv_flow import KVReceiver
+from tandem.worker.kv_flow_types import Failed, KVSource, Landed
 
 
 class ReplyStore:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from tandem.core.messages import GenerateRequest
 from tandem.prefill.store import ReplyStore
-from tandem.worker.kv_flow import KVSource
+from tandem.worker.kv_flow_types import KVSource
 
 
 async def warm_up(store: ReplyStore, prefix_ids: Sequence[int], source: KVSource,

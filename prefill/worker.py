@@ -21,7 +21,8 @@ from tandem.prefill.warmup import warm_up
 from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.transfer.state import TransferState
-from tandem.worker.kv_flow import KVReceiver, KVSource
+from tandem.worker.kv_flow import KVReceiver
+from tandem.worker.kv_flow_types import KVSource
 from tandem.worker.kv_regions import KV
 from tandem.worker.role_worker import RoleWorker
 

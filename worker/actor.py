@@ -11,7 +11,7 @@ import ray
 
 from tandem.core.config import EngineConfig, WorkerOptions
 from tandem.transfer.messages import PrefillResult
-from tandem.worker.kv_flow import SourceUnavailable
+from tandem.worker.kv_flow_types import SourceUnavailable
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -11,8 +11,8 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
@@ -22,76 +22,12 @@ from tandem.transfer.handoff import Handoff
 from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.pump import PUMP_S, Pump
 from tandem.transfer.state import TransferState
+from tandem.worker.kv_flow_types import Failed, KVSource, Landed, SourceUnavailable, Stop, WriteOutcome
 from tandem.worker.receiving import ComputeHere, ReceivingHandle, Reservation
 
 IN_FLIGHT_LIMIT = 10   # a write neither done nor failed after this many transfer timeouts: QUARANTINED
 log = logging.getLogger(__name__)
 _S = TransferState
-
-
-class KVSource(Protocol):
-    """Whoever writes a request's KV into pages a worker reserved (a prefill worker computing it,
-    a decode worker holding it), in process; over Ray it is core/actors.py's ``KVSource``
-    (``write_kv`` / ``drop_kv``) through worker/actor.py's one adapter, ``RayKVSource``."""
-
-    name: str
-
-    async def prefill(self, req_wire: dict[str, Any], xfer: bytes, dst_prefix_len: int) -> PrefillResult:
-        """WRITE ``req_wire``'s KV from ``dst_prefix_len`` into ``xfer``'s pages; returns (or raises)
-        only when no write can still be in flight, except a result with ``in_flight=True``."""
-
-    async def abort(self, rid: str, reason: str) -> None:
-        """No write will be wanted for ``rid`` (stop computing it, or release its held KV)."""
-
-
-class SourceUnavailable(Exception):
-    """What a KVSource's ``prefill`` raises when its worker is dead (no write of it can land)."""
-
-
-@dataclass(frozen=True)
-class WriteOutcome:
-    """How a WRITE ended: DONE, FAILED, or QUARANTINED (its destination pages are never reused)."""
-
-    state: TransferState
-    nbytes: int = 0
-    seconds: float = 0.0
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Landed:
-    """The KV is in ``reservation``'s pages (no write in flight); ``source`` wrote it."""
-
-    reservation: Reservation
-    result: PrefillResult
-    source: KVSource
-    reserve_s: float
-    receive_s: float
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Not received: ``reason`` one of refused, no_room, aborted, timeout, prefill_failed,
-    digest; ``final``: the engine's own last chunk when the request ended before it was
-    reserved; ``redispatch``: the source died before writing. The pages follow the handoff's
-    rule (freed now, after the source's call ended, or quarantined)."""
-
-    error: str
-    reason: str
-    final: StreamChunk | None = None
-    redispatch: bool = False
-
-
-@dataclass(eq=False)
-class Stop:
-    """The policy's way to stop a receive in progress (``set``); also what group gates wait on."""
-
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str = ""
-
-    def set(self, reason: str) -> None:
-        self.reason = self.reason or reason
-        self.event.set()
 
 
 class KVSender:
