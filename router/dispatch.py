@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
@@ -18,7 +17,8 @@ from .planner import LatencyWindow
 from .prefix_index import block_hashes
 from .policies import (AdmissionLimits, PolicyConfig, RouterState, admit, choose, held_tokens, predicted_cached,
                        retry_after_s)
-from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot, WorkerView
+from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSnapshot
+from .worker_load import Queued, WorkerLoad
 
 RATE_EWMA = 0.25        # weight of the newest prefill-rate sample
 AHEAD_MIN_TOKENS = 32   # a shared prefix worth waiting for (engine/queue_policy.py's threshold)
@@ -48,30 +48,6 @@ class Route:
         return self.request.request_id
 
 
-@dataclass(slots=True)
-class _Queued:
-    new_tokens: int                 # prompt tokens the prefill is expected to compute
-    since: float                    # dispatched at (the dispatcher's clock)
-    route: "Route | None" = None
-
-
-@dataclass
-class _Worker:
-
-    name: str
-    role: str
-    capacity_tokens: int
-    alive: bool = True
-    suspect: bool = False           # making no progress (a hang, not a death): no new requests
-    requests: int = 0
-    tokens: int = 0
-    queue: OrderedDict = field(default_factory=OrderedDict)   # prefill: rid -> _Queued, in order
-    queued_new: int = 0             # sum of queue's new_tokens
-    rate: float | None = None       # measured prefill tokens per second
-    last_done: float = float("-inf")
-    snapshot: WorkerSnapshot | None = None
-
-
 class Dispatcher:
     def __init__(self, policy: str, config: PolicyConfig = PolicyConfig(),
                  limits: AdmissionLimits = AdmissionLimits(), *, clock: Callable[[], float] = time.monotonic):
@@ -80,7 +56,7 @@ class Dispatcher:
         self.limits = limits
         self.clock = clock
         self.lock = threading.RLock()
-        self._workers: dict[int, _Worker] = {}
+        self._workers: dict[int, WorkerLoad] = {}
         self._groups: dict[str, tuple[Decision, int]] = {}   # group id -> (decision, members left)
         self._prior_rate = 1.0 / max(config.estimator.per_token_s, 1e-12)
         self.latency = LatencyWindow(clock=clock)
@@ -93,7 +69,7 @@ class Dispatcher:
         with self.lock:
             if wid in self._workers:
                 raise ValueError(f"worker id {wid} ({name}) is already known as {self._workers[wid].name}")
-            self._workers[wid] = _Worker(name, role, capacity_tokens)
+            self._workers[wid] = WorkerLoad(name, role, capacity_tokens)
         rm.WORKER_LOAD.labels(name, role).set(0)
 
     def mark_dead(self, wid: int) -> bool:
@@ -199,9 +175,9 @@ class Dispatcher:
             if r.decode_open:
                 old, new = self._workers.get(r.decode), self._workers.get(to)
                 if old is not None:
-                    self._charge(old, -1, -r.decode_tokens)
+                    old.charge(-1, -r.decode_tokens)
                 if new is not None:
-                    self._charge(new, 1, r.decode_tokens)
+                    new.charge(1, r.decode_tokens)
             r.decode = to
             key, now = r.request.session_key, self.clock()
             e = self.state.sessions.get(key, now)
@@ -258,7 +234,7 @@ class Dispatcher:
                 r.decode_open = False
                 w = self._workers.get(r.decode)
                 if w is not None:
-                    self._charge(w, -1, -r.decode_tokens)
+                    w.charge(-1, -r.decode_tokens)
         self._released()
 
     def _released(self) -> None:
@@ -269,7 +245,7 @@ class Dispatcher:
         """The policies' view of every known worker, now."""
         with self.lock:
             now = self.clock()
-            return ClusterView.of([self._view(wid, w, now, wid not in exclude)
+            return ClusterView.of([w.view(wid, now, wid not in exclude, self._prior_rate)
                                    for wid, w in self._workers.items()], now)
 
     def pending_s(self, wid: int) -> float:
@@ -277,7 +253,7 @@ class Dispatcher:
         snapshot carries one, else its queued uncached prompt tokens over its measured prefill rate
         (router/README.md)."""
         with self.lock:
-            return self._pending_s(self._workers[wid], self.clock())
+            return self._workers[wid].pending_s(self.clock(), self._prior_rate)
 
     def _route(self, rr: RouteRequest, exclude: Collection[int]) -> Route:
         t0 = time.perf_counter()
@@ -315,7 +291,7 @@ class Dispatcher:
         if d < 0:
             return r
         n = rr.prompt_tokens
-        self._charge(self._workers[d], 1, n)
+        self._workers[d].charge(1, n)
         r.decode_tokens, r.decode_open = n, True
         if r.prefill >= 0:
             w = self._workers[r.prefill]
@@ -324,9 +300,9 @@ class Dispatcher:
             held = None if shared_prompt else held_tokens(self.state, rr, r.prefill)
             if held is not None:   # wait only for what the worker does not hold yet
                 r.ahead = _ahead(w.queue.values(), rr.key, max(AHEAD_MIN_TOKENS, held + self.state.config.kv_block_size))
-            w.queue[rr.request_id] = _Queued(new, self.clock(), r)
+            w.queue[rr.request_id] = Queued(new, self.clock(), r)
             w.queued_new += new
-            self._charge(w, 1, n)
+            w.charge(1, n)
             r.prefill_open = True
         return r
 
@@ -337,7 +313,7 @@ class Dispatcher:
         if w is None:
             return
         q = w.queue.pop(r.rid, None)
-        self._charge(w, -1, -r.request.prompt_tokens)
+        w.charge(-1, -r.request.prompt_tokens)
         if q is None:
             return
         w.queued_new -= q.new_tokens
@@ -348,45 +324,6 @@ class Dispatcher:
                 sample = q.new_tokens / service
                 w.rate = sample if w.rate is None else (1 - RATE_EWMA) * w.rate + RATE_EWMA * sample
             w.last_done = now
-
-    def _charge(self, w: _Worker, requests: int, tokens: int) -> None:
-        w.requests += requests
-        w.tokens += tokens
-        if requests:
-            rm.WORKER_LOAD.labels(w.name, w.role).set(w.requests)
-
-    def _pending_s(self, w: _Worker, now: float) -> float:
-        snap = w.snapshot
-        if snap is not None and snap.pending_s is not None:
-            return snap.pending_s
-        rate = w.rate or self._prior_rate
-        records = 0.0
-        if w.queue:
-            head = next(iter(w.queue.values()))
-            in_service = max(now - max(head.since, w.last_done), 0.0)
-            records = (w.queued_new - head.new_tokens) / rate + max(head.new_tokens / rate - in_service, 0.0)
-        if snap is None or snap.waiting_prompt_tokens is None:
-            return records
-        since = sum(q.new_tokens for q in w.queue.values() if q.since > snap.at)
-        return max(records, (snap.waiting_prompt_tokens + since) / rate)
-
-    def _queue_len(self, w: _Worker) -> int:
-        snap = w.snapshot
-        if snap is None:
-            return w.requests
-        since = sum(1 for q in w.queue.values() if q.since > snap.at)
-        return max(w.requests, snap.waiting + since)
-
-    def _view(self, wid: int, w: _Worker, now: float, eligible: bool) -> WorkerView:
-        snap = w.snapshot
-        capacity = snap.total_tokens if snap is not None and snap.total_tokens else w.capacity_tokens
-        prefill = w.role == PREFILL
-        draining = snap is not None and snap.draining
-        return WorkerView(wid, w.role, w.alive and not w.suspect and eligible and not draining,
-                          queue_len=self._queue_len(w) if prefill else 0,
-                          in_flight=w.requests, running_tokens=w.tokens,
-                          pending_s=self._pending_s(w, now) if prefill else 0.0, capacity_tokens=capacity,
-                          key=w.name)
 
 
 def _ahead(queued, key, least: int) -> Route | None:
