@@ -32,7 +32,6 @@ from tandem.router.policies import L3_BLOCK_CREDIT, AdmissionLimits, PolicyConfi
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
-    from ray import ObjectRefGenerator
 
     from tandem.cluster.autoscaler import Autoscaler
     from tandem.cluster.kv_feed import KVEventFeed
@@ -221,7 +220,7 @@ class RayClusterBackend(ClusterObservability):
             try:
                 while True:
                     try:
-                        c = await next_or_alarm(self._next_chunk(legs.gen), self.supervisor.alarms, req.rid,
+                        c = await next_or_alarm(legs.next_chunk(), self.supervisor.alarms, req.rid,
                                                 legs.worker, p if first else None, self.cfg.progress_timeout_s)
                     except (ray.exceptions.RayActorError, Died) as e:
                         c = legs.target_died()
@@ -241,7 +240,7 @@ class RayClusterBackend(ClusterObservability):
                             log.warning("%s: %s", req.rid, err)
                             break
                     except Stalled as e:
-                        self._leave_stuck(req.rid, legs.worker, legs.gen)
+                        legs.leave_stuck()
                         step = stream.on_failure(_STALLED[e.what], e.worker.name)
                         if step.next is Next.RESUME and e.what == "decode":
                             stream.to(Attempt.RESUMING)
@@ -278,7 +277,7 @@ class RayClusterBackend(ClusterObservability):
                     if finished:
                         c = dataclasses.replace(c, worker=legs.worker.name)
                         self.dispatch.reused(r, legs.cached)
-                    self._sent(stream, legs, c)
+                    stream.sent_chunk(c, len(legs.ids), legs.last_token_at)
                     yield c
                     if finished:
                         return
@@ -313,16 +312,6 @@ class RayClusterBackend(ClusterObservability):
                 except Exception:
                     pass
 
-    def _sent(self, stream: RequestStream, legs: Legs, c: StreamChunk) -> None:
-        """``c`` goes to the client: what ``stream`` has sent, and its state, follow."""
-        stream.began, stream.sent = True, len(legs.ids)
-        if c.token_ids:
-            stream.last_token_at = legs.last_token_at
-        if c.finish_reason is not None:
-            stream.to(Attempt.FAILED if c.error else Attempt.DONE)
-        elif c.token_ids:
-            stream.to(Attempt.STREAMING)
-
     async def _failover(self, stream: RequestStream, legs: Legs, dead: WorkerRef) -> bool:
         """``legs``' decode worker ``dead`` died mid-stream: resume it on a live decode worker after the
         tokens its client has (waiting up to ``failover_wait_s`` for one); whether it resumed. Counted,
@@ -335,17 +324,6 @@ class RayClusterBackend(ClusterObservability):
         self._report_failover(stream, legs, dead, t0, at)
         return True
 
-    def _leave_stuck(self, rid: str, d: WorkerRef, gen: ObjectRefGenerator) -> None:
-        """``rid`` leaves stuck decode worker ``d``: its stream is cancelled and an abort sent there."""
-        import ray
-
-        d.stale.add(rid)
-        d.api.abort(rid, "moved to another worker: this attempt stopped making progress")
-        try:
-            ray.cancel(gen)
-        except Exception:  # noqa: BLE001
-            pass
-
     def _migrate_off(self, w: WorkerRef) -> None:
         """The planner drains ``w`` (from its thread): its live requests migrate away on the
         serving loop (none were ever served: nothing to move). Off with ``--migration off``."""
@@ -357,16 +335,6 @@ class RayClusterBackend(ClusterObservability):
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    @staticmethod
-    async def _next_chunk(gen: ObjectRefGenerator) -> StreamChunk | None:
-        """The next chunk of a worker's streaming ``generate``; None when it ended."""
-        try:
-            ref = await gen.__anext__()
-        except StopAsyncIteration:
-            return None
-        chunk: StreamChunk = await ref
-        return chunk
 
     async def migrate(self, rid: str, to: str | None = None) -> str:
         """Move running ``rid`` to decode worker ``to`` (default: the least loaded other one);

@@ -152,5 +152,26 @@ class Legs:
             self.leg_tokens = 0
         return mv
 
+    async def next_chunk(self) -> StreamChunk | None:
+        """The current leg's next chunk; None when its stream ended."""
+        try:
+            ref = await self.gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        chunk: StreamChunk = await ref
+        return chunk
+
+    def leave_stuck(self) -> None:
+        """The current leg's decode worker stopped making progress: its stream is cancelled and an
+        abort sent there (the request moves on)."""
+        import ray
+
+        self.worker.stale.add(self.req.rid)
+        self.worker.api.abort(self.req.rid, "moved to another worker: this attempt stopped making progress")
+        try:
+            ray.cancel(self.gen)
+        except Exception:  # noqa: BLE001
+            pass
+
     def close(self) -> None:
         self.migrator.close(self)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandem.cluster.legs import Legs
+    from tandem.core.types import StreamChunk
 
 
 class Attempt(Enum):
@@ -109,6 +110,17 @@ class RequestStream:
             raise IllegalAttempt(f"request {self.rid}: {self.state.name} -> {state.name}")
         self.history.append((self.state, state))
         self.state = state
+
+    def sent_chunk(self, c: StreamChunk, sent: int, last_token_at: float) -> None:
+        """``c`` goes to the client, which then has ``sent`` tokens: what this stream has sent, and
+        its state, follow."""
+        self.began, self.sent = True, sent
+        if c.token_ids:
+            self.last_token_at = last_token_at
+        if c.finish_reason is not None:
+            self.to(Attempt.FAILED if c.error else Attempt.DONE)
+        elif c.token_ids:
+            self.to(Attempt.STREAMING)
 
     @property
     def ended(self) -> bool:
