@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from tandem.core.types import StreamChunk
-from tandem.engine.sched_types import SchedulerObserver
+from tandem.engine.sched.sched_types import SchedulerObserver
 
 PAGE_SIZE = 4
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec/) on vs off: output tokens/s of a colocated engine, SmolLM2
+"""Speculative decoding (engine/sched/spec/) on vs off: output tokens/s of a colocated engine, SmolLM2
 (the embedded GGUF, float32), one torch thread, on (a) a copying workload and (b) plain chat.
 
 Copying: a JSON document returned with one field changed, a function rewritten with one rename,

@@ -111,7 +111,7 @@ class EngineConfig(_Strict):
     speculative_algorithm: Literal["ngram", "off"] = Field(
         "ngram", description="speculative decoding: 'ngram' drafts tokens from the request's own text "
                              "and its tenant's finished requests, verified in one step (the same "
-                             "tokens as without; engine/spec/), 'off': one token per step")
+                             "tokens as without; engine/sched/spec/), 'off': one token per step")
     speculative_num_draft_tokens: int = Field(
         8, ge=1, le=32, description="the most draft tokens one request verifies in a step (the cost "
                                     "rule drafts fewer where they do not pay)")

@@ -36,8 +36,8 @@ from tandem.engine.overlap import DeviceLane, Launched, resolve_overlap
 from tandem.engine.queries import CheckInvariants, EngineSnapshot, PinReport, Query, Snapshot, Stats, answer
 from tandem.engine.request_kv import RequestKV
 from tandem.engine.sampler import Sampler
-from tandem.engine.scheduler import Scheduler
-from tandem.engine.spec.speculator import make_speculator
+from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.spec.speculator import make_speculator
 from tandem.engine.step_loop import StepLoop
 from tandem.engine.verify_graph import make_verify_graph
 

@@ -153,7 +153,7 @@ class Matcher:
 
     def valid_prefix(self, tokens) -> int:
         """How many of ``tokens``, in order, the grammar would accept from here, stopping before
-        the first EOS (changes nothing): a draft is cut there (engine/spec/). An EOS is never
+        the first EOS (changes nothing): a draft is cut there (engine/sched/spec/). An EOS is never
         drafted under a grammar: llguidance consumes an EOS once the grammar is complete without
         recording it, so rolling the draft back would undo one token too many (and an EOS ends the
         request anyway: the target's own token at that row finds it)."""

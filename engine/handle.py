@@ -46,7 +46,7 @@ class EngineHandle:
         raises InvalidRequest when it does not compile, before anything is reserved."""
         await self.engine.check_constraint(params)
 
-    # a request whose KV crosses workers (engine/scheduler.py ``handoff``); queued, in order
+    # a request whose KV crosses workers (engine/sched/scheduler.py ``handoff``); queued, in order
     def land(self, rid: str, first_token: int, logprob: TokenLogprob | None = None) -> None:
         """Received ``rid``'s KV landed (no write into it in flight): decode on from prefill's first
         token (and its logprob when asked); a constrained request's grammar continues from it."""

@@ -29,7 +29,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
 
 
 def wants_prompt_logprobs(entries) -> bool:
-    """Whether a step's plan entries (engine/sched_types.py PlanEntry) hold prompt positions whose
+    """Whether a step's plan entries (engine/sched/sched_types.py PlanEntry) hold prompt positions whose
     logprobs a request still needs: the step must then keep every position's logits."""
     return any(_needs_prompt(e) for e in entries)
 

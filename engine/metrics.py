@@ -43,7 +43,7 @@ class EngineCollector(Collector):
         yield counter("tandem_worker_evicted_tokens", "tokens evicted from the prefix cache",
                       st["evicted_tokens"])
         yield counter("tandem_worker_steps", "model steps run", st["steps"])
-        yield counter("tandem_spec_drafted_tokens", "n-gram draft tokens verified (engine/spec/)",
+        yield counter("tandem_spec_drafted_tokens", "n-gram draft tokens verified (engine/sched/spec/)",
                       st["spec_drafted_tokens"])
         yield counter("tandem_spec_accepted_tokens", "draft tokens the target model accepted",
                       st["spec_accepted_tokens"])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.logprobs import wants_prompt_logprobs
-from tandem.engine.sched_types import StepPlan
+from tandem.engine.sched.sched_types import StepPlan
 
 
 LANE_SWITCH_S = 0.0005
@@ -27,7 +27,7 @@ def resolve_overlap(setting: str, disabled: bool, device: torch.device, hybrid: 
 def device_sampleable(plan: StepPlan, device: torch.device) -> bool:
     """Every sampling row of ``plan`` is one the device can pick alone (module docstring), and no
     entry wants its prompt's logprobs (those need every position's logits on the host), and none
-    verifies a draft (engine/spec/: it samples every draft position; such a step runs plainly)."""
+    verifies a draft (engine/sched/spec/: it samples every draft position; such a step runs plainly)."""
     if plan.drafts or wants_prompt_logprobs(plan.entries):
         return False
     for e in plan.sampling:

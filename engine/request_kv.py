@@ -10,7 +10,7 @@ from tandem.core import tracing
 from tandem.engine.batch_builder import PlanItem, build_forward_batch
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.hybrid import NO_HYBRID
-from tandem.engine.sched_types import SchedReq, StepPlan
+from tandem.engine.sched.sched_types import SchedReq, StepPlan
 
 
 def pages_of(slots: torch.Tensor, page_size: int) -> tuple[int, ...]:

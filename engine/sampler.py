@@ -68,7 +68,7 @@ class Sampler:
     def prepare(self, srs: list, drafts: dict | None = None) -> "Future[Masks] | None":
         """Start computing the grammar masks of the batch ``srs`` (the rows ``sample`` will get) on
         the helper thread; None when no row is constrained. ``drafts``: a verify step's drafts by
-        SchedReq id (engine/spec/): that request's rows are consecutive, one per draft position,
+        SchedReq id (engine/sched/spec/): that request's rows are consecutive, one per draft position,
         and row j's mask is the grammar's after the draft's first j tokens."""
         constrained = [(sr.matcher, i) for i, sr in enumerate(srs) if sr.matcher is not None]
         if not constrained:

@@ -15,7 +15,7 @@ from tandem.engine.commands import (Abort, Command, Evict, Land, LandResumed, Mi
 from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tandem.engine.overlap import device_sampleable, fill_indices, fill_inputs
 from tandem.engine.queries import Query, answer
-from tandem.engine.spec.speculator import accepted_runs, logit_layout
+from tandem.engine.sched.spec.speculator import accepted_runs, logit_layout
 
 log = logging.getLogger("tandem.engine.engine")
 
@@ -98,7 +98,7 @@ class StepLoop:
 
     def step(self):
         """Drain the inbox, then run one step: plan, forward, sample, update, stream. Returns the
-        :class:`~tandem.engine.sched_types.StepPlan` (empty when nothing could run)."""
+        :class:`~tandem.engine.sched.sched_types.StepPlan` (empty when nothing could run)."""
         self._drain_inbox()
         self._step_started = time.monotonic()
         try:
@@ -146,7 +146,7 @@ class StepLoop:
         return out.tokens, out.logprobs
 
     def _verify(self, plan, fb) -> tuple[list, list | None]:
-        """A step with drafts (engine/spec/): every draft position's logits are sampled as a decode
+        """A step with drafts (engine/sched/spec/): every draft position's logits are sampled as a decode
         there would be; each entry gets its accepted run (``accepted_runs``)."""
         idx, srs, offsets = logit_layout(plan)
         masks = self.sampler.prepare(srs, {id(e.sr): e.draft for e in plan.sampling if e.draft})

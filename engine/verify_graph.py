@@ -1,4 +1,4 @@
-"""CUDA-graph verify steps: a speculative verify step (engine/spec/) replays a graph captured for
+"""CUDA-graph verify steps: a speculative verify step (engine/sched/spec/) replays a graph captured for
 its (batch size, width), every request padded to ``width`` query tokens, instead of launching every
 kernel of every layer from Python (engine/README.md, "CUDA graphs")."""
 
@@ -53,7 +53,7 @@ class VerifyChoice:
 def choose_verify(fb: ForwardBatch, sizes: list[int], widths: list[int], max_context: int,
                   return_all_logits: bool = False) -> VerifyChoice:
     """Graph or eager for a verify step (``fb.logit_rows`` set; pure: reads host-side lists and
-    shapes only). A verify step samples every token (engine/spec/speculator.py ``logit_layout``):
+    shapes only). A verify step samples every token (engine/sched/spec/speculator.py ``logit_layout``):
     fewer logit rows than tokens means a prefill chunk rides along."""
     eager = lambda why: VerifyChoice(None, None, why)   # noqa: E731
     if return_all_logits:

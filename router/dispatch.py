@@ -21,7 +21,7 @@ from .view import DECODE, PREFILL, ClusterView, Decision, RouteRequest, WorkerSn
 from .worker_load import Queued, WorkerLoad
 
 RATE_EWMA = 0.25        # weight of the newest prefill-rate sample
-AHEAD_MIN_TOKENS = 32   # a shared prefix worth waiting for (engine/queue_policy.py's threshold)
+AHEAD_MIN_TOKENS = 32   # a shared prefix worth waiting for (engine/sched/queue_policy.py's threshold)
 _AHEAD_POLL_S = 0.005
 
 
@@ -213,7 +213,7 @@ class Dispatcher:
         prefill first (its first token, or its end), at most ``timeout_s``. Requests sharing a
         prompt prefix then reach the prefill worker in the order they were routed, so the first
         computes the prefix and the later one reuses it, as predicted (the engine would make the
-        later one wait for it anyway: engine/queue_policy.py ``InStepPrefixes``)."""
+        later one wait for it anyway: engine/sched/queue_policy.py ``InStepPrefixes``)."""
         a = r.ahead
         end = time.monotonic() + timeout_s
         while a is not None and not a.prefilled.is_set() and time.monotonic() < end:

@@ -34,7 +34,7 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=-1)          # -1 or 0: off (vLLM clients send -1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    speculative: bool = True                        # Tandem: false turns n-gram drafts off (engine/spec/)
+    speculative: bool = True                        # Tandem: false turns n-gram drafts off (engine/sched/spec/)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)

@@ -114,6 +114,23 @@ def test_no_import_cycles_inside_the_packages():
     assert not set(cycles) - KNOWN_CYCLES, "\n".join(sorted(set(cycles) - KNOWN_CYCLES))
 
 
+# engine/'s two rooms (engine/README.md, "Two rooms"): the scheduling room decides what runs, the
+# execution modules run it; scheduling never imports execution
+ENGINE_EXECUTION = ("models", "attention", "quant", "model_runner", "forward_batch", "batch_builder",
+                    "cuda_graph", "verify_graph", "loader", "layers", "overlap", "sampler", "logprobs")
+
+
+def test_the_engines_scheduling_room_never_imports_its_execution_room():
+    bad = []
+    for f in sorted((ROOT / "engine" / "sched").rglob("*.py")):
+        for name in _imports(f, _module(f)):
+            parts = name.split(".")
+            if parts[:2] == [TOP, "engine"] and len(parts) > 2 and parts[2] in ENGINE_EXECUTION:
+                bad.append(f"{f.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+    assert (ROOT / "engine" / "sched" / "scheduler.py").is_file()     # the rule has a room to check
+
+
 def test_ray_nixl_torch_confined():
     bad = []
     for pkg in ALLOWED:

@@ -23,7 +23,7 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
 from tandem.engine.connector import KVConnector
 from tandem.engine.queries import cached_prefix
-from tandem.engine.sched_types import SchedReq
+from tandem.engine.sched.sched_types import SchedReq
 from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
 from tandem.worker.kv_digest import corrupt_page, regions_digest

@@ -240,7 +240,7 @@ def test_which_rows_the_device_samples_alone():
     import torch
 
     from tandem.engine.overlap import device_sampleable
-    from tandem.engine.sched_types import SchedReq, StepPlan
+    from tandem.engine.sched.sched_types import SchedReq, StepPlan
     from tandem.core.types import Req
 
     def plan(**params):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tandem.engine.queue_policy import order
+from tandem.engine.sched.queue_policy import order
 from tandem.cache.unified import UnifiedRadixCache
 
 

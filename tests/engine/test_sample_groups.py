@@ -1,11 +1,11 @@
-"""engine/sample_groups.py: who waits for whom among the n samples of one prompt (no model)."""
+"""engine/sched/sample_groups.py: who waits for whom among the n samples of one prompt (no model)."""
 
 from __future__ import annotations
 
 from tandem.core.messages import SampleGroup
 from tandem.core.types import Req, SamplingParams
-from tandem.engine.sample_groups import SampleGroups
-from tandem.engine.sched_types import SchedReq
+from tandem.engine.sched.sample_groups import SampleGroups
+from tandem.engine.sched.sched_types import SchedReq
 
 
 def member(i: int, gid: str = "g", prompt=(1, 2, 3, 4)) -> SchedReq:

@@ -21,7 +21,7 @@ from tandem.decode.connector import DecodeConnector
 from tandem.engine.commands import Land, LandResumed, Release
 from tandem.engine.queries import held_kv
 from tandem.engine.engine import Engine
-from tandem.engine.sched_types import SchedulerObserver
+from tandem.engine.sched.sched_types import SchedulerObserver
 from tandem.prefill.connector import PrefillConnector
 
 from fake_model import fake_loaded, oracle

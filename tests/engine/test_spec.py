@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec/): the same tokens as decoding without it, the KV of rejected
+"""Speculative decoding (engine/sched/spec/): the same tokens as decoding without it, the KV of rejected
 drafts given back, drafts kept within a tenant.
 
 Oracles: the KV-echo model's pure-Python ``oracle`` (every slot a step reads is checked to hold its
@@ -21,8 +21,8 @@ from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, Req, SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.models.hybrid import tiny_hybrid
-from tandem.engine.spec.ngram import NgramPool, RequestIndex
-from tandem.engine.spec.speculator import PRIOR_RATIO, DraftState, Speculator, StepCost
+from tandem.engine.sched.spec.ngram import NgramPool, RequestIndex
+from tandem.engine.sched.spec.speculator import PRIOR_RATIO, DraftState, Speculator, StepCost
 
 from fake_model import fake_loaded, next_token, oracle
 

@@ -208,7 +208,7 @@ def test_standin_equals_eager_triton_backend(tiny):
 
 def _engine(loaded, spec: str, **kw):
     from tandem.engine.engine import Engine
-    from tandem.engine.spec.speculator import PRIOR_RATIO, StepCost
+    from tandem.engine.sched.spec.speculator import PRIOR_RATIO, StepCost
 
     cfg = EngineConfig(device="cpu", dtype="float32", num_threads=1, speculative_algorithm=spec,
                        scheduler=SchedulerConfig(chunked_prefill_size=16),
@@ -337,7 +337,7 @@ def test_gpu_verify_replay_bitwise_equals_standin(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_engine_spec_with_verify_graphs_same_tokens_as_spec_off():
     from tandem.engine.engine import Engine
-    from tandem.engine.spec.speculator import PRIOR_RATIO, StepCost
+    from tandem.engine.sched.spec.speculator import PRIOR_RATIO, StepCost
 
     loaded = tiny_hybrid(["full", "full"], seed=3, device="cuda", dtype=torch.float32)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -1,7 +1,7 @@
 """Retraction victim order (pure function): SGLang's default and the session-aware policy."""
 
 from tandem.core.types import Req, SamplingParams
-from tandem.engine.retraction import pick_victim
+from tandem.engine.sched.retraction import pick_victim
 
 
 def req(prompt_len, outputs, session=None):

@@ -5,7 +5,7 @@ together (the agent workload's first turns: one system prompt, several sessions 
 The router's prefix index records a prompt when it routes it (router/policies.py
 ``predicted_cached``: the later sessions are predicted to reuse the whole shared prefix). A
 prompt longer than the step's budget is computed in chunks; a later sharer must wait until the
-shared prefix is cached (engine/queue_policy.py ``InStepPrefixes``), not start from whatever
+shared prefix is cached (engine/sched/queue_policy.py ``InStepPrefixes``), not start from whatever
 part of it the first chunks cached, which recomputed the rest and missed the prediction by up
 to a chunk. Real SmolLM2, the default fcfs policy, the shared prefix ending in the first
 prompt's last chunk.

@@ -9,15 +9,15 @@ from typing import Callable
 
 from tandem.core.messages import Resume, SampleGroup
 from tandem.core.types import InvalidRequest, Req, ReqStatus, StreamChunk, TokenLogprob
-from tandem.engine.admission import Admission
+from tandem.engine.sched.admission import Admission
 from tandem.engine.commands import Handoff, Land, LandResumed, Migrate, Release, Store
 from tandem.engine.connector import KVConnector
-from tandem.engine.fill_budget import plan_admissions, plan_prefills, plan_receives, plan_restores
+from tandem.engine.sched.fill_budget import plan_admissions, plan_prefills, plan_receives, plan_restores
 from tandem.engine.request_kv import RequestKV
-from tandem.engine.retraction import Retraction
-from tandem.engine.sample_groups import SampleGroups
-from tandem.engine.sched_types import SchedReq, SchedulerObserver, StepPlan, new_stats
-from tandem.engine.spec.speculator import Speculator
+from tandem.engine.sched.retraction import Retraction
+from tandem.engine.sched.sample_groups import SampleGroups
+from tandem.engine.sched.sched_types import SchedReq, SchedulerObserver, StepPlan, new_stats
+from tandem.engine.sched.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Scheduler:
                  speculator: Speculator | None = None):
         """``grammar``: the engine's GrammarCompiler (None: constraints are refused); ``connector``:
         the role's (engine/connector.py; default: nothing crosses workers); ``speculator``: drafts
-        for decodes (engine/spec/; None: every decode is one token)."""
+        for decodes (engine/sched/spec/; None: every decode is one token)."""
         self.kv, self.chunk = kv, chunked_prefill_size
         self.max_batch_tokens, self.policy = max_batch_tokens, schedule_policy
         self.debug, self.debug_retract_every = debug_invariants, debug_retract_every
@@ -60,7 +60,7 @@ class Scheduler:
 
     def add(self, req: Req, group: SampleGroup | None = None, resume: Resume | None = None) -> SchedReq:
         """Queue ``req`` (validated first: raises InvalidRequest); ``group``: its ``n`` group;
-        ``resume``: it continues another worker's ``req.output_ids`` (engine/admission.py)."""
+        ``resume``: it continues another worker's ``req.output_ids`` (engine/sched/admission.py)."""
         sr = self.admission.track(req, group, resume)
         req.status = ReqStatus.WAITING
         self.waiting.append(sr)
@@ -264,7 +264,7 @@ class Scheduler:
                 self.kv.release(sr)
 
     def _on_run(self, sr: SchedReq, e, run: tuple[int, ...], lps) -> list[StreamChunk]:
-        """A verify step's accepted ``run`` (engine/spec/speculator.py ``accepted_runs``): the KV of
+        """A verify step's accepted ``run`` (engine/sched/spec/speculator.py ``accepted_runs``): the KV of
         the rejected drafts rolls back, then each token goes the way of a decode's; a token that may
         finish the request is applied with the KV before it only, and ends the run."""
         self.spec.verified(sr, e.draft, run)

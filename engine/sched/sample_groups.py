@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.engine.sched_types import SchedReq
+from tandem.engine.sched.sched_types import SchedReq
 
 
 class SampleGroups:

@@ -8,11 +8,11 @@ from typing import Callable
 from tandem.core.messages import Resume, SampleGroup
 from tandem.core.types import InvalidRequest, Req
 from tandem.engine.connector import KVConnector
-from tandem.engine.output import OutputTracker
-from tandem.engine.queue_policy import order
+from tandem.engine.sched.output import OutputTracker
+from tandem.engine.sched.queue_policy import order
 from tandem.engine.request_kv import RequestKV
-from tandem.engine.sample_groups import SampleGroups
-from tandem.engine.sched_types import SchedReq
+from tandem.engine.sched.sample_groups import SampleGroups
+from tandem.engine.sched.sched_types import SchedReq
 
 
 class Admission:

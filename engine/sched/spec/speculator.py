@@ -1,11 +1,11 @@
 """One engine's speculation: which decodes draft how many tokens this step (the cost rule), the
-verify step's logit rows, and what each verification accepted (engine/spec/README.md)."""
+verify step's logit rows, and what each verification accepted (engine/sched/spec/README.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.spec.ngram import NgramPool, RequestIndex
+from tandem.engine.sched.spec.ngram import NgramPool, RequestIndex
 
 MAX_DRAFT_TOKENS = 32
 DECAY = 0.7               # weight of the past in a request's acceptance EWMA, per verification
@@ -125,7 +125,7 @@ class Speculator:
         self.max_draft, self.max_context = max_draft, max_context
         self.pool = NgramPool(span=max_draft)
         self.cost = StepCost()
-        self.stats: dict = {}         # the scheduler's counters (engine/sched_types.py new_stats)
+        self.stats: dict = {}         # the scheduler's counters (engine/sched/sched_types.py new_stats)
 
     def length(self, st: DraftState, batch: int) -> int:
         """How many tokens ``st``'s request drafts in a step of ``batch`` decodes (the per-token

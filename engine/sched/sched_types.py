@@ -10,12 +10,12 @@ import torch
 
 from tandem.core.messages import SampleGroup
 from tandem.core.types import Req, StreamChunk, TokenLogprob
-from tandem.engine.output import OutputTracker
+from tandem.engine.sched.output import OutputTracker
 
 if TYPE_CHECKING:
     from tandem.cache.tiers.base import Prefetch
     from tandem.engine.grammar import Matcher
-    from tandem.engine.spec.speculator import DraftState
+    from tandem.engine.sched.spec.speculator import DraftState
 
 
 @dataclass(eq=False)
@@ -33,7 +33,7 @@ class SchedReq:
     inflight: int = 0
     ahead: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    spec: DraftState | None = None      # its n-gram index and acceptance (engine/spec/)
+    spec: DraftState | None = None      # its n-gram index and acceptance (engine/sched/spec/)
 
     @property
     def rid(self) -> str:
@@ -45,7 +45,7 @@ class PlanEntry:
     """``sr`` extends its KV from position ``start`` (its ``computed_len`` when planned) by ``n``
     tokens into ``slots`` ``[n]``; ``samples``: that reaches ``seq_len`` (plus the tokens still in
     flight, ``sr.ahead``), so its last position's logits pick the next token. A verify step
-    (engine/spec/): ``draft`` holds the last ``k = len(draft)`` of the ``n`` input tokens, guessed
+    (engine/sched/spec/): ``draft`` holds the last ``k = len(draft)`` of the ``n`` input tokens, guessed
     tokens after the pending one; each of the ``k + 1`` positions' logits picks a token.
 
         position:  start        start+1 .. start+k

@@ -9,7 +9,7 @@ from collections import deque
 from tandem.core import tracing
 from tandem.core.types import Req, ReqStatus
 from tandem.engine.request_kv import RequestKV
-from tandem.engine.sched_types import SchedReq
+from tandem.engine.sched.sched_types import SchedReq
 
 
 def pick_victim(cands: list[Req], policy: str = "default",

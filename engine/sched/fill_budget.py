@@ -9,8 +9,8 @@ import time
 
 from tandem.core.types import ReqStatus
 from tandem.engine.hybrid import NO_HYBRID
-from tandem.engine.queue_policy import InStepPrefixes
-from tandem.engine.sched_types import StepPlan
+from tandem.engine.sched.queue_policy import InStepPrefixes
+from tandem.engine.sched.sched_types import StepPlan
 
 
 def plan_receives(s, plan: StepPlan) -> None:
