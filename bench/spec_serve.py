@@ -11,16 +11,18 @@ one fresh server (empty prefix cache and n-gram pool: no round sees an earlier r
 one short request to warm it up, then the workload once; ``--repeats`` rounds of every
 configuration, the configurations alternated within each repeat. Reported per configuration:
 output tokens/s (completion tokens / wall time of a round, median over rounds), TTFT p50 over
-every request, acceptance (accepted / drafted tokens: Tandem's /metrics counters, llama-server's
-per-request ``timings``), Tandem's on/off ratio, and every row's ratio to llama-server's best
-n-gram row. Tandem's greedy texts must be the same on and off (checked); how many of each
-llama-server row's texts equal its drafts-off texts, and Tandem's, is printed (llama.cpp runs the
-Q4_1 weights as they are, Tandem dequantized in float32: their texts may part).
+every request, ITL p50 (each request's mean time per token after its first), acceptance
+(accepted / drafted tokens: Tandem's /metrics counters, llama-server's per-request ``timings``),
+Tandem's on/off ratio, and every row's ratio to llama-server's best n-gram row. Tandem's greedy
+texts must be the same on and off (checked); how many of each other row's texts equal
+llama-server's without drafts is printed (llama.cpp runs the Q4_1 weights as they are and verifies
+drafts in batches of another shape; Tandem runs them dequantized: greedy texts may part).
 
 llama-server: built as bench/serve_vs_llamaserver.py's docstring says, started by its
 ``LlamaServer`` (``-t/-tb --threads -np 4 --cache-reuse 256``) plus ``--spec-type TYPE``. Its n-gram
 types are read from its ``--help`` unless ``--llama-specs`` names them (``;``-separated, each a
-type and any flags of its own, e.g. ``ngram-simple --spec-ngram-simple-size-n 4``; ``off``: none).
+type and any flags of its own, e.g. ``ngram-simple --spec-ngram-simple-size-n 4``; ``off``: none;
+a later ``-t``/``-tb`` overrides ``--threads``).
 
     python -m tandem.bench.spec_serve                    # colocated and 1P+1D, 2 threads
     python -m tandem.bench.spec_serve --modes colocated --repeats 3
@@ -48,8 +50,9 @@ MODES = {"colocated": ["--mode", "colocated"],
 
 
 async def one(client, model: str, prompt: str, max_tokens: int, exact: bool) -> dict:
-    """One streamed greedy chat request: its text, completion tokens, time to first token, and the
-    draft tokens llama-server says it verified and accepted (its final chunk's ``timings``)."""
+    """One streamed greedy chat request: its text, completion tokens, time to first token, mean time
+    per token after the first (``itl_s``), and the draft tokens llama-server says it verified and
+    accepted (its final chunk's ``timings``)."""
     t0 = time.perf_counter()
     ttft, parts, usage, timings = None, [], None, {}
     stream = await client.chat.completions.create(
@@ -63,7 +66,9 @@ async def one(client, model: str, prompt: str, max_tokens: int, exact: bool) -> 
         if c.usage is not None:
             usage = c.usage
         timings = (c.model_extra or {}).get("timings") or timings
-    return {"text": "".join(parts), "tokens": usage.completion_tokens if usage else 0, "ttft_s": ttft,
+    tokens = usage.completion_tokens if usage else 0
+    itl = (time.perf_counter() - t0 - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return {"text": "".join(parts), "tokens": tokens, "ttft_s": ttft, "itl_s": itl,
             "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
 
 
@@ -71,7 +76,10 @@ async def one_round(url: str, sessions: int, max_tokens: int, exact: bool) -> di
     """Warm the server up with one short request, then run the workload once."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    # no keep-alive: twice a measured request to llama-server failed to connect right after the
+    # warm-up on a kept connection; with a new connection per request it did not happen again
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http)
     model = (await client.models.list()).data[0].id
     await one(client, model, "Say hi.", 4, False)
     t0 = time.perf_counter()
@@ -80,7 +88,8 @@ async def one_round(url: str, sessions: int, max_tokens: int, exact: bool) -> di
     wall = time.perf_counter() - t0
     await client.close()
     return {"wall_s": wall, "tokens": [r["tokens"] for r in res], "tok_s": sum(r["tokens"] for r in res) / wall,
-            "ttfts": [r["ttft_s"] for r in res], "texts": [r["text"] for r in res],
+            "ttfts": [r["ttft_s"] for r in res], "itls": [r["itl_s"] for r in res],
+            "texts": [r["text"] for r in res],
             "drafted": sum(r["drafted"] for r in res), "accepted": sum(r["accepted"] for r in res)}
 
 
@@ -104,7 +113,7 @@ def ngram_types(binary: str) -> list[str]:
 def configs(args) -> dict:
     """Configuration name -> a function of the log path that gives its (not yet started) server."""
     out = {}
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):
         for spec in ("off", "ngram"):
             flags = [*MODES[mode], "--threads", str(args.threads), "--speculative-algorithm", spec]
             out[f"tandem {mode} {spec}"] = lambda log, flags=flags: Server(flags, args, log)
@@ -116,7 +125,7 @@ def configs(args) -> dict:
         for spec in specs:
             def make(log, spec=spec.split()):
                 srv = LlamaServer(args.llama_server, smollm2_path(), args, log)
-                srv.cmd += [] if spec == ["off"] else ["--spec-type", *spec]
+                srv.cmd += spec[1:] if spec[0] == "off" else ["--spec-type", *spec]
                 return srv
             out[f"llama-server {' '.join(spec.split())}"] = make
     return out
@@ -126,6 +135,7 @@ def summarize(name: str, rounds: list[dict]) -> dict:
     drafted, accepted = sum(r["drafted"] for r in rounds), sum(r["accepted"] for r in rounds)
     row = {"config": name, "tok_s": statistics.median(r["tok_s"] for r in rounds),
            "ttft_p50_s": statistics.median(t for r in rounds for t in r["ttfts"] if t is not None),
+           "itl_p50_s": statistics.median(t for r in rounds for t in r["itls"] if t is not None),
            "acceptance": accepted / drafted if drafted else None,
            "runs": [{k: v for k, v in r.items() if k != "texts"} for r in rounds]}
     if "steps" in rounds[0]:
@@ -165,7 +175,7 @@ def compare(got: dict[str, list[dict]], modes: list[str]) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = bench_parser(__doc__, "spec_serve", repeats=2, threads=2)
-    ap.add_argument("--modes", default="colocated,disaggregated", help="Tandem's, comma-separated")
+    ap.add_argument("--modes", default="colocated,disaggregated", help="Tandem's, comma-separated ('': none)")
     ap.add_argument("--sessions", type=int, default=4, help="requests at once")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--natural-length", action="store_true",
@@ -192,16 +202,18 @@ def main(argv=None) -> int:
                   f"TTFT {statistics.median(t for t in r['ttfts'] if t is not None):.2f} s, "
                   f"accepted {r['accepted']:.0f}/{r['drafted']:.0f}", flush=True)
 
-    rows = compare(got, args.modes.split(","))
+    rows = compare(got, list(filter(None, args.modes.split(","))))
     best = next((r["config"] for r in rows if r.get("best_llama_ngram")), None)
     vs = f"vs {best}" if best else ""
-    print(f"\n{'config':<34} {'tok/s':>7} {'TTFT p50':>9} {'accept':>7} {'on/off':>7} {vs}")
+    w = max(len(r["config"]) for r in rows)
+    print(f"\n{'config':<{w}} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8} {'accept':>7} {'on/off':>7} {vs}")
     for r in rows:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         ratio = f"{r['on_off']:.2f}x" if "on_off" in r else ""
         cmp = (f"{r['vs_best_llama_ngram']['tok_s']:.2f}x tok/s, TTFT {r['vs_best_llama_ngram']['ttft_p50']:.2f}x"
                if best else "")
-        print(f"{r['config']:<34} {r['tok_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s {acc:>7} {ratio:>7} {cmp}")
+        print(f"{r['config']:<{w}} {r['tok_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s {1e3 * r['itl_p50_s']:>6.1f}ms "
+              f"{acc:>7} {ratio:>7} {cmp}")
     if "llama-server off" in got:
         print("texts equal to llama-server off's: " + ", ".join(
             f"{r['config']} {r['texts_equal_to_llama_off']}" for r in rows if "texts_equal_to_llama_off" in r))

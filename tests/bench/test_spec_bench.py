@@ -44,7 +44,7 @@ def test_spec_serve_configs_without_and_with_llama_server(tmp_path):
 
 
 def _round(tok_s, ttft, texts, drafted=0, accepted=0):
-    return {"tok_s": tok_s, "ttfts": [ttft] * len(texts), "texts": texts, "tokens": [10] * len(texts),
+    return {"tok_s": tok_s, "ttfts": [ttft] * len(texts), "itls": [0.01] * len(texts), "texts": texts, "tokens": [10] * len(texts),
             "drafted": drafted, "accepted": accepted, "wall_s": 1.0}
 
 
