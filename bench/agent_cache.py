@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from tandem.bench.common import bench_parser, write_report
+from tandem.core.ports import free_port
 
 CONFIGS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated"],
@@ -43,9 +43,7 @@ CONFIGS: dict[str, list[str]] = {
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()          # outside the ephemeral range (core/ports.py)
 
 
 class Server:

@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -54,7 +55,8 @@ async def one(client, model: str, prompt: str, max_tokens: int, exact: bool) -> 
     per token after the first (``itl_s``), and the draft tokens llama-server says it verified and
     accepted (its final chunk's ``timings``)."""
     t0 = time.perf_counter()
-    ttft, parts, usage, timings = None, [], None, {}
+    ttft, parts, usage = None, [], None
+    timings: dict[str, Any] = {}
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         temperature=0, stream=True, stream_options={"include_usage": True},
@@ -78,8 +80,8 @@ async def one_round(url: str, sessions: int, max_tokens: int, exact: bool) -> di
 
     # no keep-alive: twice a measured request to llama-server failed to connect right after the
     # warm-up on a kept connection; with a new connection per request it did not happen again
-    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600,
+                                default_headers={"Connection": "close"})
     model = (await client.models.list()).data[0].id
     await one(client, model, "Say hi.", 4, False)
     t0 = time.perf_counter()

@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,26 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.core.ports import free_port, free_ports
+
 BOOT = ("import sys, ray._private.services as s; s.get_node_ip_address = lambda address=None: '127.0.0.1'; "
         "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())")
 STARTED = "Ray runtime started"
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports of 127.0.0.1, all bound at once while they are picked (ports
-    picked one after another may repeat: the kernel may hand a just-released port out again)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass

@@ -4,9 +4,10 @@ served by uvicorn in a thread, and the helpers the in-process worker tests share
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
+
+from tandem.core.ports import free_port
 
 
 class LocalClient:
@@ -62,10 +63,6 @@ def peered_workers(loop, name: str, cfg, loaded, **decode_kw):
     return loop.run_until_complete(make())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

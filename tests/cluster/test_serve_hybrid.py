@@ -24,6 +24,7 @@ pytest.importorskip("ray")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
+from tandem.core.ports import free_port  # noqa: E402
 from tandem.core.types import SamplingParams  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 
@@ -37,9 +38,7 @@ MAX_TOKENS = 8
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()          # outside the ephemeral range (core/ports.py)
 
 
 class Serve:

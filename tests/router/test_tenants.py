@@ -213,14 +213,13 @@ def test_tandem_serve_reads_the_key_file_again_on_sighup(tmp_path):
     simulated workers' caches are salted too: the new tenant's copy of a prompt the first tenant
     repeated (a hit) is a miss."""
     import signal
-    import socket
     import subprocess
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tandem.core.ports import free_port
+
+    port = free_port()
     keys = tmp_path / "keys.yaml"
     keys.write_text(f"- key: {ALICE}\n  tenant: acme\n  role: user\n")
     log = tmp_path / "serve.log"

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.cluster.raynodes import free_port
+from tandem.core.ports import free_port
 
 STARTUP_TIMEOUT_S = 240
 

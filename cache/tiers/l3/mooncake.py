@@ -4,10 +4,8 @@ a running store by its master's address."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -15,22 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.core.ports import free_port, free_ports
+
 START_ATTEMPTS = 3      # a child that exits at start is started again on fresh ports this often
 LOG_TAIL_LINES = 30     # the child's last lines kept (and quoted when it dies)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free on ``host`` now (all held open together while chosen, so no two
-    are the same; another process may still take one before the child binds it: the callers retry)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def parse_kv_store(value: str) -> tuple[str, str | None]:
