@@ -19,7 +19,12 @@ TOPICS = ("rivers", "bridges", "volcanoes", "glaciers")
 
 
 def gray_cfg(**kw) -> ServeConfig:
-    engine = EngineConfig(device="cpu", num_threads=1,
+    # speculation off: the faults must land while streams decode (after 4 tokens, or before the
+    # first), and the module repeats its prompts, so the tenant's n-gram pool would draft whole
+    # replies and a stream would end in a handful of steps (a fresh-clone run missed the window:
+    # "the late requests were not opened on the decode worker"); migration with drafts is
+    # test_migration_cluster's forced-migration test
+    engine = EngineConfig(device="cpu", num_threads=1, speculative_algorithm="off",
                           cache=CacheConfig(page_size=16, max_total_tokens=4096, max_running_requests=16))
     return ServeConfig(prefill=1, decode=kw.pop("decode", 2), transfer_timeout_s=30.0, engine_config=engine,
                        progress_timeout_s=PROGRESS_S, migration=MigrationConfig(policy="off"), **kw)

@@ -60,15 +60,19 @@ def cluster(ray_local, smollm2_default):
 
 
 def _stream(server, topic: str, out: dict, session: str | None = None, key: str | None = None,
-            max_tokens: int = OUT, seen: list | None = None, **sampling) -> None:
+            max_tokens: int = OUT, seen: list | None = None, speculative: bool = False, **sampling) -> None:
     """A streamed chat (greedy unless ``sampling`` says otherwise), its text and finish reason
-    into ``out[key or topic]``; each chunk's text is appended to ``seen`` as it arrives."""
+    into ``out[key or topic]``; each chunk's text is appended to ``seen`` as it arrives. Without
+    drafts unless ``speculative``: the module repeats its prompts, so the tenant's n-gram pool
+    would draft whole replies and a stream would end before a move or drain reached it (a
+    fresh-clone run: a drain found nothing to move, a chaos run no migration at all)."""
     text, finish, err = [], None, None
     try:
         s = server.client.chat.completions.create(
             model="smollm2", messages=_messages(topic), max_tokens=max_tokens, stream=True,
             **{"temperature": 0, **sampling},
-            extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": session or f"m-{topic}"})
+            extra_body={"ignore_eos": True, "speculative": speculative},
+            extra_headers={"X-Session-Id": session or f"m-{topic}"})
         for ev in s:
             if ev.choices:
                 text.append(ev.choices[0].delta.content or "")
@@ -340,7 +344,8 @@ def test_forced_migrations_every_few_tokens_change_no_text(cluster, forced):
     backend.migrator.cfg = forced_cfg
     ok0 = _metric(server, "tandem_decode_migrations_total", reason="forced", outcome="ok")
     out: dict = {}
-    threads = [threading.Thread(target=_stream, args=(server, t, out, f"f-{t}")) for t in TOPICS]
+    threads = [threading.Thread(target=_stream, args=(server, t, out, f"f-{t}"), kwargs={"speculative": True})
+               for t in TOPICS]
     for th in threads:
         th.start()
     got_n = _chat(server, n=2, temperature=0.9, seed=5)
@@ -352,7 +357,10 @@ def test_forced_migrations_every_few_tokens_change_no_text(cluster, forced):
     assert got_json.choices[0].message.content == plain_json.choices[0].message.content
     assert __import__("json").loads(got_json.choices[0].message.content).keys() == {"name", "height_m"}
     moved = _metric(server, "tandem_decode_migrations_total", reason="forced", outcome="ok") - ok0
-    assert moved >= 3 * 3, moved   # every stream moved again and again (each leg streams 12 tokens)
+    # each leg streams 12+ tokens; with drafts (on here: migration with speculation must equal
+    # none) a step streams several, and the module's repeated prompts draft from the pool, so how
+    # often a stream moves follows its acceptance: 8 moves in a loaded fresh-clone run, 9+ quiet
+    assert moved >= len(TOPICS), moved
     assert _metric(server, "tandem_decode_migration_bytes_total") > 0
     assert _metric(server, "tandem_decode_migration_reused_tokens_total") > 0   # the pre-copied prompts
     _idle(server)
