@@ -99,8 +99,8 @@ def reader(endpoint: str, conn, sess: tuple) -> None:
     import torch
 
     faulthandler.enable()
+    from tandem.core.kv_messages import Handshake
     from tandem.transfer.bootstrap import BootstrapClient
-    from tandem.transfer.messages import Handshake
 
     torch.set_num_threads(1)
     pool = torch.zeros((LAYERS, 2, ROWS, KV_HEADS, HEAD_DIM))
@@ -148,9 +148,9 @@ def writer(conn, rconn, sess: tuple, repeats: int, quick: bool) -> None:
     import torch
 
     faulthandler.enable()
+    from tandem.core.kv_messages import Handshake
+    from tandem.core.transfer_state import TransferState
     from tandem.transfer.bootstrap import BootstrapServer
-    from tandem.transfer.messages import Handshake
-    from tandem.transfer.state import TransferState
 
     torch.set_num_threads(1)
     pool = _source_pool()

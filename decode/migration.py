@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tandem.core.kv_messages import KVTransferRequest, PrefillResult
 from tandem.decode.connector import DecodeHandle
-from tandem.transfer.messages import KVTransferRequest, PrefillResult
 from tandem.worker.kv_flow import KVSender
 
 

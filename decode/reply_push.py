@@ -13,12 +13,12 @@ import logging
 from typing import Callable, Protocol
 
 from tandem.core.config import WorkerOptions
+from tandem.core.kv_messages import KVTransferRequest, PrefillResult
 from tandem.core.messages import GenerateRequest
+from tandem.core.transfer_state import TransferState
 from tandem.decode.connector import DecodeHandle
 from tandem.decode.local_prefill import SentPrefixes
 from tandem.decode.migration import MigrationSource
-from tandem.transfer.messages import KVTransferRequest, PrefillResult
-from tandem.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from prometheus_client import Counter, Histogram
 
 from tandem.core import tracing
 from tandem.core.config import EngineConfig
+from tandem.core.kv_messages import PrefillResult
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import InvalidRequest, StreamChunk, TokenLogprob
 from tandem.decode.connector import DecodeHandle
@@ -20,7 +21,6 @@ from tandem.decode.groups import GroupGates
 from tandem.decode.local_prefill import LocalRule, PrefillCosts, SentPrefixes
 from tandem.decode.migration import MigrationSource
 from tandem.decode.reply_push import ReplyPush
-from tandem.transfer.messages import PrefillResult
 from tandem.worker.kv_flow import KVReceiver
 from tandem.worker.kv_flow_types import Failed, KVSource, Landed, Stop
 from tandem.worker.kv_flow_types import SourceUnavailable as PrefillUnavailable

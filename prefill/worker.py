@@ -13,16 +13,15 @@ from prometheus_client import Counter, Histogram
 
 from tandem.core import tracing
 from tandem.core.config import EngineConfig
+from tandem.core.kv_messages import KVTransferRequest, PrefillResult
 from tandem.core.messages import GenerateRequest
+from tandem.core.transfer_state import TransferState
 from tandem.core.types import StreamChunk, TandemError
 from tandem.prefill.connector import PrefillHandle
 from tandem.prefill.store import ReplyStore
 from tandem.prefill.warmup import warm_up
-from tandem.transfer.handoff import Handoff
-from tandem.transfer.messages import KVTransferRequest, PrefillResult
-from tandem.transfer.state import TransferState
 from tandem.worker.kv_flow import KVReceiver
-from tandem.worker.kv_flow_types import KVSource
+from tandem.worker.kv_flow_types import Handoff, KVSource
 from tandem.worker.kv_regions import KV
 from tandem.worker.role_worker import RoleWorker
 

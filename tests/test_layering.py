@@ -1,21 +1,22 @@
 """The dependency directions of README.md's layout, checked by walking every import statement.
 
 cluster -> {router, prefill, decode, sim} -> worker -> {engine, transfer}; engine -> cache ->
-core, transfer -> core (engine and transfer never import each other); prefill and decode reach
-their engine only through worker/ (its handles and connectors), never engine/ or cache/ (they
-still read transfer/'s wire messages and Handoff states); sim ->
-{router, cache} (the simulated engine serves through the router's dispatcher); loadtest ->
-{engine, router} (it drives a server over HTTP; its oracle runs a fresh engine behind the real
-front door); workloads (the vendored traces: paths only) imports nothing, and sim and loadtest
-read their default traces from it. Prefill and decode never import each other; cache and
-transfer never import each other; nothing of the product imports bench/ (bench drives the
-product: it may import every room); only tandem/cli.py, the command line's composition root,
-sits above cluster/ and the commands beside it (loadtest/, sim/replay/), and nothing imports it.
-Only the actor shells, cluster/ and bench's cluster benchmarks import Ray; only transfer/ imports
-NIXL; core/ imports no torch. Inside the packages, no two modules import each other, directly
-or round a circle (function-level imports count too); KNOWN_CYCLES names the ones with an owner.
-Tests never import bench/ (their support lives in tests/support/ or, shared with bench/, in the
-product), except bench's own tests in tests/bench/; and bench/ never imports tests/.
+core, transfer -> core (engine and transfer never import each other); prefill and decode import
+only worker/ and core/: they reach their engine and the transfer layer through worker/ (its
+handles, connectors and the KV handoff), and the wire messages and transfer states they read live
+in core/ (they cross processes); sim -> {router, cache} (the simulated engine serves through the
+router's dispatcher); loadtest -> {engine, router} (it drives a server over HTTP; its oracle runs
+a fresh engine behind the real front door); workloads (the vendored traces: paths only) imports
+nothing, and sim and loadtest read their default traces from it. Prefill and decode never import
+each other; cache and transfer never import each other; nothing of the product imports bench/
+(bench drives the product: it may import every room); only tandem/cli.py, the command line's
+composition root, sits above cluster/ and the commands beside it (loadtest/, sim/replay/), and
+nothing imports it. Only the actor shells, cluster/ and bench's cluster benchmarks import Ray;
+only transfer/ imports NIXL; core/ imports no torch. Inside the packages, no two modules import
+each other, directly or round a circle (function-level imports count too); KNOWN_CYCLES names the
+ones with an owner. Tests never import bench/ (their support lives in tests/support/ or, shared
+with bench/, in the product), except bench's own tests in tests/bench/; and bench/ never imports
+tests/.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ PRODUCT = {
     "engine": {"core", "cache"},
     "worker": {"core", "cache", "transfer", "engine"},
     "router": {"core"},
-    "prefill": {"core", "transfer", "worker"},
-    "decode": {"core", "transfer", "worker"},
+    "prefill": {"core", "worker"},
+    "decode": {"core", "worker"},
     "sim": {"core", "cache", "router", "workloads"},
     "cluster": {"core", "cache", "transfer", "engine", "worker", "router", "prefill", "decode", "sim"},
     "workloads": set(),

@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from tandem.transfer.descriptors import PoolLayout, byte_ranges, page_table, page_table_indices, split_even
-from tandem.transfer.messages import Handshake, RegionInfo
-from tandem.transfer.state import TransferState
+from tandem.core.kv_messages import Handshake, RegionInfo
+from tandem.core.pool_layout import PoolLayout
+from tandem.core.transfer_state import TransferState
+from tandem.transfer.descriptors import byte_ranges, page_table, page_table_indices, split_even
 from tandem.transfer.ucx_env import configure_ucx_modules, configure_ucx_tls, memory_type
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import time
 
 import zmq
 
-from tandem.transfer.messages import Message, decode_message
+from tandem.core.kv_messages import Message, decode_message
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Handoff: one request's KV handoff on one side, a :class:`TransferState` moved by named verbs
-along transfer/state.py's edges (:class:`IllegalTransition` otherwise). Destination pages are
+along core/transfer_state.py's edges (:class:`IllegalTransition` otherwise). Destination pages are
 free only in FAILED or ABORTED (:attr:`Handoff.pages_free`). No I/O, no clock.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.transfer.state import LEGAL, IllegalTransition, TransferState
+from tandem.core.transfer_state import LEGAL, IllegalTransition, TransferState
 
 _S = TransferState
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from tandem.core.config import EngineConfig, WorkerOptions
-from tandem.transfer.messages import PrefillResult
+from tandem.core.kv_messages import PrefillResult
 from tandem.worker.kv_flow_types import SourceUnavailable
 
 if TYPE_CHECKING:

@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from tandem.core.kv_messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.core.messages import GenerateRequest
+from tandem.core.transfer_state import TransferState
 from tandem.core.types import StreamChunk
 from tandem.engine.queries import HeldKV
 from tandem.transfer.agent import KVTransferAgent
 from tandem.transfer.handoff import Handoff
-from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.transfer.pump import PUMP_S, Pump
-from tandem.transfer.state import TransferState
 from tandem.worker.kv_flow_types import Failed, KVSource, Landed, SourceUnavailable, Stop, WriteOutcome
 from tandem.worker.receiving import ComputeHere, ReceivingHandle, Reservation
 

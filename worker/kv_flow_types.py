@@ -1,6 +1,6 @@
 """The words of a KV handoff (worker/kv_flow.py): who writes the KV (:class:`KVSource`), how a
-write ended (:class:`WriteOutcome`), how a receive ended (:class:`Landed` or :class:`Failed`), and
-how a policy stops one (:class:`Stop`)."""
+write ended (:class:`WriteOutcome`), how a receive ended (:class:`Landed` or :class:`Failed`), how
+a policy stops one (:class:`Stop`), and one handoff's state (:class:`Handoff`, transfer/handoff.py's)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tandem.core.kv_messages import PrefillResult
+from tandem.core.transfer_state import TransferState
 from tandem.core.types import StreamChunk
-from tandem.transfer.messages import PrefillResult
-from tandem.transfer.state import TransferState
+# re-exported: the roles name KVSender.open's handoffs and import only worker/ and core/
+from tandem.transfer.handoff import Handoff as Handoff
 from tandem.worker.receiving import Reservation
 
 

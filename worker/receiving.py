@@ -19,12 +19,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from tandem.core.kv_messages import RegionPages
 from tandem.core.messages import GenerateRequest
 from tandem.core.types import StreamChunk
 from tandem.engine.connector import KVConnector
 from tandem.engine.queries import cached_prefix
 from tandem.engine.sched.sched_types import SchedReq
-from tandem.transfer.messages import RegionPages
 from tandem.worker.handle import RoleHandle
 from tandem.worker.kv_digest import corrupt_page, regions_digest
 from tandem.worker.kv_regions import KV, kv_regions

@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tandem.cache.tiers.factory import build_tier
 from tandem.core.config import EngineConfig, WorkerOptions
 from tandem.core import tracing
+from tandem.core.kv_messages import Handshake
 from tandem.engine.gie_metrics import register_gie_metrics
 from tandem.engine.metrics import register_engine_metrics
 from tandem.transfer.agent import KVTransferAgent, Region
-from tandem.transfer.messages import Handshake
 from tandem.worker.kv_flow import KVReceiver, KVSender
 from tandem.worker.kv_regions import kv_regions
 from tandem.worker.receiving import ReceivingHandle

@@ -70,7 +70,7 @@ def workers_seen(backend) -> dict:
     of each registered region."""
     import ray
 
-    from tandem.transfer.messages import Handshake
+    from tandem.core.kv_messages import Handshake
 
     out = {}
     for w in backend.pool.everyone():

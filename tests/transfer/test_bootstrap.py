@@ -7,9 +7,9 @@ import time
 import pytest
 import zmq
 
+from tandem.core.kv_messages import Handshake, KVTransferRequest, RegionInfo, RegionPages
+from tandem.core.pool_layout import PoolLayout
 from tandem.transfer.bootstrap import BootstrapClient, BootstrapServer
-from tandem.transfer.descriptors import PoolLayout
-from tandem.transfer.messages import Handshake, KVTransferRequest, RegionInfo, RegionPages
 
 HS = Handshake("d0", b"md", (RegionInfo("kv", 4096, 0, "DRAM", PoolLayout(2, 32, 16, 64)),))
 

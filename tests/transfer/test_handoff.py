@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.core.transfer_state import LEGAL, IllegalTransition, TransferState as S
 from tandem.transfer.handoff import Handoff
-from tandem.transfer.state import LEGAL, IllegalTransition, TransferState as S
 
 
 def test_receiving_happy_path_ends_done_and_keeps_the_pages():

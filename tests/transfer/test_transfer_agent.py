@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("nixl")
 
+from tandem.core.transfer_state import TransferState  # noqa: E402
 from tandem.transfer.agent import KVTransferAgent, Region, TransferHandle  # noqa: E402
 from tandem.transfer.ucx_env import DEFAULT_UCX_TLS, configure_ucx_tls  # noqa: E402
-from tandem.transfer.state import TransferState  # noqa: E402
 
 PAGE = 4
 

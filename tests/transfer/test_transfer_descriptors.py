@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from tandem.cache.kv_pool import KVPool
-from tandem.transfer.descriptors import (
-    PoolLayout, byte_ranges, coalesce, page_table, page_table_indices, split_even,
-)
+from tandem.core.pool_layout import PoolLayout
+from tandem.transfer.descriptors import byte_ranges, coalesce, page_table, page_table_indices, split_even
 
 
 def _l(a):

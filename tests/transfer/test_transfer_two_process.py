@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("nixl")
 
+from tandem.core.kv_messages import Handshake, KVTransferRequest  # noqa: E402
+from tandem.core.transfer_state import TransferState  # noqa: E402
 from tandem.transfer.agent import KVTransferAgent, Region  # noqa: E402
 from tandem.transfer.bootstrap import BootstrapServer  # noqa: E402
-from tandem.transfer.messages import Handshake, KVTransferRequest  # noqa: E402
-from tandem.transfer.state import TransferState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import transfer_peer as peer  # noqa: E402

@@ -44,9 +44,9 @@ def done_notif() -> bytes:
 
 
 def main(mode: str, endpoint: str, progress_thread: bool) -> int:
+    from tandem.core.kv_messages import Handshake, KVTransferRequest, RegionPages
     from tandem.transfer.agent import KVTransferAgent, Region
     from tandem.transfer.bootstrap import BootstrapClient
-    from tandem.transfer.messages import Handshake, KVTransferRequest, RegionPages
 
     pool = torch.zeros(L, 2, DST_ROWS, H, D)
     agent = KVTransferAgent("decode", [Region.of("kv", pool, page_size=PAGE)], progress_thread=progress_thread)

@@ -15,10 +15,10 @@ import pytest
 from serve_support import LocalClient, at_baseline, collect
 
 from tandem.core.config import CacheConfig, EngineConfig
+from tandem.core.kv_messages import KVTransferRequest, PrefillResult, RegionPages
 from tandem.core.messages import GenerateRequest
+from tandem.core.transfer_state import TransferState
 from tandem.core.types import SamplingParams
-from tandem.transfer.messages import KVTransferRequest, PrefillResult, RegionPages
-from tandem.transfer.state import TransferState
 
 PAGE = 4
 CFG = EngineConfig(device="cpu", num_threads=1, cache=CacheConfig(page_size=PAGE, max_total_tokens=768,

@@ -1,5 +1,6 @@
-"""A KV transfer's states and their legal edges (diagram: transfer/README.md). QUARANTINED: a write
-may still be in flight, so the pages are never reused.
+"""A KV transfer's states and their legal edges (diagram: core/README.md): a handoff's state, a
+write's poll answer and a result's status. QUARANTINED: a write may still be in flight, so the
+pages are never reused.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
-"""Messages between the transfer layers of a decode and a prefill worker: frozen, msgpack-encoded,
-never pickle; ``decode`` raises ValueError naming a bad field. A :class:`PrefillResult` is sent
-only once no write of its transfer can still land.
+"""The wire messages of a KV handoff between two workers (a handshake, a transfer request, its
+result, an abort): frozen, msgpack-encoded, never pickle; ``decode`` raises ValueError naming a bad
+field. A :class:`PrefillResult` is sent only once no write of its transfer can still land. Here,
+not in transfer/, because they cross processes and both roles read them (notes: core/README.md).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import msgpack
 
+from tandem.core.pool_layout import PoolLayout
+from tandem.core.transfer_state import TransferState
 from tandem.core.types import TokenLogprob
-from tandem.transfer.descriptors import PoolLayout
-from tandem.transfer.state import TransferState
 
 _MAX_INT = 2**63 - 1
 
@@ -22,45 +23,45 @@ def _fail(cls: type, name: str, want: str, got: Any) -> ValueError:
     return ValueError(f"{cls.__name__}.{name} must be {want}, got {type(got).__name__} {got!r:.80}")
 
 
-def _int(cls, name, v, lo: int = 0) -> int:
+def _int(cls: type, name: str, v: Any, lo: int = 0) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= _MAX_INT:
         raise _fail(cls, name, f"an int >= {lo}", v)
     return v
 
 
-def _str(cls, name, v) -> str:
+def _str(cls: type, name: str, v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise _fail(cls, name, "a non-empty str", v)
     return v
 
 
-def _float(cls, name, v) -> float:
+def _float(cls: type, name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _fail(cls, name, "a finite number", v)
     return float(v)
 
 
-def _logprob(cls, name, v) -> float:
-    v = _float(cls, name, v)
-    if v > 0.0:
-        raise _fail(cls, name, "a log-probability (<= 0)", v)
-    return v
+def _logprob(cls: type, name: str, v: Any) -> float:
+    x = _float(cls, name, v)
+    if x > 0.0:
+        raise _fail(cls, name, "a log-probability (<= 0)", x)
+    return x
 
 
-def _list(cls, name, v) -> list:
+def _list(cls: type, name: str, v: Any) -> list[Any]:
     if not isinstance(v, (list, tuple)):
         raise _fail(cls, name, "a list", v)
     return list(v)
 
 
-def _int_tuple(cls, name, v) -> tuple[int, ...]:
+def _int_tuple(cls: type, name: str, v: Any) -> tuple[int, ...]:
     items = _list(cls, name, v)
     for i, x in enumerate(items):
         _int(cls, f"{name}[{i}]", x)
     return tuple(items)
 
 
-def _fields(cls, d: Any) -> dict:
+def _fields(cls: type, d: Any) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError(f"{cls.__name__}: expected a map, got {type(d).__name__}")
     want = {f.name for f in fields(cls)}
@@ -82,7 +83,7 @@ class RegionInfo:
     mem_type: str
     layout: PoolLayout
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         lay = self.layout
         return {"name": self.name, "base_addr": self.base_addr, "dev_id": self.dev_id,
                 "mem_type": self.mem_type, "num_layers": lay.num_layers, "rows": lay.rows,
@@ -116,10 +117,11 @@ class _Message:
         raise NotImplementedError
 
     def encode(self) -> bytes:
-        return msgpack.packb({"type": self.TYPE, **self._to_wire()}, use_bin_type=True)
+        out: bytes = msgpack.packb({"type": self.TYPE, **self._to_wire()}, use_bin_type=True)
+        return out
 
     @classmethod
-    def decode(cls, data: bytes):
+    def decode(cls, data: bytes) -> Self:
         msg = decode_message(data)
         if not isinstance(msg, cls):
             raise ValueError(f"expected a {cls.__name__}, got a {type(msg).__name__}")
@@ -141,12 +143,12 @@ class Handshake(_Message):
                 return r
         raise KeyError(f"peer {self.agent_name!r} has no region {name!r}; it has {[r.name for r in self.regions]}")
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         return {"agent_name": self.agent_name, "agent_metadata": self.agent_metadata,
                 "regions": [r.to_wire() for r in self.regions]}
 
     @classmethod
-    def _from_wire(cls, d: dict) -> "Handshake":
+    def _from_wire(cls, d: dict[str, Any]) -> "Handshake":
         if not isinstance(d["agent_metadata"], bytes) or not d["agent_metadata"]:
             raise _fail(cls, "agent_metadata", "non-empty bytes", d["agent_metadata"])
         regions = tuple(RegionInfo.from_wire(r) for r in _list(cls, "regions", d["regions"]))
@@ -191,13 +193,13 @@ class KVTransferRequest(_Message):
     def regions(self) -> tuple[str, ...]:
         return tuple(rp.region for rp in self.dst_pages)
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         return {"transfer_id": self.transfer_id, "agent_name": self.agent_name,
                 "dst_pages": {rp.region: list(rp.pages) for rp in self.dst_pages},
                 "deadline": self.deadline, "digest": self.digest}
 
     @classmethod
-    def _from_wire(cls, d: dict) -> "KVTransferRequest":
+    def _from_wire(cls, d: dict[str, Any]) -> "KVTransferRequest":
         dp = d["dst_pages"]
         if not isinstance(dp, dict) or not all(isinstance(k, str) and k for k in dp):
             raise _fail(cls, "dst_pages", "a map of region name -> page list", dp)
@@ -214,7 +216,7 @@ _RESULT_STATES = (TransferState.DONE, TransferState.FAILED, TransferState.ABORTE
 @dataclass(frozen=True)
 class PrefillResult(_Message):
     """Prefill -> decode, the answer to a :class:`KVTransferRequest`: DONE, FAILED or ABORTED;
-    ``in_flight``: the pages must never be reused. Fields: transfer/README.md."""
+    ``in_flight``: the pages must never be reused. Fields: core/README.md."""
 
     TYPE: ClassVar[str] = "prefill_result"
     transfer_id: int
@@ -237,7 +239,7 @@ class PrefillResult(_Message):
     def ok(self) -> bool:
         return self.status is TransferState.DONE
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["status"] = self.status.value
         d["first_top_logprobs"] = [[t, v] for t, v in self.first_top_logprobs]
@@ -246,7 +248,7 @@ class PrefillResult(_Message):
         return d
 
     @classmethod
-    def _from_wire(cls, d: dict) -> "PrefillResult":
+    def _from_wire(cls, d: dict[str, Any]) -> "PrefillResult":
         states = {s.value: s for s in _RESULT_STATES}
         if d["status"] not in states:
             raise _fail(cls, "status", f"one of {sorted(states)}", d["status"])
@@ -277,7 +279,7 @@ class PrefillResult(_Message):
                    prompt_logprobs=_prompt_logprobs(cls, d["prompt_logprobs"]))
 
 
-def _pairs(cls, name: str, v) -> tuple[tuple[int, float], ...]:
+def _pairs(cls: type, name: str, v: Any) -> tuple[tuple[int, float], ...]:
     """``[[token id, logprob], ...]`` -> a tuple of pairs."""
     out = []
     for i, pair in enumerate(_list(cls, name, v)):
@@ -287,7 +289,7 @@ def _pairs(cls, name: str, v) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _prompt_logprobs(cls, v) -> tuple[TokenLogprob, ...]:
+def _prompt_logprobs(cls: type, v: Any) -> tuple[TokenLogprob, ...]:
     """``[[token id, logprob, rank, [[token id, logprob], ...]], ...]`` -> TokenLogprobs."""
     out = []
     for i, e in enumerate(_list(cls, "prompt_logprobs", v)):
@@ -307,11 +309,11 @@ class Abort(_Message):
     transfer_id: int
     reason: str = ""
 
-    def _to_wire(self) -> dict:
+    def _to_wire(self) -> dict[str, Any]:
         return {"transfer_id": self.transfer_id, "reason": self.reason}
 
     @classmethod
-    def _from_wire(cls, d: dict) -> "Abort":
+    def _from_wire(cls, d: dict[str, Any]) -> "Abort":
         if not isinstance(d["reason"], str):
             raise _fail(cls, "reason", "a str", d["reason"])
         return cls(_int(cls, "transfer_id", d["transfer_id"]), d["reason"])
@@ -322,7 +324,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {c.TYPE: c for c in (Handshake, KVTran
 
 
 def decode_message(data: bytes) -> Message:
-    """Decode any transfer message; ValueError (naming the field) if it is malformed."""
+    """Decode any KV handoff message; ValueError (naming the field) if it is malformed."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"expected bytes, got {type(data).__name__}")
     try:

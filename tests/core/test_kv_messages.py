@@ -1,16 +1,16 @@
-"""Wire messages: exact round trips, and malformed bytes rejected with the field named."""
+"""core/kv_messages.py: exact round trips, and malformed bytes rejected with the field named."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from tandem.core.types import TokenLogprob
-from tandem.transfer.descriptors import PoolLayout
-from tandem.transfer.messages import (
+from tandem.core.kv_messages import (
     Abort, Handshake, KVTransferRequest, PrefillResult, RegionInfo, RegionPages, decode_message,
 )
-from tandem.transfer.state import TransferState
+from tandem.core.pool_layout import PoolLayout
+from tandem.core.transfer_state import TransferState
+from tandem.core.types import TokenLogprob
 
 KV = RegionInfo("kv", 0x7F00_0000_1000, 0, "DRAM", PoolLayout(30, 4112, 16, 768))
 SWA = RegionInfo("swa", 0x7F00_8000_0000, 1, "VRAM", PoolLayout(4, 1040, 16, 768))
