@@ -30,7 +30,9 @@ class CacheConfig(_Strict):
                                 "default (decode workers 4x the device pool, capped at a quarter of "
                                 "free host memory; prefill and colocated engines none)")
     host_write_policy: HostWritePolicy = "write_through"
-    debug_invariants: bool = Field(False, description="run the cache invariant check() after every cache operation")
+    debug_invariants: bool = Field(False, description="run the cache invariant check() after every cache "
+                                   "operation, every step and every command that ends or hands over KV (the "
+                                   "error names the command)")
     pin_share: float = Field(0.25, ge=0, le=1, description="pinned tokens one tenant may hold, as a share "
                                                           "of the device pool (a request past it is served "
                                                           "unpinned); the API key's pin_tokens overrides it")

@@ -5,22 +5,50 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
+from collections.abc import Callable
 
 import torch
+
+from tandem.cache.null import NullCache
+from tandem.cache.unified import UnifiedRadixCache
 
 from tandem.core.types import InvalidRequest, StreamChunk
 from tandem.engine.commands import (Abort, Command, Evict, Land, LandResumed, Migrate, Pause, Release, Store, Submit,
                                     Unpin)
 from tandem.engine.logprobs import take_prompt_logprobs, wants_prompt_logprobs
-from tandem.engine.overlap import device_sampleable, fill_indices, fill_inputs
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.overlap import DeviceLane, Launched, device_sampleable, fill_indices, fill_inputs
 from tandem.engine.queries import Query, answer
+from tandem.engine.request_kv import RequestKV
+from tandem.engine.sampler import Sampler
+from tandem.engine.sched.scheduler import Scheduler
 from tandem.engine.sched.spec.speculator import accepted_runs, logit_layout
 
 log = logging.getLogger("tandem.engine.engine")
+_MOVES_KV = (Abort, Land, LandResumed, Store, Release, Migrate)   # commands that end or hand over KV
 
 
 class StepLoop:
+    # What the loop reads, set by Engine.__init__ (the loop is still the Engine's base class: issue 49
+    # item 3 makes it an object the Engine owns, built from these).
+    scheduler: Scheduler
+    kv: RequestKV
+    cache: UnifiedRadixCache | NullCache
+    runner: ModelRunner
+    sampler: Sampler
+    device: torch.device
+    overlap: bool
+    _lane: DeviceLane | None
+    _inflight: Launched | None
+    _inbox: queue.SimpleQueue
+    _callbacks: dict[str, Callable[[StreamChunk], None]]
+    _wake: threading.Event
+    _stop: bool
+    _error: BaseException | None
+    _step_started: float | None
+
     def _emit(self, chunks: list[StreamChunk]) -> None:
         for c in chunks:
             cb = self._callbacks.get(c.rid)
@@ -42,6 +70,16 @@ class StepLoop:
             if not isinstance(cmd, Submit):
                 self._settle()
             self._apply(cmd)
+            if self.scheduler.debug and isinstance(cmd, _MOVES_KV):
+                self._check_after(cmd)
+
+    def _check_after(self, cmd: Command) -> None:
+        """``debug_invariants``: the recount after a command that moves KV ownership, so a leak is
+        named by the command that made it (the per-step check would name the next step)."""
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as e:
+            raise AssertionError(f"after {type(cmd).__name__}({getattr(cmd, 'rid', '')!r}): {e}") from None
 
     def _settle(self) -> None:
         done, self._inflight = self._inflight, None
