@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -171,14 +172,16 @@ class Migrator:
 
     async def _warm(self, m: Migration, req: GenerateRequest, r: Route, ids: tuple[int, ...], tag: str,
                     end: float) -> bool:
-        """One pre-copy round (a one-token request ``{rid}~{tag}`` on the target); whether it landed by ``end``."""
+        """One pre-copy round (a one-token request ``{rid}~{tag}.{hex}`` on the target); whether it landed by ``end``."""
         import ray
 
         left = end - time.monotonic()
         if left <= 0:
             return False
         p = self.pool.get(r.prefill)
-        warm = GenerateRequest(f"{m.rid}~{tag}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
+        # a fresh id per round: a request moves many times, and an earlier round's warm request
+        # (or its reply push, ``...#stored``) may still be held on the target or the prefill worker
+        warm = GenerateRequest(f"{m.rid}~{tag}.{secrets.token_hex(4)}", ids, SamplingParams(max_tokens=1, ignore_eos=True),
                                session_id=req.session_id, tenant=req.tenant, cache_salt=req.cache_salt,
                                trace=req.trace, pins=req.pins, pin_cap=req.pin_cap)   # the target pins at once
         gen = m.target.decode_api.generate(

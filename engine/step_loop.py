@@ -89,6 +89,10 @@ class StepLoop:
     def _apply(self, cmd: Command) -> None:
         match cmd:
             case Submit(req=req, on_chunk=cb, group=group, resume=resume):
+                if self.scheduler.live(req.rid):    # never take over a live request's row and hold
+                    cb(StreamChunk(req.rid, (), "", "abort", len(req.prompt_ids), error=(
+                        f"request id {req.rid} is still live on this worker (queued, running or its KV held)")))
+                    return
                 self._callbacks[req.rid] = cb
                 try:
                     self.scheduler.add(req, group, resume)

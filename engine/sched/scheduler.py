@@ -87,6 +87,14 @@ class Scheduler:
         sr = self.running.get(rid)
         return None if sr is None else self._finish(sr, "abort", "", error=error)
 
+    def live(self, rid: str) -> bool:
+        """Whether ``rid`` is anywhere here: queued, running, retracted, receiving or held (its KV
+        kept for a transfer). A request id is unique among the live ones: a second with the same id
+        would take over the first's row, callback and hold."""
+        return (rid in self.running or rid in self.detached or rid in self.kv.holders
+                or any(sr.rid == rid for sr in self.waiting)
+                or any(sr.rid == rid for sr in self.retraction.retracted))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.retraction.retracted or self._deferred)
 

@@ -153,6 +153,35 @@ def test_abort_mid_stream_frees_everything(engine):
     assert _idle_accounting(engine) == base
 
 
+def test_a_second_request_with_a_live_id_is_refused_and_the_first_is_untouched(engine, alone):
+    """Two requests with one id at once (a request's warm-up sent again while its first is held,
+    say): the second ends at once with an error naming the id, the first streams on to its greedy
+    tokens, and nothing leaks. Before the guard the second took over the first's row, callback
+    and hold, and the first's pages belonged to no one."""
+    base = _idle_accounting(engine)
+    first, second, toks = [], [], []
+    seen = threading.Event()
+
+    def cb1(c):
+        toks.extend(c.token_ids)
+        seen.set()
+        if c.finish_reason is not None:
+            first.append(c)
+
+    n = 8 + (2 * 5) % 20
+    req = engine.make_request(PROMPTS[2], SamplingParams(max_tokens=n, ignore_eos=True), rid="twice")
+    with engine.paused_for_tests():
+        engine.submit(req, cb1)
+        again = engine.make_request(PROMPTS[3], SamplingParams(max_tokens=4), rid="twice")
+        engine.submit(again, lambda c: second.append(c))
+    deadline = time.time() + 60
+    while not (first and second) and time.time() < deadline:
+        time.sleep(0.05)
+    assert second and second[0].finish_reason == "abort" and "twice" in second[0].error and "live" in second[0].error
+    assert first and first[0].finish_reason == "length" and toks == list(alone[2])
+    assert _idle_accounting(engine) == base
+
+
 def test_bad_input_is_rejected_clearly(engine):
     with pytest.raises(InvalidRequest, match="max_tokens"):
         engine.generate("hi", SamplingParams(max_tokens=0))
