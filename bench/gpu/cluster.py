@@ -82,19 +82,29 @@ def workers_seen(backend) -> dict:
 
 
 async def _stream(backend, greq, move_after: int | None = None) -> dict:
-    """Tokens, TTFT and (with ``move_after``) a live migration once that many tokens streamed."""
-    t0, ids, first, task = time.perf_counter(), [], None, None
+    """Tokens, TTFT and (with ``move_after``) a live migration once that many tokens streamed. A
+    move refused because the request is not decoding at that moment (the retraction lever had just
+    retracted it) is asked again at a later token, up to 5 times."""
+    t0, ids, first, task, tries = time.perf_counter(), [], None, None, 0
     async for c in backend.generate(greq):
         if c.error:
             raise RuntimeError(f"{greq.rid} failed: {c.error}")
         if c.token_ids and first is None:
             first = time.perf_counter() - t0
         ids += c.token_ids
+        if task is not None and task.done() and tries < 5 and _not_decoding(task):
+            task = None
         if move_after is not None and task is None and len(ids) >= move_after:
-            task = asyncio.ensure_future(backend.migrate(greq.rid))
+            task, tries = asyncio.ensure_future(backend.migrate(greq.rid)), tries + 1
     if task is not None:
         await task
     return {"ids": ids, "ttft_s": first}
+
+
+def _not_decoding(task: asyncio.Future) -> bool:
+    """Whether the finished move ``task`` was refused because its request was not decoding."""
+    e = task.exception()
+    return e is not None and "not decoding" in str(e)
 
 
 def generate(backend, prompts, params, move_after: int | None = None) -> list[dict]:
