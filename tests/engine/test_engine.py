@@ -160,23 +160,25 @@ def test_a_second_request_with_a_live_id_is_refused_and_the_first_is_untouched(e
     and hold, and the first's pages belonged to no one."""
     base = _idle_accounting(engine)
     first, second, toks = [], [], []
-    seen = threading.Event()
+    done1, done2 = threading.Event(), threading.Event()
 
     def cb1(c):
         toks.extend(c.token_ids)
-        seen.set()
         if c.finish_reason is not None:
             first.append(c)
+            done1.set()
+
+    def cb2(c):
+        second.append(c)
+        done2.set()
 
     n = 8 + (2 * 5) % 20
     req = engine.make_request(PROMPTS[2], SamplingParams(max_tokens=n, ignore_eos=True), rid="twice")
     with engine.paused_for_tests():
         engine.submit(req, cb1)
         again = engine.make_request(PROMPTS[3], SamplingParams(max_tokens=4), rid="twice")
-        engine.submit(again, lambda c: second.append(c))
-    deadline = time.time() + 60
-    while not (first and second) and time.time() < deadline:
-        time.sleep(0.05)
+        engine.submit(again, cb2)
+    assert done2.wait(60) and done1.wait(60)
     assert second and second[0].finish_reason == "abort" and "twice" in second[0].error and "live" in second[0].error
     assert first and first[0].finish_reason == "length" and toks == list(alone[2])
     assert _idle_accounting(engine) == base
