@@ -91,7 +91,7 @@ class Scheduler:
         """Whether ``rid`` is anywhere here: queued, running, retracted, receiving or held (its KV
         kept for a transfer). A request id is unique among the live ones: a second with the same id
         would take over the first's row, callback and hold."""
-        return (rid in self.running or rid in self.detached or rid in self.kv.holders
+        return (rid in self.kv.holders          # every request with a row: running, receiving, held
                 or any(sr.rid == rid for sr in self.waiting)
                 or any(sr.rid == rid for sr in self.retraction.retracted))
 
